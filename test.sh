@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# test.sh: every check CI runs. Installs what is missing, then:
+#   1. clang-format: every C++/CUDA source must be formatted;
+#   2. Release build with warnings as errors (CUDA compiled where a toolkit exists), full ctest
+#      (GPU tests skip with a message when there is no GPU);
+#   3. ASan+UBSan build, unit tests;
+#   4. TSan build, the concurrent tests (label tsan).
+cd "$(dirname "$0")"
+source scripts/common.sh
+install_packages "${STRATA_PACKAGES[@]}" clang-format
+
+echo "== clang-format"
+mapfile -t sources < <(git ls-files --cached --others --exclude-standard -- \
+  '*.h' '*.hpp' '*.cpp' '*.cc' '*.cu' '*.cuh' 2>/dev/null || find src tools tests bench -name '*.[ch]*' -o -name '*.cu')
+if [ ${#sources[@]} -gt 0 ]; then
+  clang-format --dry-run -Werror "${sources[@]}"
+fi
+
+ctest_args=(--output-on-failure -j"$JOBS" --timeout 600)
+
+echo "== release build and full test suite"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_WERROR=ON
+cmake --build build -j"$JOBS"
+(cd build && ctest "${ctest_args[@]}")
+
+echo "== address + undefined-behaviour sanitizers, unit tests"
+cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_WERROR=ON \
+  -DSTRATA_CUDA=OFF -DSTRATA_SANITIZE=address,undefined
+cmake --build build-asan -j"$JOBS"
+(cd build-asan && ctest "${ctest_args[@]}" -L unit)
+
+echo "== thread sanitizer, concurrent tests"
+cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_WERROR=ON \
+  -DSTRATA_CUDA=OFF -DSTRATA_SANITIZE=thread
+cmake --build build-tsan -j"$JOBS"
+# TSan needs a narrower address-space randomisation than recent kernels use by default.
+(cd build-tsan && setarch "$(uname -m)" -R ctest "${ctest_args[@]}" -L tsan)
+
+echo "== all checks passed"
