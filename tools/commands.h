@@ -1,4 +1,4 @@
-// commands.h: each `strata` subcommand registers itself on the CLI11 app here.
+// commands.h: each `strata` subcommand registers itself on a CLI11 app here.
 // A command's run function returns the process exit status; strata::Error escaping it is
 // printed by main() as "strata: error: ..." with exit status 1.
 #pragma once
@@ -8,8 +8,14 @@
 
 namespace strata::cli {
 
-using Run = std::function<int()>;
-// Adds `strata info` to `app`; the returned function runs it once the arguments are parsed.
-Run add_info(CLI::App& app);
+// A registered subcommand and what to do once the arguments naming it are parsed.
+struct Command {
+  CLI::App* app;
+  std::function<int()> run;
+};
+
+Command add_info(CLI::App& app);   // strata info
+Command add_bench(CLI::App& app);  // strata bench <what>: the subcommands below
+// `strata bench` subcommands (tools/bench_*.cpp), registered on the `bench` app.
 
 }  // namespace strata::cli

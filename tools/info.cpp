@@ -229,21 +229,21 @@ void print_text(const json& f) {
 
 }  // namespace
 
-Run add_info(CLI::App& app) {
+Command add_info(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "info",
       "Report what this machine offers: CPU, NUMA, RAM, pinned-memory limit, GPUs, "
       "CUDA/NCCL, io_uring and swap filesystems");
   auto json_out = std::make_shared<bool>(false);
   cmd->add_flag("--json", *json_out, "print the report as JSON");
-  return [json_out] {
-    const json facts = gather();
-    if (*json_out)
-      fmt::print("{}\n", facts.dump(2));
-    else
-      print_text(facts);
-    return 0;
-  };
+  return {cmd, [json_out] {
+            const json facts = gather();
+            if (*json_out)
+              fmt::print("{}\n", facts.dump(2));
+            else
+              print_text(facts);
+            return 0;
+          }};
 }
 
 }  // namespace strata::cli

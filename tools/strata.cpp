@@ -14,13 +14,10 @@ int main(int argc, char** argv) {
   std::string level;
   app.add_option("--log", level, "log level: error, warn, info, debug, trace (or STRATA_LOG)");
 
-  std::vector<std::pair<CLI::App*, strata::cli::Run>> commands;
-  auto add = [&](strata::cli::Run (*adder)(CLI::App&)) {
-    const size_t before = app.get_subcommands({}).size();
-    strata::cli::Run run = adder(app);
-    commands.emplace_back(app.get_subcommands({})[before], std::move(run));
+  const std::vector<strata::cli::Command> commands = {
+      strata::cli::add_info(app),
+      strata::cli::add_bench(app),
   };
-  add(strata::cli::add_info);
 
   try {
     app.parse(argc, argv);
@@ -29,8 +26,8 @@ int main(int argc, char** argv) {
   }
   try {
     if (!level.empty()) strata::set_log_level(strata::parse_log_level(level));
-    for (auto& [sub, run] : commands)
-      if (sub->parsed()) return run();
+    for (const strata::cli::Command& c : commands)
+      if (c.app->parsed()) return c.run();
   } catch (const strata::Error& e) {
     std::fprintf(stderr, "strata: error: %s\n", e.what());
     return 1;

@@ -4,8 +4,13 @@
 // Everything above this interface (tiers, partitioner, executor) is written once and runs
 // on both. Work is queued on Streams, which run in order; Events order work across
 // streams. Device memory comes from one arena per device, allocated when the device is
-// opened, so a budget is exact and an overflow names the cap. Errors in queued work are
-// sticky: they are rethrown by the next synchronize() of that stream.
+// opened, so a budget is exact and an overflow names the cap.
+//
+// Errors in queued work: the first exception a host task throws is kept, and the next
+// synchronize() of that stream (or of its device) rethrows it once, then clears it. Until
+// then later host tasks of that stream are skipped; event markers still complete, so other
+// streams never hang on a failed one. (Copies and kernels already queued on a GPU still
+// run: a GPU cannot skip them.) A stream may wait on events of other devices of its backend.
 #pragma once
 
 #include "core/arena.h"
