@@ -75,6 +75,34 @@ constexpr uint16_t f32_to_f16(float f) {
   return sign | static_cast<uint16_t>(h);
 }
 
+// Element i of a buffer of type t, widened to f32 (exact).
+inline float load_f32(const void* src, DType t, size_t i) {
+  switch (t) {
+    case DType::f32:
+      return static_cast<const float*>(src)[i];
+    case DType::bf16:
+      return bf16_to_f32(static_cast<const uint16_t*>(src)[i]);
+    case DType::f16:
+      return f16_to_f32(static_cast<const uint16_t*>(src)[i]);
+  }
+  return 0.0f;
+}
+
+// Stores v as element i of a buffer of type t, rounding to nearest even.
+inline void store_f32(void* dst, DType t, size_t i, float v) {
+  switch (t) {
+    case DType::f32:
+      static_cast<float*>(dst)[i] = v;
+      break;
+    case DType::bf16:
+      static_cast<uint16_t*>(dst)[i] = f32_to_bf16(v);
+      break;
+    case DType::f16:
+      static_cast<uint16_t*>(dst)[i] = f32_to_f16(v);
+      break;
+  }
+}
+
 // Converts n elements between any two dtypes (same dtype: a copy). Host reference.
 void convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n);
 
