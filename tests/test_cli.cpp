@@ -1,34 +1,20 @@
 // test_cli.cpp: runs the built `strata` binary (its path is compiled in as STRATA_BINARY)
 // and checks what a user and a script see: `--help` lists `info`, `info` and `info --json`
 // exit 0 on any machine, GPU or not, and the JSON holds the six documented sections.
-#include <sys/wait.h>
-
-#include <array>
-#include <cstdio>
 #include <set>
 #include <string>
+
+#include "testing.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 namespace {
 
-struct Result {
-  int status = -1;  // exit code, or -1 when the process did not exit normally
-  std::string out;
-};
+using Result = strata::test::CommandResult;
 
 Result run(const std::string& args) {
-  Result r;
-  const std::string command = std::string("'") + STRATA_BINARY + "' " + args;
-  FILE* pipe = popen(command.c_str(), "r");
-  if (pipe == nullptr) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
-  const int wait_status = pclose(pipe);
-  if (WIFEXITED(wait_status)) r.status = WEXITSTATUS(wait_status);
-  return r;
+  return strata::test::run_command(std::string("'") + STRATA_BINARY + "' " + args);
 }
 
 TEST(Cli, HelpListsInfo) {

@@ -4,7 +4,10 @@
 #include "core/error.h"
 
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
+#include <array>
+#include <cstdio>
 #include <initializer_list>
 #include <string>
 
@@ -29,6 +32,23 @@ void expect_error(Fn&& fn, std::initializer_list<std::string> parts) {
   const std::string msg = error_message(fn);
   for (const std::string& part : parts)
     EXPECT_NE(msg.find(part), std::string::npos) << "'" << part << "' missing from: " << msg;
+}
+
+// What a shell command printed on stdout and its exit status (-1 when it did not exit).
+struct CommandResult {
+  int status = -1;
+  std::string out;
+};
+inline CommandResult run_command(const std::string& command) {
+  CommandResult r;
+  FILE* pipe = popen(command.c_str(), "r");
+  if (pipe == nullptr) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.out.append(buf.data(), n);
+  const int wait_status = pclose(pipe);
+  if (WIFEXITED(wait_status)) r.status = WEXITSTATUS(wait_status);
+  return r;
 }
 
 }  // namespace strata::test

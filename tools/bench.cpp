@@ -12,6 +12,8 @@ Command add_bench(CLI::App& app) {
   bench->require_subcommand(1);
   std::vector<Command> subs = {
       // one line per benchmark: add_bench_<what>(*bench),
+      add_bench_adam(*bench),
+      add_bench_io(*bench),
   };
   return {bench, [subs] {
             for (const Command& c : subs)

@@ -1,0 +1,128 @@
+// cpu_adam.h: the CPU optimizer step of ZeRO-Offload, one fused pass over a shard in host RAM.
+//
+// A step for the trainer is two calls:
+//   1. grad_stats() over every gradient shard, summed with GradStats::operator+= in a fixed
+//      shard order: the global sum of squares (for the norm and clipping) and whether any
+//      gradient is NaN or infinite (an overflowed fp16 step);
+//   2. update() on each shard with the combined gradient scale (1/loss-scale x clip
+//      coefficient, see combined_grad_scale) and the global stats. update() refuses to touch
+//      anything when the stats say non-finite: the trainer skips that step (and lowers its loss
+//      scale). It returns whether it applied the step.
+// update() reads gradient, master, m, v once and writes master, m, v (and optionally the bf16 or
+// f16 parameter copy that goes back to the GPU) in the same pass.
+//
+// Determinism: the update is elementwise and every SIMD path computes the same IEEE operations
+// in the same order as the scalar path (no FMA contraction), so the output bits are the same for
+// any thread count and any path. grad_stats() sums fixed chunks of kStatsChunk elements, each in
+// 16 double lanes in a fixed order, and adds the chunk sums in chunk order: the same bits for any
+// thread count and any path too. (Summing shards in a different order may change the last bit.)
+#pragma once
+
+#include "core/dtype.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace strata {
+namespace cpu_adam {
+struct UpdateSpan;  // kernels.h
+}
+
+struct AdamParams {
+  float lr = 1e-3f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+  bool adamw = true;  // decoupled weight decay (AdamW); false: L2 decay added to the gradient
+  bool bias_correction = true;
+};
+
+// One shard of the optimizer state O[u][r]: fp32 master weights and Adam's moments.
+struct AdamShard {
+  float* master = nullptr;
+  float* m = nullptr;
+  float* v = nullptr;
+  size_t n = 0;
+};
+
+// A gradient shard G[u][r]: n elements of f32, bf16 or f16.
+struct GradShard {
+  const void* data = nullptr;
+  DType dtype = DType::f32;
+  size_t n = 0;
+};
+
+// The 16-bit parameter copy P[u][r] an update writes besides the master (bf16 or f16).
+struct ParamCopy {
+  void* data = nullptr;
+  DType dtype = DType::bf16;
+};
+
+struct GradStats {
+  double sum_squares = 0.0;
+  bool non_finite = false;  // some element is NaN or +-Inf (sum_squares is then meaningless)
+  GradStats& operator+=(const GradStats& o) {
+    sum_squares += o.sum_squares;
+    non_finite = non_finite || o.non_finite;
+    return *this;
+  }
+};
+
+// The scale update() multiplies raw gradients by: 1/loss_scale, times the clip coefficient
+// max_norm / norm when the unscaled global norm exceeds max_norm (max_norm <= 0: no clipping).
+float combined_grad_scale(const GradStats& global, float loss_scale, float max_norm);
+
+struct CpuAdamOptions {
+  int threads = 0;            // size of the oneTBB arena; 0: every core of this process
+  std::string simd = "best";  // "best", or a path name: avx512f, avx2, sse4.2, scalar
+};
+
+class CpuAdam {
+ public:
+  // Fixed chunk sizes: work is split on these boundaries whatever the thread count.
+  static constexpr size_t kUpdateChunk = size_t{1} << 14;
+  static constexpr size_t kStatsChunk = size_t{1} << 16;
+
+  explicit CpuAdam(const CpuAdamOptions& options = {});
+  ~CpuAdam();
+  CpuAdam(const CpuAdam&) = delete;
+  CpuAdam& operator=(const CpuAdam&) = delete;
+
+  const char* simd_path() const;
+  int threads() const;
+
+  GradStats grad_stats(const GradShard& grad);
+
+  // One Adam step (step counts from 1) on `shard` with gradient `grad` (same n). Returns false,
+  // leaving every buffer untouched, when `global` is non-finite. `copy`, when given, receives the
+  // updated master rounded to its dtype (nearest even).
+  bool update(const AdamShard& shard, const GradShard& grad, int64_t step, const AdamParams& params,
+              float grad_scale, const GradStats& global, std::optional<ParamCopy> copy = {});
+
+  // Adam's memory traffic over the shard with trivial arithmetic (reads master, m, v and the
+  // gradient, writes master, m, v and the copy, each x = max(x, g): values stay finite and normal,
+  // so a following update runs at its usual speed, but the state is no longer Adam's): the memory
+  // bound `strata bench adam` measures the update against, on the same arena and chunks.
+  void memory_bound_pass(const AdamShard& shard, const GradShard& grad,
+                         std::optional<ParamCopy> copy = {});
+
+  // The names of the SIMD paths this CPU can run, best first ("scalar" is always last).
+  static std::vector<std::string> available_paths();
+
+ private:
+  // Cuts the shard into kUpdateChunk spans and runs f on each, on the arena.
+  void for_spans(const AdamShard& shard, const GradShard& grad,
+                 const std::optional<ParamCopy>& copy,
+                 const std::function<void(const cpu_adam::UpdateSpan&)>& f);
+
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace strata

@@ -1,0 +1,57 @@
+// kernels_scalar.cpp: the scalar path, one element at a time: the reference every SIMD path is
+// compared with bit for bit, and the path for CPUs without SSE4.2 (or not x86).
+#include "cpu_adam/formula.h"
+#include "cpu_adam/kernels.h"
+
+#include <algorithm>
+#include <cstdint>
+
+namespace strata::cpu_adam {
+namespace {
+
+void update(const UpdateSpan& s, const StepConstants& k) {
+  for (size_t i = 0; i < s.n; ++i) {
+    float p = s.master[i], m = s.m[i], v = s.v[i];
+    adam_element(p, load_f32(s.grad, s.grad_dtype, i), m, v, k);
+    s.master[i] = p;
+    s.m[i] = m;
+    s.v[i] = v;
+    if (s.out != nullptr) store_f32(s.out, s.out_dtype, i, p);
+  }
+}
+
+double sum_squares(const void* grad, DType t, size_t n) {
+  double lanes[kStatsLanes] = {};
+  for (size_t i = 0; i < n; ++i) {
+    const double g = load_f32(grad, t, i);
+    lanes[i % kStatsLanes] += g * g;
+  }
+  double sum = 0.0;
+  for (double l : lanes) sum += l;
+  return sum;
+}
+
+void traffic(const UpdateSpan& s) {
+  for (size_t i = 0; i < s.n; ++i) {
+    const float g = load_f32(s.grad, s.grad_dtype, i);
+    s.master[i] = std::max(s.master[i], g);
+    s.m[i] = std::max(s.m[i], g);
+    s.v[i] = std::max(s.v[i], g);
+    if (s.out != nullptr) store_f32(s.out, s.out_dtype, i, s.master[i]);
+  }
+}
+
+void load(const void* src, DType t, size_t n, float* dst) {
+  for (size_t i = 0; i < n; ++i) dst[i] = load_f32(src, t, i);
+}
+
+void store(const float* src, size_t n, void* dst, DType t) {
+  for (size_t i = 0; i < n; ++i) store_f32(dst, t, i, src[i]);
+}
+
+}  // namespace
+
+extern const SimdKernels kScalarKernels = {"scalar", &update, &sum_squares,
+                                           &traffic, &load,   &store};
+
+}  // namespace strata::cpu_adam

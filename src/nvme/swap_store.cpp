@@ -1,0 +1,312 @@
+// swap_store.cpp: SwapStore. A transfer walks a shard's stripe units in order and submits
+// one request per unit to the store's ring; the ring's completion hook verifies (reads) and
+// copies out of bounce buffers, so a unit is checked the moment it lands. Bounce buffers are
+// taken from the staging pool for the length of one call and given back however it ends.
+#include "nvme/swap_store.h"
+
+#include "core/bytes.h"
+#include "core/error.h"
+#include "core/log.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+namespace strata::nvme {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+bool aligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % kDirectAlignment == 0;
+}
+
+// Bounce buffers taken from a pool for one call; every one goes back when it ends.
+class Staging {
+ public:
+  Staging(PinnedPool& pool, unsigned count, uint64_t bytes) : pool_(pool) {
+    for (unsigned i = 0; i < count; ++i) {
+      taken_.push_back(pool_.allocate(bytes, "swap store bounce buffer"));
+      free_.push_back(taken_.back());
+    }
+  }
+  ~Staging() {
+    for (void* p : taken_) pool_.release(p);
+  }
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+  bool empty() const { return free_.empty(); }
+  char* take() {
+    char* p = static_cast<char*>(free_.back());
+    free_.pop_back();
+    return p;
+  }
+  void give(void* p) { free_.push_back(p); }
+
+ private:
+  PinnedPool& pool_;
+  std::vector<void*> taken_;
+  std::vector<void*> free_;
+};
+
+}  // namespace
+
+SwapStore::SwapStore(SwapStoreOptions options) : options_(std::move(options)) {
+  const uint64_t stripe = options_.stripe;
+  if (options_.paths.empty()) fail("swap store: no nvme_path given; name at least one directory");
+  if (stripe == 0 || stripe % kDirectAlignment != 0)
+    fail("swap store: stripe {} is not a positive multiple of 4 KiB; use e.g. 1 MiB", stripe);
+  if (options_.capacity == 0) fail("swap store: capacity is 0; give the bytes of shards to hold");
+  const uint64_t k = options_.paths.size();
+  const uint64_t per_path_units = (options_.capacity + stripe * k - 1) / (stripe * k);
+  units_total_ = per_path_units * k;
+  file_bytes_ = per_path_units * stripe;
+  try {
+    std::vector<fs::path> seen;
+    for (const std::string& p : options_.paths) {
+      std::error_code ec;
+      if (!fs::is_directory(p, ec))
+        fail("nvme_path {}: does not exist or is not a directory; create it or fix the path", p);
+      const fs::path canonical = fs::canonical(p, ec);
+      for (const fs::path& s : seen)
+        if (s == canonical)
+          fail("nvme_path {} is listed twice (as {}); name each directory once", p, s.string());
+      seen.push_back(canonical);
+    }
+    // Lock every directory before touching anything in it.
+    for (const std::string& p : options_.paths) {
+      const std::string lock = (fs::path(p) / kLockFile).string();
+      const int fd = open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+      if (fd < 0)
+        fail("nvme_path {}: cannot create lock file {}: {}; make the directory writable", p, lock,
+             errno_text(errno));
+      if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+        const int err = errno;
+        close(fd);
+        if (err == EWOULDBLOCK)
+          fail(
+              "nvme_path {} is in use by another strata run ({} is locked); give each run its "
+              "own nvme_path",
+              p, lock);
+        fail("nvme_path {}: flock of {} failed: {}", p, lock, errno_text(err));
+      }
+      lock_fds_.push_back(fd);
+      locks_.push_back(lock);
+      const std::string file = (fs::path(p) / kSwapFile).string();
+      if (unlink(file.c_str()) == 0)
+        log_info("nvme: removed a stale swap file {} left by an earlier run", file);
+      files_.push_back(file);
+    }
+    // Free space, per filesystem: several paths may share one.
+    std::map<dev_t, uint64_t> needed;
+    std::vector<dev_t> devices;
+    for (const std::string& p : options_.paths) {
+      struct stat st {};
+      stat(p.c_str(), &st);
+      devices.push_back(st.st_dev);
+      needed[st.st_dev] += file_bytes_;
+    }
+    for (size_t i = 0; i < options_.paths.size(); ++i) {
+      struct statvfs vfs {};
+      if (statvfs(options_.paths[i].c_str(), &vfs) != 0)
+        fail("nvme_path {}: statvfs failed: {}", options_.paths[i], errno_text(errno));
+      const uint64_t free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+      const uint64_t need = needed[devices[i]];
+      if (need > free_bytes)
+        fail("nvme_path {}: no space left (needs {}, has {}); free space or add another path",
+             options_.paths[i], format_bytes(need), format_bytes(free_bytes));
+    }
+    ring_ = std::make_unique<IoRing>(options_.io);
+    for (const std::string& file : files_) {
+      const int index = ring_->add_file(file, true);
+      ring_files_.push_back(index);
+      const int fd = ring_->fd(index);
+      int rc = fallocate(fd, 0, 0, static_cast<off_t>(file_bytes_));
+      if (rc != 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) {
+        warn_once("nvme-fallocate",
+                  "nvme: {} does not support fallocate; the swap file is "
+                  "sparse and a full disk shows up only when writing",
+                  file);
+        rc = ftruncate(fd, static_cast<off_t>(file_bytes_));
+      }
+      if (rc != 0) {
+        const int err = errno;
+        fail("nvme_path {}: preallocating {} for {} failed: {}; {}",
+             fs::path(file).parent_path().string(), format_bytes(file_bytes_), file,
+             errno_text(err), err == ENOSPC ? "free space or add another path" : "check the path");
+      }
+    }
+    if (options_.staging != nullptr && options_.io.register_buffers)
+      ring_->register_buffer(options_.staging->base(), options_.staging->capacity());
+  } catch (...) {
+    remove_files();
+    throw;
+  }
+}
+
+SwapStore::~SwapStore() {
+  remove_files();
+}
+
+void SwapStore::remove_files() noexcept {
+  ring_.reset();  // waits for anything in flight and closes the files
+  for (size_t i = 0; i < lock_fds_.size(); ++i) {
+    unlink(files_[i].c_str());
+    unlink(locks_[i].c_str());
+    close(lock_fds_[i]);
+  }
+  lock_fds_.clear();
+}
+
+void SwapStore::add_shard(const std::string& name, uint64_t bytes) {
+  if (shards_.contains(name))
+    fail("swap store: shard {} already exists; give each shard its own name", name);
+  const uint64_t units = (bytes + options_.stripe - 1) / options_.stripe;
+  if (units_used_ + units > units_total_)
+    fail("swap store: no room for shard {} ({}): {} of {} are taken; raise the swap capacity", name,
+         format_bytes(bytes), format_bytes(units_used_ * options_.stripe),
+         format_bytes(units_total_ * options_.stripe));
+  Shard s;
+  s.start = units_used_;
+  s.bytes = bytes;
+  s.checksums.assign(units, 0);
+  shards_.emplace(name, std::move(s));
+  units_used_ += units;
+}
+
+const SwapStore::Shard& SwapStore::shard(const std::string& name) const {
+  const auto it = shards_.find(name);
+  if (it == shards_.end()) fail("swap store: no shard named {}; add_shard it first", name);
+  return it->second;
+}
+
+uint64_t SwapStore::shard_bytes(const std::string& name) const {
+  return shard(name).bytes;
+}
+
+Extent SwapStore::locate(uint64_t unit, uint64_t bytes, int* file) const {
+  const uint64_t k = files_.size();
+  if (file != nullptr) *file = ring_files_[unit % k];
+  return Extent{files_[unit % k], unit / k * options_.stripe, bytes};
+}
+
+std::vector<Extent> SwapStore::extents(const std::string& name) const {
+  const Shard& s = shard(name);
+  std::vector<Extent> out;
+  for (uint64_t i = 0; i * options_.stripe < s.bytes; ++i)
+    out.push_back(
+        locate(s.start + i, std::min(options_.stripe, s.bytes - i * options_.stripe), nullptr));
+  return out;
+}
+
+void SwapStore::check_files() const {
+  for (size_t i = 0; i < files_.size(); ++i) {
+    struct stat st {};
+    if (fstat(ring_->fd(ring_files_[i]), &st) != 0)
+      fail("swap file {}: fstat failed: {}", files_[i], errno_text(errno));
+    if (st.st_nlink == 0)
+      fail(
+          "swap file {} was deleted while in use; the shards on it are lost; never clean an "
+          "nvme_path while strata runs",
+          files_[i]);
+    if (static_cast<uint64_t>(st.st_size) < file_bytes_)
+      fail(
+          "swap file {} is {} but was preallocated to {}: it was truncated while in use and "
+          "the shards on it are lost",
+          files_[i], format_bytes(st.st_size), format_bytes(file_bytes_));
+  }
+}
+
+void SwapStore::write(const std::string& name, const void* src) {
+  transfer(name, IoOp::write, static_cast<char*>(const_cast<void*>(src)));
+}
+
+void SwapStore::read(const std::string& name, void* dst) {
+  transfer(name, IoOp::read, static_cast<char*>(dst));
+}
+
+void SwapStore::transfer(const std::string& name, IoOp op, char* data) {
+  shard(name);  // throws naming an unknown shard
+  Shard& s = shards_.find(name)->second;
+  const uint64_t stripe = options_.stripe;
+  const uint64_t units = s.checksums.size();
+  if (op == IoOp::read && !s.written)
+    fail(
+        "swap store: shard {} has no data (never written, or its last write failed); write it "
+        "before reading it",
+        name);
+  if (units == 0) {
+    s.written = op == IoOp::write || s.written;
+    return;
+  }
+  check_files();
+  if (op == IoOp::write) s.written = false;  // until every block is on the drive
+
+  std::unique_ptr<Staging> staging;
+  if (!aligned(data)) {
+    PinnedPool* pool = options_.staging;
+    if (pool == nullptr) {
+      if (!own_staging_) {
+        const uint64_t bytes = uint64_t{options_.io.queue_depth} * stripe;
+        own_staging_ = std::make_unique<PinnedPool>(PinnedPoolOptions{bytes, false, -1, false});
+        if (options_.io.register_buffers && ring_->in_flight() == 0)
+          ring_->register_buffer(own_staging_->base(), own_staging_->capacity());
+      }
+      pool = own_staging_.get();
+    }
+    staging = std::make_unique<Staging>(
+        *pool, static_cast<unsigned>(std::min<uint64_t>(options_.io.queue_depth, units)), stripe);
+  }
+
+  auto block_bytes = [&](uint64_t i) { return std::min(stripe, s.bytes - i * stripe); };
+  ring_->on_complete([&](const IoRequest& r) {
+    const uint64_t i = r.tag;
+    char* out = data + i * stripe;
+    if (op == IoOp::read) {
+      const uint64_t actual = XXH3_64bits(r.buf, r.len);
+      if (actual != s.checksums[i]) {
+        if (r.buf == out) std::memset(out, 0, r.len);  // never leave corrupt data behind
+        if (staging) staging->give(r.buf);
+        const Extent e = locate(s.start + i, r.len, nullptr);
+        fail(
+            "swap store: checksum mismatch reading shard {} block {}: {} at offset {} ({}): "
+            "expected xxh3 {:016x}, got {:016x}; the data on the drive is corrupt (check "
+            "`dmesg` and the drive's health) and the shard cannot be used",
+            name, i, e.file, e.offset, format_bytes(r.len), s.checksums[i], actual);
+      }
+      if (r.buf != out) std::memcpy(out, r.buf, r.len);
+    }
+    if (staging) staging->give(r.buf);
+  });
+  struct Unhook {
+    IoRing& ring;
+    ~Unhook() { ring.on_complete(nullptr); }
+  } unhook{*ring_};
+
+  for (uint64_t i = 0; i < units; ++i) {
+    const uint64_t len = block_bytes(i);
+    char* buf = data + i * stripe;
+    if (op == IoOp::write) s.checksums[i] = XXH3_64bits(buf, len);
+    if (staging) {
+      while (staging->empty()) ring_->wait_one();
+      char* bounce = staging->take();
+      if (op == IoOp::write) std::memcpy(bounce, buf, len);
+      buf = bounce;
+    }
+    int file = 0;
+    const Extent e = locate(s.start + i, len, &file);
+    ring_->submit(IoRequest{op, file, e.offset, buf, len, i});
+  }
+  ring_->wait_all();
+  if (op == IoOp::write) s.written = true;
+}
+
+}  // namespace strata::nvme

@@ -1,0 +1,47 @@
+// test_bench_adam.cpp: runs `strata bench adam` small (its path is compiled in as STRATA_BINARY)
+// for every gradient/copy dtype pair and checks its one JSON object: the step was verified, and
+// params/s, bytes per param and the fraction of the memory bound are sane. Speeds are not judged.
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "testing.h"
+
+namespace {
+
+// Runs strata with `args`: its exit status and stdout.
+strata::test::CommandResult run(const std::string& args) {
+  return strata::test::run_command(std::string("'") + STRATA_BINARY + "' " + args);
+}
+
+TEST(BenchAdam, JsonReportsVerifiedSpeedAndBound) {
+  for (const char* grad : {"f32", "bf16", "f16"}) {
+    for (const char* out : {"none", "bf16", "f16"}) {
+      const auto [status, text] = run(std::string("bench adam --params 100000 --steps 3 --json") +
+                                      " --grad-dtype " + grad + " --out-dtype " + out);
+      ASSERT_EQ(status, 0) << text;
+      const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+      ASSERT_FALSE(j.is_discarded()) << "not valid JSON:\n" << text;
+      EXPECT_EQ(j["params"], 100000);
+      EXPECT_EQ(j["grad_dtype"], grad);
+      EXPECT_EQ(j["out_dtype"], out);
+      EXPECT_EQ(j["verified_samples"], 4096);
+      EXPECT_GT(j["params_per_s"].get<double>(), 0.0);
+      const double bytes =
+          24 + (std::string(grad) == "f32" ? 4 : 2) + (std::string(out) == "none" ? 0 : 2);
+      EXPECT_EQ(j["bytes_per_param"].get<double>(), bytes);
+      const double fraction = j["bound_fraction"].get<double>();
+      EXPECT_GT(fraction, 0.0);
+      EXPECT_LT(fraction, 10.0);  // a sanity bound only: timings on a shared machine are noisy
+    }
+  }
+}
+
+TEST(BenchAdam, RejectsUnknownDtype) {
+  const auto [status, text] = run("bench adam --params 10 --grad-dtype f64 2>&1");
+  EXPECT_NE(status, 0) << text;
+  EXPECT_NE(text.find("f64"), std::string::npos) << text;
+}
+
+}  // namespace

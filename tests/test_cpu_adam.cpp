@@ -1,0 +1,410 @@
+// Tests of the CPU Adam (src/cpu_adam): the fused update against a scalar double-precision
+// reference written here, the SIMD conversions against core/dtype.h bit for bit, determinism
+// across thread counts and SIMD paths, the statistics pass and its non-finite detection, and the
+// guard that keeps an overflowed step from being applied.
+//
+// What is guaranteed, and tested: every path this CPU can run (avx512f, avx2, sse4.2, scalar)
+// gives the same output bits as the scalar path, for any thread count. Buffers are deliberately
+// misaligned (one element past an aligned start) and sizes are odd (0, 1, 7, 15, 17, 1023,
+// primes, across chunk boundaries).
+#include "cpu_adam/cpu_adam.h"
+#include "cpu_adam/kernels.h"
+#include "core/dtype.h"
+#include "testing.h"
+
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace strata {
+namespace {
+
+const std::vector<size_t> kOddSizes = {0, 1, 7, 15, 17, 31, 1023, 4099, 16387, 40009};
+constexpr DType kGradTypes[] = {DType::f32, DType::bf16, DType::f16};
+
+// A buffer whose data starts one element past a 64-byte boundary: nothing is aligned.
+template <class T>
+struct Misaligned {
+  std::vector<T> storage;
+  T* data;
+  explicit Misaligned(size_t n) : storage(n + 64 / sizeof(T) + 1) {
+    auto addr = reinterpret_cast<uintptr_t>(storage.data());
+    const size_t skip = ((64 - addr % 64) % 64) / sizeof(T) + 1;
+    data = storage.data() + skip;
+  }
+};
+
+// Gradients as the raw bytes of their dtype, plus their exact float values.
+struct Grad {
+  Misaligned<uint16_t> bits16;
+  Misaligned<float> bits32;
+  std::vector<float> values;
+  DType dtype;
+  Grad(size_t n, DType t) : bits16(n), bits32(n), values(n), dtype(t) {}
+  const void* data() const {
+    return dtype == DType::f32 ? static_cast<const void*>(bits32.data) : bits16.data;
+  }
+  void set(size_t i, float x) {
+    if (dtype == DType::f32) bits32.data[i] = x;
+    if (dtype == DType::bf16) x = bf16_to_f32(bits16.data[i] = f32_to_bf16(x));
+    if (dtype == DType::f16) x = f16_to_f32(bits16.data[i] = f32_to_f16(x));
+    values[i] = x;
+  }
+  GradShard shard() const { return {data(), dtype, values.size()}; }
+};
+
+struct State {
+  Misaligned<float> master, m, v;
+  size_t n;
+  explicit State(size_t count) : master(count), m(count), v(count), n(count) {}
+  // A fresh optimizer state: normal(0, 1) master weights, zero moments.
+  State(size_t count, std::mt19937& rng) : State(count) {
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    for (size_t i = 0; i < n; ++i) master.data[i] = normal(rng);
+    std::fill(m.data, m.data + n, 0.0f);
+    std::fill(v.data, v.data + n, 0.0f);
+  }
+  AdamShard shard() { return {master.data, m.data, v.data, n}; }
+};
+
+// The reference: one Adam step in double from the float state, as written in the papers
+// (Kingma & Ba; Loshchilov & Hutter for the decoupled decay).
+struct Reference {
+  double p, m, v;
+  // Magnitudes of the terms each result is formed from: the tolerance is 1e-6 relative to them,
+  // so that a cancellation (Adam's g + wd * p, or m's decay against a new gradient) is judged by
+  // the size of what cancelled, as float arithmetic can only be.
+  double p_scale, m_scale, v_scale;
+};
+Reference reference_step(double p, double g, double m, double v, int64_t step, const AdamParams& a,
+                         double scale) {
+  const double lr = a.lr, b1 = a.beta1, b2 = a.beta2, wd = a.weight_decay, eps = a.eps;
+  g *= scale;
+  double g_scale = std::abs(g);
+  if (!a.adamw) {
+    g += wd * p;
+    g_scale += std::abs(wd * p);
+  }
+  if (a.adamw) p *= 1.0 - lr * wd;
+  Reference r;
+  r.m_scale = std::abs(b1 * m) + std::abs((1 - b1) * g_scale);
+  r.m = b1 * m + (1 - b1) * g;
+  r.v = b2 * v + (1 - b2) * g * g;
+  r.v_scale = b2 * v + (1 - b2) * std::abs(g) * g_scale;
+  const double bc1 = a.bias_correction ? 1 - std::pow(b1, static_cast<double>(step)) : 1.0;
+  const double bc2 = a.bias_correction ? 1 - std::pow(b2, static_cast<double>(step)) : 1.0;
+  const double update = lr / bc1 * r.m / (std::sqrt(r.v) / std::sqrt(bc2) + eps);
+  const double update_scale = lr / bc1 * r.m_scale / (std::sqrt(r.v) / std::sqrt(bc2) + eps);
+  r.p = p - update;
+  r.p_scale = std::abs(p) + update_scale;
+  return r;
+}
+
+bool same_bits(float a, float b) {
+  return std::bit_cast<uint32_t>(a) == std::bit_cast<uint32_t>(b);
+}
+
+// One shard, its gradient and the ways of updating it, checked against the reference.
+void run_against_reference(const std::string& simd, size_t n, DType gt, const AdamParams& a,
+                           int steps, uint32_t seed) {
+  CpuAdam adam({.threads = 2, .simd = simd});
+  std::mt19937 rng(seed);
+  State s(n, rng);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Grad g(n, gt);
+  std::vector<float> p0(n), m0(n), v0(n);
+  int reported = 0;
+  for (int step = 1; step <= steps; ++step) {
+    const float magnitude = std::ldexp(1.0f, static_cast<int>(rng() % 20) - 10);
+    for (size_t i = 0; i < n; ++i) g.set(i, normal(rng) * magnitude);
+    const float scale = (step % 3 == 0) ? 0.25f : 1.0f;
+    std::copy(s.master.data, s.master.data + n, p0.begin());
+    std::copy(s.m.data, s.m.data + n, m0.begin());
+    std::copy(s.v.data, s.v.data + n, v0.begin());
+    ASSERT_TRUE(adam.update(s.shard(), g.shard(), step, a, scale, GradStats{}));
+    for (size_t i = 0; i < n; ++i) {
+      const Reference r = reference_step(p0[i], g.values[i], m0[i], v0[i], step, a, scale);
+      const bool ok = std::abs(s.master.data[i] - r.p) <= 1e-6 * r.p_scale + 1e-30 &&
+                      std::abs(s.m.data[i] - r.m) <= 1e-6 * r.m_scale + 1e-30 &&
+                      std::abs(s.v.data[i] - r.v) <= 1e-6 * r.v_scale + 1e-30;
+      if (!ok && reported++ < 5)
+        ADD_FAILURE() << simd << " n=" << n << " grad " << dtype_name(gt) << " step " << step
+                      << " i=" << i << ": got p=" << s.master.data[i] << " m=" << s.m.data[i]
+                      << " v=" << s.v.data[i] << ", reference p=" << r.p << " m=" << r.m
+                      << " v=" << r.v;
+    }
+    if (reported > 0) return;
+  }
+}
+
+TEST(CpuAdam, PathsListedBestFirstWithScalarLast) {
+  const auto paths = CpuAdam::available_paths();
+  ASSERT_FALSE(paths.empty());
+  EXPECT_EQ(paths.back(), "scalar");
+  CpuAdam best;
+  EXPECT_EQ(best.simd_path(), paths.front());
+  EXPECT_GE(best.threads(), 1);
+  CpuAdam three({.threads = 3});
+  EXPECT_EQ(three.threads(), 3);
+}
+
+TEST(CpuAdam, MatchesDoubleReferenceOverThousandsOfSteps) {
+  for (const std::string& simd : CpuAdam::available_paths()) {
+    for (bool adamw : {true, false}) {
+      for (bool bias : {true, false}) {
+        AdamParams a{.lr = 1e-3f, .weight_decay = 0.01f, .adamw = adamw, .bias_correction = bias};
+        run_against_reference(simd, 37, DType::f32, a, 2000, 1);
+      }
+    }
+  }
+}
+
+TEST(CpuAdam, MatchesDoubleReferenceOnOddSizesAndEveryGradType) {
+  for (const std::string& simd : CpuAdam::available_paths()) {
+    for (size_t n : kOddSizes) {
+      for (DType gt : kGradTypes) {
+        AdamParams a{.lr = 3e-4f, .beta2 = 0.95f, .weight_decay = 0.1f};
+        run_against_reference(simd, n, gt, a, 6, static_cast<uint32_t>(n));
+        a.adamw = false;
+        run_against_reference(simd, n, gt, a, 3, static_cast<uint32_t>(n) + 7);
+      }
+    }
+  }
+}
+
+// Runs `steps` updates with a fixed seed and returns master, m, v and the copy as bits.
+struct Outcome {
+  std::vector<float> master, m, v;
+  std::vector<uint16_t> copy;
+  bool operator==(const Outcome& o) const {
+    const auto bits = [](const std::vector<float>& a, const std::vector<float>& b) {
+      return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+    };
+    return bits(master, o.master) && bits(m, o.m) && bits(v, o.v) && copy == o.copy;
+  }
+};
+Outcome run_steps(const CpuAdamOptions& options, size_t n, DType gt, DType out, int steps) {
+  CpuAdam adam(options);
+  std::mt19937 rng(42);
+  State s(n, rng);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Grad g(n, gt);
+  Misaligned<uint16_t> copy(n);
+  AdamParams a{.lr = 1e-2f, .weight_decay = 0.05f};
+  for (int step = 1; step <= steps; ++step) {
+    for (size_t i = 0; i < n; ++i) g.set(i, normal(rng) * 0.01f);
+    adam.update(s.shard(), g.shard(), step, a, 0.5f, GradStats{}, ParamCopy{copy.data, out});
+  }
+  return {{s.master.data, s.master.data + n},
+          {s.m.data, s.m.data + n},
+          {s.v.data, s.v.data + n},
+          {copy.data, copy.data + n}};
+}
+
+TEST(CpuAdam, SameBitsForAnyThreadCountAndEveryPath) {
+  const size_t n = 3 * CpuAdam::kUpdateChunk + 1237;
+  for (DType gt : kGradTypes) {
+    for (DType out : {DType::bf16, DType::f16}) {
+      const Outcome want = run_steps({.threads = 1, .simd = "scalar"}, n, gt, out, 4);
+      for (const std::string& simd : CpuAdam::available_paths()) {
+        for (int threads : {1, 2, 3, 7}) {
+          EXPECT_TRUE(run_steps({.threads = threads, .simd = simd}, n, gt, out, 4) == want)
+              << simd << " with " << threads << " threads, grad " << dtype_name(gt) << ", copy "
+              << dtype_name(out) << " differs from the scalar path";
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuAdam, ParamCopyIsTheRoundedMasterBitForBit) {
+  for (const std::string& simd : CpuAdam::available_paths()) {
+    for (size_t n : kOddSizes) {
+      for (DType out : {DType::bf16, DType::f16}) {
+        const Outcome o = run_steps({.threads = 2, .simd = simd}, n, DType::bf16, out, 2);
+        size_t bad = 0;
+        for (size_t i = 0; i < n; ++i) {
+          const uint16_t want =
+              out == DType::bf16 ? f32_to_bf16(o.master[i]) : f32_to_f16(o.master[i]);
+          if (o.copy[i] != want && bad++ < 5)
+            ADD_FAILURE() << simd << " n=" << n << " " << dtype_name(out) << " copy[" << i
+                          << "] = " << o.copy[i] << ", want " << want;
+        }
+      }
+    }
+  }
+}
+
+// The floats whose rounding to `bits` (16) leaves `low` below it: every high pattern with the
+// low bits at and around the rounding boundaries, and a few random ones.
+std::vector<float> rounding_cases(int low_bits) {
+  const uint32_t half = 1u << (low_bits - 1), mask = (1u << low_bits) - 1;
+  const uint32_t lows[] = {0, 1, half - 1, half, half + 1, mask, 0x5a5a5a5au & mask};
+  std::vector<float> out;
+  for (uint64_t high = 0; high < (uint64_t{1} << (32 - low_bits)); ++high)
+    for (uint32_t low : lows)
+      out.push_back(std::bit_cast<float>(static_cast<uint32_t>(high << low_bits) | low));
+  return out;
+}
+
+TEST(CpuAdamConversions, StoresMatchCoreDtypeBitForBit) {
+  for (const cpu_adam::SimdKernels* k : cpu_adam::available_kernels()) {
+    for (DType t : {DType::bf16, DType::f16}) {
+      // bf16 rounds away 16 bits; f16 13 of a normal's mantissa (more for its subnormals, whose
+      // exponents are all in the list anyway).
+      const std::vector<float> in = rounding_cases(t == DType::bf16 ? 16 : 13);
+      std::vector<uint16_t> got(in.size());
+      k->store(in.data(), in.size(), got.data(), t);
+      size_t bad = 0;
+      for (size_t i = 0; i < in.size(); ++i) {
+        const uint16_t want = t == DType::bf16 ? f32_to_bf16(in[i]) : f32_to_f16(in[i]);
+        if (got[i] != want && bad++ < 5)
+          ADD_FAILURE() << k->name << " " << dtype_name(t) << " of bits 0x" << std::hex
+                        << std::bit_cast<uint32_t>(in[i]) << ": 0x" << got[i] << ", want 0x"
+                        << want;
+      }
+    }
+  }
+}
+
+TEST(CpuAdamConversions, LoadsMatchCoreDtypeOnAll65536Patterns) {
+  std::vector<uint16_t> all(65536);
+  for (uint32_t i = 0; i < 65536; ++i) all[i] = static_cast<uint16_t>(i);
+  for (const cpu_adam::SimdKernels* k : cpu_adam::available_kernels()) {
+    for (DType t : {DType::bf16, DType::f16}) {
+      std::vector<float> got(all.size());
+      k->load(all.data(), t, all.size(), got.data());
+      size_t bad = 0;
+      for (uint32_t i = 0; i < 65536; ++i) {
+        const float want = t == DType::bf16 ? bf16_to_f32(all[i]) : f16_to_f32(all[i]);
+        if (!same_bits(got[i], want) && bad++ < 5)
+          ADD_FAILURE() << k->name << " " << dtype_name(t) << " load of 0x" << std::hex << i
+                        << ": 0x" << std::bit_cast<uint32_t>(got[i]) << ", want 0x"
+                        << std::bit_cast<uint32_t>(want);
+      }
+    }
+  }
+}
+
+TEST(CpuAdamStats, SumOfSquaresMatchesReferenceAndIsDeterministic) {
+  const size_t n = 5 * CpuAdam::kStatsChunk + 12345;
+  for (DType gt : kGradTypes) {
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    Grad g(n, gt);
+    for (size_t i = 0; i < n; ++i) g.set(i, normal(rng));
+    long double want = 0;
+    for (float x : g.values) want += static_cast<long double>(x) * x;
+    CpuAdam scalar({.threads = 1, .simd = "scalar"});
+    const GradStats ref = scalar.grad_stats(g.shard());
+    EXPECT_FALSE(ref.non_finite);
+    EXPECT_NEAR(ref.sum_squares, static_cast<double>(want), 1e-12 * static_cast<double>(want));
+    for (const std::string& simd : CpuAdam::available_paths()) {
+      for (int threads : {1, 2, 3, 7}) {
+        CpuAdam adam({.threads = threads, .simd = simd});
+        const GradStats s = adam.grad_stats(g.shard());
+        EXPECT_EQ(std::bit_cast<uint64_t>(s.sum_squares), std::bit_cast<uint64_t>(ref.sum_squares))
+            << simd << " with " << threads << " threads, grad " << dtype_name(gt);
+      }
+    }
+    for (size_t small : kOddSizes) {  // odd sizes: every path against the exact sum
+      double exact = 0;
+      for (size_t i = 0; i < small; ++i) exact += static_cast<double>(g.values[i]) * g.values[i];
+      for (const std::string& simd : CpuAdam::available_paths()) {
+        CpuAdam adam({.threads = 2, .simd = simd});
+        EXPECT_NEAR(adam.grad_stats({g.data(), gt, small}).sum_squares, exact, 1e-12 * exact)
+            << simd << " n=" << small;
+      }
+    }
+  }
+}
+
+TEST(CpuAdamStats, FlagsNanAndInfAtStartMiddleAndTail) {
+  const size_t n = 2 * CpuAdam::kStatsChunk + 17;
+  const float bad_values[] = {std::numeric_limits<float>::quiet_NaN(),
+                              std::numeric_limits<float>::infinity(),
+                              -std::numeric_limits<float>::infinity()};
+  for (const std::string& simd : CpuAdam::available_paths()) {
+    CpuAdam adam({.threads = 3, .simd = simd});
+    for (DType gt : kGradTypes) {
+      Grad g(n, gt);
+      for (size_t i = 0; i < n; ++i) g.set(i, 1.0f);
+      EXPECT_FALSE(adam.grad_stats(g.shard()).non_finite);
+      for (float bad : bad_values) {
+        for (size_t at : {size_t{0}, n / 2, n - 1}) {
+          g.set(at, bad);
+          EXPECT_TRUE(adam.grad_stats(g.shard()).non_finite)
+              << simd << " " << dtype_name(gt) << " value " << bad << " at " << at;
+          g.set(at, 1.0f);
+        }
+      }
+      // Finite but large: f16's max squared, f32's max squared, do not count as overflow.
+      g.set(n / 3, gt == DType::f32 ? std::numeric_limits<float>::max() : 65504.0f);
+      EXPECT_FALSE(adam.grad_stats(g.shard()).non_finite) << simd << " " << dtype_name(gt);
+    }
+  }
+}
+
+TEST(CpuAdamGuard, NonFiniteGradientsAreNeverApplied) {
+  const size_t n = 1000;
+  CpuAdam adam({.threads = 2});
+  State s(n);
+  for (size_t i = 0; i < n; ++i) s.master.data[i] = s.m.data[i] = s.v.data[i] = 0.5f;
+  Grad g(n, DType::f16);
+  for (size_t i = 0; i < n; ++i) g.set(i, 0.1f);
+  g.set(500, 1e6f);  // overflows f16 to +Inf, as an overflowed fp16 backward would
+  Misaligned<uint16_t> copy(n);
+  std::fill(copy.data, copy.data + n, uint16_t{0xabcd});
+  const GradStats stats = adam.grad_stats(g.shard());
+  ASSERT_TRUE(stats.non_finite);
+  EXPECT_FALSE(adam.update(s.shard(), g.shard(), 1, AdamParams{}, 1.0f, stats,
+                           ParamCopy{copy.data, DType::bf16}));
+  for (size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(s.master.data[i], 0.5f);
+    ASSERT_EQ(s.m.data[i], 0.5f);
+    ASSERT_EQ(s.v.data[i], 0.5f);
+    ASSERT_EQ(copy.data[i], 0xabcd);
+  }
+  test::expect_error([&] { combined_grad_scale(stats, 1024.0f, 1.0f); }, {"NaN or Inf", "skip"});
+}
+
+TEST(CpuAdamGuard, CombinedScaleUnscalesAndClips) {
+  GradStats s{.sum_squares = 4.0 * 1024.0 * 1024.0};  // norm 2 after unscaling by 1024
+  EXPECT_FLOAT_EQ(combined_grad_scale(s, 1024.0f, 0.0f), 1.0f / 1024.0f);
+  EXPECT_FLOAT_EQ(combined_grad_scale(s, 1024.0f, 4.0f), 1.0f / 1024.0f);
+  // torch's coefficient max_norm / (norm + 1e-6)
+  EXPECT_FLOAT_EQ(combined_grad_scale(s, 1024.0f, 1.0f),
+                  static_cast<float>(1.0 / (2.0 + 1e-6) / 1024.0));
+}
+
+TEST(CpuAdamErrors, SayWhatWhichValueAndWhatToDo) {
+  test::expect_error([] { CpuAdam({.simd = "avx9000"}); }, {"avx9000", "scalar", "best"});
+  test::expect_error([] { CpuAdam({.threads = -2}); }, {"-2", "positive"});
+  CpuAdam adam({.threads = 1});
+  State s(4);
+  Grad g(5, DType::f32);
+  test::expect_error([&] { adam.update(s.shard(), g.shard(), 1, {}, 1.0f, {}); },
+                     {"5 elements", "4"});
+  Grad g4(4, DType::f32);
+  test::expect_error([&] { adam.update(s.shard(), g4.shard(), 0, {}, 1.0f, {}); },
+                     {"step 0", "from 1"});
+  test::expect_error([&] { adam.update(s.shard(), g4.shard(), 1, {.beta1 = 1.0f}, 1.0f, {}); },
+                     {"betas (1", "[0, 1)"});
+  test::expect_error([&] { adam.update(s.shard(), g4.shard(), 1, {}, 0.0f, {}); },
+                     {"gradient scale 0", "combined_grad_scale"});
+  Misaligned<float> out(4);
+  test::expect_error(
+      [&] {
+        adam.update(s.shard(), g4.shard(), 1, {}, 1.0f, {}, ParamCopy{out.data, DType::f32});
+      },
+      {"f32", "bf16 or f16"});
+}
+
+}  // namespace
+}  // namespace strata
