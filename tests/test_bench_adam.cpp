@@ -1,6 +1,7 @@
 // test_bench_adam.cpp: runs `strata bench adam` small (its path is compiled in as STRATA_BINARY)
 // for every gradient/copy dtype pair and checks its one JSON object: the step was verified, and
-// params/s, bytes per param and the fraction of the memory bound are sane. Speeds are not judged.
+// params/s, bytes per param and the fraction of the memory bound are sane, and the separate-passes
+// baseline's time and the fused/separate ratio are reported. Speeds are not judged.
 #include <string>
 
 #include <gtest/gtest.h>
@@ -34,6 +35,11 @@ TEST(BenchAdam, JsonReportsVerifiedSpeedAndBound) {
       const double fraction = j["bound_fraction"].get<double>();
       EXPECT_GT(fraction, 0.0);
       EXPECT_LT(fraction, 10.0);  // a sanity bound only: timings on a shared machine are noisy
+      // The separate-passes baseline (norm, unscale, update, cast) was verified and timed.
+      ASSERT_TRUE(j.contains("separate_passes_s")) << text;
+      ASSERT_TRUE(j.contains("fused_vs_separate")) << text;
+      EXPECT_GT(j["separate_passes_s"].get<double>(), 0.0);
+      EXPECT_GT(j["fused_vs_separate"].get<double>(), 0.0);
     }
   }
 }

@@ -5,6 +5,12 @@
 // inputs. The bound is measured in the same run, on the same arena and chunks, by a trivial
 // kernel with Adam's exact memory traffic (CpuAdam::memory_bound_pass); timed steps of the two
 // alternate so a noisy machine affects both alike, and the medians are reported.
+//
+// It also times the baseline the fused step replaces: norm, unscale, update and cast as separate
+// full sweeps over memory (what DeepSpeed does), plain loops the compiler vectorises, on a oneTBB
+// arena of the same size over the same fixed chunks. Its master after step 1 must agree with the
+// fused path's within 1e-6 relative, and its copy must equal its master rounded, before the ratio
+// (grad_stats + update) / separate passes is reported.
 #include "commands.h"
 #include "core/dtype.h"
 #include "core/error.h"
@@ -15,7 +21,15 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <cmath>
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <immintrin.h>
+#endif
 #include <nlohmann/json.hpp>
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/partitioner.h>
+#include <oneapi/tbb/task_arena.h>
 #include <optional>
 #include <string>
 #include <vector>
@@ -49,6 +63,230 @@ double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
 }
+
+// Plain loops for the baseline, written for the compiler's vectoriser (eight partial sums for
+// the norm). GCC will not vectorise a sqrt that may set errno, and this file is built with errno
+// on, so the Adam loop is written with intrinsics: sixteen lanes (AVX-512F) when the fused step
+// runs its avx512f path, else four (SSE2, every x86-64 has it), in the same operation order as
+// the scalar tail. The other loops are left to the compiler, cloned for AVX-512F and the
+// default target (GCC picks one at load time for this CPU).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define STRATA_BASELINE_CLONES [[gnu::target_clones("avx512f", "default")]]
+#else
+#define STRATA_BASELINE_CLONES
+#endif
+
+template <class T, class ToF32>
+[[gnu::always_inline]] inline double sum_squares_of(const T* g, size_t b, size_t e, ToF32 to_f32) {
+  double acc[8] = {};
+  size_t i = b;
+  for (; i + 8 <= e; i += 8)
+    for (size_t k = 0; k < 8; ++k) {
+      const double x = to_f32(g[i + k]);
+      acc[k] += x * x;
+    }
+  for (; i < e; ++i) {
+    const double x = to_f32(g[i]);
+    acc[0] += x * x;
+  }
+  double s = 0.0;
+  for (double a : acc) s += a;
+  return s;
+}
+
+STRATA_BASELINE_CLONES double sum_squares(const void* g, DType t, size_t b, size_t e) {
+  switch (t) {
+    case DType::bf16:
+      return sum_squares_of(static_cast<const uint16_t*>(g), b, e,
+                            [](uint16_t h) { return bf16_to_f32(h); });
+    case DType::f16:
+      return sum_squares_of(static_cast<const uint16_t*>(g), b, e,
+                            [](uint16_t h) { return f16_to_f32(h); });
+    default:
+      return sum_squares_of(static_cast<const float*>(g), b, e, [](float x) { return x; });
+  }
+}
+
+STRATA_BASELINE_CLONES void unscale_span(const void* grad, DType t, float* out, size_t b, size_t e,
+                                         float scale) {
+  switch (t) {
+    case DType::bf16: {
+      const auto* g = static_cast<const uint16_t*>(grad);
+      for (size_t i = b; i < e; ++i) out[i] = bf16_to_f32(g[i]) * scale;
+      break;
+    }
+    case DType::f16: {
+      const auto* g = static_cast<const uint16_t*>(grad);
+      for (size_t i = b; i < e; ++i) out[i] = f16_to_f32(g[i]) * scale;
+      break;
+    }
+    default: {
+      const auto* g = static_cast<const float*>(grad);
+      for (size_t i = b; i < e; ++i) out[i] = g[i] * scale;
+    }
+  }
+}
+
+STRATA_BASELINE_CLONES void cast_span(const float* master, uint16_t* out, bool bf16, size_t b,
+                                      size_t e) {
+  if (bf16)
+    for (size_t i = b; i < e; ++i) out[i] = f32_to_bf16(master[i]);
+  else
+    for (size_t i = b; i < e; ++i) out[i] = f32_to_f16(master[i]);
+}
+
+struct PlainAdamConstants {
+  float l2, decay, beta1, omb1, beta2, omb2, bc2_sqrt, eps, neg_step;
+};
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define STRATA_BASELINE_AVX512 1
+// The same loop sixteen lanes at a time, for when the fused step runs its avx512f path: the
+// baseline then gets the same vector width.
+[[gnu::target("avx512f"), gnu::optimize("fp-contract=off")]] size_t adam_span_avx512(
+    float* __restrict master, float* __restrict m, float* __restrict v,
+    const float* __restrict grad, size_t n, const PlainAdamConstants k) {
+  const __m512 l2 = _mm512_set1_ps(k.l2), decay = _mm512_set1_ps(k.decay);
+  const __m512 beta1 = _mm512_set1_ps(k.beta1), omb1 = _mm512_set1_ps(k.omb1);
+  const __m512 beta2 = _mm512_set1_ps(k.beta2), omb2 = _mm512_set1_ps(k.omb2);
+  const __m512 bc2_sqrt = _mm512_set1_ps(k.bc2_sqrt), eps = _mm512_set1_ps(k.eps);
+  const __m512 neg_step = _mm512_set1_ps(k.neg_step);
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 w = _mm512_loadu_ps(master + i);
+    const __m512 g = _mm512_add_ps(_mm512_loadu_ps(grad + i), _mm512_mul_ps(l2, w));
+    w = _mm512_mul_ps(w, decay);
+    const __m512 mi =
+        _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(m + i), beta1), _mm512_mul_ps(omb1, g));
+    const __m512 vi = _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(v + i), beta2),
+                                    _mm512_mul_ps(_mm512_mul_ps(omb2, g), g));
+    _mm512_storeu_ps(m + i, mi);
+    _mm512_storeu_ps(v + i, vi);
+    const __m512 denom =
+        _mm512_add_ps(_mm512_div_ps(_mm512_mask_sqrt_ps(vi, __mmask16(0xffff), vi), bc2_sqrt), eps);
+    _mm512_storeu_ps(master + i,
+                     _mm512_add_ps(w, _mm512_div_ps(_mm512_mul_ps(neg_step, mi), denom)));
+  }
+  return i;
+}
+#endif
+
+void adam_span(bool avx512, float* __restrict master, float* __restrict m, float* __restrict v,
+               const float* __restrict grad, size_t n, const PlainAdamConstants k) {
+  size_t i = 0;
+#if defined(STRATA_BASELINE_AVX512)
+  if (avx512) i = adam_span_avx512(master, m, v, grad, n, k);
+#else
+  (void)avx512;
+#endif
+#if defined(__SSE2__)
+  const __m128 l2 = _mm_set1_ps(k.l2), decay = _mm_set1_ps(k.decay);
+  const __m128 beta1 = _mm_set1_ps(k.beta1), omb1 = _mm_set1_ps(k.omb1);
+  const __m128 beta2 = _mm_set1_ps(k.beta2), omb2 = _mm_set1_ps(k.omb2);
+  const __m128 bc2_sqrt = _mm_set1_ps(k.bc2_sqrt), eps = _mm_set1_ps(k.eps);
+  const __m128 neg_step = _mm_set1_ps(k.neg_step);
+  for (; i + 4 <= n; i += 4) {
+    __m128 w = _mm_loadu_ps(master + i);
+    const __m128 g = _mm_add_ps(_mm_loadu_ps(grad + i), _mm_mul_ps(l2, w));
+    w = _mm_mul_ps(w, decay);
+    const __m128 mi = _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(m + i), beta1), _mm_mul_ps(omb1, g));
+    const __m128 vi =
+        _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(v + i), beta2), _mm_mul_ps(_mm_mul_ps(omb2, g), g));
+    _mm_storeu_ps(m + i, mi);
+    _mm_storeu_ps(v + i, vi);
+    const __m128 denom = _mm_add_ps(_mm_div_ps(_mm_sqrt_ps(vi), bc2_sqrt), eps);
+    _mm_storeu_ps(master + i, _mm_add_ps(w, _mm_div_ps(_mm_mul_ps(neg_step, mi), denom)));
+  }
+#endif
+  for (; i < n; ++i) {
+    float w = master[i];
+    const float g = grad[i] + k.l2 * w;
+    w = w * k.decay;
+    const float mi = m[i] * k.beta1 + k.omb1 * g;
+    const float vi = v[i] * k.beta2 + (k.omb2 * g) * g;
+    m[i] = mi;
+    v[i] = vi;
+    master[i] = w + (k.neg_step * mi) / (std::sqrt(vi) / k.bc2_sqrt + k.eps);
+  }
+}
+
+// The unfused baseline: norm, unscale, update and cast, each its own sweep over the shard, each
+// parallel over fixed chunks on an arena of the same size as CpuAdam's.
+class SeparatePasses {
+ public:
+  SeparatePasses(int threads, bool avx512, size_t n, const GradShard& grad)
+      : arena_(threads), avx512_(avx512), n_(n), grad_(grad), grad_f32_(n) {}
+
+  double norm_sum_squares() {
+    const size_t chunks = (n_ + CpuAdam::kStatsChunk - 1) / CpuAdam::kStatsChunk;
+    std::vector<double> sums(chunks);
+    for_chunks(chunks, [&](size_t c) {
+      const size_t b = c * CpuAdam::kStatsChunk, e = std::min(n_, b + CpuAdam::kStatsChunk);
+      sums[c] = sum_squares(grad_.data, grad_.dtype, b, e);
+    });
+    double total = 0.0;
+    for (double s : sums) total += s;
+    return total;
+  }
+
+  void unscale(float scale) {
+    float* out = grad_f32_.data();
+    for_update_chunks(
+        [&](size_t b, size_t e) { unscale_span(grad_.data, grad_.dtype, out, b, e, scale); });
+  }
+
+  // Plain Adam/AdamW (torch.optim's single-tensor order) over the unscaled f32 gradient.
+  void update(const AdamShard& s, int64_t step, const AdamParams& p) {
+    const double b1 = p.beta1, b2 = p.beta2, lr = p.lr, wd = p.weight_decay;
+    const double bc1 = p.bias_correction ? 1.0 - std::pow(b1, static_cast<double>(step)) : 1.0;
+    const double bc2 = p.bias_correction ? 1.0 - std::pow(b2, static_cast<double>(step)) : 1.0;
+    const float l2 = p.adamw ? 0.0f : p.weight_decay;
+    const float decay = p.adamw ? static_cast<float>(1.0 - lr * wd) : 1.0f;
+    const float beta1 = p.beta1, beta2 = p.beta2;
+    const auto omb1 = static_cast<float>(1.0 - b1), omb2 = static_cast<float>(1.0 - b2);
+    const auto bc2_sqrt = static_cast<float>(std::sqrt(bc2));
+    const auto neg_step = static_cast<float>(-(lr / bc1));
+    const float eps = p.eps;
+    const float* gf = grad_f32_.data();
+    for_update_chunks([&](size_t b, size_t e) {
+      adam_span(avx512_, s.master + b, s.m + b, s.v + b, gf + b, e - b,
+                {l2, decay, beta1, omb1, beta2, omb2, bc2_sqrt, eps, neg_step});
+    });
+  }
+
+  void cast(const float* master, const ParamCopy& copy) {
+    auto* out = static_cast<uint16_t*>(copy.data);
+    const bool bf16 = copy.dtype == DType::bf16;
+    for_update_chunks([&](size_t b, size_t e) { cast_span(master, out, bf16, b, e); });
+  }
+
+ private:
+  template <class F>
+  void for_chunks(size_t chunks, const F& f) {
+    arena_.execute([&] {
+      tbb::parallel_for(
+          tbb::blocked_range<size_t>(0, chunks),
+          [&](const tbb::blocked_range<size_t>& r) {
+            for (size_t c = r.begin(); c != r.end(); ++c) f(c);
+          },
+          tbb::static_partitioner());
+    });
+  }
+  template <class F>
+  void for_update_chunks(const F& f) {
+    const size_t chunks = (n_ + CpuAdam::kUpdateChunk - 1) / CpuAdam::kUpdateChunk;
+    for_chunks(chunks, [&](size_t c) {
+      const size_t b = c * CpuAdam::kUpdateChunk;
+      f(b, std::min(n_, b + CpuAdam::kUpdateChunk));
+    });
+  }
+
+  tbb::task_arena arena_;
+  bool avx512_;
+  size_t n_;
+  GradShard grad_;
+  std::vector<float> grad_f32_;
+};
 
 int run_bench_adam(const BenchAdamArgs& a) {
   const size_t n = a.params;
@@ -108,9 +346,60 @@ int run_bench_adam(const BenchAdamArgs& a) {
           adam.simd_path(), i, master[i], sp[j]);
   }
 
+  // The separate-passes baseline on its own copy of the step-1 inputs; step 1 must agree with
+  // the fused path (master within 1e-6 relative, sum of squares too) and its copy must equal its
+  // master rounded.
+  std::vector<float> bmaster(n), bm(n, 0.0f), bv(n, 0.0f);
+  std::vector<unsigned char> bout(n * osize);
+  for (size_t i = 0; i < n; ++i) bmaster[i] = hashed(i, 1);
+  const AdamShard bshard{bmaster.data(), bm.data(), bv.data(), n};
+  std::optional<ParamCopy> bcopy;
+  if (has_out) bcopy = ParamCopy{bout.data(), ot};
+  SeparatePasses separate(adam.threads(), std::string(adam.simd_path()) == "avx512f", n, gshard);
+  std::vector<double> t_pass[4];  // norm, unscale, update, cast
+  const auto separate_step = [&](int64_t step) {
+    auto t0 = std::chrono::steady_clock::now();
+    const auto lap = [&](int pass) {
+      t_pass[pass].push_back(seconds_since(t0));
+      t0 = std::chrono::steady_clock::now();
+    };
+    const double sum_squares = separate.norm_sum_squares();
+    lap(0);
+    separate.unscale(combined_grad_scale({.sum_squares = sum_squares}, 1.0f, 1.0f));
+    lap(1);
+    separate.update(bshard, step, params);
+    lap(2);
+    if (has_out) separate.cast(bmaster.data(), *bcopy);
+    lap(3);
+    return sum_squares;
+  };
+  const double bsum = separate_step(1);
+  for (auto& t : t_pass) t.clear();
+  const auto close = [](double x, double y) {
+    return std::abs(x - y) <= 1e-6 * std::max(std::abs(x), std::abs(y));
+  };
+  if (!close(bsum, stats.sum_squares))
+    fail("bench adam: the separate norm pass's sum of squares {} differs from grad_stats' {}", bsum,
+         stats.sum_squares);
+  for (size_t i = 0; i < n; ++i) {
+    if (!close(bmaster[i], master[i]))
+      fail(
+          "bench adam: the separate-passes baseline's master at element {} is {}, the fused "
+          "path's {}: more than 1e-6 relative apart",
+          i, bmaster[i], master[i]);
+    if (has_out) {
+      const uint16_t want = ot == DType::bf16 ? f32_to_bf16(bmaster[i]) : f32_to_f16(bmaster[i]);
+      uint16_t got;
+      std::memcpy(&got, &bout[i * osize], osize);
+      if (got != want)
+        fail("bench adam: the separate cast pass wrote {:#06x} at element {}, not {:#06x}", got, i,
+             want);
+    }
+  }
+
   // Timed: update steps and bound passes alternate; one untimed bound pass first.
   adam.memory_bound_pass(shard, gshard, copy);
-  std::vector<double> t_update, t_bound, t_stats;
+  std::vector<double> t_update, t_bound, t_stats, t_separate;
   for (int s = 0; s < a.steps; ++s) {
     auto t0 = std::chrono::steady_clock::now();
     adam.update(shard, gshard, s + 2, params, scale, stats, copy);
@@ -121,8 +410,13 @@ int run_bench_adam(const BenchAdamArgs& a) {
     t0 = std::chrono::steady_clock::now();
     (void)adam.grad_stats(gshard);
     t_stats.push_back(seconds_since(t0));
+    t0 = std::chrono::steady_clock::now();
+    (void)separate_step(s + 2);
+    t_separate.push_back(seconds_since(t0));
   }
   const double update_s = median(t_update), bound_s = median(t_bound), stats_s = median(t_stats);
+  const double separate_s = median(t_separate);
+  const double fused_vs_separate = (stats_s + update_s) / separate_s;
   const double bytes_per_param = static_cast<double>(gsize + 6 * 4 + osize);
   const double params_per_s = static_cast<double>(n) / update_s;
   const double bound_params_per_s = static_cast<double>(n) / bound_s;
@@ -145,6 +439,8 @@ int run_bench_adam(const BenchAdamArgs& a) {
   j["bound_fraction"] = bound_s / update_s;
   j["grad_stats_s"] = stats_s;
   j["grad_stats_gb_per_s"] = static_cast<double>(n * gsize) / stats_s / 1e9;
+  j["separate_passes_s"] = separate_s;
+  j["fused_vs_separate"] = fused_vs_separate;
   if (a.json) {
     fmt::print("{}\n", j.dump());
     return 0;
@@ -162,6 +458,15 @@ int run_bench_adam(const BenchAdamArgs& a) {
   fmt::print("  fraction of the bound: {:.3f}\n", bound_s / update_s);
   fmt::print("  grad stats   {:8.2f} ms/pass  {:6.2f} GB/s\n", stats_s * 1e3,
              j["grad_stats_gb_per_s"].get<double>());
+  fmt::print(
+      "  separate     {:8.2f} ms/step (norm, unscale, update{} as separate passes; step 1 "
+      "within 1e-6 of the fused master)\n",
+      separate_s * 1e3, has_out ? ", cast" : "");
+  fmt::print(
+      "               norm {:.2f}, unscale {:.2f}, update {:.2f}, cast {:.2f} ms (medians)\n",
+      median(t_pass[0]) * 1e3, median(t_pass[1]) * 1e3, median(t_pass[2]) * 1e3,
+      median(t_pass[3]) * 1e3);
+  fmt::print("  fused (grad stats + update) / separate: {:.3f}\n", fused_vs_separate);
   return 0;
 }
 
