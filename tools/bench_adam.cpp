@@ -426,6 +426,8 @@ int run_bench_adam(const BenchAdamArgs& a) {
   j["grad_dtype"] = dtype_name(gt);
   j["out_dtype"] = has_out ? std::string(dtype_name(ot)) : "none";
   j["threads"] = adam.threads();
+  j["arena_threads"] = adam.arena_threads();  // per NUMA node arena
+  j["arena_nodes"] = adam.arena_nodes();      // their nodes (-1: one unpinned arena)
   j["simd"] = adam.simd_path();
   j["steps"] = a.steps;
   j["verified_samples"] = samples;
@@ -450,6 +452,15 @@ int run_bench_adam(const BenchAdamArgs& a) {
       "the scalar reference bit for bit\n",
       n, j["grad_dtype"].get<std::string>(), j["out_dtype"].get<std::string>(), adam.threads(),
       adam.simd_path(), samples);
+  std::string arenas;
+  const std::vector<int> nodes = adam.arena_nodes(), threads = adam.arena_threads();
+  for (size_t i = 0; i < nodes.size(); ++i) {
+    if (!arenas.empty()) arenas += ", ";
+    arenas += nodes[i] < 0 ? fmt::format("{} unpinned", threads[i])
+                           : fmt::format("node {}: {}", nodes[i], threads[i]);
+  }
+  fmt::print("  threads per NUMA node arena: {}{}\n", arenas,
+             adam.pinning_error().empty() ? "" : " (not pinned: " + adam.pinning_error() + ")");
   fmt::print("  update       {:8.2f} ms/step  {:6.3f} Gparam/s  {:6.2f} GB/s ({} B/param)\n",
              update_s * 1e3, params_per_s / 1e9, params_per_s * bytes_per_param / 1e9,
              bytes_per_param);

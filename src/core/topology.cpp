@@ -7,6 +7,8 @@
 
 #include <hwloc.h>
 
+#include <unistd.h>
+
 #include <cerrno>
 
 namespace strata {
@@ -82,6 +84,36 @@ hwloc_nodeset_t nodeset_of(int node) {
        format_cpu_list(known));
 }
 
+// An hwloc bitmap freed at the end of its scope.
+class Bitmap {
+ public:
+  Bitmap() : set_(hwloc_bitmap_alloc()) {
+    if (set_ == nullptr) fail("hwloc: out of memory allocating a bitmap");
+  }
+  ~Bitmap() { hwloc_bitmap_free(set_); }
+  Bitmap(const Bitmap&) = delete;
+  Bitmap& operator=(const Bitmap&) = delete;
+  hwloc_bitmap_t get() const { return set_; }
+
+ private:
+  hwloc_bitmap_t set_;
+};
+
+std::vector<int> to_list(hwloc_const_bitmap_t set) {
+  std::vector<int> out;
+  if (hwloc_bitmap_weight(set) < 0) return out;  // infinite: cannot be listed
+  unsigned i = 0;
+  hwloc_bitmap_foreach_begin(i, set) out.push_back(static_cast<int>(i));
+  hwloc_bitmap_foreach_end();
+  return out;
+}
+
+std::vector<int> cpubind_of(int flags) {
+  Bitmap set;
+  if (hwloc_get_cpubind(loaded().get(), set.get(), flags) != 0) return {};
+  return to_list(set.get());
+}
+
 }  // namespace
 
 const Topology& topology() {
@@ -96,6 +128,53 @@ int numa_node_of_pci(const std::string& pci_bus_id) {
   if (parent == nullptr || parent->nodeset == nullptr) return -1;
   if (hwloc_bitmap_weight(parent->nodeset) != 1) return -1;  // attached to the whole machine
   return hwloc_bitmap_first(parent->nodeset);
+}
+
+int numa_node_of_memory(const void* addr, uint64_t bytes) {
+  const auto start = reinterpret_cast<uintptr_t>(addr);
+  if (addr == nullptr || bytes == 0 || bytes - 1 > UINTPTR_MAX - start) return -1;
+  hwloc_topology_t topo = loaded().get();
+  const long page_size = sysconf(_SC_PAGESIZE);
+  const uint64_t page = page_size > 0 ? static_cast<uint64_t>(page_size) : 4096;
+  const uint64_t first = start / page, pages = (start + (bytes - 1)) / page - first + 1;
+  Bitmap all, one;
+  // Nodes of `count` pages from page `at`; untouched pages add no node.
+  const auto add = [&](uint64_t at, uint64_t count) {
+    hwloc_bitmap_zero(one.get());
+    const auto* p = reinterpret_cast<const void*>(static_cast<uintptr_t>(at * page));
+    if (hwloc_get_area_memlocation(topo, p, count * page, one.get(), HWLOC_MEMBIND_BYNODESET) != 0)
+      return false;
+    hwloc_bitmap_or(all.get(), all.get(), one.get());
+    return true;
+  };
+  constexpr uint64_t kWholeUpTo = 64, kPairs = 32;
+  if (pages <= kWholeUpTo) {
+    if (!add(first, pages)) return -1;
+  } else {
+    for (uint64_t k = 0; k < kPairs; ++k)  // pairs from the first page to the last two
+      if (!add(first + k * (pages - 2) / (kPairs - 1), 2)) return -1;
+  }
+  return hwloc_bitmap_weight(all.get()) == 1 ? hwloc_bitmap_first(all.get()) : -1;
+}
+
+std::vector<int> cpus_of_this_thread() {
+  return cpubind_of(HWLOC_CPUBIND_THREAD);
+}
+
+std::vector<int> cpus_of_this_process() {
+  return cpubind_of(HWLOC_CPUBIND_PROCESS);
+}
+
+std::string bind_this_thread_to_cpus(const std::vector<int>& cpus) {
+  if (cpus.empty()) return "no CPUs to bind this thread to";
+  Bitmap set;
+  for (int cpu : cpus) {
+    if (cpu < 0) return "CPU " + std::to_string(cpu) + " is not a CPU number";
+    hwloc_bitmap_set(set.get(), static_cast<unsigned>(cpu));
+  }
+  if (hwloc_set_cpubind(loaded().get(), set.get(), HWLOC_CPUBIND_THREAD) != 0)
+    return "binding this thread to CPUs " + format_cpu_list(cpus) + ": " + errno_text(errno);
+  return "";
 }
 
 std::string format_cpu_list(const std::vector<int>& cpus) {

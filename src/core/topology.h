@@ -32,6 +32,22 @@ const Topology& topology();
 // attached to; -1 when hwloc does not know the device or it is not local to one node.
 int numa_node_of_pci(const std::string& pci_bus_id);
 
+// The os index of the NUMA node that holds the pages of [addr, addr + bytes); -1 when it is
+// unknown, when no page has been touched yet, or when the pages lie on several nodes. Areas of
+// up to 64 pages are checked page by page; larger ones at 32 evenly spread pairs of adjacent
+// pages (a pair, so that memory interleaved page by page across nodes shows as several nodes):
+// a query costs tens of microseconds, not a walk over every page of a multi-GiB shard.
+int numa_node_of_memory(const void* addr, uint64_t bytes);
+
+// The CPUs (OS indices) the calling thread may run on, and those of the whole process (the
+// union over its threads, as taskset or numactl left them); empty when the kernel will not say.
+std::vector<int> cpus_of_this_thread();
+std::vector<int> cpus_of_this_process();
+
+// Binds the calling thread to `cpus` (OS indices). Returns "" on success, else why not: callers
+// treat pinning as best effort.
+std::string bind_this_thread_to_cpus(const std::vector<int>& cpus);
+
 // "0-25,52-77": a CPU list in the kernel's (and numactl's) notation.
 std::string format_cpu_list(const std::vector<int>& cpus);
 

@@ -1,4 +1,5 @@
-// cpu_adam.cpp: CpuAdam's checks, its oneTBB arena and the choice of SIMD path.
+// cpu_adam.cpp: CpuAdam's checks, its oneTBB arenas (one per NUMA node, pinned) and the choice
+// of SIMD path.
 //
 // Work is cut into fixed chunks (kUpdateChunk, kStatsChunk elements from the start of the shard)
 // whatever the thread count; the statistics keep one partial sum per chunk and add them in chunk
@@ -6,15 +7,23 @@
 #include "cpu_adam/cpu_adam.h"
 
 #include "core/error.h"
+#include "core/log.h"
+#include "core/topology.h"
 #include "cpu_adam/kernels.h"
 
 #include <oneapi/tbb/blocked_range.h>
 #include <oneapi/tbb/parallel_for.h>
 #include <oneapi/tbb/partitioner.h>
 #include <oneapi/tbb/task_arena.h>
+#include <oneapi/tbb/task_scheduler_observer.h>
 #include <xsimd/xsimd.hpp>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 namespace strata {
@@ -29,6 +38,8 @@ std::span<const SimdKernels* const> available_kernels() {
     if (a.avx512f && f16c) l.push_back(&kAvx512Kernels);
     if (a.avx2 && f16c) l.push_back(&kAvx2Kernels);
     if (a.sse4_2) l.push_back(&kSse42Kernels);
+#elif defined(__aarch64__)
+    l.push_back(&kNeon64Kernels);  // Advanced SIMD and its f16 conversions are base AArch64
 #endif
     l.push_back(&kScalarKernels);
     return l;
@@ -36,9 +47,142 @@ std::span<const SimdKernels* const> available_kernels() {
   return list;
 }
 
+std::vector<int> split_threads(int total, const std::vector<int>& cpus_per_node) {
+  if (total < 1)
+    fail("cpu adam: a thread budget of {} cannot be split; pass 1 or more threads", total);
+  const size_t nodes = cpus_per_node.size();
+  std::vector<int> out(nodes, 0);
+  std::vector<size_t> with_cpus;  // nodes that can take threads, most CPUs first
+  int64_t cpus = 0;
+  for (size_t i = 0; i < nodes; ++i) {
+    if (cpus_per_node[i] > 0) {
+      with_cpus.push_back(i);
+      cpus += cpus_per_node[i];
+    }
+  }
+  if (with_cpus.empty()) return out;
+  if (static_cast<size_t>(total) < with_cpus.size()) {
+    std::stable_sort(with_cpus.begin(), with_cpus.end(),
+                     [&](size_t a, size_t b) { return cpus_per_node[a] > cpus_per_node[b]; });
+    for (int k = 0; k < total; ++k) out[with_cpus[static_cast<size_t>(k)]] = 1;
+    return out;
+  }
+  // Node i's share is total * c_i / cpus. Start from its floor (at least 1), then move single
+  // threads: add to the node furthest below its share, or take from the one furthest above it
+  // (keeping 1), until the budget is met. Shares are compared as total * c_i - out_i * cpus,
+  // exactly, in 64 bits. Ties go to the lower index when adding, the higher when taking.
+  const auto below = [&](size_t i) {
+    return int64_t{total} * cpus_per_node[i] - int64_t{out[i]} * cpus;
+  };
+  int64_t sum = 0;
+  for (size_t i : with_cpus) {
+    out[i] = std::max<int>(1, static_cast<int>(int64_t{total} * cpus_per_node[i] / cpus));
+    sum += out[i];
+  }
+  while (sum < total) {
+    size_t best = with_cpus.front();
+    for (size_t i : with_cpus)
+      if (below(i) > below(best)) best = i;
+    ++out[best];
+    ++sum;
+  }
+  while (sum > total) {
+    size_t best = nodes;
+    for (size_t i : with_cpus)
+      if (out[i] > 1 && (best == nodes || below(i) <= below(best))) best = i;
+    --out[best];
+    --sum;
+  }
+  return out;
+}
+
+size_t chunk_count(size_t total, size_t chunk) {
+  return total / chunk + (total % chunk != 0 ? 1 : 0);  // no total + chunk - 1: cannot overflow
+}
+
+ChunkRange chunk_range(size_t total, size_t chunk, size_t c) {
+  const size_t begin = c * chunk;
+  return {begin, std::min(chunk, total - begin)};
+}
+
+UpdateSpan update_span(const AdamShard& shard, const GradShard& grad,
+                       const std::optional<ParamCopy>& copy, size_t c) {
+  const ChunkRange r = chunk_range(shard.n, CpuAdam::kUpdateChunk, c);
+  const size_t gsize = dtype_size(grad.dtype);
+  const size_t osize = copy ? dtype_size(copy->dtype) : 0;
+  return UpdateSpan{
+      shard.master + r.begin,
+      shard.m + r.begin,
+      shard.v + r.begin,
+      static_cast<const unsigned char*>(grad.data) + r.begin * gsize,
+      grad.dtype,
+      copy ? static_cast<unsigned char*>(copy->data) + r.begin * osize : nullptr,
+      copy ? copy->dtype : DType::bf16,
+      r.n,
+  };
+}
+
 }  // namespace cpu_adam
 
 namespace {
+
+// Pins every thread that enters an arena to `cpus`. Workers go back to the process's CPUs when
+// they leave (oneTBB shares its workers between arenas, and other arenas are not ours to pin);
+// a calling thread gets its own binding back when its call leaves the arena.
+class Pinner : public tbb::task_scheduler_observer {
+ public:
+  using Report = std::function<void(const std::string&)>;
+  Pinner(tbb::task_arena& arena, std::vector<int> cpus, std::vector<int> process_cpus,
+         Report report)
+      : tbb::task_scheduler_observer(arena),
+        cpus_(std::move(cpus)),
+        process_cpus_(std::move(process_cpus)),
+        report_(std::move(report)) {
+    observe(true);
+  }
+  // Stop the callbacks before the members they use go away. A thread still inside the arena
+  // holds a reference to oneTBB's record of this observer, which it drops only when it leaves;
+  // a worker that lingers there until the process ends leaks that record (LeakSanitizer sees
+  // it), so wait (briefly: idle workers leave an arena in microseconds) for them to leave.
+  ~Pinner() override {
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(1);
+    while (inside_.load() > 0 && std::chrono::steady_clock::now() < until)
+      std::this_thread::yield();
+    observe(false);
+  }
+  Pinner(const Pinner&) = delete;
+  Pinner& operator=(const Pinner&) = delete;
+
+  void on_scheduler_entry(bool worker) override {
+    ++inside_;
+    if (!worker) saved().push_back(cpus_of_this_thread());
+    const std::string error = bind_this_thread_to_cpus(cpus_);
+    if (!error.empty()) report_(error);
+  }
+  void on_scheduler_exit(bool worker) override {
+    std::vector<int> back;
+    if (worker) {
+      back = process_cpus_;
+    } else if (!saved().empty()) {
+      back = std::move(saved().back());
+      saved().pop_back();
+    }
+    if (!back.empty()) (void)bind_this_thread_to_cpus(back);  // best effort, as the pinning
+    --inside_;
+  }
+
+ private:
+  // The bindings of a calling thread's enclosing calls, innermost last.
+  static std::vector<std::vector<int>>& saved() {
+    thread_local std::vector<std::vector<int>> stack;
+    return stack;
+  }
+
+  std::vector<int> cpus_;
+  std::vector<int> process_cpus_;
+  Report report_;
+  std::atomic<int> inside_{0};  // threads between their entry and exit notifications
+};
 
 const cpu_adam::SimdKernels& pick_kernels(const std::string& name) {
   const auto list = cpu_adam::available_kernels();
@@ -125,17 +269,45 @@ float combined_grad_scale(const GradStats& global, float loss_scale, float max_n
 }
 
 struct CpuAdam::Impl {
-  const cpu_adam::SimdKernels* kernels;
-  tbb::task_arena arena;
+  struct NodeArena {
+    int node = -1;          // os index of its NUMA node; -1: not pinned
+    std::vector<int> cpus;  // empty: not pinned
+    int threads = 0;
+    std::unique_ptr<tbb::task_arena> arena;
+    std::unique_ptr<Pinner> pinner;  // declared after the arena: destroyed before it
+  };
 
-  // Runs f(chunk) for chunk in [0, chunks) on the arena, statically partitioned.
+  const cpu_adam::SimdKernels* kernels = nullptr;
+  // Before the arenas: a late worker entering an arena may still report while they go.
+  mutable std::mutex error_mutex;
+  std::string pinning_error;
+  std::vector<NodeArena> arenas;
+  size_t fallback = 0;  // the arena with the most threads: for memory of no known node
+
+  void report(const std::string& error) {
+    std::lock_guard lock(error_mutex);
+    if (!pinning_error.empty()) return;
+    pinning_error = error;
+    warn_once("cpu-adam-pinning", "cpu adam: threads are not pinned to their NUMA node ({})",
+              error);
+  }
+
+  size_t arena_for(const void* memory, uint64_t bytes) const {
+    if (arenas.size() == 1) return 0;  // nothing to choose: skip the page query
+    const int node = numa_node_of_memory(memory, bytes);
+    for (size_t i = 0; i < arenas.size(); ++i)
+      if (node >= 0 && arenas[i].node == node) return i;
+    return fallback;
+  }
+
+  // Runs f(chunk) for chunk in [0, chunks) on arena a, statically partitioned.
   template <class F>
-  void for_chunks(size_t chunks, const F& f) {
+  void for_chunks(size_t a, size_t chunks, const F& f) {
     if (chunks <= 1) {
       if (chunks == 1) f(size_t{0});
       return;
     }
-    arena.execute([&] {
+    arenas[a].arena->execute([&] {
       tbb::parallel_for(
           tbb::blocked_range<size_t>(0, chunks),
           [&](const tbb::blocked_range<size_t>& r) {
@@ -144,16 +316,65 @@ struct CpuAdam::Impl {
           tbb::static_partitioner());
     });
   }
+
+  // One pinned arena per NUMA node with usable CPUs; nothing when the nodes cannot be read.
+  void make_node_arenas(int threads) {
+    std::vector<int> process = cpus_of_this_process();
+    std::vector<NumaNode> nodes;
+    try {
+      nodes = topology().numa_nodes;
+    } catch (const Error& e) {
+      warn_once("cpu-adam-topology", "cpu adam: NUMA nodes unknown ({}); one unpinned arena",
+                e.what());
+      return;
+    }
+    std::vector<std::vector<int>> usable(nodes.size());
+    std::vector<int> counts(nodes.size());
+    int all = 0;
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      for (int cpu : nodes[i].cpus)
+        if (process.empty() || std::find(process.begin(), process.end(), cpu) != process.end())
+          usable[i].push_back(cpu);
+      counts[i] = static_cast<int>(usable[i].size());
+      all += counts[i];
+    }
+    if (all == 0) return;
+    const std::vector<int> split = cpu_adam::split_threads(threads == 0 ? all : threads, counts);
+    if (process.empty()) {
+      for (const std::vector<int>& u : usable) process.insert(process.end(), u.begin(), u.end());
+      std::sort(process.begin(), process.end());
+    }
+    arenas.reserve(nodes.size());
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      if (split[i] == 0) continue;
+      NodeArena& na = arenas.emplace_back();
+      na.node = nodes[i].os_index;
+      na.cpus = usable[i];
+      na.threads = split[i];
+      na.arena = std::make_unique<tbb::task_arena>(split[i]);
+      na.arena->initialize();
+      na.pinner = std::make_unique<Pinner>(*na.arena, na.cpus, process,
+                                           [this](const std::string& e) { report(e); });
+    }
+  }
 };
 
-CpuAdam::CpuAdam(const CpuAdamOptions& options) {
+CpuAdam::CpuAdam(const CpuAdamOptions& options) : impl_(std::make_unique<Impl>()) {
   if (options.threads < 0)
     fail("cpu adam: threads {} is not valid; use 0 (every core) or a positive count",
          options.threads);
-  const int concurrency = options.threads == 0 ? tbb::task_arena::automatic : options.threads;
-  impl_ =
-      std::unique_ptr<Impl>(new Impl{&pick_kernels(options.simd), tbb::task_arena(concurrency)});
-  impl_->arena.initialize();
+  impl_->kernels = &pick_kernels(options.simd);
+  if (options.numa) impl_->make_node_arenas(options.threads);
+  if (impl_->arenas.empty()) {
+    Impl::NodeArena& na = impl_->arenas.emplace_back();
+    // A plain int: task_arena::automatic has no definition to bind a reference to.
+    const int concurrency = options.threads == 0 ? tbb::task_arena::automatic : options.threads;
+    na.arena = std::make_unique<tbb::task_arena>(concurrency);
+    na.arena->initialize();
+    na.threads = na.arena->max_concurrency();
+  }
+  for (size_t i = 1; i < impl_->arenas.size(); ++i)
+    if (impl_->arenas[i].threads > impl_->arenas[impl_->fallback].threads) impl_->fallback = i;
 }
 
 CpuAdam::~CpuAdam() = default;
@@ -162,7 +383,35 @@ const char* CpuAdam::simd_path() const {
   return impl_->kernels->name;
 }
 int CpuAdam::threads() const {
-  return impl_->arena.max_concurrency();
+  int sum = 0;
+  for (const Impl::NodeArena& a : impl_->arenas) sum += a.threads;
+  return sum;
+}
+
+std::vector<int> CpuAdam::arena_threads() const {
+  std::vector<int> out;
+  for (const Impl::NodeArena& a : impl_->arenas) out.push_back(a.threads);
+  return out;
+}
+
+std::vector<int> CpuAdam::arena_nodes() const {
+  std::vector<int> out;
+  for (const Impl::NodeArena& a : impl_->arenas) out.push_back(a.node);
+  return out;
+}
+
+int CpuAdam::arena_for(const void* memory, uint64_t bytes) const {
+  return static_cast<int>(impl_->arena_for(memory, bytes));
+}
+
+std::string CpuAdam::pinning_error() const {
+  std::lock_guard lock(impl_->error_mutex);
+  return impl_->pinning_error;
+}
+
+void CpuAdam::for_each_chunk(const void* memory, uint64_t bytes, size_t chunks,
+                             const std::function<void(size_t)>& f) {
+  impl_->for_chunks(impl_->arena_for(memory, bytes), chunks, f);
 }
 
 std::vector<std::string> CpuAdam::available_paths() {
@@ -174,13 +423,13 @@ std::vector<std::string> CpuAdam::available_paths() {
 GradStats CpuAdam::grad_stats(const GradShard& grad) {
   if (grad.n > 0 && grad.data == nullptr)
     fail("cpu adam: gradient shard of {} elements has no data; pass its buffer", grad.n);
-  const size_t chunks = (grad.n + kStatsChunk - 1) / kStatsChunk;
+  const size_t chunks = cpu_adam::chunk_count(grad.n, kStatsChunk);
   std::vector<double> partial(chunks);
   const size_t size = dtype_size(grad.dtype);
   const auto* base = static_cast<const unsigned char*>(grad.data);
-  impl_->for_chunks(chunks, [&](size_t c) {
-    const size_t begin = c * kStatsChunk, n = std::min(kStatsChunk, grad.n - begin);
-    partial[c] = impl_->kernels->sum_squares(base + begin * size, grad.dtype, n);
+  impl_->for_chunks(impl_->arena_for(grad.data, grad.n * size), chunks, [&](size_t c) {
+    const cpu_adam::ChunkRange r = cpu_adam::chunk_range(grad.n, kStatsChunk, c);
+    partial[c] = impl_->kernels->sum_squares(base + r.begin * size, grad.dtype, r.n);
   });
   GradStats stats;
   for (double p : partial) stats.sum_squares += p;  // chunk order: the same bits for any threads
@@ -212,22 +461,9 @@ void CpuAdam::memory_bound_pass(const AdamShard& shard, const GradShard& grad,
 void CpuAdam::for_spans(const AdamShard& shard, const GradShard& grad,
                         const std::optional<ParamCopy>& copy,
                         const std::function<void(const cpu_adam::UpdateSpan&)>& f) {
-  const size_t chunks = (shard.n + kUpdateChunk - 1) / kUpdateChunk;
-  const size_t gsize = dtype_size(grad.dtype);
-  const size_t osize = copy ? dtype_size(copy->dtype) : 0;
-  impl_->for_chunks(chunks, [&](size_t c) {
-    const size_t begin = c * kUpdateChunk, n = std::min(kUpdateChunk, shard.n - begin);
-    f(cpu_adam::UpdateSpan{
-        shard.master + begin,
-        shard.m + begin,
-        shard.v + begin,
-        static_cast<const unsigned char*>(grad.data) + begin * gsize,
-        grad.dtype,
-        copy ? static_cast<unsigned char*>(copy->data) + begin * osize : nullptr,
-        copy ? copy->dtype : DType::bf16,
-        n,
-    });
-  });
+  impl_->for_chunks(impl_->arena_for(shard.master, uint64_t{shard.n} * sizeof(float)),
+                    cpu_adam::chunk_count(shard.n, kUpdateChunk),
+                    [&](size_t c) { f(cpu_adam::update_span(shard, grad, copy, c)); });
 }
 
 }  // namespace strata

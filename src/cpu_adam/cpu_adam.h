@@ -16,6 +16,22 @@
 // any thread count and any path. grad_stats() sums fixed chunks of kStatsChunk elements, each in
 // 16 double lanes in a fixed order, and adds the chunk sums in chunk order: the same bits for any
 // thread count and any path too. (Summing shards in a different order may change the last bit.)
+//
+// Threads and NUMA: with CpuAdamOptions::numa (the default), CpuAdam keeps one oneTBB arena per
+// NUMA node that has CPUs this process may use, splits its thread budget across them in
+// proportion to their CPUs (split_threads), and pins every thread that enters a node's arena to
+// that node's CPUs (the calling thread too, for the duration of the call: its own binding is put
+// back afterwards). Each call runs on the arena of the node that holds the shard's memory (the
+// master for update and memory_bound_pass, the gradient for grad_stats); memory whose node is
+// unknown, untouched, spread over several nodes, or on a node without an arena goes to the arena
+// with the most threads. One call keeps one node busy: to use every node's memory bandwidth at
+// once, call CpuAdam from one thread per node with that node's shards (calls on different shards
+// may run concurrently). Which arena runs a chunk never changes what it computes, so the output
+// bits do not depend on the arenas either. Pinning is best effort: pinning_error() says why it
+// failed, if it ever did (the work then runs unpinned).
+//
+// Indexing is 64-bit throughout: sizes, chunk bounds and offsets are size_t (shards past 2^31
+// elements are normal for 70B models).
 #pragma once
 
 #include "core/dtype.h"
@@ -79,9 +95,34 @@ struct GradStats {
 float combined_grad_scale(const GradStats& global, float loss_scale, float max_norm);
 
 struct CpuAdamOptions {
-  int threads = 0;            // size of the oneTBB arena; 0: every core of this process
-  std::string simd = "best";  // "best", or a path name: avx512f, avx2, sse4.2, scalar
+  int threads = 0;            // threads of all arenas together; 0: every CPU of this process
+  std::string simd = "best";  // "best", or a path name: avx512f, avx2, neon64, sse4.2, scalar
+  bool numa = true;           // one pinned arena per NUMA node; false: one unpinned arena
 };
+
+namespace cpu_adam {
+
+// Splits a budget of `total` (>= 1) threads across NUMA nodes with cpus_per_node[i] CPUs each, in
+// proportion to their CPUs (largest remainder). Nodes without CPUs get none. When the budget
+// covers every node with CPUs, each gets at least one; when it does not (total < such nodes), the
+// `total` nodes with the most CPUs (the lowest index among equals) get one each and the rest
+// none: the budget is what the trainer leaves for the optimizer, and it is never exceeded.
+std::vector<int> split_threads(int total, const std::vector<int>& cpus_per_node);
+
+// The elements [begin, begin + n) of chunk c when `total` elements are cut into chunks of `chunk`.
+struct ChunkRange {
+  size_t begin = 0;
+  size_t n = 0;
+};
+size_t chunk_count(size_t total, size_t chunk);
+ChunkRange chunk_range(size_t total, size_t chunk, size_t c);
+
+// The span of update chunk c (CpuAdam::kUpdateChunk elements) of a shard: every pointer offset
+// to the chunk's first element. Pure arithmetic: nothing is read.
+UpdateSpan update_span(const AdamShard& shard, const GradShard& grad,
+                       const std::optional<ParamCopy>& copy, size_t c);
+
+}  // namespace cpu_adam
 
 class CpuAdam {
  public:
@@ -95,7 +136,21 @@ class CpuAdam {
   CpuAdam& operator=(const CpuAdam&) = delete;
 
   const char* simd_path() const;
-  int threads() const;
+  int threads() const;  // of all arenas together
+
+  // Threads of each arena, and the os index of the NUMA node each serves (-1: not pinned, with
+  // numa off or when the machine's NUMA nodes could not be read).
+  std::vector<int> arena_threads() const;
+  std::vector<int> arena_nodes() const;
+  // The index (into arena_threads()) of the arena that runs work on [memory, memory + bytes).
+  int arena_for(const void* memory, uint64_t bytes) const;
+  // "" while every thread was pinned to its node's CPUs; else why the first pinning failed.
+  std::string pinning_error() const;
+
+  // Runs f(c) for c in [0, chunks) on the arena that serves `memory` (see arena_for): what update
+  // and grad_stats do with their chunks, for other per-shard passes (and tests).
+  void for_each_chunk(const void* memory, uint64_t bytes, size_t chunks,
+                      const std::function<void(size_t)>& f);
 
   GradStats grad_stats(const GradShard& grad);
 
@@ -116,7 +171,7 @@ class CpuAdam {
   static std::vector<std::string> available_paths();
 
  private:
-  // Cuts the shard into kUpdateChunk spans and runs f on each, on the arena.
+  // Cuts the shard into kUpdateChunk spans and runs f on each, on the arena of its master.
   void for_spans(const AdamShard& shard, const GradShard& grad,
                  const std::optional<ParamCopy>& copy,
                  const std::function<void(const cpu_adam::UpdateSpan&)>& f);

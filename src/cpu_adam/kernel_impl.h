@@ -1,4 +1,5 @@
-// kernel_impl.h: the SIMD kernels, one template for every x86 instruction set.
+// kernel_impl.h: the SIMD kernels, one template for every instruction set (x86-64's, AArch64's
+// NEON).
 //
 // Included only by kernels_<arch>.cpp, each compiled with that arch's -m flags; everything here
 // has internal linkage so no code built for AVX-512 can leak into another path. Tails shorter
@@ -11,7 +12,11 @@
 #include "cpu_adam/formula.h"
 #include "cpu_adam/kernels.h"
 
+#if defined(__x86_64__)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 #include <xsimd/xsimd.hpp>
 
 #include <cstdint>

@@ -1,10 +1,11 @@
 // kernels.h: the per-instruction-set kernels behind CpuAdam, and the table that picks one.
 //
 // Each SIMD path is the same template (kernel_impl.h) compiled in its own translation unit
-// with its own -m flags (kernels_avx512.cpp, kernels_avx2.cpp, kernels_sse42.cpp); the scalar
-// path (kernels_scalar.cpp) is the reference. All of them compute the same IEEE operations in
-// the same order (every cpu_adam file is built with -ffp-contract=off), so their output bits
-// are identical; tests/test_cpu_adam.cpp checks that on every path the CPU runs.
+// with its own -m flags (kernels_avx512.cpp, kernels_avx2.cpp, kernels_sse42.cpp on x86-64;
+// kernels_neon.cpp, which needs none, on AArch64); the scalar path (kernels_scalar.cpp) is the
+// reference. All of them compute the same IEEE operations in the same order (every cpu_adam file
+// is built with -ffp-contract=off), so their output bits are identical; tests/test_cpu_adam.cpp
+// checks that on every path the CPU runs.
 // Never call a path that available_kernels() does not list: it would fault on this CPU.
 #pragma once
 
@@ -63,6 +64,8 @@ extern const SimdKernels kScalarKernels;
 extern const SimdKernels kSse42Kernels;
 extern const SimdKernels kAvx2Kernels;
 extern const SimdKernels kAvx512Kernels;
+#elif defined(__aarch64__)
+extern const SimdKernels kNeon64Kernels;
 #endif
 
 // The paths this CPU can run, best first; the scalar path is always last.
