@@ -14,6 +14,7 @@ Command add_bench(CLI::App& app) {
       // one line per benchmark: add_bench_<what>(*bench),
       add_bench_adam(*bench),
       add_bench_io(*bench),
+      add_bench_model(*bench),
   };
   return {bench, [subs] {
             for (const Command& c : subs)

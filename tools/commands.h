@@ -15,9 +15,11 @@ struct Command {
 };
 
 Command add_info(CLI::App& app);   // strata info
+Command add_eval(CLI::App& app);   // strata eval
 Command add_bench(CLI::App& app);  // strata bench <what>: the subcommands below
 // `strata bench` subcommands (tools/bench_*.cpp), registered on the `bench` app.
-Command add_bench_adam(CLI::App& bench);  // strata bench adam
-Command add_bench_io(CLI::App& bench);    // strata bench io
+Command add_bench_adam(CLI::App& bench);   // strata bench adam
+Command add_bench_io(CLI::App& bench);     // strata bench io
+Command add_bench_model(CLI::App& bench);  // strata bench model
 
 }  // namespace strata::cli

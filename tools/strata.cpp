@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
 
   const std::vector<strata::cli::Command> commands = {
       strata::cli::add_info(app),
+      strata::cli::add_eval(app),
       strata::cli::add_bench(app),
   };
 

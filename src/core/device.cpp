@@ -2,6 +2,7 @@
 
 #include "core/bytes.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "gpu/runtime.h"
 #include "host/host_device.h"
 
@@ -19,6 +20,26 @@ int parse_int(std::string_view all, std::string_view s) {
   return v;
 }
 }  // namespace
+
+TensorView DeviceBuffer::view(DType dtype, const Shape& shape) const {
+  TensorView v{data_, dtype, shape, device_};
+  if (v.bytes() > bytes_)
+    fail("buffer of {} on {}: a view {} needs {}; allocate a larger buffer", format_bytes(bytes_),
+         device_ ? device_->name() : "no device", v.str(), format_bytes(v.bytes()));
+  return v;
+}
+
+void DeviceBuffer::reset() noexcept {
+  if (device_ != nullptr && data_ != nullptr) {
+    try {
+      device_->release(data_);
+    } catch (const Error& e) {
+      log_error("{}", e.what());
+    }
+  }
+  data_ = nullptr;
+  bytes_ = 0;
+}
 
 DeviceSpec parse_device_spec(std::string_view text) {
   DeviceSpec spec;

@@ -14,6 +14,7 @@
 #pragma once
 
 #include "core/arena.h"
+#include "core/kernels.h"
 #include "core/tensor.h"
 
 #include <cstdint>
@@ -77,10 +78,43 @@ class Device {
   virtual void copy_on_device(void* dst, const void* src, uint64_t bytes, Stream& s) = 0;
   virtual void fill_zero(void* dst, uint64_t bytes, Stream& s) = 0;
 
-  // ---- kernel table (later issues add the model's ops) ----
+  // ---- kernel table: the model's ops (core/kernels.h), queued on this device's streams ----
+  virtual Kernels& kernels() = 0;
   // dst = src cast to dst.dtype (same element count; both in this device's memory),
   // rounding to nearest even exactly as strata::convert does on the host.
   virtual void convert(const TensorView& dst, const TensorView& src, Stream& s) = 0;
+};
+
+// Owns one allocation of a Device's arena; released when destroyed. Movable, not copyable.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  DeviceBuffer(Device& device, uint64_t bytes, std::string_view what)
+      : device_(&device), data_(bytes ? device.allocate(bytes, what) : nullptr), bytes_(bytes) {}
+  ~DeviceBuffer() { reset(); }
+  DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
+  DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {
+    if (this != &o) {
+      reset();
+      std::swap(device_, o.device_);
+      std::swap(data_, o.data_);
+      std::swap(bytes_, o.bytes_);
+    }
+    return *this;
+  }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  void* data() const { return data_; }
+  uint64_t bytes() const { return bytes_; }
+  // A view of the buffer's first shape.numel() elements of `dtype` (checked to fit).
+  TensorView view(DType dtype, const Shape& shape) const;
+  void reset() noexcept;
+
+ private:
+  Device* device_ = nullptr;
+  void* data_ = nullptr;
+  uint64_t bytes_ = 0;
 };
 
 // "host:4", "cuda", "cuda:0,1" as given to --devices.

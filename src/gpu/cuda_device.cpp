@@ -8,12 +8,15 @@
 // exception of a host task is kept and later host tasks of that stream are skipped until the
 // next synchronize() of the stream (or of the device) rethrows it once. Copies and kernels
 // queued after it still run: the GPU cannot skip them. Streams share the device's state
-// through a shared_ptr, so a stream may outlive its Device.
+// through a shared_ptr, so a stream may outlive its Device. Each stream owns a workspace for
+// cuBLASLt and the kernels' scratch (cuda_kernels.h), outside the arena, freed with it. The
+// kernel table (cuda_kernels.cpp) reaches the device through CudaDeviceAccess.
 #include "core/bytes.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "gpu/convert.h"
 #include "gpu/cuda_check.h"
+#include "gpu/cuda_kernels.h"
 #include "gpu/runtime.h"
 
 #include <algorithm>
@@ -99,6 +102,9 @@ class CudaStream final : public Stream {
 
   const GpuState* gpu() const { return gpu_.get(); }
   cudaStream_t handle() const { return stream_; }
+  // kStreamWorkspaceBytes of device memory for work queued on this stream, allocated on first
+  // use and freed with the stream.
+  void* workspace();
   // The first host-task failure since the last call, as a full message; cleared.
   std::optional<std::string> take_error();
 
@@ -116,9 +122,11 @@ class CudaStream final : public Stream {
   cudaStream_t stream_ = nullptr;
   std::mutex error_mutex_;
   std::optional<std::string> error_;
+  std::mutex workspace_mutex_;
+  void* workspace_ = nullptr;
 };
 
-class CudaDevice final : public Device {
+class CudaDevice final : public Device, private CudaDeviceAccess {
  public:
   CudaDevice(int index, uint64_t arena_bytes);
   ~CudaDevice() override;
@@ -147,13 +155,25 @@ class CudaDevice final : public Device {
   void copy_to_host(void* dst, const void* src, uint64_t bytes, Stream& s) override;
   void copy_on_device(void* dst, const void* src, uint64_t bytes, Stream& s) override;
   void fill_zero(void* dst, uint64_t bytes, Stream& s) override;
+  Kernels& kernels() override { return *kernels_; }
   void convert(const TensorView& dst, const TensorView& src, Stream& s) override;
 
  private:
+  // CudaDeviceAccess, for the kernel table.
+  const std::string& device_name() const override { return gpu_->name; }
+  int device_index() const override { return gpu_->index; }
+  cudaStream_t enter(Stream& s) const override {
+    CudaStream& cs = own(s);
+    use();
+    return cs.handle();
+  }
+  void* workspace(Stream& s) const override { return own(s).workspace(); }
+  void check_in_arena(const char* op, const char* which, const void* ptr,
+                      uint64_t bytes) const override;
+
   void use() const { gpu_->use(); }
   CudaStream& own(Stream& s) const;
   bool in_arena(const void* ptr, uint64_t bytes) const;
-  void check_in_arena(const char* op, const char* which, const void* ptr, uint64_t bytes) const;
   void check_host(const char* op, const char* which, const void* ptr, uint64_t bytes) const;
   void copy(const char* op, void* dst, const void* src, uint64_t bytes, cudaMemcpyKind kind,
             Stream& s);
@@ -162,6 +182,7 @@ class CudaDevice final : public Device {
   const std::string& name_ = gpu_->name;
   char* base_ = nullptr;
   std::unique_ptr<Arena> arena_;
+  std::unique_ptr<Kernels> kernels_ = make_cuda_kernels(*this);  // makes no CUDA call
 };
 
 // ---- CudaStream ----
@@ -182,6 +203,7 @@ CudaStream::~CudaStream() {
   // Host tasks still queued point at this stream: let them finish first.
   cudaError_t err = cudaSetDevice(gpu_->index);
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream_);
+  if (err == cudaSuccess && workspace_ != nullptr) err = cudaFree(workspace_);
   if (err == cudaSuccess) err = cudaStreamDestroy(stream_);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
@@ -237,6 +259,23 @@ void CudaStream::keep_error(std::string what) {
     error_ = fmt::format("stream '{}' on {}: host task failed: {}", name_, gpu_->name, what);
 }
 
+void* CudaStream::workspace() {
+  std::lock_guard lock(workspace_mutex_);
+  if (workspace_ == nullptr) {
+    gpu_->use();
+    if (const cudaError_t err = cudaMalloc(&workspace_, kStreamWorkspaceBytes);
+        err != cudaSuccess) {
+      (void)cudaGetLastError();
+      workspace_ = nullptr;
+      fail(
+          "stream '{}' on {}: cannot allocate its {} workspace (cuBLASLt, reductions) outside "
+          "the arena: {}; pass a smaller --device-memory",
+          name_, gpu_->name, format_bytes(kStreamWorkspaceBytes), cuda_error_text(err));
+    }
+  }
+  return workspace_;
+}
+
 std::optional<std::string> CudaStream::take_error() {
   std::lock_guard lock(error_mutex_);
   std::optional<std::string> e;
@@ -288,6 +327,7 @@ CudaDevice::CudaDevice(int index, uint64_t arena_bytes)
 CudaDevice::~CudaDevice() {
   cudaError_t err = cudaSetDevice(gpu_->index);
   if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  kernels_.reset();  // frees the cuBLASLt handle, with the GPU current and idle
   if (err == cudaSuccess) err = cudaFree(base_);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();

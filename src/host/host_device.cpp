@@ -17,6 +17,7 @@
 #include "core/bytes.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "host/host_kernels.h"
 
 #include <sys/mman.h>
 
@@ -234,7 +235,15 @@ class HostStream final : public Stream {
 class HostDevice final : public Device {
  public:
   HostDevice(int index, uint64_t arena_bytes)
-      : index_(index), state_(std::make_shared<DeviceState>(index, arena_bytes)) {}
+      : index_(index),
+        state_(std::make_shared<DeviceState>(index, arena_bytes)),
+        kernels_(
+            host::make_kernels({[this](const void* ptr, uint64_t bytes, const std::string& what) {
+                                  check_device(ptr, bytes, what);
+                                },
+                                [this](Stream& s, std::function<void()> task) {
+                                  stream(s).enqueue(std::move(task));
+                                }})) {}
 
   Backend backend() const override { return Backend::host; }
   int index() const override { return index_; }
@@ -303,6 +312,8 @@ class HostDevice final : public Device {
     stream(s).enqueue([=] { std::memset(dst, 0, bytes); });
   }
 
+  Kernels& kernels() override { return *kernels_; }
+
   void convert(const TensorView& dst, const TensorView& src, Stream& s) override {
     if (dst.numel() != src.numel())
       fail(
@@ -351,6 +362,7 @@ class HostDevice final : public Device {
 
   int index_;
   std::shared_ptr<DeviceState> state_;
+  std::unique_ptr<Kernels> kernels_;  // checks against state_'s memory, queues on its streams
 };
 
 }  // namespace

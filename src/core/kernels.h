@@ -1,0 +1,153 @@
+// kernels.h: the kernel table (DESIGN §4), every forward/backward op the Llama model needs.
+//
+// Each Device returns one Kernels (Device::kernels()). The host backend runs the plain C++
+// reference ops of src/host/ops.h as host tasks in stream order; the CUDA backend launches
+// its kernels (src/gpu/) and cuBLASLt on the stream. Both must compute the same thing: the
+// host backend is the oracle every CUDA op is tested against.
+//
+// Conventions, for every op:
+// - Tensors are dense, row-major views into the memory of the device that owns this table.
+//   Token ids and targets are int32 arrays in that same device memory.
+// - Float tensors are f32 or bf16 (the host also accepts f16). Arithmetic is f32; every
+//   store into a 16-bit tensor rounds to nearest even. Tensors named *_stats (rstd, lse,
+//   row_max, row_sum, target_logit, losses) are always f32.
+// - "+=" outputs accumulate into what is there (the caller zero-fills first); "=" outputs
+//   overwrite, and their old contents (even NaN) are ignored.
+// - Shapes are checked before anything is queued, by the check_* functions below, which
+//   both backends share: a mismatch throws Error naming the op, the tensor and its shape.
+// - Ids and targets are not range-checked here: the data loader checks them on the host
+//   (an id >= vocab is an error naming its position there). A target of -100 is ignored.
+#pragma once
+
+#include "core/tensor.h"
+
+#include <cstdint>
+
+namespace strata {
+
+class Stream;
+
+// Ids of ignored target positions, as in PyTorch's cross_entropy(ignore_index=-100).
+inline constexpr int32_t kIgnoreIndex = -100;
+
+class Kernels {
+ public:
+  virtual ~Kernels() = default;
+
+  // c = alpha * op(a) · op(b) + beta * c, all rank 2. op(a) is [m,k]: a is [m,k], or [k,m]
+  // read transposed when trans_a. op(b) is [k,n]: b is [k,n], or [n,k] when trans_b. a and b
+  // have one dtype; c has that dtype or f32 (bf16 inputs, f32 gradient accumulators).
+  // beta == 0 ignores c's contents. A linear layer y = x·Wᵀ (W [out,in], as Hugging Face
+  // stores it) is matmul(y, x, false, W, true, 1, 0); dx = dy·W; dW += dyᵀ·x.
+  virtual void matmul(const TensorView& c, const TensorView& a, bool trans_a, const TensorView& b,
+                      bool trans_b, float alpha, float beta, Stream& s) = 0;
+
+  // out[n,:] = table[ids[n],:]. out [N,D], table [V,D].
+  virtual void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids,
+                                 Stream& s) = 0;
+  // dtable[ids[n],:] += dout[n,:]. dtable [V,D] (f32 or dout's dtype), dout [N,D].
+  virtual void embedding_backward(const TensorView& dtable, const TensorView& dout,
+                                  const int32_t* ids, Stream& s) = 0;
+
+  // y = x * rstd * w with rstd[n] = 1 / sqrt(mean_d(x[n,d]^2) + eps). x, y [N,D]; w [D];
+  // rstd_stats [N] (kept for backward).
+  virtual void rmsnorm_forward(const TensorView& y, const TensorView& rstd_stats,
+                               const TensorView& x, const TensorView& w, float eps, Stream& s) = 0;
+  // dx += ∂L/∂x and dw += ∂L/∂w, from dy and the forward's x, w, rstd_stats.
+  virtual void rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorView& dy,
+                                const TensorView& x, const TensorView& w,
+                                const TensorView& rstd_stats, Stream& s) = 0;
+
+  // Rotary embedding in place, Hugging Face's rotate-half layout: x [N, heads, head_dim],
+  // token n at position n % seq_len; cos_sin [seq_len, head_dim] (f32) holds the cosines of
+  // positions' angles in columns [0, head_dim/2) and the sines in [head_dim/2, head_dim).
+  // For i < h = head_dim/2:  x'[i] = x[i]·c[i] - x[i+h]·s[i];  x'[i+h] = x[i+h]·c[i] + x[i]·s[i].
+  // inverse = true rotates by minus the angle: the backward of the forward (dx from dx').
+  virtual void rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len, bool inverse,
+                    Stream& s) = 0;
+
+  // Causal attention with grouped-query heads: q [B,T,H,hd], k and v [B,T,Hkv,hd], out
+  // [B,T,H,hd], H a multiple of Hkv, all four of one dtype; query head h reads kv head
+  // h / (H / Hkv). Scores scale 1/sqrt(hd); position t attends to positions 0..t of its own
+  // sequence. lse_stats [B,H,T] holds each row's log-sum-exp of the scaled scores (kept for
+  // backward).
+  virtual void attention_forward(const TensorView& out, const TensorView& lse_stats,
+                                 const TensorView& q, const TensorView& k, const TensorView& v,
+                                 Stream& s) = 0;
+  // dq, dk, dv (shapes of q, k, v) = the gradients, from dout and the forward's q, k, v, out,
+  // lse_stats.
+  virtual void attention_backward(const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                                  const TensorView& dout, const TensorView& q, const TensorView& k,
+                                  const TensorView& v, const TensorView& out,
+                                  const TensorView& lse_stats, Stream& s) = 0;
+
+  // h = silu(gate) * up, all [N,F]; silu(x) = x / (1 + exp(-x)).
+  virtual void swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
+                              Stream& s) = 0;
+  // dgate, dup = the gradients of h = silu(gate) * up, from dh.
+  virtual void swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
+                               const TensorView& gate, const TensorView& up, Stream& s) = 0;
+
+  // out = a + b, same shapes; out may be a or b (the residual add, in place).
+  virtual void add(const TensorView& out, const TensorView& a, const TensorView& b, Stream& s) = 0;
+  // Every element of x = value (e.g. -inf for the cross-entropy running maximum).
+  virtual void fill(const TensorView& x, float value, Stream& s) = 0;
+
+  // Softmax cross-entropy over the vocabulary in chunks, so the [N, vocab] logits never
+  // exist at once. `logits` [N, C] are columns [v0, v0+C) of the full logits. Folds the chunk
+  // into each row's online softmax state, all [N] f32: row_max (start at -inf), row_sum
+  // (start at 0; the sum of exp(logit - row_max)) and target_logit (the logit of targets[n]
+  // when it lies in this chunk). Rows whose target is kIgnoreIndex are folded too (harmless).
+  virtual void xent_forward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
+                                  const TensorView& row_max, const TensorView& row_sum,
+                                  const TensorView& target_logit, Stream& s) = 0;
+  // After the last chunk: lse[n] = row_max + log(row_sum); losses[n] = lse[n] - target_logit[n],
+  // or 0 where targets[n] is kIgnoreIndex. All [N] f32; lse may alias row_max.
+  virtual void xent_finish(const TensorView& losses, const TensorView& lse,
+                           const TensorView& row_max, const TensorView& row_sum,
+                           const TensorView& target_logit, const int32_t* targets, Stream& s) = 0;
+  // In place, on the same chunk's logits recomputed: logits = scale * (softmax - onehot), i.e.
+  // scale * (exp(logit - lse[n]) - [v0 + j == targets[n]]), and 0 on ignored rows.
+  virtual void xent_backward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
+                                   const TensorView& lse, float scale, Stream& s) = 0;
+};
+
+// ---- shape checks shared by both backends (src/core/kernels.cpp) ----
+// Each returns the op's sizes, or throws Error naming the op, the tensor and the shapes.
+
+struct MatmulDims {
+  int64_t m = 0, n = 0, k = 0;
+};
+MatmulDims check_matmul(const TensorView& c, const TensorView& a, bool trans_a, const TensorView& b,
+                        bool trans_b);
+
+struct RowDims {  // N rows of D elements
+  int64_t rows = 0, cols = 0;
+};
+RowDims check_embedding(const char* op, const TensorView& rows, const TensorView& table);
+RowDims check_rmsnorm(const char* op, const TensorView& y, const TensorView& rstd_stats,
+                      const TensorView& x, const TensorView& w);
+
+struct RopeDims {
+  int64_t tokens = 0, heads = 0, head_dim = 0;
+};
+RopeDims check_rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len);
+
+struct AttentionDims {
+  int64_t batch = 0, seq = 0, heads = 0, kv_heads = 0, head_dim = 0;
+};
+AttentionDims check_attention(const char* op, const TensorView& out, const TensorView& lse_stats,
+                              const TensorView& q, const TensorView& k, const TensorView& v);
+
+// Same element count and shape for every non-null view (swiglu, add).
+int64_t check_same_shape(const char* op, std::initializer_list<const TensorView*> views);
+
+struct XentDims {
+  int64_t rows = 0, chunk = 0;
+};
+// `logits` [N, C]; each stats view [N] f32. xent_finish, which has no logits, passes its
+// `losses` [N] f32 as `logits` (chunk 0).
+XentDims check_xent(const char* op, const TensorView& logits,
+                    std::initializer_list<const TensorView*> stats);
+
+}  // namespace strata

@@ -1,0 +1,319 @@
+// cuda_kernels.cpp: Kernels for one GPU: checks, then launches (ops.h) or cuBLASLt (matmul.h).
+//
+// Every op runs, in this order: the shared shape checks (core/kernels.cpp, and host/ops.h's for
+// the ops that take several: the same calls as the host backend), the CUDA backend's own limits (no
+// f16; attention's head_dim, grid and shared memory), the arena check of every pointer, then it
+// makes the GPU current and queues its work on the stream. Nothing is queued when a check fails.
+// Empty tensors queue nothing.
+#include "gpu/cuda_kernels.h"
+
+#include "core/device.h"
+#include "core/error.h"
+#include "gpu/cuda_check.h"
+#include "gpu/matmul.h"
+#include "gpu/ops.h"
+#include "host/ops.h"
+
+#include <initializer_list>
+#include <mutex>
+
+namespace strata {
+namespace {
+
+class CudaKernels final : public Kernels {
+ public:
+  explicit CudaKernels(const CudaDeviceAccess& device)
+      : device_(device), name_(device.device_name()), matmul_(device.device_name()) {}
+
+  void matmul(const TensorView& c, const TensorView& a, bool trans_a, const TensorView& b,
+              bool trans_b, float alpha, float beta, Stream& s) override;
+  void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids,
+                         Stream& s) override;
+  void embedding_backward(const TensorView& dtable, const TensorView& dout, const int32_t* ids,
+                          Stream& s) override;
+  void rmsnorm_forward(const TensorView& y, const TensorView& rstd_stats, const TensorView& x,
+                       const TensorView& w, float eps, Stream& s) override;
+  void rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorView& dy,
+                        const TensorView& x, const TensorView& w, const TensorView& rstd_stats,
+                        Stream& s) override;
+  void rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len, bool inverse,
+            Stream& s) override;
+  void attention_forward(const TensorView& out, const TensorView& lse_stats, const TensorView& q,
+                         const TensorView& k, const TensorView& v, Stream& s) override;
+  void attention_backward(const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                          const TensorView& dout, const TensorView& q, const TensorView& k,
+                          const TensorView& v, const TensorView& out, const TensorView& lse_stats,
+                          Stream& s) override;
+  void swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
+                      Stream& s) override;
+  void swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
+                       const TensorView& gate, const TensorView& up, Stream& s) override;
+  void add(const TensorView& out, const TensorView& a, const TensorView& b, Stream& s) override;
+  void fill(const TensorView& x, float value, Stream& s) override;
+  void xent_forward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
+                          const TensorView& row_max, const TensorView& row_sum,
+                          const TensorView& target_logit, Stream& s) override;
+  void xent_finish(const TensorView& losses, const TensorView& lse, const TensorView& row_max,
+                   const TensorView& row_sum, const TensorView& target_logit,
+                   const int32_t* targets, Stream& s) override;
+  void xent_backward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
+                           const TensorView& lse, float scale, Stream& s) override;
+
+ private:
+  struct Named {
+    const char* name;
+    const TensorView* view;
+  };
+  // Float operands: f32 or bf16, in the arena.
+  void operands(const char* op, std::initializer_list<Named> views) const;
+  // A stats tensor (checked f32 by the shared checks) in the arena, as float*.
+  float* stats(const char* op, const char* which, const TensorView& v) const;
+  // `count` int32 ids or targets in the arena.
+  void ids(const char* op, const char* which, const int32_t* p, int64_t count) const;
+  void check_attention_limits(const char* op, const AttentionDims& d,
+                              std::initializer_list<const TensorView*> views);
+  uint64_t max_shared_bytes();
+
+  const CudaDeviceAccess& device_;
+  const std::string& name_;
+  CublasLtMatmul matmul_;
+  std::once_flag shared_once_;
+  uint64_t max_shared_ = 0;
+};
+
+void CudaKernels::operands(const char* op, std::initializer_list<Named> views) const {
+  for (const auto& [which, v] : views) {
+    if (v->dtype == DType::f16)
+      fail(
+          "{}: {}: {} is {}; the CUDA kernels take f32 or bf16: convert it (Device::convert) or "
+          "run on a host device",
+          name_, op, which, v->str());
+    if (v->numel() > 0) device_.check_in_arena(op, which, v->data, v->bytes());
+  }
+}
+
+float* CudaKernels::stats(const char* op, const char* which, const TensorView& v) const {
+  if (v.numel() > 0) device_.check_in_arena(op, which, v.data, v.bytes());
+  return static_cast<float*>(v.data);
+}
+
+void CudaKernels::ids(const char* op, const char* which, const int32_t* p, int64_t count) const {
+  if (count > 0)
+    device_.check_in_arena(op, which, p, static_cast<uint64_t>(count) * sizeof(int32_t));
+}
+
+uint64_t CudaKernels::max_shared_bytes() {
+  std::call_once(shared_once_, [&] {
+    int bytes = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                      device_.device_index()));
+    max_shared_ = static_cast<uint64_t>(bytes);
+  });
+  return max_shared_;
+}
+
+void CudaKernels::check_attention_limits(const char* op, const AttentionDims& d,
+                                         std::initializer_list<const TensorView*> views) {
+  const TensorView& first = **views.begin();
+  for (const TensorView* v : views)
+    if (v->dtype != first.dtype)
+      fail("{}: {}: {} and {} differ in dtype; the CUDA attention takes one dtype for all", name_,
+           op, first.str(), v->str());
+  if (d.head_dim > kAttentionMaxHeadDim)
+    fail("{}: {}: head_dim {} is over the CUDA attention's limit of {}; use a host device", name_,
+         op, d.head_dim, kAttentionMaxHeadDim);
+  if (d.batch > kAttentionMaxGrid || d.heads > kAttentionMaxGrid)
+    fail("{}: {}: batch {} or heads {} is over CUDA's grid limit of {}; split the batch", name_, op,
+         d.batch, d.heads, kAttentionMaxGrid);
+  if (d.head_dim > 0 && attention_shared_bytes_min(d.head_dim) > max_shared_bytes())
+    fail(
+        "{}: {}: head_dim {} needs {} bytes of shared memory per block, the GPU allows {}; use a "
+        "smaller head_dim or a host device",
+        name_, op, d.head_dim, attention_shared_bytes_min(d.head_dim), max_shared_bytes());
+}
+
+void CudaKernels::matmul(const TensorView& c, const TensorView& a, bool trans_a,
+                         const TensorView& b, bool trans_b, float alpha, float beta, Stream& s) {
+  const MatmulDims d = check_matmul(c, a, trans_a, b, trans_b);
+  operands("matmul", {{"c", &c}, {"a", &a}, {"b", &b}});
+  const cudaStream_t stream = device_.enter(s);
+  if (d.m == 0 || d.n == 0) return;
+  if (d.k == 0) {  // an empty sum: c = beta * c (cuBLASLt does not take k == 0)
+    launch_scale(c.data, c.dtype, beta, d.m * d.n, stream);
+    return;
+  }
+  matmul_.run(d, c.data, c.dtype, a.data, trans_a, b.data, trans_b, a.dtype, alpha, beta,
+              device_.workspace(s), kStreamWorkspaceBytes, stream);
+}
+
+void CudaKernels::embedding_forward(const TensorView& out, const TensorView& table,
+                                    const int32_t* id, Stream& s) {
+  const RowDims d = check_embedding("embedding_forward", out, table);
+  operands("embedding_forward", {{"out", &out}, {"table", &table}});
+  ids("embedding_forward", "ids", id, d.rows);
+  const cudaStream_t stream = device_.enter(s);
+  launch_embedding_forward(out.data, out.dtype, table.data, table.dtype, id, d.rows, d.cols,
+                           stream);
+}
+
+void CudaKernels::embedding_backward(const TensorView& dtable, const TensorView& dout,
+                                     const int32_t* id, Stream& s) {
+  const RowDims d = check_embedding("embedding_backward", dout, dtable);
+  operands("embedding_backward", {{"dtable", &dtable}, {"dout", &dout}});
+  ids("embedding_backward", "ids", id, d.rows);
+  const cudaStream_t stream = device_.enter(s);
+  launch_embedding_backward(dtable.data, dtable.dtype, dout.data, dout.dtype, id, d.rows, d.cols,
+                            stream);
+}
+
+void CudaKernels::rmsnorm_forward(const TensorView& y, const TensorView& rstd_stats,
+                                  const TensorView& x, const TensorView& w, float eps, Stream& s) {
+  const RowDims d = check_rmsnorm("rmsnorm_forward", y, rstd_stats, x, w);
+  operands("rmsnorm_forward", {{"y", &y}, {"x", &x}, {"w", &w}});
+  float* rstd = stats("rmsnorm_forward", "rstd_stats", rstd_stats);
+  const cudaStream_t stream = device_.enter(s);
+  launch_rmsnorm_forward(y.data, y.dtype, rstd, x.data, x.dtype, w.data, w.dtype, d.rows, d.cols,
+                         eps, stream);
+}
+
+void CudaKernels::rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorView& dy,
+                                   const TensorView& x, const TensorView& w,
+                                   const TensorView& rstd_stats, Stream& s) {
+  const char* op = "rmsnorm_backward";
+  const RowDims d = host::check_rmsnorm_backward(dx, dw, dy, x, w, rstd_stats);
+  operands(op, {{"dx", &dx}, {"dw", &dw}, {"dy", &dy}, {"x", &x}, {"w", &w}});
+  const float* rstd = stats(op, "rstd_stats", rstd_stats);
+  if (rmsnorm_scratch_min(d.cols) > kStreamWorkspaceBytes)
+    fail("{}: {}: rows of {} elements need {} bytes of scratch, over the stream workspace's {}",
+         name_, op, d.cols, rmsnorm_scratch_min(d.cols), kStreamWorkspaceBytes);
+  const cudaStream_t stream = device_.enter(s);
+  if (d.rows == 0 || d.cols == 0) return;
+  launch_rmsnorm_backward(dx.data, dx.dtype, dw.data, dw.dtype, dy.data, dy.dtype, x.data, x.dtype,
+                          w.data, w.dtype, rstd, d.rows, d.cols,
+                          static_cast<float*>(device_.workspace(s)), kStreamWorkspaceBytes, stream);
+}
+
+void CudaKernels::rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len,
+                       bool inverse, Stream& s) {
+  const RopeDims d = check_rope(x, cos_sin, seq_len);
+  operands("rope", {{"x", &x}});
+  const float* table = stats("rope", "cos_sin", cos_sin);
+  const cudaStream_t stream = device_.enter(s);
+  launch_rope(x.data, x.dtype, table, d.tokens, d.heads, d.head_dim, seq_len, inverse, stream);
+}
+
+void CudaKernels::attention_forward(const TensorView& out, const TensorView& lse_stats,
+                                    const TensorView& q, const TensorView& k, const TensorView& v,
+                                    Stream& s) {
+  const char* op = "attention_forward";
+  const AttentionDims d = check_attention(op, out, lse_stats, q, k, v);
+  check_attention_limits(op, d, {&q, &k, &v, &out});
+  operands(op, {{"out", &out}, {"q", &q}, {"k", &k}, {"v", &v}});
+  float* lse = stats(op, "lse_stats", lse_stats);
+  const cudaStream_t stream = device_.enter(s);
+  launch_attention_forward(out.data, lse, q.data, k.data, v.data, q.dtype, d, stream);
+}
+
+void CudaKernels::attention_backward(const TensorView& dq, const TensorView& dk,
+                                     const TensorView& dv, const TensorView& dout,
+                                     const TensorView& q, const TensorView& k, const TensorView& v,
+                                     const TensorView& out, const TensorView& lse_stats,
+                                     Stream& s) {
+  const char* op = "attention_backward";
+  const AttentionDims d = host::check_attention_backward(dq, dk, dv, dout, q, k, v, out, lse_stats);
+  check_attention_limits(op, d, {&q, &k, &v, &out, &dq, &dk, &dv, &dout});
+  operands(op, {{"dq", &dq},
+                {"dk", &dk},
+                {"dv", &dv},
+                {"dout", &dout},
+                {"q", &q},
+                {"k", &k},
+                {"v", &v},
+                {"out", &out}});
+  const float* lse = stats(op, "lse_stats", lse_stats);
+  const cudaStream_t stream = device_.enter(s);
+  launch_attention_backward(dq.data, dk.data, dv.data, dout.data, q.data, k.data, v.data, out.data,
+                            lse, q.dtype, d, max_shared_bytes(), stream);
+}
+
+void CudaKernels::swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
+                                 Stream& s) {
+  const int64_t n = check_same_shape("swiglu_forward", {&h, &gate, &up});
+  operands("swiglu_forward", {{"h", &h}, {"gate", &gate}, {"up", &up}});
+  const cudaStream_t stream = device_.enter(s);
+  launch_swiglu_forward(h.data, h.dtype, gate.data, gate.dtype, up.data, up.dtype, n, stream);
+}
+
+void CudaKernels::swiglu_backward(const TensorView& dgate, const TensorView& dup,
+                                  const TensorView& dh, const TensorView& gate,
+                                  const TensorView& up, Stream& s) {
+  const char* op = "swiglu_backward";
+  const int64_t n = host::check_swiglu_backward(dgate, dup, dh, gate, up);
+  operands(op, {{"dgate", &dgate}, {"dup", &dup}, {"dh", &dh}, {"gate", &gate}, {"up", &up}});
+  const cudaStream_t stream = device_.enter(s);
+  launch_swiglu_backward(dgate.data, dgate.dtype, dup.data, dup.dtype, dh.data, dh.dtype, gate.data,
+                         gate.dtype, up.data, up.dtype, n, stream);
+}
+
+void CudaKernels::add(const TensorView& out, const TensorView& a, const TensorView& b, Stream& s) {
+  const int64_t n = check_same_shape("add", {&out, &a, &b});
+  operands("add", {{"out", &out}, {"a", &a}, {"b", &b}});
+  const cudaStream_t stream = device_.enter(s);
+  launch_add(out.data, out.dtype, a.data, a.dtype, b.data, b.dtype, n, stream);
+}
+
+void CudaKernels::fill(const TensorView& x, float value, Stream& s) {
+  operands("fill", {{"x", &x}});
+  const cudaStream_t stream = device_.enter(s);
+  launch_fill(x.data, x.dtype, value, x.numel(), stream);
+}
+
+void CudaKernels::xent_forward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
+                                     const TensorView& row_max, const TensorView& row_sum,
+                                     const TensorView& target_logit, Stream& s) {
+  const char* op = "xent_forward_chunk";
+  const XentDims d = check_xent(op, logits, {&row_max, &row_sum, &target_logit});
+  operands(op, {{"logits", &logits}});
+  float* max = stats(op, "row_max", row_max);
+  float* sum = stats(op, "row_sum", row_sum);
+  float* target = stats(op, "target_logit", target_logit);
+  ids(op, "targets", targets, d.rows);
+  const cudaStream_t stream = device_.enter(s);
+  launch_xent_forward_chunk(logits.data, logits.dtype, d.rows, d.chunk, v0, targets, max, sum,
+                            target, stream);
+}
+
+void CudaKernels::xent_finish(const TensorView& losses, const TensorView& lse,
+                              const TensorView& row_max, const TensorView& row_sum,
+                              const TensorView& target_logit, const int32_t* targets, Stream& s) {
+  const char* op = "xent_finish";
+  const int64_t rows = host::check_xent_finish(losses, lse, row_max, row_sum, target_logit).rows;
+  float* loss = stats(op, "losses", losses);
+  float* l = stats(op, "lse", lse);
+  const float* max = stats(op, "row_max", row_max);
+  const float* sum = stats(op, "row_sum", row_sum);
+  const float* target = stats(op, "target_logit", target_logit);
+  ids(op, "targets", targets, rows);
+  const cudaStream_t stream = device_.enter(s);
+  launch_xent_finish(loss, l, max, sum, target, targets, rows, stream);
+}
+
+void CudaKernels::xent_backward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
+                                      const TensorView& lse, float scale, Stream& s) {
+  const char* op = "xent_backward_chunk";
+  const XentDims d = check_xent(op, logits, {&lse});
+  operands(op, {{"logits", &logits}});
+  const float* l = stats(op, "lse", lse);
+  ids(op, "targets", targets, d.rows);
+  const cudaStream_t stream = device_.enter(s);
+  launch_xent_backward_chunk(logits.data, logits.dtype, d.rows, d.chunk, v0, targets, l, scale,
+                             stream);
+}
+
+}  // namespace
+
+std::unique_ptr<Kernels> make_cuda_kernels(const CudaDeviceAccess& device) {
+  return std::make_unique<CudaKernels>(device);
+}
+
+}  // namespace strata

@@ -1,0 +1,89 @@
+// ops.h: launchers for the model's CUDA kernels; core/kernels.h gives each op's semantics.
+//
+// Each launcher takes raw device pointers, sizes and dtypes, and queues its kernels on
+// `stream` with the stream's device current. The caller (cuda_kernels.cpp) has already run
+// the shared shape checks, checked that every pointer lies in the device's arena, and
+// rejected f16: every dtype here is f32 or bf16. Stats tensors are f32. A launch error throws
+// strata::Error (CUDA_CHECK_LAUNCH). Included by .cu files: no fmt here.
+#pragma once
+
+#include "core/dtype.h"
+#include "core/kernels.h"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace strata {
+
+// ---- embedding.cu ----
+void launch_embedding_forward(void* out, DType out_t, const void* table, DType table_t,
+                              const int32_t* ids, int64_t rows, int64_t dim, cudaStream_t stream);
+// Atomic adds: rows sharing an id add in an unspecified order, so an f32 dtable may differ
+// from run to run in the last bits (as PyTorch's non-deterministic embedding backward).
+void launch_embedding_backward(void* dtable, DType dtable_t, const void* dout, DType dout_t,
+                               const int32_t* ids, int64_t rows, int64_t dim, cudaStream_t stream);
+
+// ---- rmsnorm.cu ----
+void launch_rmsnorm_forward(void* y, DType y_t, float* rstd, const void* x, DType x_t,
+                            const void* w, DType w_t, int64_t rows, int64_t dim, float eps,
+                            cudaStream_t stream);
+// The scratch the backward needs for its per-block dw partials: at least rmsnorm_scratch_min
+// bytes (one partial row); more allows more blocks, up to rmsnorm_scratch_max.
+uint64_t rmsnorm_scratch_min(int64_t dim);
+uint64_t rmsnorm_scratch_max(int64_t rows, int64_t dim);
+// dx += ..., dw += ... (deterministic: dw sums the per-block partials in a fixed order).
+// `scratch` is device memory of `scratch_bytes` >= rmsnorm_scratch_min(dim), used only by
+// work queued on `stream`.
+void launch_rmsnorm_backward(void* dx, DType dx_t, void* dw, DType dw_t, const void* dy, DType dy_t,
+                             const void* x, DType x_t, const void* w, DType w_t, const float* rstd,
+                             int64_t rows, int64_t dim, float* scratch, uint64_t scratch_bytes,
+                             cudaStream_t stream);
+
+// ---- rope.cu ----
+void launch_rope(void* x, DType x_t, const float* cos_sin, int64_t tokens, int64_t heads,
+                 int64_t head_dim, int64_t seq_len, bool inverse, cudaStream_t stream);
+
+// ---- attention.cu: tiled (flash-style) causal GQA attention, f32 arithmetic ----
+// head_dim up to kAttentionMaxHeadDim (even); batch and heads up to kAttentionMaxGrid.
+inline constexpr int64_t kAttentionMaxHeadDim = 256;
+inline constexpr int64_t kAttentionMaxGrid = 65535;
+// The most dynamic shared memory any attention kernel needs for `head_dim` in its smallest
+// configuration; the device must allow that much per block (every sm_80+ GPU does for 256).
+uint64_t attention_shared_bytes_min(int64_t head_dim);
+// q, k, v, out (and the gradients) all of dtype t. `max_shared_bytes` is the device's
+// cudaDevAttrMaxSharedMemoryPerBlockOptin (>= attention_shared_bytes_min): the backward picks
+// the largest query tile that fits.
+void launch_attention_forward(void* out, float* lse, const void* q, const void* k, const void* v,
+                              DType t, const AttentionDims& dims, cudaStream_t stream);
+void launch_attention_backward(void* dq, void* dk, void* dv, const void* dout, const void* q,
+                               const void* k, const void* v, const void* out, const float* lse,
+                               DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
+                               cudaStream_t stream);
+
+// ---- swiglu.cu ----
+void launch_swiglu_forward(void* h, DType h_t, const void* gate, DType gate_t, const void* up,
+                           DType up_t, int64_t n, cudaStream_t stream);
+void launch_swiglu_backward(void* dgate, DType dgate_t, void* dup, DType dup_t, const void* dh,
+                            DType dh_t, const void* gate, DType gate_t, const void* up, DType up_t,
+                            int64_t n, cudaStream_t stream);
+
+// ---- elementwise.cu ----
+void launch_add(void* out, DType out_t, const void* a, DType a_t, const void* b, DType b_t,
+                int64_t n, cudaStream_t stream);
+void launch_fill(void* x, DType x_t, float value, int64_t n, cudaStream_t stream);
+// x = beta * x, with beta == 0 writing zeros whatever x holds (a matmul with k == 0).
+void launch_scale(void* x, DType x_t, float beta, int64_t n, cudaStream_t stream);
+
+// ---- xent.cu: chunked softmax cross-entropy, one block per row ----
+void launch_xent_forward_chunk(const void* logits, DType logits_t, int64_t rows, int64_t chunk,
+                               int64_t v0, const int32_t* targets, float* row_max, float* row_sum,
+                               float* target_logit, cudaStream_t stream);
+void launch_xent_finish(float* losses, float* lse, const float* row_max, const float* row_sum,
+                        const float* target_logit, const int32_t* targets, int64_t rows,
+                        cudaStream_t stream);
+void launch_xent_backward_chunk(void* logits, DType logits_t, int64_t rows, int64_t chunk,
+                                int64_t v0, const int32_t* targets, const float* lse, float scale,
+                                cudaStream_t stream);
+
+}  // namespace strata

@@ -1,0 +1,184 @@
+// host_kernels.cpp: the host kernel table: checks now, the reference op later in stream order.
+#include "host/host_kernels.h"
+
+#include "core/error.h"
+#include "host/ops.h"
+
+#include <initializer_list>
+#include <utility>
+
+namespace strata::host {
+namespace {
+
+struct Named {
+  const char* name;
+  const TensorView* view;
+};
+
+class HostKernels final : public Kernels {
+ public:
+  explicit HostKernels(KernelQueue queue) : q_(std::move(queue)) {}
+
+  void matmul(const TensorView& c, const TensorView& a, bool trans_a, const TensorView& b,
+              bool trans_b, float alpha, float beta, Stream& s) override {
+    check_matmul(c, a, trans_a, b, trans_b);
+    in_memory("matmul", {{"c", &c}, {"a", &a}, {"b", &b}});
+    q_.enqueue(s, [=] { host::matmul(c, a, trans_a, b, trans_b, alpha, beta); });
+  }
+
+  void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids,
+                         Stream& s) override {
+    const char* op = "embedding_forward";
+    const RowDims d = check_embedding(op, out, table);
+    in_memory(op, {{"out", &out}, {"table", &table}});
+    ids_in_memory(op, "ids", ids, d.rows);
+    q_.enqueue(s, [=] { host::embedding_forward(out, table, ids); });
+  }
+
+  void embedding_backward(const TensorView& dtable, const TensorView& dout, const int32_t* ids,
+                          Stream& s) override {
+    const char* op = "embedding_backward";
+    const RowDims d = check_embedding(op, dout, dtable);
+    in_memory(op, {{"dtable", &dtable}, {"dout", &dout}});
+    ids_in_memory(op, "ids", ids, d.rows);
+    q_.enqueue(s, [=] { host::embedding_backward(dtable, dout, ids); });
+  }
+
+  void rmsnorm_forward(const TensorView& y, const TensorView& rstd_stats, const TensorView& x,
+                       const TensorView& w, float eps, Stream& s) override {
+    const char* op = "rmsnorm_forward";
+    check_rmsnorm(op, y, rstd_stats, x, w);
+    in_memory(op, {{"y", &y}, {"rstd_stats", &rstd_stats}, {"x", &x}, {"w", &w}});
+    q_.enqueue(s, [=] { host::rmsnorm_forward(y, rstd_stats, x, w, eps); });
+  }
+
+  void rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorView& dy,
+                        const TensorView& x, const TensorView& w, const TensorView& rstd_stats,
+                        Stream& s) override {
+    check_rmsnorm_backward(dx, dw, dy, x, w, rstd_stats);
+    in_memory(
+        "rmsnorm_backward",
+        {{"dx", &dx}, {"dw", &dw}, {"dy", &dy}, {"x", &x}, {"w", &w}, {"rstd_stats", &rstd_stats}});
+    q_.enqueue(s, [=] { host::rmsnorm_backward(dx, dw, dy, x, w, rstd_stats); });
+  }
+
+  void rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len, bool inverse,
+            Stream& s) override {
+    check_rope(x, cos_sin, seq_len);
+    in_memory("rope", {{"x", &x}, {"cos_sin", &cos_sin}});
+    q_.enqueue(s, [=] { host::rope(x, cos_sin, seq_len, inverse); });
+  }
+
+  void attention_forward(const TensorView& out, const TensorView& lse_stats, const TensorView& q,
+                         const TensorView& k, const TensorView& v, Stream& s) override {
+    const char* op = "attention_forward";
+    check_attention(op, out, lse_stats, q, k, v);
+    in_memory(op, {{"out", &out}, {"lse_stats", &lse_stats}, {"q", &q}, {"k", &k}, {"v", &v}});
+    q_.enqueue(s, [=] { host::attention_forward(out, lse_stats, q, k, v); });
+  }
+
+  void attention_backward(const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                          const TensorView& dout, const TensorView& q, const TensorView& k,
+                          const TensorView& v, const TensorView& out, const TensorView& lse_stats,
+                          Stream& s) override {
+    check_attention_backward(dq, dk, dv, dout, q, k, v, out, lse_stats);
+    in_memory("attention_backward", {{"dq", &dq},
+                                     {"dk", &dk},
+                                     {"dv", &dv},
+                                     {"dout", &dout},
+                                     {"q", &q},
+                                     {"k", &k},
+                                     {"v", &v},
+                                     {"out", &out},
+                                     {"lse_stats", &lse_stats}});
+    q_.enqueue(s, [=] { host::attention_backward(dq, dk, dv, dout, q, k, v, out, lse_stats); });
+  }
+
+  void swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
+                      Stream& s) override {
+    const char* op = "swiglu_forward";
+    check_same_shape(op, {&h, &gate, &up});
+    in_memory(op, {{"h", &h}, {"gate", &gate}, {"up", &up}});
+    q_.enqueue(s, [=] { host::swiglu_forward(h, gate, up); });
+  }
+
+  void swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
+                       const TensorView& gate, const TensorView& up, Stream& s) override {
+    check_swiglu_backward(dgate, dup, dh, gate, up);
+    in_memory("swiglu_backward",
+              {{"dgate", &dgate}, {"dup", &dup}, {"dh", &dh}, {"gate", &gate}, {"up", &up}});
+    q_.enqueue(s, [=] { host::swiglu_backward(dgate, dup, dh, gate, up); });
+  }
+
+  void add(const TensorView& out, const TensorView& a, const TensorView& b, Stream& s) override {
+    check_same_shape("add", {&out, &a, &b});
+    in_memory("add", {{"out", &out}, {"a", &a}, {"b", &b}});
+    q_.enqueue(s, [=] { host::add(out, a, b); });
+  }
+
+  void fill(const TensorView& x, float value, Stream& s) override {
+    check_same_shape("fill", {&x});
+    in_memory("fill", {{"x", &x}});
+    q_.enqueue(s, [=] { host::fill(x, value); });
+  }
+
+  void xent_forward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
+                          const TensorView& row_max, const TensorView& row_sum,
+                          const TensorView& target_logit, Stream& s) override {
+    const char* op = "xent_forward_chunk";
+    const XentDims d = check_xent(op, logits, {&row_max, &row_sum, &target_logit});
+    in_memory(op, {{"logits", &logits},
+                   {"row_max", &row_max},
+                   {"row_sum", &row_sum},
+                   {"target_logit", &target_logit}});
+    ids_in_memory(op, "targets", targets, d.rows);
+    q_.enqueue(
+        s, [=] { host::xent_forward_chunk(logits, v0, targets, row_max, row_sum, target_logit); });
+  }
+
+  void xent_finish(const TensorView& losses, const TensorView& lse, const TensorView& row_max,
+                   const TensorView& row_sum, const TensorView& target_logit,
+                   const int32_t* targets, Stream& s) override {
+    const char* op = "xent_finish";
+    const XentDims d = check_xent_finish(losses, lse, row_max, row_sum, target_logit);
+    in_memory(op, {{"losses", &losses},
+                   {"lse", &lse},
+                   {"row_max", &row_max},
+                   {"row_sum", &row_sum},
+                   {"target_logit", &target_logit}});
+    ids_in_memory(op, "targets", targets, d.rows);
+    q_.enqueue(s, [=] { host::xent_finish(losses, lse, row_max, row_sum, target_logit, targets); });
+  }
+
+  void xent_backward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
+                           const TensorView& lse, float scale, Stream& s) override {
+    const char* op = "xent_backward_chunk";
+    const XentDims d = check_xent(op, logits, {&lse});
+    in_memory(op, {{"logits", &logits}, {"lse", &lse}});
+    ids_in_memory(op, "targets", targets, d.rows);
+    q_.enqueue(s, [=] { host::xent_backward_chunk(logits, v0, targets, lse, scale); });
+  }
+
+ private:
+  void in_memory(const char* op, std::initializer_list<Named> views) const {
+    for (const Named& t : views)
+      if (t.view->bytes() > 0)
+        q_.check_memory(t.view->data, t.view->bytes(),
+                        fmt::format("{}: tensor {} {} at", op, t.name, t.view->str()));
+  }
+  void ids_in_memory(const char* op, const char* name, const int32_t* ids, int64_t n) const {
+    if (n > 0)
+      q_.check_memory(ids, static_cast<uint64_t>(n) * sizeof(int32_t),
+                      fmt::format("{}: {} (int32[{}]) at", op, name, n));
+  }
+
+  KernelQueue q_;
+};
+
+}  // namespace
+
+std::unique_ptr<Kernels> make_kernels(KernelQueue queue) {
+  return std::make_unique<HostKernels>(std::move(queue));
+}
+
+}  // namespace strata::host

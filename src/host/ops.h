@@ -1,0 +1,72 @@
+// ops.h: the host backend's reference ops, one per op of the kernel table (core/kernels.h,
+// which gives each op's exact semantics).
+//
+// These are the oracle every CUDA kernel is tested against, so they favour being plainly
+// right over being fast: arithmetic in f32, long sums (means of squares, softmax sums,
+// attention outputs and gradients) in double, 64-bit indexing. Each function is synchronous,
+// takes views of ordinary host memory (a view's `device` is ignored), runs the op's shape
+// checks first and throws Error on a mismatch or on an id out of range. Rows are spread over
+// oneTBB threads, but every sum runs in a fixed order: results do not depend on thread count.
+// Matmuls go through OpenBLAS's cblas_sgemm; 16-bit operands are converted to f32 first.
+#pragma once
+
+#include "core/kernels.h"
+#include "core/tensor.h"
+
+#include <cstdint>
+
+namespace strata::host {
+
+void matmul(const TensorView& c, const TensorView& a, bool trans_a, const TensorView& b,
+            bool trans_b, float alpha, float beta);
+
+// ids: out.shape[0] (or dout.shape[0]) int32 ids, each in [0, table rows).
+void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids);
+void embedding_backward(const TensorView& dtable, const TensorView& dout, const int32_t* ids);
+
+void rmsnorm_forward(const TensorView& y, const TensorView& rstd_stats, const TensorView& x,
+                     const TensorView& w, float eps);
+void rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorView& dy,
+                      const TensorView& x, const TensorView& w, const TensorView& rstd_stats);
+
+void rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len, bool inverse);
+
+void attention_forward(const TensorView& out, const TensorView& lse_stats, const TensorView& q,
+                       const TensorView& k, const TensorView& v);
+void attention_backward(const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                        const TensorView& dout, const TensorView& q, const TensorView& k,
+                        const TensorView& v, const TensorView& out, const TensorView& lse_stats);
+
+void swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up);
+void swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
+                     const TensorView& gate, const TensorView& up);
+
+void add(const TensorView& out, const TensorView& a, const TensorView& b);
+void fill(const TensorView& x, float value);
+
+// targets: logits.shape[0] int32 ids, each >= 0 or kIgnoreIndex.
+void xent_forward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
+                        const TensorView& row_max, const TensorView& row_sum,
+                        const TensorView& target_logit);
+void xent_finish(const TensorView& losses, const TensorView& lse, const TensorView& row_max,
+                 const TensorView& row_sum, const TensorView& target_logit, const int32_t* targets);
+void xent_backward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
+                         const TensorView& lse, float scale);
+
+// The full shape checks of the ops that take more than one check_* call (core/kernels.h),
+// shared with the host kernel table, which runs them when an op is queued.
+RowDims check_rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorView& dy,
+                               const TensorView& x, const TensorView& w,
+                               const TensorView& rstd_stats);
+AttentionDims check_attention_backward(const TensorView& dq, const TensorView& dk,
+                                       const TensorView& dv, const TensorView& dout,
+                                       const TensorView& q, const TensorView& k,
+                                       const TensorView& v, const TensorView& out,
+                                       const TensorView& lse_stats);
+int64_t check_swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
+                              const TensorView& gate, const TensorView& up);
+XentDims check_xent_finish(const TensorView& losses, const TensorView& lse,
+                           const TensorView& row_max, const TensorView& row_sum,
+                           const TensorView& target_logit);
+
+}  // namespace strata::host

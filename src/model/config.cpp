@@ -1,0 +1,425 @@
+#include "model/config.h"
+
+#include "core/error.h"
+#include "model/file_io.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cmath>
+#include <limits>
+#include <system_error>
+
+namespace strata {
+
+namespace {
+
+using json = nlohmann::json;
+namespace fs = std::filesystem;
+
+// Bounds that keep every size product below 2^62 (no overflow in parameter counts).
+constexpr int64_t kMaxSize = int64_t{1} << 24;   // hidden, intermediate, vocab, positions
+constexpr int64_t kMaxCount = int64_t{1} << 16;  // layers, heads, head_dim
+
+// A value as config.json spelled it, shortened for error messages.
+std::string shown(const json& v) {
+  std::string s = v.dump();
+  if (s.size() > 80) s = s.substr(0, 77) + "...";
+  return s;
+}
+
+// The field, or null when it is absent or JSON null (Hugging Face writes null for "unset").
+const json* field(const json& j, const std::string& key) {
+  const auto it = j.find(key);
+  return it == j.end() || it->is_null() ? nullptr : &*it;
+}
+
+[[noreturn]] void type_error(std::string_view src, std::string_view key, std::string_view want,
+                             const json& v) {
+  fail("{}: field '{}' must be {}, got {} {}; fix config.json", src, key, want, v.type_name(),
+       shown(v));
+}
+
+[[noreturn]] void missing(std::string_view src, std::string_view key) {
+  fail(
+      "{}: required field '{}' is missing; a Llama config.json sets it (compare with the "
+      "model's published config.json)",
+      src, key);
+}
+
+int64_t as_int(const json& v, std::string_view src, std::string_view key) {
+  if (!v.is_number_integer()) type_error(src, key, "an integer", v);
+  if (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t{std::numeric_limits<int64_t>::max()})
+    fail("{}: field '{}' = {} is out of range; fix config.json", src, key, shown(v));
+  return v.get<int64_t>();
+}
+double as_number(const json& v, std::string_view src, std::string_view key) {
+  if (!v.is_number()) type_error(src, key, "a number", v);
+  return v.get<double>();
+}
+bool as_bool(const json& v, std::string_view src, std::string_view key) {
+  if (!v.is_boolean()) type_error(src, key, "true or false", v);
+  return v.get<bool>();
+}
+const std::string& as_string(const json& v, std::string_view src, std::string_view key) {
+  if (!v.is_string()) type_error(src, key, "a string", v);
+  return v.get_ref<const std::string&>();
+}
+
+// The field converted by `as`; `prefix` makes nested names whole ("rope_scaling.factor").
+template <typename Convert>
+auto required(const json& j, const std::string& key, std::string_view src, Convert as,
+              std::string_view prefix = "") {
+  const std::string name = std::string(prefix) + key;
+  const json* v = field(j, key);
+  if (v == nullptr) missing(src, name);
+  return as(*v, src, name);
+}
+
+// A rope_scaling (or transformers 5's rope_parameters) object. Hugging Face has written the
+// kind as "type" and later as "rope_type", sometimes both.
+RopeScaling parse_rope_scaling(const json& r, std::string_view src, const std::string& key) {
+  if (!r.is_object()) type_error(src, key, "an object or null", r);
+  const json* rope_type = field(r, "rope_type");
+  const json* type = field(r, "type");
+  if (rope_type != nullptr && type != nullptr && *rope_type != *type)
+    fail("{}: {}.rope_type {} and {}.type {} disagree; keep one of them", src, key,
+         shown(*rope_type), key, shown(*type));
+  const std::string kind_key = key + (rope_type != nullptr ? ".rope_type" : ".type");
+  const json* kind = rope_type != nullptr ? rope_type : type;
+  if (kind == nullptr)
+    fail("{}: {} has no rope_type (or type); set it to \"llama3\" or make {} null", src, key, key);
+  const std::string& k = as_string(*kind, src, kind_key);
+  RopeScaling s;
+  if (k == "default") return s;  // Hugging Face's name for plain rotary embeddings
+  if (k != "llama3")
+    fail(
+        "{}: {} '{}' is not supported; strata implements plain rotary embeddings and Llama "
+        "3.1's 'llama3' scaling only",
+        src, kind_key, k);
+  const std::string prefix = key + ".";
+  s.kind = RopeScalingKind::llama3;
+  s.factor = required(r, "factor", src, as_number, prefix);
+  s.low_freq_factor = required(r, "low_freq_factor", src, as_number, prefix);
+  s.high_freq_factor = required(r, "high_freq_factor", src, as_number, prefix);
+  s.original_max_position_embeddings =
+      required(r, "original_max_position_embeddings", src, as_int, prefix);
+  return s;
+}
+
+std::string_view hf_dtype_name(DType t) {
+  return t == DType::f32 ? "float32" : t == DType::bf16 ? "bfloat16" : "float16";
+}
+
+LlamaConfig make_preset(std::string name, int64_t hidden, int64_t intermediate, int64_t layers,
+                        int64_t heads, int64_t kv_heads, int64_t vocab, int64_t positions,
+                        double rope_theta, DType dtype, RopeScaling scaling = {}) {
+  LlamaConfig c;
+  c.name = std::move(name);
+  c.hidden_size = hidden;
+  c.intermediate_size = intermediate;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = heads;
+  c.num_key_value_heads = kv_heads;
+  c.head_dim = hidden / heads;
+  c.vocab_size = vocab;
+  c.max_position_embeddings = positions;
+  c.rms_norm_eps = 1e-5;
+  c.rope_theta = rope_theta;
+  c.rope_scaling = scaling;
+  c.tie_word_embeddings = false;
+  c.torch_dtype = dtype;
+  return c;
+}
+
+const std::vector<LlamaConfig>& presets() {
+  // Shapes as published in each model's Hugging Face config.json.
+  static const std::vector<LlamaConfig> all = [] {
+    RopeScaling llama31;
+    llama31.kind = RopeScalingKind::llama3;
+    llama31.factor = 8.0;
+    llama31.low_freq_factor = 1.0;
+    llama31.high_freq_factor = 4.0;
+    llama31.original_max_position_embeddings = 8192;
+    return std::vector<LlamaConfig>{
+        make_preset("tiny", 64, 172, 2, 4, 2, 512, 256, 10000.0, DType::f32),
+        make_preset("llama2-7b", 4096, 11008, 32, 32, 32, 32000, 4096, 10000.0, DType::f16),
+        make_preset("llama2-13b", 5120, 13824, 40, 40, 40, 32000, 4096, 10000.0, DType::f16),
+        make_preset("llama2-70b", 8192, 28672, 80, 64, 8, 32000, 4096, 10000.0, DType::f16),
+        make_preset("llama3-8b", 4096, 14336, 32, 32, 8, 128256, 8192, 500000.0, DType::bf16),
+        make_preset("llama3-70b", 8192, 28672, 80, 64, 8, 128256, 8192, 500000.0, DType::bf16),
+        make_preset("llama3.1-8b", 4096, 14336, 32, 32, 8, 128256, 131072, 500000.0, DType::bf16,
+                    llama31),
+        make_preset("llama3.1-70b", 8192, 28672, 80, 64, 8, 128256, 131072, 500000.0, DType::bf16,
+                    llama31),
+    };
+  }();
+  return all;
+}
+
+}  // namespace
+
+void validate_llama_config(const LlamaConfig& c, std::string_view src) {
+  auto in_range = [&](std::string_view key, int64_t v, int64_t max) {
+    if (v < 1 || v > max)
+      fail("{}: {} = {} is out of range; it must be between 1 and {}", src, key, v, max);
+  };
+  in_range("hidden_size", c.hidden_size, kMaxSize);
+  in_range("intermediate_size", c.intermediate_size, kMaxSize);
+  in_range("vocab_size", c.vocab_size, kMaxSize);
+  in_range("max_position_embeddings", c.max_position_embeddings, kMaxSize);
+  in_range("num_hidden_layers", c.num_hidden_layers, kMaxCount);
+  in_range("num_attention_heads", c.num_attention_heads, kMaxCount);
+  in_range("num_key_value_heads", c.num_key_value_heads, kMaxCount);
+  in_range("head_dim", c.head_dim, kMaxCount);
+  if (c.num_attention_heads % c.num_key_value_heads != 0)
+    fail(
+        "{}: num_attention_heads = {} is not a multiple of num_key_value_heads = {}; grouped-query "
+        "attention shares each key/value head among a whole number of query heads",
+        src, c.num_attention_heads, c.num_key_value_heads);
+  if (c.head_dim % 2 != 0)
+    fail("{}: head_dim = {} is odd; rotary embeddings rotate pairs of dimensions", src, c.head_dim);
+  if (!(c.rms_norm_eps > 0) || !std::isfinite(c.rms_norm_eps))
+    fail("{}: rms_norm_eps = {} must be a positive number (Llama uses 1e-5 or 1e-6)", src,
+         c.rms_norm_eps);
+  if (!(c.rope_theta > 0) || !std::isfinite(c.rope_theta))
+    fail("{}: rope_theta = {} must be a positive number (Llama 2 uses 10000, Llama 3 500000)", src,
+         c.rope_theta);
+  if (c.rope_scaling.kind == RopeScalingKind::llama3) {
+    const RopeScaling& r = c.rope_scaling;
+    if (!(r.factor > 0) || !std::isfinite(r.factor))
+      fail("{}: rope_scaling.factor = {} must be a positive number (Llama 3.1 uses 8)", src,
+           r.factor);
+    if (!(r.low_freq_factor > 0) || !std::isfinite(r.low_freq_factor))
+      fail("{}: rope_scaling.low_freq_factor = {} must be a positive number (Llama 3.1 uses 1)",
+           src, r.low_freq_factor);
+    if (!(r.high_freq_factor > r.low_freq_factor) || !std::isfinite(r.high_freq_factor))
+      fail(
+          "{}: rope_scaling.high_freq_factor = {} must be larger than low_freq_factor = {} "
+          "(Llama 3.1 uses 4 and 1)",
+          src, r.high_freq_factor, r.low_freq_factor);
+    in_range("rope_scaling.original_max_position_embeddings", r.original_max_position_embeddings,
+             kMaxSize);
+  }
+}
+
+LlamaConfig parse_llama_config(const json& j, std::string_view src) {
+  if (!j.is_object())
+    fail("{}: a config.json holds a JSON object, got {}; pass a Hugging Face config.json", src,
+         j.type_name());
+
+  // Architecture: LlamaForCausalLM, or no architectures at all and model_type llama.
+  const json* arch = field(j, "architectures");
+  const json* model_type = field(j, "model_type");
+  if (arch != nullptr) {
+    if (!arch->is_array()) type_error(src, "architectures", "a list of strings", *arch);
+    bool llama = false;
+    for (const json& a : *arch) llama = llama || (a.is_string() && a == "LlamaForCausalLM");
+    if (!llama)
+      fail(
+          "{}: architectures {} does not include LlamaForCausalLM; strata trains Llama-family "
+          "models only",
+          src, shown(*arch));
+  }
+  if (model_type != nullptr && as_string(*model_type, src, "model_type") != "llama")
+    fail("{}: model_type '{}' is not 'llama'; strata trains Llama-family models only", src,
+         model_type->get<std::string>());
+  if (arch == nullptr && model_type == nullptr)
+    fail(
+        "{}: neither architectures nor model_type is set, so this is not known to be a Llama "
+        "config; add \"architectures\": [\"LlamaForCausalLM\"]",
+        src);
+
+  // What would change the math and is not implemented: refused by name.
+  if (const json* v = field(j, "attention_bias"); v && as_bool(*v, src, "attention_bias"))
+    fail("{}: attention_bias is true; strata's attention projections have no bias terms", src);
+  if (const json* v = field(j, "mlp_bias"); v && as_bool(*v, src, "mlp_bias"))
+    fail("{}: mlp_bias is true; strata's MLP projections have no bias terms", src);
+  if (const json* v = field(j, "hidden_act")) {
+    const std::string& act = as_string(*v, src, "hidden_act");
+    if (act != "silu" && act != "swish")  // the same function under two names
+      fail("{}: hidden_act '{}' is not supported; strata's MLP is SwiGLU (hidden_act \"silu\")",
+           src, act);
+  }
+  if (const json* v = field(j, "attention_dropout");
+      v && as_number(*v, src, "attention_dropout") != 0.0)
+    fail("{}: attention_dropout = {} is not supported; strata has no dropout, set it to 0.0", src,
+         v->get<double>());
+  if (field(j, "quantization_config") != nullptr)
+    fail(
+        "{}: quantization_config is set; quantized checkpoints (GPTQ, AWQ, bitsandbytes, ...) "
+        "are not supported, use the original f32/bf16/f16 weights",
+        src);
+  // pretraining_tp only slices the same matmuls differently in Hugging Face: harmless.
+
+  LlamaConfig c;
+  c.name = std::string(src);
+  c.hidden_size = required(j, "hidden_size", src, as_int);
+  c.intermediate_size = required(j, "intermediate_size", src, as_int);
+  c.num_hidden_layers = required(j, "num_hidden_layers", src, as_int);
+  c.num_attention_heads = required(j, "num_attention_heads", src, as_int);
+  c.vocab_size = required(j, "vocab_size", src, as_int);
+  c.max_position_embeddings = required(j, "max_position_embeddings", src, as_int);
+  // Llama 1 used 1e-6 and Llama 2/3 1e-5: no default is safe, so it is required.
+  c.rms_norm_eps = required(j, "rms_norm_eps", src, as_number);
+  // Hugging Face's defaults: as many key/value heads as query heads, theta 10000, untied.
+  const json* kv = field(j, "num_key_value_heads");
+  c.num_key_value_heads =
+      kv != nullptr ? as_int(*kv, src, "num_key_value_heads") : c.num_attention_heads;
+  if (const json* v = field(j, "head_dim")) {
+    c.head_dim = as_int(*v, src, "head_dim");
+  } else {
+    // Non-positive sizes are left to validate_llama_config, which names them.
+    if (c.num_attention_heads > 0 && c.hidden_size % c.num_attention_heads != 0)
+      fail(
+          "{}: hidden_size = {} is not a multiple of num_attention_heads = {} and there is no "
+          "head_dim; set head_dim or fix the sizes",
+          src, c.hidden_size, c.num_attention_heads);
+    c.head_dim = c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0;
+  }
+  if (const json* v = field(j, "tie_word_embeddings"))
+    c.tie_word_embeddings = as_bool(*v, src, "tie_word_embeddings");
+  if (const json* v = field(j, "rope_theta")) c.rope_theta = as_number(*v, src, "rope_theta");
+  if (const json* v = field(j, "rope_scaling"))
+    c.rope_scaling = parse_rope_scaling(*v, src, "rope_scaling");
+  // transformers 5 folds rope_theta and rope_scaling into rope_parameters.
+  if (const json* v = field(j, "rope_parameters")) {
+    const RopeScaling s = parse_rope_scaling(*v, src, "rope_parameters");
+    double theta = c.rope_theta;
+    if (const json* t = field(*v, "rope_theta"))
+      theta = as_number(*t, src, "rope_parameters.rope_theta");
+    const bool has_old = field(j, "rope_scaling") != nullptr || field(j, "rope_theta") != nullptr;
+    if (has_old && (!(s == c.rope_scaling) || theta != c.rope_theta))
+      fail(
+          "{}: rope_parameters disagrees with rope_scaling/rope_theta; keep one description of "
+          "the rotary embeddings",
+          src);
+    c.rope_scaling = s;
+    c.rope_theta = theta;
+  }
+  // transformers 4.56 renamed torch_dtype to dtype.
+  const std::string dtype_key = field(j, "torch_dtype") != nullptr ? "torch_dtype" : "dtype";
+  if (const json* v = field(j, dtype_key)) {
+    const std::string& text = as_string(*v, src, dtype_key);
+    try {
+      c.torch_dtype = parse_dtype(text);
+    } catch (const Error&) {
+      fail("{}: {} '{}' is not supported; strata reads float32, bfloat16 and float16 weights", src,
+           dtype_key, text);
+    }
+  }
+  validate_llama_config(c, src);
+  return c;
+}
+
+LlamaConfig load_llama_config(const fs::path& path) {
+  std::error_code ec;
+  const bool is_dir = fs::is_directory(path, ec);
+  const fs::path file = is_dir ? path / "config.json" : path;
+  if (is_dir && !fs::exists(file, ec))
+    fail(
+        "{}: no config.json in this directory; a Hugging Face checkpoint directory holds "
+        "config.json and model*.safetensors",
+        path.string());
+  LlamaConfig c = parse_llama_config(read_json_file(file, "model config"), file.string());
+  // Named after the checkpoint directory ("Meta-Llama-3-8B"), as a user would call it.
+  const fs::path dir = fs::weakly_canonical(fs::absolute(file, ec), ec).parent_path();
+  c.name = dir.filename().empty() ? dir.string() : dir.filename().string();
+  return c;
+}
+
+std::vector<std::string> preset_names() {
+  std::vector<std::string> names;
+  for (const LlamaConfig& c : presets()) names.push_back(c.name);
+  return names;
+}
+
+std::optional<LlamaConfig> find_preset(std::string_view name) {
+  for (const LlamaConfig& c : presets())
+    if (c.name == name) return c;
+  return std::nullopt;
+}
+
+LlamaConfig resolve_model(std::string_view dir_or_preset) {
+  const fs::path path(dir_or_preset);
+  std::error_code ec;
+  if (!dir_or_preset.empty() && fs::exists(path, ec)) return load_llama_config(path);
+  if (std::optional<LlamaConfig> c = find_preset(dir_or_preset)) return *c;
+  fail(
+      "model '{}' is neither a checkpoint directory (config.json + safetensors) nor a preset; "
+      "pass a directory, or one of the presets: {}",
+      dir_or_preset, fmt::join(preset_names(), ", "));
+}
+
+json to_hf_config_json(const LlamaConfig& c) {
+  json j;
+  j["architectures"] = json::array({"LlamaForCausalLM"});
+  j["model_type"] = "llama";
+  j["hidden_size"] = c.hidden_size;
+  j["intermediate_size"] = c.intermediate_size;
+  j["num_hidden_layers"] = c.num_hidden_layers;
+  j["num_attention_heads"] = c.num_attention_heads;
+  j["num_key_value_heads"] = c.num_key_value_heads;
+  j["head_dim"] = c.head_dim;
+  j["vocab_size"] = c.vocab_size;
+  j["max_position_embeddings"] = c.max_position_embeddings;
+  j["rms_norm_eps"] = c.rms_norm_eps;
+  j["rope_theta"] = c.rope_theta;
+  if (c.rope_scaling.kind == RopeScalingKind::llama3) {
+    const RopeScaling& r = c.rope_scaling;
+    j["rope_scaling"] = {{"rope_type", "llama3"},
+                         {"factor", r.factor},
+                         {"low_freq_factor", r.low_freq_factor},
+                         {"high_freq_factor", r.high_freq_factor},
+                         {"original_max_position_embeddings", r.original_max_position_embeddings}};
+  } else {
+    j["rope_scaling"] = nullptr;
+  }
+  j["tie_word_embeddings"] = c.tie_word_embeddings;
+  j["torch_dtype"] = hf_dtype_name(c.torch_dtype);
+  // What strata computes, spelled out so Hugging Face builds the same model.
+  j["hidden_act"] = "silu";
+  j["attention_bias"] = false;
+  j["mlp_bias"] = false;
+  j["attention_dropout"] = 0.0;
+  j["pretraining_tp"] = 1;
+  j["initializer_range"] = 0.02;
+  j["use_cache"] = true;
+  return j;
+}
+
+int64_t HfTensor::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+std::vector<HfTensor> llama_hf_tensors(const LlamaConfig& c) {
+  const int64_t D = c.hidden_size, F = c.intermediate_size, V = c.vocab_size;
+  const int64_t Hq = c.num_attention_heads * c.head_dim, Hk = c.num_key_value_heads * c.head_dim;
+  std::vector<HfTensor> t;
+  t.push_back({"model.embed_tokens.weight", {V, D}});
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const std::string p = fmt::format("model.layers.{}.", l);
+    t.push_back({p + "input_layernorm.weight", {D}});
+    t.push_back({p + "self_attn.q_proj.weight", {Hq, D}});
+    t.push_back({p + "self_attn.k_proj.weight", {Hk, D}});
+    t.push_back({p + "self_attn.v_proj.weight", {Hk, D}});
+    t.push_back({p + "self_attn.o_proj.weight", {D, Hq}});
+    t.push_back({p + "post_attention_layernorm.weight", {D}});
+    t.push_back({p + "mlp.gate_proj.weight", {F, D}});
+    t.push_back({p + "mlp.up_proj.weight", {F, D}});
+    t.push_back({p + "mlp.down_proj.weight", {D, F}});
+  }
+  t.push_back({"model.norm.weight", {D}});
+  if (!c.tie_word_embeddings) t.push_back({"lm_head.weight", {V, D}});
+  return t;
+}
+
+uint64_t parameter_count(const LlamaConfig& c) {
+  uint64_t n = 0;
+  for (const HfTensor& t : llama_hf_tensors(c)) n += static_cast<uint64_t>(t.numel());
+  return n;
+}
+
+}  // namespace strata

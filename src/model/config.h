@@ -1,0 +1,89 @@
+// config.h: a Llama model's shape, read from a Hugging Face config.json or taken from a preset.
+//
+// Parsing is strict on purpose: a field that changes the model's math and that strata does not
+// implement (biases, another activation, another rotary scaling, quantisation) is an error that
+// names it, never silently ignored; a training run on the wrong equations would look fine until
+// its loss did not. Keys that change nothing (token ids, use_cache, transformers_version, ...)
+// are accepted.
+#pragma once
+
+#include "core/dtype.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace strata {
+
+enum class RopeScalingKind : uint8_t { none, llama3 };
+
+// Hugging Face's rope_scaling; only Llama 3.1's "llama3" frequency scaling is implemented.
+struct RopeScaling {
+  RopeScalingKind kind = RopeScalingKind::none;
+  double factor = 1.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  int64_t original_max_position_embeddings = 0;
+
+  bool operator==(const RopeScaling&) const = default;
+};
+
+struct LlamaConfig {
+  std::string name;  // the preset's name, or the checkpoint directory's
+  int64_t hidden_size = 0;
+  int64_t intermediate_size = 0;
+  int64_t num_hidden_layers = 0;
+  int64_t num_attention_heads = 0;
+  int64_t num_key_value_heads = 0;
+  int64_t head_dim = 0;  // hidden_size / num_attention_heads when config.json has none
+  int64_t vocab_size = 0;
+  int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
+  bool tie_word_embeddings = false;
+  DType torch_dtype = DType::bf16;  // the dtype the checkpoint was saved in
+
+  bool operator==(const LlamaConfig&) const = default;
+};
+
+// Checks sizes and their relations; errors name `source`, the field and its value.
+void validate_llama_config(const LlamaConfig& config, std::string_view source);
+
+// A config.json's contents; `source` names the file in errors. The result is named `source`.
+LlamaConfig parse_llama_config(const nlohmann::json& json, std::string_view source);
+// `path` is a checkpoint directory holding config.json, or the config file itself. The result
+// is named after the directory.
+LlamaConfig load_llama_config(const std::filesystem::path& path);
+
+// Presets with the published shapes: tiny, llama2-7b/13b/70b, llama3-8b/70b (Llama 3: 8192
+// positions, no rope scaling) and llama3.1-8b/70b (131072 positions, llama3 rope scaling).
+std::vector<std::string> preset_names();
+std::optional<LlamaConfig> find_preset(std::string_view name);
+// A checkpoint directory (or config.json) when the path exists, otherwise a preset name; an
+// error lists the presets when it is neither.
+LlamaConfig resolve_model(std::string_view dir_or_preset);
+
+// A config.json that Hugging Face's LlamaForCausalLM loads; parse_llama_config reads it back
+// to the same config (name aside).
+nlohmann::json to_hf_config_json(const LlamaConfig& config);
+
+// One parameter tensor as Hugging Face names and shapes it ([out, in] for projections).
+struct HfTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel() const;
+};
+// Every parameter of the model in Hugging Face's order: embed_tokens, each layer (input norm,
+// q, k, v, o, post-attention norm, gate, up, down), the final norm, and lm_head unless the
+// embeddings are tied.
+std::vector<HfTensor> llama_hf_tensors(const LlamaConfig& config);
+// The number of parameters (the sum over llama_hf_tensors): llama2-7b has 6,738,415,616.
+uint64_t parameter_count(const LlamaConfig& config);
+
+}  // namespace strata

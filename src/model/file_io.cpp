@@ -1,0 +1,216 @@
+#include "model/file_io.h"
+
+#include "core/error.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <utility>
+#include <vector>
+
+namespace strata {
+
+namespace {
+
+uint64_t page_size() {
+  static const uint64_t size = static_cast<uint64_t>(sysconf(_SC_PAGESIZE));
+  return size;
+}
+
+// The page-aligned range of the mapping that covers [offset, offset + bytes), clamped to it.
+std::pair<uint8_t*, size_t> page_range(const uint8_t* base, uint64_t size, uint64_t offset,
+                                       uint64_t bytes) {
+  if (base == nullptr || offset >= size || bytes == 0) return {nullptr, 0};
+  const uint64_t end = std::min(size, offset + bytes);
+  const uint64_t first = offset / page_size() * page_size();
+  const uint64_t last = (end + page_size() - 1) / page_size() * page_size();
+  return {const_cast<uint8_t*>(base) + first, static_cast<size_t>(last - first)};
+}
+
+}  // namespace
+
+MappedFile MappedFile::open(const std::filesystem::path& path, std::string_view what) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    fail("{} {}: cannot open: {}; check the path and its permissions", what, path.string(),
+         errno_text(err));
+  }
+  struct stat st {};
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail("{} {}: not a regular file; pass the path of the file itself", what, path.string());
+  }
+  MappedFile f;
+  f.path_ = path.string();
+  f.size_ = static_cast<uint64_t>(st.st_size);
+  if (f.size_ > 0) {
+    // MAP_SHARED and read-only: the pages are the page cache's, never copied.
+    void* p = mmap(nullptr, f.size_, PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      ::close(fd);
+      fail("{} {}: mmap of {} bytes failed: {}; check the file system supports mmap", what,
+           path.string(), f.size_, errno_text(err));
+    }
+    f.data_ = static_cast<const uint8_t*>(p);
+  }
+  ::close(fd);  // the mapping keeps the file open
+  return f;
+}
+
+MappedFile::MappedFile(MappedFile&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)),
+      size_(std::exchange(other.size_, 0)),
+      path_(std::move(other.path_)) {}
+
+MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
+  if (this != &other) {
+    unmap();
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    path_ = std::move(other.path_);
+  }
+  return *this;
+}
+
+MappedFile::~MappedFile() {
+  unmap();
+}
+
+void MappedFile::unmap() {
+  if (data_ != nullptr) munmap(const_cast<uint8_t*>(data_), size_);
+  data_ = nullptr;
+  size_ = 0;
+}
+
+void MappedFile::advise_sequential(uint64_t offset, uint64_t bytes) const {
+  const auto [p, n] = page_range(data_, size_, offset, bytes);
+  if (n > 0) (void)madvise(p, n, MADV_SEQUENTIAL);  // a hint: failure changes nothing
+}
+
+void MappedFile::release(uint64_t offset, uint64_t bytes) const {
+  // Widening to whole pages may drop a neighbour's pages too; they simply fault in again.
+  const auto [p, n] = page_range(data_, size_, offset, bytes);
+  if (n > 0) (void)madvise(p, n, MADV_DONTNEED);
+}
+
+nlohmann::json parse_json_strict(std::string_view text, std::string_view source) {
+  using json = nlohmann::json;
+  // One set of seen keys per open object; the first repeated key is reported after the parse.
+  std::vector<std::vector<std::string>> open_objects;
+  std::string duplicate;
+  const json::parser_callback_t check = [&](int, json::parse_event_t event, json& parsed) {
+    switch (event) {
+      case json::parse_event_t::object_start:
+        open_objects.emplace_back();
+        break;
+      case json::parse_event_t::object_end:
+        if (!open_objects.empty()) open_objects.pop_back();
+        break;
+      case json::parse_event_t::key:
+        if (!open_objects.empty()) {
+          auto& keys = open_objects.back();
+          const std::string& key = parsed.get_ref<const std::string&>();
+          for (const std::string& k : keys)
+            if (k == key && duplicate.empty()) duplicate = key;
+          keys.push_back(key);
+        }
+        break;
+      default:
+        break;
+    }
+    return true;
+  };
+  json j;
+  try {
+    j = json::parse(text.begin(), text.end(), check);
+  } catch (const json::parse_error& e) {
+    fail("{}: not valid JSON (at byte {}): {}; the file is damaged or not JSON", source, e.byte,
+         e.what());
+  }
+  if (!duplicate.empty())
+    fail("{}: key '{}' appears twice in one JSON object; remove the duplicate", source, duplicate);
+  return j;
+}
+
+nlohmann::json read_json_file(const std::filesystem::path& path, std::string_view what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail("{} {}: cannot open; check the path and its permissions", what, path.string());
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) fail("{} {}: read failed; check the file and the disk", what, path.string());
+  return parse_json_strict(text.str(), path.string());
+}
+
+AtomicFile::AtomicFile(std::filesystem::path path) : path_(std::move(path)) {
+  tmp_ = path_;
+  tmp_ += ".tmp";
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) {
+    const int err = errno;
+    fail("cannot create {}: {}; check that the directory exists and is writable", tmp_.string(),
+         errno_text(err));
+  }
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
+  }
+}
+
+void AtomicFile::write(const void* data, uint64_t bytes) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  while (bytes > 0) {
+    // Linux writes at most ~2 GiB per call; loop on short writes.
+    const ssize_t n = ::write(fd_, p, std::min<uint64_t>(bytes, 1ull << 30));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      fail("writing {} failed: {}; check free space on its file system", tmp_.string(),
+           errno_text(err));
+    }
+    p += n;
+    bytes -= static_cast<uint64_t>(n);
+  }
+}
+
+void AtomicFile::commit() {
+  if (fsync(fd_) != 0) {
+    const int err = errno;
+    fail("fsync of {} failed: {}; the data may not be on disk, check the device", tmp_.string(),
+         errno_text(err));
+  }
+  const int fd = std::exchange(fd_, -1);
+  if (::close(fd) != 0) {
+    const int err = errno;
+    ::unlink(tmp_.c_str());
+    fail("closing {} failed: {}; check free space on its file system", tmp_.string(),
+         errno_text(err));
+  }
+  if (std::rename(tmp_.c_str(), path_.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(tmp_.c_str());
+    fail("renaming {} to {} failed: {}; check the directory's permissions", tmp_.string(),
+         path_.string(), errno_text(err));
+  }
+  // The rename is durable only once the directory itself is synced.
+  std::filesystem::path dir = path_.parent_path();
+  if (dir.empty()) dir = ".";
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    (void)fsync(dfd);
+    ::close(dfd);
+  }
+}
+
+}  // namespace strata

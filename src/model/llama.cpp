@@ -1,0 +1,498 @@
+#include "model/llama.h"
+
+#include "core/bytes.h"
+#include "core/error.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <numbers>
+
+namespace strata {
+namespace {
+
+uint64_t align_up(uint64_t n, uint64_t a) {
+  return (n + a - 1) / a * a;
+}
+
+void add_slot(UnitLayout& unit, std::string name, Shape shape) {
+  ParamSlot slot{std::move(name), shape, unit.numel};
+  unit.numel = align_up(unit.numel + static_cast<uint64_t>(shape.numel()), ModelLayout::kAlign);
+  unit.params.push_back(std::move(slot));
+}
+
+// splitmix64: a small, well-mixed generator whose output is the same on every platform.
+uint64_t splitmix(uint64_t& state) {
+  uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+double uniform01(uint64_t& state) {  // (0, 1]
+  return (static_cast<double>(splitmix(state) >> 11) + 1.0) * 0x1.0p-53;
+}
+
+}  // namespace
+
+// ---- layout ----
+
+const ParamSlot& UnitLayout::slot(std::string_view short_name) const {
+  for (const ParamSlot& p : params) {
+    const std::string_view n = p.name;
+    const std::string suffix = fmt::format("{}.weight", short_name);
+    if (n == suffix ||
+        (n.size() > suffix.size() && n.ends_with(suffix) && n[n.size() - suffix.size() - 1] == '.'))
+      return p;
+  }
+  fail("unit {}: no parameter '{}'; this is a bug in strata's model layout", name, short_name);
+}
+
+ModelLayout ModelLayout::build(const LlamaConfig& c) {
+  // Hugging Face's tensors, in their order: the embedding, each layer's nine, then the final
+  // norm (and the head unless tied). Units follow the name prefixes.
+  ModelLayout layout;
+  layout.units.push_back({UnitKind::embedding, -1, "embedding", {}, 0});
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    layout.units.push_back(
+        {UnitKind::block, static_cast<int>(l), fmt::format("layers.{}", l), {}, 0});
+  layout.units.push_back({UnitKind::head, -1, "head", {}, 0});
+  for (const HfTensor& t : llama_hf_tensors(c)) {
+    UnitLayout* unit = &layout.units.back();
+    if (t.name == "model.embed_tokens.weight") {
+      unit = &layout.units.front();
+    } else if (t.name.starts_with("model.layers.")) {
+      const int64_t l = std::stoll(t.name.substr(13));
+      unit = &layout.units.at(static_cast<size_t>(l + 1));
+    }
+    Shape shape;
+    shape.rank = static_cast<int>(t.shape.size());
+    std::copy(t.shape.begin(), t.shape.end(), shape.dims.begin());
+    add_slot(*unit, t.name, shape);
+  }
+  for (const UnitLayout& u : layout.units) layout.total_numel += u.numel;
+  return layout;
+}
+
+std::pair<int, const ParamSlot*> ModelLayout::find(std::string_view hf_name) const {
+  for (size_t u = 0; u < units.size(); ++u)
+    for (const ParamSlot& p : units[u].params)
+      if (p.name == hf_name) return {static_cast<int>(u), &p};
+  fail(
+      "tensor '{}' is not a parameter of this Llama model; expected Hugging Face names such as "
+      "model.layers.0.self_attn.q_proj.weight",
+      hf_name);
+}
+
+// ---- rotary table ----
+
+std::vector<float> rope_table(const LlamaConfig& c, int64_t seq_len) {
+  const int64_t hd = c.head_dim, half = hd / 2;
+  std::vector<float> inv_freq(static_cast<size_t>(half));
+  for (int64_t i = 0; i < half; ++i) {
+    // As Hugging Face: theta^(2i/hd) in f32, then its reciprocal.
+    const float exponent = static_cast<float>(2 * i) / static_cast<float>(hd);
+    inv_freq[static_cast<size_t>(i)] =
+        1.0f / static_cast<float>(std::pow(static_cast<double>(c.rope_theta), exponent));
+  }
+  if (c.rope_scaling.kind == RopeScalingKind::llama3) {
+    const RopeScaling& r = c.rope_scaling;
+    const double old_len = static_cast<double>(r.original_max_position_embeddings);
+    const double low_wavelen = old_len / r.low_freq_factor;
+    const double high_wavelen = old_len / r.high_freq_factor;
+    for (float& f : inv_freq) {
+      const double wavelen = 2.0 * std::numbers::pi / f;
+      if (wavelen < high_wavelen) continue;  // high frequencies: unchanged
+      if (wavelen > low_wavelen) {           // low frequencies: divided by the factor
+        f = static_cast<float>(f / r.factor);
+        continue;
+      }
+      const double smooth =
+          (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+      f = static_cast<float>((1.0 - smooth) * f / r.factor + smooth * f);
+    }
+  }
+  std::vector<float> table(static_cast<size_t>(seq_len * hd));
+  for (int64_t t = 0; t < seq_len; ++t)
+    for (int64_t i = 0; i < half; ++i) {
+      const float angle = static_cast<float>(t) * inv_freq[static_cast<size_t>(i)];  // f32
+      table[static_cast<size_t>(t * hd + i)] = static_cast<float>(std::cos(double{angle}));
+      table[static_cast<size_t>(t * hd + half + i)] = static_cast<float>(std::sin(double{angle}));
+    }
+  return table;
+}
+
+// ---- random initialisation ----
+
+void init_unit_random(const ModelLayout& layout, int u, uint64_t seed, DType dtype, void* host) {
+  const UnitLayout& unit = layout.units.at(static_cast<size_t>(u));
+  for (uint64_t i = 0; i < unit.numel; ++i) store_f32(host, dtype, i, 0.0f);
+  for (size_t p = 0; p < unit.params.size(); ++p) {
+    const ParamSlot& slot = unit.params[p];
+    uint64_t state = seed ^ (0x51ed270b2a2b8f35ull * (static_cast<uint64_t>(u) + 1)) ^
+                     (0x2545f4914f6cdd1dull * (p + 1));
+    const bool norm = slot.shape.rank == 1;
+    const auto n = static_cast<uint64_t>(slot.numel());
+    for (uint64_t i = 0; i < n; i += 2) {
+      // Box-Muller: two normals per pair of uniforms.
+      const double r = std::sqrt(-2.0 * std::log(uniform01(state)));
+      const double a = 2.0 * std::numbers::pi * uniform01(state);
+      const double z[2] = {r * std::cos(a), r * std::sin(a)};
+      for (uint64_t j = 0; j < 2 && i + j < n; ++j)
+        store_f32(host, dtype, slot.offset + i + j, norm ? 1.0f : static_cast<float>(0.02 * z[j]));
+    }
+  }
+}
+
+// ---- the model ----
+
+LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options, Device& device)
+    : config_(config),
+      layout_(ModelLayout::build(config)),
+      options_(options),
+      device_(device),
+      k_(device.kernels()) {
+  const int64_t T = options.seq_len, B = options.max_batch;
+  if (T <= 0 || T > config.max_position_embeddings)
+    fail(
+        "sequence length {} is outside 1..{} (max_position_embeddings of model {}); choose a "
+        "--seq-len within it",
+        T, config.max_position_embeddings, config.name);
+  if (B <= 0) fail("batch size {} must be at least 1", B);
+  if (options.vocab_chunk <= 0) fail("vocab chunk {} must be at least 1", options.vocab_chunk);
+  const int64_t N = B * T, D = config.hidden_size, F = config.intermediate_size;
+  const int64_t Hq = config.num_attention_heads * config.head_dim;
+  const int64_t Hk = config.num_key_value_heads * config.head_dim;
+  const int64_t C = std::min(options.vocab_chunk, config.vocab_size);
+  const uint64_t a = dtype_size(options.param_dtype), f4 = 4;
+  const auto n = static_cast<uint64_t>(N);
+  auto alloc = [&](DeviceBuffer& b, uint64_t bytes, const char* what) {
+    b = DeviceBuffer(device, bytes, what);
+    workspace_bytes_ += bytes;
+  };
+  const auto units = static_cast<uint64_t>(layout_.num_units());
+  alloc(rope_, static_cast<uint64_t>(T * config.head_dim) * f4, "rotary table");
+  alloc(checkpoints_, std::max<uint64_t>(units - 1, 2) * n * D * a, "activation checkpoints");
+  alloc(grad_a_, n * D * a, "activation gradient");
+  alloc(grad_b_, n * D * a, "activation gradient");
+  alloc(xn_, n * D * a, "normed activations");
+  alloc(q_, n * Hq * a, "queries");
+  alloc(k_buf_, n * Hk * a, "keys");
+  alloc(v_, n * Hk * a, "values");
+  alloc(att_, n * Hq * a, "attention output");
+  alloc(lse_, n * config.num_attention_heads * f4, "attention log-sum-exp");
+  alloc(h_, n * D * a, "residual");
+  alloc(hn_, n * D * a, "normed residual");
+  alloc(gate_, n * F * a, "gate projection");
+  alloc(up_, n * F * a, "up projection");
+  alloc(act_, n * F * a, "SwiGLU output");
+  alloc(rstd1_, n * f4, "RMSNorm statistics");
+  alloc(rstd2_, n * f4, "RMSNorm statistics");
+  alloc(d_big_, n * F * a, "SwiGLU gradient");
+  alloc(d_gate_, n * F * a, "gate gradient");
+  alloc(d_up_, n * F * a, "up gradient");
+  alloc(dq_, n * Hq * a, "query gradient");
+  alloc(dk_, n * Hk * a, "key gradient");
+  alloc(dv_, n * Hk * a, "value gradient");
+  alloc(d_att_, n * Hq * a, "attention gradient");
+  alloc(d_h_, n * D * a, "residual gradient");
+  alloc(d_small_, n * D * a, "normed-input gradient");
+  alloc(chunk_, n * static_cast<uint64_t>(C) * f4, "logits chunk");
+  if (options.param_dtype != DType::f32)
+    alloc(chunk_act_, n * static_cast<uint64_t>(C) * a, "logits gradient chunk");
+  alloc(row_max_, n * f4, "cross-entropy state");
+  alloc(row_sum_, n * f4, "cross-entropy state");
+  alloc(target_logit_, n * f4, "cross-entropy state");
+  alloc(losses_, n * f4, "per-token losses");
+
+  // The rotary table, uploaded once (synchronously: the host copy is a temporary).
+  const std::vector<float> table = rope_table(config, T);
+  auto s = device.create_stream("model setup");
+  device.copy_to_device(rope_.data(), table.data(), table.size() * sizeof(float), *s);
+  s->synchronize();
+}
+
+TensorView LlamaModel::rows(const DeviceBuffer& buf, DType dtype, int64_t n, int64_t cols) const {
+  return buf.view(dtype, cols > 0 ? Shape{n, cols} : Shape{n});
+}
+
+TensorView LlamaModel::slot(int index, int64_t batch) const {
+  const int64_t N = batch * options_.seq_len, D = config_.hidden_size;
+  const uint64_t bytes = static_cast<uint64_t>(N * D) * dtype_size(options_.param_dtype);
+  const uint64_t stride = static_cast<uint64_t>(options_.max_batch * options_.seq_len * D) *
+                          dtype_size(options_.param_dtype);
+  char* base = static_cast<char*>(checkpoints_.data()) + static_cast<uint64_t>(index) * stride;
+  if (static_cast<uint64_t>(index) * stride + bytes > checkpoints_.bytes())
+    fail("activation slot {} is past the checkpoint buffer; this is a bug in strata", index);
+  return TensorView{base, options_.param_dtype, {N, D}, &device_};
+}
+
+TensorView LlamaModel::checkpoint(int u, int64_t batch) const {
+  if (u < 1 || u >= layout_.num_units())
+    fail("unit {} has no activation checkpoint (units 1..{} do)", u, layout_.num_units() - 1);
+  return slot(u - 1, batch);
+}
+
+TensorView LlamaModel::losses(int64_t batch) const {
+  return rows(losses_, DType::f32, batch * options_.seq_len, 0);
+}
+
+TensorView LlamaModel::param(const std::vector<UnitBuffers>& units, int u, std::string_view name,
+                             bool grad) const {
+  const UnitLayout& unit = layout_.units[static_cast<size_t>(u)];
+  const ParamSlot& p = unit.slot(name);
+  const UnitBuffers& b = units.at(static_cast<size_t>(u));
+  const DType t = grad ? options_.grad_dtype : options_.param_dtype;
+  void* base = grad ? b.grads : b.params;
+  if (base == nullptr)
+    fail("unit {}: no {} buffer given; pass one for every unit", unit.name,
+         grad ? "gradient" : "parameter");
+  return TensorView{static_cast<char*>(base) + p.offset * dtype_size(t), t, p.shape, &device_};
+}
+
+void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
+                               const TensorView& out, int64_t batch, Stream& s) {
+  const LlamaConfig& c = config_;
+  const DType t = options_.param_dtype;
+  const int64_t T = options_.seq_len, N = batch * T, D = c.hidden_size, F = c.intermediate_size;
+  const int64_t H = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
+  auto w = [&](std::string_view n) { return param(units, u, n, false); };
+  const TensorView xn = rows(xn_, t, N, D), h = rows(h_, t, N, D), hn = rows(hn_, t, N, D);
+  const TensorView rstd1 = rows(rstd1_, DType::f32, N, 0), rstd2 = rows(rstd2_, DType::f32, N, 0);
+  const TensorView q = rows(q_, t, N, H * hd), kk = rows(k_buf_, t, N, Hkv * hd);
+  const TensorView v = rows(v_, t, N, Hkv * hd), att = rows(att_, t, N, H * hd);
+  const TensorView gate = rows(gate_, t, N, F), up = rows(up_, t, N, F), act = rows(act_, t, N, F);
+  const TensorView rope = rope_.view(DType::f32, {T, hd});
+
+  k_.rmsnorm_forward(xn, rstd1, x, w("input_layernorm"), static_cast<float>(c.rms_norm_eps), s);
+  k_.matmul(q, xn, false, w("q_proj"), true, 1.0f, 0.0f, s);
+  k_.matmul(kk, xn, false, w("k_proj"), true, 1.0f, 0.0f, s);
+  k_.matmul(v, xn, false, w("v_proj"), true, 1.0f, 0.0f, s);
+  const TensorView q3{q.data, t, {N, H, hd}, &device_}, k3{kk.data, t, {N, Hkv, hd}, &device_};
+  k_.rope(q3, rope, T, false, s);
+  k_.rope(k3, rope, T, false, s);
+  k_.attention_forward(TensorView{att.data, t, {batch, T, H, hd}, &device_},
+                       lse_.view(DType::f32, {batch, H, T}),
+                       TensorView{q.data, t, {batch, T, H, hd}, &device_},
+                       TensorView{kk.data, t, {batch, T, Hkv, hd}, &device_},
+                       TensorView{v.data, t, {batch, T, Hkv, hd}, &device_}, s);
+  k_.matmul(h, att, false, w("o_proj"), true, 1.0f, 0.0f, s);
+  k_.add(h, h, x, s);
+  k_.rmsnorm_forward(hn, rstd2, h, w("post_attention_layernorm"),
+                     static_cast<float>(c.rms_norm_eps), s);
+  k_.matmul(gate, hn, false, w("gate_proj"), true, 1.0f, 0.0f, s);
+  k_.matmul(up, hn, false, w("up_proj"), true, 1.0f, 0.0f, s);
+  k_.swiglu_forward(act, gate, up, s);
+  if (out.data == nullptr) return;  // recomputation for backward: the output is not needed
+  k_.matmul(out, act, false, w("down_proj"), true, 1.0f, 0.0f, s);
+  k_.add(out, out, h, s);
+}
+
+void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
+                                const TensorView& dout, const TensorView& din, int64_t batch,
+                                Stream& s) {
+  const LlamaConfig& c = config_;
+  const DType t = options_.param_dtype;
+  const int64_t T = options_.seq_len, N = batch * T, D = c.hidden_size, F = c.intermediate_size;
+  const int64_t H = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
+  auto w = [&](std::string_view n) { return param(units, u, n, false); };
+  auto g = [&](std::string_view n) { return param(units, u, n, true); };
+  block_forward(u, units, x, TensorView{}, batch, s);
+
+  const TensorView xn = rows(xn_, t, N, D), h = rows(h_, t, N, D), hn = rows(hn_, t, N, D);
+  const TensorView rstd1 = rows(rstd1_, DType::f32, N, 0), rstd2 = rows(rstd2_, DType::f32, N, 0);
+  const TensorView q = rows(q_, t, N, H * hd), kk = rows(k_buf_, t, N, Hkv * hd);
+  const TensorView v = rows(v_, t, N, Hkv * hd), att = rows(att_, t, N, H * hd);
+  const TensorView gate = rows(gate_, t, N, F), up = rows(up_, t, N, F), act = rows(act_, t, N, F);
+  const TensorView da = rows(d_big_, t, N, F), dgate = rows(d_gate_, t, N, F);
+  const TensorView dup = rows(d_up_, t, N, F), dsmall = rows(d_small_, t, N, D);
+  const TensorView dh = rows(d_h_, t, N, D), datt = rows(d_att_, t, N, H * hd);
+  const TensorView dq = rows(dq_, t, N, H * hd), dk = rows(dk_, t, N, Hkv * hd);
+  const TensorView dv = rows(dv_, t, N, Hkv * hd);
+  const TensorView rope = rope_.view(DType::f32, {T, hd});
+
+  // MLP: out = h + down(silu(gate(hn)) * up(hn)).
+  k_.matmul(da, dout, false, w("down_proj"), false, 1.0f, 0.0f, s);
+  k_.matmul(g("down_proj"), dout, true, act, false, 1.0f, 1.0f, s);
+  k_.swiglu_backward(dgate, dup, da, gate, up, s);
+  k_.matmul(dsmall, dgate, false, w("gate_proj"), false, 1.0f, 0.0f, s);
+  k_.matmul(dsmall, dup, false, w("up_proj"), false, 1.0f, 1.0f, s);
+  k_.matmul(g("gate_proj"), dgate, true, hn, false, 1.0f, 1.0f, s);
+  k_.matmul(g("up_proj"), dup, true, hn, false, 1.0f, 1.0f, s);
+  device_.copy_on_device(dh.data, dout.data, dh.bytes(), s);
+  k_.rmsnorm_backward(dh, g("post_attention_layernorm"), dsmall, h, w("post_attention_layernorm"),
+                      rstd2, s);
+
+  // Attention: h = x + o_proj(attention(rope(q), rope(k), v)).
+  k_.matmul(datt, dh, false, w("o_proj"), false, 1.0f, 0.0f, s);
+  k_.matmul(g("o_proj"), dh, true, att, false, 1.0f, 1.0f, s);
+  k_.attention_backward(TensorView{dq.data, t, {batch, T, H, hd}, &device_},
+                        TensorView{dk.data, t, {batch, T, Hkv, hd}, &device_},
+                        TensorView{dv.data, t, {batch, T, Hkv, hd}, &device_},
+                        TensorView{datt.data, t, {batch, T, H, hd}, &device_},
+                        TensorView{q.data, t, {batch, T, H, hd}, &device_},
+                        TensorView{kk.data, t, {batch, T, Hkv, hd}, &device_},
+                        TensorView{v.data, t, {batch, T, Hkv, hd}, &device_},
+                        TensorView{att.data, t, {batch, T, H, hd}, &device_},
+                        lse_.view(DType::f32, {batch, H, T}), s);
+  k_.rope(TensorView{dq.data, t, {N, H, hd}, &device_}, rope, T, true, s);
+  k_.rope(TensorView{dk.data, t, {N, Hkv, hd}, &device_}, rope, T, true, s);
+  k_.matmul(dsmall, dq, false, w("q_proj"), false, 1.0f, 0.0f, s);
+  k_.matmul(dsmall, dk, false, w("k_proj"), false, 1.0f, 1.0f, s);
+  k_.matmul(dsmall, dv, false, w("v_proj"), false, 1.0f, 1.0f, s);
+  k_.matmul(g("q_proj"), dq, true, xn, false, 1.0f, 1.0f, s);
+  k_.matmul(g("k_proj"), dk, true, xn, false, 1.0f, 1.0f, s);
+  k_.matmul(g("v_proj"), dv, true, xn, false, 1.0f, 1.0f, s);
+  device_.copy_on_device(din.data, dh.data, din.bytes(), s);
+  k_.rmsnorm_backward(din, g("input_layernorm"), dsmall, x, w("input_layernorm"), rstd1, s);
+}
+
+void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x,
+                      const int32_t* targets, int64_t batch, bool backward, float loss_scale,
+                      const TensorView& dx, Stream& s) {
+  const LlamaConfig& c = config_;
+  const DType t = options_.param_dtype;
+  const int64_t N = batch * options_.seq_len, D = c.hidden_size, V = c.vocab_size;
+  const int head_unit = layout_.num_units() - 1;
+  const int w_unit = c.tie_word_embeddings ? 0 : head_unit;
+  const char* w_name = c.tie_word_embeddings ? "embed_tokens" : "lm_head";
+  const TensorView w = param(units, w_unit, w_name, false);
+  const TensorView xf = rows(xn_, t, N, D), rstd = rows(rstd1_, DType::f32, N, 0);
+  const TensorView row_max = rows(row_max_, DType::f32, N, 0);
+  k_.rmsnorm_forward(xf, rstd, x, param(units, head_unit, "norm", false),
+                     static_cast<float>(c.rms_norm_eps), s);
+  if (!backward) {
+    k_.fill(row_max, -std::numeric_limits<float>::infinity(), s);
+    k_.fill(rows(row_sum_, DType::f32, N, 0), 0.0f, s);
+    k_.fill(rows(target_logit_, DType::f32, N, 0), 0.0f, s);
+  }
+  const TensorView dxf = rows(d_small_, t, N, D);
+  const int64_t chunk = std::min(options_.vocab_chunk, V);
+  for (int64_t v0 = 0; v0 < V; v0 += chunk) {
+    const int64_t C = std::min(chunk, V - v0);
+    const TensorView wc{static_cast<char*>(w.data) + static_cast<uint64_t>(v0 * D) * dtype_size(t),
+                        t,
+                        {C, D},
+                        &device_};
+    const TensorView logits = chunk_.view(DType::f32, {N, C});
+    k_.matmul(logits, xf, false, wc, true, 1.0f, 0.0f, s);
+    if (!backward) {
+      k_.xent_forward_chunk(logits, v0, targets, row_max, rows(row_sum_, DType::f32, N, 0),
+                            rows(target_logit_, DType::f32, N, 0), s);
+      continue;
+    }
+    // row_max holds the log-sum-exp since the forward's xent_finish.
+    k_.xent_backward_chunk(logits, v0, targets, row_max, loss_scale, s);
+    TensorView dlogits = logits;
+    if (t != DType::f32) {
+      dlogits = chunk_act_.view(t, {N, C});
+      device_.convert(dlogits, logits, s);
+    }
+    const TensorView gw = param(units, w_unit, w_name, true);
+    const TensorView gwc{
+        static_cast<char*>(gw.data) + static_cast<uint64_t>(v0 * D) * dtype_size(gw.dtype),
+        gw.dtype,
+        {C, D},
+        &device_};
+    k_.matmul(dxf, dlogits, false, wc, false, 1.0f, v0 == 0 ? 0.0f : 1.0f, s);
+    k_.matmul(gwc, dlogits, true, xf, false, 1.0f, 1.0f, s);
+  }
+  if (!backward) {
+    k_.xent_finish(losses(batch), row_max, row_max, rows(row_sum_, DType::f32, N, 0),
+                   rows(target_logit_, DType::f32, N, 0), targets, s);
+    return;
+  }
+  device_.fill_zero(dx.data, dx.bytes(), s);
+  k_.rmsnorm_backward(dx, param(units, head_unit, "norm", true), dxf, x,
+                      param(units, head_unit, "norm", false), rstd, s);
+}
+
+void LlamaModel::forward_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids,
+                              const int32_t* targets, const TensorView& in, const TensorView& out,
+                              int64_t batch, Stream& s) {
+  const UnitLayout& unit = layout_.units.at(static_cast<size_t>(u));
+  switch (unit.kind) {
+    case UnitKind::embedding:
+      k_.embedding_forward(out, param(units, u, "embed_tokens", false), ids, s);
+      break;
+    case UnitKind::block:
+      block_forward(u, units, in, out, batch, s);
+      break;
+    case UnitKind::head:
+      head(units, in, targets, batch, false, 0.0f, TensorView{}, s);
+      break;
+  }
+}
+
+void LlamaModel::backward_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids,
+                               const int32_t* targets, float loss_scale, const TensorView& in,
+                               const TensorView& dout, const TensorView& din, int64_t batch,
+                               Stream& s) {
+  const UnitLayout& unit = layout_.units.at(static_cast<size_t>(u));
+  switch (unit.kind) {
+    case UnitKind::embedding:
+      k_.embedding_backward(param(units, u, "embed_tokens", true), dout, ids, s);
+      break;
+    case UnitKind::block:
+      block_backward(u, units, in, dout, din, batch, s);
+      break;
+    case UnitKind::head:
+      head(units, in, targets, batch, true, loss_scale, din, s);
+      break;
+  }
+}
+
+void LlamaModel::forward(const std::vector<UnitBuffers>& units, const int32_t* ids,
+                         const int32_t* targets, int64_t batch, bool keep_checkpoints, Stream& s) {
+  if (batch < 1 || batch > options_.max_batch)
+    fail("batch of {} sequences is outside 1..{} (the model's max batch); split it", batch,
+         options_.max_batch);
+  if (units.size() != layout_.units.size())
+    fail("forward: {} unit buffers given for a model of {} units", units.size(),
+         layout_.units.size());
+  const int U = layout_.num_units();
+  // The input of unit u (u ≥ 1) goes to slot u-1, or alternates between two slots when the
+  // inputs need not be kept.
+  auto slot_of = [&](int u) { return keep_checkpoints ? u - 1 : (u - 1) % 2; };
+  for (int u = 0; u < U; ++u) {
+    const TensorView in = u == 0 ? TensorView{} : slot(slot_of(u), batch);
+    const TensorView out = u + 1 < U ? slot(slot_of(u + 1), batch) : TensorView{};
+    forward_unit(u, units, ids, targets, in, out, batch, s);
+  }
+  last_slot_ = slot_of(U - 1);
+  kept_ = keep_checkpoints;
+}
+
+void LlamaModel::backward(const std::vector<UnitBuffers>& units, const int32_t* ids,
+                          const int32_t* targets, int64_t batch, float loss_scale, Stream& s) {
+  const int U = layout_.num_units();
+  if (!kept_)
+    fail(
+        "backward: the last forward did not keep its activation checkpoints; run forward with "
+        "keep_checkpoints = true first");
+  const int64_t N = batch * options_.seq_len, D = config_.hidden_size;
+  TensorView dout = rows(grad_a_, options_.param_dtype, N, D);
+  TensorView din = rows(grad_b_, options_.param_dtype, N, D);
+  for (int u = U - 1; u >= 0; --u) {
+    const TensorView in = u == 0 ? TensorView{} : checkpoint(u, batch);
+    backward_unit(u, units, ids, targets, loss_scale, in, dout, din, batch, s);
+    std::swap(dout, din);
+  }
+}
+
+void LlamaModel::logits(const std::vector<UnitBuffers>& units, const TensorView& out, int64_t batch,
+                        Stream& s) {
+  const LlamaConfig& c = config_;
+  const DType t = options_.param_dtype;
+  const int64_t N = batch * options_.seq_len, D = c.hidden_size;
+  const int head_unit = layout_.num_units() - 1;
+  const TensorView x = slot(last_slot_, batch);
+  const TensorView xf = rows(xn_, t, N, D), rstd = rows(rstd1_, DType::f32, N, 0);
+  k_.rmsnorm_forward(xf, rstd, x, param(units, head_unit, "norm", false),
+                     static_cast<float>(c.rms_norm_eps), s);
+  const TensorView w = c.tie_word_embeddings ? param(units, 0, "embed_tokens", false)
+                                             : param(units, head_unit, "lm_head", false);
+  k_.matmul(out, xf, false, w, true, 1.0f, 0.0f, s);
+}
+
+}  // namespace strata

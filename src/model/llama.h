@@ -1,0 +1,161 @@
+// llama.h: the Llama model as units of flat parameter buffers, and its forward and backward
+// over the kernel table (DESIGN §1-§4).
+//
+// Units are the embedding, each transformer block, and the final norm plus the LM head. Each
+// unit's parameters live in one flat buffer (the shape that partitioning and offload move
+// around); a ParamSlot says where each Hugging Face tensor sits inside it. With tied word
+// embeddings the head unit holds only the final norm and reads (and accumulates gradients
+// into) the embedding unit's table.
+//
+// LlamaModel runs on one Device. It does not own parameters or gradients: the caller hands
+// each call the unit buffers it should use (gathered shards, later), so the same code serves
+// eval, tests, and the trainer. Activation checkpointing is at unit granularity: forward keeps
+// only each unit's input; backward recomputes the unit's forward, then runs its backward.
+#pragma once
+
+#include "core/device.h"
+#include "model/config.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace strata {
+
+enum class UnitKind { embedding, block, head };
+
+struct ParamSlot {
+  std::string name;     // Hugging Face name, e.g. "model.layers.3.mlp.up_proj.weight"
+  Shape shape;          // Hugging Face shape ([out, in] for projections)
+  uint64_t offset = 0;  // first element inside the unit's flat buffer
+  int64_t numel() const { return shape.numel(); }
+};
+
+struct UnitLayout {
+  UnitKind kind = UnitKind::block;
+  int layer = -1;    // blocks: 0..L-1
+  std::string name;  // "embedding", "layers.3", "head"
+  std::vector<ParamSlot> params;
+  uint64_t numel = 0;  // elements of the flat buffer, padding included
+
+  const ParamSlot& slot(std::string_view short_name) const;  // "q_proj", "input_layernorm", ...
+};
+
+struct ModelLayout {
+  // Every parameter starts on a multiple of this many elements: 256 bytes even in bf16, the
+  // alignment cuBLASLt and vector loads want.
+  static constexpr uint64_t kAlign = 128;
+
+  std::vector<UnitLayout> units;  // embedding, blocks..., head
+  uint64_t total_numel = 0;       // sum of units' numel (padding included)
+
+  static ModelLayout build(const LlamaConfig& config);
+  int num_units() const { return static_cast<int>(units.size()); }
+  // The unit and slot holding a Hugging Face tensor name; throws Error naming it if none.
+  std::pair<int, const ParamSlot*> find(std::string_view hf_name) const;
+};
+
+// The buffers one call works on, per unit, in the device's memory: parameters in
+// `param_dtype`, gradients (accumulated, +=) in `grad_dtype`.
+struct UnitBuffers {
+  void* params = nullptr;
+  void* grads = nullptr;
+};
+
+struct ModelOptions {
+  DType param_dtype = DType::f32;  // also the activations' dtype
+  DType grad_dtype = DType::f32;
+  int64_t max_batch = 1;       // sequences per call
+  int64_t seq_len = 0;         // T (≤ max_position_embeddings)
+  int64_t vocab_chunk = 8192;  // columns of logits computed at once by the loss
+};
+
+// Cosines then sines of every position's rotary angles, [seq_len, head_dim] f32, with the
+// llama3 frequency scaling when the config asks for it (as Hugging Face computes them).
+std::vector<float> rope_table(const LlamaConfig& config, int64_t seq_len);
+
+class LlamaModel {
+ public:
+  LlamaModel(const LlamaConfig& config, const ModelOptions& options, Device& device);
+  LlamaModel(const LlamaModel&) = delete;
+  LlamaModel& operator=(const LlamaModel&) = delete;
+
+  const LlamaConfig& config() const { return config_; }
+  const ModelLayout& layout() const { return layout_; }
+  const ModelOptions& options() const { return options_; }
+  Device& device() const { return device_; }
+  // Bytes of device memory this model's activations and scratch take (allocated already).
+  uint64_t workspace_bytes() const { return workspace_bytes_; }
+
+  // ---- one batch: queue everything on `stream`; nothing synchronises ----
+  // ids, targets: int32 [batch * seq_len] in device memory (targets may hold kIgnoreIndex).
+  // `units` holds one UnitBuffers per unit (grads may be null for forward only).
+  //
+  // Runs the forward of every unit and the loss; per-token losses land in losses() (f32
+  // [batch*seq_len], 0 on ignored targets). With keep_checkpoints the inputs of every unit
+  // are kept for backward().
+  void forward(const std::vector<UnitBuffers>& units, const int32_t* ids, const int32_t* targets,
+               int64_t batch, bool keep_checkpoints, Stream& stream);
+  // Gradients of `loss_scale` × (sum of per-token losses) with respect to every parameter,
+  // accumulated (+=) into units[u].grads; needs forward(keep_checkpoints = true) just before.
+  // For the mean loss over a batch pass 1 / (number of non-ignored targets).
+  void backward(const std::vector<UnitBuffers>& units, const int32_t* ids, const int32_t* targets,
+                int64_t batch, float loss_scale, Stream& stream);
+  // Full logits [batch*seq_len, vocab] f32 into `out` (device memory), for tests and small
+  // vocabularies; queued after a forward that set up the head's input.
+  void logits(const std::vector<UnitBuffers>& units, const TensorView& out, int64_t batch,
+              Stream& stream);
+
+  TensorView losses(int64_t batch) const;
+
+  // The unit-level pieces forward/backward are made of (the step schedule calls these).
+  // `in` and `out` are [batch*seq_len, hidden] activations (unused by the embedding's input and
+  // the head's output: the embedding reads ids, the head writes losses()).
+  void forward_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids,
+                    const int32_t* targets, const TensorView& in, const TensorView& out,
+                    int64_t batch, Stream& stream);
+  // Recomputes unit u's forward from `in`, then din = ∂/∂in given dout (the head starts from
+  // its loss, scaled by loss_scale, and ignores dout; the embedding has no din).
+  void backward_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids,
+                     const int32_t* targets, float loss_scale, const TensorView& in,
+                     const TensorView& dout, const TensorView& din, int64_t batch, Stream& stream);
+  // The activation slot holding unit u's input (u ≥ 1) after forward(keep_checkpoints).
+  TensorView checkpoint(int u, int64_t batch) const;
+
+ private:
+  TensorView param(const std::vector<UnitBuffers>& units, int u, std::string_view name,
+                   bool grad) const;
+  TensorView rows(const DeviceBuffer& buf, DType dtype, int64_t n, int64_t cols) const;
+  TensorView slot(int index, int64_t batch) const;
+  void head(const std::vector<UnitBuffers>& units, const TensorView& x, const int32_t* targets,
+            int64_t batch, bool backward, float loss_scale, const TensorView& dx, Stream& stream);
+  void block_forward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
+                     const TensorView& out, int64_t batch, Stream& stream);
+  void block_backward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
+                      const TensorView& dout, const TensorView& din, int64_t batch, Stream& stream);
+
+  LlamaConfig config_;
+  ModelLayout layout_;
+  ModelOptions options_;
+  Device& device_;
+  Kernels& k_;
+  uint64_t workspace_bytes_ = 0;
+
+  DeviceBuffer rope_;             // [T, hd] f32
+  DeviceBuffer checkpoints_;      // inputs of units 1..U-1: (U-1) × [B*T, D]
+  DeviceBuffer grad_a_, grad_b_;  // the gradient flowing between units, [B*T, D]
+  // Block scratch, [B*T, ·]: normed input, q, k, v, attention out, lse, residual, normed
+  // residual, gate, up, swiglu out, rstd × 2, and gradients of the same.
+  DeviceBuffer xn_, q_, k_buf_, v_, att_, lse_, h_, hn_, gate_, up_, act_, rstd1_, rstd2_;
+  DeviceBuffer d_big_, d_gate_, d_up_, dq_, dk_, dv_, d_att_, d_h_, d_small_;
+  // Head: logits chunk [B*T, C], online-softmax state and per-token losses, [B*T] f32 each.
+  DeviceBuffer chunk_, chunk_act_, row_max_, row_sum_, target_logit_, losses_;
+  int last_slot_ = 0;  // the slot holding the head's input after the last forward
+  bool kept_ = false;  // whether the last forward kept every unit's input
+};
+
+// Deterministic random initialisation (Hugging Face's: normal(0, 0.02) weights, norm weights
+// 1) of one unit's flat buffer, in host memory of `dtype`; the same seed gives the same bits.
+void init_unit_random(const ModelLayout& layout, int u, uint64_t seed, DType dtype, void* host);
+
+}  // namespace strata

@@ -1,0 +1,167 @@
+#include "model/tokens.h"
+
+#include "core/error.h"
+#include "core/log.h"
+
+#include <array>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace strata {
+
+namespace {
+
+constexpr int32_t kMagicU16 = 20240520, kVersionU16 = 1;
+constexpr int32_t kMagicU32 = 20240801, kVersionU32 = 7;
+constexpr uint64_t kHeaderInts = 256, kHeaderBytes = kHeaderInts * 4;
+
+uint64_t width_bytes(TokenWidth w) {
+  return w == TokenWidth::u16 ? 2 : 4;
+}
+std::string_view width_name(TokenWidth w) {
+  return w == TokenWidth::u16 ? "uint16" : "uint32";
+}
+
+int32_t header_int(const uint8_t* p, int i) {
+  int32_t v;
+  std::memcpy(&v, p + 4 * i, 4);  // little-endian hosts only, as llm.c itself
+  return v;
+}
+
+}  // namespace
+
+std::optional<TokenWidth> parse_token_width(std::string_view text) {
+  if (text.empty()) return std::nullopt;
+  if (text == "uint16" || text == "u16") return TokenWidth::u16;
+  if (text == "uint32" || text == "u32") return TokenWidth::u32;
+  fail("token dtype '{}' is not supported; raw token files hold uint16 or uint32", text);
+}
+
+TokenFile TokenFile::open(const std::filesystem::path& path, std::string_view raw_dtype) {
+  return open(path, parse_token_width(raw_dtype));
+}
+
+TokenFile TokenFile::open(const std::filesystem::path& path, std::optional<TokenWidth> raw) {
+  TokenFile t;
+  t.file_ = MappedFile::open(path, "token file");
+  const std::string& name = t.file_.path();
+  const uint64_t size = t.file_.size();
+  const uint8_t* data = t.file_.data();
+  const int32_t magic = size >= 4 ? header_int(data, 0) : 0;
+  const bool looks_llmc = magic == kMagicU16 || magic == kMagicU32;
+
+  if (raw.has_value()) {
+    if (looks_llmc)
+      log_warn("token file {} starts with llm.c's magic {} but is read as raw {} tokens, as asked",
+               name, magic, width_name(*raw));
+    t.width_ = *raw;
+    const uint64_t w = width_bytes(t.width_);
+    if (size % w != 0)
+      fail(
+          "token file {}: {} bytes is not a whole number of raw {} tokens ({} bytes each); check "
+          "the token dtype, or that the file is complete",
+          name, size, width_name(t.width_), w);
+    t.tokens_ = data;
+    t.size_ = static_cast<int64_t>(size / w);
+    return t;
+  }
+
+  if (size < kHeaderBytes)
+    fail(
+        "token file {}: {} bytes is shorter than llm.c's {}-byte header; pass the token dtype "
+        "(uint16 or uint32) if it is a raw token file",
+        name, size, kHeaderBytes);
+  if (!looks_llmc)
+    fail(
+        "token file {}: magic {} is not llm.c's ({} for uint16 tokens, {} for uint32); pass the "
+        "token dtype (uint16 or uint32) if it is a raw token file",
+        name, magic, kMagicU16, kMagicU32);
+  t.llmc_ = true;
+  t.width_ = magic == kMagicU16 ? TokenWidth::u16 : TokenWidth::u32;
+  const int32_t version = header_int(data, 1);
+  const int32_t want_version = magic == kMagicU16 ? kVersionU16 : kVersionU32;
+  if (version != want_version)
+    fail(
+        "token file {}: llm.c magic {} with version {}; that magic is written with version {} "
+        "only, so the file is damaged or from a newer format",
+        name, magic, version, want_version);
+  const int32_t count = header_int(data, 2);
+  if (count < 0)
+    fail("token file {}: the header's token count is {}; the file is damaged", name, count);
+  const uint64_t expected = kHeaderBytes + static_cast<uint64_t>(count) * width_bytes(t.width_);
+  if (size != expected)
+    fail(
+        "token file {}: the header says {} {} tokens, so the file should be {} bytes, but it is "
+        "{}; the file is truncated or damaged",
+        name, count, width_name(t.width_), expected, size);
+  t.tokens_ = data + kHeaderBytes;
+  t.size_ = count;
+  return t;
+}
+
+uint32_t TokenFile::get(int64_t i) const {
+  if (i < 0 || i >= size_)
+    fail("token file {}: position {} is out of range (the file holds {} tokens)", path(), i, size_);
+  return at(i);
+}
+
+void TokenFile::validate(int64_t vocab_size) const {
+  if (vocab_size < 1) fail("token file {}: vocab_size {} must be positive", path(), vocab_size);
+  const uint64_t vocab = static_cast<uint64_t>(vocab_size);
+  for (int64_t i = 0; i < size_; ++i)
+    if (at(i) >= vocab)
+      fail(
+          "token file {}: position {} holds token id {}, but the model's vocab_size is {}; the "
+          "data was tokenized for another model's tokenizer",
+          path(), i, at(i), vocab_size);
+}
+
+int64_t TokenFile::num_sequences(int64_t T) const {
+  if (T < 1) fail("token file {}: sequence length {} must be at least 1", path(), T);
+  return size_ > 0 ? (size_ - 1) / T : 0;
+}
+
+void TokenFile::sequence(int64_t i, int64_t T, int32_t* inputs, int32_t* targets) const {
+  const int64_t n = num_sequences(T);
+  if (i < 0 || i >= n)
+    fail("token file {}: sequence {} of length {} is out of range: {} tokens make {} sequences",
+         path(), i, T, size_, n);
+  const int64_t first = i * T;
+  for (int64_t j = 0; j < T; ++j) {
+    inputs[j] = static_cast<int32_t>(at(first + j));
+    targets[j] = static_cast<int32_t>(at(first + j + 1));
+  }
+}
+
+void write_llmc_tokens(const std::filesystem::path& path, std::span<const uint32_t> tokens,
+                       TokenWidth width) {
+  if (tokens.size() > static_cast<uint64_t>(std::numeric_limits<int32_t>::max()))
+    fail(
+        "writing token file {}: {} tokens do not fit llm.c's int32 count; split them into "
+        "several shards",
+        path.string(), tokens.size());
+  std::array<int32_t, kHeaderInts> header{};
+  header[0] = width == TokenWidth::u16 ? kMagicU16 : kMagicU32;
+  header[1] = width == TokenWidth::u16 ? kVersionU16 : kVersionU32;
+  header[2] = static_cast<int32_t>(tokens.size());
+  AtomicFile out(path);
+  out.write(header.data(), kHeaderBytes);
+  if (width == TokenWidth::u32) {
+    out.write(tokens.data(), tokens.size() * 4);
+  } else {
+    std::vector<uint16_t> narrow(tokens.size());
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      if (tokens[i] > 0xffffu)
+        fail(
+            "writing token file {}: token {} at position {} does not fit uint16; write uint32 "
+            "tokens",
+            path.string(), tokens[i], i);
+      narrow[i] = static_cast<uint16_t>(tokens[i]);
+    }
+    out.write(narrow.data(), narrow.size() * 2);
+  }
+  out.commit();
+}
+
+}  // namespace strata

@@ -1,0 +1,68 @@
+// tokens.h: token files, mapped read-only.
+//
+// Two layouts: llm.c's shards (a header of 256 little-endian int32: magic 20240520 with version
+// 1 for uint16 tokens, or magic 20240801 with version 7 for uint32 tokens; header[2] the token
+// count; then the tokens), and raw headerless uint16/uint32 files whose width the user names.
+// Sequence i of length T reads tokens [i*T, i*T + T] inclusive: T inputs and the same window
+// shifted by one as targets, so consecutive sequences share one boundary token and a file of
+// T + 1 tokens holds exactly one sequence.
+#pragma once
+
+#include "model/file_io.h"
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace strata {
+
+enum class TokenWidth : uint8_t { u16, u32 };
+
+// "uint16"/"u16" or "uint32"/"u32"; empty text is no width (an llm.c file is expected).
+std::optional<TokenWidth> parse_token_width(std::string_view text);
+
+class TokenFile {
+ public:
+  // Without a raw width the file must be an llm.c shard; with one, it is read as headerless
+  // tokens of that width.
+  static TokenFile open(const std::filesystem::path& path, std::optional<TokenWidth> raw);
+  static TokenFile open(const std::filesystem::path& path, std::string_view raw_dtype = {});
+
+  const std::string& path() const { return file_.path(); }
+  TokenWidth width() const { return width_; }
+  bool llmc() const { return llmc_; }  // has an llm.c header
+  int64_t size() const { return size_; }
+  // Token i; throws naming the file when i is out of range.
+  uint32_t get(int64_t i) const;
+
+  // Every token below vocab_size; otherwise an error naming the file, the first position
+  // holding a larger id, and that id.
+  void validate(int64_t vocab_size) const;
+
+  // Sequences of length T (each needs T + 1 tokens, neighbours share one): (size - 1) / T.
+  int64_t num_sequences(int64_t T) const;
+  // inputs[j] = token[i*T + j], targets[j] = token[i*T + j + 1], for j in [0, T).
+  void sequence(int64_t i, int64_t T, int32_t* inputs, int32_t* targets) const;
+
+ private:
+  uint32_t at(int64_t i) const {
+    return width_ == TokenWidth::u16 ? reinterpret_cast<const uint16_t*>(tokens_)[i]
+                                     : reinterpret_cast<const uint32_t*>(tokens_)[i];
+  }
+
+  MappedFile file_;
+  const uint8_t* tokens_ = nullptr;
+  int64_t size_ = 0;
+  TokenWidth width_ = TokenWidth::u16;
+  bool llmc_ = false;
+};
+
+// Writes an llm.c shard atomically: magic 20240520/version 1 for u16, 20240801/version 7 for
+// u32. A token that does not fit the width is an error naming its position.
+void write_llmc_tokens(const std::filesystem::path& path, std::span<const uint32_t> tokens,
+                       TokenWidth width);
+
+}  // namespace strata

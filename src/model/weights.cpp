@@ -1,0 +1,108 @@
+#include "model/weights.h"
+
+#include "core/error.h"
+#include "model/safetensors.h"
+
+#include <algorithm>
+#include <set>
+
+namespace strata {
+
+ResidentWeights::ResidentWeights(const ModelLayout& layout, Device& device, DType param_dtype,
+                                 DType grad_dtype, bool with_grads)
+    : layout_(layout), device_(device), param_dtype_(param_dtype), grad_dtype_(grad_dtype) {
+  for (const UnitLayout& u : layout.units) {
+    params_.emplace_back(device, u.numel * dtype_size(param_dtype),
+                         fmt::format("parameters of unit {}", u.name));
+    if (with_grads)
+      grads_.emplace_back(device, u.numel * dtype_size(grad_dtype),
+                          fmt::format("gradients of unit {}", u.name));
+  }
+}
+
+std::vector<UnitBuffers> ResidentWeights::units() const {
+  std::vector<UnitBuffers> out(params_.size());
+  for (size_t u = 0; u < params_.size(); ++u) {
+    out[u].params = params_[u].data();
+    out[u].grads = grads_.empty() ? nullptr : grads_[u].data();
+  }
+  return out;
+}
+
+uint64_t ResidentWeights::param_bytes() const {
+  uint64_t n = 0;
+  for (const DeviceBuffer& b : params_) n += b.bytes();
+  return n;
+}
+
+void ResidentWeights::init_random(uint64_t seed, Stream& stream) {
+  uint64_t largest = 0;
+  for (const UnitLayout& u : layout_.units) largest = std::max(largest, u.numel);
+  std::vector<char> staging(largest * dtype_size(param_dtype_));
+  for (int u = 0; u < layout_.num_units(); ++u) {
+    init_unit_random(layout_, u, seed, param_dtype_, staging.data());
+    device_.copy_to_device(params_[static_cast<size_t>(u)].data(), staging.data(),
+                           params_[static_cast<size_t>(u)].bytes(), stream);
+    stream.synchronize();  // the staging buffer is reused by the next unit
+  }
+}
+
+void ResidentWeights::load(const SafetensorsReader& reader, Stream& stream) {
+  std::set<std::string> expected;
+  for (const UnitLayout& u : layout_.units)
+    for (const ParamSlot& p : u.params) expected.insert(p.name);
+  for (const std::string& name : reader.names())
+    if (!expected.contains(name) && !name.ends_with("rotary_emb.inv_freq"))
+      fail(
+          "checkpoint {}: tensor '{}' is not part of a Llama model with this config; check "
+          "that config.json and the safetensors files belong to the same model",
+          reader.source(), name);
+
+  uint64_t largest = 0;
+  for (const UnitLayout& u : layout_.units) largest = std::max(largest, u.numel);
+  std::vector<char> staging(largest * dtype_size(param_dtype_));
+  for (int u = 0; u < layout_.num_units(); ++u) {
+    const UnitLayout& unit = layout_.units[static_cast<size_t>(u)];
+    std::fill(staging.begin(), staging.end(), char{0});
+    for (const ParamSlot& p : unit.params) {
+      std::vector<int64_t> shape(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.rank);
+      reader.read_checked(p.name, staging.data() + p.offset * dtype_size(param_dtype_),
+                          param_dtype_, shape);
+    }
+    device_.copy_to_device(params_[static_cast<size_t>(u)].data(), staging.data(),
+                           params_[static_cast<size_t>(u)].bytes(), stream);
+    stream.synchronize();
+  }
+}
+
+void ResidentWeights::zero_grads(Stream& stream) {
+  for (DeviceBuffer& g : grads_) device_.fill_zero(g.data(), g.bytes(), stream);
+}
+
+std::vector<float> ResidentWeights::download(int u, bool grad, Stream& stream) const {
+  if (grad && grads_.empty())
+    fail("download of unit {}'s gradients: these weights were made without gradients",
+         layout_.units.at(static_cast<size_t>(u)).name);
+  const DeviceBuffer& b = (grad ? grads_ : params_).at(static_cast<size_t>(u));
+  const DType t = grad ? grad_dtype_ : param_dtype_;
+  std::vector<char> raw(b.bytes());
+  device_.copy_to_host(raw.data(), b.data(), b.bytes(), stream);
+  stream.synchronize();
+  std::vector<float> out(b.bytes() / dtype_size(t));
+  convert(out.data(), DType::f32, raw.data(), t, out.size());
+  return out;
+}
+
+void ResidentWeights::upload(int u, const std::vector<float>& values, Stream& stream) {
+  const DeviceBuffer& b = params_.at(static_cast<size_t>(u));
+  const uint64_t n = b.bytes() / dtype_size(param_dtype_);
+  if (values.size() != n)
+    fail("upload to unit {}: {} values given for {} elements",
+         layout_.units.at(static_cast<size_t>(u)).name, values.size(), n);
+  std::vector<char> raw(b.bytes());
+  convert(raw.data(), param_dtype_, values.data(), DType::f32, n);
+  device_.copy_to_device(b.data(), raw.data(), b.bytes(), stream);
+  stream.synchronize();
+}
+
+}  // namespace strata

@@ -1,0 +1,50 @@
+// weights.h: a whole model's parameters (and gradients) resident on one device.
+//
+// What `strata eval` and the tests use; the trainer keeps ZeRO-3 shards in their home tiers
+// instead (src/partition, src/tier). Loading streams one unit at a time through one host
+// staging buffer the size of the largest unit, so it never holds a second copy of the model.
+#pragma once
+
+#include "core/device.h"
+#include "model/llama.h"
+
+#include <filesystem>
+#include <vector>
+
+namespace strata {
+
+class SafetensorsReader;
+
+class ResidentWeights {
+ public:
+  // Allocates every unit's parameters in `param_dtype` (and gradients in `grad_dtype` when
+  // with_grads) from `device`'s arena; contents undefined until loaded or initialised.
+  ResidentWeights(const ModelLayout& layout, Device& device, DType param_dtype, DType grad_dtype,
+                  bool with_grads);
+
+  std::vector<UnitBuffers> units() const;
+  const ModelLayout& layout() const { return layout_; }
+
+  // Hugging Face's initialisation from `seed` (init_unit_random), the same bits every time.
+  void init_random(uint64_t seed, Stream& stream);
+  // Every tensor of the layout from a checkpoint, converted to param_dtype; a missing tensor
+  // or a shape that differs from the config is an error naming both. Tensors the model has no
+  // use for are an error too (a checkpoint of another architecture), except rotary caches.
+  void load(const SafetensorsReader& reader, Stream& stream);
+  void zero_grads(Stream& stream);
+
+  // Unit u's parameters (or gradients) as f32 in host memory, padding included.
+  std::vector<float> download(int u, bool grad, Stream& stream) const;
+  // Replaces unit u's parameters with `values` (f32, the unit's numel), converted.
+  void upload(int u, const std::vector<float>& values, Stream& stream);
+
+  uint64_t param_bytes() const;
+
+ private:
+  const ModelLayout& layout_;
+  Device& device_;
+  DType param_dtype_, grad_dtype_;
+  std::vector<DeviceBuffer> params_, grads_;
+};
+
+}  // namespace strata

@@ -1,0 +1,160 @@
+#!/usr/bin/env python3
+"""The Llama equations written out in PyTorch, the reference strata's model is tested against.
+
+No transformers library: the forward below is Hugging Face's LlamaForCausalLM spelled out
+(RMSNorm, rotary embeddings in the rotate-half layout with optional llama3 frequency scaling,
+causal grouped-query attention, SwiGLU MLP, optional tied embeddings, mean cross-entropy over
+targets that are not -100).
+
+usage: llama_reference.py MODEL_DIR TOKENS OUT [--batch B] [--seq-len T] [--dtype float64]
+  MODEL_DIR  config.json + model.safetensors (read here with json + struct, no safetensors lib)
+  TOKENS     raw little-endian int32 file: B*T inputs, then B*T targets (-100 = ignored)
+  OUT        a safetensors file with F32 tensors: "loss" [1], "logits" [B*T, V], and
+             "grad.<hugging face name>" for every parameter (gradient of the mean loss)
+"""
+import argparse
+import itertools
+import json
+import math
+import struct
+import sys
+
+try:
+    import torch
+except ImportError:  # the C++ test reports a skip, naming python3-torch
+    sys.exit(77)
+
+DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def read_safetensors(path):
+    with open(path, "rb") as f:
+        blob = f.read()
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + n])
+    data = blob[8 + n :]
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = info["data_offsets"]
+        raw = bytearray(data[begin:end])
+        t = torch.frombuffer(raw, dtype=DTYPES[info["dtype"]]) if raw else torch.empty(0)
+        out[name] = t.reshape(info["shape"]).clone()
+    return out
+
+
+def write_safetensors(path, tensors):
+    blobs = [t.detach().to(torch.float32).contiguous().numpy().tobytes() for t in tensors.values()]
+    ends = list(itertools.accumulate(len(b) for b in blobs))
+    header = {
+        name: {"dtype": "F32", "shape": list(t.shape), "data_offsets": [end - len(b), end]}
+        for (name, t), b, end in zip(tensors.items(), blobs, ends)
+    }
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
+
+
+def inv_frequencies(cfg, head_dim):
+    theta = float(cfg.get("rope_theta", 10000.0))
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rs = cfg.get("rope_scaling")
+    if rs and (rs.get("rope_type") or rs.get("type")) == "llama3":
+        factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old / low, old / high
+        out = []
+        for f in inv.tolist():
+            wavelen = 2 * math.pi / f
+            if wavelen < high_wavelen:
+                out.append(f)
+            elif wavelen > low_wavelen:
+                out.append(f / factor)
+            else:
+                smooth = (old / wavelen - low) / (high - low)
+                out.append((1 - smooth) * f / factor + smooth * f)
+        inv = torch.tensor(out, dtype=torch.float32)
+    return inv
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rms_norm(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def forward(cfg, p, ids, dtype):
+    B, T = ids.shape
+    D = cfg["hidden_size"]
+    H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim") or D // H
+    eps = cfg["rms_norm_eps"]
+    # Angles in f32 as Hugging Face computes them; cos/sin in the working precision.
+    angles = torch.arange(T, dtype=torch.float32)[:, None] * inv_frequencies(cfg, hd)[None, :]
+    angles = torch.cat((angles, angles), dim=-1).to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    mask = torch.full((T, T), float("-inf"), dtype=dtype).triu(1)
+
+    x = p["model.embed_tokens.weight"][ids]
+    for l in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{l}."
+        xn = rms_norm(x, p[pre + "input_layernorm.weight"], eps)
+        q = (xn @ p[pre + "self_attn.q_proj.weight"].T).view(B, T, H, hd).transpose(1, 2)
+        k = (xn @ p[pre + "self_attn.k_proj.weight"].T).view(B, T, Hkv, hd).transpose(1, 2)
+        v = (xn @ p[pre + "self_attn.v_proj.weight"].T).view(B, T, Hkv, hd).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        k = k.repeat_interleave(H // Hkv, dim=1)
+        v = v.repeat_interleave(H // Hkv, dim=1)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(hd) + mask
+        att = torch.softmax(scores, dim=-1) @ v
+        att = att.transpose(1, 2).reshape(B, T, H * hd)
+        h = x + att @ p[pre + "self_attn.o_proj.weight"].T
+        hn = rms_norm(h, p[pre + "post_attention_layernorm.weight"], eps)
+        gate = hn @ p[pre + "mlp.gate_proj.weight"].T
+        up = hn @ p[pre + "mlp.up_proj.weight"].T
+        x = h + (torch.nn.functional.silu(gate) * up) @ p[pre + "mlp.down_proj.weight"].T
+    xf = rms_norm(x, p["model.norm.weight"], eps)
+    w = p["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else p["lm_head.weight"]
+    return xf @ w.T
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model_dir")
+    ap.add_argument("tokens")
+    ap.add_argument("out")
+    ap.add_argument("--batch", type=int, required=True)
+    ap.add_argument("--seq-len", type=int, required=True)
+    ap.add_argument("--dtype", default="float64", choices=["float32", "float64"])
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+
+    with open(f"{args.model_dir}/config.json") as f:
+        cfg = json.load(f)
+    params = {n: t.to(dtype).requires_grad_(True) for n, t in read_safetensors(f"{args.model_dir}/model.safetensors").items()}
+    B, T = args.batch, args.seq_len
+    with open(args.tokens, "rb") as f:
+        raw = f.read()
+    toks = torch.tensor(struct.unpack(f"<{2 * B * T}i", raw), dtype=torch.int64)
+    ids, targets = toks[: B * T].view(B, T), toks[B * T :]
+
+    logits = forward(cfg, params, ids, dtype)
+    V = logits.shape[-1]
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets, ignore_index=-100)
+    loss.backward()
+    out = {"loss": loss.detach().reshape(1), "logits": logits.detach().reshape(B * T, V)}
+    for n, t in params.items():
+        out["grad." + n] = t.grad if t.grad is not None else torch.zeros_like(t)
+    write_safetensors(args.out, out)
+    print(f"loss {loss.item():.9g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,637 @@
+// test_cuda_ops.cpp: every op of the CUDA kernel table against the host reference ops.
+//
+// Label `gpu`: every test skips, with the runtime's status and detail, when no GPU is usable.
+// Each op runs on cuda:0 through Device::kernels() and on the host through strata::host::*, on
+// the same random inputs. Outputs are compared by normalised error,
+// sqrt(sum (gpu - host)^2) / sqrt(sum host^2), against a tolerance per dtype; NaN and Inf must
+// sit at the same positions; and every device tensor has guard bytes on both sides that must
+// survive the op. "=" outputs start as NaN on the device, so an op that reads them shows up.
+//
+// STRATA_OPS_TEST_DEVICE=host:1 runs the same comparisons against the host backend's kernel
+// table instead: a check of this harness (and of the host table) on a machine without a GPU.
+#include "core/device.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/kernels.h"
+#include "gpu/runtime.h"
+#include "host/ops.h"
+
+#include <gtest/gtest.h>
+#include "testing.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace strata {
+namespace {
+
+using test::error_message;
+
+constexpr uint64_t kMiB = uint64_t{1} << 20;
+constexpr uint64_t kGuard = 256;  // bytes each side; keeps the body 256-byte aligned
+constexpr uint8_t kGuardByte = 0x5a;
+constexpr float kInf = std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+constexpr DType f32 = DType::f32;
+constexpr DType bf16 = DType::bf16;
+
+std::string device_spec() {
+  const char* env = std::getenv("STRATA_OPS_TEST_DEVICE");
+  return env != nullptr && *env != '\0' ? env : "cuda:0";
+}
+
+// A tensor in ordinary host memory, for the host reference.
+struct HostTensor {
+  DType dtype = f32;
+  Shape shape;
+  std::vector<uint8_t> bytes;
+
+  HostTensor() = default;
+  HostTensor(DType t, const Shape& s)
+      : dtype(t), shape(s), bytes(static_cast<size_t>(s.numel()) * dtype_size(t)) {}
+  int64_t numel() const { return shape.numel(); }
+  float at(int64_t i) const { return load_f32(bytes.data(), dtype, static_cast<size_t>(i)); }
+  void set(int64_t i, float v) { store_f32(bytes.data(), dtype, static_cast<size_t>(i), v); }
+  TensorView view() { return TensorView{bytes.data(), dtype, shape, nullptr}; }
+};
+
+class Rng {
+ public:
+  explicit Rng(uint32_t seed) : gen_(seed) {}
+  float uniform(float lo, float hi) { return std::uniform_real_distribution<float>(lo, hi)(gen_); }
+  int32_t below(int32_t n) { return std::uniform_int_distribution<int32_t>(0, n - 1)(gen_); }
+
+ private:
+  std::mt19937 gen_;
+};
+
+HostTensor random_tensor(DType t, const Shape& s, Rng& rng, float lo = -1.0f, float hi = 1.0f) {
+  HostTensor h(t, s);
+  for (int64_t i = 0; i < h.numel(); ++i) h.set(i, rng.uniform(lo, hi));
+  return h;
+}
+
+// A tensor in the device's arena with guard bytes before and after it.
+class DeviceTensor {
+ public:
+  // The body starts as 0xff bytes: NaN in f32 and in bf16.
+  DeviceTensor(Device& device, Stream& stream, DType t, const Shape& shape)
+      : device_(&device),
+        stream_(&stream),
+        dtype_(t),
+        shape_(shape),
+        body_(static_cast<uint64_t>(shape.numel()) * dtype_size(t)),
+        buffer_(device, body_ + 2 * kGuard, "ops test tensor") {
+    std::vector<uint8_t> init(body_ + 2 * kGuard, kGuardByte);
+    std::fill(init.begin() + kGuard, init.end() - kGuard, uint8_t{0xff});
+    device.copy_to_device(buffer_.data(), init.data(), init.size(), stream);
+    stream.synchronize();
+  }
+
+  void* data() const { return static_cast<char*>(buffer_.data()) + kGuard; }
+  TensorView view() const { return TensorView{data(), dtype_, shape_, device_}; }
+
+  void upload(const HostTensor& h) {
+    ASSERT_EQ(h.bytes.size(), body_);
+    device_->copy_to_device(data(), h.bytes.data(), body_, *stream_);
+    stream_->synchronize();
+  }
+
+  // The body, after checking that both guards are intact.
+  HostTensor fetch(const std::string& what) const {
+    std::vector<uint8_t> all(body_ + 2 * kGuard);
+    device_->copy_to_host(all.data(), buffer_.data(), all.size(), *stream_);
+    stream_->synchronize();
+    int64_t before = 0, after = 0;
+    for (uint64_t i = 0; i < kGuard; ++i) {
+      before += all[i] != kGuardByte;
+      after += all[kGuard + body_ + i] != kGuardByte;
+    }
+    EXPECT_EQ(before + after, 0) << what << ": guard bytes overwritten: " << before
+                                 << " before the tensor, " << after << " after it";
+    HostTensor h(dtype_, shape_);
+    std::memcpy(h.bytes.data(), all.data() + kGuard, body_);
+    return h;
+  }
+
+ private:
+  Device* device_;
+  Stream* stream_;
+  DType dtype_;
+  Shape shape_;
+  uint64_t body_;
+  DeviceBuffer buffer_;
+};
+
+// int32 ids or targets in the arena.
+class DeviceInts {
+ public:
+  DeviceInts(Device& device, Stream& stream, const std::vector<int32_t>& values)
+      : buffer_(device, values.size() * sizeof(int32_t), "ops test ids") {
+    device.copy_to_device(buffer_.data(), values.data(), buffer_.bytes(), stream);
+    stream.synchronize();
+  }
+  const int32_t* data() const { return static_cast<const int32_t*>(buffer_.data()); }
+
+ private:
+  DeviceBuffer buffer_;
+};
+
+// f32 ~1e-5; an f32 result of bf16 inputs (the same numbers, summed in another order) 1e-4;
+// a bf16 result ~1e-2 (one rounding of 2^-9, in a different place now and then).
+double tolerance(DType out, DType in) {
+  if (out == bf16) return 1e-2;
+  return in == bf16 ? 1e-4 : 1e-5;
+}
+
+void expect_close(const std::string& what, const HostTensor& got, const HostTensor& want,
+                  double tol) {
+  ASSERT_EQ(got.numel(), want.numel()) << what;
+  double num = 0.0, den = 0.0, worst = -1.0;
+  int64_t worst_at = -1, special = 0;
+  std::string specials;
+  for (int64_t i = 0; i < got.numel(); ++i) {
+    const float g = got.at(i), w = want.at(i);
+    if (!std::isfinite(g) || !std::isfinite(w)) {
+      const bool same = (std::isnan(g) && std::isnan(w)) ||
+                        (std::isinf(g) && std::isinf(w) && std::signbit(g) == std::signbit(w));
+      if (!same && special++ < 5) specials += fmt::format(" [{}] gpu {} host {};", i, g, w);
+      continue;
+    }
+    const double d = static_cast<double>(g) - static_cast<double>(w);
+    num += d * d;
+    den += static_cast<double>(w) * w;
+    if (std::abs(d) > worst) {
+      worst = std::abs(d);
+      worst_at = i;
+    }
+  }
+  EXPECT_EQ(special, 0) << what << ": NaN/Inf positions differ:" << specials;
+  const double err = den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
+  EXPECT_LE(err, tol) << what << ": normalised error " << err << " over " << got.numel()
+                      << " elements; largest difference at [" << worst_at << "]: gpu "
+                      << (worst_at >= 0 ? got.at(worst_at) : 0.0f) << ", host "
+                      << (worst_at >= 0 ? want.at(worst_at) : 0.0f);
+}
+
+class CudaOpsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const DeviceSpec spec = parse_device_spec(device_spec());
+    if (spec.backend == Backend::cuda) {
+      const CudaRuntime& rt = cuda_runtime();
+      if (rt.gpus.empty()) GTEST_SKIP() << "no CUDA device: " << rt.status << ": " << rt.detail;
+    }
+    auto devices = open_devices(spec, 512 * kMiB);
+    ASSERT_FALSE(devices.empty());
+    device_ = std::move(devices.front());
+    stream_ = device_->create_stream("ops test");
+  }
+
+  bool on_cuda() const { return device_->backend() == Backend::cuda; }
+  Kernels& gpu() { return device_->kernels(); }
+  Stream& stream() { return *stream_; }
+  void sync() { stream_->synchronize(); }
+
+  DeviceTensor empty(DType t, const Shape& s) { return DeviceTensor(*device_, *stream_, t, s); }
+  DeviceTensor upload(const HostTensor& h) {
+    DeviceTensor d(*device_, *stream_, h.dtype, h.shape);
+    d.upload(h);
+    return d;
+  }
+  DeviceInts ints(const std::vector<int32_t>& v) { return DeviceInts(*device_, *stream_, v); }
+
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Stream> stream_;
+};
+
+// ---- matmul ----
+
+struct MatmulTypes {
+  DType ab, c;
+};
+
+TEST_F(CudaOpsTest, MatmulMatchesHostForEveryTransposeDtypeAndBeta) {
+  Rng rng(1);
+  const int64_t sizes[][3] = {{1, 1, 1}, {17, 33, 65}, {128, 96, 64}, {5, 300, 7}, {64, 1, 129}};
+  for (const MatmulTypes types : {MatmulTypes{f32, f32}, {bf16, bf16}, {bf16, f32}}) {
+    for (const auto& size : sizes) {
+      const int64_t m = size[0], n = size[1], k = size[2];
+      for (int t = 0; t < 4; ++t) {
+        for (const float beta : {0.0f, 1.0f}) {
+          const bool ta = (t & 1) != 0, tb = (t & 2) != 0;
+          const float alpha = beta == 0.0f ? 1.0f : 0.5f;
+          SCOPED_TRACE(fmt::format("ab {} c {} m {} n {} k {} trans_a {} trans_b {} beta {}",
+                                   dtype_name(types.ab), dtype_name(types.c), m, n, k, ta, tb,
+                                   beta));
+          HostTensor a = random_tensor(types.ab, ta ? Shape{k, m} : Shape{m, k}, rng);
+          HostTensor b = random_tensor(types.ab, tb ? Shape{n, k} : Shape{k, n}, rng);
+          HostTensor c = random_tensor(types.c, {m, n}, rng);
+          DeviceTensor da = upload(a), db = upload(b);
+          // beta == 0: c starts as NaN on the device, and must not be read.
+          DeviceTensor dc = beta == 0.0f ? empty(types.c, {m, n}) : upload(c);
+          gpu().matmul(dc.view(), da.view(), ta, db.view(), tb, alpha, beta, stream());
+          host::matmul(c.view(), a.view(), ta, b.view(), tb, alpha, beta);
+          expect_close("c", dc.fetch("c"), c, tolerance(types.c, types.ab));
+        }
+      }
+    }
+  }
+}
+
+TEST_F(CudaOpsTest, MatmulOnViewsAlignedToOneElement) {
+  // Views that start one element into a buffer: cuBLASLt must pick an algorithm that allows it.
+  Rng rng(2);
+  const int64_t m = 33, n = 18, k = 47;
+  for (const DType t : {f32, bf16}) {
+    SCOPED_TRACE(dtype_name(t));
+    HostTensor a = random_tensor(t, {m * k + 1}, rng), b = random_tensor(t, {n * k + 1}, rng);
+    HostTensor c(f32, {m * n + 1});
+    DeviceTensor da = upload(a), db = upload(b), dc = empty(f32, {m * n + 1});
+    auto shifted = [](TensorView v, DType dt, const Shape& s) {
+      return TensorView{static_cast<char*>(v.data) + dtype_size(dt), dt, s, v.device};
+    };
+    gpu().matmul(shifted(dc.view(), f32, {m, n}), shifted(da.view(), t, {m, k}), false,
+                 shifted(db.view(), t, {n, k}), true, 1.0f, 0.0f, stream());
+    host::matmul(shifted(c.view(), f32, {m, n}), shifted(a.view(), t, {m, k}), false,
+                 shifted(b.view(), t, {n, k}), true, 1.0f, 0.0f);
+    HostTensor got = dc.fetch("c");
+    HostTensor got_body(f32, {m * n}), want_body(f32, {m * n});
+    std::memcpy(got_body.bytes.data(), got.bytes.data() + 4, got_body.bytes.size());
+    std::memcpy(want_body.bytes.data(), c.bytes.data() + 4, want_body.bytes.size());
+    expect_close("c", got_body, want_body, tolerance(f32, t));
+    EXPECT_TRUE(std::isnan(got.at(0))) << "the element before the shifted view was written";
+  }
+}
+
+TEST_F(CudaOpsTest, MatmulWithAnEmptyInnerDimensionScalesC) {
+  Rng rng(3);
+  HostTensor a(f32, {3, 0}), b(f32, {0, 4});
+  HostTensor c = random_tensor(f32, {3, 4}, rng);
+  DeviceTensor da = upload(a), db = upload(b), dc = upload(c);
+  gpu().matmul(dc.view(), da.view(), false, db.view(), false, 1.0f, 0.5f, stream());
+  host::matmul(c.view(), a.view(), false, b.view(), false, 1.0f, 0.5f);
+  expect_close("c", dc.fetch("c"), c, 1e-6);
+}
+
+// ---- embedding ----
+
+TEST_F(CudaOpsTest, EmbeddingForwardAndBackward) {
+  Rng rng(4);
+  const int64_t vocab = 50, dim = 33, rows = 40;
+  std::vector<int32_t> ids(rows);
+  for (auto& id : ids) id = rng.below(10);  // many repeats, for the backward's scatter-add
+  ids[7] = static_cast<int32_t>(vocab - 1);
+  DeviceInts dids = ints(ids);
+
+  for (const DType table_t : {f32, bf16}) {
+    for (const DType out_t : {f32, bf16}) {
+      SCOPED_TRACE(fmt::format("table {} out {}", dtype_name(table_t), dtype_name(out_t)));
+      HostTensor table = random_tensor(table_t, {vocab, dim}, rng);
+      HostTensor out(out_t, {rows, dim});
+      DeviceTensor dtable = upload(table), dout = empty(out_t, {rows, dim});
+      gpu().embedding_forward(dout.view(), dtable.view(), dids.data(), stream());
+      host::embedding_forward(out.view(), table.view(), ids.data());
+      expect_close("out", dout.fetch("out"), out, 0.0);  // a gather: exact
+    }
+  }
+  for (const MatmulTypes types : {MatmulTypes{f32, f32}, {bf16, f32}, {bf16, bf16}}) {
+    const DType dout_t = types.ab, dtable_t = types.c;
+    SCOPED_TRACE(fmt::format("dtable {} dout {}", dtype_name(dtable_t), dtype_name(dout_t)));
+    HostTensor dtable = random_tensor(dtable_t, {vocab, dim}, rng);
+    HostTensor dout = random_tensor(dout_t, {rows, dim}, rng);
+    DeviceTensor ddtable = upload(dtable), ddout = upload(dout);
+    gpu().embedding_backward(ddtable.view(), ddout.view(), dids.data(), stream());
+    host::embedding_backward(dtable.view(), dout.view(), ids.data());
+    expect_close("dtable", ddtable.fetch("dtable"), dtable, tolerance(dtable_t, dout_t));
+  }
+}
+
+// ---- rmsnorm ----
+
+TEST_F(CudaOpsTest, RmsnormForwardAndBackward) {
+  Rng rng(5);
+  const int64_t shapes[][2] = {{1, 64}, {7, 1000}, {300, 4096}};
+  struct Types {
+    DType x, w;  // y, dy, dx take x's dtype; dw is f32 (a gradient accumulator) or w's dtype
+  };
+  for (const Types types : {Types{f32, f32}, {bf16, bf16}, {bf16, f32}}) {
+    for (const auto& shape : shapes) {
+      const int64_t rows = shape[0], dim = shape[1];
+      SCOPED_TRACE(fmt::format("x {} w {} rows {} dim {}", dtype_name(types.x), dtype_name(types.w),
+                               rows, dim));
+      const float eps = 1e-5f;
+      HostTensor x = random_tensor(types.x, {rows, dim}, rng, -2.0f, 2.0f);
+      HostTensor w = random_tensor(types.w, {dim}, rng, 0.5f, 1.5f);
+      HostTensor y(types.x, {rows, dim}), rstd(f32, {rows});
+      DeviceTensor x_dev = upload(x), w_dev = upload(w);
+      DeviceTensor y_dev = empty(types.x, {rows, dim}), rstd_dev = empty(f32, {rows});
+      gpu().rmsnorm_forward(y_dev.view(), rstd_dev.view(), x_dev.view(), w_dev.view(), eps,
+                            stream());
+      host::rmsnorm_forward(y.view(), rstd.view(), x.view(), w.view(), eps);
+      expect_close("y", y_dev.fetch("y"), y, tolerance(types.x, types.x));
+      expect_close("rstd", rstd_dev.fetch("rstd"), rstd, tolerance(f32, types.x));
+
+      // Backward from the host's rstd on both sides; dx and dw accumulate (+=).
+      const DType dw_t = types.w == bf16 ? bf16 : f32;
+      HostTensor dy = random_tensor(types.x, {rows, dim}, rng);
+      HostTensor dx = random_tensor(types.x, {rows, dim}, rng);
+      HostTensor dw = random_tensor(dw_t, {dim}, rng);
+      DeviceTensor dy_dev = upload(dy), dx_dev = upload(dx), dw_dev = upload(dw),
+                   rstd_in = upload(rstd);
+      gpu().rmsnorm_backward(dx_dev.view(), dw_dev.view(), dy_dev.view(), x_dev.view(),
+                             w_dev.view(), rstd_in.view(), stream());
+      host::rmsnorm_backward(dx.view(), dw.view(), dy.view(), x.view(), w.view(), rstd.view());
+      expect_close("dx", dx_dev.fetch("dx"), dx, tolerance(types.x, types.x));
+      expect_close("dw", dw_dev.fetch("dw"), dw, tolerance(dw_t, types.x));
+    }
+  }
+}
+
+// ---- rope ----
+
+HostTensor rope_table(int64_t seq_len, int64_t head_dim) {
+  HostTensor t(f32, {seq_len, head_dim});
+  const int64_t half = head_dim / 2;
+  for (int64_t p = 0; p < seq_len; ++p)
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle =
+          static_cast<double>(p) *
+          std::pow(10000.0, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+      t.set(p * head_dim + i, static_cast<float>(std::cos(angle)));
+      t.set(p * head_dim + half + i, static_cast<float>(std::sin(angle)));
+    }
+  return t;
+}
+
+TEST_F(CudaOpsTest, RopeForwardAndInverse) {
+  Rng rng(6);
+  const int64_t batch = 3, seq = 17, heads = 4;
+  for (const int64_t head_dim : {64, 128}) {
+    HostTensor table = rope_table(seq, head_dim);
+    DeviceTensor dtable = upload(table);
+    for (const DType t : {f32, bf16}) {
+      for (const bool inverse : {false, true}) {
+        SCOPED_TRACE(fmt::format("{} head_dim {} inverse {}", dtype_name(t), head_dim, inverse));
+        HostTensor x = random_tensor(t, {batch * seq, heads, head_dim}, rng);
+        DeviceTensor dx = upload(x);
+        gpu().rope(dx.view(), dtable.view(), seq, inverse, stream());
+        host::rope(x.view(), table.view(), seq, inverse);
+        expect_close("x", dx.fetch("x"), x, tolerance(t, t));
+      }
+    }
+  }
+}
+
+// ---- attention ----
+
+struct AttentionCase {
+  int64_t batch, seq, heads, kv_heads, head_dim;
+  DType dtype;
+};
+
+std::vector<AttentionCase> attention_cases() {
+  std::vector<AttentionCase> cases;
+  for (const int64_t t : {1, 17, 64, 129, 300}) {
+    cases.push_back({2, t, 8, 2, 64, f32});   // grouped-query, 4 heads per kv head
+    cases.push_back({1, t, 8, 2, 128, f32});  // Llama's head_dim
+    cases.push_back({1, t, 4, 4, 64, f32});   // one kv head per head
+  }
+  cases.push_back({2, 129, 8, 2, 128, bf16});
+  cases.push_back({1, 300, 8, 2, 64, bf16});
+  cases.push_back({1, 64, 4, 4, 128, bf16});
+  cases.push_back({1, 129, 4, 2, 96, f32});  // other multiples of 8, up to 256
+  cases.push_back({1, 33, 2, 2, 40, f32});
+  cases.push_back({1, 65, 2, 1, 256, f32});
+  cases.push_back({1, 40, 2, 1, 256, bf16});
+  return cases;
+}
+
+TEST_F(CudaOpsTest, AttentionForwardAndBackward) {
+  Rng rng(7);
+  for (const AttentionCase& c : attention_cases()) {
+    SCOPED_TRACE(fmt::format("{} batch {} seq {} heads {} kv_heads {} head_dim {}",
+                             dtype_name(c.dtype), c.batch, c.seq, c.heads, c.kv_heads, c.head_dim));
+    const Shape qs{c.batch, c.seq, c.heads, c.head_dim};
+    const Shape ks{c.batch, c.seq, c.kv_heads, c.head_dim};
+    const Shape ls{c.batch, c.heads, c.seq};
+    // q spans a wider range than k so that some rows' softmax is sharp.
+    HostTensor q = random_tensor(c.dtype, qs, rng, -3.0f, 3.0f);
+    HostTensor k = random_tensor(c.dtype, ks, rng), v = random_tensor(c.dtype, ks, rng);
+    HostTensor out(c.dtype, qs), lse(f32, ls);
+    DeviceTensor q_dev = upload(q), k_dev = upload(k), v_dev = upload(v);
+    DeviceTensor out_dev = empty(c.dtype, qs), lse_dev = empty(f32, ls);
+    gpu().attention_forward(out_dev.view(), lse_dev.view(), q_dev.view(), k_dev.view(),
+                            v_dev.view(), stream());
+    host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view());
+    expect_close("out", out_dev.fetch("out"), out, tolerance(c.dtype, c.dtype));
+    expect_close("lse", lse_dev.fetch("lse"), lse, tolerance(f32, c.dtype));
+
+    // Backward from the host's out and lse on both sides.
+    HostTensor dout = random_tensor(c.dtype, qs, rng);
+    HostTensor dq(c.dtype, qs), dk(c.dtype, ks), dv(c.dtype, ks);
+    DeviceTensor dout_dev = upload(dout), out_in = upload(out), lse_in = upload(lse);
+    DeviceTensor dq_dev = empty(c.dtype, qs), dk_dev = empty(c.dtype, ks),
+                 dv_dev = empty(c.dtype, ks);
+    gpu().attention_backward(dq_dev.view(), dk_dev.view(), dv_dev.view(), dout_dev.view(),
+                             q_dev.view(), k_dev.view(), v_dev.view(), out_in.view(), lse_in.view(),
+                             stream());
+    host::attention_backward(dq.view(), dk.view(), dv.view(), dout.view(), q.view(), k.view(),
+                             v.view(), out.view(), lse.view());
+    const double tol = tolerance(c.dtype, c.dtype);
+    expect_close("dq", dq_dev.fetch("dq"), dq, tol);
+    expect_close("dk", dk_dev.fetch("dk"), dk, tol);
+    expect_close("dv", dv_dev.fetch("dv"), dv, tol);
+  }
+}
+
+// ---- swiglu, add, fill ----
+
+TEST_F(CudaOpsTest, SwigluForwardAndBackward) {
+  Rng rng(8);
+  const Shape shape{3, 1001};
+  for (const MatmulTypes types : {MatmulTypes{f32, f32}, {bf16, bf16}, {bf16, f32}}) {
+    const DType in_t = types.ab, out_t = types.c;  // gate, up, dh; h, dgate, dup
+    SCOPED_TRACE(fmt::format("in {} out {}", dtype_name(in_t), dtype_name(out_t)));
+    HostTensor gate = random_tensor(in_t, shape, rng, -8.0f, 8.0f);
+    HostTensor up = random_tensor(in_t, shape, rng, -2.0f, 2.0f);
+    gate.set(0, kNaN);     // propagates
+    gate.set(1, 100.0f);   // exp(-g) underflows to 0
+    gate.set(2, -100.0f);  // exp(-g) overflows to inf: silu is -0
+    up.set(3, kNaN);
+    HostTensor h(out_t, shape);
+    DeviceTensor gate_dev = upload(gate), up_dev = upload(up), h_dev = empty(out_t, shape);
+    gpu().swiglu_forward(h_dev.view(), gate_dev.view(), up_dev.view(), stream());
+    host::swiglu_forward(h.view(), gate.view(), up.view());
+    expect_close("h", h_dev.fetch("h"), h, tolerance(out_t, in_t));
+
+    HostTensor dh = random_tensor(in_t, shape, rng);
+    HostTensor dgate(out_t, shape), dup(out_t, shape);
+    DeviceTensor dh_dev = upload(dh), dgate_dev = empty(out_t, shape),
+                 dup_dev = empty(out_t, shape);
+    gpu().swiglu_backward(dgate_dev.view(), dup_dev.view(), dh_dev.view(), gate_dev.view(),
+                          up_dev.view(), stream());
+    host::swiglu_backward(dgate.view(), dup.view(), dh.view(), gate.view(), up.view());
+    expect_close("dgate", dgate_dev.fetch("dgate"), dgate, tolerance(out_t, in_t));
+    expect_close("dup", dup_dev.fetch("dup"), dup, tolerance(out_t, in_t));
+  }
+}
+
+TEST_F(CudaOpsTest, AddOutOfPlaceAndInPlace) {
+  Rng rng(9);
+  const Shape shape{5, 777};
+  struct Types {
+    DType out, a, b;
+  };
+  for (const Types t : {Types{f32, f32, f32}, {bf16, bf16, bf16}, {f32, f32, bf16}}) {
+    SCOPED_TRACE(
+        fmt::format("out {} a {} b {}", dtype_name(t.out), dtype_name(t.a), dtype_name(t.b)));
+    HostTensor a = random_tensor(t.a, shape, rng), b = random_tensor(t.b, shape, rng);
+    a.set(3, kInf);
+    b.set(3, -kInf);  // NaN
+    a.set(4, kNaN);
+    a.set(5, kInf);  // inf
+    HostTensor out(t.out, shape);
+    DeviceTensor da = upload(a), db = upload(b), dout = empty(t.out, shape);
+    gpu().add(dout.view(), da.view(), db.view(), stream());
+    host::add(out.view(), a.view(), b.view());
+    expect_close("out", dout.fetch("out"), out, tolerance(t.out, t.a));
+    if (t.out == t.a) {  // the residual add: out is a
+      gpu().add(da.view(), da.view(), db.view(), stream());
+      host::add(a.view(), a.view(), b.view());
+      expect_close("a += b", da.fetch("a"), a, tolerance(t.out, t.a));
+    }
+  }
+}
+
+TEST_F(CudaOpsTest, FillWritesEveryElementAndNothingElse) {
+  for (const DType t : {f32, bf16}) {
+    for (const float value : {-kInf, 0.0f, 0.5f, 3.14159f}) {
+      SCOPED_TRACE(fmt::format("{} {}", dtype_name(t), value));
+      HostTensor x(t, {1000003});
+      DeviceTensor dx = empty(t, {1000003});
+      gpu().fill(dx.view(), value, stream());
+      host::fill(x.view(), value);
+      expect_close("x", dx.fetch("x"), x, 0.0);
+    }
+  }
+}
+
+// ---- cross-entropy ----
+
+TEST_F(CudaOpsTest, CrossEntropyOverChunksWithIgnoredTargets) {
+  Rng rng(10);
+  const int64_t rows = 37, vocab = 1000, chunk = 300;  // chunks of 300, 300, 300 and 100
+  std::vector<int32_t> targets(rows);
+  int valid = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    targets[static_cast<size_t>(r)] =
+        r % 5 == 2 ? kIgnoreIndex : rng.below(static_cast<int32_t>(vocab));
+    valid += targets[static_cast<size_t>(r)] != kIgnoreIndex;
+  }
+  DeviceInts dtargets = ints(targets);
+  const float scale = 1.0f / static_cast<float>(valid);
+
+  for (const DType t : {f32, bf16}) {
+    SCOPED_TRACE(dtype_name(t));
+    HostTensor logits = random_tensor(t, {rows, vocab}, rng, -6.0f, 6.0f);
+    std::vector<HostTensor> chunks;
+    std::vector<DeviceTensor> dchunks;
+    for (int64_t v0 = 0; v0 < vocab; v0 += chunk) {
+      const int64_t c = std::min(chunk, vocab - v0);
+      HostTensor part(t, {rows, c});
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < c; ++j) part.set(r * c + j, logits.at(r * vocab + v0 + j));
+      dchunks.push_back(upload(part));
+      chunks.push_back(std::move(part));
+    }
+
+    HostTensor row_max(f32, {rows}), row_sum(f32, {rows}), target(f32, {rows});
+    HostTensor losses(f32, {rows});
+    DeviceTensor drow_max = empty(f32, {rows}), drow_sum = empty(f32, {rows});
+    DeviceTensor dtarget = empty(f32, {rows}), dlosses = empty(f32, {rows});
+    gpu().fill(drow_max.view(), -kInf, stream());
+    gpu().fill(drow_sum.view(), 0.0f, stream());
+    gpu().fill(dtarget.view(), 0.0f, stream());
+    host::fill(row_max.view(), -kInf);
+    host::fill(row_sum.view(), 0.0f);
+    host::fill(target.view(), 0.0f);
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      const int64_t v0 = static_cast<int64_t>(i) * chunk;
+      gpu().xent_forward_chunk(dchunks[i].view(), v0, dtargets.data(), drow_max.view(),
+                               drow_sum.view(), dtarget.view(), stream());
+      host::xent_forward_chunk(chunks[i].view(), v0, targets.data(), row_max.view(), row_sum.view(),
+                               target.view());
+    }
+    expect_close("target_logit", dtarget.fetch("target_logit"), target, 0.0);
+    // lse aliases row_max, as in the model.
+    gpu().xent_finish(dlosses.view(), drow_max.view(), drow_max.view(), drow_sum.view(),
+                      dtarget.view(), dtargets.data(), stream());
+    host::xent_finish(losses.view(), row_max.view(), row_max.view(), row_sum.view(), target.view(),
+                      targets.data());
+    expect_close("losses", dlosses.fetch("losses"), losses, 1e-5);
+    expect_close("lse", drow_max.fetch("lse"), row_max, 1e-5);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (targets[static_cast<size_t>(r)] == kIgnoreIndex) {
+        EXPECT_EQ(losses.at(r), 0.0f) << r;
+      }
+    }
+
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      const int64_t v0 = static_cast<int64_t>(i) * chunk;
+      gpu().xent_backward_chunk(dchunks[i].view(), v0, dtargets.data(), drow_max.view(), scale,
+                                stream());
+      host::xent_backward_chunk(chunks[i].view(), v0, targets.data(), row_max.view(), scale);
+      expect_close(fmt::format("dlogits of chunk {}", i), dchunks[i].fetch("dlogits"), chunks[i],
+                   tolerance(t, t));
+    }
+  }
+}
+
+// ---- what the CUDA table refuses ----
+
+TEST_F(CudaOpsTest, F16IsRefusedWithAClearMessage) {
+  if (!on_cuda()) GTEST_SKIP() << "the host backend accepts f16";
+  DeviceTensor a = empty(DType::f16, {4, 4}), b = empty(DType::f16, {4, 4});
+  DeviceTensor c = empty(DType::f16, {4, 4});
+  const std::string msg = error_message(
+      [&] { gpu().matmul(c.view(), a.view(), false, b.view(), false, 1.0f, 0.0f, stream()); });
+  EXPECT_NE(msg.find("cuda:0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("f16"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("f32 or bf16"), std::string::npos) << msg;
+}
+
+TEST_F(CudaOpsTest, PointersOutsideTheArenaAreRefused) {
+  if (!on_cuda()) GTEST_SKIP() << "host devices run on host memory";
+  std::vector<float> host_memory(64);
+  const TensorView outside{host_memory.data(), f32, {8, 8}, device_.get()};
+  DeviceTensor x = empty(f32, {8, 8});
+  std::string msg = error_message([&] { gpu().add(x.view(), outside, x.view(), stream()); });
+  EXPECT_NE(msg.find("not in this device's memory"), std::string::npos) << msg;
+  DeviceTensor table = empty(f32, {10, 8});
+  std::vector<int32_t> ids(8, 0);
+  msg =
+      error_message([&] { gpu().embedding_forward(x.view(), table.view(), ids.data(), stream()); });
+  EXPECT_NE(msg.find("ids"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("not in this device's memory"), std::string::npos) << msg;
+  x.fetch("x");  // nothing was queued: the guards are intact
+}
+
+TEST_F(CudaOpsTest, ShapeMismatchesThrowBeforeAnythingIsQueued) {
+  DeviceTensor a = empty(f32, {4, 5}), b = empty(f32, {6, 3}), c = empty(f32, {4, 3});
+  test::expect_error(
+      [&] { gpu().matmul(c.view(), a.view(), false, b.view(), false, 1.0f, 0.0f, stream()); },
+      {"matmul", "[6, 3]"});
+  HostTensor untouched = c.fetch("c");
+  for (int64_t i = 0; i < untouched.numel(); ++i) EXPECT_TRUE(std::isnan(untouched.at(i))) << i;
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,147 @@
+// test_eval_cli.cpp: `strata eval` as a user runs it, on the tiny preset with random weights
+// (the checkpoint path, compared with PyTorch, is in test_llama_reference).
+#include "model/tokens.h"
+#include "testing.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using Result = test::CommandResult;
+
+class EvalCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("strata_eval_cli_" + std::to_string(::getpid()));
+    fs::create_directories(dir_);
+    tokens_.resize(16 * 5 + 1);
+    for (size_t i = 0; i < tokens_.size(); ++i)
+      tokens_[i] = static_cast<uint32_t>((i * 37 + 11) % 512);
+    write_llmc_tokens(dir_ / "tokens.bin", tokens_, TokenWidth::u16);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  Result eval(const std::string& args) const {
+    return test::run_command(std::string("'") + STRATA_BINARY +
+                             "' eval --model tiny --init random --devices host "
+                             "--device-memory 512MiB " +
+                             args + " 2>&1");
+  }
+  nlohmann::json eval_json(const std::string& args) const {
+    const Result r = eval(args + " --json");
+    EXPECT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out, nullptr, false);
+    EXPECT_FALSE(j.is_discarded()) << r.out;
+    return j;
+  }
+  std::string data() const { return "--data '" + (dir_ / "tokens.bin").string() + "'"; }
+
+  fs::path dir_;
+  std::vector<uint32_t> tokens_;
+};
+
+TEST_F(EvalCli, JsonReportsLossPerplexityAndTokens) {
+  const auto j = eval_json("--seed 1 --seq-len 16 --batch 2 " + data());
+  ASSERT_TRUE(j.contains("loss") && j.contains("perplexity") && j.contains("tokens")) << j;
+  EXPECT_EQ(j["tokens"].get<int64_t>(), 80);  // 81 tokens: five sequences of 16
+  const double loss = j["loss"].get<double>();
+  EXPECT_NEAR(loss, std::log(512.0), 0.3);  // random weights predict nothing
+  EXPECT_NEAR(j["perplexity"].get<double>(), std::exp(loss), 1e-9 * std::exp(loss));
+
+  // Deterministic; another seed is another model; batching changes nothing.
+  EXPECT_EQ(eval_json("--seed 1 --seq-len 16 --batch 2 " + data())["loss"], j["loss"]);
+  EXPECT_NE(eval_json("--seed 2 --seq-len 16 --batch 2 " + data())["loss"], j["loss"]);
+  EXPECT_NEAR(eval_json("--seed 1 --seq-len 16 --batch 3 " + data())["loss"].get<double>(), loss,
+              1e-5 * loss);
+  EXPECT_EQ(eval_json("--seed 1 --seq-len 16 --max-sequences 2 " + data())["tokens"], 32);
+
+  // The same tokens as a raw uint16 file give the same loss.
+  {
+    std::ofstream f(dir_ / "tokens.u16", std::ios::binary);
+    for (uint32_t t : tokens_) {
+      const auto v = static_cast<uint16_t>(t);
+      f.write(reinterpret_cast<const char*>(&v), 2);
+    }
+  }
+  const auto raw = eval_json("--seed 1 --seq-len 16 --batch 2 --data-dtype uint16 --data '" +
+                             (dir_ / "tokens.u16").string() + "'");
+  EXPECT_EQ(raw["loss"], j["loss"]);
+
+  const Result text = eval("--seed 1 --seq-len 16 " + data());
+  EXPECT_EQ(text.status, 0) << text.out;
+  EXPECT_NE(text.out.find("perplexity"), std::string::npos) << text.out;
+}
+
+TEST_F(EvalCli, BadInputsAreNamed) {
+  // A token id past the vocabulary names its position.
+  std::vector<uint32_t> bad = tokens_;
+  bad[40] = 600;
+  write_llmc_tokens(dir_ / "bad.bin", bad, TokenWidth::u16);
+  Result r = eval("--seq-len 16 --data '" + (dir_ / "bad.bin").string() + "'");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("600"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("40"), std::string::npos) << r.out;
+
+  // Too few tokens for one sequence.
+  r = eval("--seq-len 100 " + data());
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--seq-len 100"), std::string::npos) << r.out;
+
+  // Past the model's positions.
+  r = eval("--seq-len 100000 " + data());
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("max_position_embeddings"), std::string::npos) << r.out;
+
+  // A preset has no weights unless asked to initialise.
+  r = test::run_command(std::string("'") + STRATA_BINARY + "' eval --model tiny --devices host " +
+                        data() + " 2>&1");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--init random"), std::string::npos) << r.out;
+
+  // Neither a preset nor a directory: the presets are listed.
+  r = test::run_command(std::string("'") + STRATA_BINARY + "' eval --model no-such-model " +
+                        data() + " 2>&1");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("no-such-model"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("llama3-8b"), std::string::npos) << r.out;
+
+  // A missing data file.
+  r = eval("--data '" + (dir_ / "missing.bin").string() + "'");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("missing.bin"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace strata
+
+namespace strata {
+namespace {
+
+// `strata bench model` verifies against the host backend, then reports its figures.
+TEST(BenchModelCli, VerifiesThenReports) {
+  for (const char* dtype : {"f32", "bf16"}) {
+    const test::CommandResult r = test::run_command(
+        std::string("'") + STRATA_BINARY +
+        "' bench model --model tiny --devices host --seq-len 16 --batch 2 --steps 1 --dtype " +
+        dtype + " --peak-tflops 1 --json 2>&1");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << r.out;
+    EXPECT_TRUE(j["verified"].get<bool>());
+    EXPECT_EQ(j["dtype"], dtype);
+    EXPECT_GT(j["tokens_per_s"].get<double>(), 0.0);
+    EXPECT_GT(j["model_tflops"].get<double>(), 0.0);
+    EXPECT_DOUBLE_EQ(j["mfu"].get<double>(), j["model_tflops"].get<double>());
+  }
+}
+
+}  // namespace
+}  // namespace strata

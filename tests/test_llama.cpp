@@ -1,0 +1,295 @@
+// The Llama model on the host backend: layout, rotary table, and the whole model's gradient
+// against finite differences of its loss (the per-op checks are in test_host_ops).
+#include "core/device.h"
+#include "host/host_device.h"
+#include "model/llama.h"
+#include "model/weights.h"
+#include "testing.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+#include <random>
+
+namespace strata {
+namespace {
+
+LlamaConfig small_config(bool tied) {
+  LlamaConfig c;
+  c.name = "test-small";
+  c.hidden_size = 16;
+  c.intermediate_size = 24;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 6;  // deliberately not hidden / heads
+  c.vocab_size = 29;
+  c.max_position_embeddings = 64;
+  c.rms_norm_eps = 1e-5;
+  c.rope_theta = 10000.0;
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+TEST(LlamaLayout, NamesShapesAndAlignment) {
+  for (bool tied : {false, true}) {
+    const LlamaConfig c = small_config(tied);
+    const ModelLayout layout = ModelLayout::build(c);
+    ASSERT_EQ(layout.num_units(), 4);
+    EXPECT_EQ(layout.units[0].kind, UnitKind::embedding);
+    EXPECT_EQ(layout.units[3].kind, UnitKind::head);
+    EXPECT_EQ(layout.units[3].params.size(), tied ? 1u : 2u);
+    const auto [u, slot] = layout.find("model.layers.1.self_attn.k_proj.weight");
+    EXPECT_EQ(u, 2);
+    EXPECT_EQ(slot->shape, (Shape{12, 16}));
+    EXPECT_EQ(layout.find("model.layers.0.self_attn.o_proj.weight").second->shape, (Shape{16, 24}));
+    uint64_t real = 0, total = 0;
+    for (const UnitLayout& unit : layout.units) {
+      total += unit.numel;
+      uint64_t end = 0;
+      for (const ParamSlot& p : unit.params) {
+        EXPECT_EQ(p.offset % ModelLayout::kAlign, 0u) << p.name;
+        EXPECT_GE(p.offset, end) << p.name << " overlaps the tensor before it";
+        end = p.offset + static_cast<uint64_t>(p.numel());
+        real += static_cast<uint64_t>(p.numel());
+      }
+      EXPECT_LE(end, unit.numel);
+    }
+    EXPECT_EQ(total, layout.total_numel);
+    // Embedding + per layer (2 norms, q, k, v, o, gate, up, down) + norm (+ head).
+    const uint64_t per_layer = 2 * 16 + 24 * 16 + 2 * 12 * 16 + 16 * 24 + 3 * 24 * 16;
+    EXPECT_EQ(real, 29 * 16 + 2 * per_layer + 16 + (tied ? 0 : 29 * 16));
+    test::expect_error([&] { (void)layout.find("model.layers.7.mlp.up_proj.weight"); },
+                       {"model.layers.7.mlp.up_proj.weight"});
+  }
+}
+
+TEST(LlamaRope, PlainAndLlama3Scaling) {
+  LlamaConfig c = small_config(false);
+  c.head_dim = 8;
+  const auto plain = rope_table(c, 5);
+  ASSERT_EQ(plain.size(), 40u);
+  for (int t = 0; t < 5; ++t)
+    for (int i = 0; i < 4; ++i) {
+      const double angle = t * std::pow(10000.0, -2.0 * i / 8.0);
+      EXPECT_NEAR(plain[static_cast<size_t>(t * 8 + i)], std::cos(angle), 2e-6);
+      EXPECT_NEAR(plain[static_cast<size_t>(t * 8 + 4 + i)], std::sin(angle), 2e-6);
+    }
+  // llama3 scaling with a short original context: the lowest frequency is divided by the
+  // factor, the highest is untouched, one in between is blended.
+  c.rope_scaling.kind = RopeScalingKind::llama3;
+  c.rope_scaling.factor = 8.0;
+  c.rope_scaling.low_freq_factor = 1.0;
+  c.rope_scaling.high_freq_factor = 4.0;
+  c.rope_scaling.original_max_position_embeddings = 64;
+  c.rope_theta = 500000.0;
+  const auto scaled = rope_table(c, 3);
+  c.rope_scaling = RopeScaling{};
+  const auto unscaled = rope_table(c, 3);
+  const int t = 2;
+  EXPECT_FLOAT_EQ(scaled[t * 8 + 0], unscaled[t * 8 + 0]);  // inv_freq 1: wavelength 2π < 16
+  const double low = std::pow(500000.0, -6.0 / 8.0);        // wavelength ~ 118000 > 64
+  EXPECT_NEAR(scaled[t * 8 + 3], std::cos(t * low / 8.0), 1e-6);
+}
+
+// The whole model in f32: every parameter's gradient against central differences of the mean
+// loss, for a few coordinates of every tensor, with and without tied embeddings.
+class LlamaGradient : public ::testing::TestWithParam<bool> {};
+
+TEST_P(LlamaGradient, MatchesFiniteDifferences) {
+  const LlamaConfig c = small_config(GetParam());
+  auto device = open_host_device(0, 64ull << 20);
+  auto stream = device->create_stream("test");
+  ModelOptions o;
+  o.max_batch = 2;
+  o.seq_len = 5;
+  o.vocab_chunk = 11;  // three chunks, the last one short
+  LlamaModel model(c, o, *device);
+  ResidentWeights w(model.layout(), *device, DType::f32, DType::f32, true);
+  // Larger weights than a real init, so gradients are large against f32 rounding.
+  std::mt19937 rng(7);
+  std::uniform_real_distribution<float> dist(-0.4f, 0.4f);
+  std::vector<std::vector<float>> values;
+  for (int u = 0; u < model.layout().num_units(); ++u) {
+    values.push_back(w.download(u, false, *stream));
+    for (float& x : values.back()) x = dist(rng);
+    w.upload(u, values.back(), *stream);
+  }
+  const int64_t N = 10;
+  std::vector<int32_t> host_ids(N), host_targets(N);
+  for (int64_t i = 0; i < N; ++i) {
+    host_ids[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7 + 3) % 29);
+    host_targets[static_cast<size_t>(i)] =
+        i % 4 == 1 ? kIgnoreIndex : static_cast<int32_t>((i * 5 + 1) % 29);
+  }
+  DeviceBuffer ids(*device, N * 4, "ids"), targets(*device, N * 4, "targets");
+  device->copy_to_device(ids.data(), host_ids.data(), N * 4, *stream);
+  device->copy_to_device(targets.data(), host_targets.data(), N * 4, *stream);
+  const double valid = 7;  // positions 1, 5, 9 are ignored
+
+  auto loss = [&]() {
+    model.forward(w.units(), static_cast<int32_t*>(ids.data()),
+                  static_cast<int32_t*>(targets.data()), 2, false, *stream);
+    std::vector<float> l(N);
+    device->copy_to_host(l.data(), model.losses(2).data, N * 4, *stream);
+    stream->synchronize();
+    double sum = 0;
+    for (int64_t i = 0; i < N; ++i) {
+      if (host_targets[static_cast<size_t>(i)] == kIgnoreIndex) {
+        EXPECT_EQ(l[static_cast<size_t>(i)], 0.0f);
+      }
+      sum += l[static_cast<size_t>(i)];
+    }
+    return sum / valid;
+  };
+
+  w.zero_grads(*stream);
+  model.forward(w.units(), static_cast<int32_t*>(ids.data()), static_cast<int32_t*>(targets.data()),
+                2, true, *stream);
+  model.backward(w.units(), static_cast<int32_t*>(ids.data()),
+                 static_cast<int32_t*>(targets.data()), 2, static_cast<float>(1.0 / valid),
+                 *stream);
+  stream->synchronize();
+
+  std::mt19937 pick(11);
+  int checked = 0;
+  for (int u = 0; u < model.layout().num_units(); ++u) {
+    const std::vector<float> grad = w.download(u, true, *stream);
+    for (const ParamSlot& p : model.layout().units[static_cast<size_t>(u)].params) {
+      for (int trial = 0; trial < 4; ++trial) {
+        const uint64_t i = p.offset + pick() % static_cast<uint64_t>(p.numel());
+        std::vector<float> v = values[static_cast<size_t>(u)];
+        const float eps = 1e-2f;
+        v[i] = values[static_cast<size_t>(u)][i] + eps;
+        w.upload(u, v, *stream);
+        const double up = loss();
+        v[i] = values[static_cast<size_t>(u)][i] - eps;
+        w.upload(u, v, *stream);
+        const double down = loss();
+        const double fd = (up - down) / (2.0 * eps);
+        EXPECT_NEAR(grad[i], fd, 2e-3 + 2e-2 * std::abs(fd))
+            << p.name << " element " << i - p.offset;
+        ++checked;
+      }
+      w.upload(u, values[static_cast<size_t>(u)], *stream);
+    }
+  }
+  EXPECT_GE(checked, 4 * 19);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tied, LlamaGradient, ::testing::Values(false, true));
+
+TEST(LlamaModel, CheckpointingDoesNotChangeTheLossAndBackwardNeedsIt) {
+  const LlamaConfig c = small_config(false);
+  auto device = open_host_device(0, 64ull << 20);
+  auto stream = device->create_stream("test");
+  ModelOptions o;
+  o.max_batch = 1;
+  o.seq_len = 7;
+  LlamaModel model(c, o, *device);
+  ResidentWeights w(model.layout(), *device, DType::f32, DType::f32, true);
+  w.init_random(3, *stream);
+  std::vector<int32_t> host_ids = {1, 5, 9, 2, 28, 0, 7}, host_targets = {5, 9, 2, 28, 0, 7, 3};
+  DeviceBuffer ids(*device, 28, "ids"), targets(*device, 28, "targets");
+  device->copy_to_device(ids.data(), host_ids.data(), 28, *stream);
+  device->copy_to_device(targets.data(), host_targets.data(), 28, *stream);
+  auto* i = static_cast<int32_t*>(ids.data());
+  auto* t = static_cast<int32_t*>(targets.data());
+  std::vector<float> a(7), b(7);
+  model.forward(w.units(), i, t, 1, false, *stream);
+  device->copy_to_host(a.data(), model.losses(1).data, 28, *stream);
+  test::expect_error([&] { model.backward(w.units(), i, t, 1, 1.0f, *stream); },
+                     {"keep_checkpoints"});
+  model.forward(w.units(), i, t, 1, true, *stream);
+  device->copy_to_host(b.data(), model.losses(1).data, 28, *stream);
+  stream->synchronize();
+  EXPECT_EQ(a, b);
+  // A random init predicts nothing: every loss is close to log(vocab).
+  for (float l : a) EXPECT_NEAR(l, std::log(29.0), 0.2);
+  test::expect_error([&] { model.forward(w.units(), i, t, 2, false, *stream); }, {"batch of 2"});
+  ModelOptions too_long = o;
+  too_long.seq_len = 65;
+  test::expect_error([&] { LlamaModel m(c, too_long, *device); }, {"max_position_embeddings"});
+}
+
+// The bf16 path (what the CUDA backend runs): bf16 parameters and activations, f32 gradient
+// accumulators, the logits gradient cast to bf16 per chunk. Agrees with f32 to bf16 accuracy.
+TEST(LlamaModel, Bf16AgreesWithF32) {
+  const LlamaConfig c = small_config(true);
+  auto device = open_host_device(0, 64ull << 20);
+  auto stream = device->create_stream("test");
+  ModelOptions o;
+  o.max_batch = 2;
+  o.seq_len = 6;
+  o.vocab_chunk = 8;
+  std::vector<int32_t> host_ids(12), host_targets(12);
+  for (int i = 0; i < 12; ++i) {
+    host_ids[static_cast<size_t>(i)] = (i * 11 + 2) % 29;
+    host_targets[static_cast<size_t>(i)] = (i * 3 + 5) % 29;
+  }
+  DeviceBuffer ids(*device, 48, "ids"), targets(*device, 48, "targets");
+  device->copy_to_device(ids.data(), host_ids.data(), 48, *stream);
+  device->copy_to_device(targets.data(), host_targets.data(), 48, *stream);
+  auto* i = static_cast<int32_t*>(ids.data());
+  auto* t = static_cast<int32_t*>(targets.data());
+
+  std::vector<std::vector<float>> loss(2), grads(2);
+  for (int run = 0; run < 2; ++run) {
+    o.param_dtype = run == 0 ? DType::f32 : DType::bf16;
+    LlamaModel model(c, o, *device);
+    ResidentWeights w(model.layout(), *device, o.param_dtype, DType::f32, true);
+    w.init_random(17, *stream);
+    w.zero_grads(*stream);
+    model.forward(w.units(), i, t, 2, true, *stream);
+    loss[static_cast<size_t>(run)].resize(12);
+    device->copy_to_host(loss[static_cast<size_t>(run)].data(), model.losses(2).data, 48, *stream);
+    model.backward(w.units(), i, t, 2, 1.0f / 12, *stream);
+    for (int u = 0; u < model.layout().num_units(); ++u) {
+      const std::vector<float> g = w.download(u, true, *stream);
+      grads[static_cast<size_t>(run)].insert(grads[static_cast<size_t>(run)].end(), g.begin(),
+                                             g.end());
+    }
+  }
+  for (size_t k = 0; k < 12; ++k)
+    EXPECT_NEAR(loss[1][k], loss[0][k], 0.03 * loss[0][k] + 0.02) << k;
+  // Each tensor's gradient within 3% normalised error (bf16 has 8 bits of mantissa; measured
+  // about 1% at this init).
+  const ModelLayout layout = ModelLayout::build(c);
+  size_t base = 0;
+  for (const UnitLayout& u : layout.units) {
+    for (const ParamSlot& p : u.params) {
+      double diff = 0, norm = 0;
+      for (int64_t k = 0; k < p.numel(); ++k) {
+        const size_t j = base + p.offset + static_cast<size_t>(k);
+        diff += (grads[1][j] - grads[0][j]) * (grads[1][j] - grads[0][j]);
+        norm += grads[0][j] * grads[0][j];
+      }
+      EXPECT_GT(norm, 0.0) << p.name;
+      EXPECT_LT(std::sqrt(diff / norm), 0.03) << p.name;
+    }
+    base += u.numel;
+  }
+}
+
+TEST(LlamaModel, RandomInitIsDeterministicAndScaled) {
+  const LlamaConfig c = small_config(false);
+  const ModelLayout layout = ModelLayout::build(c);
+  std::vector<float> a(layout.units[1].numel), b(layout.units[1].numel), d(layout.units[1].numel);
+  init_unit_random(layout, 1, 42, DType::f32, a.data());
+  init_unit_random(layout, 1, 42, DType::f32, b.data());
+  init_unit_random(layout, 1, 43, DType::f32, d.data());
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, d);
+  const ParamSlot& norm = layout.units[1].slot("input_layernorm");
+  for (int64_t i = 0; i < norm.numel(); ++i)
+    EXPECT_EQ(a[norm.offset + static_cast<uint64_t>(i)], 1.0f);
+  const ParamSlot& up = layout.units[1].slot("up_proj");
+  double sq = 0;
+  for (int64_t i = 0; i < up.numel(); ++i)
+    sq += a[up.offset + static_cast<uint64_t>(i)] * a[up.offset + static_cast<uint64_t>(i)];
+  EXPECT_NEAR(std::sqrt(sq / static_cast<double>(up.numel())), 0.02, 0.003);
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,246 @@
+// test_llama_reference.cpp: strata's Llama on the host backend against the Llama equations
+// written out in PyTorch (tests/reference/llama_reference.py, Debian's python3-torch, no
+// transformers library), for tiny random models with grouped-query attention and odd sizes.
+//
+// Each case writes a Hugging Face checkpoint (config.json + model.safetensors) and a batch of
+// tokens, runs the reference in float64, then loads the same checkpoint through strata's
+// reader and compares, in f32: the mean loss, every logit and every parameter's gradient, each
+// tensor by normalised error ||ours - torch|| / ||torch|| <= 1e-5. The same checkpoint then goes
+// through `strata eval --json`, whose loss must match the reference's too. Without torch the
+// test reports a skip, not a pass.
+#include "core/device.h"
+#include "host/host_device.h"
+#include "model/config.h"
+#include "model/llama.h"
+#include "model/safetensors.h"
+#include "model/tokens.h"
+#include "model/weights.h"
+#include "testing.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Case {
+  const char* name;
+  LlamaConfig config;
+  int64_t batch, seq_len, vocab_chunk;
+};
+
+LlamaConfig base(int64_t hidden, int64_t heads, int64_t kv, int64_t head_dim, int64_t ffn,
+                 int64_t vocab, int64_t layers) {
+  LlamaConfig c;
+  c.name = "reference";
+  c.hidden_size = hidden;
+  c.num_attention_heads = heads;
+  c.num_key_value_heads = kv;
+  c.head_dim = head_dim;
+  c.intermediate_size = ffn;
+  c.vocab_size = vocab;
+  c.num_hidden_layers = layers;
+  c.max_position_embeddings = 64;
+  c.rms_norm_eps = 1e-5;
+  c.rope_theta = 10000.0;
+  c.torch_dtype = DType::f32;
+  return c;
+}
+
+std::vector<Case> cases() {
+  std::vector<Case> out;
+  // GQA 6:2 with head_dim 8 != hidden / heads, untied.
+  out.push_back({"gqa_untied", base(36, 6, 2, 8, 70, 97, 2), 2, 7, 40});
+  // GQA 6:3, tied embeddings, llama3 rope scaling with a short original context so that all
+  // three frequency bands occur.
+  Case tied{"gqa_tied_llama3", base(36, 6, 3, 6, 54, 61, 2), 2, 9, 16};
+  tied.config.tie_word_embeddings = true;
+  tied.config.rope_theta = 500000.0;
+  tied.config.rope_scaling.kind = RopeScalingKind::llama3;
+  tied.config.rope_scaling.factor = 8.0;
+  tied.config.rope_scaling.low_freq_factor = 1.0;
+  tied.config.rope_scaling.high_freq_factor = 4.0;
+  tied.config.rope_scaling.original_max_position_embeddings = 16;
+  out.push_back(tied);
+  // Plain multi-head attention, one layer, batch 3.
+  out.push_back({"mha_one_layer", base(20, 4, 4, 10, 33, 50, 1), 3, 5, 50});
+  return out;
+}
+
+double normalised_error(const std::vector<float>& ours, const float* ref, size_t n) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < n; ++i) {
+    diff += (static_cast<double>(ours[i]) - ref[i]) * (static_cast<double>(ours[i]) - ref[i]);
+    norm += static_cast<double>(ref[i]) * ref[i];
+  }
+  return norm == 0 ? std::sqrt(diff) : std::sqrt(diff / norm);
+}
+
+class LlamaReference : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           fmt::format("strata_llama_ref_{}_{}", GetParam().name, ::getpid());
+    fs::create_directories(dir_ / "model");
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+TEST_P(LlamaReference, LossLogitsAndGradientsMatchTorch) {
+  const Case& tc = GetParam();
+  const LlamaConfig& c = tc.config;
+  const ModelLayout layout = ModelLayout::build(c);
+
+  // A checkpoint with random weights; norm weights away from 1 so that they matter.
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> jitter(0.7f, 1.3f);
+  std::vector<std::vector<float>> units(static_cast<size_t>(layout.num_units()));
+  std::vector<SafetensorsTensor> tensors;
+  for (int u = 0; u < layout.num_units(); ++u) {
+    auto& v = units[static_cast<size_t>(u)];
+    v.resize(layout.units[static_cast<size_t>(u)].numel);
+    init_unit_random(layout, u, 99, DType::f32, v.data());
+    for (const ParamSlot& p : layout.units[static_cast<size_t>(u)].params) {
+      if (p.shape.rank == 1)
+        for (int64_t i = 0; i < p.numel(); ++i)
+          v[p.offset + static_cast<uint64_t>(i)] *= jitter(rng);
+      tensors.push_back(
+          {p.name, DType::f32,
+           std::vector<int64_t>(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.rank),
+           v.data() + p.offset});
+    }
+  }
+  write_safetensors(dir_ / "model" / "model.safetensors", tensors, {});
+  {
+    std::ofstream f(dir_ / "model" / "config.json");
+    f << to_hf_config_json(c).dump(2);
+  }
+
+  // Tokens: inputs then targets, some targets ignored; plus the same stream as a token file.
+  const int64_t B = tc.batch, T = tc.seq_len, N = B * T;
+  std::vector<int32_t> stream_tokens(static_cast<size_t>(B * T + 1));
+  for (auto& t : stream_tokens)
+    t = static_cast<int32_t>(rng() % static_cast<uint32_t>(c.vocab_size));
+  std::vector<int32_t> ids(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
+  for (int64_t i = 0; i < N; ++i) {
+    ids[static_cast<size_t>(i)] = stream_tokens[static_cast<size_t>(i)];
+    targets[static_cast<size_t>(i)] = stream_tokens[static_cast<size_t>(i + 1)];
+  }
+  std::vector<int32_t> masked = targets;
+  for (int64_t i = 2; i < N; i += 5) masked[static_cast<size_t>(i)] = kIgnoreIndex;
+  {
+    std::ofstream f(dir_ / "tokens.i32", std::ios::binary);
+    f.write(reinterpret_cast<const char*>(ids.data()), N * 4);
+    f.write(reinterpret_cast<const char*>(masked.data()), N * 4);
+  }
+
+  const std::string command =
+      fmt::format("'{}' '{}/llama_reference.py' '{}' '{}' '{}' --batch {} --seq-len {} 2>&1",
+                  STRATA_PYTHON, STRATA_REFERENCE_DIR, (dir_ / "model").string(),
+                  (dir_ / "tokens.i32").string(), (dir_ / "ref.safetensors").string(), B, T);
+  const int status = std::system(command.c_str());
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 77)
+    GTEST_SKIP() << "PyTorch is not importable by " << STRATA_PYTHON
+                 << "; install python3-torch to run the Llama reference test";
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << command << " failed";
+  const SafetensorsReader ref = SafetensorsReader::open(dir_ / "ref.safetensors");
+  auto ref_tensor = [&](const std::string& name) {
+    std::vector<float> v(static_cast<size_t>(ref.find(name)->numel()));
+    ref.read(name, v.data(), DType::f32);
+    return v;
+  };
+
+  // strata, host backend, f32, loading the checkpoint through its own reader.
+  auto device = open_host_device(0, 256ull << 20);
+  auto stream = device->create_stream("test");
+  ModelOptions o;
+  o.max_batch = B;
+  o.seq_len = T;
+  o.vocab_chunk = tc.vocab_chunk;
+  LlamaModel model(c, o, *device);
+  ResidentWeights w(model.layout(), *device, DType::f32, DType::f32, true);
+  w.load(SafetensorsReader::open(dir_ / "model"), *stream);
+  w.zero_grads(*stream);
+  DeviceBuffer d_ids(*device, static_cast<uint64_t>(N) * 4, "ids");
+  DeviceBuffer d_targets(*device, static_cast<uint64_t>(N) * 4, "targets");
+  device->copy_to_device(d_ids.data(), ids.data(), static_cast<uint64_t>(N) * 4, *stream);
+  device->copy_to_device(d_targets.data(), masked.data(), static_cast<uint64_t>(N) * 4, *stream);
+  auto* di = static_cast<int32_t*>(d_ids.data());
+  auto* dt = static_cast<int32_t*>(d_targets.data());
+  int64_t valid = 0;
+  for (int32_t t : masked) valid += t != kIgnoreIndex;
+
+  model.forward(w.units(), di, dt, B, true, *stream);
+  std::vector<float> losses(static_cast<size_t>(N));
+  device->copy_to_host(losses.data(), model.losses(B).data, static_cast<uint64_t>(N) * 4, *stream);
+  model.backward(w.units(), di, dt, B, 1.0f / static_cast<float>(valid), *stream);
+  DeviceBuffer d_logits(*device, static_cast<uint64_t>(N * c.vocab_size) * 4, "logits");
+  model.logits(w.units(), d_logits.view(DType::f32, {N, c.vocab_size}), B, *stream);
+  std::vector<float> logits(static_cast<size_t>(N * c.vocab_size));
+  device->copy_to_host(logits.data(), d_logits.data(), d_logits.bytes(), *stream);
+  stream->synchronize();
+
+  double sum = 0;
+  for (float l : losses) sum += l;
+  const double loss = sum / static_cast<double>(valid);
+  const double ref_loss = ref_tensor("loss")[0];
+  EXPECT_NEAR(loss, ref_loss, 1e-5 * std::abs(ref_loss)) << "mean loss";
+  const std::vector<float> ref_logits = ref_tensor("logits");
+  ASSERT_EQ(ref_logits.size(), logits.size());
+  EXPECT_LE(normalised_error(logits, ref_logits.data(), logits.size()), 1e-5) << "logits";
+
+  int compared = 0;
+  for (int u = 0; u < layout.num_units(); ++u) {
+    const std::vector<float> grad = w.download(u, true, *stream);
+    for (const ParamSlot& p : layout.units[static_cast<size_t>(u)].params) {
+      const std::vector<float> g = ref_tensor("grad." + p.name);
+      ASSERT_EQ(g.size(), static_cast<size_t>(p.numel())) << p.name;
+      const std::vector<float> ours(grad.begin() + static_cast<int64_t>(p.offset),
+                                    grad.begin() + static_cast<int64_t>(p.offset) + p.numel());
+      EXPECT_LE(normalised_error(ours, g.data(), g.size()), 1e-5) << "gradient of " << p.name;
+      ++compared;
+    }
+  }
+  EXPECT_EQ(compared, static_cast<int>(llama_hf_tensors(c).size()));
+
+  // `strata eval` over the same stream as an llm.c token file, unmasked: the reference loss
+  // without ignored targets is recomputed by the same script.
+  write_llmc_tokens(dir_ / "tokens.bin",
+                    std::vector<uint32_t>(stream_tokens.begin(), stream_tokens.end()),
+                    TokenWidth::u16);
+  {
+    std::ofstream f(dir_ / "tokens.i32", std::ios::binary | std::ios::trunc);
+    f.write(reinterpret_cast<const char*>(ids.data()), N * 4);
+    f.write(reinterpret_cast<const char*>(targets.data()), N * 4);
+  }
+  ASSERT_EQ(std::system(command.c_str()), 0);
+  float unmasked_loss = 0;
+  SafetensorsReader::open(dir_ / "ref.safetensors").read("loss", &unmasked_loss, DType::f32);
+  const double unmasked = unmasked_loss;
+  const auto r = test::run_command(
+      fmt::format("'{}' eval --model '{}' --data '{}' --seq-len {} --batch {} --devices host "
+                  "--device-memory 256MiB --json",
+                  STRATA_BINARY, (dir_ / "model").string(), (dir_ / "tokens.bin").string(), T, B));
+  ASSERT_EQ(r.status, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["tokens"].get<int64_t>(), N);
+  EXPECT_NEAR(j["loss"].get<double>(), unmasked, 1e-5 * unmasked);
+  EXPECT_NEAR(j["perplexity"].get<double>(), std::exp(unmasked), 1e-4 * std::exp(unmasked));
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, LlamaReference, ::testing::ValuesIn(cases()),
+                         [](const auto& p) { return std::string(p.param.name); });
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,1094 @@
+// test_model_io.cpp: what strata reads and writes of a model: config.json (published Llama 2,
+// Llama 3 and 3.1 configs, every rejection path), presets and their published parameter
+// counts, safetensors files (round trips single and sharded in F32/BF16/F16 with conversion on
+// read, and one damaged file per check the reader makes, each error naming the file and the
+// tensor), and token files (both llm.c magics, raw files, sizes, ids and sequence windows).
+#include "core/dtype.h"
+#include "model/config.h"
+#include "model/file_io.h"
+#include "model/safetensors.h"
+#include "model/tokens.h"
+#include "testing.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using test::expect_error;
+
+// A fresh directory, removed with everything in it.
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "strata-model-io-XXXXXX").string();
+    if (mkdtemp(tmpl.data()) == nullptr) ADD_FAILURE() << "mkdtemp " << tmpl;
+    path = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  fs::path operator/(const std::string& name) const { return path / name; }
+};
+
+void write_text(const fs::path& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f << text;
+}
+
+std::string read_bytes(const fs::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+// ---------------------------------------------------------------- config.json
+
+// Meta-Llama-3-8B's config.json as published.
+const char* kLlama3_8b = R"({
+  "architectures": ["LlamaForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 128000,
+  "eos_token_id": 128001,
+  "hidden_act": "silu",
+  "hidden_size": 4096,
+  "initializer_range": 0.02,
+  "intermediate_size": 14336,
+  "max_position_embeddings": 8192,
+  "model_type": "llama",
+  "num_attention_heads": 32,
+  "num_hidden_layers": 32,
+  "num_key_value_heads": 8,
+  "pretraining_tp": 1,
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": null,
+  "rope_theta": 500000.0,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.40.0.dev0",
+  "use_cache": true,
+  "vocab_size": 128256
+})";
+
+// Meta-Llama-3.1-8B's: llama3 rope scaling and 131072 positions.
+const char* kLlama31_8b = R"({
+  "architectures": ["LlamaForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 128000,
+  "eos_token_id": [128001, 128008, 128009],
+  "hidden_act": "silu",
+  "hidden_size": 4096,
+  "initializer_range": 0.02,
+  "intermediate_size": 14336,
+  "max_position_embeddings": 131072,
+  "mlp_bias": false,
+  "model_type": "llama",
+  "num_attention_heads": 32,
+  "num_hidden_layers": 32,
+  "num_key_value_heads": 8,
+  "pretraining_tp": 1,
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3"
+  },
+  "rope_theta": 500000.0,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.43.0.dev0",
+  "use_cache": true,
+  "vocab_size": 128256
+})";
+
+// Llama-2-7b-hf's: no rope_theta, no head_dim, float16.
+const char* kLlama2_7b = R"({
+  "_name_or_path": "meta-llama/Llama-2-7b-hf",
+  "architectures": ["LlamaForCausalLM"],
+  "bos_token_id": 1,
+  "eos_token_id": 2,
+  "hidden_act": "silu",
+  "hidden_size": 4096,
+  "initializer_range": 0.02,
+  "intermediate_size": 11008,
+  "max_position_embeddings": 4096,
+  "model_type": "llama",
+  "num_attention_heads": 32,
+  "num_hidden_layers": 32,
+  "num_key_value_heads": 32,
+  "pretraining_tp": 1,
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": null,
+  "tie_word_embeddings": false,
+  "torch_dtype": "float16",
+  "transformers_version": "4.31.0.dev0",
+  "use_cache": true,
+  "vocab_size": 32000
+})";
+
+LlamaConfig parse_text(const std::string& text, const std::string& source = "cfg.json") {
+  return parse_llama_config(json::parse(text), source);
+}
+
+// The published config.json parses to the preset with the same shape, field for field.
+void expect_matches_preset(const char* text, const char* preset) {
+  LlamaConfig c = parse_text(text);
+  EXPECT_EQ(c.name, "cfg.json");
+  c.name = preset;
+  const auto p = find_preset(preset);
+  ASSERT_TRUE(p.has_value()) << preset;
+  EXPECT_EQ(c, *p) << preset;
+}
+
+TEST(LlamaConfigParse, PublishedConfigsMatchPresets) {
+  expect_matches_preset(kLlama3_8b, "llama3-8b");
+  expect_matches_preset(kLlama31_8b, "llama3.1-8b");
+  expect_matches_preset(kLlama2_7b, "llama2-7b");
+
+  const LlamaConfig c = parse_text(kLlama31_8b);
+  EXPECT_EQ(c.hidden_size, 4096);
+  EXPECT_EQ(c.intermediate_size, 14336);
+  EXPECT_EQ(c.num_hidden_layers, 32);
+  EXPECT_EQ(c.num_attention_heads, 32);
+  EXPECT_EQ(c.num_key_value_heads, 8);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(c.vocab_size, 128256);
+  EXPECT_EQ(c.max_position_embeddings, 131072);
+  EXPECT_EQ(c.rms_norm_eps, 1e-5);
+  EXPECT_EQ(c.rope_theta, 500000.0);
+  EXPECT_EQ(c.rope_scaling.kind, RopeScalingKind::llama3);
+  EXPECT_EQ(c.rope_scaling.factor, 8.0);
+  EXPECT_EQ(c.rope_scaling.low_freq_factor, 1.0);
+  EXPECT_EQ(c.rope_scaling.high_freq_factor, 4.0);
+  EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 8192);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_EQ(c.torch_dtype, DType::bf16);
+
+  const LlamaConfig l2 = parse_text(kLlama2_7b);
+  EXPECT_EQ(l2.rope_theta, 10000.0);  // Hugging Face's default when absent
+  EXPECT_EQ(l2.torch_dtype, DType::f16);
+  EXPECT_EQ(l2.rope_scaling.kind, RopeScalingKind::none);
+}
+
+// A minimal valid config to mutate.
+json minimal() {
+  return json{{"architectures", {"LlamaForCausalLM"}},
+              {"hidden_size", 64},
+              {"intermediate_size", 172},
+              {"num_hidden_layers", 2},
+              {"num_attention_heads", 4},
+              {"vocab_size", 512},
+              {"max_position_embeddings", 256},
+              {"rms_norm_eps", 1e-6}};
+}
+
+// Llama 3.1's rope_scaling, to mutate.
+json llama3_scaling() {
+  return json{{"rope_type", "llama3"},
+              {"factor", 8.0},
+              {"low_freq_factor", 1.0},
+              {"high_freq_factor", 4.0},
+              {"original_max_position_embeddings", 8192}};
+}
+
+TEST(LlamaConfigParse, DefaultsAndHarmlessKeys) {
+  LlamaConfig c = parse_llama_config(minimal(), "m.json");
+  EXPECT_EQ(c.num_key_value_heads, 4);  // = heads when absent
+  EXPECT_EQ(c.head_dim, 16);            // = hidden / heads when absent
+  EXPECT_EQ(c.torch_dtype, DType::bf16);
+  EXPECT_EQ(c.rope_theta, 10000.0);
+  EXPECT_FALSE(c.tie_word_embeddings);
+  EXPECT_EQ(c.rms_norm_eps, 1e-6);
+
+  json j = minimal();
+  j.erase("architectures");
+  j["model_type"] = "llama";  // no architectures: model_type alone is enough
+  j["head_dim"] = 32;         // not hidden / heads: kept as given
+  j["num_key_value_heads"] = 2;
+  j["dtype"] = "float32";  // transformers 4.56's name for torch_dtype
+  j["tie_word_embeddings"] = true;
+  j["pretraining_tp"] = 2;  // harmless
+  j["bos_token_id"] = 1;
+  j["transformers_version"] = "4.44.0";
+  j["use_cache"] = false;
+  j["initializer_range"] = 0.01;
+  j["some_future_key"] = {{"x", 1}};
+  j["attention_bias"] = false;
+  j["mlp_bias"] = false;
+  j["attention_dropout"] = 0;
+  j["hidden_act"] = "silu";
+  j["rope_scaling"] = {{"rope_type", "default"}};  // plain rotary embeddings
+  c = parse_llama_config(j, "m.json");
+  EXPECT_EQ(c.head_dim, 32);
+  EXPECT_EQ(c.num_key_value_heads, 2);
+  EXPECT_EQ(c.torch_dtype, DType::f32);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.rope_scaling.kind, RopeScalingKind::none);
+
+  // transformers 5's rope_parameters carries theta and the scaling.
+  j = minimal();
+  j["rope_parameters"] = llama3_scaling();
+  j["rope_parameters"]["rope_theta"] = 500000.0;
+  j["rope_parameters"]["original_max_position_embeddings"] = 64;
+  c = parse_llama_config(j, "m.json");
+  EXPECT_EQ(c.rope_theta, 500000.0);
+  EXPECT_EQ(c.rope_scaling.kind, RopeScalingKind::llama3);
+  EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 64);
+  j["rope_theta"] = 10000.0;
+  expect_error([&] { parse_llama_config(j, "m.json"); }, {"m.json", "rope_parameters"});
+}
+
+// Each mutation of the minimal config must be refused with the file and these words named.
+struct Rejection {
+  const char* what;
+  std::function<void(json&)> mutate;
+  std::vector<std::string> words;
+};
+
+TEST(LlamaConfigParse, EveryRejectionNamesTheField) {
+  const std::vector<Rejection> cases = {
+      {"other architecture",
+       [](json& j) { j["architectures"] = {"MistralForCausalLM"}; },
+       {"architectures", "MistralForCausalLM", "LlamaForCausalLM"}},
+      {"architectures not a list",
+       [](json& j) { j["architectures"] = "LlamaForCausalLM"; },
+       {"architectures", "string"}},
+      {"other model_type", [](json& j) { j["model_type"] = "gpt2"; }, {"model_type", "gpt2"}},
+      {"no architecture at all",
+       [](json& j) { j.erase("architectures"); },
+       {"architectures", "model_type"}},
+      {"hidden_size a string",
+       [](json& j) { j["hidden_size"] = "4096"; },
+       {"hidden_size", "string", "\"4096\""}},
+      {"hidden_size a float",
+       [](json& j) { j["hidden_size"] = 64.5; },
+       {"hidden_size", "integer", "64.5"}},
+      {"vocab_size a bool", [](json& j) { j["vocab_size"] = true; }, {"vocab_size", "boolean"}},
+      {"rms_norm_eps a string",
+       [](json& j) { j["rms_norm_eps"] = "1e-5"; },
+       {"rms_norm_eps", "number"}},
+      {"rope_theta a list",
+       [](json& j) {
+         j["rope_theta"] = {1, 2};
+       },
+       {"rope_theta", "array"}},
+      {"tie_word_embeddings a string",
+       [](json& j) { j["tie_word_embeddings"] = "false"; },
+       {"tie_word_embeddings", "string"}},
+      {"head_dim a string", [](json& j) { j["head_dim"] = "16"; }, {"head_dim", "string"}},
+      {"hidden_size 0", [](json& j) { j["hidden_size"] = 0; }, {"hidden_size = 0"}},
+      {"negative layers", [](json& j) { j["num_hidden_layers"] = -2; }, {"num_hidden_layers = -2"}},
+      {"vocab 0", [](json& j) { j["vocab_size"] = 0; }, {"vocab_size = 0"}},
+      {"intermediate too large",
+       [](json& j) { j["intermediate_size"] = int64_t{1} << 40; },
+       {"intermediate_size = 1099511627776"}},
+      {"heads not divisible by kv heads",
+       [](json& j) { j["num_key_value_heads"] = 3; },
+       {"num_attention_heads = 4", "num_key_value_heads = 3"}},
+      {"hidden not divisible by heads",
+       [](json& j) {
+         j["hidden_size"] = 66;
+         j["num_attention_heads"] = 4;
+       },
+       {"hidden_size = 66", "num_attention_heads = 4", "head_dim"}},
+      {"odd head_dim", [](json& j) { j["head_dim"] = 7; }, {"head_dim = 7"}},
+      {"zero eps", [](json& j) { j["rms_norm_eps"] = 0.0; }, {"rms_norm_eps = 0"}},
+      {"negative theta", [](json& j) { j["rope_theta"] = -1.0; }, {"rope_theta = -1"}},
+      {"rope type linear",
+       [](json& j) {
+         j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+       },
+       {"rope_scaling.type", "linear"}},
+      {"rope_type yarn",
+       [](json& j) {
+         j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
+       },
+       {"rope_scaling.rope_type", "yarn"}},
+      {"rope_type dynamic",
+       [](json& j) {
+         j["rope_scaling"] = {{"rope_type", "dynamic"}};
+       },
+       {"rope_scaling.rope_type", "dynamic"}},
+      {"rope type and rope_type disagree",
+       [](json& j) {
+         j["rope_scaling"] = {{"rope_type", "llama3"}, {"type", "linear"}};
+       },
+       {"rope_scaling.rope_type", "rope_scaling.type", "linear"}},
+      {"rope_scaling without a kind",
+       [](json& j) {
+         j["rope_scaling"] = {{"factor", 8.0}};
+       },
+       {"rope_scaling", "rope_type"}},
+      {"rope_scaling a string",
+       [](json& j) { j["rope_scaling"] = "llama3"; },
+       {"rope_scaling", "string"}},
+      {"llama3 without factor",
+       [](json& j) {
+         j["rope_scaling"] = llama3_scaling();
+         j["rope_scaling"].erase("factor");
+       },
+       {"rope_scaling.factor", "missing"}},
+      {"llama3 high <= low",
+       [](json& j) {
+         j["rope_scaling"] = llama3_scaling();
+         j["rope_scaling"]["low_freq_factor"] = 4.0;
+         j["rope_scaling"]["high_freq_factor"] = 1.0;
+       },
+       {"rope_scaling.high_freq_factor = 1", "low_freq_factor = 4"}},
+      {"llama3 original positions a float",
+       [](json& j) {
+         j["rope_scaling"] = llama3_scaling();
+         j["rope_scaling"]["original_max_position_embeddings"] = 8192.5;
+       },
+       {"rope_scaling.original_max_position_embeddings", "integer"}},
+      {"attention_bias", [](json& j) { j["attention_bias"] = true; }, {"attention_bias"}},
+      {"mlp_bias", [](json& j) { j["mlp_bias"] = true; }, {"mlp_bias"}},
+      {"gelu", [](json& j) { j["hidden_act"] = "gelu"; }, {"hidden_act", "gelu"}},
+      {"dropout", [](json& j) { j["attention_dropout"] = 0.1; }, {"attention_dropout = 0.1"}},
+      {"quantized",
+       [](json& j) {
+         j["quantization_config"] = {{"quant_method", "gptq"}};
+       },
+       {"quantization_config"}},
+      {"float64", [](json& j) { j["torch_dtype"] = "float64"; }, {"torch_dtype", "float64"}},
+      {"int8 dtype", [](json& j) { j["dtype"] = "int8"; }, {"dtype", "int8"}},
+  };
+  for (const Rejection& r : cases) {
+    SCOPED_TRACE(r.what);
+    json j = minimal();
+    r.mutate(j);
+    std::vector<std::string> words = r.words;
+    words.push_back("bad.json");
+    const std::string msg = test::error_message([&] { parse_llama_config(j, "bad.json"); });
+    for (const std::string& w : words)
+      EXPECT_NE(msg.find(w), std::string::npos) << "'" << w << "' missing from: " << msg;
+  }
+
+  // Every required field, missing in turn.
+  for (const char* key :
+       {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "vocab_size", "max_position_embeddings", "rms_norm_eps"}) {
+    json j = minimal();
+    j.erase(key);
+    expect_error([&] { parse_llama_config(j, "bad.json"); }, {"bad.json", key, "missing"});
+    j = minimal();
+    j[key] = nullptr;  // null is "unset" in Hugging Face's files
+    expect_error([&] { parse_llama_config(j, "bad.json"); }, {"bad.json", key, "missing"});
+  }
+  expect_error([&] { parse_llama_config(json::array({1, 2}), "bad.json"); }, {"bad.json", "array"});
+}
+
+TEST(LlamaConfigLoad, DirectoryFileAndDamagedJson) {
+  TempDir tmp;
+  const fs::path dir = tmp / "Meta-Llama-3-8B";
+  fs::create_directories(dir);
+  write_text(dir / "config.json", kLlama3_8b);
+  LlamaConfig c = load_llama_config(dir);
+  EXPECT_EQ(c.name, "Meta-Llama-3-8B");
+  EXPECT_EQ(c.vocab_size, 128256);
+  c = load_llama_config(dir / "config.json");
+  EXPECT_EQ(c.name, "Meta-Llama-3-8B");
+  c = resolve_model((dir / "").string());  // a trailing slash names the same directory
+  EXPECT_EQ(c.name, "Meta-Llama-3-8B");
+
+  // A repeated key is refused (nlohmann would keep the last one silently).
+  write_text(dir / "config.json", R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+    "hidden_size": 128})");
+  expect_error([&] { load_llama_config(dir); }, {"config.json", "hidden_size", "twice"});
+  write_text(dir / "config.json", R"({"architectures": ["LlamaForCausalLM"], "hidden_size": )");
+  expect_error([&] { load_llama_config(dir); }, {(dir / "config.json").string(), "JSON"});
+  // Missing field: the error names the file it came from.
+  json j = minimal();
+  j.erase("vocab_size");
+  write_text(dir / "config.json", j.dump());
+  expect_error([&] { load_llama_config(dir); },
+               {(dir / "config.json").string(), "vocab_size", "missing"});
+
+  const fs::path empty = tmp / "empty";
+  fs::create_directories(empty);
+  expect_error([&] { load_llama_config(empty); }, {empty.string(), "config.json"});
+}
+
+TEST(LlamaConfigPresets, PublishedParameterCounts) {
+  const std::vector<std::string> names = preset_names();
+  for (const char* n : {"tiny", "llama2-7b", "llama2-13b", "llama2-70b", "llama3-8b", "llama3-70b",
+                        "llama3.1-8b", "llama3.1-70b"})
+    EXPECT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
+  for (const std::string& n : names) {
+    const auto c = find_preset(n);
+    ASSERT_TRUE(c.has_value());
+    EXPECT_EQ(c->name, n);
+    validate_llama_config(*c, n);  // throws if a preset were malformed
+  }
+  EXPECT_FALSE(find_preset("llama4").has_value());
+
+  // Counts as published for the Hugging Face checkpoints.
+  EXPECT_EQ(parameter_count(*find_preset("llama2-7b")), 6'738'415'616u);
+  EXPECT_EQ(parameter_count(*find_preset("llama2-13b")), 13'015'864'320u);
+  EXPECT_EQ(parameter_count(*find_preset("llama2-70b")), 68'976'648'192u);
+  EXPECT_EQ(parameter_count(*find_preset("llama3-8b")), 8'030'261'248u);
+  EXPECT_EQ(parameter_count(*find_preset("llama3-70b")), 70'553'706'496u);
+  EXPECT_EQ(parameter_count(*find_preset("llama3.1-8b")), 8'030'261'248u);
+  EXPECT_EQ(parameter_count(*find_preset("llama3.1-70b")), 70'553'706'496u);
+  // tiny by hand: embeddings and head 512x64 each, per layer two norms, q and o 64x64, k and v
+  // 32x64 (2 kv heads of 16), three 172x64 MLP matrices, and the final norm.
+  const uint64_t tiny_layer = 2 * 64 + 2 * 64 * 64 + 2 * 32 * 64 + 3 * 172 * 64;
+  EXPECT_EQ(parameter_count(*find_preset("tiny")), 2 * 512 * 64 + 2 * tiny_layer + 64);
+
+  const LlamaConfig l3 = *find_preset("llama3-8b");
+  EXPECT_EQ(l3.max_position_embeddings, 8192);
+  EXPECT_EQ(l3.rope_scaling.kind, RopeScalingKind::none);
+  const LlamaConfig l31 = *find_preset("llama3.1-70b");
+  EXPECT_EQ(l31.max_position_embeddings, 131072);
+  EXPECT_EQ(l31.rope_scaling.kind, RopeScalingKind::llama3);
+  EXPECT_EQ(l31.num_key_value_heads, 8);
+  const LlamaConfig tiny = *find_preset("tiny");
+  EXPECT_EQ(tiny.hidden_size, 64);
+  EXPECT_EQ(tiny.num_key_value_heads, 2);
+  EXPECT_EQ(tiny.max_position_embeddings, 256);
+}
+
+TEST(LlamaConfigPresets, ResolveModel) {
+  EXPECT_EQ(resolve_model("llama2-13b").hidden_size, 5120);
+  EXPECT_EQ(resolve_model("tiny").name, "tiny");
+  const std::string msg = test::error_message([] { resolve_model("/no/such/model-dir"); });
+  for (const char* w : {"/no/such/model-dir", "tiny", "llama2-7b", "llama3-8b", "llama3.1-70b"})
+    EXPECT_NE(msg.find(w), std::string::npos) << w << " missing from: " << msg;
+}
+
+TEST(LlamaConfigJson, RoundTripsThroughHuggingFaceJson) {
+  std::vector<LlamaConfig> configs;
+  for (const std::string& n : preset_names()) configs.push_back(*find_preset(n));
+  LlamaConfig odd = *find_preset("tiny");
+  odd.name = "odd";
+  odd.head_dim = 24;  // not hidden / heads
+  odd.tie_word_embeddings = true;
+  odd.rms_norm_eps = 1.25e-6;
+  odd.rope_theta = 123456.5;
+  odd.torch_dtype = DType::f16;
+  odd.rope_scaling = {RopeScalingKind::llama3, 2.5, 0.5, 3.0, 96};
+  configs.push_back(odd);
+  for (const LlamaConfig& c : configs) {
+    SCOPED_TRACE(c.name);
+    const json j = to_hf_config_json(c);
+    EXPECT_EQ(j["architectures"], json::array({"LlamaForCausalLM"}));
+    EXPECT_EQ(j["model_type"], "llama");
+    EXPECT_EQ(j["hidden_act"], "silu");
+    EXPECT_EQ(j["torch_dtype"], c.torch_dtype == DType::bf16  ? "bfloat16"
+                                : c.torch_dtype == DType::f16 ? "float16"
+                                                              : "float32");
+    // Through text, as a file would go.
+    LlamaConfig back = parse_llama_config(json::parse(j.dump(2)), "rt.json");
+    back.name = c.name;
+    EXPECT_EQ(back, c);
+  }
+  EXPECT_TRUE(to_hf_config_json(*find_preset("llama3-8b"))["rope_scaling"].is_null());
+  EXPECT_EQ(to_hf_config_json(*find_preset("llama3.1-8b"))["rope_scaling"]["rope_type"], "llama3");
+}
+
+TEST(LlamaConfigJson, HuggingFaceTensorNamesAndShapes) {
+  LlamaConfig c = *find_preset("tiny");
+  c.head_dim = 24;
+  const std::vector<HfTensor> t = llama_hf_tensors(c);
+  ASSERT_EQ(t.size(), 1 + 9 * 2 + 1 + 1u);
+  EXPECT_EQ(t[0].name, "model.embed_tokens.weight");
+  EXPECT_EQ(t[0].shape, (std::vector<int64_t>{512, 64}));
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> layer1 = {
+      {"model.layers.1.input_layernorm.weight", {64}},
+      {"model.layers.1.self_attn.q_proj.weight", {96, 64}},
+      {"model.layers.1.self_attn.k_proj.weight", {48, 64}},
+      {"model.layers.1.self_attn.v_proj.weight", {48, 64}},
+      {"model.layers.1.self_attn.o_proj.weight", {64, 96}},
+      {"model.layers.1.post_attention_layernorm.weight", {64}},
+      {"model.layers.1.mlp.gate_proj.weight", {172, 64}},
+      {"model.layers.1.mlp.up_proj.weight", {172, 64}},
+      {"model.layers.1.mlp.down_proj.weight", {64, 172}},
+  };
+  for (size_t i = 0; i < layer1.size(); ++i) {
+    EXPECT_EQ(t[10 + i].name, layer1[i].first);
+    EXPECT_EQ(t[10 + i].shape, layer1[i].second) << layer1[i].first;
+  }
+  EXPECT_EQ(t[19].name, "model.norm.weight");
+  EXPECT_EQ(t[20].name, "lm_head.weight");
+  EXPECT_EQ(t[20].shape, (std::vector<int64_t>{512, 64}));
+  c.tie_word_embeddings = true;
+  EXPECT_EQ(llama_hf_tensors(c).back().name, "model.norm.weight");
+  EXPECT_EQ(parameter_count(c), parameter_count(*find_preset("tiny")) - 512 * 64 +
+                                    2 * (2 * 64 * 32 + 2 * 64 * 16));  // larger q/k/v/o
+}
+
+// ---------------------------------------------------------------- safetensors
+
+// Values that need rounding in bf16 and f16, with a sign change and a few magnitudes.
+std::vector<float> pattern(size_t n, float seed) {
+  std::vector<float> v(n);
+  for (size_t i = 0; i < n; ++i)
+    v[i] = std::sin(static_cast<float>(i) * 0.731f + seed) * (1.0f + static_cast<float>(i % 7));
+  return v;
+}
+std::vector<uint16_t> to_16(const std::vector<float>& v, DType t) {
+  std::vector<uint16_t> out(v.size());
+  convert(out.data(), t, v.data(), DType::f32, v.size());
+  return out;
+}
+
+std::vector<char> read_tensor(const SafetensorsReader& r, const std::string& name, DType t) {
+  const SafetensorsEntry* e = r.find(name);
+  if (e == nullptr) {
+    ADD_FAILURE() << "no tensor " << name;
+    return {};
+  }
+  std::vector<char> out(static_cast<size_t>(e->numel()) * dtype_size(t));
+  r.read(name, out.data(), t);
+  return out;
+}
+
+template <typename T>
+bool same_bytes(const std::vector<char>& got, const std::vector<T>& want) {
+  return got.size() == want.size() * sizeof(T) &&
+         (got.empty() || std::memcmp(got.data(), want.data(), got.size()) == 0);
+}
+
+TEST(Safetensors, RoundTripEveryDtypeWithConversion) {
+  TempDir tmp;
+  const std::vector<float> a = pattern(15, 0.1f);
+  const std::vector<uint16_t> b = to_16(pattern(7, 0.2f), DType::bf16);
+  const std::vector<uint16_t> h = to_16(pattern(12, 0.3f), DType::f16);
+  const float scalar = 3.25f;
+  const std::vector<SafetensorsTensor> tensors = {
+      {"z.f16", DType::f16, {2, 2, 3}, h.data()}, {"a.f32", DType::f32, {3, 5}, a.data()},
+      {"m.bf16", DType::bf16, {7}, b.data()},     {"scalar", DType::f32, {}, &scalar},
+      {"empty", DType::bf16, {0, 4}, nullptr},
+  };
+  const fs::path path = tmp / "t.safetensors";
+  write_safetensors(path, tensors, {{"format", "pt"}, {"note", "strata test"}});
+  EXPECT_FALSE(fs::exists(tmp / "t.safetensors.tmp"));
+
+  // The bytes as the format lays them out: an 8-byte length, the JSON header padded with
+  // spaces to a multiple of 8, then every tensor back to back from offset 0, 4-byte dtypes
+  // first (each tensor aligned to its element size), names in order within a dtype size.
+  const std::string bytes = read_bytes(path);
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  EXPECT_EQ(n % 8, 0u);
+  const std::string header_text = bytes.substr(8, n);
+  const size_t close = header_text.find_last_of('}');
+  EXPECT_LT(n - (close + 1), 8u);
+  EXPECT_EQ(header_text.find_first_not_of(' ', close + 1), std::string::npos) << header_text;
+  const json header = json::parse(header_text);
+  EXPECT_EQ(header["__metadata__"], (json{{"format", "pt"}, {"note", "strata test"}}));
+  const std::vector<std::pair<std::string, std::pair<uint64_t, uint64_t>>> layout = {
+      {"a.f32", {0, 60}},   {"scalar", {60, 64}}, {"empty", {64, 64}},
+      {"m.bf16", {64, 78}}, {"z.f16", {78, 102}},
+  };
+  for (const auto& [name, range] : layout) {
+    EXPECT_EQ(header[name]["data_offsets"], json::array({range.first, range.second})) << name;
+  }
+  EXPECT_EQ(header["z.f16"]["dtype"], "F16");
+  EXPECT_EQ(header["m.bf16"]["dtype"], "BF16");
+  EXPECT_EQ(header["a.f32"]["shape"], json::array({3, 5}));
+  EXPECT_EQ(header["scalar"]["shape"], json::array());
+  EXPECT_EQ(bytes.size(), 8 + n + 102);
+  EXPECT_EQ(std::memcmp(bytes.data() + 8 + n, a.data(), 60), 0);
+
+  const SafetensorsReader r = SafetensorsReader::open(path);
+  EXPECT_EQ(r.source(), path.string());
+  EXPECT_EQ(r.names(), (std::vector<std::string>{"a.f32", "empty", "m.bf16", "scalar", "z.f16"}));
+  EXPECT_EQ(r.metadata().at("note"), "strata test");
+  const SafetensorsEntry* e = r.find("a.f32");
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->dtype, DType::f32);
+  EXPECT_EQ(e->shape, (std::vector<int64_t>{3, 5}));
+  EXPECT_EQ(e->file, path.string());
+  EXPECT_EQ(e->bytes, 60u);
+  EXPECT_EQ(r.find("z.f16")->dtype, DType::f16);
+  EXPECT_EQ(r.find("scalar")->numel(), 1);
+  EXPECT_EQ(r.find("empty")->numel(), 0);
+  EXPECT_EQ(r.find("nope"), nullptr);
+
+  // Same dtype: the bytes written. Another dtype: the exact conversion.
+  EXPECT_TRUE(same_bytes(read_tensor(r, "a.f32", DType::f32), a));
+  EXPECT_TRUE(same_bytes(read_tensor(r, "m.bf16", DType::bf16), b));
+  EXPECT_TRUE(same_bytes(read_tensor(r, "z.f16", DType::f16), h));
+  EXPECT_TRUE(same_bytes(read_tensor(r, "a.f32", DType::bf16), to_16(a, DType::bf16)));
+  EXPECT_TRUE(same_bytes(read_tensor(r, "a.f32", DType::f16), to_16(a, DType::f16)));
+  std::vector<float> b32(b.size()), h32(h.size());
+  for (size_t i = 0; i < b.size(); ++i) b32[i] = bf16_to_f32(b[i]);
+  for (size_t i = 0; i < h.size(); ++i) h32[i] = f16_to_f32(h[i]);
+  EXPECT_TRUE(same_bytes(read_tensor(r, "m.bf16", DType::f32), b32));
+  EXPECT_TRUE(same_bytes(read_tensor(r, "z.f16", DType::f32), h32));
+  EXPECT_TRUE(same_bytes(read_tensor(r, "z.f16", DType::bf16), to_16(h32, DType::bf16)));
+  EXPECT_TRUE(same_bytes(read_tensor(r, "m.bf16", DType::f16), to_16(b32, DType::f16)));
+  EXPECT_TRUE(same_bytes(read_tensor(r, "scalar", DType::f32), std::vector<float>{3.25f}));
+  EXPECT_TRUE(read_tensor(r, "empty", DType::f32).empty());
+
+  // The same tensors in another order give the same bytes.
+  const std::vector<SafetensorsTensor> shuffled = {tensors[4], tensors[2], tensors[0], tensors[3],
+                                                   tensors[1]};
+  write_safetensors(tmp / "u.safetensors", shuffled, {{"note", "strata test"}, {"format", "pt"}});
+  EXPECT_EQ(read_bytes(tmp / "u.safetensors"), bytes);
+
+  // No metadata: no __metadata__ entry at all.
+  write_safetensors(tmp / "v.safetensors", tensors);
+  EXPECT_TRUE(SafetensorsReader::open(tmp / "v.safetensors").metadata().empty());
+}
+
+TEST(Safetensors, ReadCheckedAndMissingTensorsNameEverything) {
+  TempDir tmp;
+  const std::vector<float> a = pattern(15, 0.4f);
+  write_safetensors(tmp / "model.safetensors",
+                    std::vector<SafetensorsTensor>{{"w", DType::f32, {3, 5}, a.data()}});
+  const SafetensorsReader r = SafetensorsReader::open(tmp.path);  // the directory
+  std::vector<float> out(15);
+  const std::vector<int64_t> right = {3, 5}, wrong = {5, 3};
+  r.read_checked("w", out.data(), DType::f32, right);
+  EXPECT_EQ(out, a);
+  expect_error([&] { r.read_checked("w", out.data(), DType::f32, wrong); },
+               {(tmp / "model.safetensors").string(), "'w'", "[3, 5]", "[5, 3]"});
+  expect_error([&] { r.read("v", out.data(), DType::f32); }, {tmp.path.string(), "'v'"});
+  expect_error([&] { r.read_checked("v", out.data(), DType::f32, right); }, {"'v'"});
+}
+
+// Resident kB of this process's mappings of `path`, from /proc/self/smaps.
+int64_t mapped_rss_kb(const std::string& path) {
+  std::ifstream smaps("/proc/self/smaps");
+  std::string line;
+  bool ours = false;
+  int64_t kb = 0;
+  while (std::getline(smaps, line)) {
+    // A mapping's first line starts "start-end perms ...": hex digits and a dash before a space.
+    const size_t space = line.find(' ');
+    const bool range = space != std::string::npos && line.find('-') < space &&
+                       line.find_first_not_of("0123456789abcdef-") == space;
+    if (range) {
+      ours = line.ends_with(" " + path);
+      continue;
+    }
+    if (ours && line.starts_with("Rss:")) kb += std::stoll(line.substr(4));
+  }
+  return kb;
+}
+
+TEST(Safetensors, LargeTensorStreamsInChunks) {
+  // 12 MB of f32: more than one read chunk, and an odd element count.
+  TempDir tmp;
+  const std::vector<float> big = pattern(3'000'001, 0.5f);
+  write_safetensors(tmp / "big.safetensors",
+                    std::vector<SafetensorsTensor>{{"big", DType::f32, {3'000'001}, big.data()}});
+  const SafetensorsReader r = SafetensorsReader::open(tmp / "big.safetensors");
+  EXPECT_TRUE(same_bytes(read_tensor(r, "big", DType::bf16), to_16(big, DType::bf16)));
+  // The pages read were dropped from our mapping: well under the 12 MB the read touched.
+  EXPECT_LT(mapped_rss_kb((tmp / "big.safetensors").string()), 1024);
+  // Read twice: the pages released after the first read fault back in.
+  EXPECT_TRUE(same_bytes(read_tensor(r, "big", DType::f32), big));
+}
+
+// A file made by hand: the length, the header text exactly as given, then the data.
+void write_raw(const fs::path& path, const std::string& header, const std::string& data,
+               uint64_t length_override = 0) {
+  const uint64_t n = length_override ? length_override : header.size();
+  std::string bytes(8, '\0');
+  std::memcpy(bytes.data(), &n, 8);
+  write_text(path, bytes + header + data);
+}
+
+TEST(Safetensors, UnalignedDataIsReadCorrectly) {
+  // A legal header of 61 bytes leaves the data at an odd offset.
+  TempDir tmp;
+  const std::vector<float> v = {1.5f, -2.25f, 3.0f};
+  std::string header = R"({"w":{"dtype":"F32","shape":[3],"data_offsets":[0,12]}})";
+  header.append(61 - header.size(), ' ');
+  write_raw(tmp / "odd.safetensors", header,
+            std::string(reinterpret_cast<const char*>(v.data()), 12));
+  const SafetensorsReader r = SafetensorsReader::open(tmp / "odd.safetensors");
+  EXPECT_TRUE(same_bytes(read_tensor(r, "w", DType::f32), v));
+  EXPECT_TRUE(same_bytes(read_tensor(r, "w", DType::f16), to_16(v, DType::f16)));
+}
+
+TEST(Safetensors, DamagedFilesNameTheFileAndTensor) {
+  TempDir tmp;
+  const std::string data16(16, '\x01');
+  struct Case {
+    const char* what;
+    std::string header, data;
+    uint64_t length_override;
+    std::vector<std::string> words;
+  };
+  const std::vector<Case> cases = {
+      {"header length huge", "{}", "", uint64_t{1} << 40, {"header length 1099511627776", "limit"}},
+      {"header past the end", R"({"w":{}})", "", 4096, {"header length 4096", "truncated"}},
+      {"bad JSON", R"({"w": {"dtype": "F32", )", "", 0, {"JSON"}},
+      {"not an object", R"(["w"])", "", 0, {"'{'"}},
+      {"offsets out of range",
+       R"({"w":{"dtype":"F32","shape":[100],"data_offsets":[0,400]}})",
+       data16,
+       0,
+       {"'w'", "[0, 400]", "16 bytes"}},
+      {"begin after end",
+       R"({"w":{"dtype":"F32","shape":[0],"data_offsets":[8,4]}})",
+       data16,
+       0,
+       {"'w'", "[8, 4]"}},
+      {"overlapping",
+       R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+       data16,
+       0,
+       {"'a'", "'b'", "overlap"}},
+      {"wrong size for shape",
+       R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,12]}})",
+       data16,
+       0,
+       {"'w'", "[4]", "needs 16"}},
+      {"unknown dtype",
+       R"({"w":{"dtype":"I64","shape":[2],"data_offsets":[0,16]}})",
+       data16,
+       0,
+       {"'w'", "I64", "F32, BF16 and F16"}},
+      {"F64",
+       R"({"w":{"dtype":"F64","shape":[2],"data_offsets":[0,16]}})",
+       data16,
+       0,
+       {"'w'", "F64"}},
+      {"duplicate names",
+       R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"w":{"dtype":"F32","shape":[2],"data_offsets":[8,16]}})",
+       data16,
+       0,
+       {"'w'", "twice"}},
+      {"negative dim",
+       R"({"w":{"dtype":"F32","shape":[-4],"data_offsets":[0,16]}})",
+       data16,
+       0,
+       {"'w'", "-4"}},
+      {"dim not an integer",
+       R"({"w":{"dtype":"F32","shape":[2.5],"data_offsets":[0,16]}})",
+       data16,
+       0,
+       {"'w'", "2.5"}},
+      {"no dtype", R"({"w":{"shape":[4],"data_offsets":[0,16]}})", data16, 0, {"'w'", "dtype"}},
+      {"unknown key",
+       R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16],"x":1}})",
+       data16,
+       0,
+       {"'w'", "'x'"}},
+      {"offsets not two",
+       R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0]}})",
+       data16,
+       0,
+       {"'w'", "data_offsets"}},
+      {"metadata not strings", R"({"__metadata__":{"step":3}})", "", 0, {"__metadata__", "step"}},
+      {"entry not an object", R"({"w":[1,2]})", "", 0, {"'w'", "array"}},
+      {"shape overflow",
+       R"({"w":{"dtype":"F32","shape":[4294967296,4294967296],"data_offsets":[0,16]}})",
+       data16,
+       0,
+       {"'w'", "too large"}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    const fs::path path = tmp / "bad.safetensors";
+    write_raw(path, c.header, c.data, c.length_override);
+    const std::string msg = test::error_message([&] { SafetensorsReader::open(path); });
+    EXPECT_NE(msg.find(path.string()), std::string::npos) << msg;
+    for (const std::string& w : c.words)
+      EXPECT_NE(msg.find(w), std::string::npos) << "'" << w << "' missing from: " << msg;
+  }
+  // Shorter than the length itself.
+  write_text(tmp / "short.safetensors", "abcde");
+  expect_error([&] { SafetensorsReader::open(tmp / "short.safetensors"); },
+               {(tmp / "short.safetensors").string(), "truncated", "5 bytes"});
+  expect_error([&] { SafetensorsReader::open(tmp / "absent.safetensors"); },
+               {(tmp / "absent.safetensors").string(), "cannot open"});
+  // A directory without safetensors says what it found.
+  const fs::path dir = tmp / "ckpt";
+  fs::create_directories(dir);
+  write_text(dir / "pytorch_model.bin", "x");
+  expect_error([&] { SafetensorsReader::open(dir); },
+               {dir.string(), "model.safetensors", "pytorch_model.bin"});
+}
+
+TEST(Safetensors, WriterRefusesBadInput) {
+  TempDir tmp;
+  const float x[2] = {1, 2};
+  const std::vector<SafetensorsTensor> dup = {{"w", DType::f32, {2}, x}, {"w", DType::f32, {2}, x}};
+  expect_error([&] { write_safetensors(tmp / "d.safetensors", dup); }, {"'w'", "twice"});
+  const std::vector<SafetensorsTensor> null_data = {{"w", DType::f32, {2}, nullptr}};
+  expect_error([&] { write_safetensors(tmp / "d.safetensors", null_data); }, {"'w'", "no data"});
+  const std::vector<SafetensorsTensor> negative = {{"w", DType::f32, {-2}, x}};
+  expect_error([&] { write_safetensors(tmp / "d.safetensors", negative); }, {"'w'", "[-2]"});
+  EXPECT_FALSE(fs::exists(tmp / "d.safetensors"));
+  EXPECT_FALSE(fs::exists(tmp / "d.safetensors.tmp"));
+  expect_error(
+      [&] { write_safetensors(tmp / "no" / "dir.safetensors", std::vector<SafetensorsTensor>{}); },
+      {(tmp / "no" / "dir.safetensors.tmp").string()});
+}
+
+TEST(Safetensors, ShardedRoundTripAndLayoutChanges) {
+  TempDir tmp;
+  // 400 + 200 + 200 + 1000 + 100 bytes: with a 500-byte limit, shards {a}, {b, c}, {big}, {d}.
+  const std::vector<float> a = pattern(100, 1), b = pattern(50, 2), c = pattern(50, 3),
+                           big = pattern(250, 4);
+  const std::vector<uint16_t> d = to_16(pattern(50, 5), DType::bf16);
+  const std::vector<SafetensorsTensor> tensors = {
+      {"model.a", DType::f32, {10, 10}, a.data()}, {"model.b", DType::f32, {50}, b.data()},
+      {"model.c", DType::f32, {5, 10}, c.data()},  {"model.big", DType::f32, {250}, big.data()},
+      {"model.d", DType::bf16, {50}, d.data()},
+  };
+  const fs::path dir = tmp / "ckpt";
+  const std::vector<fs::path> files = write_safetensors_sharded(dir, tensors, 500);
+  ASSERT_EQ(files.size(), 5u);
+  EXPECT_EQ(files[0], dir / "model-00001-of-00004.safetensors");
+  EXPECT_EQ(files[3], dir / "model-00004-of-00004.safetensors");
+  EXPECT_EQ(files[4], dir / "model.safetensors.index.json");
+  const json index = json::parse(read_bytes(files[4]));
+  EXPECT_EQ(index["metadata"]["total_size"], 1900);
+  EXPECT_EQ(index["weight_map"]["model.a"], "model-00001-of-00004.safetensors");
+  EXPECT_EQ(index["weight_map"]["model.b"], "model-00002-of-00004.safetensors");
+  EXPECT_EQ(index["weight_map"]["model.c"], "model-00002-of-00004.safetensors");
+  EXPECT_EQ(index["weight_map"]["model.big"], "model-00003-of-00004.safetensors");
+  EXPECT_EQ(index["weight_map"]["model.d"], "model-00004-of-00004.safetensors");
+  EXPECT_EQ(index["weight_map"].size(), 5u);
+
+  for (const fs::path& open_path : {dir, dir / "model.safetensors.index.json"}) {
+    const SafetensorsReader r = SafetensorsReader::open(open_path);
+    EXPECT_EQ(r.tensors().size(), 5u);
+    EXPECT_EQ(r.find("model.c")->file, (dir / "model-00002-of-00004.safetensors").string());
+    EXPECT_EQ(r.metadata().at("format"), "pt");  // Hugging Face needs it
+    EXPECT_TRUE(same_bytes(read_tensor(r, "model.a", DType::f32), a));
+    EXPECT_TRUE(same_bytes(read_tensor(r, "model.c", DType::f32), c));
+    EXPECT_TRUE(same_bytes(read_tensor(r, "model.big", DType::bf16), to_16(big, DType::bf16)));
+    EXPECT_TRUE(same_bytes(read_tensor(r, "model.d", DType::bf16), d));
+  }
+  // One shard alone is a valid safetensors file too.
+  EXPECT_EQ(SafetensorsReader::open(files[1]).names(),
+            (std::vector<std::string>{"model.b", "model.c"}));
+
+  // Everything fits: one model.safetensors, and the old shards and index are gone.
+  const std::vector<fs::path> single = write_safetensors_sharded(dir, tensors, 1 << 20);
+  ASSERT_EQ(single.size(), 1u);
+  EXPECT_EQ(single[0], dir / "model.safetensors");
+  size_t entries = 0;
+  for ([[maybe_unused]] const auto& de : fs::directory_iterator(dir)) ++entries;
+  EXPECT_EQ(entries, 1u);
+  EXPECT_TRUE(same_bytes(read_tensor(SafetensorsReader::open(dir), "model.big", DType::f32), big));
+
+  // And back to shards: model.safetensors would shadow the index, so it is removed.
+  write_safetensors_sharded(dir, tensors, 700);
+  EXPECT_FALSE(fs::exists(dir / "model.safetensors"));
+  EXPECT_EQ(SafetensorsReader::open(dir).tensors().size(), 5u);
+  expect_error([&] { write_safetensors_sharded(dir, tensors, 0); }, {dir.string(), "0 bytes"});
+}
+
+TEST(Safetensors, DamagedShardedCheckpoints) {
+  TempDir tmp;
+  const std::vector<float> v = pattern(4, 6);
+  auto one = [&](const fs::path& path, const std::vector<std::string>& names) {
+    std::vector<SafetensorsTensor> t;
+    for (const std::string& n : names) t.push_back({n, DType::f32, {4}, v.data()});
+    write_safetensors(path, t);
+  };
+  auto index = [&](const fs::path& dir, const json& weight_map) {
+    write_text(dir / "model.safetensors.index.json",
+               json{{"metadata", {{"total_size", 32}}}, {"weight_map", weight_map}}.dump());
+  };
+  const fs::path dir = tmp / "ckpt";
+  fs::create_directories(dir);
+
+  // The same tensor in two shards.
+  one(dir / "s1.safetensors", {"x", "y"});
+  one(dir / "s2.safetensors", {"x"});
+  index(dir, {{"x", "s1.safetensors"}, {"y", "s2.safetensors"}});
+  expect_error(
+      [&] { SafetensorsReader::open(dir); },
+      {"'x'", "twice", (dir / "s1.safetensors").string(), (dir / "s2.safetensors").string()});
+
+  // A missing shard names itself and a tensor it should hold.
+  one(dir / "s1.safetensors", {"x"});
+  index(dir, {{"x", "s1.safetensors"}, {"y", "s3.safetensors"}});
+  expect_error([&] { SafetensorsReader::open(dir); },
+               {(dir / "s3.safetensors").string(), "'y'", "does not exist"});
+
+  // The index lists a tensor its shard does not hold.
+  one(dir / "s2.safetensors", {"z"});
+  index(dir, {{"x", "s1.safetensors"}, {"y", "s2.safetensors"}, {"z", "s2.safetensors"}});
+  expect_error([&] { SafetensorsReader::open(dir); },
+               {"'y'", (dir / "s2.safetensors").string(), "does not hold"});
+
+  // A shard holds a tensor the index does not list, or lists elsewhere.
+  one(dir / "s2.safetensors", {"y", "w"});
+  index(dir, {{"x", "s1.safetensors"}, {"y", "s2.safetensors"}});
+  expect_error([&] { SafetensorsReader::open(dir); },
+               {"'w'", (dir / "s2.safetensors").string(), "does not list"});
+  index(dir, {{"x", "s1.safetensors"}, {"y", "s2.safetensors"}, {"w", "s1.safetensors"}});
+  expect_error([&] { SafetensorsReader::open(dir); }, {"'w'", "s1.safetensors", "mapped"});
+
+  // A shard outside the directory, a bad weight_map, a damaged shard.
+  index(dir, {{"x", "../s1.safetensors"}});
+  expect_error([&] { SafetensorsReader::open(dir); }, {"'x'", "../s1.safetensors"});
+  index(dir, {{"x", 3}});
+  expect_error([&] { SafetensorsReader::open(dir); }, {"'x'", "number"});
+  write_text(dir / "model.safetensors.index.json", R"({"metadata": {}})");
+  expect_error([&] { SafetensorsReader::open(dir); }, {"weight_map"});
+  index(dir, {{"x", "s1.safetensors"}});
+  write_text(dir / "s1.safetensors", "abc");
+  expect_error([&] { SafetensorsReader::open(dir); },
+               {(dir / "s1.safetensors").string(), "truncated"});
+}
+
+// ---------------------------------------------------------------- token files
+
+std::vector<uint32_t> iota_tokens(size_t n, uint32_t stride) {
+  std::vector<uint32_t> t(n);
+  for (size_t i = 0; i < n; ++i) t[i] = static_cast<uint32_t>(i) * stride % 100003u;
+  return t;
+}
+
+TEST(TokenFiles, LlmcBothMagics) {
+  TempDir tmp;
+  const std::vector<uint32_t> small = iota_tokens(1000, 37);  // all below 65536
+  write_llmc_tokens(tmp / "a.bin", small, TokenWidth::u16);
+  const std::string bytes = read_bytes(tmp / "a.bin");
+  ASSERT_EQ(bytes.size(), 1024 + 2000u);
+  int32_t header[3];
+  std::memcpy(header, bytes.data(), 12);
+  EXPECT_EQ(header[0], 20240520);
+  EXPECT_EQ(header[1], 1);
+  EXPECT_EQ(header[2], 1000);
+  const TokenFile a = TokenFile::open(tmp / "a.bin");
+  EXPECT_TRUE(a.llmc());
+  EXPECT_EQ(a.width(), TokenWidth::u16);
+  ASSERT_EQ(a.size(), 1000);
+  for (int64_t i = 0; i < a.size(); ++i) ASSERT_EQ(a.get(i), small[static_cast<size_t>(i)]);
+
+  const std::vector<uint32_t> wide = iota_tokens(777, 1237);  // ids past 65535
+  write_llmc_tokens(tmp / "b.bin", wide, TokenWidth::u32);
+  std::memcpy(header, read_bytes(tmp / "b.bin").data(), 12);
+  EXPECT_EQ(header[0], 20240801);
+  EXPECT_EQ(header[1], 7);
+  EXPECT_EQ(header[2], 777);
+  const TokenFile b = TokenFile::open(tmp / "b.bin", "");
+  EXPECT_EQ(b.width(), TokenWidth::u32);
+  ASSERT_EQ(b.size(), 777);
+  for (int64_t i = 0; i < b.size(); ++i) ASSERT_EQ(b.get(i), wide[static_cast<size_t>(i)]);
+  expect_error([&] { (void)b.get(777); }, {(tmp / "b.bin").string(), "777"});
+
+  expect_error([&] { write_llmc_tokens(tmp / "c.bin", wide, TokenWidth::u16); },
+               {(tmp / "c.bin").string(), "uint16", "position 53", std::to_string(wide[53])});
+  EXPECT_FALSE(fs::exists(tmp / "c.bin"));
+}
+
+TEST(TokenFiles, RawFilesOfEitherWidth) {
+  TempDir tmp;
+  const std::vector<uint16_t> t16 = {5, 9, 65535, 0, 17};
+  const std::vector<uint32_t> t32 = {70000, 1, 2, 4000000000u};
+  write_text(tmp / "t16.raw", std::string(reinterpret_cast<const char*>(t16.data()), 10));
+  write_text(tmp / "t32.raw", std::string(reinterpret_cast<const char*>(t32.data()), 16));
+  const TokenFile a = TokenFile::open(tmp / "t16.raw", "uint16");
+  EXPECT_FALSE(a.llmc());
+  ASSERT_EQ(a.size(), 5);
+  for (int64_t i = 0; i < 5; ++i) EXPECT_EQ(a.get(i), t16[static_cast<size_t>(i)]);
+  const TokenFile b = TokenFile::open(tmp / "t32.raw", TokenWidth::u32);
+  ASSERT_EQ(b.size(), 4);
+  for (int64_t i = 0; i < 4; ++i) EXPECT_EQ(b.get(i), t32[static_cast<size_t>(i)]);
+  EXPECT_EQ(TokenFile::open(tmp / "t32.raw", "u16").size(), 8);
+
+  expect_error([&] { TokenFile::open(tmp / "t16.raw", "uint32"); },
+               {(tmp / "t16.raw").string(), "10 bytes", "uint32"});
+  expect_error([&] { TokenFile::open(tmp / "t16.raw", "int8"); }, {"int8", "uint16"});
+  // Without a width, a raw file is refused with the way out named.
+  expect_error([&] { TokenFile::open(tmp / "t16.raw"); },
+               {(tmp / "t16.raw").string(), "10 bytes", "uint16 or uint32"});
+  write_text(tmp / "big.raw", std::string(2048, '\x07'));
+  expect_error([&] { TokenFile::open(tmp / "big.raw"); },
+               {(tmp / "big.raw").string(), "magic 117901063", "20240520"});
+  expect_error([&] { TokenFile::open(tmp / "none.bin"); }, {(tmp / "none.bin").string()});
+}
+
+TEST(TokenFiles, WrongSizesAndVersions) {
+  TempDir tmp;
+  write_llmc_tokens(tmp / "a.bin", iota_tokens(100, 3), TokenWidth::u16);
+  std::string bytes = read_bytes(tmp / "a.bin");
+  write_text(tmp / "short.bin", bytes.substr(0, bytes.size() - 2));
+  expect_error([&] { TokenFile::open(tmp / "short.bin"); },
+               {(tmp / "short.bin").string(), "1224 bytes", "1222"});
+  write_text(tmp / "long.bin", bytes + "xyzw");
+  expect_error([&] { TokenFile::open(tmp / "long.bin"); },
+               {(tmp / "long.bin").string(), "1224 bytes", "1228"});
+  std::string v2 = bytes;
+  v2[4] = 2;  // version 2
+  write_text(tmp / "v2.bin", v2);
+  expect_error([&] { TokenFile::open(tmp / "v2.bin"); },
+               {(tmp / "v2.bin").string(), "version 2", "20240520"});
+  std::string neg = bytes;
+  const int32_t minus = -5;
+  std::memcpy(neg.data() + 8, &minus, 4);
+  write_text(tmp / "neg.bin", neg);
+  expect_error([&] { TokenFile::open(tmp / "neg.bin"); }, {(tmp / "neg.bin").string(), "-5"});
+}
+
+TEST(TokenFiles, ValidateNamesTheFirstBadPosition) {
+  TempDir tmp;
+  std::vector<uint32_t> t = iota_tokens(50, 1);  // 0..49
+  t[7] = 150;
+  t[20] = 300;
+  write_llmc_tokens(tmp / "a.bin", t, TokenWidth::u16);
+  const TokenFile f = TokenFile::open(tmp / "a.bin");
+  f.validate(301);
+  expect_error([&] { f.validate(100); },
+               {(tmp / "a.bin").string(), "position 7", "token id 150", "vocab_size is 100"});
+  expect_error([&] { f.validate(151); }, {"position 20", "token id 300"});
+  expect_error([&] { f.validate(0); }, {"vocab_size 0"});
+}
+
+TEST(TokenFiles, SequencesShiftTargetsByOne) {
+  TempDir tmp;
+  const int64_t T = 8;
+  const std::vector<uint32_t> t = iota_tokens(T + 1, 11);
+  write_llmc_tokens(tmp / "one.bin", t, TokenWidth::u32);
+  const TokenFile f = TokenFile::open(tmp / "one.bin");
+  ASSERT_EQ(f.num_sequences(T), 1);  // exactly T + 1 tokens: one sequence
+  std::vector<int32_t> in(T), tg(T);
+  f.sequence(0, T, in.data(), tg.data());
+  for (int64_t j = 0; j < T; ++j) {
+    EXPECT_EQ(in[static_cast<size_t>(j)], static_cast<int32_t>(t[static_cast<size_t>(j)]));
+    EXPECT_EQ(tg[static_cast<size_t>(j)], static_cast<int32_t>(t[static_cast<size_t>(j + 1)]));
+  }
+  expect_error([&] { f.sequence(1, T, in.data(), tg.data()); },
+               {(tmp / "one.bin").string(), "sequence 1", "9 tokens make 1 sequences"});
+  EXPECT_EQ(f.num_sequences(T + 1), 0);  // T + 1 tokens are no sequence of T + 1
+  EXPECT_EQ(f.num_sequences(1), static_cast<int64_t>(T));
+  expect_error([&] { (void)f.num_sequences(0); }, {"sequence length 0"});
+
+  // 2T + 1 tokens (plus a spare): two sequences sharing their boundary token.
+  const std::vector<uint32_t> u = iota_tokens(2 * T + 2, 5);
+  write_llmc_tokens(tmp / "two.bin", u, TokenWidth::u16);
+  const TokenFile g = TokenFile::open(tmp / "two.bin");
+  ASSERT_EQ(g.num_sequences(T), 2);
+  g.sequence(1, T, in.data(), tg.data());
+  EXPECT_EQ(in[0], static_cast<int32_t>(u[T]));
+  EXPECT_EQ(in[T - 1], static_cast<int32_t>(u[2 * T - 1]));
+  EXPECT_EQ(tg[T - 1], static_cast<int32_t>(u[2 * T]));
+
+  write_llmc_tokens(tmp / "empty.bin", {}, TokenWidth::u16);
+  EXPECT_EQ(TokenFile::open(tmp / "empty.bin").size(), 0);
+  EXPECT_EQ(TokenFile::open(tmp / "empty.bin").num_sequences(4), 0);
+}
+
+}  // namespace
+}  // namespace strata
