@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 #include "testing.h"
 
+#include <array>
 #include <cstdint>
 #include <limits>
 #include <set>
@@ -132,6 +133,73 @@ TEST(Arena, TracksTheHighWaterMark) {
   s = a.stats();
   EXPECT_EQ(s.in_use, 256u + 4096u);
   EXPECT_EQ(s.high_water, 256u + 4096u);
+}
+
+TEST(Arena, CountsEveryBlockUnderItsKind) {
+  Arena a = make_arena(1 << 20);
+  auto sum = [](const std::array<uint64_t, kMemoryKinds>& v) {
+    uint64_t n = 0;
+    for (uint64_t x : v) n += x;
+    return n;
+  };
+  const uint64_t p = a.allocate(1000, "shard", MemoryKind::parameters);  // 1024 after rounding
+  const uint64_t g = a.allocate(4096, "gathered unit", MemoryKind::gathered);
+  const uint64_t x = a.allocate(300, "untyped");  // 512; the two-argument form is `other`
+  ArenaStats s = a.stats();
+  EXPECT_EQ(s.in_use_of(MemoryKind::parameters), 1024u);
+  EXPECT_EQ(s.in_use_of(MemoryKind::gathered), 4096u);
+  EXPECT_EQ(s.in_use_of(MemoryKind::other), 512u);
+  EXPECT_EQ(s.in_use_of(MemoryKind::activations), 0u);
+  EXPECT_EQ(sum(s.in_use_by_kind), s.in_use);
+
+  // The gathered buffer goes; activations grow past the old total. The overall high-water
+  // mark moves, and its split is the one at that moment: no gathered bytes then, although
+  // gathered's own peak is still 4096.
+  a.release(g);
+  const uint64_t act = a.allocate(8192, "activations", MemoryKind::activations);
+  s = a.stats();
+  EXPECT_EQ(s.in_use, 1024u + 512u + 8192u);
+  EXPECT_EQ(s.high_water, s.in_use);
+  EXPECT_EQ(s.high_water_by_kind[static_cast<size_t>(MemoryKind::gathered)], 0u);
+  EXPECT_EQ(s.high_water_by_kind[static_cast<size_t>(MemoryKind::activations)], 8192u);
+  EXPECT_EQ(sum(s.high_water_by_kind), s.high_water);
+  EXPECT_EQ(s.peak_of(MemoryKind::gathered), 4096u);
+  EXPECT_EQ(s.in_use_of(MemoryKind::gathered), 0u);
+
+  // Releasing below the high-water mark keeps its split; a kind's peak stays its maximum.
+  a.release(act);
+  a.allocate(256, "more activations", MemoryKind::activations);
+  s = a.stats();
+  EXPECT_EQ(s.in_use_of(MemoryKind::activations), 256u);
+  EXPECT_EQ(s.peak_of(MemoryKind::activations), 8192u);
+  EXPECT_EQ(s.high_water_by_kind[static_cast<size_t>(MemoryKind::activations)], 8192u);
+  EXPECT_EQ(sum(s.high_water_by_kind), s.high_water);
+  a.release(p);
+  a.release(x);
+  EXPECT_EQ(a.stats().in_use_of(MemoryKind::parameters), 0u);
+  EXPECT_EQ(a.stats().in_use_of(MemoryKind::other), 0u);
+  EXPECT_EQ(a.stats().peak_of(MemoryKind::parameters), 1024u);
+}
+
+TEST(Arena, KindNamesAndOutOfMemorySplit) {
+  EXPECT_EQ(memory_kind_name(MemoryKind::parameters), "parameters");
+  EXPECT_EQ(memory_kind_name(MemoryKind::gathered), "gathered");
+  EXPECT_EQ(memory_kind_name(MemoryKind::gradients), "gradients");
+  EXPECT_EQ(memory_kind_name(MemoryKind::optimizer), "optimizer");
+  EXPECT_EQ(memory_kind_name(MemoryKind::activations), "activations");
+  EXPECT_EQ(memory_kind_name(MemoryKind::communication), "communication");
+  EXPECT_EQ(memory_kind_name(MemoryKind::other), "other");
+  Arena a = make_arena(4096);
+  a.allocate(1024, "p", MemoryKind::parameters);
+  a.allocate(2048, "c", MemoryKind::communication);
+  const std::string msg = error_message([&] { a.allocate(2048, "act", MemoryKind::activations); });
+  EXPECT_NE(msg.find("in use 3 KiB (parameters 1 KiB, communication 2 KiB)"), std::string::npos)
+      << msg;
+  // An out-of-range kind is refused, naming the allocation.
+  const std::string bad =
+      error_message([&] { a.allocate(16, "odd", static_cast<MemoryKind>(kMemoryKinds)); });
+  EXPECT_NE(bad.find("odd"), std::string::npos) << bad;
+  EXPECT_EQ(a.stats().in_use, 3072u);
 }
 
 TEST(Arena, DoubleOrUnknownReleaseIsAnError) {

@@ -29,14 +29,13 @@ class EvalCli : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
 
-  Result eval(const std::string& args) const {
+  Result eval(const std::string& args, const std::string& devices = "host") const {
     return test::run_command(std::string("'") + STRATA_BINARY +
-                             "' eval --model tiny --init random --devices host "
-                             "--device-memory 512MiB " +
-                             args + " 2>&1");
+                             "' eval --model tiny --init random --devices " + devices +
+                             " --device-memory 512MiB " + args + " 2>&1");
   }
-  nlohmann::json eval_json(const std::string& args) const {
-    const Result r = eval(args + " --json");
+  nlohmann::json eval_json(const std::string& args, const std::string& devices = "host") const {
+    const Result r = eval(args + " --json", devices);
     EXPECT_EQ(r.status, 0) << r.out;
     const auto j = nlohmann::json::parse(r.out, nullptr, false);
     EXPECT_FALSE(j.is_discarded()) << r.out;
@@ -78,6 +77,31 @@ TEST_F(EvalCli, JsonReportsLossPerplexityAndTokens) {
   const Result text = eval("--seed 1 --seq-len 16 " + data());
   EXPECT_EQ(text.status, 0) << text.out;
   EXPECT_NE(text.out.find("perplexity"), std::string::npos) << text.out;
+}
+
+// ZeRO-3 over several host devices: sequences dealt to ranks, the units sharded (or, under the
+// persistence threshold, replicated); the loss is the one device's to f32 rounding.
+TEST_F(EvalCli, SeveralDevicesGiveTheOneDeviceLoss) {
+  const std::string args = "--seed 1 --seq-len 16 " + data();
+  for (const char* batch : {" --batch 1", " --batch 2"}) {
+    const auto one = eval_json(args + batch);
+    const double loss = one["loss"].get<double>();
+    for (const char* devices : {"host:2", "host:3", "host:4"})
+      for (const char* threshold : {" --persistence-threshold 0", ""}) {
+        SCOPED_TRACE(std::string(devices) + batch + threshold);
+        const auto j = eval_json(args + batch + threshold, devices);
+        EXPECT_NEAR(j["loss"].get<double>(), loss, 1e-6 * loss);
+        EXPECT_EQ(j["tokens"], one["tokens"]);
+        EXPECT_EQ(j["devices"].size(), static_cast<size_t>(devices[5] - '0'));
+      }
+  }
+  // Fewer sequences than devices: the idle device still takes part in every gather.
+  const auto two = eval_json(args + " --max-sequences 2");
+  const auto three = eval_json(args + " --max-sequences 2 --persistence-threshold 0", "host:3");
+  EXPECT_EQ(three["tokens"], 32);
+  EXPECT_NEAR(three["loss"].get<double>(), two["loss"].get<double>(),
+              1e-6 * two["loss"].get<double>());
+  EXPECT_EQ(three["device"], "host:0,host:1,host:2");
 }
 
 TEST_F(EvalCli, BadInputsAreNamed) {

@@ -419,6 +419,57 @@ TEST(HostDevice, SeveralDevicesAreIndependent) {
   for (size_t i = 0; i < 3; ++i) devices[i]->release(mem[i]);
 }
 
+// A peer copy reads another host device's arena on the destination's stream, ordered after the
+// source's producer by an event; its pointers and stream are checked when it is queued.
+TEST(HostDevice, CopiesFromAPeerInStreamOrder) {
+  auto a = open_host_device(0, 4 * kMiB);
+  auto b = open_host_device(1, 4 * kMiB);
+  auto sa = a->create_stream("a");
+  auto sb = b->create_stream("b");
+  auto written = a->create_event();
+  constexpr size_t n = 50'001;
+  const uint64_t bytes = n * sizeof(uint32_t);
+  auto* src = static_cast<uint32_t*>(a->allocate(bytes, "src"));
+  void* dst = b->allocate(bytes, "dst");
+  EXPECT_TRUE(a->owns(src, bytes));
+  EXPECT_FALSE(b->owns(src, bytes));
+  EXPECT_FALSE(a->owns(src, 4 * kMiB + 1));  // runs past the end of the arena
+  // The producer writes late, on a's stream; b's copy must still see what it wrote.
+  sa->host_task([src] {
+    std::this_thread::sleep_for(30ms);
+    for (size_t i = 0; i < n; ++i) src[i] = static_cast<uint32_t>(i * 2654435761u);
+  });
+  sa->record(*written);
+  sb->wait(*written);
+  b->copy_from_peer(dst, *a, src, bytes, *sb);
+  std::vector<uint32_t> out(n, 0);
+  b->copy_to_host(out.data(), dst, bytes, *sb);
+  sb->synchronize();
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(out[i], static_cast<uint32_t>(i * 2654435761u)) << i;
+
+  // Within one device it is a copy too (ranges may overlap: a memmove).
+  auto* d = static_cast<uint32_t*>(dst);
+  b->copy_from_peer(d + 1, *b, d, 4 * sizeof(uint32_t), *sb);
+  b->copy_to_host(out.data(), dst, 5 * sizeof(uint32_t), *sb);
+  sb->synchronize();
+  EXPECT_EQ(out[1], static_cast<uint32_t>(0));
+  EXPECT_EQ(out[4], static_cast<uint32_t>(3 * 2654435761u));
+
+  std::vector<char> host(64);
+  expect_error([&] { b->copy_from_peer(dst, *a, dst, 64, *sb); },
+               {"host:1", "copy_from_peer source", "not inside host:0's memory"});
+  expect_error([&] { b->copy_from_peer(src, *a, src, 64, *sb); },
+               {"host:1", "copy_from_peer destination"});
+  expect_error([&] { b->copy_from_peer(dst, *a, host.data(), 64, *sb); },
+               {"copy_from_peer source", "host:0"});
+  // The stream is checked even for an empty copy, which queues nothing.
+  expect_error([&] { b->copy_from_peer(dst, *a, src, 0, *sa); }, {"stream 'a'", "host:1"});
+  b->copy_from_peer(dst, *a, src, 0, *sb);
+  sb->synchronize();
+  a->release(src);
+  b->release(dst);
+}
+
 TEST(HostDevice, AStreamMayOutliveItsDevice) {
   auto dev = open_host_device(0, 1 * kMiB);
   auto s = dev->create_stream("late");

@@ -1,19 +1,28 @@
 // eval.cpp: `strata eval`, the mean loss and perplexity of a model over a token file.
 //
 // Sequence i takes its inputs from tokens [i·T, i·T+T) and its targets from the next T
-// tokens shifted by one, so a file of exactly T+1 tokens is one sequence. Sequences are
-// evaluated in order, `--batch` at a time; the loss is the mean over every target token.
+// tokens shifted by one, so a file of exactly T+1 tokens is one sequence. The loss is the mean
+// over every target token.
+//
+// Every device of --devices takes part, with the model's state ZeRO-3 partitioned across them
+// (src/partition/zero.h): sequences are dealt to ranks (rank r gets sequences r, r+N, ...,
+// up to `--batch` per rank at a time), each rank runs the forward on its own device with the
+// gathered units, and the per-token losses are summed in sequence order, so the loss is the
+// one device's to rounding.
 #include "commands.h"
 #include "device_args.h"
 #include "core/device.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "model/config.h"
 #include "model/llama.h"
 #include "model/safetensors.h"
 #include "model/tokens.h"
-#include "model/weights.h"
+#include "partition/communicator.h"
+#include "partition/zero.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -36,6 +45,7 @@ struct EvalArgs {
   std::string devices;
   std::string device_memory;
   std::string dtype;
+  uint64_t persistence_threshold = ZeroOptions{}.persistence_threshold;
   bool json = false;
 };
 
@@ -68,44 +78,82 @@ int run_eval(const EvalArgs& a) {
         a.data, tokens.size(), T, T + 1);
   if (a.max_sequences > 0) sequences = std::min(sequences, a.max_sequences);
 
-  // One device: the first of --devices (ZeRO-3 across several comes with partitioning).
-  auto devices = open_cli_devices(a.devices, a.device_memory, 1);
-  Device& device = *devices.at(0);
-  const DType dtype = model_dtype(device, a.dtype);
+  auto devices = open_cli_devices(a.devices, a.device_memory, 0);
+  const auto N = static_cast<int64_t>(devices.size());
+  std::vector<Device*> ranks;
+  for (auto& d : devices) ranks.push_back(d.get());
+  const DType dtype = model_dtype(*ranks[0], a.dtype);
+  const auto comm = make_communicator(ranks);
   ModelOptions options;
   options.param_dtype = dtype;
   options.grad_dtype = dtype;
-  options.max_batch = std::min<int64_t>(a.batch, sequences);
+  options.max_batch = std::min<int64_t>(a.batch, (sequences + N - 1) / N);
   options.seq_len = T;
-  LlamaModel model(config, options, device);
-  ResidentWeights weights(model.layout(), device, dtype, dtype, false);
-  auto stream = device.create_stream("eval");
+  ZeroOptions zero_options;
+  zero_options.param_dtype = dtype;
+  zero_options.grad_dtype = dtype;
+  zero_options.with_grads = false;
+  zero_options.persistence_threshold = a.persistence_threshold;
+  ZeroModel zero(ModelLayout::build(config), *comm, zero_options);
   if (is_dir && a.init.empty()) {
     const SafetensorsReader reader = SafetensorsReader::open(a.model);
-    weights.load(reader, *stream);
+    zero.load(reader);
   } else {
-    weights.init_random(a.seed, *stream);
+    zero.init_random(a.seed);
   }
+  log_debug("eval: {}", zero.partition().str());
 
+  // Per rank: its model (activations), stream, and token buffers.
   const int64_t B = options.max_batch;
-  std::vector<int32_t> ids(static_cast<size_t>(B * T)), targets(ids.size());
-  std::vector<float> losses(ids.size());
-  DeviceBuffer d_ids(device, ids.size() * 4, "token ids"),
-      d_targets(device, ids.size() * 4, "targets");
+  std::vector<std::unique_ptr<LlamaModel>> models;
+  std::vector<LlamaModel*> model_ptrs;
+  std::vector<std::unique_ptr<Stream>> owned_streams;
+  std::vector<Stream*> streams;
+  std::vector<DeviceBuffer> d_ids, d_targets;
+  for (Device* d : ranks) {
+    models.push_back(std::make_unique<LlamaModel>(config, options, *d));
+    model_ptrs.push_back(models.back().get());
+    owned_streams.push_back(d->create_stream("eval"));
+    streams.push_back(owned_streams.back().get());
+    d_ids.emplace_back(*d, static_cast<uint64_t>(B * T) * 4, "token ids", MemoryKind::activations);
+    d_targets.emplace_back(*d, static_cast<uint64_t>(B * T) * 4, "targets",
+                           MemoryKind::activations);
+  }
+  ZeroRunner runner(zero, model_ptrs);
+
+  const auto n = static_cast<size_t>(N);
+  std::vector<std::vector<int32_t>> ids(n, std::vector<int32_t>(static_cast<size_t>(B * T)));
+  std::vector<std::vector<int32_t>> targets = ids;
+  std::vector<std::vector<float>> losses(n, std::vector<float>(static_cast<size_t>(B * T)));
   double sum = 0;
   const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t first = 0; first < sequences; first += B) {
-    const int64_t b = std::min(B, sequences - first);
-    for (int64_t i = 0; i < b; ++i)
-      tokens.sequence(first + i, T, ids.data() + i * T, targets.data() + i * T);
-    const uint64_t bytes = static_cast<uint64_t>(b * T) * 4;
-    device.copy_to_device(d_ids.data(), ids.data(), bytes, *stream);
-    device.copy_to_device(d_targets.data(), targets.data(), bytes, *stream);
-    model.forward(weights.units(), static_cast<int32_t*>(d_ids.data()),
-                  static_cast<int32_t*>(d_targets.data()), b, false, *stream);
-    device.copy_to_host(losses.data(), model.losses(b).data, bytes, *stream);
-    stream->synchronize();
-    for (int64_t i = 0; i < b * T; ++i) sum += losses[static_cast<size_t>(i)];
+  for (int64_t first = 0; first < sequences; first += N * B) {
+    const int64_t last = std::min(sequences, first + N * B);  // this round: [first, last)
+    std::vector<RankBatch> batches(n);
+    for (int64_t s = first; s < last; ++s) {
+      const auto r = static_cast<size_t>((s - first) % N);
+      const int64_t i = batches[r].batch++;
+      tokens.sequence(s, T, ids[r].data() + i * T, targets[r].data() + i * T);
+    }
+    for (size_t r = 0; r < n; ++r) {
+      const uint64_t bytes = static_cast<uint64_t>(batches[r].batch * T) * 4;
+      ranks[r]->copy_to_device(d_ids[r].data(), ids[r].data(), bytes, *streams[r]);
+      ranks[r]->copy_to_device(d_targets[r].data(), targets[r].data(), bytes, *streams[r]);
+      batches[r].ids = static_cast<const int32_t*>(d_ids[r].data());
+      batches[r].targets = static_cast<const int32_t*>(d_targets[r].data());
+    }
+    runner.forward(batches, streams);
+    for (size_t r = 0; r < n; ++r)
+      if (batches[r].batch > 0)
+        ranks[r]->copy_to_host(losses[r].data(), model_ptrs[r]->losses(batches[r].batch).data,
+                               static_cast<uint64_t>(batches[r].batch * T) * 4, *streams[r]);
+    for (Stream* st : streams) st->synchronize();
+    // In sequence order, whichever rank computed it: the sum of one device.
+    for (int64_t s = first; s < last; ++s) {
+      const auto r = static_cast<size_t>((s - first) % N);
+      const int64_t i = (s - first) / N;
+      for (int64_t t = 0; t < T; ++t) sum += losses[r][static_cast<size_t>(i * T + t)];
+    }
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -115,6 +163,8 @@ int run_eval(const EvalArgs& a) {
     fail("eval of {} on {}: the loss is {}; the weights or the data hold non-finite values",
          a.model, a.data, loss);
   const double tokens_per_s = static_cast<double>(count) / seconds;
+  std::vector<std::string> device_names;
+  for (Device* d : ranks) device_names.push_back(d->name());
   if (a.json) {
     nlohmann::json j = {{"loss", loss},
                         {"perplexity", std::exp(loss)},
@@ -122,7 +172,9 @@ int run_eval(const EvalArgs& a) {
                         {"sequences", sequences},
                         {"seq_len", T},
                         {"model", config.name},
-                        {"device", device.name()},
+                        {"device", fmt::format("{}", fmt::join(device_names, ","))},
+                        {"devices", device_names},
+                        {"persistence_threshold", a.persistence_threshold},
                         {"dtype", dtype_name(dtype)},
                         {"tokens_per_s", tokens_per_s}};
     fmt::print("{}\n", j.dump());
@@ -130,8 +182,8 @@ int run_eval(const EvalArgs& a) {
     fmt::print(
         "eval: {} ({} parameters, {}) on {}: {} sequences x {} tokens\n"
         "  loss {:.6f}  perplexity {:.4f}  ({:.0f} tokens/s)\n",
-        config.name, parameter_count(config), dtype_name(dtype), device.name(), sequences, T, loss,
-        std::exp(loss), tokens_per_s);
+        config.name, parameter_count(config), dtype_name(dtype), fmt::join(device_names, ","),
+        sequences, T, loss, std::exp(loss), tokens_per_s);
   }
   return 0;
 }
@@ -156,12 +208,17 @@ Command add_eval(CLI::App& app) {
   cmd->add_option("--batch", args->batch, "sequences per forward pass")->capture_default_str();
   cmd->add_option("--max-sequences", args->max_sequences, "evaluate at most this many sequences");
   cmd->add_option("--devices", args->devices,
-                  "host, host:N, cuda or cuda:0 (default: cuda:0 if a "
-                  "GPU is usable, else host)");
+                  "host, host:N, cuda (every GPU) or cuda:0,1: the model's state is ZeRO-3 "
+                  "partitioned across them and sequences are dealt to each in turn (default: "
+                  "cuda:0 if a GPU is usable, else host)");
   cmd->add_option("--device-memory", args->device_memory,
                   "cap of the device's memory, e.g. 2GiB (default: host 80% of available RAM, "
                   "cuda all free memory)");
   cmd->add_option("--dtype", args->dtype, "f32 or bf16 (default: f32 on host, bf16 on cuda)");
+  cmd->add_option("--persistence-threshold", args->persistence_threshold,
+                  "units of at most this many parameters stay whole on every device instead of "
+                  "sharded (DeepSpeed's stage3_param_persistence_threshold; 0 shards all)")
+      ->capture_default_str();
   cmd->add_flag("--json", args->json, "one JSON object: loss, perplexity, tokens, ...");
   return {cmd, [args] { return run_eval(*args); }};
 }

@@ -61,11 +61,17 @@ class Device {
   virtual std::string name() const = 0;  // "host:0", "cuda:1"
 
   // ---- memory: one arena per device ----
-  // Returns device memory (256-byte aligned). Throws Error naming the device, `what`, the
-  // request and the cap when it does not fit.
-  virtual void* allocate(uint64_t bytes, std::string_view what) = 0;
+  // Returns device memory (256-byte aligned), counted in the arena's statistics under `kind`.
+  // Throws Error naming the device, `what`, the request and the cap when it does not fit.
+  // (Implementations override the three-argument form and say `using Device::allocate;`.)
+  virtual void* allocate(uint64_t bytes, std::string_view what, MemoryKind kind) = 0;
+  void* allocate(uint64_t bytes, std::string_view what) {
+    return allocate(bytes, what, MemoryKind::other);
+  }
   virtual void release(void* ptr) = 0;
   virtual ArenaStats memory() const = 0;
+  // True when [p, p + bytes) lies inside this device's arena.
+  virtual bool owns(const void* p, uint64_t bytes) const = 0;
 
   // ---- streams and events ----
   virtual std::unique_ptr<Stream> create_stream(std::string name) = 0;
@@ -77,6 +83,12 @@ class Device {
   virtual void copy_to_host(void* dst, const void* src, uint64_t bytes, Stream& s) = 0;
   virtual void copy_on_device(void* dst, const void* src, uint64_t bytes, Stream& s) = 0;
   virtual void fill_zero(void* dst, uint64_t bytes, Stream& s) = 0;
+  // dst (this device's memory) = src (src_device's memory; src_device of the same backend,
+  // possibly this device), queued on s, a stream of this device. Only s orders it: the caller
+  // makes s wait for src's producer (an event recorded on src_device's stream). Checks first
+  // that s belongs to this device, even when bytes is 0 (which queues nothing).
+  virtual void copy_from_peer(void* dst, Device& src_device, const void* src, uint64_t bytes,
+                              Stream& s) = 0;
 
   // ---- kernel table: the model's ops (core/kernels.h), queued on this device's streams ----
   virtual Kernels& kernels() = 0;
@@ -89,8 +101,11 @@ class Device {
 class DeviceBuffer {
  public:
   DeviceBuffer() = default;
-  DeviceBuffer(Device& device, uint64_t bytes, std::string_view what)
-      : device_(&device), data_(bytes ? device.allocate(bytes, what) : nullptr), bytes_(bytes) {}
+  DeviceBuffer(Device& device, uint64_t bytes, std::string_view what,
+               MemoryKind kind = MemoryKind::other)
+      : device_(&device),
+        data_(bytes ? device.allocate(bytes, what, kind) : nullptr),
+        bytes_(bytes) {}
   ~DeviceBuffer() { reset(); }
   DeviceBuffer(DeviceBuffer&& o) noexcept { *this = std::move(o); }
   DeviceBuffer& operator=(DeviceBuffer&& o) noexcept {

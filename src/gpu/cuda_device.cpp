@@ -17,6 +17,7 @@
 #include "gpu/convert.h"
 #include "gpu/cuda_check.h"
 #include "gpu/cuda_kernels.h"
+#include "gpu/cuda_stream.h"
 #include "gpu/runtime.h"
 
 #include <algorithm>
@@ -137,11 +138,13 @@ class CudaDevice final : public Device, private CudaDeviceAccess {
   int index() const override { return gpu_->index; }
   std::string name() const override { return gpu_->name; }
 
-  void* allocate(uint64_t bytes, std::string_view what) override {
-    return base_ + arena_->allocate(bytes, what);
+  using Device::allocate;
+  void* allocate(uint64_t bytes, std::string_view what, MemoryKind kind) override {
+    return base_ + arena_->allocate(bytes, what, kind);
   }
   void release(void* ptr) override;
   ArenaStats memory() const override { return arena_->stats(); }
+  bool owns(const void* p, uint64_t bytes) const override { return in_arena(p, bytes); }
 
   std::unique_ptr<Stream> create_stream(std::string name) override {
     return std::make_unique<CudaStream>(gpu_, std::move(name));
@@ -155,8 +158,13 @@ class CudaDevice final : public Device, private CudaDeviceAccess {
   void copy_to_host(void* dst, const void* src, uint64_t bytes, Stream& s) override;
   void copy_on_device(void* dst, const void* src, uint64_t bytes, Stream& s) override;
   void fill_zero(void* dst, uint64_t bytes, Stream& s) override;
+  void copy_from_peer(void* dst, Device& src_device, const void* src, uint64_t bytes,
+                      Stream& s) override;
   Kernels& kernels() override { return *kernels_; }
   void convert(const TensorView& dst, const TensorView& src, Stream& s) override;
+
+  // For cuda_stream_handle (cuda_stream.h).
+  cudaStream_t stream_handle(Stream& s) const { return enter(s); }
 
  private:
   // CudaDeviceAccess, for the kernel table.
@@ -424,6 +432,30 @@ void CudaDevice::fill_zero(void* dst, uint64_t bytes, Stream& s) {
   CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, cs.handle()));
 }
 
+// Two CudaDevice objects may share one GPU (virtual ranks in tests): a plain device-to-device
+// copy then; between GPUs cudaMemcpyPeerAsync, which works with or without peer access.
+void CudaDevice::copy_from_peer(void* dst, Device& src_device, const void* src, uint64_t bytes,
+                                Stream& s) {
+  CudaStream& cs = own(s);
+  if (bytes == 0) return;
+  check_in_arena("copy_from_peer", "destination", dst, bytes);
+  if (dynamic_cast<CudaDevice*>(&src_device) == nullptr)
+    fail(
+        "{}: copy_from_peer from {}, a device of another backend; peer copies join CUDA "
+        "devices only (copy through host memory otherwise)",
+        name_, src_device.name());
+  if (!src_device.owns(src, bytes))
+    fail(
+        "{}: copy_from_peer source {} (+{}) is not in {}'s memory; pass memory from {}'s "
+        "allocate()",
+        name_, src, format_bytes(bytes), src_device.name(), src_device.name());
+  use();
+  if (src_device.index() == gpu_->index)
+    CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, cs.handle()));
+  else
+    CUDA_CHECK(cudaMemcpyPeerAsync(dst, gpu_->index, src, src_device.index(), bytes, cs.handle()));
+}
+
 void CudaDevice::convert(const TensorView& dst, const TensorView& src, Stream& s) {
   CudaStream& cs = own(s);
   if (dst.numel() != src.numel())
@@ -438,6 +470,14 @@ void CudaDevice::convert(const TensorView& dst, const TensorView& src, Stream& s
 }
 
 }  // namespace
+
+cudaStream_t cuda_stream_handle(Device& device, Stream& s) {
+  auto* cuda = dynamic_cast<CudaDevice*>(&device);
+  if (cuda == nullptr)
+    fail("{} is not a CUDA device; a CUDA stream handle exists only for CUDA devices' streams",
+         device.name());
+  return cuda->stream_handle(s);
+}
 
 std::unique_ptr<Device> open_cuda_device(int index, uint64_t arena_bytes) {
   const CudaRuntime& rt = cuda_runtime();

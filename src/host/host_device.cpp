@@ -249,8 +249,9 @@ class HostDevice final : public Device {
   int index() const override { return index_; }
   std::string name() const override { return state_->name; }
 
-  void* allocate(uint64_t bytes, std::string_view what) override {
-    return state_->base + state_->arena.allocate(bytes, what);
+  using Device::allocate;
+  void* allocate(uint64_t bytes, std::string_view what, MemoryKind kind) override {
+    return state_->base + state_->arena.allocate(bytes, what, kind);
   }
 
   void release(void* ptr) override {
@@ -264,6 +265,7 @@ class HostDevice final : public Device {
   }
 
   ArenaStats memory() const override { return state_->arena.stats(); }
+  bool owns(const void* p, uint64_t bytes) const override { return state_->contains(p, bytes); }
 
   std::unique_ptr<Stream> create_stream(std::string name) override {
     return std::make_unique<HostStream>(state_, std::move(name));
@@ -310,6 +312,29 @@ class HostDevice final : public Device {
     if (bytes == 0) return;
     check_device(dst, bytes, "fill_zero destination");
     stream(s).enqueue([=] { std::memset(dst, 0, bytes); });
+  }
+
+  // The source device's state rides along with the task, so its memory stays mapped until the
+  // copy has run even if that device is closed meanwhile.
+  void copy_from_peer(void* dst, Device& src_device, const void* src, uint64_t bytes,
+                      Stream& s) override {
+    HostStream& hs = stream(s);
+    if (bytes == 0) return;
+    check_device(dst, bytes, "copy_from_peer destination");
+    auto* peer = dynamic_cast<HostDevice*>(&src_device);
+    if (peer == nullptr)
+      fail(
+          "device {}: copy_from_peer from {}, a device of another backend; peer copies join "
+          "devices of one backend (copy through host memory otherwise)",
+          state_->name, src_device.name());
+    if (!peer->state_->contains(src, bytes))
+      fail(
+          "device {}: copy_from_peer source {} ({}) is not inside {}'s memory (base {}, {}); "
+          "pass memory from {}'s allocate()",
+          state_->name, src, format_bytes(bytes), peer->state_->name,
+          static_cast<const void*>(peer->state_->base), format_bytes(peer->state_->bytes),
+          peer->state_->name);
+    hs.enqueue([dst, src, bytes, keep = peer->state_] { std::memmove(dst, src, bytes); });
   }
 
   Kernels& kernels() override { return *kernels_; }

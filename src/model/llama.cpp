@@ -167,7 +167,7 @@ LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options, D
   const uint64_t a = dtype_size(options.param_dtype), f4 = 4;
   const auto n = static_cast<uint64_t>(N);
   auto alloc = [&](DeviceBuffer& b, uint64_t bytes, const char* what) {
-    b = DeviceBuffer(device, bytes, what);
+    b = DeviceBuffer(device, bytes, what, MemoryKind::activations);  // the model's workspace
     workspace_bytes_ += bytes;
   };
   const auto units = static_cast<uint64_t>(layout_.num_units());

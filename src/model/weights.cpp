@@ -13,10 +13,10 @@ ResidentWeights::ResidentWeights(const ModelLayout& layout, Device& device, DTyp
     : layout_(layout), device_(device), param_dtype_(param_dtype), grad_dtype_(grad_dtype) {
   for (const UnitLayout& u : layout.units) {
     params_.emplace_back(device, u.numel * dtype_size(param_dtype),
-                         fmt::format("parameters of unit {}", u.name));
+                         fmt::format("parameters of unit {}", u.name), MemoryKind::parameters);
     if (with_grads)
       grads_.emplace_back(device, u.numel * dtype_size(grad_dtype),
-                          fmt::format("gradients of unit {}", u.name));
+                          fmt::format("gradients of unit {}", u.name), MemoryKind::gradients);
   }
 }
 
