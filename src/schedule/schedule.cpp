@@ -1,0 +1,2 @@
+// schedule.cpp: see schedule.h.
+#include "schedule/schedule.h"

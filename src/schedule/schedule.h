@@ -1,0 +1,105 @@
+// schedule.h: one training step as plain data: tasks on lanes, with dependencies (DESIGN §1).
+//
+// The builder compiles a placement, a number of micro-batches and a prefetch depth into the
+// tasks of one step, in an order that is a valid sequential execution: every dependency of a
+// task comes earlier in `tasks`. Each lane runs its tasks in that order. This makes every
+// schedule deadlock-free by construction (the earliest unfinished task overall always has its
+// dependencies done and is first on its lane), and validate() checks it.
+//
+// Steps repeat. A task's `prev` dependencies name tasks of the previous step's instance of
+// the same schedule: this is how the next step's forward of unit u waits only for unit u's
+// update (DESIGN §3.4) and how buffers reused across steps are ordered. In the first step they
+// are satisfied from the start.
+//
+// Lanes (DESIGN §1): gpu[i].compute, gpu[i].h2d, gpu[i].d2h, gpu[i].comm, cpu.adam,
+// nvme.read, nvme.write. A collective is one task per rank on each rank's comm lane, the
+// tasks sharing a `group`: they start together (when all of them are ready) and finish
+// together. The executor runs the group as one call; the simulator occupies every lane of the
+// group for its duration.
+//
+// Neither the executor nor the simulator builds schedules: both read this.
+#pragma once
+
+#include "tier/placement.h"
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace strata {
+
+enum class LaneKind { compute, h2d, d2h, comm, cpu_adam, nvme_read, nvme_write };
+std::string_view lane_kind_name(LaneKind k);  // "compute", "h2d", ..., "cpu.adam", ...
+
+struct Lane {
+  LaneKind kind = LaneKind::compute;
+  int device = -1;           // GPU lanes: the rank; cpu.adam and nvme lanes: -1
+  std::string name() const;  // "gpu[0].compute", "cpu.adam", "nvme.read"
+  bool operator==(const Lane&) const = default;
+};
+
+enum class TaskKind {
+  // parameters, before a unit's forward or backward
+  param_read,       // nvme.read: P[u] shards of every rank from NVMe into pinned buffers
+  param_h2d,        // gpu[r].h2d: P[u][r] from its host home (or a pinned buffer) to the GPU
+  gather,           // gpu[r].comm: all-gather unit u into a working buffer (group)
+  forward,          // gpu[r].compute: unit u's forward for micro-batch m
+  backward,         // gpu[r].compute: recompute, then unit u's backward for micro-batch m
+  reduce_scatter,   // gpu[r].comm: unit u's working gradients summed into G[u] shards (group)
+  grad_d2h,         // gpu[r].d2h: the reduce-scattered shard to its host home (G home cpu)
+  grad_accumulate,  // cpu.adam: G[u] += the shard brought by grad_d2h (micro-batches > 1)
+  grad_stats,       // cpu.adam or gpu[r].compute: unit u's share of the global norm/overflow
+  // optimizer, once the global norm is known, in forward order
+  optim_read,    // nvme.read: O[u] shards (master, m, v) from NVMe into pinned buffers
+  adam,          // cpu.adam (or gpu[r].compute when O is on the GPU): update O[u], write P[u]
+  optim_write,   // nvme.write: O[u] back to NVMe
+  param_write,   // nvme.write: updated P[u] to NVMe (P home nvme)
+  param_upload,  // gpu[r].h2d: updated P[u][r] to its GPU home (P home gpu, O on the host)
+};
+std::string_view task_kind_name(TaskKind k);
+
+struct Task {
+  int id = 0;  // index in Schedule::tasks
+  TaskKind kind = TaskKind::forward;
+  int lane = 0;          // index in Schedule::lanes
+  int unit = -1;         // model unit
+  int rank = -1;         // GPU-lane tasks: the rank; -1 for host-wide tasks
+  int micro_batch = -1;  // forward/backward and what serves them; -1 for the optimizer
+  int group = -1;        // collectives: the tasks of one call share it; -1 otherwise
+  // The work, for the simulator: bytes moved (transfers, collectives: per rank), FLOPs
+  // (compute), elements updated (Adam, grad stats).
+  uint64_t bytes = 0;
+  double flops = 0;
+  uint64_t elements = 0;
+  std::vector<int> deps;  // ids of tasks of this step, each < id
+  std::vector<int> prev;  // ids of tasks of the previous step
+};
+
+struct ScheduleOptions {
+  int micro_batches = 1;   // gradient accumulation steps
+  int prefetch_depth = 1;  // units fetched ahead of use (bounded by the placement's buffers)
+};
+
+struct Schedule {
+  std::vector<Lane> lanes;
+  std::vector<Task> tasks;
+  ScheduleOptions options;
+  int ranks = 1;
+  int units = 0;
+
+  static Schedule build(const Placement& placement, const ScheduleOptions& options);
+
+  // Throws Error naming the first task that breaks a rule: a dependency not earlier, an
+  // unknown lane or task id, a group whose tasks differ in kind or unit or share a lane.
+  void validate() const;
+  // The tasks of one lane, in order.
+  std::vector<int> lane_tasks(int lane) const;
+  int lane_index(const Lane& lane) const;  // -1 when absent
+  // One line per task ("  17 gpu[0].comm gather u=3 m=0 deps=[12,15] prev=[40]"), for
+  // `strata plan --print-schedule` and for diffs in tests; and a per-lane summary.
+  std::string str() const;
+  std::string summary() const;
+};
+
+}  // namespace strata

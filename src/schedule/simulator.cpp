@@ -1,0 +1,2 @@
+// simulator.cpp: see simulator.h.
+#include "schedule/simulator.h"

@@ -1,0 +1,59 @@
+// simulator.h: predicts a step from its schedule and a hardware profile (DESIGN §1).
+//
+// Every task takes a time derived from its work and the profile: transfers and collectives
+// bytes / bandwidth (+ a fixed latency), compute FLOPs / the GPU's rate, Adam and grad stats
+// elements / the CPU's rate. Lanes run their tasks in schedule order; a task starts when its
+// lane is free and its dependencies (this step's, and `prev` ones of the previous step) are
+// done; a group starts on all its lanes at once. The simulator runs several steps back to back
+// so the cross-step overlap reaches its steady state, and reports the last one.
+#pragma once
+
+#include "schedule/schedule.h"
+
+#include <string>
+#include <vector>
+
+namespace strata {
+
+// Measured or assumed rates of one machine (`strata tune` writes it; JSON on disk).
+struct HardwareProfile {
+  std::string name = "assumed";
+  double gpu_flops = 0;                // achieved matmul FLOP/s of one GPU (or host device)
+  double h2d_bytes_per_s = 0;          // pinned host -> one GPU
+  double d2h_bytes_per_s = 0;          // one GPU -> pinned host
+  double comm_bytes_per_s = 0;         // per-rank collective bandwidth (bus bandwidth)
+  double adam_elements_per_s = 0;      // CPU Adam update, all optimizer threads
+  double stats_elements_per_s = 0;     // CPU grad stats (norm), all threads
+  double gpu_adam_elements_per_s = 0;  // Adam on the GPU (optimizer not offloaded)
+  double nvme_read_bytes_per_s = 0;    // over all nvme_paths together
+  double nvme_write_bytes_per_s = 0;
+  double task_latency_s = 0;  // fixed cost added to every task
+
+  // Reads / writes the JSON form; every field above is a key. Throws Error naming the file
+  // and the JSON path of a missing, non-numeric or non-positive value.
+  static HardwareProfile load(const std::string& path);
+  static HardwareProfile from_json_text(const std::string& text, const std::string& where);
+  std::string to_json() const;
+};
+
+struct LaneTime {
+  std::string lane;
+  double busy_s = 0;  // time its tasks took within the step
+};
+
+struct Prediction {
+  double step_s = 0;            // steady-state step time
+  std::vector<LaneTime> lanes;  // per lane, in the schedule's order
+  int critical_lane = -1;       // the busiest lane
+  double overlap = 0;           // busiest lane's busy time / step time
+  // Start and end of each task of the reported step, relative to its start (for traces).
+  std::vector<double> start_s, end_s;
+};
+
+// Duration of one task under `profile`.
+double task_seconds(const Task& task, const Lane& lane, const HardwareProfile& profile);
+
+// Throws Error when the profile lacks a rate some task needs (naming the field).
+Prediction simulate(const Schedule& schedule, const HardwareProfile& profile, int steps = 3);
+
+}  // namespace strata

@@ -1,0 +1,2 @@
+// trace.cpp: see trace.h.
+#include "schedule/trace.h"

@@ -1,0 +1,2 @@
+// placement.cpp: see placement.h.
+#include "tier/placement.h"

@@ -1,0 +1,123 @@
+// placement.h: where each unit's state lives (DESIGN §2), and whether that fits.
+//
+// For every unit u a placement names the home tier of the parameter shards P[u][r], the
+// gradient accumulator shards G[u][r] and the optimizer shards O[u][r] (fp32 master, m, v).
+// Homes come from DeepSpeed's semantics (offload_param.device / offload_optimizer.device:
+// none | cpu | nvme) or, with `auto`, from filling the fastest tier first within each tier's
+// budget, unit by unit in forward order. Gradient accumulators follow the optimizer: they live
+// on the GPU when the optimizer does, else in (pinned) host RAM, where CPU Adam reads them.
+// Replicated units (below the persistence threshold) keep their parameters on the GPU.
+//
+// A placement also sizes what moving state needs: the pinned buffers that carry shards
+// between NVMe, host and GPU (one pool, allocated once) and the GPU working buffers. needs()
+// counts every byte per tier and per kind of state; check() compares that with the budgets
+// and, when something does not fit, throws an Error holding a table of bytes needed versus
+// available per tier, before anything is allocated. Plain data: `strata plan`, `strata
+// estimate`, the schedule builder, the executor and the tests all read it.
+#pragma once
+
+#include "model/config.h"
+#include "partition/partition.h"
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace strata {
+
+enum class Tier { gpu, cpu, nvme };
+inline constexpr int kTiers = 3;
+std::string_view tier_name(Tier t);  // "gpu", "cpu", "nvme"
+// "none" and "gpu" name the GPU tier (DeepSpeed's "none": not offloaded), "cpu", "nvme".
+// Throws Error naming the text and the accepted values.
+Tier parse_tier(std::string_view text);
+
+// What a byte of a tier holds (the rows of `strata plan`'s memory table).
+enum class StateKind {
+  parameters,   // P shards (bf16/fp16, or f32 in an fp32 run), replicated units whole
+  gradients,    // G shards (the gradient accumulators)
+  optimizer,    // O shards: fp32 master, m, v
+  working,      // GPU: gathered units and their working gradients
+  activations,  // GPU: activation checkpoints and the model's scratch
+  buffers,      // pinned host buffers: staging between NVMe, host and GPU
+  other,        // communication staging, library reserves
+};
+inline constexpr int kStateKinds = 7;
+std::string_view state_kind_name(StateKind k);
+
+// What the user asked for: DeepSpeed's zero_optimization keys, or flags.
+struct OffloadRequest {
+  bool automatic = false;      // `auto`: fastest tier first within budgets
+  Tier param = Tier::gpu;      // offload_param.device
+  Tier optimizer = Tier::gpu;  // offload_optimizer.device
+  uint64_t max_in_cpu = 0;     // offload_param.max_in_cpu (elements); 0: no limit
+  int buffer_count = 5;        // offload_param.buffer_count / offload_optimizer.buffer_count
+  uint64_t buffer_size = 0;    // offload_param.buffer_size (elements); 0: the largest shard
+  bool pin_memory = true;      // offload_*.pin_memory
+  std::vector<std::string> nvme_paths;  // offload_*.nvme_path, one per drive
+};
+
+// What each tier can hold. GPU figures are per device; NVMe is the free space over all paths.
+struct TierBudgets {
+  uint64_t gpu_memory = 0;    // per device
+  uint64_t cpu_memory = 0;    // host RAM the run may use (`--cpu-memory`)
+  uint64_t pinned_limit = 0;  // page-locked bytes allowed (`ulimit -l`, or a cap); 0: none
+  uint64_t nvme_free = 0;     // over all nvme_paths
+};
+
+// The shape of the work a placement is sized for.
+struct RunShape {
+  LlamaConfig model;
+  int ranks = 1;                    // local GPUs (or host devices)
+  DType param_dtype = DType::bf16;  // f32 for an fp32 run
+  DType grad_dtype = DType::f32;    // accumulators
+  int64_t micro_batch = 1;          // sequences per rank per micro-batch
+  int64_t seq_len = 0;
+  uint64_t persistence_threshold = 100000;  // elements
+  int working_buffers = 2;                  // gathered units per GPU (prefetch depth + 1)
+};
+
+struct UnitHomes {
+  Tier param = Tier::gpu;
+  Tier grad = Tier::gpu;
+  Tier optimizer = Tier::gpu;
+};
+
+// Bytes per tier per kind; gpu figures are per device, cpu and nvme for the whole node.
+struct TierBytes {
+  std::array<std::array<uint64_t, kStateKinds>, kTiers> bytes{};
+  uint64_t& at(Tier t, StateKind k) { return bytes[int(t)][int(k)]; }
+  uint64_t at(Tier t, StateKind k) const { return bytes[int(t)][int(k)]; }
+  uint64_t total(Tier t) const;
+};
+
+struct Placement {
+  RunShape shape;
+  Partition partition;
+  OffloadRequest request;
+  std::vector<UnitHomes> homes;  // one per unit, in the layout's order
+
+  // Pinned host buffers: `pinned_buffers` buffers of `pinned_buffer_bytes` each, carved from
+  // one PinnedPool, carrying shards NVMe <-> host <-> GPU.
+  int pinned_buffers = 0;
+  uint64_t pinned_buffer_bytes = 0;
+
+  // Builds the homes and sizes the buffers. Throws Error for an impossible request (NVMe
+  // without nvme_paths, buffer_count < 1, ...), naming the setting and its value. Does not
+  // check budgets (check() does) except that `automatic` reads them to choose.
+  static Placement make(const RunShape& shape, const OffloadRequest& request,
+                        const TierBudgets& budgets);
+
+  TierBytes needs() const;
+  // Throws Error when a tier's need exceeds its budget: the message holds the table of
+  // needed versus available bytes per tier (and per kind for the tiers that overflow) and
+  // what to change (a smaller micro-batch, offloading to the next tier, more memory).
+  void check(const TierBudgets& budgets) const;
+
+  // The homes per unit and the memory table, for logs and `strata plan`.
+  std::string str() const;
+};
+
+}  // namespace strata
