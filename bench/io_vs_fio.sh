@@ -8,6 +8,9 @@
 #   defaults: 4GiB 1MiB 32 1 "read write"; RW from read, write, randread, randwrite.
 #   STRATA=path/to/strata (default build/bin/strata). STORE=1 measures strata through the
 #   swap store (checksums on; target >= 0.90 of fio; read and write only).
+#   ROUNDS=N (default 1) alternates fio and strata N times per pattern, starting with a
+#   different one each round, and prints every round's ratio and their median: on a shared or
+#   virtual disk whose speed drifts, the median of interleaved pairs is the fair comparison.
 #   Installs fio (Debian) if missing.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -42,21 +45,47 @@ block_b=$(bytes "$block")
 fio_file="$dir/strata-fio.$$.bin"
 trap 'rm -f "$fio_file"' EXIT
 
-printf '%-10s %12s %12s %8s %12s %12s\n' rw "strata GB/s" "fio GB/s" ratio "strata IOPS" "fio IOPS"
-for rw in "${modes[@]}"; do
-  fio_json=$(fio --name=strata-vs-fio --filename="$fio_file" --ioengine=io_uring --direct=1 \
-    --rw="$rw" --bs="$block_b" --iodepth="$qd" --size=$((size_b / threads)) \
-    --numjobs="$threads" --group_reporting --output-format=json)
+rounds=${ROUNDS:-1}
+printf '%-10s %5s %12s %12s %8s %12s %12s\n' rw round "strata GB/s" "fio GB/s" ratio "strata IOPS" "fio IOPS"
+run_fio() {
+  fio --name=strata-vs-fio --filename="$fio_file" --ioengine=io_uring --direct=1 \
+    --rw="$1" --bs="$block_b" --iodepth="$qd" --size=$((size_b / threads)) \
+    --numjobs="$threads" --group_reporting --output-format=json
   rm -f "$fio_file"
-  strata_json=$("$strata" bench io --path "$dir" --size "$size_b" --block "$block_b" --qd "$qd" \
-    --threads "$threads" --rw "$rw" ${STORE:+--store} --json)
-  python3 - "$rw" "$fio_json" "$strata_json" <<'PY'
+}
+run_strata() {
+  "$strata" bench io --path "$dir" --size "$size_b" --block "$block_b" --qd "$qd" \
+    --threads "$threads" --rw "$1" ${STORE:+--store} --json
+}
+for rw in "${modes[@]}"; do
+  ratios=()
+  for ((i = 1; i <= rounds; i++)); do
+    if ((i % 2)); then
+      fio_json=$(run_fio "$rw")
+      strata_json=$(run_strata "$rw")
+    else
+      strata_json=$(run_strata "$rw")
+      fio_json=$(run_fio "$rw")
+    fi
+    ratio=$(python3 - "$rw" "$i" "$fio_json" "$strata_json" <<'PY'
 import json, sys
-rw, f, s = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+rw, i, f, s = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
 side = "write" if "write" in rw else "read"
 job = f["jobs"][0][side]
 fio_bw, fio_iops = job["bw_bytes"], job["iops"]
-print(f"{rw:<10} {s['bytes_per_s']/1e9:12.3f} {fio_bw/1e9:12.3f} {s['bytes_per_s']/fio_bw:8.3f} "
-      f"{s['iops']:12.0f} {fio_iops:12.0f}")
+print(f"{rw:<10} {i:>5} {s['bytes_per_s']/1e9:12.3f} {fio_bw/1e9:12.3f} "
+      f"{s['bytes_per_s']/fio_bw:8.3f} {s['iops']:12.0f} {fio_iops:12.0f}", file=sys.stderr)
+print(s['bytes_per_s'] / fio_bw)
 PY
+)
+    ratios+=("$ratio")
+  done
+  if ((rounds > 1)); then
+    python3 - "$rw" "${ratios[@]}" <<'PY'
+import statistics, sys
+r = [float(x) for x in sys.argv[2:]]
+print(f"{sys.argv[1]:<10} median strata/fio over {len(r)} interleaved rounds: "
+      f"{statistics.median(r):.3f} (min {min(r):.3f}, max {max(r):.3f})")
+PY
+  fi
 done
