@@ -2,6 +2,7 @@
 // for every gradient/copy dtype pair and checks its one JSON object: the step was verified, and
 // params/s, bytes per param and the fraction of the memory bound are sane, and the separate-passes
 // baseline's time and the fused/separate ratio are reported. Speeds are not judged.
+#include <cmath>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -33,8 +34,12 @@ TEST(BenchAdam, JsonReportsVerifiedSpeedAndBound) {
           24 + (std::string(grad) == "f32" ? 4 : 2) + (std::string(out) == "none" ? 0 : 2);
       EXPECT_EQ(j["bytes_per_param"].get<double>(), bytes);
       const double fraction = j["bound_fraction"].get<double>();
+      // No upper bound: at this size one descheduled thread on a shared 2-core machine (ctest
+      // runs two tests at once) can make either timing many times longer, and CI once failed on
+      // a "< 10" sanity bound. What must hold is that the fraction is the ratio of the timings.
       EXPECT_GT(fraction, 0.0);
-      EXPECT_LT(fraction, 10.0);  // a sanity bound only: timings on a shared machine are noisy
+      EXPECT_TRUE(std::isfinite(fraction)) << text;
+      EXPECT_DOUBLE_EQ(fraction, j["bound_s"].get<double>() / j["update_s"].get<double>()) << text;
       // The separate-passes baseline (norm, unscale, update, cast) was verified and timed.
       ASSERT_TRUE(j.contains("separate_passes_s")) << text;
       ASSERT_TRUE(j.contains("fused_vs_separate")) << text;
