@@ -13,6 +13,8 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/kernels.h"
+#include "cpu_adam/cpu_adam.h"
+#include "cpu_adam/kernels.h"
 #include "gpu/runtime.h"
 #include "host/ops.h"
 
@@ -25,6 +27,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -593,6 +596,135 @@ TEST_F(CudaOpsTest, CrossEntropyOverChunksWithIgnoredTargets) {
                    tolerance(t, t));
     }
   }
+}
+
+// ---- the optimizer: CpuAdam's bits (host::adam_update runs its scalar path), no tolerance ----
+
+// Values of either sign over eight decades, now and then an f32 (and bf16) subnormal: a
+// flushed subnormal or a fused multiply-add changes some bits here.
+float wide_value(Rng& rng) {
+  const float sign = rng.uniform(-1.0f, 1.0f) < 0.0f ? -1.0f : 1.0f;
+  if (rng.below(97) == 0) return sign * 3e-39f;
+  return sign * std::pow(10.0f, rng.uniform(-5.0f, 3.0f));
+}
+
+HostTensor wide_tensor(DType t, int64_t n, Rng& rng) {
+  HostTensor h(t, {n});
+  for (int64_t i = 0; i < n; ++i) h.set(i, wide_value(rng));
+  return h;
+}
+
+void expect_same_bits(const std::string& what, const HostTensor& got, const HostTensor& want) {
+  ASSERT_EQ(got.bytes.size(), want.bytes.size()) << what;
+  const size_t size = dtype_size(want.dtype);
+  for (size_t i = 0; i < got.bytes.size(); ++i)
+    if (got.bytes[i] != want.bytes[i]) {
+      const auto at = static_cast<int64_t>(i / size);
+      ADD_FAILURE() << what << ": bits differ first at [" << at << "]: gpu " << got.at(at)
+                    << ", host " << want.at(at);
+      return;
+    }
+}
+
+TEST_F(CudaOpsTest, AdamUpdateMatchesHostBitForBit) {
+  Rng rng(12);
+  const DType types[] = {f32, bf16, DType::f16};
+  struct Case {
+    DType grad;
+    std::optional<DType> copy;
+    bool adamw, bias_correction;
+    int64_t n;
+  };
+  std::vector<Case> cases;
+  for (const DType g : types)
+    for (const std::optional<DType> copy : {std::optional<DType>{}, std::optional{f32},
+                                            std::optional{bf16}, std::optional{DType::f16}})
+      for (const bool adamw : {true, false})
+        for (const bool bias : {true, false})
+          for (const int64_t n : {0, 1, 7, 17, 1023, 65537 + 5})
+            cases.push_back({g, copy, adamw, bias, n});
+  cases.push_back({bf16, bf16, true, true, 5'000'011});  // past one grid-stride sweep
+
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("grad {} copy {} {} bias correction {} n {}", dtype_name(c.grad),
+                             c.copy ? dtype_name(*c.copy) : "none", c.adamw ? "AdamW" : "Adam",
+                             c.bias_correction, c.n));
+    HostTensor master(f32, {c.n}), m(f32, {c.n}), v(f32, {c.n});
+    for (int64_t i = 0; i < c.n; ++i) {
+      master.set(i, rng.uniform(-1.0f, 1.0f));
+      m.set(i, rng.uniform(-0.01f, 0.01f));
+      const float u = rng.uniform(-0.01f, 0.01f);
+      v.set(i, u * u);
+    }
+    DeviceTensor dmaster = upload(master), dm = upload(m), dv = upload(v);
+    std::optional<HostTensor> copy;
+    std::optional<DeviceTensor> dcopy;
+    if (c.copy) {
+      copy.emplace(*c.copy, Shape{c.n});
+      dcopy.emplace(empty(*c.copy, {c.n}));
+    }
+    const AdamParams params{
+        .lr = 3e-3f, .weight_decay = 0.1f, .adamw = c.adamw, .bias_correction = c.bias_correction};
+    for (int64_t step = 1; step <= 3; ++step) {
+      SCOPED_TRACE(fmt::format("step {}", step));
+      HostTensor grad = wide_tensor(c.grad, c.n, rng);
+      DeviceTensor dgrad = upload(grad);
+      const cpu_adam::StepConstants k =
+          cpu_adam::step_constants(step, params, 0.7f / static_cast<float>(1 << (4 * step)));
+      gpu().adam_update(dmaster.view(), dm.view(), dv.view(), dgrad.view(),
+                        dcopy ? dcopy->view() : TensorView{}, k, stream());
+      host::adam_update(master.view(), m.view(), v.view(), grad.view(),
+                        copy ? copy->view() : TensorView{}, k);
+      expect_same_bits("master", dmaster.fetch("master"), master);
+      expect_same_bits("m", dm.fetch("m"), m);
+      expect_same_bits("v", dv.fetch("v"), v);
+      if (copy) expect_same_bits("param_copy", dcopy->fetch("param_copy"), *copy);
+      dgrad.fetch("grad");  // read only: its guards are intact
+      if (HasFailure()) return;
+    }
+  }
+}
+
+TEST_F(CudaOpsTest, GradChunkSumsMatchHostBitForBit) {
+  Rng rng(13);
+  const int64_t chunk = static_cast<int64_t>(CpuAdam::kStatsChunk);
+  for (const DType t : {f32, bf16, DType::f16}) {
+    for (const int64_t n : {int64_t{0}, int64_t{1}, int64_t{17}, chunk - 1, chunk, chunk + 1,
+                            3 * chunk + 5, 40 * chunk + 3}) {
+      for (const float special : {0.0f, kNaN, kInf, -kInf}) {
+        if (special != 0.0f && n < 3) continue;
+        SCOPED_TRACE(fmt::format("{} n {} special {}", dtype_name(t), n, special));
+        HostTensor grad = wide_tensor(t, n, rng);
+        if (special != 0.0f) grad.set(n / 2 + 1, special);
+        const auto chunks = static_cast<int64_t>(
+            cpu_adam::chunk_count(static_cast<size_t>(n), CpuAdam::kStatsChunk));
+        // Doubles in an f32 tensor of twice the count: the guard bytes come with it.
+        HostTensor sums(f32, {2 * chunks});
+        DeviceTensor dgrad = upload(grad), dsums = empty(f32, {2 * chunks});
+        gpu().grad_chunk_sums(dgrad.view(), static_cast<double*>(dsums.data()), stream());
+        host::grad_chunk_sums(grad.view(), reinterpret_cast<double*>(sums.bytes.data()));
+        const HostTensor got = dsums.fetch("chunk_sums");
+        for (int64_t c = 0; c < chunks; ++c) {
+          double g = 0.0, h = 0.0;
+          std::memcpy(&g, got.bytes.data() + c * 8, 8);
+          std::memcpy(&h, sums.bytes.data() + c * 8, 8);
+          if (std::isnan(h)) {  // NaN's payload may differ; it must stay NaN
+            EXPECT_TRUE(std::isnan(g)) << "chunk " << c << ": gpu " << g;
+          } else {
+            EXPECT_EQ(std::memcmp(&g, &h, 8), 0)
+                << "chunk " << c << ": gpu " << g << ", host " << h;
+          }
+        }
+        if (HasFailure()) return;
+      }
+    }
+  }
+  // chunk_sums must be device memory too.
+  HostTensor grad = wide_tensor(f32, 5, rng);
+  DeviceTensor dgrad = upload(grad);
+  double host_sum = 0.0;
+  test::expect_error([&] { gpu().grad_chunk_sums(dgrad.view(), &host_sum, stream()); },
+                     {"grad_chunk_sums", "chunk_sums"});
 }
 
 // ---- what the CUDA table refuses ----

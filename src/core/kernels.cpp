@@ -9,9 +9,11 @@
 #include "core/kernels.h"
 
 #include "core/error.h"
+#include "cpu_adam/cpu_adam.h"
 
 #include <string>
 #include <string_view>
+#include <utility>
 
 namespace strata {
 namespace {
@@ -192,6 +194,35 @@ XentDims check_xent(const char* op, const TensorView& logits,
   for (const TensorView* t : stats)
     if (t != nullptr) check_stats(op, "a row statistic", *t, Shape{d.rows}, meaning);
   return d;
+}
+
+int64_t check_adam_update(const TensorView& master, const TensorView& m, const TensorView& v,
+                          const TensorView& grad, const TensorView& param_copy) {
+  const char* op = "adam_update";
+  const std::string meaning = fmt::format("the shape of master {}", master.str());
+  for (const auto& [name, t] :
+       {std::pair<const char*, const TensorView*>{"master", &master}, {"m", &m}, {"v", &v}}) {
+    check_shape(op, name, *t, master.shape, meaning);
+    if (t->dtype != DType::f32)
+      fail("{}: {} is {}; the optimizer state (master, m, v) is always f32; allocate it as f32", op,
+           name, t->str());
+  }
+  check_shape(op, "grad", grad, master.shape, meaning);
+  if (param_copy.data != nullptr) check_shape(op, "param_copy", param_copy, master.shape, meaning);
+  return master.numel();
+}
+
+int64_t check_grad_chunk_sums(const TensorView& grad, const double* chunk_sums) {
+  const char* op = "grad_chunk_sums";
+  check_float(op, "grad", grad);
+  const auto chunks = static_cast<int64_t>(
+      cpu_adam::chunk_count(static_cast<size_t>(grad.numel()), CpuAdam::kStatsChunk));
+  if (chunks > 0 && chunk_sums == nullptr)
+    fail(
+        "{}: chunk_sums is null for grad {}; pass device memory for {} doubles (one per chunk of "
+        "{} elements)",
+        op, grad.str(), chunks, CpuAdam::kStatsChunk);
+  return chunks;
 }
 
 }  // namespace strata

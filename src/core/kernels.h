@@ -1,4 +1,5 @@
-// kernels.h: the kernel table (DESIGN §4), every forward/backward op the Llama model needs.
+// kernels.h: the kernel table (DESIGN §4), every forward/backward op the Llama model needs,
+// and the optimizer's update for when its home is the device.
 //
 // Each Device returns one Kernels (Device::kernels()). The host backend runs the plain C++
 // reference ops of src/host/ops.h as host tasks in stream order; the CUDA backend launches
@@ -8,7 +9,8 @@
 // Conventions, for every op:
 // - Tensors are dense, row-major views into the memory of the device that owns this table.
 //   Token ids and targets are int32 arrays in that same device memory.
-// - Float tensors are f32 or bf16 (the host also accepts f16). Arithmetic is f32; every
+// - Float tensors are f32 or bf16 (the host also accepts f16; both backends accept it for the
+//   optimizer's gradient and parameter copy). Arithmetic is f32; every
 //   store into a 16-bit tensor rounds to nearest even. Tensors named *_stats (rstd, lse,
 //   row_max, row_sum, target_logit, losses) are always f32.
 // - "+=" outputs accumulate into what is there (the caller zero-fills first); "=" outputs
@@ -26,6 +28,9 @@
 namespace strata {
 
 class Stream;
+namespace cpu_adam {
+struct StepConstants;  // cpu_adam/kernels.h
+}  // namespace cpu_adam
 
 // Ids of ignored target positions, as in PyTorch's cross_entropy(ignore_index=-100).
 inline constexpr int32_t kIgnoreIndex = -100;
@@ -110,6 +115,22 @@ class Kernels {
   // scale * (exp(logit - lse[n]) - [v0 + j == targets[n]]), and 0 on ignored rows.
   virtual void xent_backward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
                                    const TensorView& lse, float scale, Stream& s) = 0;
+
+  // ---- the optimizer, where its home is this device (DESIGN §2) ----
+  // One Adam/AdamW step, elementwise over master, m, v (f32 [n]) with grad [n] (f32, bf16 or
+  // f16): the IEEE operations of cpu_adam/formula.h in the same order (no contraction), so
+  // master, m and v get exactly CpuAdam::update's bits. param_copy, unless its data is null,
+  // receives the updated master in its dtype (f32, bf16 or f16, rounded to nearest even).
+  // `k` comes from cpu_adam::step_constants(step, params, grad_scale) (exposed in cpu_adam.h).
+  virtual void adam_update(const TensorView& master, const TensorView& m, const TensorView& v,
+                           const TensorView& grad, const TensorView& param_copy,
+                           const cpu_adam::StepConstants& k, Stream& s) = 0;
+  // For each chunk c of CpuAdam::kStatsChunk elements of grad (f32, bf16, f16), its sum of
+  // squares in double exactly as CpuAdam::grad_stats sums a chunk (the same lanes, the same
+  // order), into chunk_sums[c] (this device's memory, cpu_adam::chunk_count(n, kStatsChunk)
+  // doubles). Adding them in chunk order on the host gives grad_stats' bits; a non-finite sum
+  // means a non-finite element.
+  virtual void grad_chunk_sums(const TensorView& grad, double* chunk_sums, Stream& s) = 0;
 };
 
 // ---- shape checks shared by both backends (src/core/kernels.cpp) ----
@@ -149,5 +170,13 @@ struct XentDims {
 // `losses` [N] f32 as `logits` (chunk 0).
 XentDims check_xent(const char* op, const TensorView& logits,
                     std::initializer_list<const TensorView*> stats);
+
+// adam_update: master, m and v f32 of one shape, grad of that shape, and param_copy too unless
+// its data is null (then it is ignored). Returns the element count n.
+int64_t check_adam_update(const TensorView& master, const TensorView& m, const TensorView& v,
+                          const TensorView& grad, const TensorView& param_copy);
+// grad_chunk_sums: returns the number of chunks, i.e. of doubles chunk_sums must hold (a null
+// chunk_sums is refused unless that is 0).
+int64_t check_grad_chunk_sums(const TensorView& grad, const double* chunk_sums);
 
 }  // namespace strata

@@ -198,26 +198,6 @@ const cpu_adam::SimdKernels& pick_kernels(const std::string& name) {
       name, names);
 }
 
-cpu_adam::StepConstants step_constants(int64_t step, const AdamParams& p, float grad_scale) {
-  // Computed in double and rounded to float once, as torch does with its Python-float scalars.
-  const double lr = p.lr, b1 = p.beta1, b2 = p.beta2, wd = p.weight_decay;
-  const double s = static_cast<double>(step);
-  const double bc1 = p.bias_correction ? 1.0 - std::pow(b1, s) : 1.0;
-  const double bc2 = p.bias_correction ? 1.0 - std::pow(b2, s) : 1.0;
-  cpu_adam::StepConstants k;
-  k.grad_scale = grad_scale;
-  k.l2_decay = p.adamw ? 0.0f : p.weight_decay;
-  k.param_decay = p.adamw ? static_cast<float>(1.0 - lr * wd) : 1.0f;
-  k.beta1 = p.beta1;
-  k.one_minus_beta1 = static_cast<float>(1.0 - b1);
-  k.beta2 = p.beta2;
-  k.one_minus_beta2 = static_cast<float>(1.0 - b2);
-  k.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
-  k.eps = p.eps;
-  k.neg_step_size = static_cast<float>(-(lr / bc1));
-  return k;
-}
-
 void check_params(int64_t step, const AdamParams& p, float grad_scale) {
   if (step < 1) fail("cpu adam: step {} is not valid; steps count from 1", step);
   if (!std::isfinite(p.lr) || p.lr < 0)
@@ -253,6 +233,31 @@ void check_shard(const AdamShard& shard, const GradShard& grad,
 }
 
 }  // namespace
+
+namespace cpu_adam {
+
+StepConstants step_constants(int64_t step, const AdamParams& p, float grad_scale) {
+  check_params(step, p, grad_scale);
+  // Computed in double and rounded to float once, as torch does with its Python-float scalars.
+  const double lr = p.lr, b1 = p.beta1, b2 = p.beta2, wd = p.weight_decay;
+  const double s = static_cast<double>(step);
+  const double bc1 = p.bias_correction ? 1.0 - std::pow(b1, s) : 1.0;
+  const double bc2 = p.bias_correction ? 1.0 - std::pow(b2, s) : 1.0;
+  StepConstants k;
+  k.grad_scale = grad_scale;
+  k.l2_decay = p.adamw ? 0.0f : p.weight_decay;
+  k.param_decay = p.adamw ? static_cast<float>(1.0 - lr * wd) : 1.0f;
+  k.beta1 = p.beta1;
+  k.one_minus_beta1 = static_cast<float>(1.0 - b1);
+  k.beta2 = p.beta2;
+  k.one_minus_beta2 = static_cast<float>(1.0 - b2);
+  k.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
+  k.eps = p.eps;
+  k.neg_step_size = static_cast<float>(-(lr / bc1));
+  return k;
+}
+
+}  // namespace cpu_adam
 
 float combined_grad_scale(const GradStats& global, float loss_scale, float max_norm) {
   if (global.non_finite)
@@ -444,8 +449,7 @@ bool CpuAdam::update(const AdamShard& shard, const GradShard& grad, int64_t step
                      std::optional<ParamCopy> copy) {
   if (global.non_finite) return false;  // an overflowed step: the trainer skips it
   check_shard(shard, grad, copy);
-  check_params(step, params, grad_scale);
-  const cpu_adam::StepConstants k = step_constants(step, params, grad_scale);
+  const cpu_adam::StepConstants k = cpu_adam::step_constants(step, params, grad_scale);
   for_spans(shard, grad, copy,
             [&](const cpu_adam::UpdateSpan& span) { impl_->kernels->update(span, k); });
   return true;

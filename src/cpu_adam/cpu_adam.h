@@ -46,8 +46,9 @@
 
 namespace strata {
 namespace cpu_adam {
-struct UpdateSpan;  // kernels.h
-}
+struct UpdateSpan;     // kernels.h
+struct StepConstants;  // kernels.h
+}  // namespace cpu_adam
 
 struct AdamParams {
   float lr = 1e-3f;
@@ -121,6 +122,12 @@ ChunkRange chunk_range(size_t total, size_t chunk, size_t c);
 // to the chunk's first element. Pure arithmetic: nothing is read.
 UpdateSpan update_span(const AdamShard& shard, const GradShard& grad,
                        const std::optional<ParamCopy>& copy, size_t c);
+
+// The per-step scalars of step `step` (counting from 1), in double and rounded to float once, as
+// CpuAdam::update uses them: what the kernel table's adam_update (core/kernels.h) takes, so an
+// optimizer whose home is a device gets CpuAdam's bits. Throws Error naming the value when the
+// step, a parameter or grad_scale is not valid (the checks update runs).
+StepConstants step_constants(int64_t step, const AdamParams& params, float grad_scale);
 
 }  // namespace cpu_adam
 

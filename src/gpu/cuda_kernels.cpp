@@ -2,13 +2,14 @@
 //
 // Every op runs, in this order: the shared shape checks (core/kernels.cpp, and host/ops.h's for
 // the ops that take several: the same calls as the host backend), the CUDA backend's own limits (no
-// f16; attention's head_dim, grid and shared memory), the arena check of every pointer, then it
-// makes the GPU current and queues its work on the stream. Nothing is queued when a check fails.
-// Empty tensors queue nothing.
+// f16 but for the optimizer's gradient and copy; attention's head_dim, grid and shared memory), the
+// arena check of every pointer, then it makes the GPU current and queues its work on the stream.
+// Nothing is queued when a check fails. Empty tensors queue nothing.
 #include "gpu/cuda_kernels.h"
 
 #include "core/device.h"
 #include "core/error.h"
+#include "cpu_adam/kernels.h"
 #include "gpu/cuda_check.h"
 #include "gpu/matmul.h"
 #include "gpu/ops.h"
@@ -58,6 +59,10 @@ class CudaKernels final : public Kernels {
                    const int32_t* targets, Stream& s) override;
   void xent_backward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
                            const TensorView& lse, float scale, Stream& s) override;
+  void adam_update(const TensorView& master, const TensorView& m, const TensorView& v,
+                   const TensorView& grad, const TensorView& param_copy,
+                   const cpu_adam::StepConstants& k, Stream& s) override;
+  void grad_chunk_sums(const TensorView& grad, double* chunk_sums, Stream& s) override;
 
  private:
   struct Named {
@@ -66,6 +71,8 @@ class CudaKernels final : public Kernels {
   };
   // Float operands: f32 or bf16, in the arena.
   void operands(const char* op, std::initializer_list<Named> views) const;
+  // Views of any dtype (the optimizer's take f16 too), in the arena.
+  void in_arena(const char* op, std::initializer_list<Named> views) const;
   // A stats tensor (checked f32 by the shared checks) in the arena, as float*.
   float* stats(const char* op, const char* which, const TensorView& v) const;
   // `count` int32 ids or targets in the arena.
@@ -88,8 +95,13 @@ void CudaKernels::operands(const char* op, std::initializer_list<Named> views) c
           "{}: {}: {} is {}; the CUDA kernels take f32 or bf16: convert it (Device::convert) or "
           "run on a host device",
           name_, op, which, v->str());
-    if (v->numel() > 0) device_.check_in_arena(op, which, v->data, v->bytes());
   }
+  in_arena(op, views);
+}
+
+void CudaKernels::in_arena(const char* op, std::initializer_list<Named> views) const {
+  for (const auto& [which, v] : views)
+    if (v->numel() > 0) device_.check_in_arena(op, which, v->data, v->bytes());
 }
 
 float* CudaKernels::stats(const char* op, const char* which, const TensorView& v) const {
@@ -308,6 +320,31 @@ void CudaKernels::xent_backward_chunk(const TensorView& logits, int64_t v0, cons
   const cudaStream_t stream = device_.enter(s);
   launch_xent_backward_chunk(logits.data, logits.dtype, d.rows, d.chunk, v0, targets, l, scale,
                              stream);
+}
+
+void CudaKernels::adam_update(const TensorView& master, const TensorView& m, const TensorView& v,
+                              const TensorView& grad, const TensorView& param_copy,
+                              const cpu_adam::StepConstants& k, Stream& s) {
+  const char* op = "adam_update";
+  const int64_t n = check_adam_update(master, m, v, grad, param_copy);
+  in_arena(op, {{"master", &master}, {"m", &m}, {"v", &v}, {"grad", &grad}});
+  const bool copy = param_copy.data != nullptr;
+  if (copy) in_arena(op, {{"param_copy", &param_copy}});
+  const cudaStream_t stream = device_.enter(s);
+  launch_adam_update(static_cast<float*>(master.data), static_cast<float*>(m.data),
+                     static_cast<float*>(v.data), grad.data, grad.dtype,
+                     copy ? param_copy.data : nullptr, param_copy.dtype, k, n, stream);
+}
+
+void CudaKernels::grad_chunk_sums(const TensorView& grad, double* chunk_sums, Stream& s) {
+  const char* op = "grad_chunk_sums";
+  const int64_t chunks = check_grad_chunk_sums(grad, chunk_sums);
+  in_arena(op, {{"grad", &grad}});
+  if (chunks > 0)
+    device_.check_in_arena(op, "chunk_sums", chunk_sums,
+                           static_cast<uint64_t>(chunks) * sizeof(double));
+  const cudaStream_t stream = device_.enter(s);
+  launch_grad_chunk_sums(grad.data, grad.dtype, grad.numel(), chunk_sums, stream);
 }
 
 }  // namespace

@@ -3,7 +3,8 @@
 // Each launcher takes raw device pointers, sizes and dtypes, and queues its kernels on
 // `stream` with the stream's device current. The caller (cuda_kernels.cpp) has already run
 // the shared shape checks, checked that every pointer lies in the device's arena, and
-// rejected f16: every dtype here is f32 or bf16. Stats tensors are f32. A launch error throws
+// rejected f16: every dtype here is f32 or bf16, but for optimizer.cu's gradients and copies,
+// which may be f16 too. Stats tensors are f32. A launch error throws
 // strata::Error (CUDA_CHECK_LAUNCH). Included by .cu files: no fmt here.
 #pragma once
 
@@ -85,5 +86,15 @@ void launch_xent_finish(float* losses, float* lse, const float* row_max, const f
 void launch_xent_backward_chunk(void* logits, DType logits_t, int64_t rows, int64_t chunk,
                                 int64_t v0, const int32_t* targets, const float* lse, float scale,
                                 cudaStream_t stream);
+
+// ---- optimizer.cu: the optimizer, where its home is the GPU (exactly CpuAdam's bits) ----
+// master, m, v: n floats updated in place; grad: n elements of grad_t; copy: n elements of
+// copy_t receiving the updated master, or null.
+void launch_adam_update(float* master, float* m, float* v, const void* grad, DType grad_t,
+                        void* copy, DType copy_t, const cpu_adam::StepConstants& k, int64_t n,
+                        cudaStream_t stream);
+// chunk_sums: cpu_adam::chunk_count(n, CpuAdam::kStatsChunk) doubles.
+void launch_grad_chunk_sums(const void* grad, DType grad_t, int64_t n, double* chunk_sums,
+                            cudaStream_t stream);
 
 }  // namespace strata

@@ -2,6 +2,7 @@
 #include "host/host_kernels.h"
 
 #include "core/error.h"
+#include "cpu_adam/kernels.h"
 #include "host/ops.h"
 
 #include <initializer_list>
@@ -157,6 +158,25 @@ class HostKernels final : public Kernels {
     in_memory(op, {{"logits", &logits}, {"lse", &lse}});
     ids_in_memory(op, "targets", targets, d.rows);
     q_.enqueue(s, [=] { host::xent_backward_chunk(logits, v0, targets, lse, scale); });
+  }
+
+  void adam_update(const TensorView& master, const TensorView& m, const TensorView& v,
+                   const TensorView& grad, const TensorView& param_copy,
+                   const cpu_adam::StepConstants& k, Stream& s) override {
+    check_adam_update(master, m, v, grad, param_copy);
+    in_memory("adam_update", {{"master", &master}, {"m", &m}, {"v", &v}, {"grad", &grad}});
+    if (param_copy.data != nullptr) in_memory("adam_update", {{"param_copy", &param_copy}});
+    q_.enqueue(s, [=] { host::adam_update(master, m, v, grad, param_copy, k); });
+  }
+
+  void grad_chunk_sums(const TensorView& grad, double* chunk_sums, Stream& s) override {
+    const char* op = "grad_chunk_sums";
+    const int64_t chunks = check_grad_chunk_sums(grad, chunk_sums);
+    in_memory(op, {{"grad", &grad}});
+    if (chunks > 0)
+      q_.check_memory(chunk_sums, static_cast<uint64_t>(chunks) * sizeof(double),
+                      fmt::format("{}: chunk_sums (double[{}]) at", op, chunks));
+    q_.enqueue(s, [=] { host::grad_chunk_sums(grad, chunk_sums); });
   }
 
  private:

@@ -53,6 +53,14 @@ void xent_finish(const TensorView& losses, const TensorView& lse, const TensorVi
 void xent_backward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
                          const TensorView& lse, float scale);
 
+// The optimizer's ops (host/optimizer.cpp): CpuAdam's scalar path (cpu_adam/kernels_scalar.cpp)
+// over the same spans and chunks, so the bits are CpuAdam::update's and grad_stats' own.
+// chunk_sums: check_grad_chunk_sums(grad, chunk_sums) doubles.
+void adam_update(const TensorView& master, const TensorView& m, const TensorView& v,
+                 const TensorView& grad, const TensorView& param_copy,
+                 const cpu_adam::StepConstants& k);
+void grad_chunk_sums(const TensorView& grad, double* chunk_sums);
+
 // The full shape checks of the ops that take more than one check_* call (core/kernels.h),
 // shared with the host kernel table, which runs them when an op is queued.
 RowDims check_rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorView& dy,
