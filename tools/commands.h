@@ -4,7 +4,9 @@
 #pragma once
 
 #include <CLI/CLI.hpp>
+#include <cstdint>
 #include <functional>
+#include <string>
 
 namespace strata::cli {
 
@@ -14,12 +16,24 @@ struct Command {
   std::function<int()> run;
 };
 
-Command add_info(CLI::App& app);   // strata info
-Command add_eval(CLI::App& app);   // strata eval
-Command add_bench(CLI::App& app);  // strata bench <what>: the subcommands below
+Command add_info(CLI::App& app);      // strata info
+Command add_eval(CLI::App& app);      // strata eval
+Command add_bench(CLI::App& app);     // strata bench <what>: the subcommands below
+Command add_estimate(CLI::App& app);  // strata estimate
+Command add_plan(CLI::App& app);      // strata plan
 // `strata bench` subcommands (tools/bench_*.cpp), registered on the `bench` app.
 Command add_bench_adam(CLI::App& bench);   // strata bench adam
 Command add_bench_io(CLI::App& bench);     // strata bench io
 Command add_bench_model(CLI::App& bench);  // strata bench model
 
 }  // namespace strata::cli
+
+namespace strata {
+struct RunShape;  // tier/placement.h
+namespace cli {
+// The shape of a run from --model, --gpus, --micro-batch, --seq-len (0: the model's context,
+// at most 4096) and --dtype, shared by `strata estimate` and `strata plan` (estimate.cpp).
+RunShape run_shape_for(const std::string& model, int gpus, int64_t micro_batch, int64_t seq_len,
+                       const std::string& dtype);
+}  // namespace cli
+}  // namespace strata

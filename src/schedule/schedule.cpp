@@ -1,2 +1,996 @@
-// schedule.cpp: see schedule.h.
+// schedule.cpp: compiles a placement into the tasks of one training step (see schedule.h).
+//
+// The rules Schedule::build follows (U units, R ranks, M micro-batches, W working buffers,
+// B pinned buffers, d = min(prefetch_depth, W - 1)):
+//
+// Lanes: for each rank r gpu[r].compute, gpu[r].h2d, gpu[r].d2h, gpu[r].comm, then cpu.adam,
+// nvme.read, nvme.write, in that order, keeping only the lanes that get tasks.
+//
+// Uses. The compute of a step is a list of uses: for each micro-batch m, forward(u) for
+// u = 0..U-1, then backward(u) for u = U-1..0, one task per rank on gpu[r].compute. A sharded
+// unit is gathered into a working buffer for a run of consecutive uses that need it, and that
+// buffer is released after the run's last compute: the head is gathered once for its forward
+// and backward of the same micro-batch, and unit 0 once for backward(0, m) and forward(0, m+1).
+// With tied embeddings the head reads unit 0's table: unit 0 is gathered before the head for
+// forward(head) and stays gathered until backward(0) (the head adds into its gradients, which
+// are reduce-scattered once, after backward(0)), as ZeroRunner does. Replicated units are
+// resident on every GPU: no fetch, no gather, and they count no working buffer.
+//
+// Fetch and gather. For a gathered run of unit u: P home nvme -> param_read (nvme.read, all
+// ranks' shards into one pinned buffer) then param_h2d per rank; P home cpu -> param_h2d per
+// rank; P home gpu -> nothing. param_h2d lands in the rank's part of the working buffer; then
+// the gather group, one task per rank on gpu[r].comm, emitted consecutively. These tasks are
+// emitted before the compute of use i for every run starting at a use <= i + d (prefetch), as
+// long as a working buffer is free; they always are for the runs use i needs. The first of them
+// (param_read, else param_h2d, else the gather) waits for the compute of use j - d - 1, j being
+// the run's first use, so at most d + 1 units are fetched ahead of the compute lane: d = 0
+// fetches each unit after the previous compute, as without prefetch.
+//
+// Buffers. Working buffers and pinned buffers are pools handed out first-released-first
+// (round-robin while every holder gives its buffer back before the next take). A task that
+// first writes a buffer depends on the tasks that last used it: a gather (and the param_h2d
+// landing in the buffer) on rank r on the compute task of rank r that ended the previous run
+// in it (the next gather is queued behind the previous run's reduce-scatter on the same comm
+// lane, and a param_h2d fills the parameter part, which the reduce-scatter does not read); a
+// pinned buffer's first writers on all its last users. A pinned buffer holds one unit's shards
+// of every rank (or a replicated unit's one copy). Pinned buffers carry: P[u]
+// read from NVMe until every param_h2d has read it; a grad_d2h's shard for micro-batch m > 0
+// until grad_accumulate added it into G; O[u] (master, m, v: 12 bytes an element) from
+// optim_read to optim_write; the updated P[u] from adam (or param_d2h) to param_write or the
+// param_uploads.
+//
+// Gradients. After backward(u, m): a reduce_scatter group (replicated units: the group is an
+// all-reduce of the whole unit). G home gpu: the group writes G on the GPU for m == 0 and adds
+// into it for m > 0. G home cpu:
+// grad_d2h per rank (replicated units: rank 0 only, all ranks hold the same sum); m == 0
+// writes G directly, m > 0 stages into a pinned buffer and a grad_accumulate on cpu.adam adds
+// it into G. A reduce_scatter on rank r waits for that rank's previous grad_d2h (the
+// reduce-scatter output on the GPU is one buffer per rank). After the last micro-batch: one
+// grad_stats per unit on cpu.adam (G home cpu; emitted right after the unit's gradients are
+// final) or one per rank on gpu[r].compute (emitted after the last backward, in backward
+// order).
+//
+// Optimizer, u = 0..U-1: O home nvme -> optim_read, then adam (cpu.adam over all ranks'
+// shards when O is on the host, else one per rank on gpu[r].compute) after every grad_stats,
+// optim_write (O home nvme). P[u]: O host and P cpu -> adam writes it in place; O host and P
+// gpu -> param_upload per rank; O host and P nvme -> param_write; O gpu and P cpu -> param_d2h
+// per rank; O gpu and P nvme -> param_d2h per rank into a pinned buffer, then param_write.
+// optim_reads run ahead, from the last micro-batch's backward once no param_read is left, while
+// at least two pinned buffers are free (one stays for the mandatory takes).
+//
+// Next step (`prev`). The first use of P[u] in a step (its param_read, param_h2d or gather, or
+// its forward when resident) waits for the previous step's last writer of P[u] (adam,
+// param_write, param_upload or param_d2h); optim_read(u) for the previous optim_write(u); the
+// first take of each buffer for its last users in the previous step. Everything else follows
+// from lane order and these.
+//
+// Work. Transfers of one rank: param dtype x shard elements (grad dtype for gradients); tasks
+// over all ranks sum their shards; optim_read/optim_write 12 bytes an element. Collectives count
+// what one rank moves in a ring, which is what a bus bandwidth (NCCL's busbw) is the rate of:
+// gather (R-1)/R of the padded unit in param dtype, reduce_scatter (R-1)/R of it in grad dtype,
+// the all-reduce of a replicated unit 2(R-1)/R of it; with one rank they move nothing. Forward
+// FLOPs per rank, with t = micro_batch x seq_len tokens: a block 2 x (its q, k, v, o, gate, up,
+// down weights) x t + causal attention 2 x micro_batch x seq_len^2 x heads x head_dim (QK^T and
+// PV are 2 x T^2 x head_dim each per head and sequence, halved by causality); the head
+// 2 x vocab x hidden x t (tied or not); the embedding 0 (a lookup). backward = 3 x forward
+// (recompute + twice the forward for the two gradients). adam, grad_stats, grad_accumulate:
+// elements (padded shards; replicated units their numel).
 #include "schedule/schedule.h"
+
+#include "core/bytes.h"
+#include "core/error.h"
+
+#include <algorithm>
+#include <array>
+#include <deque>
+#include <map>
+#include <utility>
+
+namespace strata {
+
+std::string_view lane_kind_name(LaneKind k) {
+  switch (k) {
+    case LaneKind::compute:
+      return "compute";
+    case LaneKind::h2d:
+      return "h2d";
+    case LaneKind::d2h:
+      return "d2h";
+    case LaneKind::comm:
+      return "comm";
+    case LaneKind::cpu_adam:
+      return "cpu.adam";
+    case LaneKind::nvme_read:
+      return "nvme.read";
+    case LaneKind::nvme_write:
+      return "nvme.write";
+  }
+  return "?";
+}
+
+std::string Lane::name() const {
+  if (device >= 0) return fmt::format("gpu[{}].{}", device, lane_kind_name(kind));
+  return std::string(lane_kind_name(kind));
+}
+
+std::string_view task_kind_name(TaskKind k) {
+  switch (k) {
+    case TaskKind::param_read:
+      return "param_read";
+    case TaskKind::param_h2d:
+      return "param_h2d";
+    case TaskKind::gather:
+      return "gather";
+    case TaskKind::forward:
+      return "forward";
+    case TaskKind::backward:
+      return "backward";
+    case TaskKind::reduce_scatter:
+      return "reduce_scatter";
+    case TaskKind::grad_d2h:
+      return "grad_d2h";
+    case TaskKind::grad_accumulate:
+      return "grad_accumulate";
+    case TaskKind::grad_stats:
+      return "grad_stats";
+    case TaskKind::optim_read:
+      return "optim_read";
+    case TaskKind::adam:
+      return "adam";
+    case TaskKind::optim_write:
+      return "optim_write";
+    case TaskKind::param_write:
+      return "param_write";
+    case TaskKind::param_upload:
+      return "param_upload";
+    case TaskKind::param_d2h:
+      return "param_d2h";
+  }
+  return "?";
+}
+
+namespace {
+
+constexpr uint64_t kOptimizerBytesPerElement = 12;  // fp32 master, m, v
+
+// Whether a task of `kind` may run on a lane of `lane`.
+bool lane_fits(TaskKind kind, LaneKind lane) {
+  switch (kind) {
+    case TaskKind::param_read:
+    case TaskKind::optim_read:
+      return lane == LaneKind::nvme_read;
+    case TaskKind::optim_write:
+    case TaskKind::param_write:
+      return lane == LaneKind::nvme_write;
+    case TaskKind::param_h2d:
+    case TaskKind::param_upload:
+      return lane == LaneKind::h2d;
+    case TaskKind::grad_d2h:
+    case TaskKind::param_d2h:
+      return lane == LaneKind::d2h;
+    case TaskKind::gather:
+    case TaskKind::reduce_scatter:
+      return lane == LaneKind::comm;
+    case TaskKind::forward:
+    case TaskKind::backward:
+      return lane == LaneKind::compute;
+    case TaskKind::grad_accumulate:
+      return lane == LaneKind::cpu_adam;
+    case TaskKind::grad_stats:
+    case TaskKind::adam:
+      return lane == LaneKind::cpu_adam || lane == LaneKind::compute;
+  }
+  return false;
+}
+
+void sort_unique(std::vector<int>& ids) {
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+}
+
+std::string id_list(const std::vector<int>& ids) {
+  std::string s = "[";
+  for (size_t i = 0; i < ids.size(); ++i) s += fmt::format("{}{}", i ? "," : "", ids[i]);
+  return s + "]";
+}
+
+// A pool of interchangeable buffers, handed out first-released-first. Each buffer remembers
+// the tasks that last used it (per rank for working buffers, whose users are per-rank tasks);
+// a buffer not yet used in this step was last used by the previous step, which the builder
+// resolves once the step is complete.
+class BufferPool {
+ public:
+  explicit BufferPool(int n) : last_users_(static_cast<size_t>(n)), used_(static_cast<size_t>(n)) {
+    for (int b = 0; b < n; ++b) free_.push_back(b);
+  }
+  int free_count() const { return static_cast<int>(free_.size()); }
+  int take() {
+    const int b = free_.front();
+    free_.pop_front();
+    return b;
+  }
+  // Whether buffer b was last used in this step (else in the previous one).
+  bool used_this_step(int b) const { return used_[static_cast<size_t>(b)]; }
+  const std::vector<int>& last_users(int b) const { return last_users_[static_cast<size_t>(b)]; }
+  void give_back(int b, std::vector<int> users) {
+    last_users_[static_cast<size_t>(b)] = std::move(users);
+    used_[static_cast<size_t>(b)] = true;
+    free_.push_back(b);
+  }
+
+ private:
+  std::deque<int> free_;
+  std::vector<std::vector<int>> last_users_;
+  std::vector<bool> used_;
+};
+
+struct Use {
+  bool backward = false;
+  int unit = 0;
+  int m = 0;
+  std::vector<int> needs;    // gathered units it reads, in gather order
+  std::vector<int> compute;  // its task per rank, once emitted
+};
+
+// A run of consecutive uses of one gathered unit: one fetch, one gather, one working buffer.
+struct Run {
+  int unit = 0;
+  int first_use = 0, last_use = 0;
+  int slot = -1;
+  std::vector<int> gather;  // per rank
+};
+
+// A `prev` dependency that names the previous step's tasks, resolved once the step is built
+// (the same tasks of this step, as every step is the same).
+struct PrevFix {
+  enum class What { param_writer, optim_write, working_buffer, pinned_buffer };
+  int task = 0;
+  What what = What::param_writer;
+  int index = 0;  // unit, or buffer
+  int rank = -1;  // the user's rank; -1: wait for every last user
+};
+
+class Builder {
+ public:
+  Builder(const Placement& placement, const ScheduleOptions& options)
+      : pl_(placement),
+        part_(placement.partition),
+        opt_(options),
+        U_(part_.num_units()),
+        R_(part_.ranks),
+        M_(options.micro_batches),
+        W_(placement.shape.working_buffers),
+        B_(placement.pinned_buffers),
+        tied_(placement.shape.model.tie_word_embeddings && part_.num_units() >= 2),
+        ps_(dtype_size(placement.shape.param_dtype)),
+        gs_(dtype_size(placement.shape.grad_dtype)),
+        slots_(std::max(W_, 0)),
+        pinned_(std::max(B_, 0)) {
+    check();
+    d_ = std::min(options.prefetch_depth, W_ - 1);
+    writer_.resize(static_cast<size_t>(U_));
+    g_writer_.resize(static_cast<size_t>(U_));
+    optim_read_.assign(static_cast<size_t>(U_), -1);
+    optim_write_.assign(static_cast<size_t>(U_), -1);
+    o_buffer_.assign(static_cast<size_t>(U_), -1);
+    first_use_done_.assign(static_cast<size_t>(U_), false);
+    last_grad_d2h_.assign(static_cast<size_t>(R_), -1);
+  }
+
+  Schedule build() {
+    plan_uses();
+    for (int i = 0; i < static_cast<int>(uses_.size()); ++i) {
+      prefetch(i);
+      emit_compute(i);
+      if (uses_[static_cast<size_t>(i)].backward) emit_gradients(i);
+      open_optim_lookahead(i);
+      optim_lookahead();
+    }
+    emit_gpu_grad_stats();
+    for (int u = 0; u < U_; ++u) {
+      emit_optimizer(u);
+      optim_lookahead();
+    }
+    resolve_prev();
+    return finish();
+  }
+
+ private:
+  const UnitPartition& unit(int u) const { return part_.units[static_cast<size_t>(u)]; }
+  const UnitHomes& homes(int u) const { return pl_.homes[static_cast<size_t>(u)]; }
+  bool gathered(int u) const { return !unit(u).replicated; }
+  bool o_host(int u) const { return homes(u).optimizer != Tier::gpu; }
+  // Elements the host-side optimizer works on for unit u: every rank's shard, or the one copy.
+  uint64_t all_elements(int u) const { return unit(u).replicated ? unit(u).numel : unit(u).padded; }
+
+  void check() const {
+    const RunShape& s = pl_.shape;
+    if (R_ < 1) fail("schedule: the partition has {} ranks; it needs at least 1", R_);
+    if (U_ < 1) fail("schedule: the partition has no units; build it from the model's layout");
+    if (s.ranks != R_)
+      fail(
+          "schedule: the placement is for {} ranks but its partition has {}; build both for the "
+          "same number of devices",
+          s.ranks, R_);
+    if (pl_.homes.size() != static_cast<size_t>(U_))
+      fail("schedule: the placement has homes for {} units, the partition has {} units",
+           pl_.homes.size(), U_);
+    if (M_ < 1) fail("schedule: micro_batches = {}; it must be at least 1", M_);
+    if (opt_.prefetch_depth < 0)
+      fail("schedule: prefetch_depth = {}; it must be 0 (no prefetch) or more",
+           opt_.prefetch_depth);
+    if (s.micro_batch < 1 || s.seq_len < 1)
+      fail(
+          "schedule: the run shape has micro_batch = {} and seq_len = {}; both must be at least 1 "
+          "(the schedule's FLOPs count tokens)",
+          s.micro_batch, s.seq_len);
+    if (W_ < 1) fail("schedule: working_buffers = {}; at least 1 is needed", W_);
+    if (tied_ && W_ < 2 && gathered(0))
+      fail(
+          "schedule: model {} ties its embeddings, so the head and unit 0 are gathered together; "
+          "it needs at least 2 working buffers (the placement has {})",
+          s.model.name, W_);
+    if (B_ < 0) fail("schedule: pinned_buffers = {}; it cannot be negative", B_);
+    int need = 0;  // pinned buffers one unit holds at once
+    for (int u = 0; u < U_; ++u) {
+      const UnitHomes& h = homes(u);
+      const std::string& name = unit(u).name;
+      if (unit(u).replicated && h.param != Tier::gpu)
+        fail(
+            "schedule: unit {} is replicated (at most {} elements) but its parameters' home is "
+            "{}; replicated units stay on every GPU, so their home must be gpu",
+            name, part_.persistence_threshold, tier_name(h.param));
+      if (h.grad == Tier::nvme)
+        fail(
+            "schedule: unit {}'s gradients have their home on nvme; gradient accumulators live "
+            "on the GPU or in host memory (they follow the optimizer)",
+            name);
+      if ((h.grad == Tier::gpu) != (h.optimizer == Tier::gpu))
+        fail(
+            "schedule: unit {} has its gradients on {} and its optimizer on {}; gradients "
+            "follow the optimizer (GPU with GPU, host RAM with CPU or NVMe)",
+            name, tier_name(h.grad), tier_name(h.optimizer));
+      const bool p_stage = h.param == Tier::nvme || (o_host(u) && h.param == Tier::gpu);
+      int n = (h.optimizer == Tier::nvme ? 1 : 0) + (p_stage ? 1 : 0);
+      if (h.param == Tier::nvme || (h.grad == Tier::cpu && M_ > 1)) n = std::max(n, 1);
+      need = std::max(need, n);
+    }
+    if (B_ < need)
+      fail(
+          "schedule: the placement has {} pinned buffers, but its homes need {} at once (an "
+          "optimizer shard from NVMe beside an updated parameter shard, or staged parameters "
+          "or gradients); raise buffer_count",
+          B_, need);
+  }
+
+  // ---- lanes: a fixed key per lane, compacted at the end ----
+  int lane_key(LaneKind k, int rank) const {
+    switch (k) {
+      case LaneKind::compute:
+        return rank * 4;
+      case LaneKind::h2d:
+        return rank * 4 + 1;
+      case LaneKind::d2h:
+        return rank * 4 + 2;
+      case LaneKind::comm:
+        return rank * 4 + 3;
+      case LaneKind::cpu_adam:
+        return R_ * 4;
+      case LaneKind::nvme_read:
+        return R_ * 4 + 1;
+      case LaneKind::nvme_write:
+        return R_ * 4 + 2;
+    }
+    return -1;
+  }
+  Lane lane_of_key(int key) const {
+    if (key < R_ * 4) {
+      static constexpr std::array<LaneKind, 4> gpu = {LaneKind::compute, LaneKind::h2d,
+                                                      LaneKind::d2h, LaneKind::comm};
+      return Lane{gpu[static_cast<size_t>(key % 4)], key / 4};
+    }
+    static constexpr std::array<LaneKind, 3> host = {LaneKind::cpu_adam, LaneKind::nvme_read,
+                                                     LaneKind::nvme_write};
+    return Lane{host[static_cast<size_t>(key - R_ * 4)], -1};
+  }
+
+  int add(TaskKind kind, LaneKind lane, int rank, int u, int m, std::vector<int> deps) {
+    Task t;
+    t.id = static_cast<int>(tasks_.size());
+    t.kind = kind;
+    t.lane = lane_key(lane, rank < 0 ? 0 : rank);
+    t.unit = u;
+    t.rank = rank;
+    t.micro_batch = m;
+    sort_unique(deps);
+    t.deps = std::move(deps);
+    tasks_.push_back(std::move(t));
+    return tasks_.back().id;
+  }
+  Task& task(int id) { return tasks_[static_cast<size_t>(id)]; }
+
+  void add_deps(int id, const std::vector<int>& more) {
+    std::vector<int>& deps = task(id).deps;
+    deps.insert(deps.end(), more.begin(), more.end());
+    sort_unique(deps);
+  }
+
+  // ---- buffers ----
+  // Makes `id` (a first writer of working buffer `slot` on `rank`) wait for its last user.
+  void wait_for_slot(int id, int slot, int rank) {
+    if (slots_.used_this_step(slot))
+      add_deps(id, {slots_.last_users(slot)[static_cast<size_t>(rank)]});
+    else
+      fixes_.push_back({id, PrevFix::What::working_buffer, slot, rank});
+    task(id).slot = slot;
+  }
+  void wait_for_pinned(int id, int buffer) {
+    if (pinned_.used_this_step(buffer))
+      add_deps(id, pinned_.last_users(buffer));
+    else
+      fixes_.push_back({id, PrevFix::What::pinned_buffer, buffer, -1});
+    task(id).buffer = buffer;
+  }
+  int take_pinned(const char* what, int u) {
+    if (pinned_.free_count() == 0)
+      fail(
+          "schedule: no pinned buffer is free for {} of unit {} (the placement has {}); this is "
+          "a bug in strata's schedule builder",
+          what, unit(u).name, B_);
+    return pinned_.take();
+  }
+
+  // Makes the first use of P[u] in the step wait for the previous step's last writer.
+  void wait_for_param_writer(int id, int u, int rank) {
+    fixes_.push_back({id, PrevFix::What::param_writer, u, rank});
+  }
+
+  // ---- uses and runs ----
+  void plan_uses() {
+    const int head = U_ - 1;
+    for (int m = 0; m < M_; ++m) {
+      for (int u = 0; u < U_; ++u) {
+        Use use{false, u, m, {}, {}};
+        if (tied_ && u == head && gathered(0)) use.needs.push_back(0);
+        if (gathered(u)) use.needs.push_back(u);
+        uses_.push_back(use);
+      }
+      for (int u = head; u >= 0; --u) {
+        Use use{true, u, m, {}, {}};
+        if (gathered(u)) use.needs.push_back(u);
+        // Unit 0's working gradients hold the head's share until backward(0).
+        if (tied_ && u != 0 && gathered(0)) use.needs.push_back(0);
+        uses_.push_back(use);
+      }
+    }
+    std::vector<int> open(static_cast<size_t>(U_), -1);
+    for (int i = 0; i < static_cast<int>(uses_.size()); ++i)
+      for (int u : uses_[static_cast<size_t>(i)].needs) {
+        int& r = open[static_cast<size_t>(u)];
+        if (r >= 0 && runs_[static_cast<size_t>(r)].last_use == i - 1) {
+          runs_[static_cast<size_t>(r)].last_use = i;
+        } else {
+          r = static_cast<int>(runs_.size());
+          runs_.push_back(Run{u, i, i, -1, {}});
+        }
+      }
+    for (const Run& r : runs_)
+      if (homes(r.unit).param == Tier::nvme) ++param_reads_left_;
+  }
+
+  void prefetch(int i) {
+    while (next_run_ < runs_.size()) {
+      Run& run = runs_[next_run_];
+      if (run.first_use > i + d_) break;
+      if (slots_.free_count() == 0) {
+        if (run.first_use > i) break;  // prefetch waits for a buffer to come back
+        fail(
+            "schedule: no working buffer is free to gather unit {} (the placement has {}); "
+            "this is a bug in strata's schedule builder",
+            unit(run.unit).name, W_);
+      }
+      emit_fetch_and_gather(run);
+      ++next_run_;
+    }
+  }
+
+  void emit_fetch_and_gather(Run& run) {
+    const int u = run.unit;
+    const UnitPartition& up = unit(u);
+    const int m = uses_[static_cast<size_t>(run.first_use)].m;
+    const bool first = !first_use_done_[static_cast<size_t>(u)];
+    first_use_done_[static_cast<size_t>(u)] = true;
+    run.slot = slots_.take();
+    // The prefetch depth: the fetch for use j starts once use j - d - 1 has been computed.
+    const int gate_use = run.first_use - d_ - 1;
+    auto gate = [&](int rank) {
+      if (gate_use < 0) return std::vector<int>{};
+      const std::vector<int>& c = uses_[static_cast<size_t>(gate_use)].compute;
+      return rank < 0 ? c : std::vector<int>{c[static_cast<size_t>(rank)]};
+    };
+    std::vector<int> h2d(static_cast<size_t>(R_), -1);
+    const Tier home = homes(u).param;
+    if (home == Tier::nvme) {
+      const int buf = take_pinned("param_read", u);
+      const int read = add(TaskKind::param_read, LaneKind::nvme_read, -1, u, m, gate(-1));
+      task(read).bytes = up.padded * ps_;
+      wait_for_pinned(read, buf);
+      if (first) wait_for_param_writer(read, u, -1);
+      for (int r = 0; r < R_; ++r) {
+        h2d[static_cast<size_t>(r)] = add(TaskKind::param_h2d, LaneKind::h2d, r, u, m, {read});
+        task(h2d[static_cast<size_t>(r)]).bytes = up.shard * ps_;
+        task(h2d[static_cast<size_t>(r)]).buffer = buf;
+        wait_for_slot(h2d[static_cast<size_t>(r)], run.slot, r);
+      }
+      pinned_.give_back(buf, h2d);
+      --param_reads_left_;
+    } else if (home == Tier::cpu) {
+      for (int r = 0; r < R_; ++r) {
+        h2d[static_cast<size_t>(r)] = add(TaskKind::param_h2d, LaneKind::h2d, r, u, m, gate(r));
+        task(h2d[static_cast<size_t>(r)]).bytes = up.shard * ps_;
+        wait_for_slot(h2d[static_cast<size_t>(r)], run.slot, r);
+        if (first) wait_for_param_writer(h2d[static_cast<size_t>(r)], u, r);
+      }
+    }
+    const int group = next_group_++;
+    for (int r = 0; r < R_; ++r) {
+      std::vector<int> deps = h2d[static_cast<size_t>(r)] >= 0
+                                  ? std::vector<int>{h2d[static_cast<size_t>(r)]}
+                                  : gate(r);
+      const int g = add(TaskKind::gather, LaneKind::comm, r, u, m, deps);
+      task(g).group = group;
+      task(g).bytes = up.padded * ps_ * uint64_t(R_ - 1) / uint64_t(R_);
+      wait_for_slot(g, run.slot, r);
+      if (first && home == Tier::gpu) wait_for_param_writer(g, u, r);
+      run.gather.push_back(g);
+    }
+  }
+
+  double forward_flops(int u) const {
+    const LlamaConfig& c = pl_.shape.model;
+    const double b = static_cast<double>(pl_.shape.micro_batch);
+    const double t = static_cast<double>(pl_.shape.seq_len);
+    const double tokens = b * t;
+    if (u == U_ - 1 && U_ > 1)
+      return 2.0 * static_cast<double>(c.vocab_size) * static_cast<double>(c.hidden_size) * tokens;
+    if (u == 0) return 0;
+    const double D = static_cast<double>(c.hidden_size);
+    const double q = static_cast<double>(c.num_attention_heads * c.head_dim);
+    const double kv = static_cast<double>(c.num_key_value_heads * c.head_dim);
+    const double matmul =
+        D * q + 2 * D * kv + q * D + 3 * D * static_cast<double>(c.intermediate_size);
+    const double attention = 2.0 * b * t * t * static_cast<double>(c.num_attention_heads) *
+                             static_cast<double>(c.head_dim);
+    return 2.0 * matmul * tokens + attention;
+  }
+
+  // The runs covering use i (the gathered units it reads).
+  std::vector<const Run*> runs_at(int i) const {
+    std::vector<const Run*> out;
+    for (size_t k = 0; k < next_run_; ++k)
+      if (runs_[k].first_use <= i && i <= runs_[k].last_use) out.push_back(&runs_[k]);
+    return out;
+  }
+
+  void emit_compute(int i) {
+    Use& use = uses_[static_cast<size_t>(i)];
+    const std::vector<const Run*> runs = runs_at(i);
+    const int u = use.unit;
+    const bool first_resident = !gathered(u) && !first_use_done_[static_cast<size_t>(u)];
+    if (first_resident) first_use_done_[static_cast<size_t>(u)] = true;
+    const double flops = forward_flops(u) * (use.backward ? 3.0 : 1.0);
+    for (int r = 0; r < R_; ++r) {
+      std::vector<int> deps;
+      for (const Run* run : runs) deps.push_back(run->gather[static_cast<size_t>(r)]);
+      if (i > 0 && (use.backward || use.unit > 0))
+        deps.push_back(uses_[static_cast<size_t>(i - 1)].compute[static_cast<size_t>(r)]);
+      const int id = add(use.backward ? TaskKind::backward : TaskKind::forward, LaneKind::compute,
+                         r, u, use.m, deps);
+      task(id).flops = flops;
+      if (first_resident) wait_for_param_writer(id, u, r);
+      use.compute.push_back(id);
+    }
+    for (const Run* run : runs)
+      if (run->last_use == i) slots_.give_back(run->slot, use.compute);
+  }
+
+  void emit_gradients(int i) {
+    const Use& use = uses_[static_cast<size_t>(i)];
+    const int u = use.unit, m = use.m;
+    const UnitPartition& up = unit(u);
+    // When the run ended at this use its buffer is back in the pool, but nothing can gather
+    // into it before this reduce-scatter has read the working gradients: the next gather is
+    // emitted later on the same comm lanes.
+    int slot = -1;
+    for (const Run* run : runs_at(i))
+      if (run->unit == u) slot = run->slot;
+    const bool g_host = homes(u).grad == Tier::cpu;
+    const int group = next_group_++;
+    std::vector<int> rs;
+    for (int r = 0; r < R_; ++r) {
+      std::vector<int> deps = {use.compute[static_cast<size_t>(r)]};
+      if (g_host && last_grad_d2h_[static_cast<size_t>(r)] >= 0)
+        deps.push_back(last_grad_d2h_[static_cast<size_t>(r)]);
+      const int id = add(TaskKind::reduce_scatter, LaneKind::comm, r, u, m, deps);
+      task(id).group = group;
+      task(id).bytes = up.replicated ? 2 * up.numel * gs_ * uint64_t(R_ - 1) / uint64_t(R_)
+                                     : up.padded * gs_ * uint64_t(R_ - 1) / uint64_t(R_);
+      task(id).slot = slot;
+      rs.push_back(id);
+    }
+    std::vector<int>& g_writer = g_writer_[static_cast<size_t>(u)];
+    if (!g_host) {
+      g_writer = rs;
+      return;
+    }
+    const int copies = up.replicated ? 1 : R_;
+    const bool staged = m > 0;
+    const int buf = staged ? take_pinned("grad_d2h staging", u) : -1;
+    std::vector<int> d2h;
+    for (int r = 0; r < copies; ++r) {
+      const int id = add(TaskKind::grad_d2h, LaneKind::d2h, r, u, m, {rs[static_cast<size_t>(r)]});
+      task(id).bytes = up.shard * gs_;
+      if (staged) wait_for_pinned(id, buf);
+      last_grad_d2h_[static_cast<size_t>(r)] = id;
+      d2h.push_back(id);
+    }
+    if (staged) {
+      std::vector<int> deps = d2h;
+      deps.insert(deps.end(), g_writer.begin(), g_writer.end());
+      const int acc = add(TaskKind::grad_accumulate, LaneKind::cpu_adam, -1, u, m, deps);
+      task(acc).elements = all_elements(u);
+      task(acc).buffer = buf;
+      pinned_.give_back(buf, {acc});
+      g_writer = {acc};
+    } else {
+      g_writer = d2h;
+    }
+    if (m == M_ - 1) {
+      const int stats = add(TaskKind::grad_stats, LaneKind::cpu_adam, -1, u, -1, g_writer);
+      task(stats).elements = all_elements(u);
+      grad_stats_.push_back(stats);
+    }
+  }
+
+  void emit_gpu_grad_stats() {
+    for (int u = U_ - 1; u >= 0; --u) {
+      if (homes(u).grad != Tier::gpu) continue;
+      for (int r = 0; r < R_; ++r) {
+        const int id = add(TaskKind::grad_stats, LaneKind::compute, r, u, -1,
+                           {g_writer_[static_cast<size_t>(u)][static_cast<size_t>(r)]});
+        task(id).elements = unit(u).shard;
+        grad_stats_.push_back(id);
+      }
+    }
+  }
+
+  // ---- optimizer ----
+  void open_optim_lookahead(int i) {
+    const Use& use = uses_[static_cast<size_t>(i)];
+    if (use.m == M_ - 1 && use.backward && param_reads_left_ == 0) lookahead_open_ = true;
+  }
+
+  void emit_optim_read(int u) {
+    const int buf = take_pinned("optim_read", u);
+    const int id = add(TaskKind::optim_read, LaneKind::nvme_read, -1, u, -1, {});
+    task(id).bytes = all_elements(u) * kOptimizerBytesPerElement;
+    wait_for_pinned(id, buf);
+    fixes_.push_back({id, PrevFix::What::optim_write, u, -1});
+    optim_read_[static_cast<size_t>(u)] = id;
+    o_buffer_[static_cast<size_t>(u)] = buf;
+  }
+
+  void optim_lookahead() {
+    if (!lookahead_open_) return;
+    while (next_optim_ < U_) {
+      const int u = next_optim_;
+      if (homes(u).optimizer == Tier::nvme && optim_read_[static_cast<size_t>(u)] < 0) {
+        if (pinned_.free_count() < 2) return;
+        emit_optim_read(u);
+      }
+      ++next_optim_;
+    }
+  }
+
+  void emit_optimizer(int u) {
+    const UnitHomes& h = homes(u);
+    const UnitPartition& up = unit(u);
+    std::vector<int>& writer = writer_[static_cast<size_t>(u)];
+    if (h.optimizer == Tier::nvme && optim_read_[static_cast<size_t>(u)] < 0) emit_optim_read(u);
+    if (next_optim_ <= u) next_optim_ = u + 1;
+    if (o_host(u)) {
+      std::vector<int> deps = grad_stats_;
+      if (optim_read_[static_cast<size_t>(u)] >= 0)
+        deps.push_back(optim_read_[static_cast<size_t>(u)]);
+      const bool p_stage = h.param != Tier::cpu;
+      const int pbuf = p_stage ? take_pinned("the updated parameters", u) : -1;
+      const int adam = add(TaskKind::adam, LaneKind::cpu_adam, -1, u, -1, deps);
+      task(adam).elements = all_elements(u);
+      if (p_stage) wait_for_pinned(adam, pbuf);
+      if (h.optimizer == Tier::nvme) {
+        const int w = add(TaskKind::optim_write, LaneKind::nvme_write, -1, u, -1, {adam});
+        task(w).bytes = all_elements(u) * kOptimizerBytesPerElement;
+        task(w).buffer = o_buffer_[static_cast<size_t>(u)];
+        pinned_.give_back(o_buffer_[static_cast<size_t>(u)], {w});
+        optim_write_[static_cast<size_t>(u)] = w;
+      }
+      if (h.param == Tier::nvme) {
+        const int w = add(TaskKind::param_write, LaneKind::nvme_write, -1, u, -1, {adam});
+        task(w).bytes = all_elements(u) * ps_;
+        task(w).buffer = pbuf;
+        pinned_.give_back(pbuf, {w});
+        writer = {w};
+      } else if (h.param == Tier::gpu) {
+        std::vector<int> up_ids;
+        for (int r = 0; r < R_; ++r) {
+          const int id = add(TaskKind::param_upload, LaneKind::h2d, r, u, -1, {adam});
+          task(id).bytes = up.shard * ps_;
+          task(id).buffer = pbuf;
+          up_ids.push_back(id);
+        }
+        pinned_.give_back(pbuf, up_ids);
+        writer = up_ids;
+      } else {
+        writer = {adam};
+      }
+      return;
+    }
+    std::vector<int> adams;
+    for (int r = 0; r < R_; ++r) {
+      const int id = add(TaskKind::adam, LaneKind::compute, r, u, -1, grad_stats_);
+      task(id).elements = up.shard;
+      adams.push_back(id);
+    }
+    if (h.param == Tier::gpu) {
+      writer = adams;
+      return;
+    }
+    const bool p_stage = h.param == Tier::nvme;
+    const int pbuf = p_stage ? take_pinned("the updated parameters", u) : -1;
+    std::vector<int> d2h;
+    for (int r = 0; r < R_; ++r) {
+      const int id =
+          add(TaskKind::param_d2h, LaneKind::d2h, r, u, -1, {adams[static_cast<size_t>(r)]});
+      task(id).bytes = up.shard * ps_;
+      if (p_stage) wait_for_pinned(id, pbuf);
+      d2h.push_back(id);
+    }
+    if (!p_stage) {
+      writer = d2h;
+      return;
+    }
+    const int w = add(TaskKind::param_write, LaneKind::nvme_write, -1, u, -1, d2h);
+    task(w).bytes = up.padded * ps_;
+    task(w).buffer = pbuf;
+    pinned_.give_back(pbuf, {w});
+    writer = {w};
+  }
+
+  // ---- the previous step ----
+  void resolve_prev() {
+    for (const PrevFix& f : fixes_) {
+      std::vector<int> ids;
+      switch (f.what) {
+        case PrevFix::What::param_writer: {
+          const std::vector<int>& w = writer_[static_cast<size_t>(f.index)];
+          if (f.rank >= 0 && w.size() == static_cast<size_t>(R_))
+            ids.push_back(w[static_cast<size_t>(f.rank)]);
+          else
+            ids = w;
+          break;
+        }
+        case PrevFix::What::optim_write:
+          ids.push_back(optim_write_[static_cast<size_t>(f.index)]);
+          break;
+        case PrevFix::What::working_buffer:
+          if (slots_.used_this_step(f.index))
+            ids.push_back(slots_.last_users(f.index)[static_cast<size_t>(f.rank)]);
+          break;
+        case PrevFix::What::pinned_buffer:
+          if (pinned_.used_this_step(f.index)) ids = pinned_.last_users(f.index);
+          break;
+      }
+      std::vector<int>& prev = task(f.task).prev;
+      for (int id : ids)
+        if (id >= 0) prev.push_back(id);
+      sort_unique(prev);
+    }
+  }
+
+  Schedule finish() {
+    Schedule s;
+    s.options = opt_;
+    s.ranks = R_;
+    s.units = U_;
+    s.working_buffers = W_;
+    s.pinned_buffers = B_;
+    s.prefetch_depth = d_;
+    std::vector<int> used(static_cast<size_t>(R_ * 4 + 3), -1);
+    for (const Task& t : tasks_) used[static_cast<size_t>(t.lane)] = 0;
+    for (size_t k = 0; k < used.size(); ++k)
+      if (used[k] == 0) {
+        used[k] = static_cast<int>(s.lanes.size());
+        s.lanes.push_back(lane_of_key(static_cast<int>(k)));
+      }
+    for (Task& t : tasks_) t.lane = used[static_cast<size_t>(t.lane)];
+    s.tasks = std::move(tasks_);
+    return s;
+  }
+
+  const Placement& pl_;
+  const Partition& part_;
+  ScheduleOptions opt_;
+  int U_, R_, M_, W_, B_, d_ = 0;
+  bool tied_;
+  uint64_t ps_, gs_;
+  BufferPool slots_, pinned_;
+  std::vector<Task> tasks_;
+  std::vector<Use> uses_;
+  std::vector<Run> runs_;
+  size_t next_run_ = 0;
+  int next_group_ = 0;
+  int param_reads_left_ = 0;
+  bool lookahead_open_ = false;
+  int next_optim_ = 0;
+  std::vector<bool> first_use_done_;
+  std::vector<std::vector<int>> writer_;    // per unit: the last writers of P[u]
+  std::vector<std::vector<int>> g_writer_;  // per unit: the last writers of G[u] so far
+  std::vector<int> last_grad_d2h_;          // per rank
+  std::vector<int> grad_stats_;
+  std::vector<int> optim_read_, optim_write_, o_buffer_;
+  std::vector<PrevFix> fixes_;
+};
+
+}  // namespace
+
+Schedule Schedule::build(const Placement& placement, const ScheduleOptions& options) {
+  return Builder(placement, options).build();
+}
+
+std::vector<int> Schedule::lane_tasks(int lane) const {
+  std::vector<int> out;
+  for (const Task& t : tasks)
+    if (t.lane == lane) out.push_back(t.id);
+  return out;
+}
+
+int Schedule::lane_index(const Lane& lane) const {
+  for (size_t i = 0; i < lanes.size(); ++i)
+    if (lanes[i] == lane) return static_cast<int>(i);
+  return -1;
+}
+
+namespace {
+
+// A task without its id: its lane, kind, unit, micro-batch, group, buffers, work and deps.
+std::string task_line(const Schedule& s, const Task& t) {
+  std::string line = t.lane >= 0 && t.lane < static_cast<int>(s.lanes.size())
+                         ? s.lanes[static_cast<size_t>(t.lane)].name()
+                         : fmt::format("lane{}", t.lane);
+  line += fmt::format(" {}", task_kind_name(t.kind));
+  if (t.unit >= 0) line += fmt::format(" u={}", t.unit);
+  if (t.micro_batch >= 0) line += fmt::format(" m={}", t.micro_batch);
+  if (t.group >= 0) line += fmt::format(" g={}", t.group);
+  if (t.slot >= 0) line += fmt::format(" slot={}", t.slot);
+  if (t.buffer >= 0) line += fmt::format(" buf={}", t.buffer);
+  if (t.bytes > 0) line += fmt::format(" bytes={}", t.bytes);
+  if (t.flops > 0) line += fmt::format(" flops={:.0f}", t.flops);
+  if (t.elements > 0) line += fmt::format(" elements={}", t.elements);
+  line += fmt::format(" deps={}", id_list(t.deps));
+  if (!t.prev.empty()) line += fmt::format(" prev={}", id_list(t.prev));
+  return line;
+}
+
+}  // namespace
+
+void Schedule::validate() const {
+  const int n = static_cast<int>(tasks.size());
+  const int L = static_cast<int>(lanes.size());
+  for (int l = 0; l < L; ++l) {
+    const Lane& lane = lanes[static_cast<size_t>(l)];
+    const bool gpu = lane.kind == LaneKind::compute || lane.kind == LaneKind::h2d ||
+                     lane.kind == LaneKind::d2h || lane.kind == LaneKind::comm;
+    if (gpu ? (lane.device < 0 || lane.device >= ranks) : lane.device != -1)
+      fail("schedule: lane {} ({}) has device {}, outside what its kind allows with {} ranks", l,
+           lane.name(), lane.device, ranks);
+    for (int k = 0; k < l; ++k)
+      if (lanes[static_cast<size_t>(k)] == lane)
+        fail("schedule: lane {} ({}) is listed twice (also as lane {})", l, lane.name(), k);
+  }
+  auto bad = [&](const Task& t, const std::string& what) {
+    fail("schedule: task {} ({}): {}; the schedule is broken (a bug in whatever built it)", t.id,
+         task_line(*this, t), what);
+  };
+  for (int i = 0; i < n; ++i) {
+    const Task& t = tasks[static_cast<size_t>(i)];
+    if (t.id != i) bad(t, fmt::format("its id is {} but it is at index {}", t.id, i));
+    if (t.lane < 0 || t.lane >= L)
+      bad(t, fmt::format("lane {} is not one of the {} lanes", t.lane, L));
+    const Lane& lane = lanes[static_cast<size_t>(t.lane)];
+    if (!lane_fits(t.kind, lane.kind))
+      bad(t, fmt::format("a {} task cannot run on a {} lane", task_kind_name(t.kind),
+                         lane_kind_name(lane.kind)));
+    if (lane.device >= 0 && t.rank != lane.device)
+      bad(t, fmt::format("its rank {} is not its lane's device {}", t.rank, lane.device));
+    if (t.unit < -1 || t.unit >= units)
+      bad(t, fmt::format("unit {} is outside 0..{}", t.unit, units - 1));
+    for (int d : t.deps)
+      if (d < 0 || d >= i) bad(t, fmt::format("dependency {} is not an earlier task", d));
+    for (int p : t.prev)
+      if (p < 0 || p >= n)
+        bad(t, fmt::format("previous-step dependency {} is not a task id (0..{})", p, n - 1));
+    if (t.slot < -1 || t.slot >= working_buffers)
+      bad(t, fmt::format("working buffer {} is outside 0..{}", t.slot, working_buffers - 1));
+    if (t.buffer < -1 || t.buffer >= pinned_buffers)
+      bad(t, fmt::format("pinned buffer {} is outside 0..{}", t.buffer, pinned_buffers - 1));
+  }
+  // Groups: consecutive, one kind and unit, distinct lanes, each group id in one run only.
+  std::map<int, int> seen;  // group -> first task
+  for (int i = 0; i < n;) {
+    const Task& t = tasks[static_cast<size_t>(i)];
+    if (t.group < 0) {
+      ++i;
+      continue;
+    }
+    if (t.kind != TaskKind::gather && t.kind != TaskKind::reduce_scatter)
+      bad(t, "only gathers and reduce-scatters are collectives, but it has a group");
+    if (auto it = seen.find(t.group); it != seen.end())
+      bad(t,
+          fmt::format("group {} started at task {} and is not consecutive", t.group, it->second));
+    seen[t.group] = i;
+    int j = i + 1;
+    while (j < n && tasks[static_cast<size_t>(j)].group == t.group) {
+      const Task& o = tasks[static_cast<size_t>(j)];
+      if (o.kind != t.kind || o.unit != t.unit || o.micro_batch != t.micro_batch)
+        bad(o, fmt::format("its group {} began with task {} of another kind, unit or micro-batch",
+                           t.group, i));
+      for (int k = i; k < j; ++k)
+        if (tasks[static_cast<size_t>(k)].lane == o.lane)
+          bad(o, fmt::format("task {} of its group {} is on the same lane", k, t.group));
+      ++j;
+    }
+    i = j;
+  }
+}
+
+std::string Schedule::str() const {
+  std::string out;
+  for (const Task& t : tasks) out += fmt::format("{:5} {}\n", t.id, task_line(*this, t));
+  return out;
+}
+
+std::string Schedule::summary() const {
+  std::string out = fmt::format(
+      "schedule: {} tasks on {} lanes; {} units, {} ranks, {} micro-batches, prefetch depth {} "
+      "(asked {}), {} working buffers, {} pinned buffers\n",
+      tasks.size(), lanes.size(), units, ranks, options.micro_batches, prefetch_depth,
+      options.prefetch_depth, working_buffers, pinned_buffers);
+  out += fmt::format("  {:<16} {:>7} {:>12} {:>12} {:>14}\n", "lane", "tasks", "bytes", "TFLOP",
+                     "elements");
+  uint64_t bytes = 0, elements = 0;
+  double flops = 0;
+  size_t count = 0;
+  for (size_t l = 0; l < lanes.size(); ++l) {
+    uint64_t b = 0, e = 0;
+    double f = 0;
+    size_t c = 0;
+    for (const Task& t : tasks)
+      if (t.lane == static_cast<int>(l)) {
+        b += t.bytes;
+        e += t.elements;
+        f += t.flops;
+        ++c;
+      }
+    out += fmt::format("  {:<16} {:>7} {:>12} {:>12.3f} {:>14}\n", lanes[l].name(), c,
+                       format_bytes(b), f / 1e12, e);
+    bytes += b;
+    elements += e;
+    flops += f;
+    count += c;
+  }
+  out += fmt::format("  {:<16} {:>7} {:>12} {:>12.3f} {:>14}\n", "total", count,
+                     format_bytes(bytes), flops / 1e12, elements);
+  return out;
+}
+
+}  // namespace strata

@@ -56,6 +56,8 @@ enum class TaskKind {
   optim_write,   // nvme.write: O[u] back to NVMe
   param_write,   // nvme.write: updated P[u] to NVMe (P home nvme)
   param_upload,  // gpu[r].h2d: updated P[u][r] to its GPU home (P home gpu, O on the host)
+  param_d2h,     // gpu[r].d2h: updated P[u][r] to its host home or a pinned buffer (P home cpu
+                 // or nvme while O is on the GPU)
 };
 std::string_view task_kind_name(TaskKind k);
 
@@ -67,8 +69,13 @@ struct Task {
   int rank = -1;         // GPU-lane tasks: the rank; -1 for host-wide tasks
   int micro_batch = -1;  // forward/backward and what serves them; -1 for the optimizer
   int group = -1;        // collectives: the tasks of one call share it; -1 otherwise
-  // The work, for the simulator: bytes moved (transfers, collectives: per rank), FLOPs
-  // (compute), elements updated (Adam, grad stats).
+  // The GPU working buffer (0..working_buffers-1) a gather fills (and the param_h2d before it
+  // lands in), or a reduce-scatter reads the unit's working gradients from; -1 otherwise.
+  int slot = -1;
+  // The pinned host buffer (0..pinned_buffers-1) the task writes or reads; -1 when none.
+  int buffer = -1;
+  // The work, for the simulator: bytes moved (transfers; collectives: what one rank moves in
+  // a ring, (R-1)/R of the unit), FLOPs (compute), elements updated (Adam, grad stats).
   uint64_t bytes = 0;
   double flops = 0;
   uint64_t elements = 0;
@@ -87,11 +94,18 @@ struct Schedule {
   ScheduleOptions options;
   int ranks = 1;
   int units = 0;
+  int working_buffers = 0;  // the placement's, that `slot` indexes
+  int pinned_buffers = 0;   // the placement's, that `buffer` indexes
+  int prefetch_depth = 0;   // effective: min(options.prefetch_depth, working_buffers - 1)
 
+  // The rules are in schedule.cpp's header comment. Throws Error, naming the setting and its
+  // value, when the placement cannot be scheduled (too few pinned or working buffers, homes
+  // that contradict each other, micro_batches < 1, ...).
   static Schedule build(const Placement& placement, const ScheduleOptions& options);
 
   // Throws Error naming the first task that breaks a rule: a dependency not earlier, an
-  // unknown lane or task id, a group whose tasks differ in kind or unit or share a lane.
+  // unknown lane or task id, a group whose tasks differ in kind or unit or share a lane or are
+  // not consecutive, a task on a lane of the wrong kind, a slot or buffer out of range.
   void validate() const;
   // The tasks of one lane, in order.
   std::vector<int> lane_tasks(int lane) const;

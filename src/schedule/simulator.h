@@ -9,6 +9,7 @@
 #pragma once
 
 #include "schedule/schedule.h"
+#include "schedule/trace.h"
 
 #include <string>
 #include <vector>
@@ -29,8 +30,10 @@ struct HardwareProfile {
   double nvme_write_bytes_per_s = 0;
   double task_latency_s = 0;  // fixed cost added to every task
 
-  // Reads / writes the JSON form; every field above is a key. Throws Error naming the file
-  // and the JSON path of a missing, non-numeric or non-positive value.
+  // Reads / writes the JSON form: an object whose keys are the fields above (`name` may be
+  // left out). Throws Error naming the file and the JSON path of a missing, non-numeric,
+  // negative or non-finite value, or of a key it does not know. A rate of 0 means "not
+  // measured": simulate() refuses a schedule that needs it.
   static HardwareProfile load(const std::string& path);
   static HardwareProfile from_json_text(const std::string& text, const std::string& where);
   std::string to_json() const;
@@ -46,14 +49,20 @@ struct Prediction {
   std::vector<LaneTime> lanes;  // per lane, in the schedule's order
   int critical_lane = -1;       // the busiest lane
   double overlap = 0;           // busiest lane's busy time / step time
-  // Start and end of each task of the reported step, relative to its start (for traces).
+  // Start and end of each task of the reported step, relative to its start (the earliest
+  // start among its tasks), indexed by task id (for traces).
   std::vector<double> start_s, end_s;
+  // Every simulated step, in absolute seconds from the first task's start: what
+  // check_timeline() and trace_json() read.
+  Timeline timeline;
 };
 
 // Duration of one task under `profile`.
 double task_seconds(const Task& task, const Lane& lane, const HardwareProfile& profile);
 
-// Throws Error when the profile lacks a rate some task needs (naming the field).
+// Throws Error when the profile lacks a rate some task needs (naming the field), or steps < 1.
+// With one step, step_s is that step's length; with more, the last step's end minus the one
+// before's (the steady state, with the next step's early work overlapping the optimizer).
 Prediction simulate(const Schedule& schedule, const HardwareProfile& profile, int steps = 3);
 
 }  // namespace strata

@@ -1,2 +1,562 @@
-// placement.cpp: see placement.h.
+// placement.cpp: see placement.h. Every byte figure here mirrors an allocation made elsewhere
+// (ZeroModel, LlamaModel, ZeroRunner, the swap store, the pinned pool); when one of those
+// changes what it allocates, change the matching line here and the test that compares them.
 #include "tier/placement.h"
+
+#include "core/bytes.h"
+#include "core/error.h"
+#include "core/system.h"
+
+#include <algorithm>
+#include <fmt/format.h>
+
+namespace strata {
+namespace {
+
+constexpr uint64_t kOptimizerBytesPerElement = 12;  // fp32 master, m, v
+constexpr uint64_t kPinnedAlignment = 4096;
+
+uint64_t round_up(uint64_t n, uint64_t a) {
+  return a <= 1 ? n : (n + a - 1) / a * a;
+}
+
+// What a device arena hands out for one buffer of `bytes` (nothing for an empty one).
+uint64_t device_buffer(uint64_t bytes, uint64_t alignment) {
+  return bytes == 0 ? 0 : round_up(bytes, alignment);
+}
+
+// Elements of unit u held on the host for all ranks together: every rank's shard of a sharded
+// unit, and one copy of a replicated unit (its gradient is the same on every rank).
+uint64_t host_elements(const UnitPartition& up) {
+  return up.replicated ? up.numel : up.padded;
+}
+
+// Host bytes of unit u's state at `bytes_per_element`: one block per rank's shard (one for a
+// replicated unit), each rounded to a page as the pinned pool hands it out.
+uint64_t host_bytes(const UnitPartition& up, int ranks, uint64_t bytes_per_element) {
+  const uint64_t block = round_up(up.resident() * bytes_per_element, kPinnedAlignment);
+  return up.replicated ? block : block * static_cast<uint64_t>(ranks);
+}
+
+// Swap-store shards (one per rank; one for a replicated unit) of a unit's state in stripes.
+uint64_t nvme_stripes(const UnitPartition& up, int ranks, uint64_t bytes_per_element,
+                      uint64_t stripe) {
+  const uint64_t per_shard = (up.resident() * bytes_per_element + stripe - 1) / stripe;
+  return up.replicated ? per_shard : per_shard * static_cast<uint64_t>(ranks);
+}
+
+// The swap files hold whole stripes on every path (SwapStore's file size).
+uint64_t nvme_file_bytes(uint64_t stripes, size_t paths, uint64_t stripe) {
+  const uint64_t k = std::max<size_t>(paths, 1);
+  return (stripes + k - 1) / k * k * stripe;
+}
+
+struct Sizes {
+  uint64_t ps, gs;  // bytes per element of parameters and gradients
+  uint64_t align;   // device arena alignment
+};
+
+Sizes sizes_of(const RunShape& s) {
+  return {dtype_size(s.param_dtype), dtype_size(s.grad_dtype),
+          std::max<uint64_t>(s.device_alignment, 1)};
+}
+
+// Per device: the GPU bytes of unit u's optimizer shard (master, m, v: three f32 buffers).
+uint64_t gpu_optimizer_bytes(const UnitPartition& up, const Sizes& z) {
+  return 3 * device_buffer(up.resident() * 4, z.align);
+}
+
+// GPU bytes that do not depend on the homes: working buffers, activations, staging.
+struct FixedGpu {
+  uint64_t working = 0, landing = 0, activations = 0, other = 0;
+};
+
+FixedGpu fixed_gpu(const RunShape& s, const Partition& p) {
+  const Sizes z = sizes_of(s);
+  uint64_t gather_numel = 0;  // replicated units are used in place, never gathered
+  for (const UnitPartition& up : p.units)
+    if (!up.replicated) gather_numel = std::max(gather_numel, up.padded);
+  FixedGpu f;
+  const auto wb = static_cast<uint64_t>(s.working_buffers);
+  f.working = wb * (device_buffer(gather_numel * z.ps, z.align) +
+                    device_buffer(p.max_unit_numel() * z.gs, z.align));
+  f.landing = wb * device_buffer(p.max_shard_numel() * z.ps, z.align);
+  ModelOptions mo;
+  mo.param_dtype = s.param_dtype;
+  mo.grad_dtype = s.grad_dtype;
+  mo.max_batch = s.micro_batch;
+  mo.seq_len = s.seq_len;
+  const uint64_t flow =
+      static_cast<uint64_t>(s.micro_batch * s.seq_len * s.model.hidden_size) * z.ps;
+  f.activations =
+      LlamaModel::workspace_bytes_for(s.model, mo, z.align) + 2 * device_buffer(flow, z.align);
+  f.other = device_buffer(p.max_shard_numel() * z.gs, z.align);
+  return f;
+}
+
+void check_shape(const RunShape& s, const OffloadRequest& r) {
+  if (s.ranks < 1) fail("placement: {} ranks (GPUs); at least 1 is needed", s.ranks);
+  if (s.micro_batch < 1)
+    fail("placement: micro-batch {} sequences; use --micro-batch 1 or more", s.micro_batch);
+  if (s.seq_len < 1 || s.seq_len > s.model.max_position_embeddings)
+    fail(
+        "placement: sequence length {} is outside 1..{} (max_position_embeddings of {}); "
+        "choose a --seq-len within it",
+        s.seq_len, s.model.max_position_embeddings, s.model.name);
+  if (s.working_buffers < 1)
+    fail("placement: {} working buffers per GPU; at least 1 (prefetch depth + 1)",
+         s.working_buffers);
+  if (s.model.tie_word_embeddings && s.working_buffers < 2)
+    fail(
+        "placement: {} working buffer per GPU, but model {} ties its embeddings, so the head "
+        "and the embedding are gathered together; use a prefetch depth of 1 or more",
+        s.working_buffers, s.model.name);
+  if (r.buffer_count < 1)
+    fail("offload buffer_count {}: at least 1 pinned buffer is needed", r.buffer_count);
+  if (r.nvme_stripe == 0 || r.nvme_stripe % 4096 != 0)
+    fail("NVMe stripe (aio.block_size) {}: use a positive multiple of 4 KiB, e.g. 1048576",
+         r.nvme_stripe);
+}
+
+}  // namespace
+
+std::string_view tier_name(Tier t) {
+  switch (t) {
+    case Tier::gpu:
+      return "gpu";
+    case Tier::cpu:
+      return "cpu";
+    case Tier::nvme:
+      return "nvme";
+  }
+  return "?";
+}
+
+Tier parse_tier(std::string_view text) {
+  if (text == "none" || text == "gpu") return Tier::gpu;
+  if (text == "cpu") return Tier::cpu;
+  if (text == "nvme") return Tier::nvme;
+  fail("offload device '{}' is not one of none (or gpu), cpu, nvme", text);
+}
+
+std::string_view state_kind_name(StateKind k) {
+  switch (k) {
+    case StateKind::parameters:
+      return "parameters";
+    case StateKind::gradients:
+      return "gradients";
+    case StateKind::optimizer:
+      return "optimizer";
+    case StateKind::working:
+      return "working";
+    case StateKind::activations:
+      return "activations";
+    case StateKind::buffers:
+      return "buffers";
+    case StateKind::other:
+      return "other";
+  }
+  return "?";
+}
+
+uint64_t TierBytes::total(Tier t) const {
+  uint64_t sum = 0;
+  for (uint64_t b : bytes[int(t)]) sum += b;
+  return sum;
+}
+
+nlohmann::json TierBytes::to_json(Tier t) const {
+  nlohmann::json j = nlohmann::json::object();
+  for (int k = 0; k < kStateKinds; ++k)
+    j[std::string(state_kind_name(StateKind(k)))] = at(t, StateKind(k));
+  j["total"] = total(t);
+  return j;
+}
+
+bool Placement::offloaded() const {
+  return std::any_of(homes.begin(), homes.end(), [](const UnitHomes& h) {
+    return h.param != Tier::gpu || h.grad != Tier::gpu || h.optimizer != Tier::gpu;
+  });
+}
+
+uint64_t Placement::pinned_need() const {
+  uint64_t n = pinned_bytes();
+  if (request.pin_memory) {
+    const TierBytes t = needs();
+    n += t.at(Tier::cpu, StateKind::parameters) + t.at(Tier::cpu, StateKind::gradients) +
+         t.at(Tier::cpu, StateKind::optimizer);
+  }
+  return n;
+}
+
+Placement Placement::make(const RunShape& shape, const OffloadRequest& request,
+                          const TierBudgets& budgets) {
+  check_shape(shape, request);
+  Placement p;
+  p.shape = shape;
+  p.request = request;
+  p.partition = Partition::build(ModelLayout::build(shape.model), shape.ranks, ModelLayout::kAlign,
+                                 shape.persistence_threshold);
+  const Sizes z = sizes_of(shape);
+  const int U = p.partition.num_units();
+  const bool tied = shape.model.tie_word_embeddings;
+  const bool have_nvme = !request.nvme_paths.empty();
+  p.homes.assign(static_cast<size_t>(U), UnitHomes{});
+  const auto unit = [&](int u) -> const UnitPartition& { return p.partition.units[size_t(u)]; };
+
+  if (!request.automatic) {
+    if ((request.param == Tier::nvme || request.optimizer == Tier::nvme) && !have_nvme)
+      fail(
+          "offload_{}.device is nvme but no nvme_path is given; add --nvme-path DIR[,DIR...] "
+          "(or nvme_path in the config)",
+          request.param == Tier::nvme ? "param" : "optimizer");
+    // max_in_cpu: how many parameter elements may live in host RAM (see placement.h).
+    uint64_t in_cpu = 0;
+    for (int u = 0; u < U; ++u) {
+      UnitHomes& h = p.homes[size_t(u)];
+      h.optimizer = request.optimizer;
+      h.grad = request.optimizer == Tier::gpu ? Tier::gpu : Tier::cpu;
+      h.param = unit(u).replicated ? Tier::gpu : request.param;
+      if (h.param == Tier::gpu) continue;
+      const uint64_t e = host_elements(unit(u));
+      if (request.param == Tier::nvme) {
+        if (request.max_in_cpu > 0 && in_cpu + e <= request.max_in_cpu) {
+          h.param = Tier::cpu;
+          in_cpu += e;
+        }
+      } else if (request.max_in_cpu > 0) {
+        if (in_cpu + e <= request.max_in_cpu) {
+          in_cpu += e;
+        } else {
+          if (!have_nvme)
+            fail(
+                "offload_param.max_in_cpu {} elements: unit {} would spill parameters past it "
+                "to NVMe, but no nvme_path is given; raise max_in_cpu or add --nvme-path",
+                request.max_in_cpu, unit(u).name);
+          h.param = Tier::nvme;
+        }
+      }
+    }
+  } else {
+    // Fill the fastest tier first, unit by unit in forward order, after what every placement
+    // needs: the GPU's working buffers, activations and staging, and (pessimistically, since
+    // the homes decide whether they exist) the pinned buffers in host RAM.
+    const FixedGpu f = fixed_gpu(shape, p.partition);
+    uint64_t gpu = f.working + f.landing + f.activations + f.other;
+    uint64_t largest_moving = 0;
+    for (const UnitPartition& up : p.partition.units)
+      largest_moving = std::max(largest_moving, host_elements(up) * kOptimizerBytesPerElement);
+    const uint64_t buffer_bytes = round_up(
+        request.buffer_size > 0 ? request.buffer_size * z.ps : largest_moving, kPinnedAlignment);
+    uint64_t cpu = uint64_t(request.buffer_count) * buffer_bytes;
+    uint64_t stripes = 0, param_in_cpu = 0;
+    const uint64_t stripe = request.nvme_stripe;
+    const auto nvme_fits = [&](uint64_t more) {
+      return have_nvme && nvme_file_bytes(stripes + more, request.nvme_paths.size(), stripe) <=
+                              budgets.nvme_free;
+    };
+    for (const UnitPartition& up : p.partition.units)
+      if (up.replicated)  // resident on every GPU: parameters and gradients
+        gpu += device_buffer(up.numel * z.ps, z.align) + device_buffer(up.numel * z.gs, z.align);
+
+    // With tied embeddings the head reads the embedding's table: the two are placed together
+    // (the head takes unit 0's homes) so the pair is fetched from one tier.
+    std::vector<std::vector<int>> groups;
+    for (int u = 0; u < U; ++u) {
+      if (tied && u == U - 1 && U > 1) continue;
+      groups.push_back({u});
+      if (tied && u == 0 && U > 1) groups.back().push_back(U - 1);
+    }
+    // Each tier takes a prefix of the units: once a unit's state misses a tier, later units
+    // do not try it, so the units the GPU waits for longest come first in every tier.
+    Tier o_floor = Tier::gpu, p_floor = Tier::gpu;
+    const auto grads_from = [&](size_t first) {  // host gradient bytes of groups[first..]
+      uint64_t b = 0;
+      for (size_t i = first; i < groups.size(); ++i)
+        for (int u : groups[i]) b += host_bytes(unit(u), shape.ranks, z.gs);
+      return b;
+    };
+    for (size_t gi = 0; gi < groups.size(); ++gi) {
+      const std::vector<int>& g = groups[gi];
+      uint64_t o_gpu = 0, o_cpu = 0, o_stripes = 0, p_gpu = 0, p_cpu = 0, p_elems = 0,
+               p_stripes = 0;
+      bool any_sharded = false;
+      for (int u : g) {
+        const UnitPartition& up = unit(u);
+        o_gpu += gpu_optimizer_bytes(up, z);
+        if (!up.replicated) o_gpu += device_buffer(up.resident() * z.gs, z.align);
+        o_cpu += host_bytes(up, shape.ranks, kOptimizerBytesPerElement);
+        o_stripes += nvme_stripes(up, shape.ranks, kOptimizerBytesPerElement, stripe);
+        if (up.replicated) continue;
+        any_sharded = true;
+        p_gpu += device_buffer(up.resident() * z.ps, z.align);
+        p_cpu += host_bytes(up, shape.ranks, z.ps);
+        p_elems += host_elements(up);
+        p_stripes += nvme_stripes(up, shape.ranks, z.ps, stripe);
+      }
+      // Once one unit's optimizer leaves the GPU every later one does (the prefix rule), and
+      // their gradient accumulators all come to host RAM: reserve them then, before choosing
+      // between host RAM and NVMe for the optimizer.
+      const bool gpu_ok = o_floor == Tier::gpu && gpu + o_gpu <= budgets.gpu_memory;
+      const uint64_t g_new = !gpu_ok && o_floor == Tier::gpu ? grads_from(gi) : 0;
+      Tier o;
+      if (gpu_ok) {
+        o = Tier::gpu;
+        gpu += o_gpu;
+      } else if (o_floor != Tier::nvme && cpu + g_new + o_cpu <= budgets.cpu_memory) {
+        o = Tier::cpu;
+        cpu += g_new + o_cpu;
+      } else if (nvme_fits(o_stripes)) {
+        o = Tier::nvme;
+        stripes += o_stripes;
+        cpu += g_new;
+      } else {  // fits nowhere: the slowest tier there is; check() will say by how much
+        o = have_nvme ? Tier::nvme : Tier::cpu;
+        if (o == Tier::nvme) stripes += o_stripes;
+        cpu += g_new + (o == Tier::cpu ? o_cpu : 0);
+      }
+      Tier pt = Tier::gpu;
+      if (any_sharded) {
+        const bool cpu_allowed =
+            request.max_in_cpu == 0 || param_in_cpu + p_elems <= request.max_in_cpu;
+        if (p_floor == Tier::gpu && gpu + p_gpu <= budgets.gpu_memory) {
+          gpu += p_gpu;
+        } else if (p_floor != Tier::nvme && cpu_allowed && cpu + p_cpu <= budgets.cpu_memory) {
+          pt = Tier::cpu;
+          cpu += p_cpu;
+          param_in_cpu += p_elems;
+        } else if (nvme_fits(p_stripes)) {
+          pt = Tier::nvme;
+          stripes += p_stripes;
+        } else {
+          pt = have_nvme ? Tier::nvme : Tier::cpu;
+          if (pt == Tier::nvme) stripes += p_stripes;
+        }
+      }
+      o_floor = std::max(o_floor, o);
+      if (any_sharded) p_floor = std::max(p_floor, pt);
+      for (int u : g) {
+        UnitHomes& h = p.homes[size_t(u)];
+        h.optimizer = o;
+        h.grad = o == Tier::gpu ? Tier::gpu : Tier::cpu;
+        h.param = unit(u).replicated ? Tier::gpu : pt;
+      }
+    }
+  }
+
+  // Pinned buffers for every shard that moves between tiers (placement.h).
+  uint64_t largest_moving = 0;
+  for (int u = 0; u < U; ++u) {
+    const UnitHomes& h = p.homes[size_t(u)];
+    const UnitPartition& up = unit(u);
+    if (h.param != Tier::gpu || h.optimizer != Tier::gpu)
+      largest_moving = std::max(largest_moving, host_elements(up) * z.ps);
+    if (h.grad != Tier::gpu) largest_moving = std::max(largest_moving, up.resident() * z.gs);
+    if (h.optimizer == Tier::nvme)
+      largest_moving = std::max(largest_moving, host_elements(up) * kOptimizerBytesPerElement);
+  }
+  if (largest_moving > 0) {
+    p.pinned_buffers = request.buffer_count;
+    p.pinned_buffer_bytes = round_up(
+        request.buffer_size > 0 ? request.buffer_size * z.ps : largest_moving, kPinnedAlignment);
+  }
+  return p;
+}
+
+TierBytes Placement::needs() const {
+  const Sizes z = sizes_of(shape);
+  TierBytes t;
+  const FixedGpu f = fixed_gpu(shape, partition);
+  const bool param_off_gpu = std::any_of(homes.begin(), homes.end(),
+                                         [](const UnitHomes& h) { return h.param != Tier::gpu; });
+  t.at(Tier::gpu, StateKind::working) = f.working + (param_off_gpu ? f.landing : 0);
+  t.at(Tier::gpu, StateKind::activations) = f.activations;
+  t.at(Tier::gpu, StateKind::other) = f.other;
+  uint64_t stripes = 0;
+  const uint64_t stripe = request.nvme_stripe;
+  for (size_t u = 0; u < homes.size(); ++u) {
+    const UnitHomes& h = homes[u];
+    const UnitPartition& up = partition.units[u];
+    switch (h.param) {
+      case Tier::gpu:
+        t.at(Tier::gpu, StateKind::parameters) += device_buffer(up.resident() * z.ps, z.align);
+        break;
+      case Tier::cpu:
+        t.at(Tier::cpu, StateKind::parameters) += host_bytes(up, shape.ranks, z.ps);
+        break;
+      case Tier::nvme:
+        stripes += nvme_stripes(up, shape.ranks, z.ps, stripe);
+        break;
+    }
+    // A replicated unit's gradients are all-reduced in place on every GPU, so they stay
+    // there even when the optimizer (and a host copy of them) lives on the host.
+    if (h.grad == Tier::gpu || up.replicated)
+      t.at(Tier::gpu, StateKind::gradients) += device_buffer(up.resident() * z.gs, z.align);
+    if (h.grad != Tier::gpu)
+      t.at(Tier::cpu, StateKind::gradients) += host_bytes(up, shape.ranks, z.gs);
+    switch (h.optimizer) {
+      case Tier::gpu:
+        t.at(Tier::gpu, StateKind::optimizer) += gpu_optimizer_bytes(up, z);
+        break;
+      case Tier::cpu:
+        t.at(Tier::cpu, StateKind::optimizer) +=
+            host_bytes(up, shape.ranks, kOptimizerBytesPerElement);
+        break;
+      case Tier::nvme:
+        stripes += nvme_stripes(up, shape.ranks, kOptimizerBytesPerElement, stripe);
+        break;
+    }
+  }
+  if (stripes > 0) {
+    // Split the rounded total between P and O in proportion, so the kinds sum to the files.
+    const uint64_t total = nvme_file_bytes(stripes, request.nvme_paths.size(), stripe);
+    uint64_t p_stripes = 0;
+    for (size_t u = 0; u < homes.size(); ++u)
+      if (homes[u].param == Tier::nvme)
+        p_stripes += nvme_stripes(partition.units[u], shape.ranks, z.ps, stripe);
+    const uint64_t p_bytes = p_stripes * stripe;
+    t.at(Tier::nvme, StateKind::parameters) = p_bytes;
+    t.at(Tier::nvme, StateKind::optimizer) = total - p_bytes;
+  }
+  t.at(Tier::cpu, StateKind::buffers) = pinned_bytes();
+  return t;
+}
+
+void Placement::check(const TierBudgets& budgets) const {
+  const TierBytes t = needs();
+  struct Row {
+    std::string name;
+    uint64_t need, have;
+    bool limited;
+  };
+  const uint64_t pinned_have = budgets.pinned_limit;
+  const bool pinned_limited = pinned_have != 0 && pinned_have != kUnlimited;
+  const std::vector<Row> rows = {
+      {"gpu (per device)", t.total(Tier::gpu), budgets.gpu_memory, true},
+      {"cpu", t.total(Tier::cpu), budgets.cpu_memory, true},
+      {"nvme", t.total(Tier::nvme), budgets.nvme_free, true},
+      {"pinned (ulimit -l)", pinned_need(), pinned_have, pinned_limited},
+  };
+  bool over = false;
+  for (const Row& r : rows) over |= r.limited && r.need > r.have;
+  if (!over) return;
+
+  std::string m = fmt::format(
+      "placement does not fit: model {}, {} GPU(s), micro-batch {} x {} tokens; nothing was "
+      "allocated\n",
+      shape.model.name, shape.ranks, shape.micro_batch, shape.seq_len);
+  m += fmt::format("  {:<20} {:>12} {:>12} {:>12}\n", "tier", "needed", "available", "over by");
+  for (const Row& r : rows) {
+    if (!r.limited) {
+      m += fmt::format("  {:<20} {:>12} {:>12} {:>12}\n", r.name, format_bytes(r.need), "unlimited",
+                       "-");
+      continue;
+    }
+    m += fmt::format("  {:<20} {:>12} {:>12} {:>12}\n", r.name, format_bytes(r.need),
+                     format_bytes(r.have), r.need > r.have ? format_bytes(r.need - r.have) : "-");
+  }
+  const auto split = [&](Tier tier) {
+    std::string s;
+    for (int k = 0; k < kStateKinds; ++k) {
+      const uint64_t b = t.at(tier, StateKind(k));
+      if (b == 0) continue;
+      s += fmt::format("{}{} {}", s.empty() ? "" : ", ", state_kind_name(StateKind(k)),
+                       format_bytes(b));
+    }
+    return s;
+  };
+  const auto any_home = [&](auto pred) { return std::any_of(homes.begin(), homes.end(), pred); };
+  const auto opt_on = [&](Tier x) {
+    return any_home([x](const UnitHomes& h) { return h.optimizer == x; });
+  };
+  const auto param_on = [&](Tier x) {
+    return any_home([x](const UnitHomes& h) { return h.param == x; });
+  };
+  if (rows[0].need > rows[0].have) {
+    m += fmt::format("gpu, per device: {}\n", split(Tier::gpu));
+    if (shape.micro_batch > 1 || t.at(Tier::gpu, StateKind::activations) > rows[0].have / 4)
+      m += fmt::format("  - a smaller micro-batch or sequence length (activations take {})\n",
+                       format_bytes(t.at(Tier::gpu, StateKind::activations)));
+    if (opt_on(Tier::gpu))
+      m += fmt::format(
+          "  - offload the optimizer to the CPU (--offload-optimizer cpu, or "
+          "offload_optimizer.device \"cpu\"): frees {} per device with its gradients\n",
+          format_bytes(t.at(Tier::gpu, StateKind::optimizer) +
+                       t.at(Tier::gpu, StateKind::gradients)));
+    if (param_on(Tier::gpu) && t.at(Tier::gpu, StateKind::parameters) > 0)
+      m += "  - offload the parameters (--offload-param cpu or nvme)\n";
+    if (shape.working_buffers > 2)
+      m += "  - a smaller --prefetch-depth (each level is a working buffer)\n";
+    m += "  - more GPUs (--gpus), or a larger --gpu-memory if the GPUs have it\n";
+  }
+  if (rows[1].need > rows[1].have) {
+    m += fmt::format("cpu: {}\n", split(Tier::cpu));
+    if (opt_on(Tier::cpu))
+      m += "  - offload the optimizer to NVMe (--offload-optimizer nvme --nvme-path DIR)\n";
+    if (param_on(Tier::cpu))
+      m += "  - offload the parameters to NVMe (--offload-param nvme --nvme-path DIR)\n";
+    if (pinned_buffers > 0)
+      m += fmt::format("  - fewer or smaller pinned buffers (buffer_count {}, {} each)\n",
+                       request.buffer_count, format_bytes(pinned_buffer_bytes));
+    m += "  - raise --cpu-memory if the machine has more RAM free\n";
+  }
+  if (rows[2].need > rows[2].have) {
+    m += fmt::format("nvme: {}\n", split(Tier::nvme));
+    m += "  - add nvme paths on other drives (--nvme-path a,b) or free space on them\n";
+    m += "  - keep more in host RAM (offload_param.device cpu, or a larger max_in_cpu)\n";
+  }
+  if (pinned_limited && rows[3].need > rows[3].have) {
+    m += fmt::format("pinned: {} of buffers{}\n", format_bytes(pinned_bytes()),
+                     request.pin_memory ? " plus the cpu-homed state (pin_memory true)" : "");
+    m += "  - raise the memlock limit (ulimit -l, or memlock in /etc/security/limits.conf)\n";
+    if (request.pin_memory) m += "  - set pin_memory false to pin only the buffers\n";
+    m += "  - a smaller buffer_count or buffer_size\n";
+  }
+  if (!m.empty() && m.back() == '\n') m.pop_back();
+  throw Error(m);
+}
+
+std::string Placement::str() const {
+  std::string s = fmt::format(
+      "placement: model {}, {} GPU(s), micro-batch {} x {} tokens, parameters {}, gradients "
+      "{}, {} units ({} replicated){}\n",
+      shape.model.name, shape.ranks, shape.micro_batch, shape.seq_len,
+      dtype_name(shape.param_dtype), dtype_name(shape.grad_dtype), homes.size(),
+      std::count_if(partition.units.begin(), partition.units.end(),
+                    [](const UnitPartition& u) { return u.replicated; }),
+      request.automatic ? ", chosen automatically" : "");
+  s += fmt::format("  {:<22} {:<6} {:<6} {:<9}\n", "units", "param", "grad", "optimizer");
+  for (size_t b = 0; b < homes.size();) {
+    size_t e = b + 1;
+    while (e < homes.size() && homes[e].param == homes[b].param && homes[e].grad == homes[b].grad &&
+           homes[e].optimizer == homes[b].optimizer)
+      ++e;
+    const std::string units = e - b == 1 ? partition.units[b].name
+                                         : fmt::format("{} .. {} ({})", partition.units[b].name,
+                                                       partition.units[e - 1].name, e - b);
+    s += fmt::format("  {:<22} {:<6} {:<6} {:<9}\n", units, tier_name(homes[b].param),
+                     tier_name(homes[b].grad), tier_name(homes[b].optimizer));
+    b = e;
+  }
+  const TierBytes t = needs();
+  s += fmt::format("  {:<12} {:>16} {:>12} {:>12}\n", "memory", "gpu (per device)", "cpu", "nvme");
+  for (int k = 0; k < kStateKinds; ++k) {
+    const StateKind kind = StateKind(k);
+    s += fmt::format("  {:<12} {:>16} {:>12} {:>12}\n", state_kind_name(kind),
+                     format_bytes(t.at(Tier::gpu, kind)), format_bytes(t.at(Tier::cpu, kind)),
+                     format_bytes(t.at(Tier::nvme, kind)));
+  }
+  s += fmt::format("  {:<12} {:>16} {:>12} {:>12}\n", "total", format_bytes(t.total(Tier::gpu)),
+                   format_bytes(t.total(Tier::cpu)), format_bytes(t.total(Tier::nvme)));
+  if (pinned_buffers > 0)
+    s += fmt::format("  pinned buffers: {} x {} = {} (one unit in flight each){}\n", pinned_buffers,
+                     format_bytes(pinned_buffer_bytes), format_bytes(pinned_bytes()),
+                     request.pin_memory ? fmt::format("; {} page-locked with the cpu-homed state",
+                                                      format_bytes(pinned_need()))
+                                        : std::string());
+  else
+    s += "  pinned buffers: none (nothing is offloaded)\n";
+  return s;
+}
+
+}  // namespace strata

@@ -19,6 +19,8 @@
 #include "model/config.h"
 #include "partition/partition.h"
 
+#include <nlohmann/json.hpp>
+
 #include <array>
 #include <cstdint>
 #include <string>
@@ -57,7 +59,19 @@ struct OffloadRequest {
   uint64_t buffer_size = 0;    // offload_param.buffer_size (elements); 0: the largest shard
   bool pin_memory = true;      // offload_*.pin_memory
   std::vector<std::string> nvme_paths;  // offload_*.nvme_path, one per drive
+  uint64_t nvme_stripe = 1ull << 20;    // the swap store's stripe (aio.block_size)
 };
+// max_in_cpu, as DeepSpeed means it: with offload_param.device nvme, units in forward order
+// keep their parameter shards in host RAM while the total stays within max_in_cpu elements
+// (0: none), the rest go to NVMe; with device cpu, parameter shards beyond max_in_cpu spill
+// to NVMe (0: no limit). Elements count every rank's shard (padding included).
+//
+// Pinned buffers: with anything off the GPU there are buffer_count of them, one per unit in
+// flight between tiers. A buffer carries a whole unit's transfer, every rank's shard of it
+// (the schedule reads P[u] from NVMe and streams O[u] through CPU Adam for all ranks at
+// once), so each is the largest such transfer: P (param dtype) or O (master+m+v) over all
+// ranks, or one rank's G shard (grad dtype), rounded up to 4 KiB; or buffer_size elements
+// of param dtype when given (then the executor moves a larger transfer through it in pieces).
 
 // What each tier can hold. GPU figures are per device; NVMe is the free space over all paths.
 struct TierBudgets {
@@ -77,6 +91,7 @@ struct RunShape {
   int64_t seq_len = 0;
   uint64_t persistence_threshold = 100000;  // elements
   int working_buffers = 2;                  // gathered units per GPU (prefetch depth + 1)
+  uint64_t device_alignment = 256;          // device arenas round every buffer up to this
 };
 
 struct UnitHomes {
@@ -91,6 +106,8 @@ struct TierBytes {
   uint64_t& at(Tier t, StateKind k) { return bytes[int(t)][int(k)]; }
   uint64_t at(Tier t, StateKind k) const { return bytes[int(t)][int(k)]; }
   uint64_t total(Tier t) const;
+  // One tier's bytes per kind ("parameters", ..., "other") and "total", for --json output.
+  nlohmann::json to_json(Tier t) const;
 };
 
 struct Placement {
@@ -110,7 +127,23 @@ struct Placement {
   static Placement make(const RunShape& shape, const OffloadRequest& request,
                         const TierBudgets& budgets);
 
+  // Exact bytes per tier and kind, as the allocations round them. GPU, per device:
+  // parameters (gpu-homed shards; replicated units whole), gradients (gpu-homed G),
+  // optimizer (gpu-homed O: master, m, v as three f32 buffers), working (working_buffers ×
+  // (the largest gathered unit in param dtype + the largest unit's working gradient in grad
+  // dtype), plus working_buffers landing buffers of the largest shard when some P lives off
+  // the GPU), activations (LlamaModel::workspace_bytes_for + the two activation gradients
+  // ZeroRunner passes between units), other (ZeroModel's reduce-scatter staging). CPU (node):
+  // cpu-homed P, G, O of every rank (a replicated unit's once), each shard rounded up to a
+  // 4 KiB page as the pinned pool hands it out, and the pinned buffers.
+  // NVMe: nvme-homed P and O of every rank, one swap-store shard per (unit, rank, kind),
+  // each rounded up to the stripe, the total to whole stripes on every path.
   TierBytes needs() const;
+  // Bytes of the pinned buffers, and whether any state lives off the GPU.
+  uint64_t pinned_bytes() const { return uint64_t(pinned_buffers) * pinned_buffer_bytes; }
+  bool offloaded() const;
+  // Page-locked bytes the run needs: the buffers, plus cpu-homed state when pin_memory.
+  uint64_t pinned_need() const;
   // Throws Error when a tier's need exceeds its budget: the message holds the table of
   // needed versus available bytes per tier (and per kind for the tiers that overflow) and
   // what to change (a smaller micro-batch, offloading to the next tier, more memory).

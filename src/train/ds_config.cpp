@@ -1,0 +1,476 @@
+// ds_config.cpp: see ds_config.h. Each section is read by one function that walks its keys:
+// a key it knows is checked and stored, any other key is recorded in `ignored`. "auto" is
+// taken only where Hugging Face's integration writes it (the `Auto::ok` arguments below).
+#include "train/ds_config.h"
+
+#include "core/error.h"
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <fstream>
+#include <limits>
+
+namespace strata {
+namespace {
+
+using nlohmann::json;
+
+enum class Auto { no, ok };
+
+// The path of `key` inside `parent` ("zero_optimization.offload_param.device").
+std::string path_of(const std::string& parent, const std::string& key) {
+  return parent.empty() ? key : parent + "." + key;
+}
+
+class Reader {
+ public:
+  Reader(std::string_view source, std::vector<std::string>& ignored)
+      : source_(source), ignored_(ignored) {}
+
+  [[noreturn]] void bad(const std::string& path, const json& v, std::string_view expected) const {
+    fail("DeepSpeed config {}: {} is {}; expected {}", source_, path, v.dump(), expected);
+  }
+  bool is_auto(const json& v, const std::string& path, Auto a, std::string_view expected) const {
+    if (!v.is_string() || v.get<std::string>() != "auto") return false;
+    if (a == Auto::no)
+      fail(
+          "DeepSpeed config {}: {} is \"auto\", which strata cannot resolve here (Hugging Face "
+          "writes \"auto\" only for batch sizes, precision, optimizer and scheduler values and "
+          "the stage-3 bucket sizes); expected {}",
+          source_, path, expected);
+    return true;
+  }
+  const json& object(const json& v, const std::string& path) const {
+    if (!v.is_object()) bad(path, v, "an object");
+    return v;
+  }
+  void ignore(const std::string& path) { ignored_.push_back(path); }
+
+  std::optional<bool> boolean(const json& v, const std::string& path, Auto a = Auto::no) const {
+    if (is_auto(v, path, a, "true or false")) return std::nullopt;
+    if (!v.is_boolean()) bad(path, v, a == Auto::ok ? "true, false or \"auto\"" : "true or false");
+    return v.get<bool>();
+  }
+  // A whole number within [lo, hi]; 1e9 and 5.0 count (DeepSpeed configs write sizes so).
+  std::optional<int64_t> integer(const json& v, const std::string& path, int64_t lo, int64_t hi,
+                                 Auto a = Auto::no) const {
+    const std::string expected =
+        hi == std::numeric_limits<int64_t>::max()
+            ? fmt::format("a whole number >= {}{}", lo, a == Auto::ok ? " or \"auto\"" : "")
+            : fmt::format("a whole number in {}..{}{}", lo, hi,
+                          a == Auto::ok ? " or \"auto\"" : "");
+    if (is_auto(v, path, a, expected)) return std::nullopt;
+    if (v.is_number_integer()) {
+      if (v.is_number_unsigned() &&
+          v.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max()))
+        bad(path, v, expected);
+      const int64_t n = v.get<int64_t>();
+      if (n < lo || n > hi) bad(path, v, expected);
+      return n;
+    }
+    if (v.is_number_float()) {
+      const double d = v.get<double>();
+      if (!std::isfinite(d) || d != std::floor(d) || d < double(lo) || d > double(hi) ||
+          d >= 9.2e18)
+        bad(path, v, expected);
+      return static_cast<int64_t>(d);
+    }
+    bad(path, v, expected);
+  }
+  std::optional<uint64_t> count(const json& v, const std::string& path, Auto a = Auto::no) const {
+    const auto n = integer(v, path, 0, std::numeric_limits<int64_t>::max(), a);
+    if (!n) return std::nullopt;
+    return static_cast<uint64_t>(*n);
+  }
+  std::optional<int> small(const json& v, const std::string& path, int lo, int hi,
+                           Auto a = Auto::no) const {
+    const auto n = integer(v, path, lo, hi, a);
+    if (!n) return std::nullopt;
+    return static_cast<int>(*n);
+  }
+  std::optional<double> real(const json& v, const std::string& path, double lo, Auto a = Auto::no,
+                             bool lo_open = false) const {
+    const std::string expected = fmt::format("a number {} {}{}", lo_open ? ">" : ">=", lo,
+                                             a == Auto::ok ? " or \"auto\"" : "");
+    if (is_auto(v, path, a, expected)) return std::nullopt;
+    if (!v.is_number()) bad(path, v, expected);
+    const double d = v.get<double>();
+    if (!std::isfinite(d) || d < lo || (lo_open && d == lo)) bad(path, v, expected);
+    return d;
+  }
+  std::string one_of(const json& v, const std::string& path,
+                     std::initializer_list<std::string_view> allowed, bool any_case = false) const {
+    std::string expected;
+    for (std::string_view a : allowed)
+      expected += fmt::format("{}\"{}\"", expected.empty() ? "one of " : ", ", a);
+    if (!v.is_string()) bad(path, v, expected);
+    std::string s = v.get<std::string>();
+    for (std::string_view a : allowed) {
+      const bool same =
+          any_case ? std::equal(s.begin(), s.end(), a.begin(), a.end(),
+                                [](char x, char y) { return std::tolower(x) == std::tolower(y); })
+                   : s == a;
+      if (same) return std::string(a);
+    }
+    bad(path, v, expected);
+  }
+
+ private:
+  std::string source_;
+  std::vector<std::string>& ignored_;
+};
+
+void read_offload(Reader& r, const json& v, const std::string& path, DsOffload& o) {
+  r.object(v, path);
+  o.present = true;
+  for (const auto& [key, value] : v.items()) {
+    const std::string p = path_of(path, key);
+    if (key == "device") {
+      if (value.is_string() && value.get<std::string>() == "auto") {
+        o.device_auto = true;
+        continue;
+      }
+      o.device = parse_tier(r.one_of(value, p, {"none", "cpu", "nvme"}));
+    } else if (key == "nvme_path") {
+      if (value.is_string()) {
+        o.nvme_path = {value.get<std::string>()};
+      } else if (value.is_array() && !value.empty() &&
+                 std::all_of(value.begin(), value.end(),
+                             [](const json& e) { return e.is_string(); })) {
+        for (const json& e : value) o.nvme_path.push_back(e.get<std::string>());
+      } else {
+        r.bad(p, value, "a directory, or a list of directories (one per drive)");
+      }
+      for (const std::string& d : o.nvme_path)
+        if (d.empty()) r.bad(p, value, "a non-empty directory");
+    } else if (key == "pin_memory") {
+      o.pin_memory = r.boolean(value, p);
+    } else if (key == "buffer_count") {
+      o.buffer_count = r.small(value, p, 1, 1 << 16);
+    } else if (key == "buffer_size") {
+      o.buffer_size = r.count(value, p);
+      if (*o.buffer_size == 0) r.bad(p, value, "a number of elements >= 1");
+    } else if (key == "max_in_cpu") {
+      o.max_in_cpu = r.count(value, p);
+    } else {
+      r.ignore(p);  // ratio, fast_init, pipeline_read, ...
+    }
+  }
+}
+
+void read_zero(Reader& r, const json& v, DsConfig::Zero& z) {
+  const std::string path = "zero_optimization";
+  r.object(v, path);
+  for (const auto& [key, value] : v.items()) {
+    const std::string p = path_of(path, key);
+    if (key == "stage")
+      z.stage = r.small(value, p, 0, 3);
+    else if (key == "offload_param")
+      read_offload(r, value, p, z.offload_param);
+    else if (key == "offload_optimizer")
+      read_offload(r, value, p, z.offload_optimizer);
+    else if (key == "stage3_prefetch_bucket_size")
+      z.stage3_prefetch_bucket_size = r.count(value, p, Auto::ok);
+    else if (key == "stage3_max_live_parameters")
+      z.stage3_max_live_parameters = r.count(value, p);
+    else if (key == "stage3_param_persistence_threshold")
+      z.stage3_param_persistence_threshold = r.count(value, p, Auto::ok);
+    else if (key == "sub_group_size")
+      z.sub_group_size = r.count(value, p);
+    else if (key == "overlap_comm")
+      z.overlap_comm = r.boolean(value, p);
+    else
+      r.ignore(p);  // contiguous_gradients, reduce_bucket_size, stage3_max_reuse_distance, ...
+  }
+}
+
+void read_optimizer(Reader& r, const json& v, DsConfig::Optimizer& o) {
+  r.object(v, "optimizer");
+  for (const auto& [key, value] : v.items()) {
+    const std::string p = path_of("optimizer", key);
+    if (key == "type") {
+      o.type = r.one_of(value, p, {"Adam", "AdamW"}, true);
+    } else if (key == "params") {
+      r.object(value, p);
+      for (const auto& [k, x] : value.items()) {
+        const std::string q = path_of(p, k);
+        if (k == "lr") {
+          o.lr = r.real(x, q, 0.0, Auto::ok);
+        } else if (k == "betas") {
+          if (r.is_auto(x, q, Auto::ok, "")) continue;
+          if (!x.is_array() || x.size() != 2 || !x[0].is_number() || !x[1].is_number())
+            r.bad(q, x, "two numbers in [0, 1), e.g. [0.9, 0.999], or \"auto\"");
+          const double b1 = x[0].get<double>(), b2 = x[1].get<double>();
+          if (!(b1 >= 0 && b1 < 1 && b2 >= 0 && b2 < 1))
+            r.bad(q, x, "two numbers in [0, 1), e.g. [0.9, 0.999], or \"auto\"");
+          o.betas = std::array<double, 2>{b1, b2};
+        } else if (k == "eps") {
+          o.eps = r.real(x, q, 0.0, Auto::ok, true);
+        } else if (k == "weight_decay") {
+          o.weight_decay = r.real(x, q, 0.0, Auto::ok);
+        } else if (k == "adam_w_mode") {
+          o.adam_w_mode = r.boolean(x, q);
+        } else {
+          r.ignore(q);  // torch_adam, amsgrad, bias_correction, ...
+        }
+      }
+    } else {
+      r.ignore(p);
+    }
+  }
+}
+
+void read_scheduler(Reader& r, const json& v, DsConfig::Scheduler& s) {
+  r.object(v, "scheduler");
+  for (const auto& [key, value] : v.items()) {
+    const std::string p = path_of("scheduler", key);
+    if (key == "type") {
+      s.type = r.one_of(value, p, {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"});
+    } else if (key == "params") {
+      r.object(value, p);
+      for (const auto& [k, x] : value.items()) {
+        const std::string q = path_of(p, k);
+        if (k == "warmup_min_lr")
+          s.warmup_min_lr = r.real(x, q, 0.0, Auto::ok);
+        else if (k == "warmup_max_lr")
+          s.warmup_max_lr = r.real(x, q, 0.0, Auto::ok);
+        else if (k == "warmup_num_steps")
+          s.warmup_num_steps = r.integer(x, q, 0, std::numeric_limits<int64_t>::max(), Auto::ok);
+        else if (k == "total_num_steps")
+          s.total_num_steps = r.integer(x, q, 1, std::numeric_limits<int64_t>::max(), Auto::ok);
+        else if (k == "warmup_type")
+          s.warmup_type = r.one_of(x, q, {"log", "linear"});
+        else if (k == "warmup_min_ratio")
+          s.warmup_min_ratio = r.real(x, q, 0.0, Auto::ok);
+        else if (k == "cos_min_ratio")
+          s.cos_min_ratio = r.real(x, q, 0.0, Auto::ok);
+        else
+          r.ignore(q);  // last_batch_iteration, ...
+      }
+    } else {
+      r.ignore(p);
+    }
+  }
+}
+
+void read_fp16(Reader& r, const json& v, DsConfig::Fp16& f) {
+  r.object(v, "fp16");
+  for (const auto& [key, value] : v.items()) {
+    const std::string p = path_of("fp16", key);
+    if (key == "enabled")
+      f.enabled = r.boolean(value, p, Auto::ok);
+    else if (key == "loss_scale")
+      f.loss_scale = r.real(value, p, 0.0);
+    else if (key == "initial_scale_power")
+      f.initial_scale_power = r.small(value, p, 0, 127);
+    else if (key == "loss_scale_window")
+      f.loss_scale_window = r.integer(value, p, 1, std::numeric_limits<int64_t>::max());
+    else if (key == "hysteresis")
+      f.hysteresis = r.small(value, p, 1, 1 << 20);
+    else if (key == "min_loss_scale")
+      f.min_loss_scale = r.real(value, p, 0.0, Auto::no, true);
+    else
+      r.ignore(p);  // auto_cast, consecutive_hysteresis, ...
+  }
+}
+
+void read_aio(Reader& r, const json& v, DsConfig::Aio& a) {
+  r.object(v, "aio");
+  for (const auto& [key, value] : v.items()) {
+    const std::string p = path_of("aio", key);
+    if (key == "block_size") {
+      a.block_size = r.count(value, p);
+      if (*a.block_size == 0 || *a.block_size % 4096 != 0)
+        r.bad(p, value, "a positive multiple of 4096 bytes, e.g. 1048576");
+    } else if (key == "queue_depth") {
+      a.queue_depth = r.small(value, p, 1, 4096);
+    } else if (key == "intra_op_parallelism") {
+      a.intra_op_parallelism = r.small(value, p, 1, 1024);
+    } else if (key == "thread_count") {
+      a.thread_count = r.small(value, p, 1, 1024);
+    } else if (key == "single_submit") {
+      a.single_submit = r.boolean(value, p);
+    } else if (key == "overlap_events") {
+      a.overlap_events = r.boolean(value, p);
+    } else {
+      r.ignore(p);  // use_gds, ...
+    }
+  }
+}
+
+}  // namespace
+
+bool DsConfig::Optimizer::decoupled_weight_decay() const {
+  if (type && *type == "AdamW") return true;
+  return adam_w_mode.value_or(true);
+}
+
+DsConfig parse_ds_config(const json& j, std::string_view source) {
+  DsConfig c;
+  c.source = std::string(source);
+  Reader r(source, c.ignored);
+  if (!j.is_object())
+    fail("DeepSpeed config {}: the top level is {}; expected a JSON object", source, j.type_name());
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  bool saw_bf16 = false;
+  for (const auto& [key, value] : j.items()) {
+    if (key == "train_batch_size") {
+      c.train_batch_size = r.integer(value, key, 1, kMax, Auto::ok);
+    } else if (key == "train_micro_batch_size_per_gpu") {
+      c.train_micro_batch_size_per_gpu = r.integer(value, key, 1, kMax, Auto::ok);
+    } else if (key == "gradient_accumulation_steps") {
+      c.gradient_accumulation_steps = r.integer(value, key, 1, kMax, Auto::ok);
+    } else if (key == "gradient_clipping") {
+      c.gradient_clipping = r.real(value, key, 0.0, Auto::ok);
+    } else if (key == "steps_per_print") {
+      c.steps_per_print = r.integer(value, key, 1, kMax);
+    } else if (key == "bf16" || key == "bfloat16") {
+      if (saw_bf16)
+        fail(
+            "DeepSpeed config {}: both bf16 and bfloat16 are given; they are the same section, "
+            "keep one",
+            source);
+      saw_bf16 = true;
+      r.object(value, key);
+      for (const auto& [k, x] : value.items()) {
+        if (k == "enabled")
+          c.bf16_enabled = r.boolean(x, path_of(key, k), Auto::ok);
+        else
+          r.ignore(path_of(key, k));  // immediate_grad_update, ...
+      }
+    } else if (key == "fp16") {
+      read_fp16(r, value, c.fp16);
+    } else if (key == "optimizer") {
+      read_optimizer(r, value, c.optimizer);
+    } else if (key == "scheduler") {
+      read_scheduler(r, value, c.scheduler);
+    } else if (key == "zero_optimization") {
+      read_zero(r, value, c.zero);
+    } else if (key == "aio") {
+      read_aio(r, value, c.aio);
+    } else {
+      r.ignore(key);  // wall_clock_breakdown, zero_allow_untested_optimizer, ...
+    }
+  }
+  if (c.bf16_enabled.value_or(false) && c.fp16.enabled.value_or(false))
+    fail(
+        "DeepSpeed config {}: bf16.enabled and fp16.enabled are both true; enable one "
+        "precision",
+        source);
+  return c;
+}
+
+DsConfig load_ds_config(const std::filesystem::path& path) {
+  std::ifstream in(path);
+  if (!in)
+    fail("DeepSpeed config {}: cannot be opened; check the path given to --config", path.string());
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::parse_error& e) {
+    fail("DeepSpeed config {}: not valid JSON ({}); fix the file", path.string(), e.what());
+  }
+  return parse_ds_config(j, path.string());
+}
+
+DsBatch resolve_ds_batch(const DsConfig& c, int world) {
+  if (world < 1) fail("world size {}: at least 1 GPU", world);
+  const int64_t w = world;
+  const auto& tb = c.train_batch_size;
+  const auto& mb = c.train_micro_batch_size_per_gpu;
+  const auto& ga = c.gradient_accumulation_steps;
+  DsBatch b;
+  if (tb && mb && ga) {
+    if (*tb != *mb * *ga * w)
+      fail(
+          "DeepSpeed config {}: train_batch_size {} != train_micro_batch_size_per_gpu {} x "
+          "gradient_accumulation_steps {} x {} GPU(s) = {}; make the three agree (or set one "
+          "to \"auto\")",
+          c.source, *tb, *mb, *ga, w, *mb * *ga * w);
+    b.micro_batch = mb;
+    b.grad_accum = ga;
+  } else if (tb && mb) {
+    if (*tb % (*mb * w) != 0)
+      fail(
+          "DeepSpeed config {}: train_batch_size {} is not a multiple of "
+          "train_micro_batch_size_per_gpu {} x {} GPU(s); change one of them",
+          c.source, *tb, *mb, w);
+    b.micro_batch = mb;
+    b.grad_accum = *tb / (*mb * w);
+  } else if (tb && ga) {
+    if (*tb % (*ga * w) != 0)
+      fail(
+          "DeepSpeed config {}: train_batch_size {} is not a multiple of "
+          "gradient_accumulation_steps {} x {} GPU(s); change one of them",
+          c.source, *tb, *ga, w);
+    b.micro_batch = *tb / (*ga * w);
+    b.grad_accum = ga;
+  } else if (tb) {
+    if (*tb % w != 0)
+      fail(
+          "DeepSpeed config {}: train_batch_size {} is not a multiple of the {} GPU(s); change "
+          "it",
+          c.source, *tb, w);
+    b.micro_batch = *tb / w;
+    b.grad_accum = 1;
+  } else {
+    b.micro_batch = mb;
+    b.grad_accum = ga;
+  }
+  return b;
+}
+
+DsPlanSettings ds_plan_settings(const DsConfig& c, int world, const LlamaConfig& model) {
+  DsPlanSettings s;
+  s.batch = resolve_ds_batch(c, world);
+  const DsOffload& op = c.zero.offload_param;
+  const DsOffload& oo = c.zero.offload_optimizer;
+  OffloadRequest& r = s.offload;
+  r.automatic = op.device_auto || oo.device_auto;
+  r.param = op.device.value_or(Tier::gpu);
+  r.optimizer = oo.device.value_or(Tier::gpu);
+  r.max_in_cpu = op.max_in_cpu.value_or(0);
+  r.buffer_size = op.buffer_size.value_or(0);
+  // One pool serves both directions: the larger of the two counts the config asks for.
+  const bool p_off = r.param != Tier::gpu, o_off = r.optimizer != Tier::gpu;
+  int count = 0;
+  if (op.buffer_count && (p_off || !o_off)) count = std::max(count, *op.buffer_count);
+  if (oo.buffer_count && (o_off || !p_off)) count = std::max(count, *oo.buffer_count);
+  if (count > 0) r.buffer_count = count;
+  // DeepSpeed pins only when asked (its default is false); with no offload section at all
+  // strata keeps its own default.
+  if (op.present || oo.present)
+    r.pin_memory =
+        (p_off && op.pin_memory.value_or(false)) || (o_off && oo.pin_memory.value_or(false)) ||
+        (!p_off && !o_off && (op.pin_memory.value_or(false) || oo.pin_memory.value_or(false)));
+  for (const DsOffload* o : {&op, &oo})
+    for (const std::string& d : o->nvme_path)
+      if (std::find(r.nvme_paths.begin(), r.nvme_paths.end(), d) == r.nvme_paths.end())
+        r.nvme_paths.push_back(d);
+  if (c.aio.block_size) r.nvme_stripe = *c.aio.block_size;
+
+  if (c.bf16_enabled.value_or(false))
+    s.param_dtype = DType::bf16;
+  else if (c.fp16.enabled.value_or(false))
+    s.param_dtype = DType::f16;
+  else if (c.bf16_enabled.has_value() && c.fp16.enabled.has_value())
+    s.param_dtype = DType::f32;  // both explicitly false: an fp32 run
+  s.persistence_threshold = c.zero.stage3_param_persistence_threshold;
+
+  if (c.zero.stage3_prefetch_bucket_size) {
+    const ModelLayout layout = ModelLayout::build(model);
+    uint64_t largest = 1;
+    for (const UnitLayout& u : layout.units) largest = std::max(largest, u.numel);
+    uint64_t depth = std::clamp<uint64_t>(*c.zero.stage3_prefetch_bucket_size / largest, 1, 4);
+    // max_live_parameters bounds what is gathered at once: the unit in use and those ahead.
+    if (c.zero.stage3_max_live_parameters && *c.zero.stage3_max_live_parameters > 0) {
+      const uint64_t live = *c.zero.stage3_max_live_parameters / largest;
+      depth = std::min(depth, std::max<uint64_t>(live, 2) - 1);
+    }
+    s.prefetch_depth = static_cast<int>(depth);
+  }
+  return s;
+}
+
+}  // namespace strata

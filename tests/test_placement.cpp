@@ -1,0 +1,435 @@
+// test_placement.cpp: homes for every request, needs() against what ZeroModel, LlamaModel and
+// ZeroRunner really allocate on host devices, check()'s refusal table, the automatic
+// placement's spill order, and llama2-70b's figures by hand.
+#include "core/bytes.h"
+#include "core/system.h"
+#include "host/host_device.h"
+#include "partition/communicator.h"
+#include "partition/zero.h"
+#include "testing.h"
+#include "tier/placement.h"
+
+#include <gtest/gtest.h>
+
+namespace strata {
+namespace {
+
+using test::expect_error;
+
+RunShape tiny_shape(int ranks, uint64_t threshold = 0) {
+  RunShape s;
+  s.model = *find_preset("tiny");
+  s.ranks = ranks;
+  s.micro_batch = 2;
+  s.seq_len = 32;
+  s.persistence_threshold = threshold;
+  return s;
+}
+
+TierBudgets roomy() {
+  TierBudgets b;
+  b.gpu_memory = 1ull << 40;
+  b.cpu_memory = 1ull << 40;
+  b.nvme_free = 1ull << 40;
+  return b;
+}
+
+OffloadRequest request(Tier param, Tier optimizer) {
+  OffloadRequest r;
+  r.param = param;
+  r.optimizer = optimizer;
+  r.nvme_paths = {"/nvme0", "/nvme1"};
+  return r;
+}
+
+uint64_t round256(uint64_t n) {
+  return n == 0 ? 0 : (n + 255) / 256 * 256;
+}
+
+TEST(Placement, TierAndKindNames) {
+  EXPECT_EQ(parse_tier("none"), Tier::gpu);
+  EXPECT_EQ(parse_tier("gpu"), Tier::gpu);
+  EXPECT_EQ(parse_tier("cpu"), Tier::cpu);
+  EXPECT_EQ(parse_tier("nvme"), Tier::nvme);
+  expect_error([] { parse_tier("disk"); }, {"'disk'", "none", "cpu", "nvme"});
+  EXPECT_EQ(tier_name(Tier::nvme), "nvme");
+  EXPECT_EQ(state_kind_name(StateKind::activations), "activations");
+}
+
+TEST(Placement, HomesFollowTheRequest) {
+  const RunShape s = tiny_shape(2, 40000);  // the embedding (32768) replicated, blocks sharded
+  for (Tier param : {Tier::gpu, Tier::cpu, Tier::nvme})
+    for (Tier opt : {Tier::gpu, Tier::cpu, Tier::nvme}) {
+      SCOPED_TRACE(fmt::format("param {} optimizer {}", tier_name(param), tier_name(opt)));
+      const Placement p = Placement::make(s, request(param, opt), roomy());
+      ASSERT_EQ(p.homes.size(), 4u);
+      for (size_t u = 0; u < p.homes.size(); ++u) {
+        const bool replicated = p.partition.units[u].replicated;
+        EXPECT_EQ(p.homes[u].param, replicated ? Tier::gpu : param) << u;
+        EXPECT_EQ(p.homes[u].optimizer, opt) << u;
+        EXPECT_EQ(p.homes[u].grad, opt == Tier::gpu ? Tier::gpu : Tier::cpu) << u;
+      }
+      EXPECT_TRUE(p.partition.units[0].replicated);
+      EXPECT_FALSE(p.partition.units[1].replicated);
+      const bool off = param != Tier::gpu || opt != Tier::gpu;
+      EXPECT_EQ(p.offloaded(), off);
+      EXPECT_EQ(p.pinned_buffers, off ? 5 : 0);
+      EXPECT_EQ(p.pinned_bytes() > 0, off);
+      const TierBytes t = p.needs();
+      EXPECT_EQ(t.at(Tier::cpu, StateKind::buffers), p.pinned_bytes());
+      EXPECT_EQ(t.at(Tier::nvme, StateKind::optimizer) > 0, opt == Tier::nvme);
+      EXPECT_EQ(t.at(Tier::nvme, StateKind::parameters) > 0, param == Tier::nvme);
+      EXPECT_EQ(t.at(Tier::gpu, StateKind::optimizer) > 0, opt == Tier::gpu);
+      EXPECT_NE(p.str().find("embedding"), std::string::npos);
+    }
+}
+
+TEST(Placement, ImpossibleRequestsNameTheSetting) {
+  const RunShape s = tiny_shape(1);
+  OffloadRequest r = request(Tier::gpu, Tier::nvme);
+  r.nvme_paths.clear();
+  expect_error([&] { Placement::make(s, r, roomy()); }, {"offload_optimizer.device", "nvme_path"});
+  r = request(Tier::cpu, Tier::cpu);
+  r.buffer_count = 0;
+  expect_error([&] { Placement::make(s, r, roomy()); }, {"buffer_count 0"});
+  RunShape bad = s;
+  bad.micro_batch = 0;
+  expect_error([&] { Placement::make(bad, request(Tier::gpu, Tier::gpu), roomy()); },
+               {"micro-batch 0"});
+  bad = s;
+  bad.seq_len = 100000;
+  expect_error([&] { Placement::make(bad, request(Tier::gpu, Tier::gpu), roomy()); },
+               {"sequence length 100000"});
+}
+
+TEST(Placement, MaxInCpuSpillsParametersToNvme) {
+  RunShape s = tiny_shape(1);
+  const Placement all = Placement::make(s, request(Tier::cpu, Tier::cpu), roomy());
+  const uint64_t unit0 = all.partition.units[0].padded, unit1 = all.partition.units[1].padded;
+  OffloadRequest r = request(Tier::cpu, Tier::cpu);
+  r.max_in_cpu = unit0 + unit1;  // units 0 and 1 fit, the rest spill
+  const Placement p = Placement::make(s, r, roomy());
+  EXPECT_EQ(p.homes[0].param, Tier::cpu);
+  EXPECT_EQ(p.homes[1].param, Tier::cpu);
+  EXPECT_EQ(p.homes[2].param, Tier::nvme);
+  EXPECT_EQ(p.homes[3].param, Tier::nvme);
+  r.nvme_paths.clear();
+  expect_error([&] { Placement::make(s, r, roomy()); }, {"max_in_cpu", "nvme_path"});
+  // DeepSpeed's meaning with device nvme: the first max_in_cpu elements stay in host RAM.
+  r = request(Tier::nvme, Tier::cpu);
+  r.max_in_cpu = unit0;
+  const Placement q = Placement::make(s, r, roomy());
+  EXPECT_EQ(q.homes[0].param, Tier::cpu);
+  EXPECT_EQ(q.homes[1].param, Tier::nvme);
+  EXPECT_EQ(q.homes[3].param, Tier::nvme);
+}
+
+// N host devices of 64 MiB and their communicator.
+struct HostRanks {
+  std::vector<std::unique_ptr<Device>> devices;
+  std::unique_ptr<Communicator> comm;
+  explicit HostRanks(int n) {
+    std::vector<Device*> ptrs;
+    for (int r = 0; r < n; ++r) {
+      devices.push_back(open_host_device(r, 64ull << 20));
+      ptrs.push_back(devices.back().get());
+    }
+    comm = make_communicator(ptrs);
+  }
+};
+
+// needs() by hand for the tiny model, and against the allocations of the real thing.
+class PlacementAllocations : public ::testing::TestWithParam<std::tuple<int, uint64_t, bool>> {};
+
+TEST_P(PlacementAllocations, GpuFiguresEqualTheArenasPeaks) {
+  const auto [N, threshold, tied] = GetParam();
+  RunShape s = tiny_shape(N, threshold);
+  s.model.tie_word_embeddings = tied;
+  s.param_dtype = DType::f32;  // as the host backend runs
+  s.grad_dtype = DType::f32;
+  const Placement p = Placement::make(s, request(Tier::gpu, Tier::gpu), roomy());
+  const TierBytes t = p.needs();
+
+  // By hand: every unit's resident elements in f32, each buffer rounded to 256 bytes.
+  uint64_t params = 0, gather = 0;
+  for (const UnitPartition& up : p.partition.units) {
+    params += round256(up.resident() * 4);
+    if (!up.replicated) gather = std::max(gather, up.padded);
+  }
+  EXPECT_EQ(t.at(Tier::gpu, StateKind::parameters), params);
+  EXPECT_EQ(t.at(Tier::gpu, StateKind::gradients), params);
+  EXPECT_EQ(t.at(Tier::gpu, StateKind::working),
+            2 * (round256(gather * 4) + round256(p.partition.max_unit_numel() * 4)));
+  EXPECT_EQ(t.at(Tier::gpu, StateKind::other), round256(p.partition.max_shard_numel() * 4));
+  uint64_t optimizer = 0;
+  for (const UnitPartition& up : p.partition.units) optimizer += 3 * round256(up.resident() * 4);
+  EXPECT_EQ(t.at(Tier::gpu, StateKind::optimizer), optimizer);
+  EXPECT_EQ(t.total(Tier::cpu), 0u);
+  EXPECT_EQ(t.total(Tier::nvme), 0u);
+
+  // The real allocations on N host devices.
+  HostRanks ranks(N);
+  const auto& devices = ranks.devices;
+  Communicator& comm = *ranks.comm;
+  ZeroOptions zo;
+  zo.persistence_threshold = threshold;
+  zo.working_buffers = s.working_buffers;
+  ZeroModel zero(ModelLayout::build(s.model), comm, zo);
+  ModelOptions mo;
+  mo.max_batch = s.micro_batch;
+  mo.seq_len = s.seq_len;
+  std::vector<std::unique_ptr<LlamaModel>> models;
+  std::vector<LlamaModel*> model_ptrs;
+  for (int r = 0; r < N; ++r) {
+    models.push_back(std::make_unique<LlamaModel>(s.model, mo, *devices[size_t(r)]));
+    model_ptrs.push_back(models.back().get());
+  }
+  ZeroRunner runner(zero, model_ptrs);
+  for (int r = 0; r < N; ++r) {
+    SCOPED_TRACE("device " + std::to_string(r));
+    const ArenaStats m = devices[size_t(r)]->memory();
+    EXPECT_EQ(m.peak_of(MemoryKind::parameters), t.at(Tier::gpu, StateKind::parameters));
+    EXPECT_EQ(m.peak_of(MemoryKind::gradients), t.at(Tier::gpu, StateKind::gradients));
+    EXPECT_EQ(m.peak_of(MemoryKind::gathered), t.at(Tier::gpu, StateKind::working));
+    EXPECT_EQ(m.peak_of(MemoryKind::activations), t.at(Tier::gpu, StateKind::activations));
+    EXPECT_EQ(m.peak_of(MemoryKind::communication), t.at(Tier::gpu, StateKind::other));
+  }
+}
+
+// With the state on the host, the model state keeps on the GPU only what the placement
+// counts there (the executor's residency flags: replicated units, and gpu homes).
+TEST_P(PlacementAllocations, OffloadedStateLeavesOnlyReplicatedUnitsOnTheGpu) {
+  const auto [N, threshold, tied] = GetParam();
+  RunShape s = tiny_shape(N, threshold);
+  s.model.tie_word_embeddings = tied;
+  s.param_dtype = DType::f32;
+  const Placement p = Placement::make(s, request(Tier::cpu, Tier::cpu), roomy());
+  const TierBytes t = p.needs();
+  HostRanks ranks(N);
+  const auto& devices = ranks.devices;
+  Communicator& comm = *ranks.comm;
+  ZeroOptions zo;
+  zo.persistence_threshold = threshold;
+  for (size_t u = 0; u < p.homes.size(); ++u) {
+    zo.param_resident.push_back(p.homes[u].param == Tier::gpu || p.partition.units[u].replicated);
+    zo.grad_resident.push_back(p.homes[u].grad == Tier::gpu || p.partition.units[u].replicated);
+  }
+  ZeroModel zero(ModelLayout::build(s.model), comm, zo);
+  for (int r = 0; r < N; ++r) {
+    const ArenaStats m = devices[size_t(r)]->memory();
+    EXPECT_EQ(m.peak_of(MemoryKind::parameters), t.at(Tier::gpu, StateKind::parameters));
+    EXPECT_EQ(m.peak_of(MemoryKind::gradients), t.at(Tier::gpu, StateKind::gradients));
+  }
+  EXPECT_EQ(t.at(Tier::gpu, StateKind::parameters) == 0, threshold == 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(RanksThresholdTied, PlacementAllocations,
+                         ::testing::Combine(::testing::Values(1, 3), ::testing::Values(0, 40000),
+                                            ::testing::Bool()));
+
+TEST(Placement, HostAndNvmeBytesByHand) {
+  RunShape s = tiny_shape(3);  // every unit sharded
+  s.param_dtype = DType::bf16;
+  OffloadRequest r = request(Tier::nvme, Tier::cpu);
+  r.nvme_stripe = 4096;
+  const Placement p = Placement::make(s, r, roomy());
+  const TierBytes t = p.needs();
+  const auto page = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
+  uint64_t optimizer = 0, grads = 0, stripes = 0, largest = 0;
+  for (const UnitPartition& up : p.partition.units) {
+    optimizer += 3 * page(up.shard * 12);  // one page-rounded block per rank
+    grads += 3 * page(up.shard * 4);
+    stripes += 3 * ((up.shard * 2 + 4095) / 4096);
+    // A buffer carries every rank's P shards, or one rank's f32 gradient shard.
+    largest = std::max({largest, up.padded * 2, up.shard * 4});
+  }
+  EXPECT_EQ(t.at(Tier::cpu, StateKind::optimizer), optimizer);
+  EXPECT_EQ(t.at(Tier::cpu, StateKind::gradients), grads);
+  EXPECT_EQ(t.at(Tier::cpu, StateKind::parameters), 0u);
+  // Two paths: the files hold whole stripes on both.
+  EXPECT_EQ(t.total(Tier::nvme), (stripes + 1) / 2 * 2 * 4096);
+  EXPECT_EQ(t.at(Tier::gpu, StateKind::parameters), 0u);
+  EXPECT_EQ(t.at(Tier::gpu, StateKind::gradients), 0u);
+  EXPECT_EQ(p.pinned_buffers, 5);
+  EXPECT_EQ(p.pinned_buffer_bytes, page(largest));
+  EXPECT_EQ(p.pinned_need(), p.pinned_bytes() + optimizer + grads);
+  r.pin_memory = false;
+  EXPECT_EQ(Placement::make(s, r, roomy()).pinned_need(), p.pinned_bytes());
+  r.buffer_size = 100000;
+  EXPECT_EQ(Placement::make(s, r, roomy()).pinned_buffer_bytes, page(200000));
+  // Optimizer on NVMe: a buffer carries a whole unit's master, m and v.
+  const Placement o = Placement::make(s, request(Tier::gpu, Tier::nvme), roomy());
+  EXPECT_EQ(o.pinned_buffer_bytes, page(p.partition.units[1].padded * 12));
+}
+
+// Replicated units keep parameters and gradients on every GPU whatever the homes say, as
+// ZeroModel requires; their host copies are counted once.
+TEST(Placement, ReplicatedUnitsStayOnTheGpu) {
+  const RunShape s = tiny_shape(2, 40000);  // the embedding replicated
+  const Placement p = Placement::make(s, request(Tier::cpu, Tier::cpu), roomy());
+  ASSERT_TRUE(p.partition.units[0].replicated);
+  const TierBytes t = p.needs();
+  const auto page = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
+  uint64_t gpu_params = 0, gpu_grads = 0, host_grads = 0;
+  for (const UnitPartition& up : p.partition.units) {
+    if (up.replicated) {
+      gpu_params += round256(up.numel * 2);
+      gpu_grads += round256(up.numel * 4);
+      host_grads += page(up.numel * 4);
+    } else {
+      host_grads += 2 * page(up.shard * 4);
+    }
+  }
+  EXPECT_GT(gpu_params, 0u);
+  EXPECT_EQ(t.at(Tier::gpu, StateKind::parameters), gpu_params);
+  EXPECT_EQ(t.at(Tier::gpu, StateKind::gradients), gpu_grads);
+  EXPECT_EQ(t.at(Tier::cpu, StateKind::gradients), host_grads);
+}
+
+TEST(Placement, CheckRefusesWithATable) {
+  const RunShape s = tiny_shape(2);
+  const Placement p = Placement::make(s, request(Tier::gpu, Tier::gpu), roomy());
+  const TierBytes t = p.needs();
+  TierBudgets b = roomy();
+  b.gpu_memory = t.total(Tier::gpu);
+  EXPECT_NO_THROW(p.check(b));  // exactly enough fits
+  b.gpu_memory = t.total(Tier::gpu) - 1;
+  expect_error([&] { p.check(b); },
+               {"does not fit", "tier", "needed", "available", "over by", "gpu (per device)",
+                format_bytes(t.total(Tier::gpu)), "1 B", "optimizer", "activations",
+                "--offload-optimizer cpu", "micro-batch"});
+
+  const Placement host = Placement::make(s, request(Tier::cpu, Tier::cpu), roomy());
+  b = roomy();
+  b.cpu_memory = host.needs().total(Tier::cpu) / 2;
+  expect_error([&] { host.check(b); },
+               {"cpu", format_bytes(host.needs().total(Tier::cpu)), "--offload-optimizer nvme",
+                "--offload-param nvme", "--cpu-memory"});
+  b = roomy();
+  b.pinned_limit = 64 << 10;
+  expect_error([&] { host.check(b); }, {"pinned", "ulimit -l", "pin_memory false"});
+  b.pinned_limit = kUnlimited;
+  EXPECT_NO_THROW(host.check(b));
+
+  const Placement nvme = Placement::make(s, request(Tier::nvme, Tier::nvme), roomy());
+  b = roomy();
+  b.nvme_free = 4096;
+  expect_error([&] { nvme.check(b); }, {"nvme", "add nvme paths"});
+}
+
+TEST(Placement, AutomaticSpillsInOrderAsBudgetsShrink) {
+  RunShape s = tiny_shape(1);
+  OffloadRequest r = request(Tier::gpu, Tier::gpu);
+  r.automatic = true;
+  const Placement all_gpu = Placement::make(s, request(Tier::gpu, Tier::gpu), roomy());
+  const Placement fixed_only = Placement::make(s, request(Tier::cpu, Tier::nvme), roomy());
+  const uint64_t full = all_gpu.needs().total(Tier::gpu);
+
+  // Everything fits: nothing leaves the GPU.
+  const Placement a = Placement::make(s, r, roomy());
+  for (const UnitHomes& h : a.homes) EXPECT_EQ(h.optimizer, Tier::gpu);
+  EXPECT_EQ(a.pinned_buffers, 0);
+  EXPECT_NO_THROW(a.check(roomy()));
+
+  // Shrinking the GPU pushes optimizer state, then parameters, off it; units late in the
+  // forward order go first. Every placement chosen fits its budgets.
+  int last_gpu_units = 1 << 30;
+  const uint64_t floor = fixed_only.needs().total(Tier::gpu);
+  std::vector<uint64_t> gpu_budgets;
+  for (int i = 0; i <= 8; ++i) gpu_budgets.push_back(full - (full - floor) * uint64_t(i) / 8);
+  for (uint64_t gpu : gpu_budgets) {
+    TierBudgets b = roomy();
+    b.gpu_memory = gpu;
+    b.cpu_memory = 1ull << 30;
+    const Placement p = Placement::make(s, r, b);
+    EXPECT_NO_THROW(p.check(b)) << gpu;
+    int on_gpu = 0;
+    bool seen_off = false;
+    for (const UnitHomes& h : p.homes) {
+      if (h.optimizer == Tier::gpu) {
+        EXPECT_FALSE(seen_off) << "a later unit's optimizer stayed on the GPU";
+        ++on_gpu;
+      } else {
+        EXPECT_EQ(h.optimizer, Tier::cpu);  // host RAM has room: NVMe is not needed
+        seen_off = true;
+      }
+    }
+    EXPECT_LE(on_gpu, last_gpu_units);
+    last_gpu_units = on_gpu;
+    if (gpu < full) {
+      EXPECT_TRUE(p.offloaded());
+      EXPECT_GT(p.pinned_buffers, 0);
+    }
+  }
+  EXPECT_EQ(last_gpu_units, 0);
+
+  // No GPU room for state and host RAM only for the gradients and the pinned buffers:
+  // optimizer state and parameters go to NVMe, and that fits.
+  TierBudgets b = roomy();
+  b.gpu_memory = floor;
+  const Placement host = Placement::make(s, request(Tier::cpu, Tier::nvme), roomy());
+  b.cpu_memory = host.needs().at(Tier::cpu, StateKind::gradients) + host.pinned_bytes() + 1024;
+  const Placement p = Placement::make(s, r, b);
+  EXPECT_NO_THROW(p.check(b)) << p.str();
+  for (const UnitHomes& h : p.homes) {
+    EXPECT_EQ(h.optimizer, Tier::nvme);
+    EXPECT_EQ(h.param, Tier::nvme);
+    EXPECT_EQ(h.grad, Tier::cpu);
+  }
+  // Nowhere to go at all: the placement is made, and check() refuses it.
+  b.nvme_free = 0;
+  const Placement none = Placement::make(s, r, b);
+  EXPECT_THROW(none.check(b), Error);
+}
+
+TEST(Placement, TiedEmbeddingsKeepTheHeadWithUnitZero) {
+  RunShape s = tiny_shape(1);
+  s.model.tie_word_embeddings = true;
+  OffloadRequest r = request(Tier::gpu, Tier::gpu);
+  r.automatic = true;
+  const Placement all = Placement::make(s, request(Tier::gpu, Tier::gpu), roomy());
+  for (uint64_t cut = 0; cut < 6; ++cut) {
+    TierBudgets b = roomy();
+    b.gpu_memory = all.needs().total(Tier::gpu) - cut * (all.needs().total(Tier::gpu) / 16);
+    const Placement p = Placement::make(s, r, b);
+    EXPECT_EQ(p.homes.front().optimizer, p.homes.back().optimizer) << cut;
+    EXPECT_EQ(p.homes.front().param, p.homes.back().param) << cut;
+  }
+}
+
+TEST(Placement, Llama2_70bFiguresAreSane) {
+  RunShape s;
+  s.model = *find_preset("llama2-70b");
+  s.ranks = 4;
+  s.micro_batch = 1;
+  s.seq_len = 4096;
+  const uint64_t n = parameter_count(s.model);
+  ASSERT_GT(n, 68'000'000'000ull);
+  const Placement cpu = Placement::make(s, request(Tier::cpu, Tier::cpu), roomy());
+  const TierBytes t = cpu.needs();
+  // P in bf16 (2 B) and O as master+m+v (12 B) per element, padding within 0.1%.
+  EXPECT_GE(t.at(Tier::cpu, StateKind::parameters), 2 * n);
+  EXPECT_LE(t.at(Tier::cpu, StateKind::parameters), 2 * n + 2 * n / 1000);
+  EXPECT_GE(t.at(Tier::cpu, StateKind::optimizer), 12 * n);
+  EXPECT_LE(t.at(Tier::cpu, StateKind::optimizer), 12 * n + 12 * n / 1000);
+  EXPECT_GE(t.at(Tier::cpu, StateKind::gradients), 4 * n);  // f32 accumulators
+  // Per GPU: no model state, but two gathered 70b blocks (856M elements: 1.6 GiB bf16 + 3.2
+  // GiB of f32 gradients each) and the activations of 4096 tokens.
+  EXPECT_EQ(t.at(Tier::gpu, StateKind::parameters), 0u);
+  EXPECT_GT(t.at(Tier::gpu, StateKind::working), 8ull << 30);
+  EXPECT_LT(t.at(Tier::gpu, StateKind::working), 12ull << 30);
+  EXPECT_GT(t.at(Tier::gpu, StateKind::activations), 1ull << 30);
+  EXPECT_LT(t.total(Tier::gpu), 24ull << 30);
+
+  const Placement none = Placement::make(s, request(Tier::gpu, Tier::gpu), roomy());
+  const TierBytes g = none.needs();
+  EXPECT_GE(g.at(Tier::gpu, StateKind::parameters), 2 * n / 4);
+  EXPECT_LE(g.at(Tier::gpu, StateKind::parameters), 2 * n / 4 + 2 * n / 4000);
+  EXPECT_GE(g.at(Tier::gpu, StateKind::optimizer), 12 * n / 4);
+  TierBudgets b = roomy();
+  b.gpu_memory = 24ull << 30;
+  expect_error([&] { none.check(b); }, {"gpu (per device)", "--offload-optimizer cpu"});
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,167 @@
+// test_plan_cli.cpp: `strata plan` and `strata estimate` as a user runs them: tiny and
+// llama2-70b on hardware this machine does not have (answered within a second), a placement
+// that does not fit (exit 1, the table on stderr), a DeepSpeed config, and the JSON forms.
+#include "testing.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using Result = test::CommandResult;
+using nlohmann::json;
+
+Result strata(const std::string& args, const std::string& redirect = "2>&1") {
+  return test::run_command(std::string("'") + STRATA_BINARY + "' " + args + " " + redirect);
+}
+
+json parse_json(const Result& r) {
+  EXPECT_EQ(r.status, 0) << r.out;
+  const json j = json::parse(r.out, nullptr, false);
+  EXPECT_FALSE(j.is_discarded()) << r.out;
+  return j;
+}
+
+const std::string k70b =
+    "plan --model llama2-70b --gpus 4 --gpu-memory 24GiB --cpu-memory 256GiB --nvme 2x3.5TB ";
+
+TEST(PlanCli, TinyPrintsPlacementScheduleAndPrediction) {
+  const Result r = strata(
+      "plan --model tiny --gpu-memory 1GiB --cpu-memory 1GiB "
+      "--offload-optimizer cpu --print-schedule");
+  ASSERT_EQ(r.status, 0) << r.out;
+  for (const char* part :
+       {"placement: model tiny", "optimizer", "pinned buffers: 5 x", "schedule:", "cpu.adam",
+        "predicted step:", "tokens/s", "critical lane:", "assumed: H100", " adam u=0"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << "'" << part << "' missing from:\n" << r.out;
+}
+
+TEST(PlanCli, Llama2_70bOnHardwareThisMachineLacksAnswersWithinASecond) {
+  const auto start = std::chrono::steady_clock::now();
+  const Result r = strata(k70b +
+                              "--offload-param nvme --offload-optimizer nvme --grad-dtype bf16 "
+                              "--json",
+                          "2>/dev/null");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(s, 1.0);
+  const json j = parse_json(r);
+  EXPECT_EQ(j["model"], "llama2-70b");
+  EXPECT_EQ(j["gpus"], 4);
+  EXPECT_EQ(j["assumed"], true);
+  EXPECT_EQ(j["budgets"]["nvme_free"].get<uint64_t>(), 7'000'000'000'000ull);
+  // 69B parameters: bf16 P and 12-byte O on NVMe, bf16 gradients in host RAM.
+  const uint64_t n = 68'976'648'192ull;
+  EXPECT_GE(j["memory"]["nvme"]["parameters"].get<uint64_t>(), 2 * n);
+  EXPECT_GE(j["memory"]["nvme"]["optimizer"].get<uint64_t>(), 12 * n);
+  EXPECT_GE(j["memory"]["cpu"]["gradients"].get<uint64_t>(), 2 * n);
+  EXPECT_LE(j["memory"]["gpu"]["total"].get<uint64_t>(), 24ull << 30);
+  EXPECT_GT(j["step_s"].get<double>(), 0.0);
+  EXPECT_NEAR(j["tokens_per_s"].get<double>(), 4 * 4096 / j["step_s"].get<double>(), 1e-6);
+  EXPECT_FALSE(j["critical_lane"].get<std::string>().empty());
+  EXPECT_EQ(j["lanes"].size(), j["schedule"]["lanes"].get<size_t>());
+}
+
+TEST(PlanCli, APlacementThatDoesNotFitIsRefusedWithTheTable) {
+  // The optimizer in 256 GiB of host RAM: 69B x (12 + 4 + 2) bytes does not fit.
+  const Result r = strata(k70b + "--offload-param cpu --offload-optimizer cpu", "2>&1 >/dev/null");
+  EXPECT_EQ(r.status, 1);
+  for (const char* part : {"does not fit", "needed", "available", "over by", "cpu", "256 GiB",
+                           "--offload-optimizer nvme"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << "'" << part << "' missing from:\n" << r.out;
+  // Nothing on stdout: no plan was printed for it.
+  EXPECT_EQ(strata(k70b + "--offload-param cpu --offload-optimizer cpu", "2>/dev/null").out, "");
+}
+
+TEST(PlanCli, ReadsADeepSpeedConfigAndFlagsOverrideIt) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("strata_plan_cli_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const fs::path config = dir / "ds_config.json";
+  std::ofstream(config) << R"({
+    "train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+    "gradient_accumulation_steps": "auto", "bf16": {"enabled": true},
+    "zero_optimization": {"stage": 3,
+      "offload_optimizer": {"device": "nvme", "nvme_path": ")"
+                        << dir.string() << R"(", "pin_memory": true},
+      "offload_param": {"device": "cpu", "pin_memory": true},
+      "reduce_bucket_size": 5e8},
+    "wall_clock_breakdown": false})";
+  const std::string base =
+      "plan --model tiny --gpus 2 --gpu-memory 1GiB --cpu-memory 1GiB --config '" +
+      config.string() + "' --persistence-threshold 0 --json";
+  json j = parse_json(strata(base, "2>/dev/null"));
+  EXPECT_EQ(j["micro_batch"], 2);
+  EXPECT_EQ(j["grad_accum"], 4);  // 16 = 2 x 4 x 2 GPUs
+  EXPECT_EQ(j["dtype"], "bf16");
+  EXPECT_EQ(j["homes"][1]["param"], "cpu");
+  EXPECT_EQ(j["homes"][1]["optimizer"], "nvme");
+  EXPECT_GT(j["budgets"]["nvme_free"].get<uint64_t>(), 0u);  // the directory's free space
+  EXPECT_EQ(j["ignored_config_keys"],
+            json({"wall_clock_breakdown", "zero_optimization.reduce_bucket_size"}));
+  // The ignored keys are listed once, on stderr.
+  const Result err = strata(base, "2>&1 >/dev/null");
+  EXPECT_NE(err.out.find("zero_optimization.reduce_bucket_size"), std::string::npos) << err.out;
+
+  j = parse_json(strata(base + " --offload-optimizer cpu --micro-batch 1", "2>/dev/null"));
+  EXPECT_EQ(j["homes"][1]["optimizer"], "cpu");
+  EXPECT_EQ(j["micro_batch"], 1);
+  // A wrong value in the config names its path.
+  std::ofstream(config) << R"({"zero_optimization": {"offload_param": {"device": "tape"}}})";
+  const Result bad = strata(base);
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.out.find("zero_optimization.offload_param.device"), std::string::npos) << bad.out;
+  fs::remove_all(dir);
+}
+
+TEST(PlanCli, BadFlagsAreNamed) {
+  Result r = strata("plan --model tiny --gpu-memory 1GiB --offload-param disk");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find("--offload-param disk"), std::string::npos) << r.out;
+  r = strata("plan --model tiny --gpu-memory 1GiB --nvme 2xlots");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find("lots"), std::string::npos) << r.out;
+  r = strata("plan --model tiny --gpu-memory 1GiB --offload-optimizer nvme");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find("nvme_path"), std::string::npos) << r.out;
+}
+
+TEST(EstimateCli, JsonRowsInOrderWithEveryTier) {
+  const json j = parse_json(strata("estimate --model llama2-7b --gpus 2 --json", "2>/dev/null"));
+  ASSERT_TRUE(j.is_array());
+  ASSERT_EQ(j.size(), 5u);
+  const char* order[] = {"none", "optimizer->cpu", "optimizer->nvme", "params+optimizer->cpu",
+                         "params+optimizer->nvme"};
+  for (size_t i = 0; i < 5; ++i) {
+    EXPECT_EQ(j[i]["option"], order[i]);
+    for (const char* tier : {"gpu_per_device", "cpu", "nvme"})
+      EXPECT_TRUE(j[i][tier].contains("total")) << tier;
+  }
+  // Each step moves state off the GPU: GPU bytes never grow down the table.
+  for (size_t i = 1; i < 5; ++i)
+    EXPECT_LE(j[i]["gpu_per_device"]["total"].get<uint64_t>(),
+              j[i - 1]["gpu_per_device"]["total"].get<uint64_t>())
+        << i;
+  EXPECT_EQ(j[0]["cpu"]["total"], 0);
+  EXPECT_EQ(j[0]["pinned_buffers"], 0);
+  EXPECT_GT(j[1]["pinned_bytes"].get<uint64_t>(), 0u);
+  EXPECT_GT(j[2]["nvme"]["optimizer"].get<uint64_t>(), j[1]["cpu"]["optimizer"].get<uint64_t>());
+  EXPECT_EQ(j[2]["nvme"]["parameters"], 0);
+  EXPECT_GT(j[4]["nvme"]["parameters"].get<uint64_t>(), 0u);
+  // Activations are counted, the same in every row.
+  EXPECT_GT(j[0]["gpu_per_device"]["activations"].get<uint64_t>(), 0u);
+  EXPECT_EQ(j[4]["gpu_per_device"]["activations"], j[0]["gpu_per_device"]["activations"]);
+
+  const Result text = strata("estimate --model tiny");
+  EXPECT_EQ(text.status, 0);
+  EXPECT_NE(text.out.find("params+optimizer->nvme"), std::string::npos) << text.out;
+}
+
+}  // namespace
+}  // namespace strata

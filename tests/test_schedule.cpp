@@ -1,0 +1,809 @@
+// test_schedule.cpp: the step schedule's builder rules, validation and printing; the simulator
+// against hand-computed timelines; Chrome traces and timeline checks; hardware profile JSON.
+//
+// Task counts are computed here from the rules in closed form (how many runs of consecutive
+// uses each gathered unit has), not by walking the builder's own structures, so a builder that
+// drops or duplicates a fetch, a gather or an optimizer task fails.
+#include "schedule/schedule.h"
+#include "schedule/simulator.h"
+#include "schedule/trace.h"
+#include "testing.h"
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <tuple>
+
+namespace strata {
+namespace {
+
+using test::expect_error;
+
+LlamaConfig tiny(bool tied) {
+  LlamaConfig c = *find_preset("tiny");
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+// A placement written by hand: P home `p` for sharded units (replicated ones stay on the GPU),
+// O home `o`, G following O.
+Placement make_placement(const LlamaConfig& c, int ranks, Tier p, Tier o, uint64_t threshold,
+                         int working = 2, int pinned = 4) {
+  Placement pl;
+  pl.shape.model = c;
+  pl.shape.ranks = ranks;
+  pl.shape.param_dtype = DType::bf16;
+  pl.shape.grad_dtype = DType::f32;
+  pl.shape.micro_batch = 2;
+  pl.shape.seq_len = 64;
+  pl.shape.persistence_threshold = threshold;
+  pl.shape.working_buffers = working;
+  pl.partition = Partition::build(ModelLayout::build(c), ranks, ModelLayout::kAlign, threshold);
+  for (const UnitPartition& up : pl.partition.units)
+    pl.homes.push_back(
+        UnitHomes{up.replicated ? Tier::gpu : p, o == Tier::gpu ? Tier::gpu : Tier::cpu, o});
+  pl.pinned_buffers = pinned;
+  pl.pinned_buffer_bytes = pl.partition.max_unit_numel() * 12;
+  return pl;
+}
+
+HardwareProfile test_profile() {
+  HardwareProfile p;
+  p.name = "test";
+  p.gpu_flops = 5e11;
+  p.h2d_bytes_per_s = 2e9;
+  p.d2h_bytes_per_s = 2.5e9;
+  p.comm_bytes_per_s = 8e9;
+  p.adam_elements_per_s = 3e8;
+  p.stats_elements_per_s = 2e9;
+  p.gpu_adam_elements_per_s = 5e9;
+  p.nvme_read_bytes_per_s = 1.5e9;
+  p.nvme_write_bytes_per_s = 1e9;
+  p.task_latency_s = 2e-6;
+  return p;
+}
+
+std::map<TaskKind, int> count_kinds(const Schedule& s) {
+  std::map<TaskKind, int> n;
+  for (const Task& t : s.tasks) ++n[t.kind];
+  return n;
+}
+
+// How many times unit u is gathered in one step: once per run of consecutive uses that read
+// it (the head serves its forward and backward; unit 0 its backward and the next
+// micro-batch's forward; with tied embeddings unit 0 stays from forward(head) to backward(0)).
+int runs_of(int u, int U, int M) {
+  if (u == U - 1) return M;
+  if (u == 0) return M + 1;  // tied: forward(0, 0), then one per micro-batch from the head on
+  return 2 * M;
+}
+
+struct Expected {
+  std::map<TaskKind, int> kinds;
+  int groups = 0;
+};
+
+Expected expected_counts(const Placement& pl, int M) {
+  const Partition& part = pl.partition;
+  const int U = part.num_units(), R = part.ranks;
+  Expected e;
+  auto& k = e.kinds;
+  for (int u = 0; u < U; ++u) {
+    const UnitPartition& up = part.units[static_cast<size_t>(u)];
+    const UnitHomes& h = pl.homes[static_cast<size_t>(u)];
+    const bool o_host = h.optimizer != Tier::gpu;
+    if (!up.replicated) {
+      const int runs = runs_of(u, U, M);
+      k[TaskKind::gather] += R * runs;
+      e.groups += runs;
+      if (h.param == Tier::nvme) k[TaskKind::param_read] += runs;
+      if (h.param != Tier::gpu) k[TaskKind::param_h2d] += R * runs;
+    }
+    k[TaskKind::forward] += R * M;
+    k[TaskKind::backward] += R * M;
+    k[TaskKind::reduce_scatter] += R * M;
+    e.groups += M;
+    if (o_host) {
+      k[TaskKind::grad_d2h] += M * (up.replicated ? 1 : R);
+      k[TaskKind::grad_accumulate] += M - 1;
+      k[TaskKind::grad_stats] += 1;
+      k[TaskKind::adam] += 1;
+      if (h.param == Tier::gpu) k[TaskKind::param_upload] += R;
+      if (h.param == Tier::nvme) k[TaskKind::param_write] += 1;
+    } else {
+      k[TaskKind::grad_stats] += R;
+      k[TaskKind::adam] += R;
+      if (h.param != Tier::gpu) k[TaskKind::param_d2h] += R;
+      if (h.param == Tier::nvme) k[TaskKind::param_write] += 1;
+    }
+    if (h.optimizer == Tier::nvme) {
+      k[TaskKind::optim_read] += 1;
+      k[TaskKind::optim_write] += 1;
+    }
+  }
+  for (auto it = k.begin(); it != k.end();) it = it->second == 0 ? k.erase(it) : std::next(it);
+  return e;
+}
+
+// before[b][a]: task a ends before task b starts in every execution of one step, through
+// dependencies, lane order and groups (a group starts when all its members could).
+std::vector<std::vector<bool>> happens_before(const Schedule& s) {
+  const size_t n = s.tasks.size();
+  std::vector<std::vector<bool>> before(n, std::vector<bool>(n, false));
+  std::vector<int> last_on_lane(s.lanes.size(), -1);
+  for (size_t i = 0; i < n;) {
+    size_t j = i + 1;
+    if (s.tasks[i].group >= 0)
+      while (j < n && s.tasks[j].group == s.tasks[i].group) ++j;
+    std::vector<bool> acc(n, false);
+    for (size_t k = i; k < j; ++k) {
+      std::vector<int> preds = s.tasks[k].deps;
+      if (last_on_lane[static_cast<size_t>(s.tasks[k].lane)] >= 0)
+        preds.push_back(last_on_lane[static_cast<size_t>(s.tasks[k].lane)]);
+      for (int p : preds) {
+        acc[static_cast<size_t>(p)] = true;
+        for (size_t a = 0; a < n; ++a)
+          if (before[static_cast<size_t>(p)][a]) acc[a] = true;
+      }
+    }
+    for (size_t k = i; k < j; ++k) {
+      before[k] = acc;
+      last_on_lane[static_cast<size_t>(s.tasks[k].lane)] = static_cast<int>(k);
+    }
+    i = j;
+  }
+  return before;
+}
+
+// Every buffer is reused only after its previous holder is done with it: for each pinned
+// buffer, and each working buffer on each rank, every task of one holding happens before
+// every task of the next. Holdings: a pinned buffer is held by one fetch (param_read and its
+// h2ds), one staged gradient (grad_d2hs and grad_accumulate), one optimizer shard (optim_read
+// and optim_write) or one updated parameter shard (adam or param_d2hs, then param_write or
+// param_uploads); a working buffer by one gather (its h2d, the gather, the computes that read
+// it and the reduce-scatter of the same unit).
+// Returns the first violation, or an empty string.
+std::string buffer_reuse_violation(const Schedule& s) {
+  const auto before = happens_before(s);
+  std::map<std::pair<int, int>, std::vector<std::vector<int>>> holdings;  // (buffer, rank) ->
+  std::map<int, std::pair<std::pair<int, int>, size_t>> holding_of;       // gather -> its holding
+  auto family = [](TaskKind k) {
+    switch (k) {
+      case TaskKind::param_read:
+      case TaskKind::param_h2d:
+        return 0;
+      case TaskKind::grad_d2h:
+      case TaskKind::grad_accumulate:
+        return 1;
+      case TaskKind::optim_read:
+      case TaskKind::optim_write:
+        return 2;
+      default:
+        return 3;
+    }
+  };
+  std::map<int, std::tuple<int, int, int>> pinned_key;  // buffer -> (family, unit, m) held now
+  for (const Task& t : s.tasks) {
+    if (t.buffer >= 0) {
+      auto& list = holdings[{t.buffer, -1}];
+      const std::tuple<int, int, int> key{family(t.kind), t.unit, t.micro_batch};
+      auto it = pinned_key.find(t.buffer);
+      if (it == pinned_key.end() || it->second != key) list.emplace_back();
+      pinned_key[t.buffer] = key;
+      list.back().push_back(t.id);
+    }
+    if (t.slot >= 0) {
+      auto& list = holdings[{100 + t.slot, t.rank}];
+      const bool joins =
+          t.kind == TaskKind::reduce_scatter ||
+          (t.kind == TaskKind::gather && !list.empty() &&
+           s.tasks[static_cast<size_t>(list.back().back())].kind == TaskKind::param_h2d &&
+           s.tasks[static_cast<size_t>(list.back().back())].unit == t.unit);
+      if (!joins) list.emplace_back();
+      list.back().push_back(t.id);
+      if (t.kind == TaskKind::gather) holding_of[t.id] = {{100 + t.slot, t.rank}, list.size() - 1};
+    }
+    if (t.kind == TaskKind::forward || t.kind == TaskKind::backward)
+      for (int d : t.deps)
+        if (auto h = holding_of.find(d); h != holding_of.end())
+          holdings[h->second.first][h->second.second].push_back(t.id);
+  }
+  for (const auto& [key, list] : holdings)
+    for (size_t k = 0; k + 1 < list.size(); ++k)
+      for (int a : list[k])
+        for (int b : list[k + 1]) {
+          // A param_h2d fills the parameter part; a reduce-scatter reads the gradient part.
+          if (s.tasks[static_cast<size_t>(a)].kind == TaskKind::reduce_scatter &&
+              s.tasks[static_cast<size_t>(b)].kind == TaskKind::param_h2d)
+            continue;
+          if (!before[static_cast<size_t>(b)][static_cast<size_t>(a)])
+            return fmt::format(
+                "buffer {} rank {}: task {} of one holding is not ordered before task {} of the "
+                "next",
+                key.first, key.second, a, b);
+        }
+  return "";
+}
+
+int count_groups(const Schedule& s) {
+  int n = 0;
+  for (size_t i = 0; i < s.tasks.size(); ++i)
+    if (s.tasks[i].group >= 0 && (i == 0 || s.tasks[i - 1].group != s.tasks[i].group)) ++n;
+  return n;
+}
+
+// ---- the builder over every placement ----
+
+TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
+  const std::array<Tier, 3> tiers = {Tier::gpu, Tier::cpu, Tier::nvme};
+  int built = 0;
+  for (bool tied : {false, true})
+    for (uint64_t threshold : {uint64_t{0}, uint64_t{40000}})
+      for (Tier p : tiers)
+        for (Tier o : tiers)
+          for (int R : {1, 3})
+            for (int M : {1, 2})
+              for (int d = 0; d <= 2; ++d) {
+                const Placement pl = make_placement(tiny(tied), R, p, o, threshold, 3);
+                const std::string where =
+                    fmt::format("tied={} threshold={} P={} O={} R={} M={} d={}", tied, threshold,
+                                int(p), int(o), R, M, d);
+                SCOPED_TRACE(where);
+                const Schedule s = Schedule::build(pl, ScheduleOptions{M, d});
+                ASSERT_NO_THROW(s.validate());
+                EXPECT_EQ(buffer_reuse_violation(s), "") << s.str();
+                const Expected e = expected_counts(pl, M);
+                EXPECT_EQ(count_kinds(s), e.kinds);
+                EXPECT_EQ(count_groups(s), e.groups);
+                EXPECT_EQ(s.prefetch_depth, std::min(d, 2));
+                // Lanes appear in the fixed order and only when used.
+                for (size_t l = 1; l < s.lanes.size(); ++l) {
+                  const Lane& a = s.lanes[l - 1];
+                  const Lane& b = s.lanes[l];
+                  const bool ordered =
+                      (a.device >= 0 && b.device < 0) ||
+                      (a.device >= 0 && b.device >= 0 &&
+                       (a.device < b.device || (a.device == b.device && a.kind < b.kind))) ||
+                      (a.device < 0 && b.device < 0 && a.kind < b.kind);
+                  EXPECT_TRUE(ordered) << a.name() << " before " << b.name();
+                }
+                for (size_t l = 0; l < s.lanes.size(); ++l)
+                  EXPECT_FALSE(s.lane_tasks(static_cast<int>(l)).empty()) << s.lanes[l].name();
+                EXPECT_EQ(s.lane_index(Lane{LaneKind::nvme_read, -1}) >= 0,
+                          p == Tier::nvme || o == Tier::nvme);
+                const Prediction pred = simulate(s, test_profile(), 3);
+                ASSERT_NO_THROW(check_timeline(s, pred.timeline));
+                EXPECT_GT(pred.step_s, 0);
+                EXPECT_LE(pred.overlap, 1.0 + 1e-9);
+                ++built;
+              }
+  EXPECT_EQ(built, 2 * 2 * 9 * 2 * 2 * 3);
+}
+
+TEST(Schedule, BufferCheckCatchesAGatherThatDoesNotWaitForItsBuffer) {
+  const Placement pl = make_placement(tiny(false), 2, Tier::gpu, Tier::nvme, 0, 2, 2);
+  const Schedule s = Schedule::build(pl, {2, 1});
+  ASSERT_EQ(buffer_reuse_violation(s), "");
+  // The third gather reuses the first one's working buffer: without its wait on forward(0)
+  // (and the lane order that follows), the forward may still read what it overwrites.
+  int gathers = 0;
+  for (const Task& t : s.tasks)
+    if (t.kind == TaskKind::gather && t.rank == 0 && ++gathers == 3) {
+      Schedule broken = s;
+      broken.tasks[static_cast<size_t>(t.id)].deps.clear();
+      EXPECT_NE(buffer_reuse_violation(broken).find(fmt::format("before task {}", t.id)),
+                std::string::npos);
+    }
+  // The second optim_read reuses a pinned buffer of the first, after its optim_write.
+  for (const Task& t : s.tasks)
+    if (t.kind == TaskKind::optim_read && !t.deps.empty()) {
+      Schedule broken = s;
+      broken.tasks[static_cast<size_t>(t.id)].deps.clear();
+      EXPECT_NE(buffer_reuse_violation(broken), "") << t.id;
+      break;
+    }
+}
+
+TEST(Schedule, SameInputsPrintTheSameSchedule) {
+  const Placement pl = make_placement(tiny(true), 3, Tier::nvme, Tier::nvme, 0, 3);
+  const Schedule a = Schedule::build(pl, {2, 2});
+  const Schedule b = Schedule::build(pl, {2, 2});
+  EXPECT_EQ(a.str(), b.str());
+  const Schedule c = Schedule::build(pl, {2, 1});
+  EXPECT_NE(a.str(), c.str());
+  // One line per task, in the documented shape.
+  const std::string text = a.str();
+  EXPECT_EQ(static_cast<size_t>(std::count(text.begin(), text.end(), '\n')), a.tasks.size());
+  EXPECT_NE(text.find("gpu[2].comm gather u=1 m=0 g="), std::string::npos) << text;
+  EXPECT_NE(text.find("nvme.read param_read u=0 m=0 buf=0"), std::string::npos) << text;
+  const std::string sum = a.summary();
+  EXPECT_NE(sum.find(fmt::format("{} tasks", a.tasks.size())), std::string::npos) << sum;
+  for (const Lane& l : a.lanes) EXPECT_NE(sum.find(l.name()), std::string::npos) << sum;
+}
+
+TEST(Schedule, PrefetchEmitsTheNextGatherBeforeTheCurrentForward) {
+  const Placement pl = make_placement(tiny(false), 1, Tier::cpu, Tier::cpu, 0, 3);
+  auto position = [](const Schedule& s, TaskKind kind, int u) {
+    for (const Task& t : s.tasks)
+      if (t.kind == kind && t.unit == u && t.micro_batch == 0) return t.id;
+    return -1;
+  };
+  for (int d = 0; d <= 2; ++d) {
+    const Schedule s = Schedule::build(pl, {1, d});
+    const int fwd1 = position(s, TaskKind::forward, 1);
+    // Units 1 + d' for d' <= d are gathered before forward(1); the next one after it.
+    for (int k = 1; k <= d; ++k) EXPECT_LT(position(s, TaskKind::gather, 1 + k), fwd1) << d;
+    if (2 + d < s.units) {
+      EXPECT_GT(position(s, TaskKind::gather, 2 + d), fwd1) << d;
+    }
+    // The fetch of unit 2 (first used by forward(2)) starts after forward(1 - d).
+    const Task& h2 = s.tasks[static_cast<size_t>(position(s, TaskKind::param_h2d, 2))];
+    if (d <= 1) {
+      EXPECT_NE(std::find(h2.deps.begin(), h2.deps.end(), position(s, TaskKind::forward, 1 - d)),
+                h2.deps.end())
+          << d;
+    } else {
+      EXPECT_TRUE(h2.deps.empty()) << d;
+    }
+    // The h2d lands in the gather's working buffer, which the gather also names.
+    const Task& g = s.tasks[static_cast<size_t>(position(s, TaskKind::gather, 2))];
+    const Task& h = s.tasks[static_cast<size_t>(position(s, TaskKind::param_h2d, 2))];
+    EXPECT_EQ(g.slot, h.slot);
+    EXPECT_GE(g.slot, 0);
+  }
+  // With W = 2 a gather reuses the buffer of the unit two gathers earlier, after its forward.
+  const Placement two = make_placement(tiny(false), 1, Tier::gpu, Tier::gpu, 0, 2);
+  const Schedule s = Schedule::build(two, {1, 1});
+  const Task& g2 = s.tasks[static_cast<size_t>(position(s, TaskKind::gather, 2))];
+  const int fwd0 = position(s, TaskKind::forward, 0);
+  EXPECT_NE(std::find(g2.deps.begin(), g2.deps.end(), fwd0), g2.deps.end()) << s.str();
+}
+
+TEST(Schedule, PrefetchShortensTheSimulatedStep) {
+  const Placement pl = make_placement(tiny(false), 2, Tier::nvme, Tier::cpu, 0, 3);
+  HardwareProfile p = test_profile();
+  p.gpu_flops = 2e9;  // compute comparable to the transfers, so overlap matters
+  p.nvme_read_bytes_per_s = 5e6;
+  const double none = simulate(Schedule::build(pl, {2, 0}), p).step_s;
+  const double two = simulate(Schedule::build(pl, {2, 2}), p).step_s;
+  EXPECT_LT(two, none * 0.95) << none << " " << two;
+}
+
+TEST(Schedule, NextStepWaitsOnlyForItsUnitsUpdate) {
+  // P on the GPU, O in host RAM: forward's first gather of unit u waits for u's upload only.
+  const Placement pl = make_placement(tiny(false), 2, Tier::gpu, Tier::cpu, 0);
+  const Schedule s = Schedule::build(pl, {1, 1});
+  std::map<std::pair<int, int>, int> first;  // (unit, rank) -> its first gather
+  for (const Task& t : s.tasks)
+    if (t.kind == TaskKind::gather) first.emplace(std::pair{t.unit, t.rank}, t.id);
+  ASSERT_EQ(first.size(), static_cast<size_t>(s.units * s.ranks));
+  for (const auto& [key, id] : first) {
+    int uploads = 0;
+    for (int p : s.tasks[static_cast<size_t>(id)].prev) {
+      const Task& w = s.tasks[static_cast<size_t>(p)];
+      if (w.kind != TaskKind::param_upload) continue;
+      EXPECT_EQ(w.unit, key.first);
+      EXPECT_EQ(w.rank, key.second);
+      ++uploads;
+    }
+    EXPECT_EQ(uploads, 1) << "unit " << key.first << " rank " << key.second;
+  }
+  // Simulated: the next step's forward(0) starts while the CPU still updates the last unit.
+  HardwareProfile p = test_profile();
+  p.adam_elements_per_s = 1e6;
+  const Prediction pred = simulate(s, p);
+  EXPECT_EQ(pred.critical_lane, s.lane_index(Lane{LaneKind::cpu_adam, -1}));
+  double forward0 = -1, last_adam = -1;
+  for (const TaskSpan& sp : pred.timeline.spans) {
+    const Task& t = s.tasks[static_cast<size_t>(sp.task)];
+    if (sp.step == 2 && t.kind == TaskKind::forward && t.unit == 0 && t.rank == 0)
+      forward0 = sp.start_s;
+    if (sp.step == 1 && t.kind == TaskKind::adam && t.unit == s.units - 1) last_adam = sp.end_s;
+  }
+  EXPECT_GT(forward0, 0);
+  EXPECT_LT(forward0, last_adam);
+}
+
+TEST(Schedule, RejectsPlacementsItCannotSchedule) {
+  Placement pl = make_placement(tiny(false), 2, Tier::nvme, Tier::nvme, 0, 2, 1);
+  expect_error(
+      [&] {
+        Schedule::build(pl, {1, 1});
+      },
+      {"1 pinned buffers", "need 2", "buffer_count"});
+  pl = make_placement(tiny(true), 1, Tier::gpu, Tier::gpu, 0, 1);
+  expect_error([&] { Schedule::build(pl, {1, 0}); }, {"ties its embeddings", "2 working buffers"});
+  pl = make_placement(tiny(false), 1, Tier::gpu, Tier::gpu, 0);
+  expect_error([&] { Schedule::build(pl, {0, 1}); }, {"micro_batches = 0"});
+  pl.homes[1].grad = Tier::cpu;
+  expect_error([&] { Schedule::build(pl, {1, 1}); }, {"unit layers.0", "gradients on cpu"});
+  pl = make_placement(tiny(false), 1, Tier::gpu, Tier::gpu, 40000);
+  pl.homes[0].param = Tier::nvme;
+  expect_error([&] { Schedule::build(pl, {1, 1}); }, {"unit embedding is replicated", "nvme"});
+}
+
+// ---- validate() ----
+
+Schedule tiny_schedule() {
+  return Schedule::build(make_placement(tiny(false), 2, Tier::cpu, Tier::cpu, 0), {2, 1});
+}
+
+int first_of(const Schedule& s, TaskKind kind) {
+  for (const Task& t : s.tasks)
+    if (t.kind == kind) return t.id;
+  return -1;
+}
+
+TEST(ScheduleValidate, RejectsADependencyNotEarlier) {
+  Schedule s = tiny_schedule();
+  const int f = first_of(s, TaskKind::forward);
+  s.tasks[static_cast<size_t>(f)].deps.push_back(f + 3);
+  expect_error([&] { s.validate(); }, {fmt::format("task {} (gpu[0].compute forward u=0 m=0", f),
+                                       fmt::format("dependency {} is not an earlier task", f + 3)});
+}
+
+TEST(ScheduleValidate, RejectsBrokenGroupsLanesAndIds) {
+  Schedule s = tiny_schedule();
+  const int g = first_of(s, TaskKind::gather);
+  {
+    Schedule b = s;  // both ranks' gathers on one lane
+    b.tasks[static_cast<size_t>(g + 1)].lane = b.tasks[static_cast<size_t>(g)].lane;
+    b.tasks[static_cast<size_t>(g + 1)].rank = 0;
+    expect_error([&] { b.validate(); }, {fmt::format("task {} (", g + 1), "same lane"});
+  }
+  {
+    Schedule b = s;  // a group split by another task
+    std::swap(b.tasks[static_cast<size_t>(g + 1)], b.tasks[static_cast<size_t>(g + 2)]);
+    b.tasks[static_cast<size_t>(g + 1)].id = g + 1;
+    b.tasks[static_cast<size_t>(g + 2)].id = g + 2;
+    b.tasks[static_cast<size_t>(g + 2)].deps.clear();
+    b.tasks[static_cast<size_t>(g + 1)].deps.clear();
+    expect_error([&] { b.validate(); }, {"not consecutive"});
+  }
+  {
+    Schedule b = s;  // a forward on a copy lane
+    const int f = first_of(b, TaskKind::forward);
+    b.tasks[static_cast<size_t>(f)].lane = b.lane_index(Lane{LaneKind::h2d, 0});
+    expect_error([&] { b.validate(); },
+                 {fmt::format("task {} (", f), "a forward task cannot run on a h2d lane"});
+  }
+  {
+    Schedule b = s;
+    b.tasks.back().prev.push_back(static_cast<int>(b.tasks.size()) + 5);
+    expect_error([&] { b.validate(); }, {"previous-step dependency", "is not a task id"});
+  }
+}
+
+// ---- the simulator on hand-made schedules ----
+
+Task make_task(int id, TaskKind kind, int lane, std::vector<int> deps = {}) {
+  Task t;
+  t.id = id;
+  t.kind = kind;
+  t.lane = lane;
+  t.deps = std::move(deps);
+  return t;
+}
+
+HardwareProfile unit_rates() {
+  HardwareProfile p;
+  p.gpu_flops = 1;
+  p.h2d_bytes_per_s = 1;
+  p.comm_bytes_per_s = 1;
+  p.adam_elements_per_s = 1;
+  return p;
+}
+
+// Four units: h2d (2 s) then forward (3 s) each, forward(i) after h2d(i) and forward(i - 1).
+Schedule pipeline(bool prev_across_steps) {
+  Schedule s;
+  s.lanes = {Lane{LaneKind::compute, 0}, Lane{LaneKind::h2d, 0}};
+  for (int i = 0; i < 4; ++i) {
+    Task h = make_task(static_cast<int>(s.tasks.size()), TaskKind::param_h2d, 1);
+    h.rank = 0;
+    h.unit = i;
+    h.bytes = 2;
+    s.tasks.push_back(h);
+    std::vector<int> deps = {h.id};
+    if (i > 0) deps.push_back(h.id - 1);
+    Task f = make_task(h.id + 1, TaskKind::forward, 0, deps);
+    f.rank = 0;
+    f.unit = i;
+    f.flops = 3;
+    s.tasks.push_back(f);
+  }
+  if (prev_across_steps) s.tasks[0].prev = {7};
+  s.units = 4;
+  return s;
+}
+
+TEST(Simulator, TwoLanePipelineByHand) {
+  const Schedule s = pipeline(false);
+  ASSERT_NO_THROW(s.validate());
+  const Prediction one = simulate(s, unit_rates(), 1);
+  EXPECT_DOUBLE_EQ(one.step_s, 14.0);  // 2 + 4 x 3
+  // Steady state: the next step's copies run under this step's compute; the compute lane
+  // alone sets the pace.
+  const Prediction p = simulate(s, unit_rates(), 3);
+  EXPECT_DOUBLE_EQ(p.step_s, 12.0);
+  EXPECT_EQ(p.critical_lane, 0);
+  EXPECT_DOUBLE_EQ(p.lanes[0].busy_s, 12.0);
+  EXPECT_DOUBLE_EQ(p.lanes[1].busy_s, 8.0);
+  EXPECT_DOUBLE_EQ(p.overlap, 1.0);
+  EXPECT_EQ(p.lanes[1].lane, "gpu[0].h2d");
+  // The reported step (2) begins with its first copy at 16 s: 8 (step 0) + 8 (step 1).
+  EXPECT_DOUBLE_EQ(p.start_s[0], 0.0);
+  EXPECT_DOUBLE_EQ(p.start_s[1], 26.0 - 16.0);  // forward(0) of step 2 starts when step 1's ends
+  ASSERT_NO_THROW(check_timeline(s, p.timeline));
+  // A `prev` from the first copy to the last forward serialises the steps: 14 s each.
+  const Prediction serial = simulate(pipeline(true), unit_rates(), 3);
+  EXPECT_DOUBLE_EQ(serial.step_s, 14.0);
+  ASSERT_NO_THROW(check_timeline(pipeline(true), serial.timeline));
+  // A latency is added to every task.
+  HardwareProfile lat = unit_rates();
+  lat.task_latency_s = 0.5;
+  EXPECT_DOUBLE_EQ(simulate(s, lat, 1).step_s, 2.5 + 4 * 3.5);
+}
+
+TEST(Simulator, GroupStartsWhenAllMembersAreReady) {
+  Schedule s;
+  s.ranks = 2;
+  s.lanes = {Lane{LaneKind::compute, 1}, Lane{LaneKind::h2d, 0}, Lane{LaneKind::comm, 0},
+             Lane{LaneKind::comm, 1}};
+  s.lanes[0] = Lane{LaneKind::compute, 1};
+  Task h = make_task(0, TaskKind::param_h2d, 1);
+  h.rank = 0;
+  h.bytes = 5;
+  Task g0 = make_task(1, TaskKind::gather, 2, {0});
+  g0.rank = 0;
+  g0.group = 0;
+  g0.bytes = 2;
+  Task g1 = make_task(2, TaskKind::gather, 3);
+  g1.rank = 1;
+  g1.group = 0;
+  g1.bytes = 2;
+  Task f = make_task(3, TaskKind::forward, 0, {2});
+  f.rank = 1;
+  f.flops = 1;
+  s.tasks = {h, g0, g1, f};
+  ASSERT_NO_THROW(s.validate());
+  const Prediction p = simulate(s, unit_rates(), 1);
+  EXPECT_DOUBLE_EQ(p.start_s[1], 5.0);
+  EXPECT_DOUBLE_EQ(p.start_s[2], 5.0);  // rank 1 was ready at 0, but the call waits for rank 0
+  EXPECT_DOUBLE_EQ(p.end_s[2], 7.0);
+  EXPECT_DOUBLE_EQ(p.start_s[3], 7.0);
+  EXPECT_DOUBLE_EQ(p.step_s, 8.0);
+  EXPECT_EQ(p.critical_lane, 1);
+}
+
+// The optimizer–forward overlap of DESIGN §3.4 in miniature: forward(0), forward(1), then
+// adam(0), adam(1) after both; the next step's forward(u) waits for adam(u) only.
+Schedule optimizer_overlap(bool per_unit) {
+  Schedule s;
+  s.lanes = {Lane{LaneKind::compute, 0}, Lane{LaneKind::cpu_adam, -1}};
+  for (int u = 0; u < 2; ++u) {
+    Task f = make_task(u, TaskKind::forward, 0, u ? std::vector<int>{0} : std::vector<int>{});
+    f.rank = 0;
+    f.unit = u;
+    f.flops = 1;
+    f.prev = {per_unit ? 2 + u : 3};
+    s.tasks.push_back(f);
+  }
+  for (int u = 0; u < 2; ++u) {
+    Task a = make_task(2 + u, TaskKind::adam, 1, {0, 1});
+    a.unit = u;
+    a.elements = 2;
+    s.tasks.push_back(a);
+  }
+  s.units = 2;
+  return s;
+}
+
+TEST(Simulator, PrevDependenciesGiveTheOptimizerForwardOverlap) {
+  // Per unit: step 1 runs forward(0) 4-5, forward(1) 6-7, adam 7-9, 9-11: 5 s a step.
+  const Prediction overlap = simulate(optimizer_overlap(true), unit_rates(), 3);
+  EXPECT_DOUBLE_EQ(overlap.step_s, 5.0);
+  // Waiting for the whole optimizer: 2 + 4 = 6 s a step.
+  const Prediction serial = simulate(optimizer_overlap(false), unit_rates(), 3);
+  EXPECT_DOUBLE_EQ(serial.step_s, 6.0);
+  EXPECT_DOUBLE_EQ(overlap.lanes[1].busy_s, 4.0);
+  EXPECT_DOUBLE_EQ(overlap.overlap, 4.0 / 5.0);
+  ASSERT_NO_THROW(check_timeline(optimizer_overlap(true), overlap.timeline));
+  // A step in the timeline: step_stats gives the same figures.
+  const StepStats st = step_stats(optimizer_overlap(true), overlap.timeline, 1);
+  EXPECT_DOUBLE_EQ(st.step_s, 5.0);
+  EXPECT_EQ(st.busiest_lane, 1);
+}
+
+TEST(Simulator, MissingRateIsAnErrorNamingTheField) {
+  const Schedule s =
+      Schedule::build(make_placement(tiny(false), 1, Tier::nvme, Tier::cpu, 0), {1, 1});
+  HardwareProfile p = test_profile();
+  p.nvme_read_bytes_per_s = 0;
+  expect_error([&] { simulate(s, p); }, {"nvme_read_bytes_per_s is 0", "param_read"});
+  expect_error([&] { simulate(s, test_profile(), 0); }, {"0 steps"});
+}
+
+// ---- check_timeline ----
+
+TEST(Timeline, RejectsOverlapEarlyStartAndMissingTasks) {
+  const Schedule s = tiny_schedule();
+  const Prediction p = simulate(s, test_profile(), 2);
+  ASSERT_NO_THROW(check_timeline(s, p.timeline));
+  auto span_of = [](Timeline& tl, int task, int step) -> TaskSpan& {
+    for (TaskSpan& sp : tl.spans)
+      if (sp.task == task && sp.step == step) return sp;
+    throw std::runtime_error("no span");
+  };
+  const int f = first_of(s, TaskKind::forward);
+  {
+    Timeline tl = p.timeline;  // forward(0) started before its gather ended
+    TaskSpan& sp = span_of(tl, f, 1);
+    const double gather_end = span_of(tl, s.tasks[static_cast<size_t>(f)].deps[0], 1).end_s;
+    const double len = sp.end_s - sp.start_s;
+    sp.start_s = gather_end - 1e-3;
+    sp.end_s = sp.start_s + len;
+    expect_error([&] { check_timeline(s, tl); },
+                 {fmt::format("task {} (gpu[0].compute forward u=0 m=0) of step 1", f),
+                  "before its dependency"});
+  }
+  {
+    Timeline tl = p.timeline;  // a task that never ran
+    tl.spans.erase(tl.spans.begin() + 7);
+    const TaskSpan gone = p.timeline.spans[7];
+    expect_error([&] { check_timeline(s, tl); }, {fmt::format("task {} (", gone.task),
+                                                  fmt::format("never ran in step {}", gone.step)});
+  }
+  {
+    Timeline tl = p.timeline;  // a task that ran twice
+    tl.spans.push_back(tl.spans[3]);
+    expect_error([&] { check_timeline(s, tl); }, {"ran twice"});
+  }
+}
+
+TEST(Timeline, RejectsTasksOverlappingOnALane) {
+  // The pipeline's copies have no dependencies: h2d(1) moved from 2-4 s to 1-3 s only
+  // overlaps h2d(0) (0-2 s) on the lane, and forward(1) (5-8 s) still starts after it.
+  const Schedule s = pipeline(false);
+  Timeline tl = simulate(s, unit_rates(), 1).timeline;
+  ASSERT_NO_THROW(check_timeline(s, tl));
+  for (TaskSpan& sp : tl.spans)
+    if (sp.task == 2) {
+      EXPECT_DOUBLE_EQ(sp.start_s, 2.0);
+      sp.start_s = 1.0;
+      sp.end_s = 3.0;
+    }
+  expect_error([&] { check_timeline(s, tl); },
+               {"task 2 (gpu[0].h2d param_h2d u=1) of step 0 started at 1000.000000 ms",
+                "task 0 (gpu[0].h2d param_h2d u=0) of step 0", "a lane runs one task at a time"});
+}
+
+TEST(Timeline, TraceJsonHasOneTrackPerLaneAndEveryTask) {
+  const Schedule s = tiny_schedule();
+  const Prediction p = simulate(s, test_profile(), 2);
+  const nlohmann::json j = nlohmann::json::parse(trace_json(s, p.timeline));
+  EXPECT_EQ(j.at("displayTimeUnit"), "ms");
+  std::map<int, std::string> names;
+  size_t complete = 0;
+  for (const auto& e : j.at("traceEvents")) {
+    EXPECT_EQ(e.at("pid"), 1);
+    if (e.at("ph") == "M" && e.at("name") == "thread_name")
+      names[e.at("tid").get<int>()] = e.at("args").at("name").get<std::string>();
+    if (e.at("ph") != "X") continue;
+    ++complete;
+    const int task = e.at("args").at("task").get<int>();
+    const Task& t = s.tasks[static_cast<size_t>(task)];
+    EXPECT_EQ(e.at("tid").get<int>(), t.lane + 1);
+    EXPECT_EQ(e.at("args").at("unit").get<int>(), t.unit);
+    EXPECT_EQ(e.at("args").at("bytes").get<uint64_t>(), t.bytes);
+    EXPECT_GE(e.at("dur").get<double>(), 0);
+  }
+  EXPECT_EQ(complete, p.timeline.spans.size());
+  ASSERT_EQ(names.size(), s.lanes.size());
+  for (size_t l = 0; l < s.lanes.size(); ++l)
+    EXPECT_EQ(names[static_cast<int>(l) + 1], s.lanes[l].name());
+  // The first forward's event is at its simulated start, in microseconds.
+  const std::string path = testing::TempDir() + "strata_trace_test.json";
+  write_trace(path, s, p.timeline);
+  std::ifstream in(path);
+  EXPECT_EQ(nlohmann::json::parse(in), j);
+  std::filesystem::remove(path);
+  expect_error([&] { write_trace("/nonexistent-dir/x/trace.json", s, p.timeline); },
+               {"/nonexistent-dir/x/trace.json"});
+}
+
+// ---- hardware profiles ----
+
+TEST(HardwareProfile, JsonRoundTripAndErrorsNameThePath) {
+  HardwareProfile p = test_profile();
+  p.name = "box";
+  p.gpu_flops = 1.0 / 3.0 * 1e14;
+  p.task_latency_s = 0;
+  const HardwareProfile q = HardwareProfile::from_json_text(p.to_json(), "mem");
+  EXPECT_EQ(q.name, "box");
+  EXPECT_EQ(q.gpu_flops, p.gpu_flops);
+  EXPECT_EQ(q.h2d_bytes_per_s, p.h2d_bytes_per_s);
+  EXPECT_EQ(q.d2h_bytes_per_s, p.d2h_bytes_per_s);
+  EXPECT_EQ(q.comm_bytes_per_s, p.comm_bytes_per_s);
+  EXPECT_EQ(q.adam_elements_per_s, p.adam_elements_per_s);
+  EXPECT_EQ(q.stats_elements_per_s, p.stats_elements_per_s);
+  EXPECT_EQ(q.gpu_adam_elements_per_s, p.gpu_adam_elements_per_s);
+  EXPECT_EQ(q.nvme_read_bytes_per_s, p.nvme_read_bytes_per_s);
+  EXPECT_EQ(q.nvme_write_bytes_per_s, p.nvme_write_bytes_per_s);
+  EXPECT_EQ(q.task_latency_s, p.task_latency_s);
+  EXPECT_EQ(q.to_json(), p.to_json());
+
+  const std::string path = testing::TempDir() + "strata_profile_test.json";
+  auto with = [&](const std::string& key, const nlohmann::json& value) {
+    nlohmann::json j = nlohmann::json::parse(p.to_json());
+    if (value.is_null())
+      j.erase(key);
+    else
+      j[key] = value;
+    std::ofstream(path) << j.dump();
+  };
+  with("gpu_flops", nullptr);
+  expect_error([&] { HardwareProfile::load(path); }, {path, "/gpu_flops", "missing"});
+  with("h2d_bytes_per_s", -1.0);
+  expect_error([&] { HardwareProfile::load(path); }, {path, "/h2d_bytes_per_s", "-1"});
+  with("nvme_write_bytes_per_s", "fast");
+  expect_error([&] { HardwareProfile::load(path); },
+               {path, "/nvme_write_bytes_per_s", "expected a number", "\"fast\""});
+  with("nvme_speed", 1.0);
+  expect_error([&] { HardwareProfile::load(path); }, {path, "/nvme_speed", "unknown key"});
+  with("gpu_flops", 2e14);
+  EXPECT_EQ(HardwareProfile::load(path).gpu_flops, 2e14);
+  std::ofstream(path) << "{\"gpu_flops\": ";
+  expect_error([&] { HardwareProfile::load(path); }, {path, "not valid JSON"});
+  std::filesystem::remove(path);
+  expect_error([&] { HardwareProfile::load(path); }, {path, "cannot open"});
+}
+
+// ---- llama2-70b: what `strata plan` runs ----
+
+TEST(Schedule, Llama70bBuildsAndSimulatesWellUnderASecond) {
+  const LlamaConfig c = *find_preset("llama2-70b");
+  Placement pl = make_placement(c, 4, Tier::nvme, Tier::nvme, 100000, 2, 5);
+  pl.shape.micro_batch = 1;
+  pl.shape.seq_len = 4096;
+  HardwareProfile hw = test_profile();
+  hw.gpu_flops = 4e14;
+  hw.h2d_bytes_per_s = 2.5e10;
+  hw.d2h_bytes_per_s = 2.5e10;
+  hw.comm_bytes_per_s = 1e11;
+  hw.adam_elements_per_s = 2e9;
+  hw.stats_elements_per_s = 1e10;
+  hw.nvme_read_bytes_per_s = 1.2e10;
+  hw.nvme_write_bytes_per_s = 8e9;
+  const auto t0 = std::chrono::steady_clock::now();
+  const Schedule s = Schedule::build(pl, {8, 1});
+  const Prediction p = simulate(s, hw);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_LT(took, 1.0);
+  ASSERT_NO_THROW(s.validate());
+  const Expected e = expected_counts(pl, 8);
+  EXPECT_EQ(count_kinds(s), e.kinds);
+  const std::string sum = s.summary();
+  EXPECT_NE(sum.find("82 units, 4 ranks, 8 micro-batches"), std::string::npos) << sum;
+  EXPECT_NE(sum.find("gpu[3].comm"), std::string::npos) << sum;
+  // Sane figures: the step is at least the busiest lane's work and the NVMe reads of the
+  // optimizer alone (12 bytes for each of ~69e9 parameters).
+  uint64_t read = 0;
+  for (const Task& t : s.tasks)
+    if (t.kind == TaskKind::optim_read) read += t.bytes;
+  EXPECT_GT(read, uint64_t{12} * 68'000'000'000);
+  EXPECT_GE(p.step_s, static_cast<double>(read) / hw.nvme_read_bytes_per_s);
+  EXPECT_LE(p.overlap, 1.0 + 1e-9);
+  EXPECT_EQ(s.lanes[static_cast<size_t>(p.critical_lane)].name(), "nvme.read") << sum;
+  std::printf(
+      "%s  predicted step %.1f s, critical lane %s, overlap %.2f, built and simulated in %.0f ms\n",
+      sum.c_str(), p.step_s, s.lanes[static_cast<size_t>(p.critical_lane)].name().c_str(),
+      p.overlap, took * 1e3);
+}
+
+}  // namespace
+}  // namespace strata
