@@ -180,6 +180,33 @@ TEST_P(LlamaGradient, MatchesFiniteDifferences) {
 
 INSTANTIATE_TEST_SUITE_P(Tied, LlamaGradient, ::testing::Values(false, true));
 
+// The planner sizes activations with workspace_bytes_for(); it must be what the constructor
+// allocates, in every dtype (bf16 adds the logits-gradient chunk) and with the arena's rounding.
+TEST(LlamaModel, WorkspaceBytesForIsWhatTheConstructorAllocates) {
+  for (bool tied : {false, true})
+    for (DType t : {DType::f32, DType::bf16})
+      for (int64_t batch : {1, 3}) {
+        const LlamaConfig c = small_config(tied);
+        auto device = open_host_device(0, 64ull << 20);
+        ModelOptions o;
+        o.param_dtype = t;
+        o.max_batch = batch;
+        o.seq_len = 13;
+        o.vocab_chunk = 8;
+        const uint64_t before = device->memory().in_use;
+        LlamaModel model(c, o, *device);
+        EXPECT_EQ(LlamaModel::workspace_bytes_for(c, o), model.workspace_bytes());
+        EXPECT_GT(model.workspace_bytes(), 0u);
+        // The host arena rounds every buffer to 256 bytes.
+        EXPECT_EQ(LlamaModel::workspace_bytes_for(c, o, 256), device->memory().in_use - before);
+        EXPECT_EQ(LlamaModel::workspace_bytes_for(c, o, 256),
+                  device->memory().peak_of(MemoryKind::activations));
+      }
+  ModelOptions bad;
+  bad.seq_len = 65;  // past max_position_embeddings
+  EXPECT_THROW(LlamaModel::workspace_bytes_for(small_config(false), bad), Error);
+}
+
 TEST(LlamaModel, CheckpointingDoesNotChangeTheLossAndBackwardNeedsIt) {
   const LlamaConfig c = small_config(false);
   auto device = open_host_device(0, 64ull << 20);

@@ -146,12 +146,8 @@ void init_unit_random(const ModelLayout& layout, int u, uint64_t seed, DType dty
 
 // ---- the model ----
 
-LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options, Device& device)
-    : config_(config),
-      layout_(ModelLayout::build(config)),
-      options_(options),
-      device_(device),
-      k_(device.kernels()) {
+std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig& config,
+                                                               const ModelOptions& options) {
   const int64_t T = options.seq_len, B = options.max_batch;
   if (T <= 0 || T > config.max_position_embeddings)
     fail(
@@ -166,44 +162,68 @@ LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options, D
   const int64_t C = std::min(options.vocab_chunk, config.vocab_size);
   const uint64_t a = dtype_size(options.param_dtype), f4 = 4;
   const auto n = static_cast<uint64_t>(N);
-  auto alloc = [&](DeviceBuffer& b, uint64_t bytes, const char* what) {
-    b = DeviceBuffer(device, bytes, what, MemoryKind::activations);  // the model's workspace
-    workspace_bytes_ += bytes;
+  // Units: embedding, blocks, head (ModelLayout::build), without building the layout.
+  const auto units = static_cast<uint64_t>(config.num_hidden_layers) + 2;
+  std::vector<WorkspaceBuffer> w = {
+      {&LlamaModel::rope_, static_cast<uint64_t>(T * config.head_dim) * f4, "rotary table"},
+      {&LlamaModel::checkpoints_, std::max<uint64_t>(units - 1, 2) * n * D * a,
+       "activation checkpoints"},
+      {&LlamaModel::grad_a_, n * D * a, "activation gradient"},
+      {&LlamaModel::grad_b_, n * D * a, "activation gradient"},
+      {&LlamaModel::xn_, n * D * a, "normed activations"},
+      {&LlamaModel::q_, n * Hq * a, "queries"},
+      {&LlamaModel::k_buf_, n * Hk * a, "keys"},
+      {&LlamaModel::v_, n * Hk * a, "values"},
+      {&LlamaModel::att_, n * Hq * a, "attention output"},
+      {&LlamaModel::lse_, n * config.num_attention_heads * f4, "attention log-sum-exp"},
+      {&LlamaModel::h_, n * D * a, "residual"},
+      {&LlamaModel::hn_, n * D * a, "normed residual"},
+      {&LlamaModel::gate_, n * F * a, "gate projection"},
+      {&LlamaModel::up_, n * F * a, "up projection"},
+      {&LlamaModel::act_, n * F * a, "SwiGLU output"},
+      {&LlamaModel::rstd1_, n * f4, "RMSNorm statistics"},
+      {&LlamaModel::rstd2_, n * f4, "RMSNorm statistics"},
+      {&LlamaModel::d_big_, n * F * a, "SwiGLU gradient"},
+      {&LlamaModel::d_gate_, n * F * a, "gate gradient"},
+      {&LlamaModel::d_up_, n * F * a, "up gradient"},
+      {&LlamaModel::dq_, n * Hq * a, "query gradient"},
+      {&LlamaModel::dk_, n * Hk * a, "key gradient"},
+      {&LlamaModel::dv_, n * Hk * a, "value gradient"},
+      {&LlamaModel::d_att_, n * Hq * a, "attention gradient"},
+      {&LlamaModel::d_h_, n * D * a, "residual gradient"},
+      {&LlamaModel::d_small_, n * D * a, "normed-input gradient"},
+      {&LlamaModel::chunk_, n * static_cast<uint64_t>(C) * f4, "logits chunk"},
   };
-  const auto units = static_cast<uint64_t>(layout_.num_units());
-  alloc(rope_, static_cast<uint64_t>(T * config.head_dim) * f4, "rotary table");
-  alloc(checkpoints_, std::max<uint64_t>(units - 1, 2) * n * D * a, "activation checkpoints");
-  alloc(grad_a_, n * D * a, "activation gradient");
-  alloc(grad_b_, n * D * a, "activation gradient");
-  alloc(xn_, n * D * a, "normed activations");
-  alloc(q_, n * Hq * a, "queries");
-  alloc(k_buf_, n * Hk * a, "keys");
-  alloc(v_, n * Hk * a, "values");
-  alloc(att_, n * Hq * a, "attention output");
-  alloc(lse_, n * config.num_attention_heads * f4, "attention log-sum-exp");
-  alloc(h_, n * D * a, "residual");
-  alloc(hn_, n * D * a, "normed residual");
-  alloc(gate_, n * F * a, "gate projection");
-  alloc(up_, n * F * a, "up projection");
-  alloc(act_, n * F * a, "SwiGLU output");
-  alloc(rstd1_, n * f4, "RMSNorm statistics");
-  alloc(rstd2_, n * f4, "RMSNorm statistics");
-  alloc(d_big_, n * F * a, "SwiGLU gradient");
-  alloc(d_gate_, n * F * a, "gate gradient");
-  alloc(d_up_, n * F * a, "up gradient");
-  alloc(dq_, n * Hq * a, "query gradient");
-  alloc(dk_, n * Hk * a, "key gradient");
-  alloc(dv_, n * Hk * a, "value gradient");
-  alloc(d_att_, n * Hq * a, "attention gradient");
-  alloc(d_h_, n * D * a, "residual gradient");
-  alloc(d_small_, n * D * a, "normed-input gradient");
-  alloc(chunk_, n * static_cast<uint64_t>(C) * f4, "logits chunk");
   if (options.param_dtype != DType::f32)
-    alloc(chunk_act_, n * static_cast<uint64_t>(C) * a, "logits gradient chunk");
-  alloc(row_max_, n * f4, "cross-entropy state");
-  alloc(row_sum_, n * f4, "cross-entropy state");
-  alloc(target_logit_, n * f4, "cross-entropy state");
-  alloc(losses_, n * f4, "per-token losses");
+    w.push_back(
+        {&LlamaModel::chunk_act_, n * static_cast<uint64_t>(C) * a, "logits gradient chunk"});
+  w.push_back({&LlamaModel::row_max_, n * f4, "cross-entropy state"});
+  w.push_back({&LlamaModel::row_sum_, n * f4, "cross-entropy state"});
+  w.push_back({&LlamaModel::target_logit_, n * f4, "cross-entropy state"});
+  w.push_back({&LlamaModel::losses_, n * f4, "per-token losses"});
+  return w;
+}
+
+uint64_t LlamaModel::workspace_bytes_for(const LlamaConfig& config, const ModelOptions& options,
+                                         uint64_t alignment) {
+  if (alignment == 0) fail("workspace alignment 0: pass 1 for exact bytes");
+  uint64_t total = 0;
+  for (const WorkspaceBuffer& b : workspace(config, options)) total += align_up(b.bytes, alignment);
+  return total;
+}
+
+LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options, Device& device)
+    : config_(config),
+      layout_(ModelLayout::build(config)),
+      options_(options),
+      device_(device),
+      k_(device.kernels()) {
+  const int64_t T = options.seq_len;
+  for (const WorkspaceBuffer& b : workspace(config, options)) {
+    // The model's workspace: activations and scratch.
+    this->*b.member = DeviceBuffer(device, b.bytes, b.what, MemoryKind::activations);
+    workspace_bytes_ += b.bytes;
+  }
 
   // The rotary table, uploaded once (synchronously: the host copy is a temporary).
   const std::vector<float> table = rope_table(config, T);

@@ -86,6 +86,11 @@ class LlamaModel {
   Device& device() const { return device_; }
   // Bytes of device memory this model's activations and scratch take (allocated already).
   uint64_t workspace_bytes() const { return workspace_bytes_; }
+  // What the constructor allocates for `config` and `options`, without a device: the planner's
+  // figure for activations. With `alignment` > 1 each buffer is rounded up to it, as a device
+  // arena rounds it. Throws the constructor's errors for a bad sequence length or batch.
+  static uint64_t workspace_bytes_for(const LlamaConfig& config, const ModelOptions& options,
+                                      uint64_t alignment = 1);
 
   // ---- one batch: queue everything on `stream`; nothing synchronises ----
   // ids, targets: int32 [batch * seq_len] in device memory (targets may hold kIgnoreIndex).
@@ -123,6 +128,16 @@ class LlamaModel {
   TensorView checkpoint(int u, int64_t batch) const;
 
  private:
+  // One workspace buffer: the member it goes to, its size and what it holds. The constructor
+  // and workspace_bytes_for() both read this list, so the planner counts what is allocated.
+  struct WorkspaceBuffer {
+    DeviceBuffer LlamaModel::*member;
+    uint64_t bytes;
+    const char* what;
+  };
+  static std::vector<WorkspaceBuffer> workspace(const LlamaConfig& config,
+                                                const ModelOptions& options);
+
   TensorView param(const std::vector<UnitBuffers>& units, int u, std::string_view name,
                    bool grad) const;
   TensorView rows(const DeviceBuffer& buf, DType dtype, int64_t n, int64_t cols) const;

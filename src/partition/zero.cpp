@@ -39,6 +39,20 @@ ZeroModel::ZeroModel(const ModelLayout& layout, Communicator& comm, const ZeroOp
         "embeddings or prefetch)",
         options.working_buffers);
   const int N = ranks();
+  const size_t U = partition_.units.size();
+  for (const auto* v : {&options.param_resident, &options.grad_resident})
+    if (!v->empty() && v->size() != U)
+      fail(
+          "ZeRO-3 model state: residency given for {} units, the model has {}; give one flag "
+          "per unit or none",
+          v->size(), U);
+  for (int u = 0; u < partition_.num_units(); ++u)
+    if (partition_.units[static_cast<size_t>(u)].replicated &&
+        (!param_resident(u) || (options.with_grads && !grad_resident(u))))
+      fail(
+          "ZeRO-3 model state: unit {} is replicated (at most {} elements) but its parameters "
+          "or gradients are marked not resident; replicated units stay on every device",
+          partition_.units[static_cast<size_t>(u)].name, options.persistence_threshold);
   const uint64_t ps = dtype_size(options.param_dtype), gs = dtype_size(options.grad_dtype);
   // Working buffers hold gathered parameters only of sharded units (replicated ones are used
   // in place), and working gradients of any unit.
@@ -55,13 +69,20 @@ ZeroModel::ZeroModel(const ModelLayout& layout, Communicator& comm, const ZeroOp
       const UnitPartition& up = partition_.units[static_cast<size_t>(u)];
       const std::string what = up.replicated ? fmt::format("unit {} (replicated)", up.name)
                                              : fmt::format("shard {}/{} of unit {}", r, N, up.name);
-      rank->params.emplace_back(d, up.resident() * ps, "parameters of " + what,
-                                MemoryKind::parameters);
+      // Off-device state keeps an empty slot, so units index the vectors as before.
+      rank->params.emplace_back(d, param_resident(u) ? up.resident() * ps : 0,
+                                "parameters of " + what, MemoryKind::parameters);
       if (options.with_grads)
-        rank->grads.emplace_back(d, up.resident() * gs, "gradients of " + what,
-                                 MemoryKind::gradients);
+        rank->grads.emplace_back(d, grad_resident(u) ? up.resident() * gs : 0,
+                                 "gradients of " + what, MemoryKind::gradients);
     }
-    if (options.with_grads)
+    // Only units whose G is resident and sharded add through the staging; without such a
+    // unit nothing is allocated for it.
+    bool staged_adds = false;
+    for (int u = 0; u < partition_.num_units(); ++u)
+      staged_adds = staged_adds || (!partition_.units[static_cast<size_t>(u)].replicated &&
+                                    options.with_grads && grad_resident(u));
+    if (staged_adds)
       rank->scratch = DeviceBuffer(d, partition_.max_shard_numel() * gs, "reduce-scatter staging",
                                    MemoryKind::communication);
     rank->scratch_used = d.create_event();
@@ -109,6 +130,16 @@ void ZeroModel::check_streams(const std::vector<Stream*>& streams, const char* w
     if (streams[r] == nullptr) fail("{}: the stream of rank {} is null", what, r);
 }
 
+bool ZeroModel::param_resident(int u) const {
+  check_unit(u, "residency");
+  return options_.param_resident.empty() || options_.param_resident[static_cast<size_t>(u)];
+}
+
+bool ZeroModel::grad_resident(int u) const {
+  check_unit(u, "residency");
+  return options_.grad_resident.empty() || options_.grad_resident[static_cast<size_t>(u)];
+}
+
 void ZeroModel::synchronize_setup() const {
   for (const auto& r : ranks_) r->setup->synchronize();
 }
@@ -116,6 +147,7 @@ void ZeroModel::synchronize_setup() const {
 // ---- model state ----
 
 void ZeroModel::scatter_staged(int u, const std::vector<char>& staged) {
+  if (!param_resident(u)) return;  // its home is elsewhere: the owner of that home sets it
   const UnitPartition& up = partition_.units[static_cast<size_t>(u)];
   const uint64_t ps = dtype_size(options_.param_dtype);
   for (int r = 0; r < ranks(); ++r) {
@@ -174,7 +206,8 @@ void ZeroModel::upload_unit(int u, const std::vector<float>& values) {
 void ZeroModel::zero_grads() {
   if (!options_.with_grads) return;
   for (const auto& rank : ranks_)
-    for (DeviceBuffer& g : rank->grads) rank->device->fill_zero(g.data(), g.bytes(), *rank->setup);
+    for (DeviceBuffer& g : rank->grads)
+      if (g.bytes() > 0) rank->device->fill_zero(g.data(), g.bytes(), *rank->setup);
   synchronize_setup();
 }
 
@@ -183,6 +216,9 @@ std::vector<float> ZeroModel::download_unit(int u, bool grad) const {
   const UnitPartition& up = partition_.units[static_cast<size_t>(u)];
   if (grad && !options_.with_grads)
     fail("download of unit {}'s gradients: this model state was made without gradients", up.name);
+  if (grad ? !grad_resident(u) : !param_resident(u))
+    fail("download of unit {}'s {}: they do not live on the devices; read them from their home",
+         up.name, grad ? "gradients" : "parameters");
   const DType t = grad ? options_.grad_dtype : options_.param_dtype;
   const uint64_t es = dtype_size(t);
   auto buffer = [&](int r) -> const DeviceBuffer& {
@@ -220,6 +256,9 @@ std::vector<float> ZeroModel::download_unit(int u, bool grad) const {
 
 TensorView ZeroModel::param_shard(int u, int rank) const {
   check_unit(u, "parameter shard");
+  if (!param_resident(u))
+    fail("parameter shard of unit {}: its parameters do not live on the devices",
+         partition_.units[static_cast<size_t>(u)].name);
   const DeviceBuffer& b = ranks_.at(static_cast<size_t>(rank))->params[static_cast<size_t>(u)];
   const auto n = static_cast<int64_t>(partition_.units[static_cast<size_t>(u)].resident());
   return TensorView{b.data(), options_.param_dtype, {n}, &device(rank)};
@@ -229,6 +268,9 @@ TensorView ZeroModel::grad_shard(int u, int rank) const {
   check_unit(u, "gradient shard");
   if (!options_.with_grads)
     fail("gradient shard of unit {}: this model state was made without gradients", u);
+  if (!grad_resident(u))
+    fail("gradient shard of unit {}: its gradients do not live on the devices",
+         partition_.units[static_cast<size_t>(u)].name);
   const DeviceBuffer& b = ranks_.at(static_cast<size_t>(rank))->grads[static_cast<size_t>(u)];
   const auto n = static_cast<int64_t>(partition_.units[static_cast<size_t>(u)].resident());
   return TensorView{b.data(), options_.grad_dtype, {n}, &device(rank)};
@@ -263,8 +305,35 @@ int ZeroModel::take_slot(int u) {
       partition_.units[static_cast<size_t>(u)].name, slots_.size(), held);
 }
 
+// The caller's per-rank buffers for a non-resident unit: one per rank, on its device, of the
+// shard's length and the expected dtype.
+static void check_external(const std::vector<TensorView>& views, bool needed, int ranks,
+                           const UnitPartition& up, DType dtype, const char* what,
+                           const Communicator& comm) {
+  if (!needed) {
+    if (!views.empty())
+      fail("{} of unit {}: its {} live on the devices, so pass no external buffers", what, up.name,
+           std::string_view(what) == "gather" ? "parameters" : "gradients");
+    return;
+  }
+  if (views.size() != static_cast<size_t>(ranks))
+    fail(
+        "{} of unit {}: it is not resident, so one device buffer per rank is needed ({} given "
+        "for {} ranks)",
+        what, up.name, views.size(), ranks);
+  for (int r = 0; r < ranks; ++r) {
+    const TensorView& v = views[static_cast<size_t>(r)];
+    if (v.data == nullptr || v.dtype != dtype || v.numel() != static_cast<int64_t>(up.shard) ||
+        v.device != &comm.device(r))
+      fail("{} of unit {}: rank {}'s buffer must be {} elements of {} on {} (got {} of {}{})", what,
+           up.name, r, up.shard, dtype_name(dtype), comm.device(r).name(), v.numel(),
+           dtype_name(v.dtype), v.data == nullptr ? ", null" : "");
+  }
+}
+
 std::vector<UnitBuffers> ZeroModel::gather(int u, const std::vector<Stream*>& streams,
-                                           bool for_backward) {
+                                           bool for_backward,
+                                           const std::vector<TensorView>& shards) {
   check_unit(u, "gather");
   check_streams(streams, "gather");
   const UnitPartition& up = partition_.units[static_cast<size_t>(u)];
@@ -272,6 +341,7 @@ std::vector<UnitBuffers> ZeroModel::gather(int u, const std::vector<Stream*>& st
   if (st.gathered) fail("gather of unit {}: it is gathered already; release it first", up.name);
   if (for_backward && !options_.with_grads)
     fail("gather of unit {} for backward: this model state was made without gradients", up.name);
+  check_external(shards, !param_resident(u), ranks(), up, options_.param_dtype, "gather", comm_);
   const int N = ranks();
   const int s = !up.replicated || for_backward ? take_slot(u) : -1;
   std::vector<UnitBuffers> out(static_cast<size_t>(N));
@@ -293,10 +363,12 @@ std::vector<UnitBuffers> ZeroModel::gather(int u, const std::vector<Stream*>& st
     std::vector<TensorView> send, recv;
     for (int r = 0; r < N; ++r) {
       send.push_back(
-          TensorView{ranks_[static_cast<size_t>(r)]->params[static_cast<size_t>(u)].data(),
-                     pt,
-                     {static_cast<int64_t>(up.shard)},
-                     &device(r)});
+          shards.empty()
+              ? TensorView{ranks_[static_cast<size_t>(r)]->params[static_cast<size_t>(u)].data(),
+                           pt,
+                           {static_cast<int64_t>(up.shard)},
+                           &device(r)}
+              : shards[static_cast<size_t>(r)]);
       recv.push_back(TensorView{slot.params[static_cast<size_t>(r)].data(),
                                 pt,
                                 {static_cast<int64_t>(up.padded)},
@@ -339,7 +411,8 @@ void ZeroModel::release(int u, const std::vector<Stream*>& streams) {
   st = UnitState{};
 }
 
-void ZeroModel::reduce_scatter_grads(int u, const std::vector<Stream*>& streams) {
+void ZeroModel::reduce_scatter_grads(int u, const std::vector<Stream*>& streams,
+                                     const std::vector<TensorView>& out) {
   check_unit(u, "reduce-scatter");
   check_streams(streams, "reduce-scatter");
   const UnitPartition& up = partition_.units[static_cast<size_t>(u)];
@@ -349,9 +422,23 @@ void ZeroModel::reduce_scatter_grads(int u, const std::vector<Stream*>& streams)
         "reduce-scatter of unit {}'s gradients: the unit is not gathered for backward; call "
         "gather(u, streams, true) before its backward",
         up.name);
+  check_external(out, !grad_resident(u), ranks(), up, options_.grad_dtype, "reduce-scatter", comm_);
   Slot& slot = *slots_[static_cast<size_t>(st.slot)];
   const int N = ranks();
   const DType gt = options_.grad_dtype;
+  if (!out.empty()) {
+    // Not resident (so not replicated): the sum goes straight to the caller's buffer.
+    std::vector<TensorView> send;
+    for (int r = 0; r < N; ++r)
+      send.push_back(TensorView{slot.grads[static_cast<size_t>(r)].data(),
+                                gt,
+                                {static_cast<int64_t>(up.padded)},
+                                &device(r)});
+    comm_.reduce_scatter(send, out, streams);
+    for (int r = 0; r < N; ++r)
+      streams[static_cast<size_t>(r)]->record(*slot.used[static_cast<size_t>(r)]);
+    return;
+  }
   std::vector<TensorView> partial;  // per rank, the sum this rank adds into its shard
   if (up.replicated) {
     for (int r = 0; r < N; ++r)

@@ -44,6 +44,13 @@ struct ZeroOptions {
   // Working buffers per rank: the unit in use and one prefetched (two are needed with tied
   // embeddings: the head and the embedding at once).
   int working_buffers = 2;
+  // Per unit, whether its parameter shards P[u][r] and gradient shards G[u][r] live in device
+  // memory (empty: every unit's do). A unit whose parameters live elsewhere (host RAM, NVMe)
+  // has no resident shard: gather() takes each rank's shard from the caller (a device staging
+  // buffer the step executor filled). A unit whose gradients live elsewhere has no resident
+  // G: reduce_scatter_grads() writes the summed shard into the caller's buffer (overwriting),
+  // and the executor copies it to the host. Replicated units must keep both resident.
+  std::vector<bool> param_resident, grad_resident;
 };
 
 class ZeroModel {
@@ -75,7 +82,11 @@ class ZeroModel {
   // layout's numel. Replicated units must hold the same bits on every rank (else Error).
   std::vector<float> download_unit(int u, bool grad) const;
 
+  bool param_resident(int u) const;
+  bool grad_resident(int u) const;
+
   // Rank r's resident shard of unit u (the whole unit when replicated), for the optimizer.
+  // Throws Error for a unit whose parameters (gradients) are not resident.
   TensorView param_shard(int u, int rank) const;
   TensorView grad_shard(int u, int rank) const;
 
@@ -83,14 +94,20 @@ class ZeroModel {
   // Unit u's full parameters on every rank (replicated units: the resident copy). With
   // for_backward, the unit also gets a zeroed working gradient buffer. Returns one
   // UnitBuffers per rank. Throws Error when u is already gathered or no working buffer is
-  // free (naming the units that hold them).
+  // free (naming the units that hold them). `shards` (one per rank, param dtype, the unit's
+  // shard length, on that rank's device) is where the shards come from when the unit's
+  // parameters are not resident, and must be empty otherwise.
   std::vector<UnitBuffers> gather(int u, const std::vector<Stream*>& streams,
-                                  bool for_backward = false);
+                                  bool for_backward = false,
+                                  const std::vector<TensorView>& shards = {});
   // Returns unit u's working buffer once the work queued so far on `streams` is done.
   void release(int u, const std::vector<Stream*>& streams);
   // G[u][r] += chunk r of the sum over ranks of the working gradients (replicated units: the
-  // whole all-reduced sum). Needs gather(u, ..., for_backward = true).
-  void reduce_scatter_grads(int u, const std::vector<Stream*>& streams);
+  // whole all-reduced sum). Needs gather(u, ..., for_backward = true). For a unit whose
+  // gradients are not resident, `out` (one per rank, grad dtype, the shard length, on that
+  // rank's device) receives chunk r of the sum instead (overwritten); else it must be empty.
+  void reduce_scatter_grads(int u, const std::vector<Stream*>& streams,
+                            const std::vector<TensorView>& out = {});
   bool gathered(int u) const;
   int free_working_buffers() const;
 

@@ -1,0 +1,1204 @@
+// executor.cpp: the step executor (see executor.h for the contract).
+//
+// Before the first step every task is resolved once against the schedule: which staging
+// buffer it fills, which earlier task filled the buffer it reads, which gathered units a
+// compute task uses. Staging buffers are handed out greedily in task order; a buffer goes to a
+// producing task only when that task's transitive dependencies (a group counts as one task)
+// include the buffer's previous producer and every task that read from it. A consumer whose
+// producer is not among its dependencies is a schedule bug and is refused up front.
+#include "schedule/executor.h"
+
+#include "core/error.h"
+#include "core/pinned_pool.h"
+#include "cpu_adam/kernels.h"
+#include "model/safetensors.h"
+#include "nvme/swap_store.h"
+#include "partition/zero.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <thread>
+
+namespace strata {
+
+namespace {
+
+constexpr uint64_t kPage = 4096;
+uint64_t round_up(uint64_t x, uint64_t a) {
+  return (x + a - 1) / a * a;
+}
+
+// Host memory for state homed in RAM when pin_memory is off: page aligned, not locked.
+struct AlignedFree {
+  void operator()(char* p) const { std::free(p); }
+};
+using AlignedBlock = std::unique_ptr<char, AlignedFree>;
+
+// Transitive dependencies of every task within one step, as bit sets.
+class Ancestry {
+ public:
+  explicit Ancestry(const Schedule& s) : words_((s.tasks.size() + 63) / 64) {
+    const size_t T = s.tasks.size();
+    bits_.assign(T * words_, 0);
+    size_t t = 0;
+    while (t < T) {
+      size_t end = t + 1;  // a group's members are consecutive: they start and end together
+      if (s.tasks[t].group >= 0)
+        while (end < T && s.tasks[end].group == s.tasks[t].group) ++end;
+      std::vector<uint64_t> acc(words_, 0);
+      for (size_t i = t; i < end; ++i)
+        for (int d : s.tasks[i].deps) {
+          const uint64_t* a = row(static_cast<size_t>(d));
+          for (size_t w = 0; w < words_; ++w) acc[w] |= a[w];
+          add_group(s, static_cast<size_t>(d), acc);
+        }
+      for (size_t i = t; i < end; ++i) std::copy(acc.begin(), acc.end(), row_mut(i));
+      t = end;
+    }
+  }
+  // Whether `a` is done whenever `t` may start.
+  bool before(int a, int t) const {
+    return (row(static_cast<size_t>(t))[static_cast<size_t>(a) / 64] >> (a % 64)) & 1;
+  }
+
+ private:
+  void add_group(const Schedule& s, size_t d, std::vector<uint64_t>& acc) const {
+    size_t lo = d, hi = d;
+    const int g = s.tasks[d].group;
+    if (g >= 0) {
+      while (lo > 0 && s.tasks[lo - 1].group == g) --lo;
+      while (hi + 1 < s.tasks.size() && s.tasks[hi + 1].group == g) ++hi;
+    }
+    for (size_t i = lo; i <= hi; ++i) acc[i / 64] |= uint64_t{1} << (i % 64);
+  }
+  const uint64_t* row(size_t t) const { return bits_.data() + t * words_; }
+  uint64_t* row_mut(size_t t) { return bits_.data() + t * words_; }
+  size_t words_;
+  std::vector<uint64_t> bits_;
+};
+
+// Buffers of one kind handed to producing tasks; see the file comment.
+struct SlotPool {
+  struct Use {
+    int producer = -1;
+    std::vector<int> consumers;
+  };
+  std::vector<Use> last;  // per slot, its latest use
+  // `preferred`: the schedule's own choice (Task::slot or Task::buffer), taken when the
+  // dependencies allow it; else the first free one, else a new one.
+  int take(int producer, const std::vector<int>& consumers, const Ancestry& anc, int preferred) {
+    auto is_free = [&](const Use& u) {
+      if (u.producer < 0) return true;
+      bool free = anc.before(u.producer, producer);
+      for (int c : u.consumers) free = free && anc.before(c, producer);
+      return free;
+    };
+    if (preferred >= 0) {
+      if (last.size() <= static_cast<size_t>(preferred))
+        last.resize(static_cast<size_t>(preferred) + 1);
+      if (is_free(last[static_cast<size_t>(preferred)])) {
+        last[static_cast<size_t>(preferred)] = Use{producer, consumers};
+        return preferred;
+      }
+    }
+    for (size_t i = 0; i < last.size(); ++i)
+      if (is_free(last[i])) {
+        last[i] = Use{producer, consumers};
+        return static_cast<int>(i);
+      }
+    last.push_back(Use{producer, consumers});
+    return static_cast<int>(last.size()) - 1;
+  }
+};
+
+std::string task_label(const Schedule& s, const Task& t) {
+  return fmt::format("task {} ({} u={} r={} m={} on {})", t.id, task_kind_name(t.kind), t.unit,
+                     t.rank, t.micro_batch, s.lanes[static_cast<size_t>(t.lane)].name());
+}
+
+}  // namespace
+
+struct Executor::State {
+  const Placement& pl;
+  const Schedule& sc;
+  Communicator& comm;
+  ExecutorOptions opt;
+  int N = 1, U = 0, M = 1;
+  ModelLayout layout;
+  DType pt = DType::f32, gt = DType::f32;
+  uint64_t ps = 4, gs = 4;
+  bool tied = false;
+
+  std::unique_ptr<ZeroModel> zero;
+  std::vector<std::unique_ptr<LlamaModel>> models;
+  std::vector<DeviceBuffer> act_a, act_b, ids_dev, tgt_dev, chunk_sums, param_tmp;
+  std::vector<std::vector<DeviceBuffer>> o_dev;  // [u][r*3 + {master, m, v}]
+  struct RankStreams {
+    std::unique_ptr<Stream> compute, h2d, d2h, comm, setup;
+  };
+  std::vector<RankStreams> streams;
+  std::unique_ptr<CpuAdam> adam;
+
+  std::unique_ptr<PinnedPool> pool;
+  std::vector<void*> pool_blocks;
+  std::vector<AlignedBlock> plain_blocks;
+  // Host homes per unit and host rank (replicated units: rank 0's copy only).
+  std::vector<std::vector<char*>> host_p, host_g, host_o;  // host_o: master | m | v
+  std::unique_ptr<nvme::SwapStore> store;
+  std::mutex store_mu;
+
+  // Staging, and each task's resolution.
+  std::vector<std::vector<DeviceBuffer>> dev_param, dev_grad;  // [rank][slot]
+  std::vector<char*> pinned;                                   // slots
+  uint64_t pinned_slot_bytes = 0;
+  std::vector<int> slot;               // producers: their slot
+  std::vector<std::vector<int>> src;   // consumers: the producing task per rank
+  std::vector<std::vector<int>> uses;  // compute tasks: the gather leaders they read
+  std::vector<char> gather_bwd;        // gather leaders: for backward
+  // Gather leaders: the compute tasks and reduce-scatters that use the gathered unit; the
+  // last of them to finish releases it.
+  std::vector<int> holders;
+  std::vector<int> rs_gather;                 // reduce-scatter leaders: the gather leader they read
+  std::vector<char> d2h_staged;               // grad_d2h: via a pinned buffer (accumulated)
+  std::vector<std::vector<int>> lanes;        // tasks per lane
+  std::vector<std::pair<int, int>> group_of;  // per task: [first, end) of its group
+
+  // One step's run.
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<char> done;
+  std::vector<int> arrived, users_left;
+  std::vector<std::vector<UnitBuffers>> views;  // [rank][unit]
+  bool stop = false, broken = false;
+  std::exception_ptr error;
+  std::string error_task;
+  std::vector<std::vector<GradStats>> stats;  // [unit][rank]
+  bool have_global = false;
+  GradStats global;
+  float grad_scale = 1;
+  StepParams params;
+  std::vector<std::vector<std::vector<float>>> losses;  // [m][r]
+  std::vector<std::vector<int64_t>> batch_sizes;        // [m][r]
+  float backward_scale = 1;
+  std::vector<TaskSpan> spans;
+  std::chrono::steady_clock::time_point epoch = std::chrono::steady_clock::now();
+
+  State(const Placement& p, const Schedule& s, Communicator& c, const ExecutorOptions& o)
+      : pl(p), sc(s), comm(c), opt(o) {}
+
+  const UnitPartition& up(int u) const { return pl.partition.units[static_cast<size_t>(u)]; }
+  uint64_t shard(int u) const { return up(u).shard; }
+  int host_ranks(int u) const { return up(u).replicated ? 1 : N; }
+  const UnitHomes& home(int u) const { return pl.homes[static_cast<size_t>(u)]; }
+  Device& dev(int r) const { return comm.device(r); }
+  std::vector<int> task_ranks(const Task& t, int u) const {
+    std::vector<int> out;
+    if (t.rank >= 0) {
+      if (t.rank < host_ranks(u) || home(u).optimizer == Tier::gpu) out.push_back(t.rank);
+    } else {
+      for (int r = 0; r < host_ranks(u); ++r) out.push_back(r);
+    }
+    return out;
+  }
+  std::vector<Stream*> comm_streams() const {
+    std::vector<Stream*> v;
+    for (const auto& s : streams) v.push_back(s.comm.get());
+    return v;
+  }
+  double now() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch).count();
+  }
+  char* host_alloc(uint64_t bytes, const std::string& what, bool pinned_memory) {
+    if (bytes == 0) return nullptr;
+    if (pinned_memory) {
+      void* p = pool->allocate(bytes, what);
+      pool_blocks.push_back(p);
+      return static_cast<char*>(p);
+    }
+    char* p = static_cast<char*>(std::aligned_alloc(kPage, round_up(bytes, kPage)));
+    if (p == nullptr)
+      fail(
+          "executor: {} bytes of host memory for {} could not be allocated; lower --cpu-memory "
+          "or offload to NVMe",
+          bytes, what);
+    plain_blocks.emplace_back(p);
+    return p;
+  }
+  static std::string shard_name(char kind, int u, int r) {
+    return fmt::format("{}.{}.{}", kind, u, r);
+  }
+
+  void resolve();
+  void allocate();
+  void run_task(const Task& t);
+  void run_group(int first, int end);
+  // A replicated unit's view: its resident parameters, no gradient buffer.
+  void reset_replicated(int x) {
+    for (int q = 0; q < N; ++q)
+      views[static_cast<size_t>(q)][static_cast<size_t>(x)] =
+          UnitBuffers{zero->param_shard(x, q).data, nullptr};
+  }
+  // One holder of a gathered unit is done with it (called under mu); the last releases it.
+  void let_go(int leader) {
+    if (--users_left[static_cast<size_t>(leader)] > 0) return;
+    const int x = sc.tasks[static_cast<size_t>(leader)].unit;
+    zero->release(x, comm_streams());
+    for (auto& v : views) v[static_cast<size_t>(x)] = UnitBuffers{};
+  }
+  void lane_loop(int lane, int step_index);
+  void write_unit(int u, const std::vector<char>& staged);
+};
+
+// ---- resolution of the schedule ----
+
+void Executor::State::resolve() {
+  const size_t T = sc.tasks.size();
+  const Ancestry anc(sc);
+  slot.assign(T, -1);
+  src.assign(T, {});
+  uses.assign(T, {});
+  gather_bwd.assign(T, 0);
+  holders.assign(T, 0);
+  rs_gather.assign(T, -1);
+  d2h_staged.assign(T, 0);
+  group_of.assign(T, {0, 0});
+  for (size_t t = 0; t < T;) {
+    size_t end = t + 1;
+    if (sc.tasks[t].group >= 0)
+      while (end < T && sc.tasks[end].group == sc.tasks[t].group) ++end;
+    for (size_t i = t; i < end; ++i) group_of[i] = {static_cast<int>(t), static_cast<int>(end)};
+    t = end;
+  }
+  lanes.assign(sc.lanes.size(), {});
+  for (const Task& t : sc.tasks) lanes[static_cast<size_t>(t.lane)].push_back(t.id);
+
+  auto need = [&](int producer, const Task& consumer, const char* what) {
+    if (producer < 0)
+      fail(
+          "schedule: {} has no earlier {} to read from; the schedule does not fit this "
+          "placement",
+          task_label(sc, consumer), what);
+    if (!anc.before(producer, consumer.id))
+      fail("schedule: {} reads what {} produced but does not depend on it",
+           task_label(sc, consumer), task_label(sc, sc.tasks[static_cast<size_t>(producer)]));
+  };
+  // latest[kind][unit][rank + 1]: the latest task of that kind so far (rank 0 slot: all ranks)
+  auto key = [&](TaskKind k, int u) { return static_cast<size_t>(k) * U + static_cast<size_t>(u); };
+  std::vector<std::vector<int>> latest(
+      (static_cast<size_t>(TaskKind::param_d2h) + 1) * static_cast<size_t>(U),
+      std::vector<int>(static_cast<size_t>(N) + 1, -1));
+  auto latest_for = [&](TaskKind k, int u, int r) {
+    const auto& v = latest[key(k, u)];
+    return std::max(v[0], v[static_cast<size_t>(r) + 1]);
+  };
+  // Pass 1: who reads what. pool_of: -1 none, 0 pinned, 1 + r device parameter landing
+  // buffers of rank r, 1 + N + r device gradient staging of rank r.
+  std::vector<int> pool_of(T, -1);
+  std::vector<std::vector<int>> consumers(T);
+  auto read = [&](int producer, int consumer) {
+    consumers[static_cast<size_t>(producer)].push_back(consumer);
+  };
+  for (const Task& t : sc.tasks) {
+    const int u = t.unit;
+    const UnitHomes& h = home(u);
+    const size_t id = static_cast<size_t>(t.id);
+    switch (t.kind) {
+      case TaskKind::param_read:
+      case TaskKind::optim_read:
+        pool_of[id] = 0;
+        break;
+      case TaskKind::param_h2d:
+        if (h.param == Tier::nvme) {
+          const int p = latest_for(TaskKind::param_read, u, t.rank);
+          need(p, t, "param_read");
+          src[id] = {p};
+          read(p, t.id);
+        }
+        pool_of[id] = 1 + t.rank;
+        break;
+      case TaskKind::gather:
+        if (!zero->param_resident(u)) {
+          const int p = latest_for(TaskKind::param_h2d, u, t.rank);
+          need(p, t, "param_h2d");
+          src[id] = {p};
+          read(p, t.id);
+        }
+        break;
+      case TaskKind::forward:
+      case TaskKind::backward: {
+        std::vector<int> units{u};
+        if (tied && u == U - 1 && u != 0) units.push_back(0);
+        for (int x : units) {
+          if (up(x).replicated) continue;  // used in place, never gathered
+          const int g = latest_for(TaskKind::gather, x, t.rank);
+          need(g, t, "gather");
+          const int leader = group_of[static_cast<size_t>(g)].first;
+          uses[id].push_back(leader);
+          if (t.kind == TaskKind::backward) gather_bwd[static_cast<size_t>(leader)] = 1;
+          ++holders[static_cast<size_t>(leader)];
+        }
+        break;
+      }
+      case TaskKind::reduce_scatter:
+        if (!zero->grad_resident(u)) pool_of[id] = 1 + N + t.rank;
+        if (!up(u).replicated) {
+          const int g = latest_for(TaskKind::gather, u, t.rank);
+          need(g, t, "gather");
+          if (group_of[id].first == t.id) {
+            rs_gather[id] = group_of[static_cast<size_t>(g)].first;
+            ++holders[static_cast<size_t>(rs_gather[id])];
+          }
+        }
+        break;
+      case TaskKind::grad_d2h:
+        if (!up(u).replicated) {
+          const int p = latest_for(TaskKind::reduce_scatter, u, t.rank);
+          need(p, t, "reduce_scatter");
+          src[id] = {p};
+          read(p, t.id);
+        }
+        break;
+      case TaskKind::grad_accumulate:
+        if (!up(u).replicated) {
+          // The shards it adds come through pinned buffers; the first micro-batch's d2h
+          // (with no grad_accumulate) writes G directly.
+          for (int r : task_ranks(t, u)) {
+            const int p = latest_for(TaskKind::grad_d2h, u, r);
+            need(p, t, "grad_d2h");
+            src[id].push_back(p);
+            read(p, t.id);
+            pool_of[static_cast<size_t>(p)] = 0;
+            d2h_staged[static_cast<size_t>(p)] = 1;
+          }
+        }
+        break;
+      case TaskKind::adam: {
+        if (h.optimizer == Tier::nvme) {
+          const int p = latest[key(TaskKind::optim_read, u)][0];
+          need(p, t, "optim_read");
+          src[id] = {p};
+          read(p, t.id);
+        }
+        const bool out = (h.optimizer != Tier::gpu && h.param != Tier::cpu) ||
+                         (h.optimizer == Tier::gpu && h.param == Tier::nvme);
+        if (out) pool_of[id] = 0;
+        break;
+      }
+      case TaskKind::optim_write: {
+        const int p = latest[key(TaskKind::optim_read, u)][0];
+        need(p, t, "optim_read");
+        src[id] = {p};
+        read(p, t.id);
+        break;
+      }
+      case TaskKind::param_write:
+      case TaskKind::param_upload: {
+        const std::vector<int> rs = t.rank >= 0 ? std::vector<int>{t.rank} : task_ranks(t, u);
+        for (int r : rs) {
+          const int p = latest_for(TaskKind::adam, u, up(u).replicated ? 0 : r);
+          need(p, t, "adam");
+          src[id].push_back(p);
+          read(p, t.id);
+        }
+        break;
+      }
+      case TaskKind::grad_stats:
+      case TaskKind::param_d2h:
+        break;
+    }
+    latest[key(t.kind, u)][static_cast<size_t>(t.rank) + 1] = t.id;
+  }
+  // Pass 2: buffers to producers, in task order, each freed by its readers.
+  SlotPool pinned_pool;
+  std::vector<SlotPool> param_pools(static_cast<size_t>(N)), grad_pools(static_cast<size_t>(N));
+  for (size_t t = 0; t < T; ++t) {
+    const int p = pool_of[t];
+    if (p < 0) continue;
+    SlotPool& slots = p == 0   ? pinned_pool
+                      : p <= N ? param_pools[static_cast<size_t>(p - 1)]
+                               : grad_pools[static_cast<size_t>(p - 1 - N)];
+    const Task& task = sc.tasks[t];
+    slot[t] = slots.take(static_cast<int>(t), consumers[t], anc,
+                         p == 0   ? task.buffer
+                         : p <= N ? task.slot
+                                  : -1);
+  }
+
+  pinned.assign(pinned_pool.last.size(), nullptr);
+  dev_param.clear();
+  dev_param.resize(static_cast<size_t>(N));
+  dev_grad.clear();
+  dev_grad.resize(static_cast<size_t>(N));
+  for (int r = 0; r < N; ++r) {
+    for (size_t i = 0; i < param_pools[static_cast<size_t>(r)].last.size(); ++i)
+      dev_param[static_cast<size_t>(r)].emplace_back(dev(r), pl.partition.max_shard_numel() * ps,
+                                                     fmt::format("parameter landing buffer {}", i),
+                                                     MemoryKind::gathered);
+    for (size_t i = 0; i < grad_pools[static_cast<size_t>(r)].last.size(); ++i)
+      dev_grad[static_cast<size_t>(r)].emplace_back(dev(r), pl.partition.max_shard_numel() * gs,
+                                                    fmt::format("gradient staging buffer {}", i),
+                                                    MemoryKind::communication);
+  }
+}
+
+// ---- allocation ----
+
+void Executor::State::allocate() {
+  const bool pin = pl.request.pin_memory;
+  uint64_t max_shard = 0;
+  for (int u = 0; u < U; ++u) max_shard = std::max(max_shard, shard(u));
+  pinned_slot_bytes = round_up(std::max({static_cast<uint64_t>(N) * max_shard * ps, max_shard * gs,
+                                         static_cast<uint64_t>(N) * max_shard * 12}),
+                               kPage);
+  uint64_t capacity = pinned.size() * pinned_slot_bytes;
+  for (int u = 0; u < U; ++u) {
+    for (int r = 0; r < host_ranks(u); ++r) {
+      if (!pin) break;
+      if (home(u).param == Tier::cpu) capacity += round_up(shard(u) * ps, kPage);
+      if (home(u).grad == Tier::cpu) capacity += round_up(shard(u) * gs, kPage);
+      if (home(u).optimizer == Tier::cpu) capacity += round_up(shard(u) * 12, kPage);
+    }
+  }
+  bool cuda = false;
+  for (int r = 0; r < N; ++r) cuda = cuda || dev(r).backend() == Backend::cuda;
+  if (capacity > 0) {
+    PinnedPoolOptions po;
+    po.capacity = capacity;
+    po.cuda = cuda;
+    pool = std::make_unique<PinnedPool>(po);
+  }
+  for (size_t i = 0; i < pinned.size(); ++i) {
+    pinned[i] =
+        static_cast<char*>(pool->allocate(pinned_slot_bytes, fmt::format("staging buffer {}", i)));
+    pool_blocks.push_back(pinned[i]);
+  }
+  host_p.assign(static_cast<size_t>(U), {});
+  host_g.assign(static_cast<size_t>(U), {});
+  host_o.assign(static_cast<size_t>(U), {});
+  uint64_t nvme_bytes = 0;
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < host_ranks(u); ++r) {
+      const std::string what = fmt::format("unit {} rank {}", up(u).name, r);
+      const uint64_t n = shard(u);
+      host_p[static_cast<size_t>(u)].push_back(
+          home(u).param == Tier::cpu ? host_alloc(n * ps, "parameters of " + what, pin) : nullptr);
+      host_g[static_cast<size_t>(u)].push_back(
+          home(u).grad == Tier::cpu ? host_alloc(n * gs, "gradients of " + what, pin) : nullptr);
+      host_o[static_cast<size_t>(u)].push_back(
+          home(u).optimizer == Tier::cpu ? host_alloc(n * 12, "optimizer state of " + what, pin)
+                                         : nullptr);
+      if (home(u).param == Tier::nvme) nvme_bytes += round_up(n * ps, opt.nvme_stripe);
+      if (home(u).optimizer == Tier::nvme) nvme_bytes += round_up(n * 12, opt.nvme_stripe);
+    }
+  if (nvme_bytes > 0) {
+    nvme::SwapStoreOptions so;
+    so.paths = pl.request.nvme_paths;
+    so.capacity = nvme_bytes;
+    so.stripe = opt.nvme_stripe;
+    so.io = opt.io;
+    store = std::make_unique<nvme::SwapStore>(so);
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < host_ranks(u); ++r) {
+        if (home(u).param == Tier::nvme) store->add_shard(shard_name('P', u, r), shard(u) * ps);
+        if (home(u).optimizer == Tier::nvme) store->add_shard(shard_name('O', u, r), shard(u) * 12);
+      }
+  }
+  o_dev.clear();
+  o_dev.resize(static_cast<size_t>(U));
+  bool gpu_adam = false, gpu_adam_off = false;
+  for (int u = 0; u < U; ++u) {
+    if (home(u).optimizer != Tier::gpu) continue;
+    gpu_adam = true;
+    gpu_adam_off = gpu_adam_off || home(u).param != Tier::gpu;
+    for (int r = 0; r < N; ++r)
+      for (const char* part : {"master weights", "Adam m", "Adam v"})
+        o_dev[static_cast<size_t>(u)].emplace_back(dev(r), shard(u) * 4,
+                                                   fmt::format("{} of unit {}", part, up(u).name),
+                                                   MemoryKind::optimizer);
+  }
+  for (int r = 0; r < N; ++r) {
+    if (gpu_adam)
+      chunk_sums.emplace_back(dev(r), cpu_adam::chunk_count(max_shard, CpuAdam::kStatsChunk) * 8,
+                              "gradient chunk sums", MemoryKind::other);
+    if (gpu_adam_off)
+      param_tmp.emplace_back(dev(r), max_shard * ps, "updated parameters on their way out",
+                             MemoryKind::other);
+  }
+}
+
+Executor::Executor(const Placement& placement, const Schedule& schedule, Communicator& comm,
+                   const ExecutorOptions& options)
+    : placement_(placement), schedule_(schedule) {
+  schedule_.validate();
+  s_ = std::make_unique<State>(placement_, schedule_, comm, options);
+  State& s = *s_;
+  const RunShape& shape = placement_.shape;
+  s.N = comm.size();
+  s.M = schedule_.options.micro_batches;
+  s.layout = ModelLayout::build(shape.model);
+  s.U = s.layout.num_units();
+  s.pt = shape.param_dtype;
+  s.gt = shape.grad_dtype;
+  s.ps = dtype_size(s.pt);
+  s.gs = dtype_size(s.gt);
+  s.tied = shape.model.tie_word_embeddings;
+  if (shape.ranks != s.N || schedule_.ranks != s.N || schedule_.units != s.U ||
+      placement_.partition.num_units() != s.U ||
+      placement_.homes.size() != static_cast<size_t>(s.U))
+    fail(
+        "executor: the placement is for {} ranks and {} units, the schedule for {} ranks and {} "
+        "units, the devices are {} and the model has {} units; build all from the same run "
+        "shape",
+        shape.ranks, placement_.homes.size(), schedule_.ranks, schedule_.units, s.N, s.U);
+
+  ZeroOptions zo;
+  zo.param_dtype = s.pt;
+  zo.grad_dtype = s.gt;
+  zo.persistence_threshold = shape.persistence_threshold;
+  zo.working_buffers = shape.working_buffers;
+  for (int u = 0; u < s.U; ++u) {
+    zo.param_resident.push_back(s.home(u).param == Tier::gpu || s.up(u).replicated);
+    zo.grad_resident.push_back(s.home(u).grad == Tier::gpu || s.up(u).replicated);
+  }
+  s.zero = std::make_unique<ZeroModel>(s.layout, comm, zo);
+  if (s.zero->partition().num_units() != s.U ||
+      s.zero->partition().max_unit_numel() != placement_.partition.max_unit_numel())
+    fail(
+        "executor: the placement's partition differs from the model state's; build the "
+        "placement with this model's persistence threshold and alignment");
+  ModelOptions mo;
+  mo.param_dtype = s.pt;
+  mo.grad_dtype = s.gt;
+  mo.max_batch = shape.micro_batch;
+  mo.seq_len = shape.seq_len;
+  const uint64_t rows = static_cast<uint64_t>(shape.micro_batch * shape.seq_len);
+  for (int r = 0; r < s.N; ++r) {
+    Device& d = s.dev(r);
+    s.models.push_back(std::make_unique<LlamaModel>(shape.model, mo, d));
+    const uint64_t act = rows * static_cast<uint64_t>(shape.model.hidden_size) * s.ps;
+    s.act_a.emplace_back(d, act, "activation gradient", MemoryKind::activations);
+    s.act_b.emplace_back(d, act, "activation gradient", MemoryKind::activations);
+    s.ids_dev.emplace_back(d, rows * 4 * static_cast<uint64_t>(s.M), "token ids",
+                           MemoryKind::activations);
+    s.tgt_dev.emplace_back(d, rows * 4 * static_cast<uint64_t>(s.M), "targets",
+                           MemoryKind::activations);
+    State::RankStreams rs;
+    rs.compute = d.create_stream(fmt::format("gpu[{}].compute", r));
+    rs.h2d = d.create_stream(fmt::format("gpu[{}].h2d", r));
+    rs.d2h = d.create_stream(fmt::format("gpu[{}].d2h", r));
+    rs.comm = d.create_stream(fmt::format("gpu[{}].comm", r));
+    rs.setup = d.create_stream(fmt::format("gpu[{}].setup", r));
+    s.streams.push_back(std::move(rs));
+  }
+  s.resolve();
+  s.allocate();
+  CpuAdamOptions ao;
+  ao.threads = options.cpu_adam_threads;
+  s.adam = std::make_unique<CpuAdam>(ao);
+  s.views.assign(static_cast<size_t>(s.N), std::vector<UnitBuffers>(static_cast<size_t>(s.U)));
+  for (int u = 0; u < s.U; ++u)
+    if (s.up(u).replicated) s.reset_replicated(u);
+  s.stats.assign(static_cast<size_t>(s.U), std::vector<GradStats>(static_cast<size_t>(s.N)));
+}
+
+Executor::~Executor() {
+  if (!s_) return;
+  for (auto& rs : s_->streams)
+    for (Stream* st :
+         {rs.compute.get(), rs.h2d.get(), rs.d2h.get(), rs.comm.get(), rs.setup.get()}) {
+      try {
+        st->synchronize();
+      } catch (const Error&) {
+        // Reported by the step that failed; nothing more to do while tearing down.
+      }
+    }
+  if (s_->pool)
+    for (void* p : s_->pool_blocks) s_->pool->release(p);
+}
+
+// ---- model state ----
+
+// Unit u's padded parameters (param dtype) to their home, and the master (f32) with zeroed
+// moments to the optimizer's home.
+void Executor::State::write_unit(int u, const std::vector<char>& staged) {
+  const uint64_t n = shard(u);
+  for (int r = 0; r < N; ++r) {
+    const char* p = staged.data() + up(u).shard_offset(r) * ps;
+    std::vector<float> o(n * 3, 0.0f);
+    convert(o.data(), DType::f32, p, pt, n);
+    if (home(u).optimizer == Tier::gpu) {
+      Stream& st = *streams[static_cast<size_t>(r)].setup;
+      auto& b = o_dev[static_cast<size_t>(u)];
+      dev(r).copy_to_device(b[static_cast<size_t>(r) * 3].data(), o.data(), n * 4, st);
+      dev(r).fill_zero(b[static_cast<size_t>(r) * 3 + 1].data(), n * 4, st);
+      dev(r).fill_zero(b[static_cast<size_t>(r) * 3 + 2].data(), n * 4, st);
+      st.synchronize();
+    }
+    if (r >= host_ranks(u)) continue;
+    if (home(u).param == Tier::cpu)
+      std::memcpy(host_p[static_cast<size_t>(u)][static_cast<size_t>(r)], p, n * ps);
+    if (home(u).param == Tier::nvme) store->write(shard_name('P', u, r), p);
+    if (home(u).grad == Tier::cpu)
+      std::memset(host_g[static_cast<size_t>(u)][static_cast<size_t>(r)], 0, n * gs);
+    if (home(u).optimizer == Tier::cpu)
+      std::memcpy(host_o[static_cast<size_t>(u)][static_cast<size_t>(r)], o.data(), n * 12);
+    if (home(u).optimizer == Tier::nvme) store->write(shard_name('O', u, r), o.data());
+  }
+}
+
+void Executor::init_random(uint64_t seed) {
+  State& s = *s_;
+  s.zero->init_random(seed);
+  s.zero->zero_grads();
+  for (int u = 0; u < s.U; ++u) {
+    std::vector<char> staged(s.up(u).padded * s.ps, char{0});
+    init_unit_random(s.layout, u, seed, s.pt, staged.data());
+    s.write_unit(u, staged);
+  }
+}
+
+void Executor::load(const SafetensorsReader& reader) {
+  State& s = *s_;
+  s.zero->load(reader);
+  s.zero->zero_grads();
+  for (int u = 0; u < s.U; ++u) {
+    std::vector<char> staged(s.up(u).padded * s.ps, char{0});
+    for (const ParamSlot& p : s.layout.units[static_cast<size_t>(u)].params) {
+      std::vector<int64_t> shape(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.rank);
+      reader.read_checked(p.name, staged.data() + p.offset * s.ps, s.pt, shape);
+    }
+    s.write_unit(u, staged);
+  }
+}
+
+std::vector<float> Executor::parameters(int u) const {
+  State& s = *s_;
+  if (u < 0 || u >= s.U) fail("parameters of unit {}: the model has units 0..{}", u, s.U - 1);
+  if (s.home(u).param == Tier::gpu) return s.zero->download_unit(u, false);
+  std::vector<char> raw(s.up(u).padded * s.ps);
+  for (int r = 0; r < s.host_ranks(u); ++r) {
+    char* dst = raw.data() + s.up(u).shard_offset(r) * s.ps;
+    if (s.home(u).param == Tier::cpu)
+      std::memcpy(dst, s.host_p[static_cast<size_t>(u)][static_cast<size_t>(r)], s.shard(u) * s.ps);
+    else
+      s.store->read(State::shard_name('P', u, r), dst);
+  }
+  std::vector<float> out(s.up(u).numel);
+  convert(out.data(), DType::f32, raw.data(), s.pt, out.size());
+  return out;
+}
+
+std::vector<float> Executor::master(int u) const {
+  State& s = *s_;
+  if (u < 0 || u >= s.U) fail("master weights of unit {}: the model has units 0..{}", u, s.U - 1);
+  const uint64_t n = s.shard(u);
+  std::vector<float> all(s.up(u).padded);
+  const int ranks = s.home(u).optimizer == Tier::gpu ? s.N : s.host_ranks(u);
+  for (int r = 0; r < ranks; ++r) {
+    std::vector<float> o(n * 3);
+    if (s.home(u).optimizer == Tier::gpu) {
+      Stream& st = *s.streams[static_cast<size_t>(r)].setup;
+      s.dev(r).copy_to_host(
+          o.data(), s.o_dev[static_cast<size_t>(u)][static_cast<size_t>(r) * 3].data(), n * 4, st);
+      st.synchronize();
+    } else if (s.home(u).optimizer == Tier::cpu) {
+      std::memcpy(o.data(), s.host_o[static_cast<size_t>(u)][static_cast<size_t>(r)], n * 12);
+    } else {
+      s.store->read(State::shard_name('O', u, r), o.data());
+    }
+    if (s.up(u).replicated && r > 0) {
+      if (std::memcmp(o.data(), all.data(), n * 4) != 0)
+        fail(
+            "master weights of replicated unit {}: rank {} differs from rank 0; this is a bug "
+            "in the executor",
+            s.up(u).name, r);
+      continue;
+    }
+    std::copy(o.begin(), o.begin() + static_cast<std::ptrdiff_t>(n),
+              all.begin() + static_cast<std::ptrdiff_t>(s.up(u).shard_offset(r)));
+  }
+  all.resize(s.up(u).numel);
+  return all;
+}
+
+// ---- running tasks ----
+
+void Executor::State::run_group(int first, int end) {
+  const Task& t = sc.tasks[static_cast<size_t>(first)];
+  const int u = t.unit;
+  std::vector<Stream*> cs = comm_streams();
+  if (end - first != N)
+    fail("schedule: the group of {} has {} tasks for {} ranks", task_label(sc, t), end - first, N);
+  if (t.kind == TaskKind::gather) {
+    std::vector<TensorView> shards;
+    if (!zero->param_resident(u))
+      for (int i = first; i < end; ++i) {
+        const Task& m = sc.tasks[static_cast<size_t>(i)];
+        const int p = src[static_cast<size_t>(i)][0];
+        shards.push_back(dev_param[static_cast<size_t>(m.rank)]
+                                  [static_cast<size_t>(slot[static_cast<size_t>(p)])]
+                                      .view(pt, {static_cast<int64_t>(shard(u))}));
+      }
+    std::unique_lock lock(mu);
+    // The unit's previous use (a forward on another lane, say) may still hold it.
+    // A replicated unit's backward may hold a working buffer the schedule does not count
+    // (see the compute tasks): wait for one to be free too; its all-reduce frees it.
+    cv.wait(lock, [&] { return stop || (!zero->gathered(u) && zero->free_working_buffers() > 0); });
+    if (stop) return;
+    const std::vector<UnitBuffers> g =
+        zero->gather(u, cs, gather_bwd[static_cast<size_t>(first)] != 0, shards);
+    for (int r = 0; r < N; ++r)
+      views[static_cast<size_t>(r)][static_cast<size_t>(u)] = g[static_cast<size_t>(r)];
+    users_left[static_cast<size_t>(first)] = holders[static_cast<size_t>(first)];
+  } else if (t.kind == TaskKind::reduce_scatter) {
+    std::vector<TensorView> out;
+    if (!zero->grad_resident(u))
+      for (int i = first; i < end; ++i) {
+        const Task& m = sc.tasks[static_cast<size_t>(i)];
+        out.push_back(
+            dev_grad[static_cast<size_t>(m.rank)][static_cast<size_t>(slot[static_cast<size_t>(i)])]
+                .view(gt, {static_cast<int64_t>(shard(u))}));
+      }
+    std::lock_guard lock(mu);
+    zero->reduce_scatter_grads(u, cs, out);
+    if (rs_gather[static_cast<size_t>(first)] >= 0) let_go(rs_gather[static_cast<size_t>(first)]);
+    if (up(u).replicated) {
+      zero->release(u, cs);
+      reset_replicated(u);
+    }
+  } else {
+    fail("schedule: {} is in a group, but only gathers and reduce-scatters are collectives",
+         task_label(sc, t));
+  }
+  for (Stream* st : cs) st->synchronize();
+}
+
+void Executor::State::run_task(const Task& t) {
+  const int u = t.unit, r = t.rank;
+  const uint64_t n = u >= 0 ? shard(u) : 0;
+  auto pin = [&](int producer) {
+    return pinned[static_cast<size_t>(slot[static_cast<size_t>(producer)])];
+  };
+  switch (t.kind) {
+    case TaskKind::param_read:
+      for (int q : task_ranks(t, u)) {
+        std::lock_guard lock(store_mu);
+        store->read(shard_name('P', u, q), pin(t.id) + static_cast<uint64_t>(q) * n * ps);
+      }
+      return;
+    case TaskKind::param_h2d: {
+      const char* from =
+          home(u).param == Tier::cpu
+              ? host_p[static_cast<size_t>(u)][static_cast<size_t>(r)]
+              : pin(src[static_cast<size_t>(t.id)][0]) + static_cast<uint64_t>(r) * n * ps;
+      Stream& st = *streams[static_cast<size_t>(r)].h2d;
+      dev(r).copy_to_device(
+          dev_param[static_cast<size_t>(r)][static_cast<size_t>(slot[static_cast<size_t>(t.id)])]
+              .data(),
+          from, n * ps, st);
+      st.synchronize();
+      return;
+    }
+    case TaskKind::forward:
+    case TaskKind::backward: {
+      std::vector<UnitBuffers> v;
+      {
+        std::unique_lock lock(mu);
+        // Replicated units are used in place; their backward still needs a zeroed working
+        // gradient, which the first rank to get there takes for all (the reduce-scatter, an
+        // all-reduce for them, gives it back). The schedule counts no buffer for it, so wait
+        // for one to be free: the holders finish without this task.
+        std::vector<int> xs{u};
+        if (tied && u == U - 1 && u != 0) xs.push_back(0);
+        for (int x : xs)
+          if (t.kind == TaskKind::backward && up(x).replicated && !zero->gathered(x)) {
+            cv.wait(lock, [&] { return stop || zero->free_working_buffers() > 0; });
+            if (stop) return;
+            const std::vector<Stream*> cs = comm_streams();
+            const std::vector<UnitBuffers> g = zero->gather(x, cs, true);
+            for (int q = 0; q < N; ++q)
+              views[static_cast<size_t>(q)][static_cast<size_t>(x)] = g[static_cast<size_t>(q)];
+            for (Stream* st : cs) st->synchronize();
+          }
+        v = views[static_cast<size_t>(r)];
+      }
+      const int m = t.micro_batch;
+      const int64_t b = batch_sizes[static_cast<size_t>(m)][static_cast<size_t>(r)];
+      LlamaModel& model = *models[static_cast<size_t>(r)];
+      Stream& st = *streams[static_cast<size_t>(r)].compute;
+      const int64_t T = model.options().seq_len, rows = model.options().max_batch * T;
+      const int32_t* ids =
+          static_cast<const int32_t*>(ids_dev[static_cast<size_t>(r)].data()) + m * rows;
+      const int32_t* tg =
+          static_cast<const int32_t*>(tgt_dev[static_cast<size_t>(r)].data()) + m * rows;
+      if (b > 0) {
+        const TensorView in = u == 0 ? TensorView{} : model.checkpoint(u, b);
+        if (t.kind == TaskKind::forward) {
+          const TensorView out = u + 1 < U ? model.checkpoint(u + 1, b) : TensorView{};
+          model.forward_unit(u, v, ids, tg, in, out, b, st);
+          if (u == U - 1) {
+            auto& l = losses[static_cast<size_t>(m)][static_cast<size_t>(r)];
+            l.resize(static_cast<size_t>(b * T));
+            dev(r).copy_to_host(l.data(), model.losses(b).data, l.size() * 4, st);
+          }
+        } else {
+          const int k = U - 1 - u;  // the activation gradients alternate, as in ZeroRunner
+          const int64_t D = model.config().hidden_size;
+          const TensorView a = act_a[static_cast<size_t>(r)].view(pt, {b * T, D});
+          const TensorView c = act_b[static_cast<size_t>(r)].view(pt, {b * T, D});
+          model.backward_unit(u, v, ids, tg, backward_scale, in, k % 2 == 0 ? a : c,
+                              k % 2 == 0 ? c : a, b, st);
+        }
+      }
+      st.synchronize();
+      std::lock_guard lock(mu);
+      for (int leader : uses[static_cast<size_t>(t.id)]) let_go(leader);
+      return;
+    }
+    case TaskKind::grad_d2h: {
+      if (up(u).replicated) {
+        // Accumulated on the device (all-reduced into resident G): rank 0's copy is the sum.
+        if (r != 0) return;
+        Stream& st = *streams[0].d2h;
+        dev(0).copy_to_host(host_g[static_cast<size_t>(u)][0], zero->grad_shard(u, 0).data, n * gs,
+                            st);
+        st.synchronize();
+        return;
+      }
+      char* to = d2h_staged[static_cast<size_t>(t.id)]
+                     ? pin(t.id)
+                     : host_g[static_cast<size_t>(u)][static_cast<size_t>(r)];
+      const int p = src[static_cast<size_t>(t.id)][0];
+      Stream& st = *streams[static_cast<size_t>(r)].d2h;
+      dev(r).copy_to_host(
+          to,
+          dev_grad[static_cast<size_t>(r)][static_cast<size_t>(slot[static_cast<size_t>(p)])]
+              .data(),
+          n * gs, st);
+      st.synchronize();
+      return;
+    }
+    case TaskKind::grad_accumulate: {
+      if (up(u).replicated) return;
+      const std::vector<int> rs = task_ranks(t, u);
+      for (size_t i = 0; i < rs.size(); ++i) {
+        char* g = host_g[static_cast<size_t>(u)][static_cast<size_t>(rs[i])];
+        const char* a = pin(src[static_cast<size_t>(t.id)][i]);
+        for (size_t e = 0; e < n; ++e) store_f32(g, gt, e, load_f32(g, gt, e) + load_f32(a, gt, e));
+      }
+      return;
+    }
+    case TaskKind::grad_stats: {
+      if (home(u).grad != Tier::gpu) {
+        for (int q : task_ranks(t, u))
+          stats[static_cast<size_t>(u)][static_cast<size_t>(q)] = adam->grad_stats(
+              GradShard{host_g[static_cast<size_t>(u)][static_cast<size_t>(q)], gt, n});
+        return;
+      }
+      const std::vector<int> rs = r >= 0 ? std::vector<int>{r} : task_ranks(t, u);
+      for (int q : rs) {
+        if (up(u).replicated && q > 0) continue;  // every rank holds the same sum
+        const size_t chunks = cpu_adam::chunk_count(n, CpuAdam::kStatsChunk);
+        std::vector<double> sums(chunks);
+        Stream& st = *streams[static_cast<size_t>(q)].compute;
+        dev(q).kernels().grad_chunk_sums(
+            zero->grad_shard(u, q), static_cast<double*>(chunk_sums[static_cast<size_t>(q)].data()),
+            st);
+        dev(q).copy_to_host(sums.data(), chunk_sums[static_cast<size_t>(q)].data(), chunks * 8, st);
+        st.synchronize();
+        GradStats gsum;
+        for (double c : sums) gsum.sum_squares += c;
+        gsum.non_finite = !std::isfinite(gsum.sum_squares);
+        stats[static_cast<size_t>(u)][static_cast<size_t>(q)] = gsum;
+      }
+      return;
+    }
+    case TaskKind::optim_read:
+      for (int q : task_ranks(t, u)) {
+        std::lock_guard lock(store_mu);
+        store->read(shard_name('O', u, q), pin(t.id) + static_cast<uint64_t>(q) * n * 12);
+      }
+      return;
+    case TaskKind::optim_write: {
+      const char* from = pin(src[static_cast<size_t>(t.id)][0]);
+      for (int q : task_ranks(t, u)) {
+        std::lock_guard lock(store_mu);
+        store->write(shard_name('O', u, q), from + static_cast<uint64_t>(q) * n * 12);
+      }
+      return;
+    }
+    case TaskKind::adam: {
+      {
+        std::lock_guard lock(mu);
+        if (!have_global) {
+          global = GradStats{};
+          for (int x = 0; x < U; ++x)
+            for (int q = 0; q < N; ++q)
+              global += stats[static_cast<size_t>(x)][static_cast<size_t>(q)];
+          grad_scale = global.non_finite
+                           ? 0.0f
+                           : combined_grad_scale(global, params.loss_scale, params.max_grad_norm);
+          have_global = true;
+        }
+      }
+      if (global.non_finite) return;
+      if (home(u).optimizer == Tier::gpu) {
+        const std::vector<int> rs = r >= 0 ? std::vector<int>{r} : task_ranks(t, u);
+        const cpu_adam::StepConstants k =
+            cpu_adam::step_constants(params.step, params.adam, grad_scale);
+        for (int q : rs) {
+          Stream& st = *streams[static_cast<size_t>(q)].compute;
+          const auto& b = o_dev[static_cast<size_t>(u)];
+          auto f32 = [&](int i) {
+            return b[static_cast<size_t>(q) * 3 + static_cast<size_t>(i)].view(
+                DType::f32, {static_cast<int64_t>(n)});
+          };
+          const bool resident = zero->param_resident(u);
+          const TensorView copy =
+              resident ? zero->param_shard(u, q)
+                       : param_tmp[static_cast<size_t>(q)].view(pt, {static_cast<int64_t>(n)});
+          dev(q).kernels().adam_update(f32(0), f32(1), f32(2), zero->grad_shard(u, q), copy, k, st);
+          if (!resident) {
+            char* to = home(u).param == Tier::cpu
+                           ? host_p[static_cast<size_t>(u)][static_cast<size_t>(q)]
+                           : pin(t.id) + static_cast<uint64_t>(q) * n * ps;
+            dev(q).copy_to_host(to, copy.data, n * ps, st);
+          }
+          st.synchronize();
+        }
+        return;
+      }
+      for (int q : task_ranks(t, u)) {
+        char* o = home(u).optimizer == Tier::cpu
+                      ? host_o[static_cast<size_t>(u)][static_cast<size_t>(q)]
+                      : pin(src[static_cast<size_t>(t.id)][0]) + static_cast<uint64_t>(q) * n * 12;
+        float* f = reinterpret_cast<float*>(o);
+        const AdamShard sh{f, f + n, f + 2 * n, n};
+        char* p = home(u).param == Tier::cpu
+                      ? host_p[static_cast<size_t>(u)][static_cast<size_t>(q)]
+                      : pin(t.id) + static_cast<uint64_t>(q) * n * ps;
+        std::optional<ParamCopy> copy;
+        if (pt != DType::f32) copy = ParamCopy{p, pt};
+        adam->update(sh, GradShard{host_g[static_cast<size_t>(u)][static_cast<size_t>(q)], gt, n},
+                     params.step, params.adam, grad_scale, global, copy);
+        if (pt == DType::f32) std::memcpy(p, f, n * 4);
+      }
+      return;
+    }
+    case TaskKind::param_write: {
+      if (global.non_finite) return;
+      const std::vector<int> rs = task_ranks(t, u);
+      for (size_t i = 0; i < rs.size(); ++i) {
+        std::lock_guard lock(store_mu);
+        store->write(shard_name('P', u, rs[i]), pin(src[static_cast<size_t>(t.id)][i]) +
+                                                    static_cast<uint64_t>(rs[i]) * n * ps);
+      }
+      return;
+    }
+    case TaskKind::param_upload: {
+      if (global.non_finite) return;
+      const int hr = up(u).replicated ? 0 : r;
+      Stream& st = *streams[static_cast<size_t>(r)].h2d;
+      dev(r).copy_to_device(
+          zero->param_shard(u, r).data,
+          pin(src[static_cast<size_t>(t.id)][0]) + static_cast<uint64_t>(hr) * n * ps, n * ps, st);
+      st.synchronize();
+      return;
+    }
+    case TaskKind::param_d2h:
+      // The GPU adam task brought the updated shard down already (it owns the buffer).
+      return;
+    case TaskKind::gather:
+    case TaskKind::reduce_scatter:
+      break;
+  }
+  fail("executor: {} is a collective outside a group", task_label(sc, t));
+}
+
+void Executor::State::lane_loop(int lane, int step_index) {
+  for (int id : lanes[static_cast<size_t>(lane)]) {
+    const Task& t = sc.tasks[static_cast<size_t>(id)];
+    try {
+      {
+        std::unique_lock lock(mu);
+        cv.wait(lock, [&] {
+          if (stop) return true;
+          for (int d : t.deps)
+            if (!done[static_cast<size_t>(d)]) return false;
+          return true;
+        });
+        if (stop) return;
+      }
+      const auto [first, end] = group_of[static_cast<size_t>(id)];
+      if (t.group >= 0) {
+        bool last = false;
+        {
+          std::unique_lock lock(mu);
+          last = ++arrived[static_cast<size_t>(first)] == end - first;
+          if (!last) {
+            cv.wait(lock, [&] { return stop || done[static_cast<size_t>(id)]; });
+            if (stop) return;
+            continue;
+          }
+        }
+        const double start = now();
+        run_group(first, end);
+        const double stop_s = now();
+        std::lock_guard lock(mu);
+        for (int i = first; i < end; ++i) {
+          done[static_cast<size_t>(i)] = 1;
+          spans.push_back(TaskSpan{i, step_index, start, stop_s});
+        }
+        cv.notify_all();
+        continue;
+      }
+      const double start = now();
+      run_task(t);
+      const double stop_s = now();
+      std::lock_guard lock(mu);
+      done[static_cast<size_t>(id)] = 1;
+      spans.push_back(TaskSpan{id, step_index, start, stop_s});
+      cv.notify_all();
+    } catch (const std::exception& e) {
+      std::lock_guard lock(mu);
+      if (!error) {
+        error = std::current_exception();
+        error_task = fmt::format("{}: {}", task_label(sc, t), e.what());
+      }
+      stop = true;
+      cv.notify_all();
+      return;
+    }
+  }
+}
+
+StepResult Executor::step(const std::vector<std::vector<HostBatch>>& batches,
+                          const StepParams& params) {
+  State& s = *s_;
+  if (s.broken)
+    fail(
+        "executor: an earlier step failed ({}), so the model state is undefined; start again "
+        "from a checkpoint",
+        s.error_task);
+  const RunShape& shape = placement_.shape;
+  if (batches.size() != static_cast<size_t>(s.M))
+    fail("executor step: {} micro-batches given, the schedule has {}", batches.size(), s.M);
+  const int64_t T = shape.seq_len, rows = shape.micro_batch * T;
+  int64_t count = 0;
+  s.batch_sizes.assign(static_cast<size_t>(s.M), std::vector<int64_t>(static_cast<size_t>(s.N)));
+  for (int m = 0; m < s.M; ++m) {
+    if (batches[static_cast<size_t>(m)].size() != static_cast<size_t>(s.N))
+      fail("executor step: micro-batch {} has {} rank batches for {} ranks", m,
+           batches[static_cast<size_t>(m)].size(), s.N);
+    for (int r = 0; r < s.N; ++r) {
+      const HostBatch& b = batches[static_cast<size_t>(m)][static_cast<size_t>(r)];
+      const auto len = static_cast<size_t>(b.batch * T);
+      if (b.batch < 0 || b.batch > shape.micro_batch || b.ids.size() != len ||
+          b.targets.size() != len)
+        fail(
+            "executor step: rank {}'s micro-batch {} has {} sequences ({} ids, {} targets); at "
+            "most {} sequences of {} tokens fit",
+            r, m, b.batch, b.ids.size(), b.targets.size(), shape.micro_batch, T);
+      for (int32_t x : b.targets) count += x != kIgnoreIndex ? 1 : 0;
+      s.batch_sizes[static_cast<size_t>(m)][static_cast<size_t>(r)] = b.batch;
+      Stream& st = *s.streams[static_cast<size_t>(r)].setup;
+      char* ids = static_cast<char*>(s.ids_dev[static_cast<size_t>(r)].data()) + m * rows * 4;
+      char* tg = static_cast<char*>(s.tgt_dev[static_cast<size_t>(r)].data()) + m * rows * 4;
+      if (len > 0) {
+        s.dev(r).copy_to_device(ids, b.ids.data(), len * 4, st);
+        s.dev(r).copy_to_device(tg, b.targets.data(), len * 4, st);
+      }
+      st.synchronize();
+    }
+  }
+  s.params = params;
+  s.backward_scale = params.loss_scale / static_cast<float>(std::max<int64_t>(count, 1));
+  s.losses.assign(static_cast<size_t>(s.M),
+                  std::vector<std::vector<float>>(static_cast<size_t>(s.N)));
+  const size_t T_tasks = schedule_.tasks.size();
+  s.done.assign(T_tasks, 0);
+  s.arrived.assign(T_tasks, 0);
+  s.users_left.assign(T_tasks, 0);
+  s.stop = false;
+  s.have_global = false;
+  s.spans.clear();
+  for (auto& row : s.stats) std::fill(row.begin(), row.end(), GradStats{});
+  const int step_index = timeline_.steps;
+  const double t0 = s.now();
+  {
+    std::vector<std::thread> threads;
+    for (size_t l = 0; l < schedule_.lanes.size(); ++l)
+      threads.emplace_back([&s, l, step_index] { s.lane_loop(static_cast<int>(l), step_index); });
+    for (auto& th : threads) th.join();
+  }
+  const double t1 = s.now();
+  if (s.error) {
+    s.broken = true;
+    for (auto& rs : s.streams)
+      for (Stream* st : {rs.compute.get(), rs.h2d.get(), rs.d2h.get(), rs.comm.get()}) {
+        try {
+          st->synchronize();
+        } catch (const Error&) {
+          // The task that queued it has failed already; that error is the one reported.
+        }
+      }
+    fail("executor: step {} stopped at {}", params.step, s.error_task);
+  }
+  // The accumulators start the next step from zero (host G is overwritten by its first
+  // micro-batch, or zeroed here when the schedule accumulates into it).
+  s.zero->zero_grads();
+  for (int u = 0; u < s.U; ++u)
+    for (char* g : s.host_g[static_cast<size_t>(u)])
+      if (g != nullptr) std::memset(g, 0, s.shard(u) * s.gs);
+
+  StepResult out;
+  double sum = 0;
+  for (const auto& per_rank : s.losses)
+    for (const auto& l : per_rank)
+      for (float x : l) sum += x;
+  out.loss = sum / static_cast<double>(std::max<int64_t>(count, 1));
+  out.skipped = s.global.non_finite;
+  out.grad_norm = s.global.non_finite
+                      ? std::nan("")
+                      : std::sqrt(s.global.sum_squares) / static_cast<double>(params.loss_scale);
+  Timeline one;
+  one.steps = step_index + 1;
+  one.spans = s.spans;
+  const StepStats st = step_stats(schedule_, one, step_index);
+  out.step_s = t1 - t0;
+  out.lane_busy_s = st.lane_busy_s;
+  out.overlap = st.overlap;
+  if (s.opt.record) {
+    timeline_.spans.insert(timeline_.spans.end(), s.spans.begin(), s.spans.end());
+  }
+  timeline_.steps = step_index + 1;
+  return out;
+}
+
+void Executor::trace(const std::string& path) const {
+  write_trace(path, schedule_, timeline_);
+}
+
+ExecutorMemory Executor::memory() const {
+  const State& s = *s_;
+  ExecutorMemory m;
+  if (s.pool) {
+    m.pinned_capacity = s.pool->capacity();
+    m.pinned_peak = s.pool->stats().high_water;
+  }
+  m.device_param_staging = s.dev_param.empty() ? 0 : static_cast<int>(s.dev_param[0].size());
+  m.device_grad_staging = s.dev_grad.empty() ? 0 : static_cast<int>(s.dev_grad[0].size());
+  m.pinned_staging = static_cast<int>(s.pinned.size());
+  const uint64_t align = s.pl.shape.device_alignment;
+  for (const auto* v : {&s.ids_dev, &s.tgt_dev, &s.chunk_sums, &s.param_tmp})
+    if (!v->empty()) m.device_extra_bytes += round_up((*v)[0].bytes(), align);
+  return m;
+}
+
+}  // namespace strata

@@ -1,0 +1,134 @@
+// executor.h: runs a Schedule for real (DESIGN §1, §3): the model state where the Placement
+// puts it, one host thread per lane, the step's numbers exact whatever the placement.
+//
+// Construction allocates everything, once: the ZeRO-3 state that lives on the devices (a
+// ZeroModel whose units keep P and G resident only where the placement homes them on the
+// GPU), the optimizer state (fp32 master, m, v) on the devices or in host RAM, host P and G,
+// one PinnedPool holding the host state (with request.pin_memory) and every staging buffer,
+// a SwapStore over the nvme paths with every NVMe-homed shard added up front, and the device
+// staging buffers that carry off-device shards to the gathers and reduce-scattered gradients
+// to the host. Staging buffers are assigned to tasks before the first step and checked
+// against the schedule's dependencies: a buffer is reused only by a task that the
+// dependencies order after every task reading the buffer's previous contents. The schedule's
+// own choice (Task::slot for landing buffers, Task::buffer for pinned ones) is taken when it
+// passes that check, else the first free buffer, else a new one; memory() reports the counts.
+// First version: every pinned staging buffer has one size (the largest all-rank shard of
+// master, m and v), not the placement's pinned_buffer_bytes.
+//
+// Replicated units are used in place; their backward takes a working gradient buffer from
+// the ZeroModel (the first rank's backward takes it for all) and their all-reduce returns it.
+//
+// step() runs one step: one thread per lane runs that lane's tasks in schedule order, each
+// after its dependencies are done. First version: a GPU-lane task queues its work on its
+// rank's stream for that lane and synchronises that stream before it counts as done, and a
+// step runs to its end before step() returns, so the previous step's `prev` dependencies are
+// always met (the next step's forward does not yet overlap this step's optimizer). A group
+// (collective) runs once, from the lane of its last-arriving member, as one ZeroModel call
+// over every rank's comm stream. The SwapStore is shared by the nvme.read and nvme.write
+// lanes behind one mutex. The first exception stops every lane; step() rethrows it naming the
+// task, and the executor refuses further steps (its state is then undefined).
+//
+// Exactness (DESIGN §3.3): gradient statistics per (unit, rank) shard (replicated units: rank
+// 0's copy only), added in (unit, rank) order into one GradStats; the combined gradient scale
+// from it; then Adam on every shard with the same scale, by CpuAdam on the host or the kernel
+// table's adam_update on the device, which give the same bits. A non-finite step changes no
+// weight or optimizer state and zeroes the gradients.
+#pragma once
+
+#include "core/device.h"
+#include "cpu_adam/cpu_adam.h"
+#include "nvme/io_ring.h"
+#include "partition/communicator.h"
+#include "schedule/schedule.h"
+#include "schedule/trace.h"
+#include "tier/placement.h"
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace strata {
+
+class SafetensorsReader;
+class PinnedPool;
+
+struct ExecutorOptions {
+  int cpu_adam_threads = 0;          // CpuAdam's threads; 0: every CPU of this process
+  bool record = false;               // keep every task's start and end (timeline(), trace())
+  uint64_t nvme_stripe = 64 * 1024;  // the swap store's stripe (a multiple of 4 KiB)
+  nvme::IoOptions io;                // the swap store's I/O (fault injection in tests)
+};
+
+// One rank's sequences of one micro-batch, in host memory: batch × seq_len ids and targets.
+struct HostBatch {
+  std::vector<int32_t> ids, targets;
+  int64_t batch = 0;
+};
+
+struct StepParams {
+  int64_t step = 1;  // Adam's step count, from 1
+  AdamParams adam;
+  float loss_scale = 1.0f;
+  float max_grad_norm = 0.0f;  // <= 0: no clipping
+};
+
+struct StepResult {
+  double loss = 0;       // mean over every non-ignored target of the step
+  double grad_norm = 0;  // of the unscaled gradients (before clipping)
+  bool skipped = false;  // non-finite gradients: nothing was updated
+  double step_s = 0;
+  std::vector<double> lane_busy_s;  // per lane of the schedule
+  double overlap = 0;               // busiest lane's busy time / step time
+};
+
+// What the executor allocated, for tests and logs.
+struct ExecutorMemory {
+  uint64_t pinned_capacity = 0;
+  uint64_t pinned_peak = 0;
+  int device_param_staging = 0;  // per rank
+  int device_grad_staging = 0;   // per rank
+  int pinned_staging = 0;
+  // Per device, what the executor allocates beyond the ZeroModel, the models and the staging
+  // above: the step's token ids and targets, the gradient chunk sums, the updated-parameter
+  // buffer of a device optimizer whose parameters live off the device.
+  uint64_t device_extra_bytes = 0;
+};
+
+class Executor {
+ public:
+  // `comm` spans placement.shape.ranks devices. Throws Error when the schedule does not
+  // belong to the placement, or when anything does not fit (naming the device or tier).
+  Executor(const Placement& placement, const Schedule& schedule, Communicator& comm,
+           const ExecutorOptions& options = {});
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
+  // P from init_unit_random's bits (or a checkpoint) wherever it lives; master = P in f32;
+  // m = v = 0; G = 0.
+  void init_random(uint64_t seed);
+  void load(const SafetensorsReader& reader);
+
+  // batches[m][r]: micro-batch m of rank r. Throws Error (naming the task) when a task fails.
+  StepResult step(const std::vector<std::vector<HostBatch>>& batches, const StepParams& params);
+
+  // Unit u's parameters (or fp32 master weights) assembled from every rank's shard, as f32.
+  std::vector<float> parameters(int u) const;
+  std::vector<float> master(int u) const;
+
+  const Timeline& timeline() const { return timeline_; }
+  void trace(const std::string& path) const;
+  ExecutorMemory memory() const;
+  const Schedule& schedule() const { return schedule_; }
+  const Placement& placement() const { return placement_; }
+
+ private:
+  struct State;
+  Placement placement_;
+  Schedule schedule_;
+  Timeline timeline_;
+  std::unique_ptr<State> s_;
+};
+
+}  // namespace strata

@@ -1,0 +1,495 @@
+// test_executor.cpp: the step executor on host devices. Same math wherever the state lives:
+// every placement gives the all-GPU run's weights bit for bit, and the all-GPU run equals a
+// plain loop over ZeroRunner and CpuAdam written here independently.
+#include "core/device.h"
+#include "cpu_adam/cpu_adam.h"
+#include "model/config.h"
+#include "partition/communicator.h"
+#include "partition/zero.h"
+#include "schedule/executor.h"
+#include "schedule/trace.h"
+#include "testing.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <random>
+
+namespace strata {
+namespace {
+
+constexpr int kMicro = 2;
+constexpr int64_t kBatch = 2, kSeq = 16;
+constexpr int kSteps = 3;
+constexpr uint64_t kDeviceMemory = 256ull << 20;
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    std::string tmpl = (std::filesystem::temp_directory_path() / "strata-exec-XXXXXX").string();
+    if (mkdtemp(tmpl.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed";
+    path = tmpl;
+  }
+  ~TempDir() { std::filesystem::remove_all(path); }
+};
+
+struct Rig {
+  std::vector<std::unique_ptr<Device>> devices;
+  std::unique_ptr<Communicator> comm;
+  explicit Rig(int n) {
+    DeviceSpec spec;
+    for (int i = 0; i < n; ++i) spec.indices.push_back(i);
+    devices = open_devices(spec, kDeviceMemory);
+    std::vector<Device*> ptrs;
+    for (auto& d : devices) ptrs.push_back(d.get());
+    comm = make_inprocess_communicator(ptrs);
+  }
+};
+
+LlamaConfig tiny(bool tied) {
+  LlamaConfig c = *find_preset("tiny");
+  c.tie_word_embeddings = tied;
+  return c;
+}
+
+Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std::string& dir,
+                         uint64_t threshold = 0) {
+  RunShape shape;
+  shape.model = c;
+  shape.ranks = N;
+  shape.param_dtype = DType::f32;
+  shape.grad_dtype = DType::f32;
+  shape.micro_batch = kBatch;
+  shape.seq_len = kSeq;
+  shape.persistence_threshold = threshold;
+  shape.working_buffers = 2;
+  OffloadRequest req;
+  req.param = p;
+  req.optimizer = o;
+  req.buffer_count = 4;
+  if (p == Tier::nvme || o == Tier::nvme) req.nvme_paths = {dir};
+  TierBudgets budgets;
+  budgets.gpu_memory = kDeviceMemory;
+  budgets.cpu_memory = 8ull << 30;
+  budgets.nvme_free = 8ull << 30;
+  return Placement::make(shape, req, budgets);
+}
+
+// batches[step][m][r], deterministic, with a few ignored targets.
+std::vector<std::vector<std::vector<HostBatch>>> make_batches(int N, int vocab) {
+  std::mt19937 rng(1234);
+  std::vector<std::vector<std::vector<HostBatch>>> out(kSteps);
+  for (auto& step : out) {
+    step.resize(kMicro);
+    for (auto& mb : step)
+      for (int r = 0; r < N; ++r) {
+        HostBatch b;
+        b.batch = kBatch;
+        for (int64_t i = 0; i < kBatch * kSeq; ++i) {
+          b.ids.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab)));
+          b.targets.push_back(rng() % 11 == 0
+                                  ? kIgnoreIndex
+                                  : static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab)));
+        }
+        mb.push_back(std::move(b));
+      }
+  }
+  return out;
+}
+
+StepParams step_params(int64_t step) {
+  StepParams p;
+  p.step = step;
+  p.adam.lr = 1e-2f;
+  p.adam.weight_decay = 0.1f;
+  p.adam.adamw = true;
+  p.loss_scale = 8.0f;
+  p.max_grad_norm = 0.05f;  // small: every step clips
+  return p;
+}
+
+struct RunResult {
+  std::vector<double> losses, norms;
+  std::vector<std::vector<float>> master, params;
+};
+
+void expect_bits(const std::vector<float>& a, const std::vector<float>& b,
+                 const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  size_t first = a.size();
+  for (size_t i = 0; i < a.size() && first == a.size(); ++i)
+    if (std::memcmp(&a[i], &b[i], 4) != 0) first = i;
+  EXPECT_EQ(first, a.size()) << what << ": first difference at " << first << ": " << a[first]
+                             << " vs " << b[first];
+}
+
+std::string kinds(const Placement& pl, Device& d) {
+  std::string out;
+  const TierBytes nb = pl.needs();
+  for (int k = 0; k < kStateKinds; ++k)
+    out +=
+        fmt::format(" need[{}]={}", state_kind_name(StateKind(k)), nb.at(Tier::gpu, StateKind(k)));
+  const ArenaStats st = d.memory();
+  for (int k = 0; k < kMemoryKinds; ++k)
+    out += fmt::format(" hw[{}]={}", memory_kind_name(MemoryKind(k)),
+                       st.high_water_by_kind[size_t(k)]);
+  return out;
+}
+
+RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t threshold = 0) {
+  TempDir dir;
+  Rig rig(N);
+  const Placement pl = make_placement(c, N, p, o, dir.path, threshold);
+  ScheduleOptions so;
+  so.micro_batches = kMicro;
+  so.prefetch_depth = 1;
+  const Schedule sc = Schedule::build(pl, so);
+  ExecutorOptions eo;
+  eo.record = true;
+  eo.cpu_adam_threads = 2;
+  Executor ex(pl, sc, *rig.comm, eo);
+  ex.init_random(42);
+  const auto batches = make_batches(N, c.vocab_size);
+  RunResult out;
+  for (int s = 0; s < kSteps; ++s) {
+    const StepResult r = ex.step(batches[static_cast<size_t>(s)], step_params(s + 1));
+    EXPECT_FALSE(r.skipped);
+    EXPECT_GT(r.grad_norm, 0.05) << "the test wants clipping active";
+    EXPECT_EQ(r.lane_busy_s.size(), sc.lanes.size());
+    out.losses.push_back(r.loss);
+    out.norms.push_back(r.grad_norm);
+  }
+  for (int u = 0; u < static_cast<int>(pl.homes.size()); ++u) {
+    out.master.push_back(ex.master(u));
+    out.params.push_back(ex.parameters(u));
+  }
+  const std::string name = fmt::format("P {} O {} N {}", tier_name(p), tier_name(o), N);
+  EXPECT_NO_THROW(check_timeline(sc, ex.timeline())) << name;
+  EXPECT_EQ(ex.timeline().steps, kSteps);
+  const ExecutorMemory mem = ex.memory();
+  {
+    // Beyond the placement's count: the executor's own extras (token ids and targets, chunk
+    // sums) and, with several ranks, the in-process communicator's staging (host devices;
+    // NCCL needs none): a shard for a reduce-scatter, two 256-byte aligned slices for an
+    // all-reduce of a replicated unit (see partition/inprocess_communicator.cpp).
+    uint64_t comm_staging = 0;
+    auto r256 = [](uint64_t b) { return (b + 255) / 256 * 256; };
+    if (N > 1)
+      for (const UnitPartition& up : pl.partition.units)
+        comm_staging = std::max(comm_staging, up.replicated ? 2 * r256((up.numel + N - 1) / N * 4)
+                                                            : r256(up.shard * 4));
+    const uint64_t need = pl.needs().total(Tier::gpu) + mem.device_extra_bytes + comm_staging;
+    for (auto& d : rig.devices)
+      EXPECT_LE(d->memory().high_water, need) << name << " on " << d->name() << kinds(pl, *d);
+  }
+  EXPECT_LE(mem.pinned_peak, mem.pinned_capacity) << name;
+  return out;
+}
+
+// The reference: ZeroRunner forward/backward per micro-batch, then CpuAdam by hand on the
+// shards copied to the host, the stats summed in (unit, rank) order.
+RunResult run_reference(const LlamaConfig& c, int N, uint64_t threshold = 0) {
+  Rig rig(N);
+  const ModelLayout layout = ModelLayout::build(c);
+  ZeroOptions zo;
+  zo.persistence_threshold = threshold;
+  ZeroModel zero(layout, *rig.comm, zo);
+  zero.init_random(42);
+  zero.zero_grads();
+  ModelOptions mo;
+  mo.max_batch = kBatch;
+  mo.seq_len = kSeq;
+  std::vector<std::unique_ptr<LlamaModel>> models;
+  std::vector<LlamaModel*> ptrs;
+  std::vector<std::unique_ptr<Stream>> streams;
+  std::vector<Stream*> sp;
+  std::vector<DeviceBuffer> ids, tgs;
+  for (int r = 0; r < N; ++r) {
+    Device& d = *rig.devices[static_cast<size_t>(r)];
+    models.push_back(std::make_unique<LlamaModel>(c, mo, d));
+    ptrs.push_back(models.back().get());
+    streams.push_back(d.create_stream("reference"));
+    sp.push_back(streams.back().get());
+    ids.emplace_back(d, kBatch * kSeq * 4, "ids");
+    tgs.emplace_back(d, kBatch * kSeq * 4, "targets");
+  }
+  ZeroRunner runner(zero, ptrs);
+  const Partition& part = zero.partition();
+  const int U = part.num_units();
+  // master, m, v per (unit, rank): the parameters in f32, zeros.
+  std::vector<std::vector<std::vector<float>>> master(static_cast<size_t>(U)), m1(master.size()),
+      v1(master.size());
+  for (int u = 0; u < U; ++u)
+    for (int r = 0; r < N; ++r) {
+      const uint64_t n = part.units[static_cast<size_t>(u)].shard;
+      std::vector<float> x(n);
+      rig.devices[static_cast<size_t>(r)]->copy_to_host(x.data(), zero.param_shard(u, r).data,
+                                                        n * 4, *sp[static_cast<size_t>(r)]);
+      sp[static_cast<size_t>(r)]->synchronize();
+      master[static_cast<size_t>(u)].push_back(x);
+      m1[static_cast<size_t>(u)].emplace_back(n, 0.0f);
+      v1[static_cast<size_t>(u)].emplace_back(n, 0.0f);
+    }
+  CpuAdamOptions ao;
+  ao.threads = 2;
+  CpuAdam adam(ao);
+  const auto batches = make_batches(N, c.vocab_size);
+  RunResult out;
+  for (int s = 0; s < kSteps; ++s) {
+    const StepParams prm = step_params(s + 1);
+    int64_t count = 0;
+    for (const auto& mb : batches[static_cast<size_t>(s)])
+      for (const HostBatch& b : mb)
+        for (int32_t t : b.targets) count += t != kIgnoreIndex ? 1 : 0;
+    const float scale = prm.loss_scale / static_cast<float>(count);
+    double sum = 0;
+    for (const auto& mb : batches[static_cast<size_t>(s)]) {
+      std::vector<RankBatch> rb;
+      for (int r = 0; r < N; ++r) {
+        const HostBatch& b = mb[static_cast<size_t>(r)];
+        Device& d = *rig.devices[static_cast<size_t>(r)];
+        d.copy_to_device(ids[static_cast<size_t>(r)].data(), b.ids.data(), b.ids.size() * 4,
+                         *sp[static_cast<size_t>(r)]);
+        d.copy_to_device(tgs[static_cast<size_t>(r)].data(), b.targets.data(), b.targets.size() * 4,
+                         *sp[static_cast<size_t>(r)]);
+        rb.push_back({static_cast<const int32_t*>(ids[static_cast<size_t>(r)].data()),
+                      static_cast<const int32_t*>(tgs[static_cast<size_t>(r)].data()), b.batch});
+      }
+      runner.forward(rb, sp);
+      for (int r = 0; r < N; ++r) {
+        std::vector<float> l(static_cast<size_t>(kBatch * kSeq));
+        rig.devices[static_cast<size_t>(r)]->copy_to_host(
+            l.data(), ptrs[static_cast<size_t>(r)]->losses(kBatch).data, l.size() * 4,
+            *sp[static_cast<size_t>(r)]);
+        sp[static_cast<size_t>(r)]->synchronize();
+        for (float x : l) sum += x;
+      }
+      runner.backward(rb, scale, sp);
+      for (Stream* st : sp) st->synchronize();
+    }
+    out.losses.push_back(sum / static_cast<double>(count));
+    std::vector<std::vector<std::vector<float>>> grads(static_cast<size_t>(U));
+    GradStats global;
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < N; ++r) {
+        const uint64_t n = part.units[static_cast<size_t>(u)].shard;
+        std::vector<float> g(n);
+        rig.devices[static_cast<size_t>(r)]->copy_to_host(g.data(), zero.grad_shard(u, r).data,
+                                                          n * 4, *sp[static_cast<size_t>(r)]);
+        sp[static_cast<size_t>(r)]->synchronize();
+        // A replicated unit's gradients are the same sum on every rank: counted once.
+        if (!part.units[static_cast<size_t>(u)].replicated || r == 0)
+          global += adam.grad_stats(GradShard{g.data(), DType::f32, n});
+        grads[static_cast<size_t>(u)].push_back(std::move(g));
+      }
+    out.norms.push_back(std::sqrt(global.sum_squares) / prm.loss_scale);
+    const float gscale = combined_grad_scale(global, prm.loss_scale, prm.max_grad_norm);
+    for (int u = 0; u < U; ++u)
+      for (int r = 0; r < N; ++r) {
+        const auto i = static_cast<size_t>(u), k = static_cast<size_t>(r);
+        const uint64_t n = part.units[i].shard;
+        const AdamShard sh{master[i][k].data(), m1[i][k].data(), v1[i][k].data(), n};
+        EXPECT_TRUE(adam.update(sh, GradShard{grads[i][k].data(), DType::f32, n}, prm.step,
+                                prm.adam, gscale, global));
+        rig.devices[k]->copy_to_device(zero.param_shard(u, r).data, master[i][k].data(), n * 4,
+                                       *sp[k]);
+        sp[k]->synchronize();
+      }
+    zero.zero_grads();
+  }
+  for (int u = 0; u < U; ++u) {
+    const UnitPartition& up = part.units[static_cast<size_t>(u)];
+    std::vector<float> all(up.padded);
+    for (int r = 0; r < N; ++r)
+      std::copy(master[static_cast<size_t>(u)][static_cast<size_t>(r)].begin(),
+                master[static_cast<size_t>(u)][static_cast<size_t>(r)].end(),
+                all.begin() + static_cast<std::ptrdiff_t>(up.shard_offset(r)));
+    all.resize(up.numel);
+    out.master.push_back(all);
+    out.params.push_back(zero.download_unit(u, false));
+  }
+  return out;
+}
+
+void expect_same(const RunResult& a, const RunResult& b, const std::string& what) {
+  ASSERT_EQ(a.master.size(), b.master.size());
+  for (size_t u = 0; u < a.master.size(); ++u) {
+    expect_bits(a.master[u], b.master[u], what + fmt::format(" master of unit {}", u));
+    expect_bits(a.params[u], b.params[u], what + fmt::format(" parameters of unit {}", u));
+  }
+}
+
+class ExecutorPlacements : public ::testing::TestWithParam<int> {};
+
+TEST_P(ExecutorPlacements, EveryPlacementGivesTheAllGpuBits) {
+  const int N = GetParam();
+  const LlamaConfig c = tiny(false);
+  const RunResult gpu = run_executor(c, N, Tier::gpu, Tier::gpu);
+  const RunResult ref = run_reference(c, N);
+  ASSERT_EQ(gpu.losses.size(), ref.losses.size());
+  for (size_t s = 0; s < ref.losses.size(); ++s) {
+    EXPECT_EQ(gpu.losses[s], ref.losses[s]) << "step " << s;
+    EXPECT_EQ(gpu.norms[s], ref.norms[s]) << "step " << s;
+  }
+  expect_same(gpu, ref, "all-GPU executor vs reference loop:");
+  for (Tier p : {Tier::gpu, Tier::cpu, Tier::nvme})
+    for (Tier o : {Tier::gpu, Tier::cpu, Tier::nvme}) {
+      if (p == Tier::gpu && o == Tier::gpu) continue;
+      SCOPED_TRACE(fmt::format("P {} O {}", tier_name(p), tier_name(o)));
+      const RunResult r = run_executor(c, N, p, o);
+      for (size_t s = 0; s < r.losses.size(); ++s) EXPECT_EQ(r.losses[s], gpu.losses[s]);
+      expect_same(r, gpu, fmt::format("P {} O {}:", tier_name(p), tier_name(o)));
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ExecutorPlacements, ::testing::Values(1, 3));
+
+TEST(Executor, TiedEmbeddings) {
+  const LlamaConfig c = tiny(true);
+  const RunResult gpu = run_executor(c, 2, Tier::gpu, Tier::gpu);
+  const RunResult ref = run_reference(c, 2);
+  expect_same(gpu, ref, "tied all-GPU vs reference:");
+  const RunResult off = run_executor(c, 2, Tier::cpu, Tier::nvme);
+  expect_same(off, gpu, "tied P cpu O nvme:");
+}
+
+TEST(Executor, ReplicatedUnits) {
+  // 40,000 elements: the embedding and the head stay whole on every rank, the blocks are
+  // sharded.
+  const uint64_t threshold = 40000;
+  const LlamaConfig c = tiny(false);
+  const RunResult gpu = run_executor(c, 2, Tier::gpu, Tier::gpu, threshold);
+  const RunResult ref = run_reference(c, 2, threshold);
+  for (size_t s = 0; s < ref.losses.size(); ++s) EXPECT_EQ(gpu.losses[s], ref.losses[s]);
+  expect_same(gpu, ref, "replicated all-GPU vs reference:");
+  for (auto [p, o] : {std::pair{Tier::cpu, Tier::cpu}, std::pair{Tier::nvme, Tier::nvme},
+                      std::pair{Tier::gpu, Tier::cpu}}) {
+    const RunResult r = run_executor(c, 2, p, o, threshold);
+    expect_same(r, gpu, fmt::format("replicated P {} O {}:", tier_name(p), tier_name(o)));
+  }
+}
+
+TEST(Executor, NonFiniteGradientsSkipTheStep) {
+  const LlamaConfig c = tiny(false);
+  TempDir dir;
+  Rig rig(2);
+  const Placement pl = make_placement(c, 2, Tier::cpu, Tier::nvme, dir.path);
+  ScheduleOptions so;
+  so.micro_batches = kMicro;
+  const Schedule sc = Schedule::build(pl, so);
+  Executor ex(pl, sc, *rig.comm);
+  ex.init_random(3);
+  const auto batches = make_batches(2, c.vocab_size);
+  std::vector<std::vector<float>> before, before_master;
+  for (int u = 0; u < static_cast<int>(pl.homes.size()); ++u) {
+    before.push_back(ex.parameters(u));
+    before_master.push_back(ex.master(u));
+  }
+  StepParams p = step_params(1);
+  p.loss_scale = std::nanf("");
+  const StepResult r = ex.step(batches[0], p);
+  EXPECT_TRUE(r.skipped);
+  for (int u = 0; u < static_cast<int>(pl.homes.size()); ++u) {
+    expect_bits(ex.parameters(u), before[static_cast<size_t>(u)], "parameters after a skip");
+    expect_bits(ex.master(u), before_master[static_cast<size_t>(u)], "master after a skip");
+  }
+  // The next, finite step runs normally from zeroed gradients.
+  const StepResult ok = ex.step(batches[1], step_params(1));
+  EXPECT_FALSE(ok.skipped);
+}
+
+TEST(Executor, NvmeFaultStopsTheStepNamingTheTask) {
+  const LlamaConfig c = tiny(false);
+  TempDir dir;
+  Rig rig(2);
+  const Placement pl = make_placement(c, 2, Tier::gpu, Tier::nvme, dir.path);
+  ScheduleOptions so;
+  so.micro_batches = kMicro;
+  const Schedule sc = Schedule::build(pl, so);
+  ExecutorOptions eo;
+  // init_random writes every O shard (one request each at least); fail a later request, which
+  // falls in the step's optimizer traffic.
+  eo.io.faults = {nvme::Fault{nvme::FaultKind::eio, 200}};
+  Executor ex(pl, sc, *rig.comm, eo);
+  ex.init_random(3);
+  const auto batches = make_batches(2, c.vocab_size);
+  const std::string msg = test::error_message([&] {
+    for (int s = 0; s < kSteps; ++s) ex.step(batches[static_cast<size_t>(s)], step_params(s + 1));
+  });
+  // The task (an optimizer read or write on an NVMe lane) and the I/O error both appear.
+  EXPECT_NE(msg.find("executor: step"), std::string::npos) << msg;
+  EXPECT_TRUE(msg.find("optim_read") != std::string::npos ||
+              msg.find("optim_write") != std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("on nvme."), std::string::npos) << msg;
+  test::expect_error([&] { ex.step(batches[0], step_params(4)); }, {"an earlier step failed"});
+}
+
+TEST(ZeroModelResidency, OffDeviceShardsGatherAndReduceScatterThroughCallerBuffers) {
+  // A unit whose P and G are not resident: gather from caller shards, reduce-scatter into
+  // caller buffers, with integer-valued data so sums are exact.
+  const int N = 3;
+  Rig rig(N);
+  const ModelLayout layout = ModelLayout::build(tiny(false));
+  ZeroOptions zo;
+  zo.persistence_threshold = 0;
+  const int U = layout.num_units();
+  zo.param_resident.assign(static_cast<size_t>(U), true);
+  zo.grad_resident.assign(static_cast<size_t>(U), true);
+  zo.param_resident[1] = false;
+  zo.grad_resident[1] = false;
+  ZeroModel zero(layout, *rig.comm, zo);
+  const UnitPartition& up = zero.partition().units[1];
+  std::vector<std::unique_ptr<Stream>> streams;
+  std::vector<Stream*> sp;
+  std::vector<DeviceBuffer> shards, outs;
+  std::vector<TensorView> sv, ov;
+  for (int r = 0; r < N; ++r) {
+    Device& d = *rig.devices[static_cast<size_t>(r)];
+    streams.push_back(d.create_stream("t"));
+    sp.push_back(streams.back().get());
+    shards.emplace_back(d, up.shard * 4, "shard");
+    outs.emplace_back(d, up.shard * 4, "out");
+    std::vector<float> x(up.shard);
+    for (uint64_t i = 0; i < up.shard; ++i) x[i] = static_cast<float>(r * 1000 + i % 97);
+    d.copy_to_device(shards.back().data(), x.data(), x.size() * 4, *sp.back());
+    sp.back()->synchronize();  // x goes out of scope
+    sv.push_back(shards.back().view(DType::f32, {static_cast<int64_t>(up.shard)}));
+    ov.push_back(outs.back().view(DType::f32, {static_cast<int64_t>(up.shard)}));
+  }
+  test::expect_error([&] { zero.gather(1, sp, false); }, {"not resident"});
+  test::expect_error([&] { zero.param_shard(1, 0); }, {"do not live on the devices"});
+  const std::vector<UnitBuffers> g = zero.gather(1, sp, true, sv);
+  for (int r = 0; r < N; ++r) {
+    std::vector<float> full(up.padded);
+    rig.devices[static_cast<size_t>(r)]->copy_to_host(full.data(), g[static_cast<size_t>(r)].params,
+                                                      full.size() * 4, *sp[static_cast<size_t>(r)]);
+    sp[static_cast<size_t>(r)]->synchronize();
+    for (int q = 0; q < N; ++q)
+      for (uint64_t i = 0; i < up.shard; i += 13)
+        ASSERT_EQ(full[q * up.shard + i], static_cast<float>(q * 1000 + i % 97));
+    // Working gradients: rank r writes r + 1 everywhere.
+    std::vector<float> w(up.padded, static_cast<float>(r + 1));
+    rig.devices[static_cast<size_t>(r)]->copy_to_device(g[static_cast<size_t>(r)].grads, w.data(),
+                                                        w.size() * 4, *sp[static_cast<size_t>(r)]);
+    sp[static_cast<size_t>(r)]->synchronize();
+  }
+  test::expect_error([&] { zero.reduce_scatter_grads(1, sp); }, {"not resident"});
+  zero.reduce_scatter_grads(1, sp, ov);
+  zero.release(1, sp);
+  for (int r = 0; r < N; ++r) {
+    std::vector<float> o(up.shard);
+    rig.devices[static_cast<size_t>(r)]->copy_to_host(o.data(), outs[static_cast<size_t>(r)].data(),
+                                                      o.size() * 4, *sp[static_cast<size_t>(r)]);
+    sp[static_cast<size_t>(r)]->synchronize();
+    for (float x : o) ASSERT_EQ(x, static_cast<float>(N * (N + 1) / 2));
+  }
+  // Resident units refuse caller buffers.
+  test::expect_error([&] { zero.gather(0, sp, false, sv); }, {"live on the devices"});
+}
+
+}  // namespace
+}  // namespace strata
