@@ -15,6 +15,7 @@ Command add_bench(CLI::App& app) {
       add_bench_adam(*bench),
       add_bench_io(*bench),
       add_bench_model(*bench),
+      add_bench_step(*bench),
   };
   return {bench, [subs] {
             for (const Command& c : subs)

@@ -25,6 +25,7 @@ Command add_plan(CLI::App& app);      // strata plan
 Command add_bench_adam(CLI::App& bench);   // strata bench adam
 Command add_bench_io(CLI::App& bench);     // strata bench io
 Command add_bench_model(CLI::App& bench);  // strata bench model
+Command add_bench_step(CLI::App& bench);   // strata bench step
 
 }  // namespace strata::cli
 

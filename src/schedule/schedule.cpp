@@ -88,6 +88,24 @@
 
 namespace strata {
 
+double unit_forward_flops(const LlamaConfig& c, int u, int64_t batch, int64_t seq_len) {
+  const int units = static_cast<int>(c.num_hidden_layers) + 2;
+  const double b = static_cast<double>(batch);
+  const double t = static_cast<double>(seq_len);
+  const double tokens = b * t;
+  if (u == units - 1)
+    return 2.0 * static_cast<double>(c.vocab_size) * static_cast<double>(c.hidden_size) * tokens;
+  if (u == 0) return 0;
+  const double D = static_cast<double>(c.hidden_size);
+  const double q = static_cast<double>(c.num_attention_heads * c.head_dim);
+  const double kv = static_cast<double>(c.num_key_value_heads * c.head_dim);
+  const double matmul =
+      D * q + 2 * D * kv + q * D + 3 * D * static_cast<double>(c.intermediate_size);
+  const double attention = 2.0 * b * t * t * static_cast<double>(c.num_attention_heads) *
+                           static_cast<double>(c.head_dim);
+  return 2.0 * matmul * tokens + attention;
+}
+
 std::string_view lane_kind_name(LaneKind k) {
   switch (k) {
     case LaneKind::compute:
@@ -547,21 +565,7 @@ class Builder {
   }
 
   double forward_flops(int u) const {
-    const LlamaConfig& c = pl_.shape.model;
-    const double b = static_cast<double>(pl_.shape.micro_batch);
-    const double t = static_cast<double>(pl_.shape.seq_len);
-    const double tokens = b * t;
-    if (u == U_ - 1 && U_ > 1)
-      return 2.0 * static_cast<double>(c.vocab_size) * static_cast<double>(c.hidden_size) * tokens;
-    if (u == 0) return 0;
-    const double D = static_cast<double>(c.hidden_size);
-    const double q = static_cast<double>(c.num_attention_heads * c.head_dim);
-    const double kv = static_cast<double>(c.num_key_value_heads * c.head_dim);
-    const double matmul =
-        D * q + 2 * D * kv + q * D + 3 * D * static_cast<double>(c.intermediate_size);
-    const double attention = 2.0 * b * t * t * static_cast<double>(c.num_attention_heads) *
-                             static_cast<double>(c.head_dim);
-    return 2.0 * matmul * tokens + attention;
+    return unit_forward_flops(pl_.shape.model, u, pl_.shape.micro_batch, pl_.shape.seq_len);
   }
 
   // The runs covering use i (the gathered units it reads).

@@ -83,6 +83,11 @@ struct Task {
   std::vector<int> prev;  // ids of tasks of the previous step
 };
 
+// FLOPs of unit u's forward for `batch` sequences of `seq_len` tokens: the matmuls (2 per
+// multiply-add) and causal attention (QKᵀ and PV over half the keys on average); the embedding
+// counts 0. A backward task recomputes the forward and then runs the backward: 3× this.
+double unit_forward_flops(const LlamaConfig& config, int unit, int64_t batch, int64_t seq_len);
+
 struct ScheduleOptions {
   int micro_batches = 1;   // gradient accumulation steps
   int prefetch_depth = 1;  // units fetched ahead of use (bounded by the placement's buffers)

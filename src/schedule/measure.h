@@ -1,0 +1,53 @@
+// measure.h: a HardwareProfile measured on this machine (what `strata tune` writes and `strata
+// bench step` predicts from).
+//
+// Each rate is timed with the code the executor runs for that lane, at sizes like the run's:
+// the model's own forward and backward (recompute included) on the first device for
+// gpu_flops, so the rate is what the kernel table achieves at this shape, not a matmul peak;
+// Device copies from the pinned pool for h2d/d2h; the communicator's all-gather for comm;
+// CpuAdam's fused update and statistics pass for the CPU lanes; the kernel table's
+// adam_update for Adam on a device; the SwapStore (striped, checksummed, io_uring) for NVMe;
+// and one queued copy plus a wait for the fixed cost of a task. Each figure is the median of
+// `repeats` timings after one warm-up. Nothing measured here is checked for speed: a rate
+// that cannot be measured (no nvme paths, one rank) is left 0, which simulate() refuses only
+// for a schedule that needs it.
+#pragma once
+
+#include "model/config.h"
+#include "nvme/io_ring.h"
+#include "schedule/simulator.h"
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace strata {
+
+class Communicator;
+class Device;
+
+struct MeasureSetup {
+  std::vector<Device*> devices;  // the ranks; the first one is timed for compute and copies
+  Communicator* comm = nullptr;  // over `devices`; the all-gather rate needs two ranks or more
+  LlamaConfig model;             // the model whose forward/backward calibrates gpu_flops
+  int64_t micro_batch = 1;
+  int64_t seq_len = 128;
+  DType param_dtype = DType::f32;
+  DType grad_dtype = DType::f32;
+  // Layers of the model run for gpu_flops: 0 for all of them. A model too big for the first
+  // device is cut to fewer layers (the per-layer rate does not depend on the count).
+  int64_t compute_layers = 0;
+  std::vector<std::string> nvme_paths;  // none: nvme rates stay 0
+  uint64_t nvme_stripe = 64 * 1024;
+  nvme::IoOptions io;
+  uint64_t transfer_bytes = 64ull << 20;  // per copy, all-gather and NVMe transfer
+  uint64_t adam_elements = 1ull << 22;    // per CPU Adam / device Adam timing
+  int cpu_adam_threads = 0;               // as the executor's
+  int repeats = 5;
+};
+
+// Throws Error naming the measurement that failed (a device too small for the transfer, an
+// NVMe path that cannot hold it, ...).
+HardwareProfile measure_hardware(const MeasureSetup& setup);
+
+}  // namespace strata

@@ -1,0 +1,106 @@
+// test_bench_step.cpp: `strata bench step` run small on host devices: it verifies the weights
+// against the all-device run before it reports, writes a trace with one track per lane, reads
+// back the profile it saved, and names bad settings. Speeds are not judged (a shared machine).
+#include "testing.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+#include <stdlib.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+test::CommandResult strata(const std::string& args, const std::string& redirect = "") {
+  return test::run_command(std::string("'") + STRATA_BINARY + "' " + args + " " + redirect);
+}
+
+struct TempDir {
+  std::string path;
+  TempDir() {
+    std::string tmpl = (fs::temp_directory_path() / "strata-bench-step-XXXXXX").string();
+    if (mkdtemp(tmpl.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed";
+    path = tmpl;
+  }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+TEST(BenchStepCli, VerifiesThenReportsMeasuredAndPredicted) {
+  TempDir dir;
+  const std::string trace = dir.path + "/trace.json", profile = dir.path + "/profile.json";
+  const test::CommandResult r = strata(
+      "bench step --devices host:2 --offload-param cpu --offload-optimizer nvme --steps 2 "
+      "--grad-accum 2 --threads 1 --nvme-path " +
+      dir.path + " --trace " + trace + " --save-profile " + profile + " --json");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const json j = json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_EQ(j["verified"], true);
+  EXPECT_EQ(j["devices"], 2);
+  EXPECT_GT(j["step_s"].get<double>(), 0.0);
+  EXPECT_GT(j["predicted_step_s"].get<double>(), 0.0);
+  const double overlap = j["overlap"].get<double>();
+  EXPECT_GT(overlap, 0.0);
+  EXPECT_LE(overlap, 1.0 + 1e-9);  // a lane cannot be busy longer than the step
+  // Both the measured and the predicted busy time of every lane of the schedule.
+  std::set<std::string> lanes;
+  for (const json& l : j["lanes"]) {
+    lanes.insert(l["lane"].get<std::string>());
+    EXPECT_GE(l["busy_s"].get<double>(), 0.0);
+    EXPECT_GE(l["predicted_busy_s"].get<double>(), 0.0);
+  }
+  for (const char* lane : {"gpu[0].compute", "gpu[1].comm", "cpu.adam", "nvme.read", "nvme.write"})
+    EXPECT_EQ(lanes.count(lane), 1u) << lane << " missing from " << r.out;
+  // The profile saved is the one reported, and every rate this run needs was measured.
+  std::ifstream pf(profile);
+  const json p = json::parse(pf, nullptr, false);
+  ASSERT_FALSE(p.is_discarded());
+  for (const char* rate : {"gpu_flops", "h2d_bytes_per_s", "comm_bytes_per_s",
+                           "adam_elements_per_s", "nvme_read_bytes_per_s"}) {
+    EXPECT_GT(p[rate].get<double>(), 0.0) << rate;
+    EXPECT_EQ(p[rate], j["profile"][rate]) << rate;
+  }
+  // The trace: a thread-name track per lane and complete events for the tasks.
+  std::ifstream tf(trace);
+  const json t = json::parse(tf, nullptr, false);
+  ASSERT_FALSE(t.is_discarded());
+  const json& events = t.is_array() ? t : t["traceEvents"];
+  std::set<std::string> tracks;
+  size_t complete = 0;
+  for (const json& e : events) {
+    if (e["ph"] == "M" && e["name"] == "thread_name") tracks.insert(e["args"]["name"]);
+    if (e["ph"] == "X") ++complete;
+  }
+  EXPECT_EQ(tracks, lanes);
+  EXPECT_GT(complete, 10u);
+
+  // Predicting from the saved profile instead of measuring gives the same prediction inputs.
+  const test::CommandResult again = strata(
+      "bench step --devices host:2 --offload-param cpu --offload-optimizer nvme --steps 1 "
+      "--grad-accum 2 --threads 1 --nvme-path " +
+      dir.path + " --hardware " + profile + " --json");
+  ASSERT_EQ(again.status, 0) << again.out;
+  const json k = json::parse(again.out, nullptr, false);
+  EXPECT_EQ(k["predicted_step_s"], j["predicted_step_s"]);
+}
+
+TEST(BenchStepCli, BadSettingsAreNamed) {
+  const test::CommandResult tier = strata("bench step --offload-param disk", "2>&1");
+  EXPECT_NE(tier.status, 0);
+  EXPECT_NE(tier.out.find("disk"), std::string::npos) << tier.out;
+  const test::CommandResult steps = strata("bench step --steps 0", "2>&1");
+  EXPECT_NE(steps.status, 0);
+  EXPECT_NE(steps.out.find("--steps 0"), std::string::npos) << steps.out;
+  const test::CommandResult hidden = strata("bench step --hidden 30", "2>&1");
+  EXPECT_NE(hidden.status, 0);
+  EXPECT_NE(hidden.out.find("--hidden 30"), std::string::npos) << hidden.out;
+}
+
+}  // namespace
+}  // namespace strata
