@@ -56,7 +56,7 @@ LlamaConfig tiny(bool tied) {
 }
 
 Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std::string& dir,
-                         uint64_t threshold = 0) {
+                         uint64_t threshold = 0, int depth = 1) {
   RunShape shape;
   shape.model = c;
   shape.ranks = N;
@@ -65,7 +65,7 @@ Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std:
   shape.micro_batch = kBatch;
   shape.seq_len = kSeq;
   shape.persistence_threshold = threshold;
-  shape.working_buffers = 2;
+  shape.working_buffers = std::max(2, depth + 1);
   OffloadRequest req;
   req.param = p;
   req.optimizer = o;
@@ -139,13 +139,14 @@ std::string kinds(const Placement& pl, Device& d) {
   return out;
 }
 
-RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t threshold = 0) {
+RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t threshold = 0,
+                       int depth = 1) {
   TempDir dir;
   Rig rig(N);
-  const Placement pl = make_placement(c, N, p, o, dir.path, threshold);
+  const Placement pl = make_placement(c, N, p, o, dir.path, threshold, depth);
   ScheduleOptions so;
   so.micro_batches = kMicro;
-  so.prefetch_depth = 1;
+  so.prefetch_depth = depth;
   const Schedule sc = Schedule::build(pl, so);
   ExecutorOptions eo;
   eo.record = true;
@@ -370,6 +371,19 @@ TEST(Executor, ReplicatedUnits) {
     const RunResult r = run_executor(c, 2, p, o, threshold);
     expect_same(r, gpu, fmt::format("replicated P {} O {}:", tier_name(p), tier_name(o)));
   }
+}
+
+TEST(Executor, DeepPrefetchGivesTheSameBits) {
+  // A prefetch as deep as the model: the gathers of a unit's backward are emitted before its
+  // forward has run, so every consumer must read from the gather it depends on.
+  const LlamaConfig c = tiny(false);
+  const RunResult gpu = run_executor(c, 2, Tier::gpu, Tier::gpu);
+  for (int depth : {2, 3, 5})
+    for (auto [p, o] : {std::pair{Tier::gpu, Tier::gpu}, std::pair{Tier::nvme, Tier::nvme},
+                        std::pair{Tier::cpu, Tier::gpu}}) {
+      const RunResult r = run_executor(c, 2, p, o, 0, depth);
+      expect_same(r, gpu, fmt::format("depth {} P {} O {}:", depth, tier_name(p), tier_name(o)));
+    }
 }
 
 TEST(Executor, NonFiniteGradientsSkipTheStep) {

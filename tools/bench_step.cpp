@@ -44,6 +44,7 @@ struct BenchStepArgs {
   std::vector<std::string> nvme_paths;
   int64_t micro_batch = 1, grad_accum = 1, seq_len = 64;
   int prefetch_depth = 1;
+  int buffer_count = 4;
   int64_t persistence_threshold = 100000;
   int steps = 5;
   int threads = 0;
@@ -205,7 +206,7 @@ int run_bench_step(const BenchStepArgs& a) {
   OffloadRequest request;
   request.param = parse_tier(a.offload_param);
   request.optimizer = parse_tier(a.offload_optimizer);
-  request.buffer_count = 4;
+  request.buffer_count = a.buffer_count;
   request.nvme_paths = paths;
   TierBudgets budgets;
   budgets.gpu_memory = ptrs.front()->memory().capacity;
@@ -358,6 +359,9 @@ Command add_bench_step(CLI::App& bench) {
   cmd->add_option("--grad-accum", a->grad_accum, "micro-batches per step")->capture_default_str();
   cmd->add_option("--seq-len", a->seq_len, "tokens per sequence")->capture_default_str();
   cmd->add_option("--prefetch-depth", a->prefetch_depth, "units fetched ahead")
+      ->capture_default_str();
+  cmd->add_option("--buffer-count", a->buffer_count,
+                  "pinned buffers carrying units between NVMe, host and device")
       ->capture_default_str();
   cmd->add_option("--persistence-threshold", a->persistence_threshold,
                   "units of at most this many elements stay whole on every device")

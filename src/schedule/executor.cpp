@@ -252,7 +252,7 @@ struct Executor::State {
     for (auto& v : views) v[static_cast<size_t>(x)] = UnitBuffers{};
   }
   void lane_loop(int lane, int step_index);
-  void write_unit(int u, const std::vector<char>& staged);
+  void write_unit(int u, const std::vector<char>& staged, const float* mmv = nullptr);
 };
 
 // ---- resolution of the schedule ----
@@ -288,14 +288,24 @@ void Executor::State::resolve() {
       fail("schedule: {} reads what {} produced but does not depend on it",
            task_label(sc, consumer), task_label(sc, sc.tasks[static_cast<size_t>(producer)]));
   };
-  // latest[kind][unit][rank + 1]: the latest task of that kind so far (rank 0 slot: all ranks)
+  // seen[kind][unit][rank + 1]: the tasks of that kind so far, in order (slot 0: all ranks).
+  // A consumer reads from the latest of them that it depends on, not simply the latest: with a
+  // deep prefetch the gather for a unit's next run is emitted before this run's computes.
   auto key = [&](TaskKind k, int u) { return static_cast<size_t>(k) * U + static_cast<size_t>(u); };
-  std::vector<std::vector<int>> latest(
+  std::vector<std::vector<std::vector<int>>> seen(
       (static_cast<size_t>(TaskKind::param_d2h) + 1) * static_cast<size_t>(U),
-      std::vector<int>(static_cast<size_t>(N) + 1, -1));
-  auto latest_for = [&](TaskKind k, int u, int r) {
-    const auto& v = latest[key(k, u)];
-    return std::max(v[0], v[static_cast<size_t>(r) + 1]);
+      std::vector<std::vector<int>>(static_cast<size_t>(N) + 1));
+  // The latest task of kind k for unit u (rank r, or all ranks) that `consumer` depends on;
+  // else the latest one at all (need() then names it), else -1.
+  auto latest_for = [&](TaskKind k, int u, int r, const Task& consumer) {
+    int any = -1;
+    const auto& v = seen[key(k, u)];
+    for (const std::vector<int>* list : {&v[0], &v[static_cast<size_t>(r) + 1]})
+      for (auto it = list->rbegin(); it != list->rend(); ++it) {
+        any = std::max(any, *it);
+        if (anc.before(*it, consumer.id)) return *it;
+      }
+    return any;
   };
   // Pass 1: who reads what. pool_of: -1 none, 0 pinned, 1 + r device parameter landing
   // buffers of rank r, 1 + N + r device gradient staging of rank r.
@@ -315,7 +325,7 @@ void Executor::State::resolve() {
         break;
       case TaskKind::param_h2d:
         if (h.param == Tier::nvme) {
-          const int p = latest_for(TaskKind::param_read, u, t.rank);
+          const int p = latest_for(TaskKind::param_read, u, t.rank, t);
           need(p, t, "param_read");
           src[id] = {p};
           read(p, t.id);
@@ -324,7 +334,7 @@ void Executor::State::resolve() {
         break;
       case TaskKind::gather:
         if (!zero->param_resident(u)) {
-          const int p = latest_for(TaskKind::param_h2d, u, t.rank);
+          const int p = latest_for(TaskKind::param_h2d, u, t.rank, t);
           need(p, t, "param_h2d");
           src[id] = {p};
           read(p, t.id);
@@ -336,7 +346,7 @@ void Executor::State::resolve() {
         if (tied && u == U - 1 && u != 0) units.push_back(0);
         for (int x : units) {
           if (up(x).replicated) continue;  // used in place, never gathered
-          const int g = latest_for(TaskKind::gather, x, t.rank);
+          const int g = latest_for(TaskKind::gather, x, t.rank, t);
           need(g, t, "gather");
           const int leader = group_of[static_cast<size_t>(g)].first;
           uses[id].push_back(leader);
@@ -348,7 +358,7 @@ void Executor::State::resolve() {
       case TaskKind::reduce_scatter:
         if (!zero->grad_resident(u)) pool_of[id] = 1 + N + t.rank;
         if (!up(u).replicated) {
-          const int g = latest_for(TaskKind::gather, u, t.rank);
+          const int g = latest_for(TaskKind::gather, u, t.rank, t);
           need(g, t, "gather");
           if (group_of[id].first == t.id) {
             rs_gather[id] = group_of[static_cast<size_t>(g)].first;
@@ -358,7 +368,7 @@ void Executor::State::resolve() {
         break;
       case TaskKind::grad_d2h:
         if (!up(u).replicated) {
-          const int p = latest_for(TaskKind::reduce_scatter, u, t.rank);
+          const int p = latest_for(TaskKind::reduce_scatter, u, t.rank, t);
           need(p, t, "reduce_scatter");
           src[id] = {p};
           read(p, t.id);
@@ -369,7 +379,7 @@ void Executor::State::resolve() {
           // The shards it adds come through pinned buffers; the first micro-batch's d2h
           // (with no grad_accumulate) writes G directly.
           for (int r : task_ranks(t, u)) {
-            const int p = latest_for(TaskKind::grad_d2h, u, r);
+            const int p = latest_for(TaskKind::grad_d2h, u, r, t);
             need(p, t, "grad_d2h");
             src[id].push_back(p);
             read(p, t.id);
@@ -380,7 +390,7 @@ void Executor::State::resolve() {
         break;
       case TaskKind::adam: {
         if (h.optimizer == Tier::nvme) {
-          const int p = latest[key(TaskKind::optim_read, u)][0];
+          const int p = latest_for(TaskKind::optim_read, u, -1, t);
           need(p, t, "optim_read");
           src[id] = {p};
           read(p, t.id);
@@ -391,7 +401,7 @@ void Executor::State::resolve() {
         break;
       }
       case TaskKind::optim_write: {
-        const int p = latest[key(TaskKind::optim_read, u)][0];
+        const int p = latest_for(TaskKind::optim_read, u, -1, t);
         need(p, t, "optim_read");
         src[id] = {p};
         read(p, t.id);
@@ -401,7 +411,7 @@ void Executor::State::resolve() {
       case TaskKind::param_upload: {
         const std::vector<int> rs = t.rank >= 0 ? std::vector<int>{t.rank} : task_ranks(t, u);
         for (int r : rs) {
-          const int p = latest_for(TaskKind::adam, u, up(u).replicated ? 0 : r);
+          const int p = latest_for(TaskKind::adam, u, up(u).replicated ? 0 : r, t);
           need(p, t, "adam");
           src[id].push_back(p);
           read(p, t.id);
@@ -412,7 +422,7 @@ void Executor::State::resolve() {
       case TaskKind::param_d2h:
         break;
     }
-    latest[key(t.kind, u)][static_cast<size_t>(t.rank) + 1] = t.id;
+    seen[key(t.kind, u)][static_cast<size_t>(t.rank) + 1].push_back(t.id);
   }
   // Pass 2: buffers to producers, in task order, each freed by its readers.
   SlotPool pinned_pool;
@@ -624,20 +634,26 @@ Executor::~Executor() {
 
 // ---- model state ----
 
-// Unit u's padded parameters (param dtype) to their home, and the master (f32) with zeroed
-// moments to the optimizer's home.
-void Executor::State::write_unit(int u, const std::vector<char>& staged) {
-  const uint64_t n = shard(u);
+// Unit u's padded parameters (param dtype) to their home, and the optimizer state to its
+// home: `mmv` (three padded f32 arrays, master then m then v) when given, else the master as
+// the parameters in f32 and zeroed moments.
+void Executor::State::write_unit(int u, const std::vector<char>& staged, const float* mmv) {
+  const uint64_t n = shard(u), padded = up(u).padded;
   for (int r = 0; r < N; ++r) {
-    const char* p = staged.data() + up(u).shard_offset(r) * ps;
+    const uint64_t off = up(u).shard_offset(r);
+    const char* p = staged.data() + off * ps;
     std::vector<float> o(n * 3, 0.0f);
-    convert(o.data(), DType::f32, p, pt, n);
+    if (mmv != nullptr) {
+      for (int k = 0; k < 3; ++k) std::memcpy(o.data() + k * n, mmv + k * padded + off, n * 4);
+    } else {
+      convert(o.data(), DType::f32, p, pt, n);
+    }
     if (home(u).optimizer == Tier::gpu) {
       Stream& st = *streams[static_cast<size_t>(r)].setup;
       auto& b = o_dev[static_cast<size_t>(u)];
-      dev(r).copy_to_device(b[static_cast<size_t>(r) * 3].data(), o.data(), n * 4, st);
-      dev(r).fill_zero(b[static_cast<size_t>(r) * 3 + 1].data(), n * 4, st);
-      dev(r).fill_zero(b[static_cast<size_t>(r) * 3 + 2].data(), n * 4, st);
+      for (int k = 0; k < 3; ++k)
+        dev(r).copy_to_device(b[static_cast<size_t>(r) * 3 + static_cast<size_t>(k)].data(),
+                              o.data() + k * n, n * 4, st);
       st.synchronize();
     }
     if (r >= host_ranks(u)) continue;
@@ -694,37 +710,74 @@ std::vector<float> Executor::parameters(int u) const {
   return out;
 }
 
-std::vector<float> Executor::master(int u) const {
+UnitOptimizerState Executor::optimizer_state(int u) const {
   State& s = *s_;
-  if (u < 0 || u >= s.U) fail("master weights of unit {}: the model has units 0..{}", u, s.U - 1);
+  if (u < 0 || u >= s.U) fail("optimizer state of unit {}: the model has units 0..{}", u, s.U - 1);
   const uint64_t n = s.shard(u);
-  std::vector<float> all(s.up(u).padded);
+  std::vector<float> all(s.up(u).padded * 3);
+  const uint64_t padded = s.up(u).padded;
   const int ranks = s.home(u).optimizer == Tier::gpu ? s.N : s.host_ranks(u);
   for (int r = 0; r < ranks; ++r) {
     std::vector<float> o(n * 3);
     if (s.home(u).optimizer == Tier::gpu) {
       Stream& st = *s.streams[static_cast<size_t>(r)].setup;
-      s.dev(r).copy_to_host(
-          o.data(), s.o_dev[static_cast<size_t>(u)][static_cast<size_t>(r) * 3].data(), n * 4, st);
+      for (int k = 0; k < 3; ++k)
+        s.dev(r).copy_to_host(
+            o.data() + k * n,
+            s.o_dev[static_cast<size_t>(u)][static_cast<size_t>(r) * 3 + static_cast<size_t>(k)]
+                .data(),
+            n * 4, st);
       st.synchronize();
     } else if (s.home(u).optimizer == Tier::cpu) {
       std::memcpy(o.data(), s.host_o[static_cast<size_t>(u)][static_cast<size_t>(r)], n * 12);
     } else {
       s.store->read(State::shard_name('O', u, r), o.data());
     }
-    if (s.up(u).replicated && r > 0) {
-      if (std::memcmp(o.data(), all.data(), n * 4) != 0)
-        fail(
-            "master weights of replicated unit {}: rank {} differs from rank 0; this is a bug "
-            "in the executor",
-            s.up(u).name, r);
-      continue;
+    const uint64_t off = s.up(u).shard_offset(r);
+    for (int k = 0; k < 3; ++k) {
+      float* dst = all.data() + k * padded + off;
+      if (s.up(u).replicated && r > 0) {
+        if (std::memcmp(o.data() + k * n, dst, n * 4) != 0)
+          fail(
+              "optimizer state of replicated unit {}: rank {} differs from rank 0; this is a "
+              "bug in the executor",
+              s.up(u).name, r);
+        continue;
+      }
+      std::memcpy(dst, o.data() + k * n, n * 4);
     }
-    std::copy(o.begin(), o.begin() + static_cast<std::ptrdiff_t>(n),
-              all.begin() + static_cast<std::ptrdiff_t>(s.up(u).shard_offset(r)));
   }
-  all.resize(s.up(u).numel);
-  return all;
+  const uint64_t numel = s.up(u).numel;
+  UnitOptimizerState out;
+  for (auto [k, v] : {std::pair{0, &out.master}, std::pair{1, &out.m}, std::pair{2, &out.v}})
+    v->assign(all.begin() + static_cast<std::ptrdiff_t>(k * padded),
+              all.begin() + static_cast<std::ptrdiff_t>(k * padded + numel));
+  return out;
+}
+
+std::vector<float> Executor::master(int u) const {
+  return optimizer_state(u).master;
+}
+
+void Executor::set_optimizer_state(int u, const UnitOptimizerState& state) {
+  State& s = *s_;
+  if (u < 0 || u >= s.U) fail("optimizer state of unit {}: the model has units 0..{}", u, s.U - 1);
+  const uint64_t numel = s.up(u).numel, padded = s.up(u).padded;
+  for (const auto& [what, v] : {std::pair{"master weights", &state.master},
+                                std::pair{"Adam m", &state.m}, std::pair{"Adam v", &state.v}})
+    if (v->size() != numel)
+      fail("optimizer state of unit {}: {} has {} values for the unit's {} elements", s.up(u).name,
+           what, v->size(), numel);
+  std::vector<float> mmv(padded * 3, 0.0f);
+  for (int k = 0; k < 3; ++k) {
+    const std::vector<float>& v = k == 0 ? state.master : k == 1 ? state.m : state.v;
+    std::copy(v.begin(), v.end(), mmv.begin() + static_cast<std::ptrdiff_t>(k * padded));
+  }
+  // The parameters are the master rounded to their dtype, as every Adam step leaves them.
+  std::vector<char> staged(padded * s.ps, char{0});
+  convert(staged.data(), s.pt, mmv.data(), DType::f32, padded);
+  if (s.zero->param_resident(u)) s.zero->upload_unit(u, state.master);
+  s.write_unit(u, staged, mmv.data());
 }
 
 // ---- running tasks ----

@@ -95,6 +95,11 @@ struct ExecutorMemory {
   uint64_t device_extra_bytes = 0;
 };
 
+// One unit's optimizer state, each the unit's element count (padding dropped), f32.
+struct UnitOptimizerState {
+  std::vector<float> master, m, v;
+};
+
 class Executor {
  public:
   // `comm` spans placement.shape.ranks devices. Throws Error when the schedule does not
@@ -116,6 +121,11 @@ class Executor {
   // Unit u's parameters (or fp32 master weights) assembled from every rank's shard, as f32.
   std::vector<float> parameters(int u) const;
   std::vector<float> master(int u) const;
+  // Unit u's optimizer state assembled from every rank's shard, wherever it lives; and its
+  // inverse for resuming: the state goes to its homes, the parameters become the master
+  // rounded to their dtype (what every Adam step leaves them as) and the gradients zero.
+  UnitOptimizerState optimizer_state(int u) const;
+  void set_optimizer_state(int u, const UnitOptimizerState& state);
 
   const Timeline& timeline() const { return timeline_; }
   void trace(const std::string& path) const;

@@ -256,6 +256,7 @@ struct Run {
   int first_use = 0, last_use = 0;
   int slot = -1;
   std::vector<int> gather;  // per rank
+  int prev = -1;            // the unit's run before this one, or -1
 };
 
 // A `prev` dependency that names the previous step's tasks, resolved once the step is built
@@ -488,8 +489,9 @@ class Builder {
         if (r >= 0 && runs_[static_cast<size_t>(r)].last_use == i - 1) {
           runs_[static_cast<size_t>(r)].last_use = i;
         } else {
+          const int before = r;
           r = static_cast<int>(runs_.size());
-          runs_.push_back(Run{u, i, i, -1, {}});
+          runs_.push_back(Run{u, i, i, -1, {}, before});
         }
       }
     for (const Run& r : runs_)
@@ -500,6 +502,10 @@ class Builder {
     while (next_run_ < runs_.size()) {
       Run& run = runs_[next_run_];
       if (run.first_use > i + d_) break;
+      // One gathered copy of a unit at a time: a deep prefetch must not gather a unit's next
+      // run before its previous run's last compute (and reduce-scatter) is emitted, or the
+      // gather would wait on the comm lane for a release queued behind it.
+      if (run.prev >= 0 && runs_[static_cast<size_t>(run.prev)].last_use >= i) break;
       if (slots_.free_count() == 0) {
         if (run.first_use > i) break;  // prefetch waits for a buffer to come back
         fail(
