@@ -5,7 +5,7 @@ set -euo pipefail
 STRATA_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   liburing-dev libxxhash-dev libtbb-dev libxsimd-dev libhwloc-dev libfmt-dev
-  nlohmann-json3-dev libcli11-dev libopenblas-dev
+  nlohmann-json3-dev libcli11-dev libopenblas-dev libsentencepiece-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3
   python3-numpy python3-torch  # the CPU Adam parity test and bench/adam_vs_torch.py

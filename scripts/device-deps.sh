@@ -9,4 +9,5 @@ cd .deps
 apt-get download liburing-dev liburing2 libxxhash-dev libxxhash0 libtbb-dev libtbb12 libtbbmalloc2 libtbbbind-2-5 \
   libxsimd-dev libhwloc-dev libhwloc15 libfmt-dev libfmt9 nlohmann-json3-dev libcli11-dev \
   libgtest-dev libgmock-dev libbenchmark-dev libbenchmark1debian libltdl7 libnuma1 \
-  pkgconf libpkgconf3 pkgconf-bin libopenblas-dev libopenblas0 libopenblas0-pthread libopenblas-pthread-dev libgfortran5
+  pkgconf libpkgconf3 pkgconf-bin libopenblas-dev libopenblas0 libopenblas0-pthread libopenblas-pthread-dev libgfortran5 \
+  libsentencepiece-dev libsentencepiece0

@@ -5,7 +5,6 @@
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
-#include <stdlib.h>
 
 #include <filesystem>
 #include <fstream>
@@ -21,23 +20,14 @@ test::CommandResult strata(const std::string& args, const std::string& redirect 
   return test::run_command(std::string("'") + STRATA_BINARY + "' " + args + " " + redirect);
 }
 
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string tmpl = (fs::temp_directory_path() / "strata-bench-step-XXXXXX").string();
-    if (mkdtemp(tmpl.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed";
-    path = tmpl;
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
-
 TEST(BenchStepCli, VerifiesThenReportsMeasuredAndPredicted) {
-  TempDir dir;
-  const std::string trace = dir.path + "/trace.json", profile = dir.path + "/profile.json";
+  const test::TempDir dir("strata-bench-step");
+  const std::string path = dir.path.string();
+  const std::string trace = path + "/trace.json", profile = path + "/profile.json";
   const test::CommandResult r = strata(
       "bench step --devices host:2 --offload-param cpu --offload-optimizer nvme --steps 2 "
       "--grad-accum 2 --threads 1 --nvme-path " +
-      dir.path + " --trace " + trace + " --save-profile " + profile + " --json");
+      path + " --trace " + trace + " --save-profile " + profile + " --json");
   ASSERT_EQ(r.status, 0) << r.out;
   const json j = json::parse(r.out, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << r.out;
@@ -84,7 +74,7 @@ TEST(BenchStepCli, VerifiesThenReportsMeasuredAndPredicted) {
   const test::CommandResult again = strata(
       "bench step --devices host:2 --offload-param cpu --offload-optimizer nvme --steps 1 "
       "--grad-accum 2 --threads 1 --nvme-path " +
-      dir.path + " --hardware " + profile + " --json");
+      path + " --hardware " + profile + " --json");
   ASSERT_EQ(again.status, 0) << again.out;
   const json k = json::parse(again.out, nullptr, false);
   EXPECT_EQ(k["predicted_step_s"], j["predicted_step_s"]);

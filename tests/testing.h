@@ -8,6 +8,8 @@
 
 #include <array>
 #include <cstdio>
+#include <cstdlib>
+#include <filesystem>
 #include <initializer_list>
 #include <string>
 
@@ -50,5 +52,22 @@ inline CommandResult run_command(const std::string& command) {
   if (WIFEXITED(wait_status)) r.status = WEXITSTATUS(wait_status);
   return r;
 }
+
+// A fresh directory under the system's temporary directory (mkdtemp), removed with everything
+// in it when the test is done.
+struct TempDir {
+  std::filesystem::path path;
+  explicit TempDir(const std::string& prefix) {
+    std::string name = (std::filesystem::temp_directory_path() / (prefix + "-XXXXXX")).string();
+    if (mkdtemp(name.data()) == nullptr) ADD_FAILURE() << "mkdtemp " << name << " failed";
+    path = name;
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  ~TempDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path, ignored);
+  }
+};
 
 }  // namespace strata::test

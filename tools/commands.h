@@ -21,6 +21,7 @@ Command add_eval(CLI::App& app);      // strata eval
 Command add_bench(CLI::App& app);     // strata bench <what>: the subcommands below
 Command add_estimate(CLI::App& app);  // strata estimate
 Command add_plan(CLI::App& app);      // strata plan
+Command add_tokenize(CLI::App& app);  // strata tokenize
 // `strata bench` subcommands (tools/bench_*.cpp), registered on the `bench` app.
 Command add_bench_adam(CLI::App& bench);   // strata bench adam
 Command add_bench_io(CLI::App& bench);     // strata bench io

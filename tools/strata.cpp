@@ -16,7 +16,7 @@ int main(int argc, char** argv) {
 
   const std::vector<strata::cli::Command> commands = {
       strata::cli::add_info(app),     strata::cli::add_eval(app), strata::cli::add_bench(app),
-      strata::cli::add_estimate(app), strata::cli::add_plan(app),
+      strata::cli::add_estimate(app), strata::cli::add_plan(app), strata::cli::add_tokenize(app),
   };
 
   try {

@@ -1,0 +1,214 @@
+// data_loader.cpp: see data_loader.h. The generator constants are splitmix64's and
+// xoshiro256**'s published ones; changing any of them changes every run's batches.
+#include "train/data_loader.h"
+
+#include "core/error.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+namespace strata {
+
+namespace {
+
+uint64_t rotl(uint64_t x, int k) {
+  return (x << k) | (x >> (64 - k));
+}
+
+void open_checked(TokenFile& file, const std::filesystem::path& path, int64_t seq_len,
+                  int64_t vocab_size, std::optional<TokenWidth> raw, std::string_view what) {
+  file = TokenFile::open(path, raw);
+  file.validate(vocab_size);
+  if (file.num_sequences(seq_len) < 1)
+    fail(
+        "{} {}: {} tokens make no sequence of length {} (one needs {} tokens); use a larger "
+        "file, a shorter --seq-len, or leave the file out",
+        what, file.path(), file.size(), seq_len, seq_len + 1);
+}
+
+void check_rows(int64_t batch, int64_t seq_len, std::span<int32_t> ids, std::span<int32_t> targets,
+                std::string_view what) {
+  if (batch < 0) fail("{}: batch {} must be >= 0", what, batch);
+  const uint64_t need = static_cast<uint64_t>(batch) * static_cast<uint64_t>(seq_len);
+  if (ids.size() < need || targets.size() < need)
+    fail("{}: a batch of {} x {} tokens needs {} ids and targets; got {} and {}", what, batch,
+         seq_len, need, ids.size(), targets.size());
+}
+
+const nlohmann::json& field(const nlohmann::json& json, const char* key, std::string_view source) {
+  if (!json.contains(key))
+    fail("{}: the data position has no \"{}\"; the checkpoint is damaged or from another version",
+         source, key);
+  return json.at(key);
+}
+
+int64_t whole(const nlohmann::json& json, const char* key, int64_t lo, std::string_view source) {
+  const nlohmann::json& v = field(json, key, source);
+  if (!v.is_number_integer() ||
+      (v.is_number_unsigned() &&
+       v.get<uint64_t>() > uint64_t(std::numeric_limits<int64_t>::max())) ||
+      v.get<int64_t>() < lo)
+    fail("{}: data position \"{}\" is {}; expected a whole number >= {}", source, key, v.dump(),
+         lo);
+  return v.get<int64_t>();
+}
+
+}  // namespace
+
+uint64_t SplitMix64::mix(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+uint64_t SplitMix64::next() {
+  state_ += 0x9e3779b97f4a7c15ull;
+  return mix(state_);
+}
+
+Xoshiro256::Xoshiro256(uint64_t seed) {
+  SplitMix64 sm(seed);
+  for (uint64_t& s : s_) s = sm.next();
+}
+
+uint64_t Xoshiro256::next() {
+  const uint64_t result = rotl(s_[1] * 5, 7) * 9;
+  const uint64_t t = s_[1] << 17;
+  s_[2] ^= s_[0];
+  s_[3] ^= s_[1];
+  s_[1] ^= s_[2];
+  s_[0] ^= s_[3];
+  s_[2] ^= t;
+  s_[3] = rotl(s_[3], 45);
+  return result;
+}
+
+uint64_t Xoshiro256::below(uint64_t n) {
+  if (n == 0) fail("Xoshiro256::below: the range is empty (n = 0)");
+  const uint64_t threshold = (0 - n) % n;  // 2^64 mod n
+  for (;;) {
+    const uint64_t r = next();
+    if (r >= threshold) return r % n;
+  }
+}
+
+std::vector<int64_t> epoch_order(uint64_t seed, int64_t epoch, int64_t n) {
+  std::vector<int64_t> order(static_cast<size_t>(std::max<int64_t>(n, 0)));
+  for (int64_t i = 0; i < n; ++i) order[static_cast<size_t>(i)] = i;
+  Xoshiro256 rng(SplitMix64::mix(seed) + static_cast<uint64_t>(epoch));
+  for (int64_t i = n - 1; i > 0; --i) {
+    const auto j = static_cast<int64_t>(rng.below(static_cast<uint64_t>(i) + 1));
+    std::swap(order[static_cast<size_t>(i)], order[static_cast<size_t>(j)]);
+  }
+  return order;
+}
+
+nlohmann::json DataPosition::to_json() const {
+  return {{"seed", seed},
+          {"epoch", epoch},
+          {"position", position},
+          {"sequences", sequences},
+          {"seq_len", seq_len}};
+}
+
+DataPosition DataPosition::from_json(const nlohmann::json& json, std::string_view source) {
+  if (!json.is_object())
+    fail("{}: the data position is {}; expected an object; the checkpoint is damaged", source,
+         json.dump());
+  DataPosition p;
+  const nlohmann::json& seed = field(json, "seed", source);
+  if (!seed.is_number_unsigned() && !(seed.is_number_integer() && seed.get<int64_t>() >= 0))
+    fail("{}: data position \"seed\" is {}; expected a whole number >= 0", source, seed.dump());
+  p.seed = seed.get<uint64_t>();
+  p.epoch = whole(json, "epoch", 0, source);
+  p.position = whole(json, "position", 0, source);
+  p.sequences = whole(json, "sequences", 1, source);
+  p.seq_len = whole(json, "seq_len", 1, source);
+  if (p.position >= p.sequences)
+    fail(
+        "{}: data position {} is not below the {} sequences of an epoch; the checkpoint is "
+        "damaged",
+        source, p.position, p.sequences);
+  return p;
+}
+
+DataLoader::DataLoader(const std::vector<std::filesystem::path>& files, int64_t seq_len,
+                       int64_t vocab_size, uint64_t seed, std::optional<TokenWidth> raw) {
+  if (files.empty()) fail("training data: no token file was given; pass --data FILE[,FILE...]");
+  if (seq_len < 1) fail("training data: sequence length {} must be at least 1", seq_len);
+  files_.resize(files.size());
+  first_.push_back(0);
+  for (size_t f = 0; f < files.size(); ++f) {
+    open_checked(files_[f], files[f], seq_len, vocab_size, raw, "training token file");
+    first_.push_back(first_.back() + files_[f].num_sequences(seq_len));
+  }
+  position_.seed = seed;
+  position_.sequences = first_.back();
+  position_.seq_len = seq_len;
+  load_order();
+}
+
+void DataLoader::load_order() {
+  order_ = epoch_order(position_.seed, position_.epoch, position_.sequences);
+}
+
+void DataLoader::read(int64_t g, int32_t* ids, int32_t* targets) const {
+  if (g < 0 || g >= position_.sequences)
+    fail("training data: sequence {} is out of range (the files hold {})", g, position_.sequences);
+  const auto f =
+      static_cast<size_t>(std::upper_bound(first_.begin(), first_.end(), g) - first_.begin() - 1);
+  files_[f].sequence(g - first_[f], position_.seq_len, ids, targets);
+}
+
+void DataLoader::next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> targets) {
+  const int64_t T = position_.seq_len;
+  check_rows(batch, T, ids, targets, "training batch");
+  for (int64_t r = 0; r < batch; ++r) {
+    read(order_[static_cast<size_t>(position_.position)], ids.data() + r * T,
+         targets.data() + r * T);
+    if (++position_.position == position_.sequences) {
+      position_.position = 0;
+      ++position_.epoch;
+      load_order();
+    }
+  }
+}
+
+void DataLoader::restore(const DataPosition& position) {
+  if (position.sequences != position_.sequences || position.seq_len != position_.seq_len)
+    fail(
+        "training data: the saved position is over {} sequences of length {}, but these files "
+        "make {} of length {}; resume with the same --data files and --seq-len",
+        position.sequences, position.seq_len, position_.sequences, position_.seq_len);
+  if (position.position < 0 || position.position >= position.sequences || position.epoch < 0)
+    fail(
+        "training data: saved position {} of epoch {} is out of range (0..{}); the checkpoint "
+        "is damaged",
+        position.position, position.epoch, position.sequences - 1);
+  const bool same_order = position.seed == position_.seed && position.epoch == position_.epoch;
+  position_ = position;
+  if (!same_order) load_order();
+}
+
+EvalSequences::EvalSequences(const std::filesystem::path& file, int64_t seq_len, int64_t vocab_size,
+                             int64_t max_sequences, std::optional<TokenWidth> raw)
+    : seq_len_(seq_len) {
+  if (seq_len < 1) fail("evaluation data: sequence length {} must be at least 1", seq_len);
+  if (max_sequences < 0)
+    fail("evaluation data: at most {} sequences; expected 0 (all) or more", max_sequences);
+  open_checked(file_, file, seq_len, vocab_size, raw, "evaluation token file");
+  count_ = file_.num_sequences(seq_len);
+  if (max_sequences > 0) count_ = std::min(count_, max_sequences);
+}
+
+int64_t EvalSequences::next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> targets) {
+  check_rows(batch, seq_len_, ids, targets, "evaluation batch");
+  const int64_t rows = std::min(batch, count_ - next_);
+  for (int64_t r = 0; r < rows; ++r)
+    file_.sequence(next_ + r, seq_len_, ids.data() + r * seq_len_, targets.data() + r * seq_len_);
+  next_ += rows;
+  return rows;
+}
+
+}  // namespace strata

@@ -1,0 +1,119 @@
+// data_loader.h: deterministic training batches from one or more token files, and the held-out
+// file's sequences in order for evaluation.
+//
+// Sequence i of a file of length-T sequences reads tokens [i*T, i*T + T] (model/tokens.h). The
+// sequences of all files, in the order the files are given, form one index space 0..N-1; each
+// epoch hands out a permutation of it, and a batch that reaches the end of an epoch continues
+// with the next one. The permutation is fully specified here, so it is the same on every
+// compiler and library: epoch e of seed s shuffles 0..N-1 with Fisher-Yates (i from N-1 down to
+// 1, swapping i with j = below(i + 1)) driven by xoshiro256** seeded by four outputs of
+// splitmix64 started at splitmix64_mix(s) + e; below(n) draws by rejection (a draw r is kept
+// when r >= 2^64 mod n, and gives r mod n), so it is unbiased.
+//
+// The one thing to know before editing: the loader's whole state is DataPosition (seed, epoch,
+// position within the epoch, and the data's shape to catch a resume on other data). Anything
+// else the loader keeps must be derived from it, or resumed runs stop seeing the same batches.
+#pragma once
+
+#include "model/tokens.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <span>
+#include <string_view>
+#include <vector>
+
+namespace strata {
+
+// The generator behind the epoch permutations (see the note above), exposed for its tests.
+class SplitMix64 {
+ public:
+  explicit SplitMix64(uint64_t state) : state_(state) {}
+  uint64_t next();
+  static uint64_t mix(uint64_t z);  // splitmix64's output function alone
+
+ private:
+  uint64_t state_;
+};
+
+class Xoshiro256 {
+ public:
+  explicit Xoshiro256(uint64_t seed);  // four outputs of SplitMix64(seed)
+  uint64_t next();                     // xoshiro256**
+  uint64_t below(uint64_t n);          // uniform in [0, n), n >= 1, by rejection
+
+ private:
+  uint64_t s_[4];
+};
+
+// The order in which epoch `epoch` of `seed` visits sequences 0..n-1.
+std::vector<int64_t> epoch_order(uint64_t seed, int64_t epoch, int64_t n);
+
+// Where a loader is: plain data, saved in checkpoints.
+struct DataPosition {
+  uint64_t seed = 0;
+  int64_t epoch = 0;      // epochs completed
+  int64_t position = 0;   // sequences of this epoch already handed out, in [0, sequences)
+  int64_t sequences = 0;  // N, the index space (checked on restore)
+  int64_t seq_len = 0;    // T (checked on restore)
+
+  bool operator==(const DataPosition&) const = default;
+  nlohmann::json to_json() const;  // {"seed", "epoch", "position", "sequences", "seq_len"}
+  // `source` names the checkpoint file in errors naming a missing or wrong key.
+  static DataPosition from_json(const nlohmann::json& json, std::string_view source);
+};
+
+class DataLoader {
+ public:
+  // Opens every file (llm.c shards, or raw tokens of width `raw`), checks each token is below
+  // vocab_size, and that each file holds at least one sequence; errors name the file.
+  DataLoader(const std::vector<std::filesystem::path>& files, int64_t seq_len, int64_t vocab_size,
+             uint64_t seed, std::optional<TokenWidth> raw = std::nullopt);
+
+  int64_t seq_len() const { return position_.seq_len; }
+  int64_t num_sequences() const { return position_.sequences; }
+  const std::vector<TokenFile>& files() const { return files_; }
+
+  // The next `batch` sequences: row r of ids/targets (each batch × seq_len, row-major) is the
+  // r-th sequence handed out. Advances the position, and the epoch when it is exhausted.
+  void next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> targets);
+  // Global sequence index g as ids/targets rows (seq_len each).
+  void read(int64_t g, int32_t* ids, int32_t* targets) const;
+
+  const DataPosition& position() const { return position_; }
+  // Continues from a saved position; an Error when it was saved over other data (another
+  // sequence count or length).
+  void restore(const DataPosition& position);
+
+ private:
+  void load_order();  // order_ for position_.epoch
+
+  std::vector<TokenFile> files_;
+  std::vector<int64_t> first_;  // first global index of each file, then N
+  DataPosition position_;
+  std::vector<int64_t> order_;  // epoch_order(seed, epoch, N)
+};
+
+// The held-out file's sequences 0, 1, 2, ... in order, in batches, for evaluation.
+class EvalSequences {
+ public:
+  // At most `max_sequences` of them (0: all); vocabulary and size checked as DataLoader does.
+  EvalSequences(const std::filesystem::path& file, int64_t seq_len, int64_t vocab_size,
+                int64_t max_sequences = 0, std::optional<TokenWidth> raw = std::nullopt);
+
+  int64_t size() const { return count_; }
+  int64_t seq_len() const { return seq_len_; }
+  // Fills the next min(batch, remaining) rows of ids/targets (each at least batch × seq_len)
+  // and returns how many; 0 once every sequence was handed out.
+  int64_t next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> targets);
+  void rewind() { next_ = 0; }
+
+ private:
+  TokenFile file_;
+  int64_t seq_len_ = 0, count_ = 0, next_ = 0;
+};
+
+}  // namespace strata

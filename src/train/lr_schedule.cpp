@@ -1,0 +1,158 @@
+// lr_schedule.cpp: see lr_schedule.h. Each formula is written in DeepSpeed's order of
+// operations (Python floats are doubles, math.log/math.cos are libm's), so keep the grouping of
+// every expression as it is: regrouping changes the last bit.
+#include "train/lr_schedule.h"
+
+#include "core/error.h"
+#include "core/log.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numbers>
+
+namespace strata {
+
+namespace {
+
+void check_rate(double value, const char* name) {
+  if (!std::isfinite(value) || value < 0.0)
+    fail("lr schedule: {} is {}; it must be a finite number >= 0; fix it in the config or flags",
+         name, value);
+}
+
+// DeepSpeed's warmup gamma in [0, 1) for last_batch_iteration i in [0, W).
+double warmup_gamma(WarmupShape shape, int64_t i, int64_t W) {
+  if (shape == WarmupShape::log) {
+    const double inverse_log_warm_up = 1.0 / std::log(static_cast<double>(W));
+    return inverse_log_warm_up * std::log(static_cast<double>(i + 1));
+  }
+  return static_cast<double>(i) / static_cast<double>(W);
+}
+
+}  // namespace
+
+std::string lr_schedule_name(LrScheduleKind kind) {
+  switch (kind) {
+    case LrScheduleKind::constant:
+      return "none";
+    case LrScheduleKind::warmup:
+      return "WarmupLR";
+    case LrScheduleKind::warmup_decay:
+      return "WarmupDecayLR";
+    case LrScheduleKind::warmup_cosine:
+      return "WarmupCosineLR";
+  }
+  return "?";
+}
+
+void LrSchedule::validate() const {
+  check_rate(lr, "optimizer.params.lr");
+  if (kind == LrScheduleKind::constant) return;
+  const std::string name = lr_schedule_name(kind);
+  if (warmup_num_steps < 1)
+    fail(
+        "lr schedule {}: scheduler.params.warmup_num_steps is {}; DeepSpeed requires a positive "
+        "whole number; set it to 1 or more",
+        name, warmup_num_steps);
+  if (kind == LrScheduleKind::warmup_cosine) {
+    check_rate(warmup_min_ratio, "scheduler.params.warmup_min_ratio");
+    check_rate(cos_min_ratio, "scheduler.params.cos_min_ratio");
+  } else {
+    check_rate(warmup_min_lr, "scheduler.params.warmup_min_lr");
+    check_rate(warmup_max_lr, "scheduler.params.warmup_max_lr");
+  }
+  if (kind == LrScheduleKind::warmup) return;
+  if (total_num_steps < 1)
+    fail(
+        "lr schedule {}: scheduler.params.total_num_steps is {}; it must be a whole number >= 1 "
+        "(the step at which the decay ends); set it, or pass --steps",
+        name, total_num_steps);
+  if (total_num_steps < warmup_num_steps)
+    log_warn(
+        "lr schedule {}: total_num_steps {} is less than warmup_num_steps {}; the rate decays "
+        "right after the warmup (DeepSpeed warns the same)",
+        name, total_num_steps, warmup_num_steps);
+}
+
+double LrSchedule::at(int64_t i) const {
+  if (kind == LrScheduleKind::constant) return lr;
+  const int64_t W = std::max<int64_t>(2, warmup_num_steps);
+
+  if (kind == LrScheduleKind::warmup_cosine) {
+    if (i < 0) return lr * 0.0;  // DeepSpeed: "before it has started", ratio 0
+    double ratio;
+    if (i < W) {
+      ratio = warmup_gamma(warmup_type, i, W);
+      const double ratio_delta = 1. - warmup_min_ratio;
+      ratio = warmup_min_ratio + ratio * ratio_delta;
+    } else {
+      const int64_t real_last_step = i - W + 1;
+      const int64_t real_total_steps = std::max<int64_t>(1, total_num_steps - W);
+      const double cosine_progress = std::min(
+          1.0, static_cast<double>(real_last_step) / static_cast<double>(real_total_steps));
+      const double ratio_delta = 1. - cos_min_ratio;
+      ratio = (1 + std::cos(std::numbers::pi * cosine_progress)) / 2;
+      ratio = std::max(0.0, cos_min_ratio + ratio_delta * ratio);
+    }
+    return lr * ratio;
+  }
+
+  // WarmupLR and WarmupDecayLR: min_lr + delta_lr * gamma.
+  const double delta_lr = warmup_max_lr - warmup_min_lr;
+  if (i < 0) return warmup_min_lr;  // DeepSpeed: "before it has started", min_lrs
+  double gamma;
+  if (i < W)
+    gamma = warmup_gamma(warmup_type, i, W);
+  else if (kind == LrScheduleKind::warmup)
+    gamma = 1.0;
+  else
+    gamma = std::max(0.0, static_cast<double>(total_num_steps - i) /
+                              std::max(1.0, static_cast<double>(total_num_steps - W)));
+  return warmup_min_lr + (delta_lr * gamma);
+}
+
+LrSchedule lr_schedule_from_config(const DsConfig::Scheduler& config, double optimizer_lr,
+                                   std::optional<int64_t> run_steps) {
+  LrSchedule s;
+  s.lr = optimizer_lr;
+  if (!config.type.has_value()) {
+    s.kind = LrScheduleKind::constant;
+  } else if (*config.type == "WarmupLR") {
+    s.kind = LrScheduleKind::warmup;
+  } else if (*config.type == "WarmupDecayLR") {
+    s.kind = LrScheduleKind::warmup_decay;
+  } else if (*config.type == "WarmupCosineLR") {
+    s.kind = LrScheduleKind::warmup_cosine;
+  } else {
+    fail(
+        "lr schedule: scheduler.type is \"{}\"; strata implements \"WarmupLR\", "
+        "\"WarmupDecayLR\" and \"WarmupCosineLR\" (or no scheduler for a constant rate)",
+        *config.type);
+  }
+  s.warmup_min_lr = config.warmup_min_lr.value_or(0.0);
+  s.warmup_max_lr = config.warmup_max_lr.value_or(optimizer_lr);
+  s.warmup_num_steps = config.warmup_num_steps.value_or(1000);
+  s.warmup_type =
+      config.warmup_type.value_or("log") == "linear" ? WarmupShape::linear : WarmupShape::log;
+  if (config.warmup_type.has_value() && *config.warmup_type != "log" &&
+      *config.warmup_type != "linear")
+    fail("lr schedule: scheduler.params.warmup_type is \"{}\"; expected \"log\" or \"linear\"",
+         *config.warmup_type);
+  s.warmup_min_ratio = config.warmup_min_ratio.value_or(0.0);
+  s.cos_min_ratio = config.cos_min_ratio.value_or(1e-4);
+  if (s.kind == LrScheduleKind::warmup_decay || s.kind == LrScheduleKind::warmup_cosine) {
+    if (config.total_num_steps.has_value())
+      s.total_num_steps = *config.total_num_steps;
+    else if (run_steps.has_value())
+      s.total_num_steps = *run_steps;
+    else
+      fail(
+          "lr schedule {}: scheduler.params.total_num_steps is not set (or \"auto\") and the run "
+          "has no step count to take it from; set total_num_steps in the config or pass --steps",
+          lr_schedule_name(s.kind));
+  }
+  s.validate();
+  return s;
+}
+
+}  // namespace strata

@@ -1,0 +1,74 @@
+// lr_schedule.h: DeepSpeed's learning-rate schedulers (WarmupLR, WarmupDecayLR, WarmupCosineLR)
+// and a constant rate, as a pure function of how many optimizer updates have been applied.
+//
+// The formulas are those of DeepSpeed's deepspeed/runtime/lr_schedules.py as of its mid-2026
+// master (after PR 8142: WarmupCosineLR floors its cosine window at one step and clamps the
+// progress at 1, so past total_num_steps the rate stays at cos_min_ratio; earlier releases let
+// the cosine rise again there and are otherwise the same). They are evaluated in the same
+// order, in doubles, with the same libm calls, so each rate has Python's bits.
+//
+// The one thing to know before editing: DeepSpeed indexes its scheduler by
+// `last_batch_iteration`, which starts at -1 and is stepped after each applied optimizer update
+// (an fp16 update skipped for overflow does not step it). So update number k (k = 0 for the
+// first) uses last_batch_iteration k - 1: the first update runs at -1, where WarmupLR and
+// WarmupDecayLR give warmup_min_lr and WarmupCosineLR gives 0; the second at 0, where the log
+// and linear warmups are also at their minimum. `for_update(k)` does this mapping; `at` takes
+// DeepSpeed's index itself.
+#pragma once
+
+#include "train/ds_config.h"
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace strata {
+
+enum class LrScheduleKind : uint8_t { constant, warmup, warmup_decay, warmup_cosine };
+enum class WarmupShape : uint8_t { log, linear };
+
+// "none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR" (the names of the config's
+// scheduler.type, "none" for no scheduler).
+std::string lr_schedule_name(LrScheduleKind kind);
+
+struct LrSchedule {
+  LrScheduleKind kind = LrScheduleKind::constant;
+  double lr = 1e-3;  // the optimizer's lr: the constant rate, and WarmupCosineLR's base
+
+  // WarmupLR, WarmupDecayLR: from warmup_min_lr to warmup_max_lr over warmup_num_steps.
+  double warmup_min_lr = 0.0;
+  double warmup_max_lr = 1e-3;
+  // All warmup kinds. As configured; the formulas use max(2, warmup_num_steps), as DeepSpeed.
+  int64_t warmup_num_steps = 1000;
+  WarmupShape warmup_type = WarmupShape::log;
+  // WarmupDecayLR (linear decay back to warmup_min_lr at total_num_steps) and WarmupCosineLR.
+  int64_t total_num_steps = 0;
+  // WarmupCosineLR: ratios of `lr`; warmup from warmup_min_ratio to 1, then a cosine down to
+  // cos_min_ratio at total_num_steps.
+  double warmup_min_ratio = 0.0;
+  double cos_min_ratio = 1e-4;
+
+  // Throws an Error naming the setting (by its JSON path under scheduler.params, or the
+  // optimizer's lr), its value and the accepted range: a negative or non-finite rate or ratio,
+  // warmup_num_steps < 1, or, for the decaying kinds, total_num_steps < 1. total_num_steps below
+  // warmup_num_steps is accepted with a warning, as DeepSpeed does.
+  void validate() const;
+
+  // The rate DeepSpeed's scheduler sets at `last_batch_iteration` (-1 before its first step).
+  double at(int64_t last_batch_iteration) const;
+  // The rate of optimizer update number `applied` (0 for the first), counting only updates that
+  // were applied: at(applied - 1).
+  double for_update(int64_t applied) const { return at(applied - 1); }
+};
+
+// The schedule a DeepSpeed config's `scheduler` section asks for, resolved as DeepSpeed does
+// where a value is unset (absent, or "auto"): warmup_min_lr 0, warmup_num_steps 1000,
+// warmup_type log, warmup_min_ratio 0, cos_min_ratio 0.0001. Two choices differ from a bare
+// DeepSpeed where "auto" is what Hugging Face's integration means: an unset warmup_max_lr is the
+// optimizer's lr for both WarmupLR (as DeepSpeed) and WarmupDecayLR (DeepSpeed: 0.001), and an
+// unset total_num_steps is `run_steps` (the run's --steps; an Error when there is none either,
+// since DeepSpeed requires it). No scheduler type: the constant `optimizer_lr`. Validated.
+LrSchedule lr_schedule_from_config(const DsConfig::Scheduler& config, double optimizer_lr,
+                                   std::optional<int64_t> run_steps);
+
+}  // namespace strata

@@ -1,0 +1,197 @@
+// tokenizer.cpp: see tokenizer.h. SentencePiece stays inside this file: nothing else includes its
+// headers, so the rest of strata does not depend on them.
+#include "train/tokenizer.h"
+
+#include "core/error.h"
+#include "model/file_io.h"
+
+#include <nlohmann/json.hpp>
+#include <sentencepiece_processor.h>
+
+namespace strata {
+
+namespace {
+
+constexpr uint32_t kByteEos = 256;
+
+class ByteTokenizer final : public Tokenizer {
+ public:
+  std::vector<uint32_t> encode(std::string_view text) const override {
+    std::vector<uint32_t> ids(text.size());
+    for (size_t i = 0; i < text.size(); ++i) ids[i] = static_cast<unsigned char>(text[i]);
+    return ids;
+  }
+  std::string decode(std::span<const uint32_t> ids) const override {
+    std::string text;
+    text.reserve(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] == kByteEos) continue;
+      if (ids[i] > kByteEos)
+        fail(
+            "byte tokenizer: id {} at position {} is outside its vocabulary of 257 (bytes 0..255, "
+            "end-of-text 256); the ids come from another tokenizer",
+            ids[i], i);
+      text.push_back(static_cast<char>(ids[i]));
+    }
+    return text;
+  }
+  int64_t vocab_size() const override { return 257; }
+  std::optional<uint32_t> eos_id() const override { return kByteEos; }
+  std::string name() const override { return "byte"; }
+};
+
+class SentencePieceTokenizer final : public Tokenizer {
+ public:
+  explicit SentencePieceTokenizer(const std::filesystem::path& model) : path_(model.string()) {
+    const sentencepiece::util::Status status = sp_.Load(path_);
+    if (!status.ok())
+      fail(
+          "SentencePiece model {}: cannot load it: {}; pass the path of a SentencePiece .model "
+          "file (or --tokenizer byte)",
+          path_, status.ToString());
+    if (sp_.GetPieceSize() < 1)
+      fail("SentencePiece model {}: it has no pieces; the file is damaged", path_);
+  }
+  std::vector<uint32_t> encode(std::string_view text) const override {
+    std::vector<int> ids;
+    const sentencepiece::util::Status status = sp_.Encode(text, &ids);
+    if (!status.ok())
+      fail("SentencePiece model {}: encoding {} bytes of text failed: {}", path_, text.size(),
+           status.ToString());
+    return std::vector<uint32_t>(ids.begin(), ids.end());
+  }
+  std::string decode(std::span<const uint32_t> ids) const override {
+    std::vector<int> v(ids.size());
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (ids[i] >= static_cast<uint32_t>(sp_.GetPieceSize()))
+        fail("SentencePiece model {}: id {} at position {} is outside its vocabulary of {}", path_,
+             ids[i], i, sp_.GetPieceSize());
+      v[i] = static_cast<int>(ids[i]);
+    }
+    std::string text;
+    const sentencepiece::util::Status status = sp_.Decode(v, &text);
+    if (!status.ok())
+      fail("SentencePiece model {}: decoding {} ids failed: {}", path_, ids.size(),
+           status.ToString());
+    return text;
+  }
+  int64_t vocab_size() const override { return sp_.GetPieceSize(); }
+  std::optional<uint32_t> eos_id() const override {
+    const int id = sp_.eos_id();
+    if (id < 0) return std::nullopt;
+    return static_cast<uint32_t>(id);
+  }
+  std::string name() const override { return path_; }
+
+ private:
+  std::string path_;
+  sentencepiece::SentencePieceProcessor sp_;
+};
+
+// A line without its '\n' and any '\r' before it.
+std::string_view strip_eol(std::string_view line) {
+  if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+  return line;
+}
+
+std::vector<std::string> split_jsonl(std::string_view text, std::string_view source) {
+  std::vector<std::string> docs;
+  size_t start = 0;
+  for (int64_t line_no = 1; start < text.size(); ++line_no) {
+    size_t end = text.find('\n', start);
+    if (end == std::string_view::npos) end = text.size();
+    const std::string_view line = strip_eol(text.substr(start, end - start));
+    start = end + 1;
+    if (line.find_first_not_of(" \t") == std::string_view::npos) continue;
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::exception& e) {
+      fail(
+          "{} line {}: not valid JSON ({}); each line of a .jsonl file must be one JSON object "
+          "with a \"text\" string",
+          source, line_no, e.what());
+    }
+    if (!j.is_object() || !j.contains("text") || !j["text"].is_string())
+      fail(
+          "{} line {}: no \"text\" string in {}; each line of a .jsonl file must be one JSON "
+          "object with a \"text\" string",
+          source, line_no, line.size() > 80 ? std::string(line.substr(0, 77)) + "..." : line);
+    std::string doc = j["text"].get<std::string>();
+    if (!doc.empty()) docs.push_back(std::move(doc));
+  }
+  return docs;
+}
+
+std::vector<std::string> split_text(std::string_view text) {
+  std::vector<std::string> docs;
+  std::string doc;
+  size_t start = 0;
+  while (start < text.size()) {
+    size_t end = text.find('\n', start);
+    const size_t next = end == std::string_view::npos ? text.size() : end + 1;
+    if (end == std::string_view::npos) end = text.size();
+    if (strip_eol(text.substr(start, end - start)) == "%") {
+      if (!doc.empty()) docs.push_back(std::move(doc));
+      doc.clear();
+    } else {
+      doc.append(text.substr(start, next - start));  // the line with its newline
+    }
+    start = next;
+  }
+  if (!doc.empty()) docs.push_back(std::move(doc));
+  return docs;
+}
+
+}  // namespace
+
+std::unique_ptr<Tokenizer> make_byte_tokenizer() {
+  return std::make_unique<ByteTokenizer>();
+}
+
+std::unique_ptr<Tokenizer> load_sentencepiece_tokenizer(const std::filesystem::path& model) {
+  return std::make_unique<SentencePieceTokenizer>(model);
+}
+
+std::unique_ptr<Tokenizer> open_tokenizer(std::string_view spec) {
+  if (spec == "byte") return make_byte_tokenizer();
+  if (spec.empty())
+    fail("tokenizer: none given; pass --tokenizer byte or the path of a SentencePiece .model");
+  return load_sentencepiece_tokenizer(std::filesystem::path(spec));
+}
+
+DocumentFormat document_format_of(const std::filesystem::path& path) {
+  return path.extension() == ".jsonl" ? DocumentFormat::jsonl : DocumentFormat::text;
+}
+
+std::vector<std::string> split_documents(std::string_view text, DocumentFormat format,
+                                         std::string_view source) {
+  return format == DocumentFormat::jsonl ? split_jsonl(text, source) : split_text(text);
+}
+
+std::vector<std::string> read_documents(const std::filesystem::path& path) {
+  const MappedFile file = MappedFile::open(path, "input text");
+  const std::string_view text(reinterpret_cast<const char*>(file.data()), file.size());
+  return split_documents(text, document_format_of(path), file.path());
+}
+
+std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
+                                         const std::vector<std::string>& documents,
+                                         bool append_eos) {
+  const std::optional<uint32_t> eos = tokenizer.eos_id();
+  if (!eos.has_value() && (documents.size() > 1 || (append_eos && !documents.empty())))
+    fail(
+        "tokenizer {}: it has no end-of-text piece to write between documents; use a model "
+        "trained with an eos piece, or one document without --append-eos",
+        tokenizer.name());
+  std::vector<uint32_t> tokens;
+  for (size_t d = 0; d < documents.size(); ++d) {
+    if (d > 0) tokens.push_back(*eos);
+    const std::vector<uint32_t> ids = tokenizer.encode(documents[d]);
+    tokens.insert(tokens.end(), ids.begin(), ids.end());
+  }
+  if (append_eos && !documents.empty()) tokens.push_back(*eos);
+  return tokens;
+}
+
+}  // namespace strata

@@ -1,0 +1,65 @@
+// tokenizer.h: text to token ids and back, for `strata tokenize` and `strata generate`, and the
+// documents of the input files `strata tokenize` reads.
+//
+// Two tokenizers behind one interface:
+// - the byte tokenizer: ids 0..255 are the bytes themselves and id 256 is end-of-text, so its
+//   vocabulary is 257 (a model trained on its tokens needs vocab_size >= 257); decoding drops
+//   end-of-text ids;
+// - SentencePiece models (`*.model`, as Llama 2 and many others ship), through Debian's
+//   libsentencepiece; their end-of-text id is the model's </s> piece, when it has one.
+//
+// Input documents (the one choice to know before editing): a `.jsonl` file holds one JSON
+// object per line whose "text" string is one document (blank lines are skipped); any other file
+// is plain text, one document per file, unless it has lines made of a single "%" (the fortune
+// database's format), which separate documents. Empty documents are dropped. `strata tokenize`
+// writes the end-of-text id between consecutive documents (and after the last with
+// --append-eos).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace strata {
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+  virtual std::vector<uint32_t> encode(std::string_view text) const = 0;
+  // An id at or above vocab_size() is an Error naming it.
+  virtual std::string decode(std::span<const uint32_t> ids) const = 0;
+  virtual int64_t vocab_size() const = 0;
+  virtual std::optional<uint32_t> eos_id() const = 0;  // end-of-text, if the vocabulary has one
+  virtual std::string name() const = 0;                // "byte", or the model's path
+};
+
+std::unique_ptr<Tokenizer> make_byte_tokenizer();
+// Loads a SentencePiece model file; an Error names the file and why it could not be read.
+std::unique_ptr<Tokenizer> load_sentencepiece_tokenizer(const std::filesystem::path& model);
+// "byte", or the path of a SentencePiece model.
+std::unique_ptr<Tokenizer> open_tokenizer(std::string_view spec);
+
+enum class DocumentFormat : uint8_t { text, jsonl };
+// By extension: ".jsonl" is jsonl, anything else text.
+DocumentFormat document_format_of(const std::filesystem::path& path);
+
+// The documents of `text` (the contents of `source`, named in errors: a .jsonl line that is not
+// a JSON object with a "text" string is an Error naming the source and the line number).
+std::vector<std::string> split_documents(std::string_view text, DocumentFormat format,
+                                         std::string_view source);
+// Reads `path` and splits it by its format; a missing or unreadable file is an Error naming it.
+std::vector<std::string> read_documents(const std::filesystem::path& path);
+
+// The token stream of `documents`: each one encoded, end-of-text between consecutive ones and,
+// with `append_eos`, after the last. An Error when an end-of-text id is needed and the
+// tokenizer has none.
+std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
+                                         const std::vector<std::string>& documents,
+                                         bool append_eos);
+
+}  // namespace strata

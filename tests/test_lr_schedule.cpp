@@ -1,0 +1,264 @@
+// test_lr_schedule.cpp: DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR at steps computed
+// by hand, Python's exact bits where DeepSpeed's formulas take a log or a cosine (the literals
+// below are DeepSpeed's expressions evaluated by CPython 3.11 and printed with repr), which
+// update uses which scheduler index, defaults from a DeepSpeed config, and bad settings named.
+#include "testing.h"
+#include "train/lr_schedule.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <numbers>
+
+namespace strata {
+namespace {
+
+using test::expect_error;
+
+LrSchedule warmup(double min_lr, double max_lr, int64_t steps, WarmupShape shape) {
+  LrSchedule s;
+  s.kind = LrScheduleKind::warmup;
+  s.warmup_min_lr = min_lr;
+  s.warmup_max_lr = max_lr;
+  s.warmup_num_steps = steps;
+  s.warmup_type = shape;
+  s.validate();
+  return s;
+}
+
+DsConfig::Scheduler scheduler_section(const std::string& json_text) {
+  return parse_ds_config(nlohmann::json::parse(json_text), "test.json").scheduler;
+}
+
+TEST(LrSchedule, ConstantIsTheOptimizersRateAtEveryStep) {
+  LrSchedule s;
+  s.lr = 2.5e-4;
+  for (int64_t i : {-1, 0, 1, 999, 1'000'000}) EXPECT_EQ(s.at(i), 2.5e-4);
+  const LrSchedule c = lr_schedule_from_config({}, 7e-5, std::nullopt);
+  EXPECT_EQ(c.kind, LrScheduleKind::constant);
+  EXPECT_EQ(c.for_update(0), 7e-5);
+  EXPECT_EQ(c.for_update(12345), 7e-5);
+}
+
+TEST(LrSchedule, WarmupLinearByHand) {
+  // min 0.001, max 0.011, 5 steps: gamma = i / 5.
+  const LrSchedule s = warmup(0.001, 0.011, 5, WarmupShape::linear);
+  EXPECT_EQ(s.at(-1), 0.001);  // before the first scheduler step: min
+  EXPECT_EQ(s.at(0), 0.001);
+  EXPECT_DOUBLE_EQ(s.at(1), 0.003);
+  EXPECT_DOUBLE_EQ(s.at(2), 0.005);
+  EXPECT_DOUBLE_EQ(s.at(4), 0.009);
+  EXPECT_DOUBLE_EQ(s.at(5), 0.011);
+  EXPECT_DOUBLE_EQ(s.at(100000), 0.011);  // stays at max
+}
+
+TEST(LrSchedule, WarmupLogByHandAndWithPythonsBits) {
+  // gamma = log(i + 1) / log(10).
+  const LrSchedule s = warmup(0.0003, 0.003, 10, WarmupShape::log);
+  EXPECT_EQ(s.at(0), 0.0003);  // log(1) = 0
+  EXPECT_NEAR(s.at(1), 0.0003 + 0.0027 * std::log10(2.0), 1e-15);
+  EXPECT_NEAR(s.at(4), 0.0003 + 0.0027 * std::log10(5.0), 1e-15);
+  // DeepSpeed's own rounding: (1 / log(10)) * log(i + 1), then min + delta * gamma.
+  EXPECT_EQ(s.at(1), 0.0011127809882927491);
+  EXPECT_EQ(s.at(3), 0.0019255619765854981);
+  EXPECT_EQ(s.at(7), 0.002738342964878247);
+  EXPECT_EQ(s.at(9), 0.0029999999999999996);  // the last warmup step, just under max
+  EXPECT_EQ(s.at(10), 0.003);                 // then exactly max
+  EXPECT_EQ(s.at(5000), 0.003);
+}
+
+TEST(LrSchedule, WarmupOfOneStepIsTreatedAsTwo) {
+  // DeepSpeed: warmup_num_steps = max(2, warmup_num_steps).
+  const LrSchedule s = warmup(0.0, 1.0, 1, WarmupShape::linear);
+  EXPECT_EQ(s.at(0), 0.0);
+  EXPECT_EQ(s.at(1), 0.5);
+  EXPECT_EQ(s.at(2), 1.0);
+  const LrSchedule l = warmup(0.0, 1.0, 1, WarmupShape::log);
+  EXPECT_EQ(l.at(1), 1.0);  // log(2) / log(2)
+}
+
+TEST(LrSchedule, TheFirstUpdateRunsAtIndexMinusOne) {
+  const LrSchedule s = warmup(0.001, 0.011, 5, WarmupShape::linear);
+  EXPECT_EQ(s.for_update(0), 0.001);  // scheduler not stepped yet
+  EXPECT_EQ(s.for_update(1), 0.001);  // stepped once: last_batch_iteration 0
+  EXPECT_DOUBLE_EQ(s.for_update(2), 0.003);
+  for (int64_t k = 0; k < 20; ++k) EXPECT_EQ(s.for_update(k), s.at(k - 1));
+}
+
+TEST(LrSchedule, WarmupDecayLinearByHand) {
+  LrSchedule s;
+  s.kind = LrScheduleKind::warmup_decay;
+  s.warmup_min_lr = 0.0;
+  s.warmup_max_lr = 1.0;
+  s.warmup_num_steps = 4;
+  s.warmup_type = WarmupShape::linear;
+  s.total_num_steps = 12;
+  s.validate();
+  EXPECT_EQ(s.at(-1), 0.0);
+  EXPECT_EQ(s.at(2), 0.5);
+  EXPECT_EQ(s.at(3), 0.75);
+  // From the end of warmup: (total - i) / (total - warmup).
+  EXPECT_EQ(s.at(4), 1.0);
+  EXPECT_EQ(s.at(6), 0.75);
+  EXPECT_EQ(s.at(8), 0.5);
+  EXPECT_EQ(s.at(11), 0.125);
+  EXPECT_EQ(s.at(12), 0.0);
+  EXPECT_EQ(s.at(13), 0.0);  // never below warmup_min_lr
+  EXPECT_EQ(s.at(1000), 0.0);
+}
+
+TEST(LrSchedule, WarmupDecayDecaysToTheMinimumWithPythonsBits) {
+  LrSchedule s;
+  s.kind = LrScheduleKind::warmup_decay;
+  s.warmup_min_lr = 1e-5;
+  s.warmup_max_lr = 3e-4;
+  s.warmup_num_steps = 3;
+  s.total_num_steps = 20;
+  s.validate();
+  EXPECT_EQ(s.warmup_type, WarmupShape::log);  // the default
+  EXPECT_EQ(s.at(1), 0.00019296962853572258);
+  EXPECT_EQ(s.at(2), 0.0003);
+  EXPECT_EQ(s.at(5), 0.00026588235294117645);
+  EXPECT_EQ(s.at(13), 0.00012941176470588234);
+  EXPECT_EQ(s.at(20), 1e-5);
+  EXPECT_EQ(s.at(40), 1e-5);
+}
+
+TEST(LrSchedule, WarmupCosineByHand) {
+  LrSchedule s;
+  s.kind = LrScheduleKind::warmup_cosine;
+  s.lr = 0.2;
+  s.warmup_num_steps = 4;
+  s.warmup_type = WarmupShape::linear;
+  s.warmup_min_ratio = 0.1;
+  s.cos_min_ratio = 0.05;
+  s.total_num_steps = 12;
+  s.validate();
+  EXPECT_EQ(s.at(-1), 0.0);  // DeepSpeed's first update runs at rate 0
+  EXPECT_DOUBLE_EQ(s.at(0), 0.02);
+  EXPECT_DOUBLE_EQ(s.at(2), 0.2 * (0.1 + 0.5 * 0.9));
+  EXPECT_DOUBLE_EQ(s.at(3), 0.2 * (0.1 + 0.75 * 0.9));
+  // progress = (i - 4 + 1) / (12 - 4).
+  EXPECT_DOUBLE_EQ(s.at(4), 0.2 * (0.05 + 0.95 * (1 + std::cos(std::numbers::pi / 8)) / 2));
+  EXPECT_DOUBLE_EQ(s.at(7), 0.2 * (0.05 + 0.95 * 0.5));
+  EXPECT_DOUBLE_EQ(s.at(11), 0.2 * 0.05);
+  // Past the end the rate stays at the floor (the cosine does not rise again).
+  for (int64_t i : {12, 13, 19, 20, 27, 1000}) EXPECT_DOUBLE_EQ(s.at(i), 0.2 * 0.05) << i;
+}
+
+TEST(LrSchedule, WarmupCosineWithPythonsBits) {
+  LrSchedule s;
+  s.kind = LrScheduleKind::warmup_cosine;
+  s.lr = 6e-4;
+  s.warmup_num_steps = 5;
+  s.warmup_min_ratio = 0.01;
+  s.cos_min_ratio = 0.1;
+  s.total_num_steps = 25;
+  s.validate();
+  EXPECT_EQ(s.at(1), 0.0002618218754955954);
+  EXPECT_EQ(s.at(5), 0.0005966758519606872);
+  EXPECT_EQ(s.at(6), 0.0005867852593996914);
+  EXPECT_EQ(s.at(9), 0.0005209188309203678);
+  EXPECT_EQ(s.at(17), 0.00020742256507032237);
+  EXPECT_EQ(s.at(40), 5.9999999999999995e-05);
+}
+
+TEST(LrSchedule, TotalEqualToWarmupHoldsTheFloorAfterWarmup) {
+  LrSchedule s;
+  s.kind = LrScheduleKind::warmup_cosine;
+  s.lr = 1.0;
+  s.warmup_num_steps = 10;
+  s.total_num_steps = 10;
+  s.cos_min_ratio = 0.25;
+  s.validate();  // accepted with a warning, as DeepSpeed
+  EXPECT_EQ(s.at(10), 0.25);
+  EXPECT_EQ(s.at(11), 0.25);
+  LrSchedule d = s;
+  d.kind = LrScheduleKind::warmup_decay;
+  d.warmup_min_lr = 0.0;
+  d.warmup_max_lr = 1.0;
+  d.total_num_steps = 5;  // below warmup: decays from the first step past warmup
+  d.validate();
+  EXPECT_EQ(d.at(10), 0.0);
+}
+
+TEST(LrSchedule, FromAConfigWithDeepSpeedsDefaults) {
+  // Hugging Face's "auto" everywhere: unset.
+  const LrSchedule w =
+      lr_schedule_from_config(scheduler_section(R"({"scheduler": {"type": "WarmupLR", "params": {
+          "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}}})"),
+                              3e-4, 100);
+  EXPECT_EQ(w.kind, LrScheduleKind::warmup);
+  EXPECT_EQ(w.warmup_min_lr, 0.0);
+  EXPECT_EQ(w.warmup_max_lr, 3e-4);  // the optimizer's lr
+  EXPECT_EQ(w.warmup_num_steps, 1000);
+  EXPECT_EQ(w.warmup_type, WarmupShape::log);
+
+  const LrSchedule d = lr_schedule_from_config(
+      scheduler_section(R"({"scheduler": {"type": "WarmupDecayLR", "params": {
+          "warmup_max_lr": 0.01, "warmup_num_steps": 10, "warmup_type": "linear",
+          "total_num_steps": "auto"}}})"),
+      3e-4, 500);
+  EXPECT_EQ(d.kind, LrScheduleKind::warmup_decay);
+  EXPECT_EQ(d.warmup_max_lr, 0.01);
+  EXPECT_EQ(d.total_num_steps, 500);  // the run's --steps
+  EXPECT_EQ(d.warmup_type, WarmupShape::linear);
+  EXPECT_EQ(d.at(5), 0.005);
+
+  const LrSchedule c =
+      lr_schedule_from_config(scheduler_section(R"({"scheduler": {"type": "WarmupCosineLR",
+                                          "params": {"total_num_steps": 2000}}})"),
+                              1e-3, 10);
+  EXPECT_EQ(c.kind, LrScheduleKind::warmup_cosine);
+  EXPECT_EQ(c.total_num_steps, 2000);  // the config wins over --steps
+  EXPECT_EQ(c.warmup_min_ratio, 0.0);
+  EXPECT_EQ(c.cos_min_ratio, 1e-4);
+  EXPECT_EQ(c.warmup_num_steps, 1000);
+  EXPECT_EQ(lr_schedule_name(c.kind), "WarmupCosineLR");
+}
+
+TEST(LrSchedule, BadSettingsAreNamed) {
+  expect_error(
+      [] {
+        lr_schedule_from_config(
+            scheduler_section(R"({"scheduler": {"type": "WarmupDecayLR", "params": {}}})"), 1e-3,
+            std::nullopt);
+      },
+      {"WarmupDecayLR", "scheduler.params.total_num_steps", "--steps"});
+  expect_error(
+      [] {
+        lr_schedule_from_config(
+            scheduler_section(
+                R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}})"),
+            1e-3, std::nullopt);
+      },
+      {"scheduler.params.warmup_num_steps", "is 0", "positive"});
+  expect_error([] { lr_schedule_from_config({}, -1e-3, std::nullopt); },
+               {"optimizer.params.lr", "-0.001", ">= 0"});
+  expect_error([] { lr_schedule_from_config({}, std::nan(""), std::nullopt); },
+               {"optimizer.params.lr", "nan"});
+  LrSchedule s = warmup(0.0, 1e-3, 10, WarmupShape::log);
+  s.warmup_min_lr = -0.5;
+  expect_error([&] { s.validate(); }, {"scheduler.params.warmup_min_lr", "-0.5"});
+  s.warmup_min_lr = 0.0;
+  s.warmup_max_lr = INFINITY;
+  expect_error([&] { s.validate(); }, {"scheduler.params.warmup_max_lr", "inf"});
+  LrSchedule c;
+  c.kind = LrScheduleKind::warmup_cosine;
+  c.total_num_steps = 10;
+  c.cos_min_ratio = -0.1;
+  expect_error([&] { c.validate(); }, {"scheduler.params.cos_min_ratio", "-0.1"});
+  c.cos_min_ratio = 0.0;
+  c.warmup_min_ratio = -2;
+  expect_error([&] { c.validate(); }, {"scheduler.params.warmup_min_ratio", "-2"});
+  c.warmup_min_ratio = 0.0;
+  c.total_num_steps = 0;
+  expect_error([&] { c.validate(); }, {"WarmupCosineLR", "scheduler.params.total_num_steps"});
+  c.total_num_steps = 10;
+  c.warmup_num_steps = -3;
+  expect_error([&] { c.validate(); }, {"scheduler.params.warmup_num_steps", "-3"});
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,160 @@
+// test_tokenize_cli.cpp: `strata tokenize` as a user runs it: a fortune-style .txt and a .jsonl
+// through the byte tokenizer, read back with TokenFile and decoded to the documents with
+// end-of-text between them, the file `strata eval` then reads, a SentencePiece model trained
+// here, and bad inputs named (missing file, bad JSON naming its line, a line without "text").
+#include "model/tokens.h"
+#include "sentencepiece_testing.h"
+#include "testing.h"
+#include "train/tokenizer.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using Result = test::CommandResult;
+
+class TokenizeCli : public ::testing::Test {
+ protected:
+  fs::path write(const std::string& name, const std::string& text) const {
+    const fs::path p = dir_ / name;
+    std::ofstream(p, std::ios::binary) << text;
+    return p;
+  }
+  static Result strata(const std::string& args, const std::string& redirect = "2>&1") {
+    return test::run_command(std::string("'") + STRATA_BINARY + "' " + args + " " + redirect);
+  }
+  static std::vector<uint32_t> read_tokens(const fs::path& p) {
+    const TokenFile f = TokenFile::open(p, std::optional<TokenWidth>{});
+    std::vector<uint32_t> t(static_cast<size_t>(f.size()));
+    for (int64_t i = 0; i < f.size(); ++i) t[static_cast<size_t>(i)] = f.get(i);
+    return t;
+  }
+
+  test::TempDir tmp_{"strata-tokenize-cli"};
+  const fs::path& dir_ = tmp_.path;
+};
+
+TEST_F(TokenizeCli, FortuneTextThroughTheByteTokenizer) {
+  const fs::path in = write("fortunes.txt",
+                            "Fortune favors the bold.\n%\nA stitch in time\nsaves nine.\n%\n"
+                            "Caf\xc3\xa9 au lait, 100%.\n%\n");
+  const fs::path out = dir_ / "fortunes.bin";
+  const Result r = strata("tokenize --tokenizer byte --input '" + in.string() + "' --output '" +
+                          out.string() + "'");
+  ASSERT_EQ(r.status, 0) << r.out;
+  for (const std::string& part :
+       {std::string("3 documents"), std::string("tokens"), out.string(), std::string("byte")})
+    EXPECT_NE(r.out.find(part), std::string::npos) << "'" << part << "' missing from: " << r.out;
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;  // one line
+
+  const TokenFile f = TokenFile::open(out, std::optional<TokenWidth>{});
+  EXPECT_TRUE(f.llmc());
+  EXPECT_EQ(f.width(), TokenWidth::u16);
+  const std::vector<uint32_t> t = read_tokens(out);
+  const std::string d1 = "Fortune favors the bold.\n", d2 = "A stitch in time\nsaves nine.\n",
+                    d3 = "Caf\xc3\xa9 au lait, 100%.\n";
+  EXPECT_EQ(t.size(), d1.size() + d2.size() + d3.size() + 2);  // eos between, none after
+  EXPECT_EQ(t[d1.size()], 256u);
+  EXPECT_EQ(t[d1.size() + 1 + d2.size()], 256u);
+  EXPECT_EQ(make_byte_tokenizer()->decode(t), d1 + d2 + d3);
+
+  // --append-eos ends the stream with one more; the file is replaced atomically.
+  ASSERT_EQ(
+      strata("tokenize --input '" + in.string() + "' --output '" + out.string() + "' --append-eos")
+          .status,
+      0);
+  const std::vector<uint32_t> t2 = read_tokens(out);
+  EXPECT_EQ(t2.size(), t.size() + 1);
+  EXPECT_EQ(t2.back(), 256u);
+  EXPECT_FALSE(fs::exists(out.string() + ".tmp"));
+
+  // `strata eval` reads what tokenize wrote (the tiny preset's vocabulary holds 257 ids).
+  const Result e =
+      strata("eval --model tiny --init random --seed 1 --seq-len 8 --batch 2 --data '" +
+             out.string() + "' --json");
+  EXPECT_EQ(e.status, 0) << e.out;
+  EXPECT_NE(e.out.find("\"loss\""), std::string::npos) << e.out;
+}
+
+TEST_F(TokenizeCli, JsonlDocumentsAndSeveralInputsInOrder) {
+  const fs::path a = write("a.jsonl",
+                           "{\"text\": \"first doc\\nline two\", \"meta\": {\"id\": 1}}\n\n"
+                           "{\"text\": \"second \\u00e9\"}\n");
+  const fs::path b = write("b.txt", "plain text file\n");
+  const fs::path out = dir_ / "out.bin";
+  const Result r = strata("tokenize --input '" + a.string() + "' '" + b.string() + "' --output '" +
+                          out.string() + "'");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("3 documents"), std::string::npos) << r.out;
+  const std::vector<uint32_t> t = read_tokens(out);
+  const std::vector<uint32_t> want =
+      tokenize_documents(*make_byte_tokenizer(),
+                         {"first doc\nline two", "second \xc3\xa9", "plain text file\n"}, false);
+  EXPECT_EQ(t, want);
+  EXPECT_EQ(std::count(t.begin(), t.end(), 256u), 2);
+}
+
+TEST_F(TokenizeCli, SentencePieceModel) {
+  std::string why;
+  const std::string model = test::train_sentencepiece(dir_, &why);
+  if (model.empty()) GTEST_SKIP() << "SentencePiece could not train a model here: " << why;
+  const fs::path in = write("in.jsonl",
+                            "{\"text\": \"the quick brown fox\"}\n"
+                            "{\"text\": \"a stitch in time saves nine\"}\n");
+  const fs::path out = dir_ / "sp.bin";
+  const Result r = strata("tokenize --tokenizer '" + model + "' --input '" + in.string() +
+                          "' --output '" + out.string() + "'");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find(model), std::string::npos) << r.out;
+  const auto sp = open_tokenizer(model);
+  const std::vector<uint32_t> t = read_tokens(out);
+  EXPECT_EQ(t,
+            tokenize_documents(*sp, {"the quick brown fox", "a stitch in time saves nine"}, false));
+  const auto eos = std::find(t.begin(), t.end(), *sp->eos_id());
+  ASSERT_NE(eos, t.end());
+  EXPECT_EQ(sp->decode(std::vector<uint32_t>(t.begin(), eos)), "the quick brown fox");
+}
+
+TEST_F(TokenizeCli, BadInputsAreNamed) {
+  const fs::path out = dir_ / "never.bin";
+  Result r = strata("tokenize --input '" + (dir_ / "missing.txt").string() + "' --output '" +
+                    out.string() + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find("missing.txt"), std::string::npos) << r.out;
+
+  const fs::path bad_json =
+      write("bad.jsonl", "{\"text\": \"ok\"}\n{\"text\": \"ok\"}\n{\"text\"\n");
+  r = strata("tokenize --input '" + bad_json.string() + "' --output '" + out.string() + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find("bad.jsonl line 3"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("not valid JSON"), std::string::npos) << r.out;
+
+  const fs::path no_text = write("notext.jsonl", "{\"text\": \"ok\"}\n{\"content\": \"x\"}\n");
+  r = strata("tokenize --input '" + no_text.string() + "' --output '" + out.string() + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find("notext.jsonl line 2"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("\"text\""), std::string::npos) << r.out;
+
+  const fs::path empty = write("empty.txt", "");
+  r = strata("tokenize --input '" + empty.string() + "' --output '" + out.string() + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find("no document"), std::string::npos) << r.out;
+
+  r = strata("tokenize --tokenizer '" + (dir_ / "nope.model").string() + "' --input '" +
+             no_text.string() + "' --output '" + out.string() + "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find("nope.model"), std::string::npos) << r.out;
+
+  r = strata("tokenize --input '" + empty.string() + "'");  // no --output
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--output"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(out));
+}
+
+}  // namespace
+}  // namespace strata
