@@ -1,0 +1,52 @@
+// checkpoint.h: a training run's checkpoints, written so that a completed one survives
+// anything, and read back so that a resumed run continues bit for bit.
+//
+// A checkpoint is a directory RUN/checkpoints/step-N/ holding:
+//   config.json, model.safetensors  the model as Hugging Face writes it (loadable by PyTorch and
+//                                   by `strata eval --model`), parameters in the run's dtype;
+//   optimizer.safetensors           every unit's fp32 master weights, Adam m and v (tensors
+//                                   "<unit>.master", "<unit>.exp_avg", "<unit>.exp_avg_sq", flat),
+//                                   copied from wherever they lived (NVMe-homed state included:
+//                                   a checkpoint never points into a swap file);
+//   trainer_state.json              what the trainer needs besides (step, data position, loss
+//                                   scale, the settings), written by the trainer;
+//   COMPLETE                        written last.
+// Writing goes to checkpoints/.tmp-step-N/ (every file fsync'ed), which is renamed to step-N
+// and the parent directory fsync'ed before COMPLETE is written and fsync'ed: a directory
+// without COMPLETE is never chosen (checkpoint_dir.h). The one thing to know before editing:
+// resume sets only the optimizer state; the parameters are its master weights rounded to the
+// run's dtype (what every Adam step leaves them as), so model.safetensors is for export and
+// inspection, not for resuming.
+#pragma once
+
+#include "core/dtype.h"
+#include "model/config.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+
+namespace strata {
+
+class Executor;
+
+// Writes checkpoint `step` of the executor's state under run_dir/checkpoints/ and removes all
+// but the newest `keep` complete checkpoints (keep <= 0: keeps all). Returns its directory.
+std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, int64_t step,
+                                      const Executor& executor, const LlamaConfig& config,
+                                      DType model_dtype, const nlohmann::json& trainer_state,
+                                      int keep);
+
+// The trainer state of a complete checkpoint directory; an Error naming the file when it is
+// missing or not JSON.
+nlohmann::json read_trainer_state(const std::filesystem::path& checkpoint);
+
+// Puts a checkpoint's optimizer state (and so its parameters) into the executor; an Error
+// naming the file and tensor when one is missing or has another size.
+void restore_checkpoint(const std::filesystem::path& checkpoint, Executor& executor);
+
+// fsync of a file or directory; an Error naming it on failure.
+void fsync_path(const std::filesystem::path& path);
+
+}  // namespace strata

@@ -1,0 +1,217 @@
+// trainer.cpp: the training loop (see trainer.h).
+#include "train/trainer.h"
+
+#include "core/bytes.h"
+#include "core/device.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "core/system.h"
+#include "model/safetensors.h"
+#include "partition/communicator.h"
+#include "schedule/executor.h"
+#include "schedule/schedule.h"
+#include "train/checkpoint.h"
+#include "train/checkpoint_dir.h"
+#include "train/data_loader.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <unistd.h>
+
+namespace strata {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string duration(double s) {
+  if (!std::isfinite(s) || s < 0) return "-";
+  const auto t = static_cast<int64_t>(s + 0.5);
+  if (t >= 3600) return fmt::format("{}h{:02}m", t / 3600, t / 60 % 60);
+  if (t >= 60) return fmt::format("{}m{:02}s", t / 60, t % 60);
+  return fmt::format("{}s", t);
+}
+
+Placement place(const TrainSettings& s, const std::vector<Device*>& devices, TierBudgets& budgets) {
+  const LlamaConfig model = resolve_model(s.model);
+  RunShape shape;
+  shape.model = model;
+  shape.ranks = static_cast<int>(devices.size());
+  shape.param_dtype = s.dtype;
+  shape.grad_dtype = DType::f32;
+  shape.micro_batch = s.micro_batch;
+  shape.seq_len = s.seq_len;
+  shape.persistence_threshold = s.persistence_threshold;
+  shape.working_buffers = std::max(s.prefetch_depth + 1, model.tie_word_embeddings ? 2 : 1);
+  budgets.gpu_memory = devices.front()->memory().capacity;
+  budgets.cpu_memory =
+      s.cpu_memory > 0 ? s.cpu_memory : uint64_t(double(memory_info().available) * 0.8);
+  budgets.pinned_limit = can_lock_past_limit() ? kUnlimited : memlock_limit();
+  if (!s.offload.nvme_paths.empty()) {
+    budgets.nvme_free = 0;
+    for (const std::string& p : s.offload.nvme_paths) {
+      std::error_code ec;
+      fs::create_directories(p, ec);
+      const auto space = fs::space(p, ec);
+      if (ec)
+        fail("nvme path {}: {}; create it or name a writable directory with --nvme-path", p,
+             ec.message());
+      budgets.nvme_free += space.available;
+    }
+  }
+  const Placement placement = Placement::make(shape, s.offload, budgets);
+  placement.check(budgets);
+  return placement;
+}
+
+}  // namespace
+
+double train(const TrainSettings& s, const std::vector<Device*>& devices) {
+  if (devices.empty()) fail("train: no devices; name them with --devices");
+  if (s.steps < 1) fail("--steps {}: train at least one step", s.steps);
+  if (s.data.empty()) fail("train: no training data; give --data FILE (strata tokenize makes one)");
+  const int R = static_cast<int>(devices.size());
+  TierBudgets budgets;
+  const Placement placement = place(s, devices, budgets);
+  const LlamaConfig& model = placement.shape.model;
+  ScheduleOptions so;
+  so.micro_batches = static_cast<int>(s.grad_accum);
+  so.prefetch_depth = s.prefetch_depth;
+  const Schedule schedule = Schedule::build(placement, so);
+  schedule.validate();
+
+  DataLoader loader(s.data, s.seq_len, model.vocab_size, s.seed, s.data_width);
+  LossScaler scaler(s.scaling);
+  auto comm = make_communicator(devices);
+  ExecutorOptions eo;
+  eo.cpu_adam_threads = s.cpu_adam_threads;
+  eo.record = !s.trace.empty();
+  Executor ex(placement, schedule, *comm, eo);
+
+  int64_t step = 0, applied = 0;
+  std::error_code ec;
+  fs::create_directories(s.run_dir, ec);
+  if (ec)
+    fail("--run-dir {}: cannot create it: {}; name a writable directory", s.run_dir.string(),
+         ec.message());
+  if (s.resume) {
+    const fs::path ckpt = newest_checkpoint(s.run_dir);
+    const nlohmann::json st = read_trainer_state(ckpt);
+    const std::string where = (ckpt / "trainer_state.json").string();
+    try {
+      if (st.at("model") != to_hf_config_json(model))
+        fail(
+            "resume from {}: the checkpoint is of another model ({}); pass the --model it was "
+            "trained with",
+            ckpt.string(), st.at("model").dump());
+      step = st.at("step").get<int64_t>();
+      applied = st.at("applied_updates").get<int64_t>();
+      loader.restore(DataPosition::from_json(st.at("data"), where));
+      scaler.restore(LossScaleState::from_json(st.at("loss_scale"), where));
+    } catch (const nlohmann::json::exception& e) {
+      fail("resume from {}: {} is damaged ({}); resume from an earlier checkpoint", ckpt.string(),
+           where, e.what());
+    }
+    restore_checkpoint(ckpt, ex);
+    log_info("resumed from {} at step {}", ckpt.string(), step);
+    if (step >= s.steps)
+      fail("resume from {}: it is at step {} already and --steps is {}; ask for more steps",
+           ckpt.string(), step, s.steps);
+  } else if (fs::is_directory(s.model) && !s.init_random) {
+    ex.load(SafetensorsReader::open(s.model));
+  } else {
+    ex.init_random(s.seed);
+  }
+
+  const TierBytes need = placement.needs();
+  fmt::print(
+      "strata train: {} on {} device(s), {} micro-batch(es) of {} x {} tokens per step; state: "
+      "gpu {} per device, cpu {}, nvme {}; run directory {}\n",
+      model.name, R, s.grad_accum, s.micro_batch, s.seq_len, format_bytes(need.total(Tier::gpu)),
+      format_bytes(need.total(Tier::cpu)), format_bytes(need.total(Tier::nvme)),
+      s.run_dir.string());
+  std::fflush(stdout);
+
+  std::ofstream metrics(s.run_dir / "metrics.jsonl", s.resume ? std::ios::app : std::ios::trunc);
+  if (!metrics) fail("cannot write {}/metrics.jsonl", s.run_dir.string());
+  const bool tty = ::isatty(STDOUT_FILENO) != 0;
+  const int64_t rows = s.micro_batch * s.seq_len;
+  const double tokens_per_step = double(R) * double(s.grad_accum) * double(rows);
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t first = step;
+  double loss = NAN;
+  while (step < s.steps) {
+    ++step;
+    std::vector<std::vector<HostBatch>> batches(static_cast<size_t>(s.grad_accum));
+    for (auto& mb : batches)
+      for (int r = 0; r < R; ++r) {
+        HostBatch b;
+        b.batch = s.micro_batch;
+        b.ids.resize(static_cast<size_t>(rows));
+        b.targets.resize(static_cast<size_t>(rows));
+        loader.next(s.micro_batch, b.ids, b.targets);
+        mb.push_back(std::move(b));
+      }
+    StepParams p;
+    p.step = applied + 1;
+    p.adam = s.adam;
+    p.adam.lr = static_cast<float>(s.schedule.for_update(applied));
+    p.loss_scale = static_cast<float>(scaler.scale());
+    p.max_grad_norm = static_cast<float>(s.max_grad_norm);
+    const StepResult r = ex.step(batches, p);
+    scaler.update(r.skipped);
+    if (!r.skipped) ++applied;
+    loss = r.loss;
+    nlohmann::json lanes = nlohmann::json::object();
+    for (size_t l = 0; l < schedule.lanes.size(); ++l)
+      lanes[schedule.lanes[l].name()] = r.lane_busy_s[l];
+    const double tps = r.step_s > 0 ? tokens_per_step / r.step_s : 0;
+    metrics << nlohmann::json{{"step", step},
+                              {"loss", r.loss},
+                              {"lr", p.adam.lr},
+                              {"grad_norm",
+                               r.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.grad_norm)},
+                              {"loss_scale", p.loss_scale},
+                              {"skipped", r.skipped},
+                              {"tokens_per_s", tps},
+                              {"step_s", r.step_s},
+                              {"overlap", r.overlap},
+                              {"lane_busy_s", lanes}}
+                   .dump()
+            << "\n";
+    metrics.flush();
+    const double elapsed =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double eta = elapsed / double(step - first) * double(s.steps - step);
+    const std::string line =
+        fmt::format("step {}/{} loss {:.4f} lr {:.3g} grad-norm {:.3g}{} {:.0f} tokens/s ETA {}",
+                    step, s.steps, r.loss, p.adam.lr, r.grad_norm,
+                    r.skipped ? " (skipped: overflow)" : "", tps, duration(eta));
+    if (step % std::max<int64_t>(s.steps_per_print, 1) == 0 || step == s.steps || step == first + 1)
+      fmt::print("{}{}\n", tty ? "\r" : "", line);
+    else if (tty)
+      fmt::print("\r{}", line);
+    std::fflush(stdout);
+    if (!std::isfinite(r.loss) && !r.skipped)
+      fail("step {}: the loss is {}; lower the learning rate or check the data", step, r.loss);
+    if ((s.save_every > 0 && step % s.save_every == 0) || step == s.steps) {
+      const nlohmann::json state = {{"step", step},
+                                    {"applied_updates", applied},
+                                    {"data", loader.position().to_json()},
+                                    {"loss_scale", scaler.state().to_json()},
+                                    {"model", to_hf_config_json(model)},
+                                    {"settings", s.echo}};
+      const fs::path dir = save_checkpoint(s.run_dir, step, ex, model, s.dtype, state, s.keep);
+      fmt::print("checkpoint: {}\n", dir.string());
+      std::fflush(stdout);
+    }
+  }
+  if (!s.trace.empty()) ex.trace(s.trace);
+  return loss;
+}
+
+}  // namespace strata

@@ -1,0 +1,63 @@
+// trainer.h: the training loop behind `strata train` (DESIGN §3): batches from the data
+// loader, one executor step per optimizer step with the learning rate, loss scale and clipping
+// of that step, metrics to RUN/metrics.jsonl, checkpoints (checkpoint.h), and resume.
+//
+// The one thing to know before editing: everything a resumed run needs to continue bit for bit
+// is in the checkpoint: the optimizer state (and through it the parameters), the step, the
+// number of updates applied (Adam's step count and the LR schedule's index; an fp16 step
+// skipped for overflow advances neither), the data loader's position and the loss scaler's
+// state. Anything new that changes a later step must be saved there too.
+#pragma once
+
+#include "cpu_adam/cpu_adam.h"
+#include "model/config.h"
+#include "model/tokens.h"
+#include "tier/placement.h"
+#include "train/loss_scaler.h"
+#include "train/lr_schedule.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace strata {
+
+class Device;
+
+// Every setting of a run, resolved (config file, flags, defaults) by the command line.
+struct TrainSettings {
+  std::string model;         // Hugging Face directory or preset name
+  bool init_random = false;  // initialise instead of loading weights
+  uint64_t seed = 1;         // weights (with init_random) and data order
+  std::vector<std::filesystem::path> data;
+  std::optional<TokenWidth> data_width;  // raw token files; empty: llm.c shards
+  std::filesystem::path run_dir;
+  int64_t steps = 0;  // optimizer steps, in all (a resumed run counts the ones done)
+  int64_t micro_batch = 1, grad_accum = 1, seq_len = 0;
+  DType dtype = DType::f32;
+  AdamParams adam;  // lr is the schedule's base; each step's lr comes from `schedule`
+  LrSchedule schedule;
+  LossScaleSettings scaling;
+  double max_grad_norm = 0;  // 0: no clipping
+  OffloadRequest offload;
+  int prefetch_depth = 1;
+  uint64_t persistence_threshold = 100000;
+  uint64_t cpu_memory = 0;  // budget of host RAM (0: 80% of what is available)
+  int cpu_adam_threads = 0;
+  int64_t save_every = 0;  // 0: only at the end
+  int keep = 3;            // complete checkpoints kept (0: all)
+  bool resume = false;
+  int64_t steps_per_print = 10;
+  std::string trace;    // Chrome trace of the last step run, when set
+  nlohmann::json echo;  // the resolved settings, saved in every checkpoint
+};
+
+// Trains on `devices` (the ranks). Returns the last step's mean loss. Throws Error naming
+// what failed; a placement that does not fit is refused before anything is allocated.
+double train(const TrainSettings& settings, const std::vector<Device*>& devices);
+
+}  // namespace strata

@@ -1,0 +1,233 @@
+// test_train_cli.cpp: `strata train` and `strata export` as a user runs them, on the host
+// backend with the tiny model: the loss falls on real text, checkpoints are complete, a run
+// stopped and resumed gives the uninterrupted run's files byte for byte with every placement
+// tried, the export loads back (f32 from the master weights, bf16 equal to the run's
+// parameters), a DeepSpeed config as Hugging Face writes it is accepted, and bad input is named.
+#include "model/safetensors.h"
+#include "testing.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+test::CommandResult strata(const std::string& args) {
+  return test::run_command(std::string("'") + STRATA_BINARY + "' " + args + " 2>&1");
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+std::vector<json> metrics(const fs::path& run) {
+  std::vector<json> out;
+  std::ifstream f(run / "metrics.jsonl");
+  for (std::string line; std::getline(f, line);) out.push_back(json::parse(line));
+  return out;
+}
+
+// Byte tokens of repetitive English-like text (the byte tokenizer's ids), llm.c format.
+fs::path make_data(const fs::path& dir) {
+  const fs::path txt = dir / "text.txt", bin = dir / "text.bin";
+  std::ofstream f(txt);
+  const char* words[] = {"the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog"};
+  uint32_t x = 12345;
+  for (int line = 0; line < 600; ++line) {
+    for (int w = 0; w < 10; ++w) {
+      x = x * 1103515245u + 12345u;
+      f << words[(x >> 16) % 9] << (w == 9 ? "\n" : " ");
+    }
+  }
+  f.close();
+  const test::CommandResult r =
+      strata("tokenize --tokenizer byte --input " + txt.string() + " --output " + bin.string());
+  EXPECT_EQ(r.status, 0) << r.out;
+  return bin;
+}
+
+const std::string kTiny = "--model tiny --init random --seed 5 --seq-len 32 --micro-batch 2 ";
+
+TEST(TrainCli, LossFallsAndCheckpointsAreComplete) {
+  const test::TempDir dir("strata-train");
+  const fs::path data = make_data(dir.path), run = dir.path / "run";
+  const test::CommandResult r =
+      strata("train " + kTiny + "--data " + data.string() + " --steps 30 --lr 3e-3 --run-dir " +
+             run.string() + " --save-every 10 --keep 2 --offload-optimizer nvme");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const std::vector<json> m = metrics(run);
+  ASSERT_EQ(m.size(), 30u);
+  // The byte model starts at about ln(257) = 5.55 and learns the words' letters quickly.
+  EXPECT_GT(m.front()["loss"].get<double>(), 5.0);
+  EXPECT_LT(m.back()["loss"].get<double>(), 0.7 * m.front()["loss"].get<double>()) << r.out;
+  for (const json& j : m)
+    for (const char* key : {"lr", "grad_norm", "loss_scale", "tokens_per_s", "lane_busy_s"})
+      EXPECT_TRUE(j.contains(key)) << key;
+  // --keep 2: steps 20 and 30 remain, each complete, with the optimizer state copied out of
+  // the swap directory.
+  EXPECT_FALSE(fs::exists(run / "checkpoints/step-10"));
+  for (const char* step : {"step-20", "step-30"})
+    for (const char* file : {"COMPLETE", "config.json", "model.safetensors",
+                             "optimizer.safetensors", "trainer_state.json"})
+      EXPECT_TRUE(fs::exists(run / "checkpoints" / step / file)) << step << "/" << file;
+  EXPECT_NE(r.out.find("checkpoint: "), std::string::npos) << r.out;
+  // A checkpoint is a Hugging Face model directory: strata eval reads it.
+  const test::CommandResult e =
+      strata("eval --model " + (run / "checkpoints/step-30").string() + " --data " + data.string() +
+             " --seq-len 32 --max-sequences 8 --json");
+  ASSERT_EQ(e.status, 0) << e.out;
+}
+
+// Trains `steps` uninterrupted, and again stopped at `stop` and resumed: the final
+// checkpoint's files and every step's loss must be the same.
+void expect_resume_identical(const std::string& placement, int steps, int stop) {
+  SCOPED_TRACE(placement);
+  const test::TempDir dir("strata-resume");
+  const fs::path data = make_data(dir.path);
+  const std::string base = "train " + kTiny + "--data " + data.string() + " --lr 2e-3 " +
+                           "--clip 0.5 --grad-accum 2 --threads 1 " + placement;
+  const fs::path a = dir.path / "a", b = dir.path / "b";
+  test::CommandResult r =
+      strata(base + " --steps " + std::to_string(steps) + " --run-dir " + a.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(base + " --steps " + std::to_string(stop) + " --run-dir " + b.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(base + " --steps " + std::to_string(steps) + " --run-dir " + b.string() + " --resume");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("step " + std::to_string(stop + 1) + "/"), std::string::npos) << r.out;
+  const std::string last = "checkpoints/step-" + std::to_string(steps);
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+    EXPECT_TRUE(slurp(a / last / file) == slurp(b / last / file)) << file << " differs";
+  const std::vector<json> ma = metrics(a), mb = metrics(b);
+  ASSERT_EQ(ma.size(), mb.size());
+  for (size_t i = 0; i < ma.size(); ++i) {
+    EXPECT_EQ(ma[i]["loss"], mb[i]["loss"]) << "step " << i + 1;
+    EXPECT_EQ(ma[i]["grad_norm"], mb[i]["grad_norm"]) << "step " << i + 1;
+  }
+}
+
+TEST(TrainCli, ResumeIsBitIdenticalWithEveryPlacement) {
+  expect_resume_identical("", 6, 2);
+  expect_resume_identical("--offload-param cpu --offload-optimizer nvme", 6, 3);
+  expect_resume_identical(
+      "--devices host:2 --persistence-threshold 0 --offload-param nvme --offload-optimizer cpu", 5,
+      4);
+  expect_resume_identical(
+      "--devices host:3 --persistence-threshold 0 --lr-schedule WarmupLR "
+      "--warmup-steps 4",
+      6, 1);
+}
+
+TEST(TrainCli, ExportWritesAHuggingFaceDirectory) {
+  const test::TempDir dir("strata-export");
+  const fs::path data = make_data(dir.path), run = dir.path / "run";
+  ASSERT_EQ(strata("train " + kTiny + "--data " + data.string() + " --steps 3 --dtype bf16 " +
+                   "--run-dir " + run.string())
+                .status,
+            0);
+  // bf16: the run's parameters, bit for bit (they are the master rounded to nearest even).
+  const fs::path bf16 = dir.path / "bf16", f32 = dir.path / "f32";
+  test::CommandResult r = strata("export " + run.string() + " --out " + bf16.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const SafetensorsReader got = SafetensorsReader::open(bf16 / "model.safetensors");
+  const SafetensorsReader want =
+      SafetensorsReader::open(run / "checkpoints/step-3/model.safetensors");
+  ASSERT_EQ(got.names(), want.names());
+  for (const SafetensorsEntry& e : want.tensors()) {
+    const SafetensorsEntry* g = got.find(e.name);
+    ASSERT_NE(g, nullptr) << e.name;
+    EXPECT_EQ(g->dtype, DType::bf16) << e.name;
+    std::vector<uint16_t> x(static_cast<size_t>(e.numel())), y(x.size());
+    want.read(e.name, x.data(), DType::bf16);
+    got.read(e.name, y.data(), DType::bf16);
+    EXPECT_EQ(x, y) << e.name;
+  }
+  // f32 from the master weights; sharded past a small size; both load in strata eval.
+  r = strata("export " + (run / "checkpoints/step-3").string() + " --out " + f32.string() +
+             " --dtype f32 --max-shard-size 200KB");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_TRUE(fs::exists(f32 / "model.safetensors.index.json"));
+  const json cfg = json::parse(slurp(f32 / "config.json"));
+  EXPECT_EQ(cfg["torch_dtype"], "float32");
+  for (const fs::path& m : {bf16, f32}) {
+    r = strata("eval --model " + m.string() + " --data " + data.string() +
+               " --seq-len 32 --max-sequences 4");
+    EXPECT_EQ(r.status, 0) << r.out;
+  }
+}
+
+TEST(TrainCli, HuggingFaceDeepSpeedConfigIsAccepted) {
+  const test::TempDir dir("strata-train-ds");
+  const fs::path data = make_data(dir.path), run = dir.path / "run",
+                 cfg = dir.path / "ds_config.json";
+  std::ofstream(cfg) << R"({
+    "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16},
+    "bf16": {"enabled": false},
+    "optimizer": {"type": "AdamW", "params": {"lr": 0.002, "betas": "auto", "eps": "auto",
+                  "weight_decay": 0.01}},
+    "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": "auto",
+                  "warmup_num_steps": 2, "total_num_steps": "auto"}},
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": true},
+                          "offload_param": {"device": "cpu", "pin_memory": true},
+                          "overlap_comm": true, "contiguous_gradients": true,
+                          "stage3_gather_16bit_weights_on_model_save": true},
+    "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+    "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+    "steps_per_print": 2, "wall_clock_breakdown": false
+  })";
+  const test::CommandResult r =
+      strata("train " + kTiny + "--data " + data.string() + " --steps 6 --run-dir " + run.string() +
+             " --config " + cfg.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  // Keys strata does not act on are named once.
+  EXPECT_NE(r.out.find("stage3_gather_16bit_weights_on_model_save"), std::string::npos) << r.out;
+  const std::vector<json> m = metrics(run);
+  ASSERT_EQ(m.size(), 6u);
+  // WarmupDecayLR (DeepSpeed's indexing: update k runs at k - 1): 0 for the first two updates,
+  // the optimizer's lr at the end of the 2-step warmup, then linearly down toward 0 at the
+  // run's 6 steps (total_num_steps "auto").
+  EXPECT_EQ(m[0]["lr"].get<double>(), 0.0);
+  EXPECT_FLOAT_EQ(m[2]["lr"].get<float>(), 0.002f);
+  EXPECT_FLOAT_EQ(m[4]["lr"].get<float>(), 0.0015f);
+  EXPECT_FLOAT_EQ(m[5]["lr"].get<float>(), 0.001f);
+  const json state = json::parse(slurp(run / "checkpoints/step-6/trainer_state.json"));
+  EXPECT_EQ(state["settings"]["grad_accum"], 2);
+  EXPECT_EQ(state["settings"]["offload_optimizer"], "cpu");
+}
+
+TEST(TrainCli, BadInputIsNamed) {
+  const test::TempDir dir("strata-train-bad");
+  const fs::path data = make_data(dir.path);
+  const std::string d = " --data " + data.string() + " --run-dir " + (dir.path / "r").string();
+  struct Case {
+    std::string args, expect;
+  };
+  for (const Case& c : {
+           Case{"--model tiny --steps 2" + d, "--init random"},
+           Case{kTiny + "--steps 2 --resume" + d, "no checkpoints/ folder"},
+           Case{"--model tiny --init random --steps 2 --seq-len 100000" + d, "--seq-len 100000"},
+           Case{kTiny + "--steps 2 --data /nonexistent/x.bin", "/nonexistent/x.bin"},
+           Case{kTiny + "--steps 2 --offload-param disk" + d, "disk"},
+           Case{kTiny + "--steps 0" + d, "--steps 0"},
+       }) {
+    const test::CommandResult r = strata("train " + c.args);
+    EXPECT_NE(r.status, 0) << c.args;
+    EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args << "\n" << r.out;
+  }
+  const test::CommandResult e = strata("export " + dir.path.string() + " --out x");
+  EXPECT_NE(e.status, 0);
+  EXPECT_NE(e.out.find("neither a complete checkpoint"), std::string::npos) << e.out;
+}
+
+}  // namespace
+}  // namespace strata

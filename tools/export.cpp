@@ -1,0 +1,107 @@
+// export.cpp: `strata export CKPT --out DIR`, a checkpoint as a Hugging Face model directory.
+//
+// CKPT is a checkpoint directory (RUN/checkpoints/step-N) or a run directory (its newest
+// complete checkpoint). The weights come from the checkpoint's fp32 master weights, so an f32
+// export of a bf16 run keeps the precision the optimizer had, and a bf16 export equals the
+// run's parameters bit for bit (they are the master rounded to nearest even). Past
+// --max-shard-size the model is sharded with model.safetensors.index.json, as Hugging Face
+// writes it.
+#include "commands.h"
+#include "core/bytes.h"
+#include "core/error.h"
+#include "model/config.h"
+#include "model/llama.h"
+#include "model/safetensors.h"
+#include "train/checkpoint.h"
+#include "train/checkpoint_dir.h"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <fstream>
+
+namespace strata::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct ExportArgs {
+  std::string checkpoint, out, dtype = "bf16", max_shard_size = "5GB";
+};
+
+int run_export(const ExportArgs& a) {
+  fs::path ckpt = a.checkpoint;
+  if (!fs::exists(ckpt / "COMPLETE")) {
+    if (!fs::is_directory(ckpt / "checkpoints"))
+      fail(
+          "export {}: neither a complete checkpoint (no COMPLETE file) nor a run directory (no "
+          "checkpoints/); name RUN/checkpoints/step-N or RUN",
+          ckpt.string());
+    ckpt = newest_checkpoint(ckpt);
+  }
+  const DType dtype = parse_dtype(a.dtype);
+  if (dtype != DType::f32 && dtype != DType::bf16 && dtype != DType::f16)
+    fail("--dtype {}: expected f32, bf16 or f16", a.dtype);
+  const uint64_t max_shard = parse_bytes(a.max_shard_size);
+  const LlamaConfig config = resolve_model((ckpt).string());
+  const ModelLayout layout = ModelLayout::build(config);
+  const SafetensorsReader optimizer = SafetensorsReader::open(ckpt / "optimizer.safetensors");
+  std::vector<std::vector<char>> data(static_cast<size_t>(layout.num_units()));
+  std::vector<SafetensorsTensor> tensors;
+  for (int u = 0; u < layout.num_units(); ++u) {
+    const UnitLayout& unit = layout.units[static_cast<size_t>(u)];
+    const SafetensorsEntry* e = optimizer.find(unit.name + ".master");
+    if (e == nullptr)
+      fail("export {}: optimizer.safetensors has no {}.master; the checkpoint is damaged",
+           ckpt.string(), unit.name);
+    std::vector<float> master(static_cast<size_t>(e->numel()));
+    optimizer.read(unit.name + ".master", master.data(), DType::f32);
+    auto& raw = data[static_cast<size_t>(u)];
+    raw.resize(master.size() * dtype_size(dtype));
+    convert(raw.data(), dtype, master.data(), DType::f32, master.size());
+    for (const ParamSlot& s : unit.params) {
+      if (s.offset + static_cast<uint64_t>(s.numel()) > master.size())
+        fail("export {}: {}.master has {} values, too few for {}; the checkpoint is damaged",
+             ckpt.string(), unit.name, master.size(), s.name);
+      tensors.push_back(
+          {s.name, dtype,
+           std::vector<int64_t>(s.shape.dims.begin(), s.shape.dims.begin() + s.shape.rank),
+           raw.data() + s.offset * dtype_size(dtype)});
+    }
+  }
+  const fs::path out = a.out;
+  std::error_code ec;
+  fs::create_directories(out, ec);
+  if (ec) fail("--out {}: cannot create it: {}", out.string(), ec.message());
+  const auto files = write_safetensors_sharded(out, tensors, max_shard, {{"format", "pt"}});
+  nlohmann::json cfg = to_hf_config_json(config);
+  cfg["torch_dtype"] = dtype == DType::f32    ? "float32"
+                       : dtype == DType::bf16 ? "bfloat16"
+                                              : "float16";
+  {
+    std::ofstream f(out / "config.json");
+    f << cfg.dump(2) << "\n";
+    if (!f) fail("export: cannot write {}", (out / "config.json").string());
+  }
+  fsync_path(out / "config.json");
+  fmt::print("exported {} ({}) to {}: config.json and {} safetensors file(s)\n", ckpt.string(),
+             dtype_name(dtype), out.string(), files.size());
+  return 0;
+}
+
+}  // namespace
+
+Command add_export(CLI::App& app) {
+  auto a = std::make_shared<ExportArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "export", "write a checkpoint as a Hugging Face model directory (config.json + safetensors)");
+  cmd->add_option("checkpoint", a->checkpoint, "RUN/checkpoints/step-N, or RUN for its newest")
+      ->required();
+  cmd->add_option("--out", a->out, "the directory to write")->required();
+  cmd->add_option("--dtype", a->dtype, "f32, bf16 or f16")->capture_default_str();
+  cmd->add_option("--max-shard-size", a->max_shard_size, "shard the weights past this size")
+      ->capture_default_str();
+  return {cmd, [a] { return run_export(*a); }};
+}
+
+}  // namespace strata::cli

@@ -1,0 +1,227 @@
+// train.cpp: `strata train`, the command line over src/train/trainer.h.
+//
+// Every setting comes from, in order: its flag, the DeepSpeed config (--config; "auto" counts
+// as unset), then a default (DeepSpeed's where it has one). Keys of the config strata does not
+// act on are listed once on stderr. The resolved settings are saved in every checkpoint.
+#include "commands.h"
+#include "core/bytes.h"
+#include "core/error.h"
+#include "core/log.h"
+#include "device_args.h"
+#include "model/config.h"
+#include "train/ds_config.h"
+#include "train/trainer.h"
+
+#include <fmt/format.h>
+
+#include <filesystem>
+
+namespace strata::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct TrainArgs {
+  std::string model, init, config, data_dtype, run_dir, dtype, devices, device_memory;
+  std::vector<std::string> data, nvme_paths;
+  uint64_t seed = 1;
+  int64_t steps = 0, micro_batch = 0, grad_accum = 0, seq_len = 0;
+  double lr = -1, weight_decay = -1, clip = -1, eps = -1;
+  std::string optimizer, lr_schedule;
+  int64_t warmup_steps = -1;
+  std::string offload_param, offload_optimizer, cpu_memory;
+  int prefetch_depth = -1;
+  int64_t persistence_threshold = -1;
+  int threads = 0;
+  int64_t save_every = 0, steps_per_print = 0;
+  int keep = 3;
+  bool resume = false;
+  std::string trace;
+};
+
+int run_train(const TrainArgs& a) {
+  std::optional<DsConfig> ds;
+  if (!a.config.empty()) {
+    ds = load_ds_config(a.config);
+    if (!ds->ignored.empty()) {
+      std::string keys;
+      for (const std::string& k : ds->ignored) keys += (keys.empty() ? "" : ", ") + k;
+      log_warn("config {}: not acted on by strata: {}", a.config, keys);
+    }
+  }
+  if (!a.init.empty() && a.init != "random")
+    fail("--init '{}' is not known; the only initialisation is 'random'", a.init);
+  const bool is_dir = fs::is_directory(a.model);
+  if (!is_dir && a.init.empty())
+    fail(
+        "--model {} is a preset without weights; pass --init random (with --seed) to train from "
+        "scratch, or a Hugging Face checkpoint directory",
+        a.model);
+  const LlamaConfig model = resolve_model(a.model);
+  auto devices = open_cli_devices(a.devices, a.device_memory, 0);
+  std::vector<Device*> ptrs;
+  for (auto& d : devices) ptrs.push_back(d.get());
+  const int world = static_cast<int>(ptrs.size());
+
+  TrainSettings s;
+  s.model = a.model;
+  s.init_random = !a.init.empty();
+  s.seed = a.seed;
+  for (const std::string& f : a.data) s.data.emplace_back(f);
+  s.data_width = parse_token_width(a.data_dtype);
+  s.run_dir = a.run_dir.empty() ? fs::path("runs") / model.name : fs::path(a.run_dir);
+  s.steps = a.steps;
+  DsPlanSettings plan;
+  if (ds) plan = ds_plan_settings(*ds, world, model);
+  s.micro_batch = a.micro_batch > 0 ? a.micro_batch : plan.batch.micro_batch.value_or(1);
+  s.grad_accum = a.grad_accum > 0 ? a.grad_accum : plan.batch.grad_accum.value_or(1);
+  s.seq_len = a.seq_len > 0 ? a.seq_len : std::min<int64_t>(model.max_position_embeddings, 1024);
+  if (s.seq_len > model.max_position_embeddings)
+    fail("--seq-len {}: the model's max_position_embeddings is {}; use at most that", s.seq_len,
+         model.max_position_embeddings);
+  if (!a.dtype.empty())
+    s.dtype = parse_dtype(a.dtype);
+  else if (plan.param_dtype)
+    s.dtype = *plan.param_dtype;
+  else
+    s.dtype = model_dtype(*ptrs.front(), "");
+
+  // The optimizer: DeepSpeed's Adam is AdamW unless adam_w_mode is false.
+  const DsConfig::Optimizer opt = ds ? ds->optimizer : DsConfig::Optimizer{};
+  bool adamw = opt.decoupled_weight_decay();
+  if (!a.optimizer.empty()) {
+    if (a.optimizer != "adamw" && a.optimizer != "adam")
+      fail("--optimizer '{}': expected adamw or adam", a.optimizer);
+    adamw = a.optimizer == "adamw";
+  }
+  s.adam.adamw = adamw;
+  const double lr = a.lr >= 0 ? a.lr : opt.lr.value_or(1e-3);
+  s.adam.lr = static_cast<float>(lr);
+  if (opt.betas) {
+    s.adam.beta1 = static_cast<float>((*opt.betas)[0]);
+    s.adam.beta2 = static_cast<float>((*opt.betas)[1]);
+  }
+  s.adam.eps = static_cast<float>(a.eps >= 0 ? a.eps : opt.eps.value_or(1e-8));
+  s.adam.weight_decay =
+      static_cast<float>(a.weight_decay >= 0 ? a.weight_decay : opt.weight_decay.value_or(0.0));
+  DsConfig::Scheduler sched = ds ? ds->scheduler : DsConfig::Scheduler{};
+  if (!a.lr_schedule.empty()) {
+    sched = DsConfig::Scheduler{};
+    if (a.lr_schedule != "none") sched.type = a.lr_schedule;
+  }
+  if (a.warmup_steps >= 0) sched.warmup_num_steps = a.warmup_steps;
+  s.schedule = lr_schedule_from_config(sched, lr, s.steps);
+  s.scaling = loss_scale_settings(ds ? ds->fp16 : DsConfig::Fp16{}, s.dtype == DType::f16);
+  s.max_grad_norm = a.clip >= 0 ? a.clip : (ds ? ds->gradient_clipping.value_or(0.0) : 0.0);
+  s.steps_per_print =
+      a.steps_per_print > 0 ? a.steps_per_print : (ds ? ds->steps_per_print.value_or(10) : 10);
+
+  s.offload = plan.offload;
+  for (const auto& [flag, value, tier] :
+       {std::tuple{"--offload-param", &a.offload_param, &s.offload.param},
+        std::tuple{"--offload-optimizer", &a.offload_optimizer, &s.offload.optimizer}}) {
+    if (value->empty()) continue;
+    if (*value == "auto") {
+      s.offload.automatic = true;
+      continue;
+    }
+    try {
+      *tier = parse_tier(*value);
+    } catch (const Error& e) {
+      fail("{} {}: {}", flag, *value, e.what());
+    }
+  }
+  if (!a.nvme_paths.empty()) s.offload.nvme_paths = a.nvme_paths;
+  const bool nvme =
+      s.offload.param == Tier::nvme || s.offload.optimizer == Tier::nvme || s.offload.automatic;
+  if (nvme && s.offload.nvme_paths.empty()) s.offload.nvme_paths = {(s.run_dir / "swap").string()};
+  s.prefetch_depth = a.prefetch_depth >= 0 ? a.prefetch_depth : plan.prefetch_depth.value_or(1);
+  s.persistence_threshold = a.persistence_threshold >= 0
+                                ? static_cast<uint64_t>(a.persistence_threshold)
+                                : plan.persistence_threshold.value_or(100000);
+  if (!a.cpu_memory.empty()) s.cpu_memory = parse_bytes(a.cpu_memory);
+  s.cpu_adam_threads = a.threads;
+  s.save_every = a.save_every;
+  s.keep = a.keep;
+  s.resume = a.resume;
+  s.trace = a.trace;
+  s.echo = {{"model", a.model},
+            {"data", a.data},
+            {"seed", a.seed},
+            {"steps", s.steps},
+            {"micro_batch", s.micro_batch},
+            {"grad_accum", s.grad_accum},
+            {"seq_len", s.seq_len},
+            {"dtype", dtype_name(s.dtype)},
+            {"optimizer", adamw ? "adamw" : "adam"},
+            {"lr", lr},
+            {"lr_schedule", lr_schedule_name(s.schedule.kind)},
+            {"weight_decay", s.adam.weight_decay},
+            {"betas", {s.adam.beta1, s.adam.beta2}},
+            {"eps", s.adam.eps},
+            {"gradient_clipping", s.max_grad_norm},
+            {"offload_param", tier_name(s.offload.param)},
+            {"offload_optimizer", tier_name(s.offload.optimizer)},
+            {"nvme_path", s.offload.nvme_paths},
+            {"devices", world},
+            {"config", a.config}};
+  const double loss = train(s, ptrs);
+  fmt::print(
+      "done: loss {:.4f}; resume with --resume --run-dir {}, export with `strata export "
+      "{}`\n",
+      loss, s.run_dir.string(), s.run_dir.string());
+  return 0;
+}
+
+}  // namespace
+
+Command add_train(CLI::App& app) {
+  auto a = std::make_shared<TrainArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "train",
+      "train or fine-tune a Llama with ZeRO-3 state in GPU, CPU or NVMe tiers; checkpoints in "
+      "Hugging Face format, bit-identical resume");
+  cmd->add_option("--model", a->model, "Hugging Face checkpoint directory or preset")->required();
+  cmd->add_option("--init", a->init, "'random': initialise instead of loading weights");
+  cmd->add_option("--seed", a->seed, "seed of the initialisation and of the data order")
+      ->capture_default_str();
+  cmd->add_option("--data", a->data, "token files (llm.c format; strata tokenize makes them)")
+      ->required()
+      ->delimiter(',');
+  cmd->add_option("--data-dtype", a->data_dtype, "raw token files: uint16 or uint32");
+  cmd->add_option("--config", a->config, "DeepSpeed JSON config");
+  cmd->add_option("--run-dir", a->run_dir, "run directory (default runs/<model>)");
+  cmd->add_option("--steps", a->steps, "optimizer steps in all")->required();
+  cmd->add_option("--micro-batch", a->micro_batch, "sequences per device per micro-batch");
+  cmd->add_option("--grad-accum", a->grad_accum, "micro-batches per optimizer step");
+  cmd->add_option("--seq-len", a->seq_len, "tokens per sequence (default: context, <= 1024)");
+  cmd->add_option("--dtype", a->dtype,
+                  "parameters: f32, bf16 (default: f32 on host, bf16 on cuda)");
+  cmd->add_option("--optimizer", a->optimizer, "adamw or adam (L2 decay)");
+  cmd->add_option("--lr", a->lr, "learning rate (default: the config's, else 1e-3)");
+  cmd->add_option("--lr-schedule", a->lr_schedule,
+                  "none, WarmupLR, WarmupDecayLR or WarmupCosineLR (overrides the config's)");
+  cmd->add_option("--warmup-steps", a->warmup_steps, "warmup_num_steps of the schedule");
+  cmd->add_option("--weight-decay", a->weight_decay, "weight decay (default 0)");
+  cmd->add_option("--eps", a->eps, "Adam's epsilon (default 1e-8)");
+  cmd->add_option("--clip", a->clip, "gradient clipping by global norm (0: none)");
+  cmd->add_option("--offload-param", a->offload_param, "none, cpu, nvme or auto");
+  cmd->add_option("--offload-optimizer", a->offload_optimizer, "none, cpu, nvme or auto");
+  cmd->add_option("--nvme-path", a->nvme_paths, "NVMe directories (default RUN/swap)")
+      ->delimiter(',');
+  cmd->add_option("--prefetch-depth", a->prefetch_depth, "units fetched ahead (default 1)");
+  cmd->add_option("--persistence-threshold", a->persistence_threshold,
+                  "units of at most this many elements stay whole on every device (100000)");
+  cmd->add_option("--cpu-memory", a->cpu_memory, "host RAM the run may use");
+  cmd->add_option("--devices", a->devices, "host:N, cuda or cuda:0,1");
+  cmd->add_option("--device-memory", a->device_memory, "cap of each device's memory");
+  cmd->add_option("--threads", a->threads, "CPU Adam threads (0: every CPU)");
+  cmd->add_option("--save-every", a->save_every, "checkpoint every N steps (and at the end)");
+  cmd->add_option("--keep", a->keep, "complete checkpoints kept (0: all)")->capture_default_str();
+  cmd->add_flag("--resume", a->resume, "continue from the run directory's newest checkpoint");
+  cmd->add_option("--steps-per-print", a->steps_per_print, "log every N steps (default 10)");
+  cmd->add_option("--trace", a->trace, "write a Chrome/Perfetto trace of the run's steps here");
+  return {cmd, [a] { return run_train(*a); }};
+}
+
+}  // namespace strata::cli
