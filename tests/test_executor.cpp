@@ -292,9 +292,27 @@ RunResult run_reference(const LlamaConfig& c, int N, uint64_t threshold = 0) {
       for (int r = 0; r < N; ++r) {
         const auto i = static_cast<size_t>(u), k = static_cast<size_t>(r);
         const uint64_t n = part.units[i].shard;
+        // Weight decay on matrices and embeddings, not on the 1-D norm weights: update a copy
+        // without decay and take its elements where a norm weight lies.
+        std::vector<float> m0 = master[i][k], a0 = m1[i][k], b0 = v1[i][k];
         const AdamShard sh{master[i][k].data(), m1[i][k].data(), v1[i][k].data(), n};
         EXPECT_TRUE(adam.update(sh, GradShard{grads[i][k].data(), DType::f32, n}, prm.step,
                                 prm.adam, gscale, global));
+        AdamParams no_decay = prm.adam;
+        no_decay.weight_decay = 0.0f;
+        EXPECT_TRUE(adam.update(AdamShard{m0.data(), a0.data(), b0.data(), n},
+                                GradShard{grads[i][k].data(), DType::f32, n}, prm.step, no_decay,
+                                gscale, global));
+        const uint64_t first = part.units[i].shard_offset(r);
+        for (const ParamSlot& ps : layout.units[i].params) {
+          if (ps.shape.rank != 1) continue;
+          for (uint64_t e = ps.offset; e < ps.offset + static_cast<uint64_t>(ps.numel()); ++e)
+            if (e >= first && e < first + n) {
+              master[i][k][e - first] = m0[e - first];
+              m1[i][k][e - first] = a0[e - first];
+              v1[i][k][e - first] = b0[e - first];
+            }
+        }
         rig.devices[k]->copy_to_device(zero.param_shard(u, r).data, master[i][k].data(), n * 4,
                                        *sp[k]);
         sp[k]->synchronize();

@@ -253,6 +253,29 @@ struct Executor::State {
   }
   void lane_loop(int lane, int step_index);
   void write_unit(int u, const std::vector<char>& staged, const float* mmv = nullptr);
+  // The pieces of rank r's shard of unit u that take weight decay and those that do not (the
+  // 1-D norm weights, Hugging Face Trainer's convention), in order: {begin, length, decay},
+  // relative to the shard. Adam is elementwise, so updating piece by piece gives the bits of
+  // one call wherever the decay is the same.
+  struct Piece {
+    uint64_t begin = 0, length = 0;
+    bool decay = true;
+  };
+  std::vector<Piece> pieces(int u, int r) const {
+    const uint64_t first = up(u).shard_offset(r), n = shard(u);
+    std::vector<Piece> out;
+    uint64_t at = 0;
+    for (const ParamSlot& p : layout.units[static_cast<size_t>(u)].params) {
+      if (p.shape.rank != 1) continue;
+      const uint64_t b = std::max(p.offset, first), e = std::min(p.offset + p.numel(), first + n);
+      if (b >= e) continue;
+      if (b - first > at) out.push_back({at, b - first - at, true});
+      out.push_back({b - first, e - b, false});
+      at = e - first;
+    }
+    if (at < n) out.push_back({at, n - at, true});
+    return out;
+  }
 };
 
 // ---- resolution of the schedule ----
@@ -1016,7 +1039,22 @@ void Executor::State::run_task(const Task& t) {
           const TensorView copy =
               resident ? zero->param_shard(u, q)
                        : param_tmp[static_cast<size_t>(q)].view(pt, {static_cast<int64_t>(n)});
-          dev(q).kernels().adam_update(f32(0), f32(1), f32(2), zero->grad_shard(u, q), copy, k, st);
+          const TensorView g = zero->grad_shard(u, q);
+          AdamParams no_decay = params.adam;
+          no_decay.weight_decay = 0.0f;
+          const cpu_adam::StepConstants k0 =
+              cpu_adam::step_constants(params.step, no_decay, grad_scale);
+          for (const Piece& pc : pieces(u, q)) {
+            auto part = [&](const TensorView& v) {
+              if (v.data == nullptr) return v;
+              TensorView x = v;
+              x.data = static_cast<char*>(v.data) + pc.begin * dtype_size(v.dtype);
+              x.shape = Shape{static_cast<int64_t>(pc.length)};
+              return x;
+            };
+            dev(q).kernels().adam_update(part(f32(0)), part(f32(1)), part(f32(2)), part(g),
+                                         part(copy), pc.decay ? k : k0, st);
+          }
           if (!resident) {
             char* to = home(u).param == Tier::cpu
                            ? host_p[static_cast<size_t>(u)][static_cast<size_t>(q)]
@@ -1036,10 +1074,16 @@ void Executor::State::run_task(const Task& t) {
         char* p = home(u).param == Tier::cpu
                       ? host_p[static_cast<size_t>(u)][static_cast<size_t>(q)]
                       : pin(t.id) + static_cast<uint64_t>(q) * n * ps;
-        std::optional<ParamCopy> copy;
-        if (pt != DType::f32) copy = ParamCopy{p, pt};
-        adam->update(sh, GradShard{host_g[static_cast<size_t>(u)][static_cast<size_t>(q)], gt, n},
-                     params.step, params.adam, grad_scale, global, copy);
+        const char* g = host_g[static_cast<size_t>(u)][static_cast<size_t>(q)];
+        AdamParams no_decay = params.adam;
+        no_decay.weight_decay = 0.0f;
+        for (const Piece& pc : pieces(u, q)) {
+          std::optional<ParamCopy> copy;
+          if (pt != DType::f32) copy = ParamCopy{p + pc.begin * ps, pt};
+          const AdamShard part{sh.master + pc.begin, sh.m + pc.begin, sh.v + pc.begin, pc.length};
+          adam->update(part, GradShard{g + pc.begin * gs, gt, pc.length}, params.step,
+                       pc.decay ? params.adam : no_decay, grad_scale, global, copy);
+        }
         if (pt == DType::f32) std::memcpy(p, f, n * 4);
       }
       return;
