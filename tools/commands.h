@@ -22,6 +22,7 @@ Command add_bench(CLI::App& app);     // strata bench <what>: the subcommands be
 Command add_estimate(CLI::App& app);  // strata estimate
 Command add_plan(CLI::App& app);      // strata plan
 Command add_tokenize(CLI::App& app);  // strata tokenize
+Command add_generate(CLI::App& app);  // strata generate
 Command add_train(CLI::App& app);     // strata train
 Command add_export(CLI::App& app);    // strata export
 // `strata bench` subcommands (tools/bench_*.cpp), registered on the `bench` app.

@@ -1,9 +1,12 @@
 #include "device_args.h"
 
 #include "core/bytes.h"
+#include "core/error.h"
 #include "core/log.h"
 #include "core/system.h"
 #include "gpu/runtime.h"
+
+#include <filesystem>
 
 namespace strata::cli {
 
@@ -26,6 +29,18 @@ std::vector<std::unique_ptr<Device>> open_cli_devices(const std::string& devices
 DType model_dtype(const Device& device, const std::string& dtype) {
   if (!dtype.empty()) return parse_dtype(dtype);
   return device.backend() == Backend::host ? DType::f32 : DType::bf16;
+}
+
+bool weights_from_model_dir(const std::string& model, const std::string& init,
+                            std::string_view use) {
+  if (!init.empty() && init != "random")
+    fail("--init '{}' is not known; the only initialisation is 'random'", init);
+  if (!std::filesystem::is_directory(model) && init.empty())
+    fail(
+        "--model {} is a preset without weights; pass --init random (with --seed) to {} a "
+        "randomly initialised model, or a Hugging Face checkpoint directory",
+        model, use);
+  return init.empty();
 }
 
 }  // namespace strata::cli

@@ -1,11 +1,12 @@
-// device_args.h: the --devices / --device-memory / --dtype handling that the model commands
-// (eval, bench model) share.
+// device_args.h: the --devices / --device-memory / --dtype and --model / --init handling that
+// the model commands (eval, generate, bench model) share.
 #pragma once
 
 #include "core/device.h"
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace strata::cli {
@@ -19,5 +20,11 @@ std::vector<std::unique_ptr<Device>> open_cli_devices(const std::string& devices
 
 // --dtype, or the default for the device: f32 on the host backend, bf16 on CUDA.
 DType model_dtype(const Device& device, const std::string& dtype);
+
+// Whether the weights come from the directory --model names (true) or from --init random
+// (false). An Error for an --init other than 'random', and for a preset (no weights) without
+// --init random; `use` is what the model is for in that message ("evaluate", "sample from").
+bool weights_from_model_dir(const std::string& model, const std::string& init,
+                            std::string_view use);
 
 }  // namespace strata::cli

@@ -50,16 +50,8 @@ struct EvalArgs {
 };
 
 int run_eval(const EvalArgs& a) {
-  namespace fs = std::filesystem;
-  const bool is_dir = fs::is_directory(a.model);
   const LlamaConfig config = resolve_model(a.model);
-  if (!a.init.empty() && a.init != "random")
-    fail("--init '{}' is not known; the only initialisation is 'random'", a.init);
-  if (!is_dir && a.init.empty())
-    fail(
-        "--model {} is a preset without weights; pass --init random (with --seed) to evaluate "
-        "a randomly initialised model, or a Hugging Face checkpoint directory",
-        a.model);
+  const bool load = weights_from_model_dir(a.model, a.init, "evaluate");
 
   // Tokens first: a bad file fails before any memory is reserved.
   const TokenFile tokens = TokenFile::open(a.data, a.data_dtype);
@@ -95,7 +87,7 @@ int run_eval(const EvalArgs& a) {
   zero_options.with_grads = false;
   zero_options.persistence_threshold = a.persistence_threshold;
   ZeroModel zero(ModelLayout::build(config), *comm, zero_options);
-  if (is_dir && a.init.empty()) {
+  if (load) {
     const SafetensorsReader reader = SafetensorsReader::open(a.model);
     zero.load(reader);
   } else {

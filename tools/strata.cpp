@@ -15,9 +15,9 @@ int main(int argc, char** argv) {
   app.add_option("--log", level, "log level: error, warn, info, debug, trace (or STRATA_LOG)");
 
   const std::vector<strata::cli::Command> commands = {
-      strata::cli::add_info(app),     strata::cli::add_eval(app),   strata::cli::add_bench(app),
-      strata::cli::add_estimate(app), strata::cli::add_plan(app),   strata::cli::add_tokenize(app),
-      strata::cli::add_train(app),    strata::cli::add_export(app),
+      strata::cli::add_info(app),     strata::cli::add_eval(app),  strata::cli::add_bench(app),
+      strata::cli::add_estimate(app), strata::cli::add_plan(app),  strata::cli::add_tokenize(app),
+      strata::cli::add_generate(app), strata::cli::add_train(app), strata::cli::add_export(app),
   };
 
   try {

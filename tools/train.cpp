@@ -49,14 +49,7 @@ int run_train(const TrainArgs& a) {
       log_warn("config {}: not acted on by strata: {}", a.config, keys);
     }
   }
-  if (!a.init.empty() && a.init != "random")
-    fail("--init '{}' is not known; the only initialisation is 'random'", a.init);
-  const bool is_dir = fs::is_directory(a.model);
-  if (!is_dir && a.init.empty())
-    fail(
-        "--model {} is a preset without weights; pass --init random (with --seed) to train from "
-        "scratch, or a Hugging Face checkpoint directory",
-        a.model);
+  weights_from_model_dir(a.model, a.init, "train from");
   const LlamaConfig model = resolve_model(a.model);
   auto devices = open_cli_devices(a.devices, a.device_memory, 0);
   std::vector<Device*> ptrs;

@@ -1,0 +1,387 @@
+// test_generate_cli.cpp: `strata generate` as a user runs it, on tiny checkpoints written here,
+// against a greedy decoder built in the test from LlamaModel::logits on the host backend (the
+// model rebuilt at each exact length, so the tool's padding of the sequence is checked too);
+// plus newest_checkpoint() on run directories with complete and incomplete checkpoints.
+#include "host/host_device.h"
+#include "model/config.h"
+#include "model/llama.h"
+#include "model/safetensors.h"
+#include "model/weights.h"
+#include "sentencepiece_testing.h"
+#include "testing.h"
+#include "train/checkpoint_dir.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <numeric>
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using Result = test::CommandResult;
+
+constexpr uint32_t kByteEos = 256;
+constexpr int64_t kByteVocab = 257;
+
+Result strata(const std::string& args, const std::string& redirect = "2>&1") {
+  return test::run_command(std::string("'") + STRATA_BINARY + "' " + args + " " + redirect);
+}
+
+json generate_json(const std::string& args) {
+  const Result r = strata("generate --devices host --json " + args, "2>/dev/null");
+  EXPECT_EQ(r.status, 0) << strata("generate --devices host --json " + args).out;
+  const json j = json::parse(r.out, nullptr, false);
+  EXPECT_FALSE(j.is_discarded()) << r.out;
+  return j;
+}
+
+std::vector<uint32_t> tokens_of(const json& j) {
+  return j.at("tokens").get<std::vector<uint32_t>>();
+}
+
+// Unit u's values from init_unit_random(seed), changed by `edit` (may be empty).
+using UnitEdit = std::function<void(const UnitLayout&, std::vector<float>&)>;
+
+void write_checkpoint(const fs::path& dir, const LlamaConfig& c, uint64_t seed,
+                      const UnitEdit& edit = {}) {
+  fs::create_directories(dir);
+  const ModelLayout layout = ModelLayout::build(c);
+  std::vector<std::vector<float>> units(static_cast<size_t>(layout.num_units()));
+  std::vector<SafetensorsTensor> tensors;
+  for (int u = 0; u < layout.num_units(); ++u) {
+    const UnitLayout& unit = layout.units[static_cast<size_t>(u)];
+    auto& v = units[static_cast<size_t>(u)];
+    v.resize(unit.numel);
+    init_unit_random(layout, u, seed, DType::f32, v.data());
+    if (edit) edit(unit, v);
+    for (const ParamSlot& p : unit.params)
+      tensors.push_back(
+          {p.name, DType::f32,
+           std::vector<int64_t>(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.rank),
+           v.data() + p.offset});
+  }
+  write_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}});
+  std::ofstream(dir / "config.json") << to_hf_config_json(c).dump(2);
+}
+
+// The model of a checkpoint on the host backend, and the logits of a sequence's last position.
+class Reference {
+ public:
+  Reference(const LlamaConfig& c, const fs::path& checkpoint)
+      : config_(c),
+        layout_(ModelLayout::build(c)),
+        device_(open_host_device(0, 256ull << 20)),
+        stream_(device_->create_stream("reference")),
+        weights_(layout_, *device_, DType::f32, DType::f32, false) {
+    weights_.load(SafetensorsReader::open(checkpoint), *stream_);
+  }
+
+  // Built at exactly the sequence's length: no padding.
+  std::vector<float> last_logits(const std::vector<uint32_t>& seq) {
+    const auto T = static_cast<int64_t>(seq.size());
+    const int64_t V = config_.vocab_size;
+    ModelOptions o;
+    o.seq_len = T;
+    LlamaModel model(config_, o, *device_);
+    std::vector<int32_t> ids(seq.begin(), seq.end());
+    const std::vector<int32_t> targets(seq.size(), kIgnoreIndex);
+    DeviceBuffer d_ids(*device_, static_cast<uint64_t>(T) * 4, "ids");
+    DeviceBuffer d_targets(*device_, static_cast<uint64_t>(T) * 4, "targets");
+    DeviceBuffer d_logits(*device_, static_cast<uint64_t>(T * V) * 4, "logits");
+    device_->copy_to_device(d_ids.data(), ids.data(), ids.size() * 4, *stream_);
+    device_->copy_to_device(d_targets.data(), targets.data(), targets.size() * 4, *stream_);
+    model.forward(weights_.units(), static_cast<int32_t*>(d_ids.data()),
+                  static_cast<int32_t*>(d_targets.data()), 1, false, *stream_);
+    model.logits(weights_.units(), d_logits.view(DType::f32, {T, V}), 1, *stream_);
+    std::vector<float> all(static_cast<size_t>(T * V));
+    device_->copy_to_host(all.data(), d_logits.data(), all.size() * 4, *stream_);
+    stream_->synchronize();
+    return std::vector<float>(all.end() - V, all.end());
+  }
+
+  // Greedy decoding among ids below `candidates`, stopping at `eos` or after `max_new` tokens.
+  std::vector<uint32_t> greedy(const std::vector<uint32_t>& prompt, int64_t max_new,
+                               int64_t candidates, uint32_t eos) {
+    std::vector<uint32_t> seq = prompt, out;
+    while (static_cast<int64_t>(out.size()) < max_new) {
+      const std::vector<float> l = last_logits(seq);
+      const auto best =
+          static_cast<uint32_t>(std::max_element(l.begin(), l.begin() + candidates) - l.begin());
+      out.push_back(best);
+      seq.push_back(best);
+      if (best == eos) break;
+    }
+    return out;
+  }
+
+ private:
+  LlamaConfig config_;
+  ModelLayout layout_;
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Stream> stream_;
+  ResidentWeights weights_;
+};
+
+std::vector<uint32_t> bytes_of(std::string_view s) {
+  return std::vector<uint32_t>(reinterpret_cast<const unsigned char*>(s.data()),
+                               reinterpret_cast<const unsigned char*>(s.data()) + s.size());
+}
+
+class GenerateCli : public ::testing::Test {
+ protected:
+  void SetUp() override { write_checkpoint(model_dir(), tiny(), 3); }
+  static LlamaConfig tiny() { return *find_preset("tiny"); }
+  fs::path model_dir() const { return tmp_.path / "model"; }
+  std::string model_arg() const { return "--model '" + model_dir().string() + "'"; }
+
+  test::TempDir tmp_{"strata_generate_cli"};
+};
+
+TEST_F(GenerateCli, GreedyIsTheArgmaxOfTheModelsLogits) {
+  const std::string prompt = "Hello, world";
+  Reference ref(tiny(), model_dir());
+  const std::vector<uint32_t> expected = ref.greedy(bytes_of(prompt), 24, kByteVocab, kByteEos);
+  ASSERT_FALSE(expected.empty());
+
+  const std::string args = "--prompt '" + prompt + "' --temperature 0 --max-new-tokens 24 ";
+  const json j = generate_json(model_arg() + " " + args);
+  EXPECT_EQ(tokens_of(j), expected);
+  // Deterministic, and the preset with the same init seed is the same model.
+  EXPECT_EQ(tokens_of(generate_json(model_arg() + " " + args)), expected);
+  EXPECT_EQ(tokens_of(generate_json("--model tiny --init random --seed 3 " + args)), expected);
+  EXPECT_NE(tokens_of(generate_json("--model tiny --init random --seed 4 " + args)), expected);
+
+  // Plain output: the prompt, then the generated bytes as they are (end-of-text dropped).
+  const Result plain = strata("generate --devices host " + model_arg() + " " + args, "2>/dev/null");
+  ASSERT_EQ(plain.status, 0);
+  std::string text = prompt;
+  for (uint32_t t : expected)
+    if (t != kByteEos) text.push_back(static_cast<char>(t));
+  EXPECT_EQ(plain.out, text + "\n");
+}
+
+TEST_F(GenerateCli, JsonFieldsAndMaxNewTokens) {
+  Reference ref(tiny(), model_dir());
+  const std::vector<uint32_t> greedy = ref.greedy(bytes_of("abc"), 17, kByteVocab, kByteEos);
+  for (int64_t n : {1, 5, 17}) {
+    SCOPED_TRACE(n);
+    const json j = generate_json(model_arg() + " --prompt abc --temperature 0 --max-new-tokens " +
+                                 std::to_string(n));
+    for (const char* key : {"prompt", "text", "tokens", "new_tokens", "prompt_tokens", "stop"})
+      EXPECT_TRUE(j.contains(key)) << key << " missing from " << j;
+    EXPECT_EQ(j["prompt"], "abc");
+    EXPECT_EQ(j["prompt_tokens"], json::array({97, 98, 99}));
+    const std::vector<uint32_t> tokens = tokens_of(j);
+    EXPECT_EQ(j["new_tokens"].get<size_t>(), tokens.size());
+    EXPECT_LE(static_cast<int64_t>(tokens.size()), n);
+    const auto want = std::vector<uint32_t>(
+        greedy.begin(), greedy.begin() + std::min<int64_t>(n, static_cast<int64_t>(greedy.size())));
+    EXPECT_EQ(tokens, want);
+    EXPECT_EQ(j["stop"], tokens.back() == kByteEos ? "eos" : "max_new_tokens");
+    // The text is valid JSON; with bytes that are not UTF-8 it holds U+FFFD instead.
+    EXPECT_TRUE(j["text"].is_string());
+  }
+  // Sampled tokens (temperature 1, every candidate): exactly max-new-tokens of them unless
+  // end-of-text came first, all inside the byte vocabulary.
+  const json s =
+      generate_json(model_arg() + " --prompt abc --temperature 1 --top-k 0 --max-new-tokens 40");
+  const std::vector<uint32_t> t = tokens_of(s);
+  EXPECT_TRUE(t.size() == 40 || (!t.empty() && t.back() == kByteEos)) << s;
+  for (uint32_t id : t) EXPECT_LT(id, kByteVocab);
+
+  // The context (tiny's 256 positions) ends generation before max-new-tokens.
+  const json full = generate_json(model_arg() + " --prompt " + std::string(250, 'a') +
+                                  " --temperature 0 --max-new-tokens 20");
+  EXPECT_EQ(full["new_tokens"], 6);
+  EXPECT_EQ(full["stop"], "context");
+}
+
+TEST_F(GenerateCli, SamplingFollowsTheSeedAndTopK) {
+  const std::string args =
+      model_arg() + " --prompt 'Once upon a time' --temperature 1 --max-new-tokens 48 --top-k ";
+  const std::vector<uint32_t> a = tokens_of(generate_json(args + "0 --seed 5"));
+  EXPECT_EQ(tokens_of(generate_json(args + "0 --seed 5")), a);
+  // A random tiny model is close to uniform over 257 ids: 48 equal draws do not happen by chance.
+  EXPECT_NE(tokens_of(generate_json(args + "0 --seed 6")), a);
+
+  // top-k 1 is greedy, whatever the temperature.
+  const std::vector<uint32_t> greedy =
+      tokens_of(generate_json(model_arg() + " --prompt 'Once upon a time' --temperature 0 "
+                                            "--max-new-tokens 48"));
+  EXPECT_EQ(tokens_of(generate_json(args + "1 --seed 9")), greedy);
+
+  // top-k 3: every sampled token is among the three largest logits after its prefix, and over
+  // 48 tokens not every one is the largest.
+  const std::vector<uint32_t> k3 = tokens_of(generate_json(args + "3 --seed 5"));
+  ASSERT_FALSE(k3.empty());
+  Reference ref(tiny(), model_dir());
+  std::vector<uint32_t> seq = bytes_of("Once upon a time");
+  int not_top = 0;
+  for (uint32_t id : k3) {
+    const std::vector<float> l = ref.last_logits(seq);
+    std::vector<uint32_t> order(static_cast<size_t>(kByteVocab));
+    std::iota(order.begin(), order.end(), 0u);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](uint32_t x, uint32_t y) { return l[x] > l[y]; });
+    const auto rank = std::find(order.begin(), order.end(), id) - order.begin();
+    EXPECT_LT(rank, 3) << "token " << id << " after " << seq.size() << " tokens";
+    not_top += rank > 0;
+    seq.push_back(id);
+  }
+  EXPECT_GT(not_top, 0);
+}
+
+// A checkpoint whose blocks add nothing and whose head makes end-of-text win by far: generation
+// stops after one token.
+TEST_F(GenerateCli, StopsAtEndOfText) {
+  const LlamaConfig c = tiny();
+  ASSERT_FALSE(c.tie_word_embeddings);
+  const int64_t D = c.hidden_size;
+  write_checkpoint(tmp_.path / "eos", c, 3, [&](const UnitLayout& unit, std::vector<float>& v) {
+    auto fill = [&](std::string_view name, const std::function<void(float*, int64_t)>& f) {
+      const ParamSlot& p = unit.slot(name);
+      f(v.data() + p.offset, p.numel());
+    };
+    if (unit.kind == UnitKind::embedding)
+      fill("embed_tokens", [&](float* w, int64_t n) {
+        for (int64_t r = 0; r < n / D; ++r) w[r * D] = 1.0f;  // column 0 positive everywhere
+      });
+    if (unit.kind == UnitKind::block)
+      for (const char* name : {"o_proj", "down_proj"})
+        fill(name, [](float* w, int64_t n) { std::fill(w, w + n, 0.0f); });
+    if (unit.kind == UnitKind::head)
+      fill("lm_head", [&](float* w, int64_t n) {
+        for (int64_t r = 0; r < n / D; ++r) w[r * D] = r == kByteEos ? 100.0f : 0.0f;
+      });
+  });
+  const std::string model = "--model '" + (tmp_.path / "eos").string() + "' --prompt hi ";
+  for (const char* sampling : {"--temperature 0", "--temperature 0.8 --top-k 40"}) {
+    const json j = generate_json(model + sampling);
+    EXPECT_EQ(j["tokens"], json::array({kByteEos})) << j;
+    EXPECT_EQ(j["new_tokens"], 1);
+    EXPECT_EQ(j["stop"], "eos");
+    EXPECT_EQ(j["text"], "");
+  }
+}
+
+TEST_F(GenerateCli, RunDirectoryUsesItsNewestCompleteCheckpoint) {
+  const fs::path run = tmp_.path / "run";
+  fs::create_directories(run / "checkpoints");
+  fs::copy(model_dir(), run / "checkpoints" / "step-2");
+  std::ofstream(run / "checkpoints" / "step-2" / "COMPLETE");
+  // step-5 was being written when the run stopped: a config and no weights, no marker.
+  fs::create_directories(run / "checkpoints" / "step-5");
+  fs::copy(model_dir() / "config.json", run / "checkpoints" / "step-5" / "config.json");
+  EXPECT_EQ(newest_checkpoint(run), run / "checkpoints" / "step-2");
+
+  const std::string args = " --prompt abc --temperature 0 --max-new-tokens 8";
+  EXPECT_EQ(tokens_of(generate_json("--model '" + run.string() + "'" + args)),
+            tokens_of(generate_json(model_arg() + args)));
+
+  // Nothing complete: an error naming the run directory and the incomplete checkpoint.
+  fs::remove(run / "checkpoints" / "step-2" / "COMPLETE");
+  const Result r = strata("generate --devices host --model '" + run.string() + "'" + args);
+  EXPECT_EQ(r.status, 1);
+  for (const std::string& part : {run.string(), std::string("step-5"), std::string("COMPLETE")})
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from " << r.out;
+}
+
+TEST(NewestCheckpoint, PicksTheLargestCompleteStep) {
+  const test::TempDir tmp("strata_newest_checkpoint");
+  const fs::path run = tmp.path;
+  test::expect_error([&] { (void)newest_checkpoint(run); }, {run.string(), "checkpoints"});
+  const fs::path ckpts = run / "checkpoints";
+  fs::create_directories(ckpts);
+  test::expect_error([&] { (void)newest_checkpoint(run); }, {run.string(), "no checkpoint"});
+
+  auto make = [&](const std::string& name, bool complete) {
+    fs::create_directories(ckpts / name);
+    if (complete) std::ofstream(ckpts / name / "COMPLETE");
+  };
+  make("step-5", false);
+  test::expect_error([&] { (void)newest_checkpoint(run); },
+                     {run.string(), "no complete checkpoint", "step-5", "COMPLETE"});
+  make("step-2", true);
+  EXPECT_EQ(newest_checkpoint(run), ckpts / "step-2");
+  // Numerically, not by name: step-10 is newer than step-9.
+  make("step-9", true);
+  make("step-10", true);
+  EXPECT_EQ(newest_checkpoint(run), ckpts / "step-10");
+  // Not checkpoints: other names, a file called step-N, a marker that is a directory.
+  make("step-11.tmp", true);
+  make("step-x", true);
+  make("step-", true);
+  std::ofstream(ckpts / "step-12");
+  fs::create_directories(ckpts / "step-13" / "COMPLETE");
+  EXPECT_EQ(newest_checkpoint(run), ckpts / "step-10");
+
+  EXPECT_EQ(checkpoint_dir_name(7), "step-7");
+  EXPECT_EQ(checkpoint_step("step-7"), 7);
+  EXPECT_EQ(checkpoint_step("step-007"), 7);
+  EXPECT_FALSE(checkpoint_step("step--1"));
+  EXPECT_FALSE(checkpoint_step("step-99999999999999999999"));  // past int64
+  EXPECT_FALSE(checkpoint_step("xstep-1"));
+  EXPECT_TRUE(is_run_dir(run));
+  EXPECT_FALSE(is_run_dir(ckpts));
+}
+
+TEST_F(GenerateCli, SentencePieceTokenizer) {
+  std::string why;
+  const std::string sp = test::train_sentencepiece(tmp_.path, &why);
+  if (sp.empty()) GTEST_SKIP() << "cannot train a SentencePiece model here: " << why;
+  const json j = generate_json(model_arg() + " --tokenizer '" + sp +
+                               "' --prompt 'the quick brown' --max-new-tokens 12 --seed 2");
+  EXPECT_EQ(j["tokenizer"], sp);
+  EXPECT_FALSE(j["prompt_tokens"].empty());
+  for (uint32_t id : tokens_of(j)) EXPECT_LT(id, 120u);  // the model's vocabulary, not tiny's 512
+  EXPECT_TRUE(j["text"].is_string());
+  const Result plain = strata("generate --devices host " + model_arg() + " --tokenizer '" + sp +
+                                  "' --prompt 'the quick brown' --max-new-tokens 12 --seed 2",
+                              "2>/dev/null");
+  EXPECT_EQ(plain.status, 0);
+  EXPECT_EQ(plain.out.rfind("the quick brown", 0), 0u) << plain.out;
+}
+
+TEST_F(GenerateCli, BadInputsAreNamed) {
+  // A prompt longer than tiny's 256 positions.
+  const std::string long_prompt(300, 'a');
+  Result r = strata("generate --devices host " + model_arg() + " --prompt " + long_prompt);
+  EXPECT_EQ(r.status, 1);
+  for (const char* part : {"--prompt of 300 tokens", "256", "at most 255"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from " << r.out;
+
+  // A SentencePiece model that is not there.
+  const std::string missing = (tmp_.path / "no-such.model").string();
+  r = strata("generate --devices host " + model_arg() + " --prompt hi --tokenizer '" + missing +
+             "'");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find(missing), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("--tokenizer byte"), std::string::npos) << r.out;
+
+  struct Case {
+    std::string args, expect;
+  };
+  for (const Case& c : std::vector<Case>{
+           {"--model tiny --prompt hi", "--init random"},
+           {model_arg() + " --prompt hi --temperature -1", "--temperature -1"},
+           {model_arg() + " --prompt hi --top-k -2", "--top-k -2"},
+           {model_arg() + " --prompt hi --max-new-tokens 0", "--max-new-tokens 0"},
+           {model_arg() + " --prompt ''", "--prompt"},
+           {"--model tiny --init zeros --prompt hi", "--init 'zeros'"},
+       }) {
+    r = strata("generate --devices host " + c.args);
+    EXPECT_EQ(r.status, 1) << c.args;
+    EXPECT_NE(r.out.find(c.expect), std::string::npos) << c.args << ": " << r.out;
+  }
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,276 @@
+// generate.cpp: `strata generate`, text sampled from a model one token at a time, so a user can
+// see what training did.
+//
+// The model is resident on one device (ResidentWeights + LlamaModel, batch 1) and every new
+// token recomputes the whole sequence: the model's sequence length is fixed at
+// min(prompt + --max-new-tokens, max_position_embeddings), positions past the current end are
+// padding, and causal attention keeps them out of the last real position's logits. Targets are
+// all kIgnoreIndex (the loss the forward computes is unused).
+//
+// Sampling is fully specified, so a seed gives the same tokens on every machine whose logits
+// agree: only ids below both the model's and the tokenizer's vocabulary are candidates (a model's
+// vocabulary is often padded past its tokenizer's). Temperature 0 takes the argmax (lowest id on
+// ties). Otherwise candidates are ordered by logit, highest first (lower id first on ties), the
+// first --top-k kept (0 keeps all), weighted by exp((logit - max) / temperature) in double, and
+// one xoshiro256** draw (train/data_loader.h, seeded by --seed) u = (next >> 11) * 2^-53 picks
+// the first candidate whose running weight sum exceeds u * total. (--seed also seeds --init
+// random.) Generation stops at the tokenizer's end-of-text id (kept in "tokens", not in the
+// text), after --max-new-tokens, or when the model's context is full.
+//
+// Output: the prompt, then the generated text, on stdout; bytes that are not valid UTF-8 (the
+// byte tokenizer can produce any byte) are written as they are. With --json the text fields are
+// JSON strings, where such bytes become U+FFFD; "tokens" holds the exact ids.
+#include "commands.h"
+#include "device_args.h"
+#include "core/device.h"
+#include "core/error.h"
+#include "core/kernels.h"
+#include "core/log.h"
+#include "model/config.h"
+#include "model/llama.h"
+#include "model/safetensors.h"
+#include "model/weights.h"
+#include "train/checkpoint_dir.h"
+#include "train/data_loader.h"
+#include "train/tokenizer.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <memory>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace strata::cli {
+namespace {
+
+struct GenerateArgs {
+  std::string model;
+  std::string init;
+  std::string prompt;
+  std::string tokenizer = "byte";
+  int64_t max_new_tokens = 64;
+  double temperature = 0.8;
+  int64_t top_k = 40;
+  uint64_t seed = 1;
+  std::string devices;
+  std::string dtype;
+  bool json = false;
+};
+
+// The next token from the logits of the last position (see the note above).
+uint32_t sample_token(const std::vector<float>& logits, int64_t candidates, double temperature,
+                      int64_t top_k, Xoshiro256& rng) {
+  const auto n = static_cast<size_t>(candidates);
+  if (temperature == 0) {
+    size_t best = 0;
+    for (size_t i = 1; i < n; ++i)
+      if (logits[i] > logits[best]) best = i;
+    return static_cast<uint32_t>(best);
+  }
+  std::vector<uint32_t> order(n);
+  std::iota(order.begin(), order.end(), 0u);
+  const size_t keep = top_k > 0 ? std::min(n, static_cast<size_t>(top_k)) : n;
+  std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(keep), order.end(),
+                    [&](uint32_t a, uint32_t b) {
+                      return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
+                    });
+  const double top = logits[order[0]];
+  std::vector<double> weights(keep);
+  double total = 0;
+  for (size_t i = 0; i < keep; ++i) {
+    weights[i] = std::exp((static_cast<double>(logits[order[i]]) - top) / temperature);
+    total += weights[i];
+  }
+  const double target = static_cast<double>(rng.next() >> 11) * 0x1.0p-53 * total;
+  double sum = 0;
+  for (size_t i = 0; i < keep; ++i) {
+    sum += weights[i];
+    if (sum > target) return order[i];
+  }
+  return order[keep - 1];
+}
+
+// The checkpoint directory --model names: itself, or a run directory's newest complete one.
+std::filesystem::path checkpoint_of(const std::filesystem::path& dir) {
+  namespace fs = std::filesystem;
+  if (fs::exists(dir / "config.json") || !is_run_dir(dir)) return dir;
+  const fs::path ckpt = newest_checkpoint(dir);
+  log_info("generate: run directory {}: newest complete checkpoint {}", dir.string(),
+           ckpt.string());
+  return ckpt;
+}
+
+int run_generate(const GenerateArgs& a) {
+  namespace fs = std::filesystem;
+  const bool is_dir = fs::is_directory(a.model);
+  const fs::path checkpoint = is_dir ? checkpoint_of(a.model) : fs::path();
+  const LlamaConfig config = resolve_model(is_dir ? checkpoint.string() : a.model);
+  const bool load = weights_from_model_dir(a.model, a.init, "sample from");
+  if (a.max_new_tokens < 1) fail("--max-new-tokens {} must be at least 1", a.max_new_tokens);
+  if (!std::isfinite(a.temperature) || a.temperature < 0)
+    fail("--temperature {} must be a finite number >= 0 (0 is greedy)", a.temperature);
+  if (a.top_k < 0) fail("--top-k {} must be >= 0 (0 keeps every token)", a.top_k);
+
+  // The prompt's tokens before any memory is reserved.
+  const std::unique_ptr<Tokenizer> tokenizer = open_tokenizer(a.tokenizer);
+  if (tokenizer->vocab_size() > config.vocab_size)
+    fail(
+        "--tokenizer {}: its vocabulary of {} is larger than the model's ({}, vocab_size of "
+        "{}); use the tokenizer the model was trained with",
+        tokenizer->name(), tokenizer->vocab_size(), config.vocab_size, config.name);
+  const std::vector<uint32_t> prompt_ids = tokenizer->encode(a.prompt);
+  const auto prompt_len = static_cast<int64_t>(prompt_ids.size());
+  if (prompt_len == 0)
+    fail("--prompt '{}' gives no tokens with the {} tokenizer; give some text to continue",
+         a.prompt, tokenizer->name());
+  const int64_t context = config.max_position_embeddings;
+  if (prompt_len >= context)
+    fail(
+        "--prompt of {} tokens ({} bytes, starting '{}...') leaves no room in the context of {} "
+        "positions (max_position_embeddings of {}); shorten it to at most {} tokens",
+        prompt_len, a.prompt.size(), a.prompt.substr(0, 20), context, config.name, context - 1);
+  const int64_t T = std::min(prompt_len + a.max_new_tokens, context);
+  if (prompt_len + a.max_new_tokens > context)
+    log_warn("generate: the context of {} positions stops generation after {} new tokens", context,
+             context - prompt_len);
+
+  auto devices = open_cli_devices(a.devices, "", 1);
+  Device& device = *devices[0];
+  const DType dtype = model_dtype(device, a.dtype);
+  ModelOptions options;
+  options.param_dtype = dtype;
+  options.grad_dtype = dtype;
+  options.max_batch = 1;
+  options.seq_len = T;
+  LlamaModel model(config, options, device);
+  ResidentWeights weights(model.layout(), device, dtype, dtype, false);
+  auto stream = device.create_stream("generate");
+  if (load)
+    weights.load(SafetensorsReader::open(checkpoint), *stream);
+  else
+    weights.init_random(a.seed, *stream);
+  const std::vector<UnitBuffers> units = weights.units();
+
+  const int64_t V = config.vocab_size;
+  const int64_t candidates = std::min(V, tokenizer->vocab_size());
+  const auto t_bytes = static_cast<uint64_t>(T) * 4;
+  DeviceBuffer d_ids(device, t_bytes, "token ids", MemoryKind::activations);
+  DeviceBuffer d_targets(device, t_bytes, "targets", MemoryKind::activations);
+  DeviceBuffer d_logits(device, static_cast<uint64_t>(T * V) * 4, "logits",
+                        MemoryKind::activations);
+  const std::vector<int32_t> targets(static_cast<size_t>(T), kIgnoreIndex);
+  device.copy_to_device(d_targets.data(), targets.data(), t_bytes, *stream);
+  std::vector<int32_t> ids(static_cast<size_t>(T), 0);  // positions past the end: padding
+  std::copy(prompt_ids.begin(), prompt_ids.end(), ids.begin());
+
+  Xoshiro256 rng(a.seed);
+  const std::optional<uint32_t> eos = tokenizer->eos_id();
+  std::vector<uint32_t> generated;
+  std::vector<float> logits(static_cast<size_t>(V));
+  std::string stop = "max_new_tokens";
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int64_t len = prompt_len;; ++len) {
+    if (static_cast<int64_t>(generated.size()) == a.max_new_tokens) break;
+    if (len == T) {
+      stop = "context";
+      break;
+    }
+    device.copy_to_device(d_ids.data(), ids.data(), t_bytes, *stream);
+    model.forward(units, static_cast<const int32_t*>(d_ids.data()),
+                  static_cast<const int32_t*>(d_targets.data()), 1, false, *stream);
+    model.logits(units, d_logits.view(DType::f32, {T, V}), 1, *stream);
+    device.copy_to_host(
+        logits.data(),
+        static_cast<const char*>(d_logits.data()) + static_cast<uint64_t>((len - 1) * V) * 4,
+        static_cast<uint64_t>(V) * 4, *stream);
+    stream->synchronize();
+    for (int64_t i = 0; i < candidates; ++i)
+      if (!std::isfinite(logits[static_cast<size_t>(i)]))
+        fail(
+            "generate: logit {} of token id {} at position {} is not finite; the weights of {} "
+            "hold non-finite values (or overflow in {})",
+            logits[static_cast<size_t>(i)], i, len - 1, a.model, dtype_name(dtype));
+    const uint32_t next = sample_token(logits, candidates, a.temperature, a.top_k, rng);
+    generated.push_back(next);
+    ids[static_cast<size_t>(len)] = static_cast<int32_t>(next);
+    if (eos && next == *eos) {
+      stop = "eos";
+      break;
+    }
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+
+  // The continuation as the tokenizer decodes it after the prompt (SentencePiece decodes a
+  // piece's leading space only when something precedes it).
+  std::vector<uint32_t> all = prompt_ids;
+  all.insert(all.end(), generated.begin(), generated.end());
+  const std::string whole = tokenizer->decode(all);
+  const std::string prompt_text = tokenizer->decode(prompt_ids);
+  const std::string text = whole.starts_with(prompt_text) ? whole.substr(prompt_text.size())
+                                                          : tokenizer->decode(generated);
+  const auto n_new = static_cast<int64_t>(generated.size());
+  if (a.json) {
+    const nlohmann::json j = {{"prompt", a.prompt},
+                              {"text", text},
+                              {"tokens", generated},
+                              {"new_tokens", n_new},
+                              {"prompt_tokens", prompt_ids},
+                              {"stop", stop},
+                              {"model", config.name},
+                              {"tokenizer", tokenizer->name()},
+                              {"device", device.name()},
+                              {"dtype", dtype_name(dtype)},
+                              {"seed", a.seed},
+                              {"temperature", a.temperature},
+                              {"top_k", a.top_k},
+                              {"tokens_per_s", static_cast<double>(n_new) / seconds}};
+    fmt::print("{}\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+  } else {
+    fmt::print("{}{}\n", a.prompt, text);
+    fmt::print(stderr, "generate: {} new tokens in {:.2f} s ({:.1f} tokens/s), stopped at {}\n",
+               n_new, seconds, static_cast<double>(n_new) / seconds, stop);
+  }
+  return 0;
+}
+
+}  // namespace
+
+Command add_generate(CLI::App& app) {
+  auto a = std::make_shared<GenerateArgs>();
+  CLI::App* cmd = app.add_subcommand("generate", "sample text from a model, one token at a time");
+  cmd->add_option("--model", a->model,
+                  "Hugging Face checkpoint directory, a run directory (its newest complete "
+                  "checkpoint), or a preset with --init random")
+      ->required();
+  cmd->add_option("--init", a->init, "'random': initialise the weights instead of loading");
+  cmd->add_option("--prompt", a->prompt, "the text to continue")->required();
+  cmd->add_option("--tokenizer", a->tokenizer,
+                  "byte (ids 0-255 the bytes, 256 end-of-text) or a SentencePiece .model file")
+      ->capture_default_str();
+  cmd->add_option("--max-new-tokens", a->max_new_tokens,
+                  "stop after this many new tokens (or at end-of-text, or the model's context)")
+      ->capture_default_str();
+  cmd->add_option("--temperature", a->temperature, "softmax temperature; 0 is greedy (argmax)")
+      ->capture_default_str();
+  cmd->add_option("--top-k", a->top_k, "sample among the k most likely tokens; 0 keeps all")
+      ->capture_default_str();
+  cmd->add_option("--seed", a->seed, "seed of the sampling (and of --init random)")
+      ->capture_default_str();
+  cmd->add_option("--devices", a->devices,
+                  "host or cuda:0: the one device the model runs on (default: cuda:0 if a GPU "
+                  "is usable, else host)");
+  cmd->add_option("--dtype", a->dtype, "f32 or bf16 (default: f32 on host, bf16 on cuda)");
+  cmd->add_flag("--json", a->json,
+                "one JSON object: prompt, text, tokens (the new ids), new_tokens, stop, ...");
+  return {cmd, [a] { return run_generate(*a); }};
+}
+
+}  // namespace strata::cli
