@@ -1,0 +1,159 @@
+// test_train_reference.cpp: `strata train` then `strata export` end to end against PyTorch
+// (issue 8's acceptance): a few steps from a Hugging Face checkpoint match
+// tests/reference/train_reference.py (the Llama equations of llama_reference.py in float64,
+// torch.optim.AdamW in fp32, the same batches, the same clipping and learning rates) to 1e-5
+// relative in every weight, and every step's loss to 1e-5 relative.
+//
+// The script writes the checkpoint (a tiny Llama from a numpy seed, untied or tied) and the
+// llm.c token file, then its reference; strata trains on the same files in f32 on the host
+// backend, on one device with a constant rate, and on two with every unit sharded
+// (--persistence-threshold 0) and DeepSpeed's WarmupLR. Each exported tensor is compared by
+// max |strata - torch| / max |torch|, the first few differing elements printed. Weight decay
+// applies to the 2-D weights only, so a norm weight that was decayed fails here. Without torch
+// the test reports a skip, not a pass.
+//
+// The one thing to know before changing the settings: Adam multiplies a gradient's error by up
+// to lr / (sqrt(v) + eps), and fp32 gradients carry errors of ~1e-7 of their scale, so an
+// element whose first gradients are near zero moves by a noisy amount. With the default eps
+// (1e-8) and a constant lr of 1e-2, the reference itself run in float32 instead of float64 moves
+// such weights by up to 3e-4 of their tensor's largest (as strata does): the constant-rate runs
+// therefore take eps 3e-4 (measured worst 1.5e-6), which also makes the weights depend on the
+// gradients' scale (the loss normalisation, the clip coefficient), not only their direction.
+// The WarmupLR runs keep the default eps: their first two updates have lr 0, so v has three
+// gradients in it before a weight moves (measured worst 4e-7).
+#include "model/safetensors.h"
+#include "testing.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <ostream>
+#include <string>
+#include <vector>
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr double kTolerance = 1e-5;
+constexpr int kSteps = 4;
+// Given to both sides, so that strata and the reference train with the same settings.
+const std::string kSettings = fmt::format(
+    "--steps {} --seq-len 16 --micro-batch 2 --grad-accum 2 --lr 1e-2 "
+    "--weight-decay 0.1 --clip 1.0 --seed 7",
+    kSteps);
+
+struct Case {
+  const char* name;
+  bool tied;
+  int ranks;
+  bool warmup;      // WarmupLR over 3 steps; else a constant rate
+  const char* eps;  // Adam's epsilon, given to both sides; null: the default (1e-8) on both
+};
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.name;
+}
+
+std::vector<float> read_f32(const SafetensorsReader& r, const std::string& name) {
+  std::vector<float> v(static_cast<size_t>(r.find(name)->numel()));
+  r.read(name, v.data(), DType::f32);
+  return v;
+}
+
+test::CommandResult strata(const std::string& args) {
+  return test::run_command(fmt::format("'{}' {} 2>&1", STRATA_BINARY, args));
+}
+
+class TrainReference : public ::testing::TestWithParam<Case> {};
+
+TEST_P(TrainReference, ExportedWeightsAndLossesMatchTorch) {
+  const Case& tc = GetParam();
+  const test::TempDir dir("strata-train-reference");
+  const fs::path model = dir.path / "model", run = dir.path / "run", out = dir.path / "out";
+  const std::string settings = kSettings + (tc.eps ? fmt::format(" --eps {}", tc.eps) : "");
+
+  const test::CommandResult ref = test::run_command(
+      fmt::format("'{}' '{}/train_reference.py' '{}' {} --ranks {}{}{} 2>&1", STRATA_PYTHON,
+                  STRATA_REFERENCE_DIR, dir.path.string(), settings, tc.ranks,
+                  tc.tied ? " --tied" : "", tc.warmup ? " --warmup-steps 3" : ""));
+  if (ref.status == 77)
+    GTEST_SKIP() << "PyTorch is not importable by " << STRATA_PYTHON
+                 << "; install python3-torch to run the training reference test";
+  ASSERT_EQ(ref.status, 0) << ref.out;
+
+  const test::CommandResult train = strata(fmt::format(
+      "train --model '{}' --data '{}' {} --devices host:{} --dtype f32 --run-dir '{}'{}{}",
+      model.string(), (dir.path / "tokens.bin").string(), settings, tc.ranks, run.string(),
+      tc.ranks > 1 ? " --persistence-threshold 0" : "",
+      tc.warmup ? " --lr-schedule WarmupLR --warmup-steps 3" : ""));
+  ASSERT_EQ(train.status, 0) << train.out;
+  const test::CommandResult exported =
+      strata(fmt::format("export '{}' --out '{}' --dtype f32", run.string(), out.string()));
+  ASSERT_EQ(exported.status, 0) << exported.out;
+
+  const SafetensorsReader ours = SafetensorsReader::open(out / "model.safetensors");
+  const SafetensorsReader theirs = SafetensorsReader::open(dir.path / "reference.safetensors");
+
+  // Every step's loss.
+  const std::vector<float> ref_loss = read_f32(theirs, "loss");
+  std::vector<double> losses;
+  {
+    std::ifstream f(run / "metrics.jsonl");
+    for (std::string line; std::getline(f, line);)
+      losses.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  }
+  ASSERT_EQ(losses.size(), static_cast<size_t>(kSteps)) << train.out;
+  for (size_t s = 0; s < losses.size(); ++s)
+    EXPECT_LE(std::abs(losses[s] - ref_loss[s]), kTolerance * std::abs(ref_loss[s]))
+        << "step " << s + 1 << ": strata loss " << losses[s] << ", torch " << ref_loss[s] << "\n"
+        << ref.out;
+
+  // Every weight: the same tensors, each within max |a - b| <= 1e-5 max |b|.
+  std::vector<std::string> names = theirs.names();
+  std::erase(names, "loss");
+  EXPECT_EQ(ours.names(), names);
+  double worst = 0;
+  std::string worst_name;
+  for (const std::string& name : names) {
+    if (ours.find(name) == nullptr) continue;  // reported by the comparison of names above
+    const std::vector<float> a = read_f32(ours, name), b = read_f32(theirs, name);
+    ASSERT_EQ(a.size(), b.size()) << name;
+    double diff = 0, scale = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
+      scale = std::max(scale, std::abs(static_cast<double>(b[i])));
+    }
+    const double rel = scale > 0 ? diff / scale : diff;
+    if (rel > worst) {
+      worst = rel;
+      worst_name = name;
+    }
+    if (rel <= kTolerance) continue;
+    std::string first;
+    for (size_t i = 0, shown = 0; i < a.size() && shown < 5; ++i)
+      if (std::abs(static_cast<double>(a[i]) - b[i]) > kTolerance * scale) {
+        first += fmt::format("\n  [{}] strata {:.9g}, torch {:.9g}", i, a[i], b[i]);
+        ++shown;
+      }
+    ADD_FAILURE() << name << ": max |strata - torch| / max |torch| = " << rel << " > " << kTolerance
+                  << "; first differing elements:" << first;
+  }
+  std::printf("%s: %zu tensors, largest relative difference %.3g (%s)\n", tc.name, names.size(),
+              worst, worst_name.c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Runs, TrainReference,
+                         ::testing::Values(Case{"untied_host1", false, 1, false, "3e-4"},
+                                           Case{"tied_host1", true, 1, false, "3e-4"},
+                                           Case{"untied_host2_warmup", false, 2, true, nullptr},
+                                           Case{"tied_host2_warmup", true, 2, true, nullptr}),
+                         [](const auto& p) { return std::string(p.param.name); });
+
+}  // namespace
+}  // namespace strata
