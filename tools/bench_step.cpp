@@ -204,8 +204,7 @@ int run_bench_step(const BenchStepArgs& a) {
   } cleanup{made};
 
   OffloadRequest request;
-  request.param = parse_tier(a.offload_param);
-  request.optimizer = parse_tier(a.offload_optimizer);
+  apply_offload_flags(request, a.offload_param, a.offload_optimizer);
   request.buffer_count = a.buffer_count;
   request.nvme_paths = paths;
   TierBudgets budgets;

@@ -43,4 +43,33 @@ bool weights_from_model_dir(const std::string& model, const std::string& init,
   return init.empty();
 }
 
+std::optional<DsConfig> load_cli_config(const std::string& path) {
+  if (path.empty()) return std::nullopt;
+  DsConfig ds = load_ds_config(path);
+  if (!ds.ignored.empty()) {
+    std::string keys;
+    for (const std::string& k : ds.ignored) keys += (keys.empty() ? "" : ", ") + k;
+    log_warn("config {}: not acted on by strata: {}", path, keys);
+  }
+  return ds;
+}
+
+void apply_offload_flags(OffloadRequest& request, const std::string& param,
+                         const std::string& optimizer) {
+  for (const auto& [flag, value, tier] :
+       {std::tuple{"--offload-param", &param, &request.param},
+        std::tuple{"--offload-optimizer", &optimizer, &request.optimizer}}) {
+    if (value->empty()) continue;
+    if (*value == "auto") {
+      request.automatic = true;
+      continue;
+    }
+    try {
+      *tier = parse_tier(*value);
+    } catch (const Error& e) {
+      fail("{} {}: {}", flag, *value, e.what());
+    }
+  }
+}
+
 }  // namespace strata::cli

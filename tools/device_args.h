@@ -3,6 +3,10 @@
 #pragma once
 
 #include "core/device.h"
+#include "tier/placement.h"
+#include "train/ds_config.h"
+
+#include <optional>
 
 #include <memory>
 #include <string>
@@ -26,5 +30,15 @@ DType model_dtype(const Device& device, const std::string& dtype);
 // --init random; `use` is what the model is for in that message ("evaluate", "sample from").
 bool weights_from_model_dir(const std::string& model, const std::string& init,
                             std::string_view use);
+
+// The DeepSpeed config of --config (none when the flag is empty), with the keys strata does not
+// act on listed once as a warning (plan, train).
+std::optional<DsConfig> load_cli_config(const std::string& path);
+
+// --offload-param / --offload-optimizer over what the config asked for: none, cpu, nvme, or
+// auto (placement within the budgets); an empty flag leaves the config's choice. An unknown
+// tier is an Error naming the flag and the value.
+void apply_offload_flags(OffloadRequest& request, const std::string& param,
+                         const std::string& optimizer);
 
 }  // namespace strata::cli

@@ -12,6 +12,7 @@
 // as the free space of the nvme paths. Rates without --hardware are an assumed machine (see
 // assumed_profile), and the output says so.
 #include "commands.h"
+#include "device_args.h"
 #include "core/bytes.h"
 #include "core/error.h"
 #include "core/log.h"
@@ -128,15 +129,7 @@ json lanes_json(const Prediction& p) {
 
 int run_plan(const PlanArgs& a) {
   // ---- what to run: config first, flags over it ----
-  std::optional<DsConfig> ds;
-  if (!a.config.empty()) {
-    ds = load_ds_config(a.config);
-    if (!ds->ignored.empty()) {
-      std::string keys;
-      for (const std::string& k : ds->ignored) keys += (keys.empty() ? "" : ", ") + k;
-      log_warn("config {}: not acted on by strata: {}", a.config, keys);
-    }
-  }
+  const std::optional<DsConfig> ds = load_cli_config(a.config);
   const HardwareProfile* file_profile = nullptr;
   HardwareProfile loaded;
   if (!a.hardware.empty()) {
@@ -169,20 +162,7 @@ int run_plan(const PlanArgs& a) {
   shape.working_buffers = std::max(depth + 1, shape.model.tie_word_embeddings ? 2 : 1);
 
   OffloadRequest request = cfg.offload;
-  for (const auto& [flag, value, tier] :
-       {std::tuple{"--offload-param", &a.offload_param, &request.param},
-        std::tuple{"--offload-optimizer", &a.offload_optimizer, &request.optimizer}}) {
-    if (value->empty()) continue;
-    if (*value == "auto") {
-      request.automatic = true;
-      continue;
-    }
-    try {
-      *tier = parse_tier(*value);
-    } catch (const Error& e) {
-      fail("{} {}: {}", flag, *value, e.what());
-    }
-  }
+  apply_offload_flags(request, a.offload_param, a.offload_optimizer);
   if (!a.nvme_paths.empty()) request.nvme_paths = a.nvme_paths;
 
   // ---- budgets ----

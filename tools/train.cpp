@@ -40,15 +40,7 @@ struct TrainArgs {
 };
 
 int run_train(const TrainArgs& a) {
-  std::optional<DsConfig> ds;
-  if (!a.config.empty()) {
-    ds = load_ds_config(a.config);
-    if (!ds->ignored.empty()) {
-      std::string keys;
-      for (const std::string& k : ds->ignored) keys += (keys.empty() ? "" : ", ") + k;
-      log_warn("config {}: not acted on by strata: {}", a.config, keys);
-    }
-  }
+  const std::optional<DsConfig> ds = load_cli_config(a.config);
   weights_from_model_dir(a.model, a.init, "train from");
   const LlamaConfig model = resolve_model(a.model);
   auto devices = open_cli_devices(a.devices, a.device_memory, 0);
@@ -110,20 +102,7 @@ int run_train(const TrainArgs& a) {
       a.steps_per_print > 0 ? a.steps_per_print : (ds ? ds->steps_per_print.value_or(10) : 10);
 
   s.offload = plan.offload;
-  for (const auto& [flag, value, tier] :
-       {std::tuple{"--offload-param", &a.offload_param, &s.offload.param},
-        std::tuple{"--offload-optimizer", &a.offload_optimizer, &s.offload.optimizer}}) {
-    if (value->empty()) continue;
-    if (*value == "auto") {
-      s.offload.automatic = true;
-      continue;
-    }
-    try {
-      *tier = parse_tier(*value);
-    } catch (const Error& e) {
-      fail("{} {}: {}", flag, *value, e.what());
-    }
-  }
+  apply_offload_flags(s.offload, a.offload_param, a.offload_optimizer);
   if (!a.nvme_paths.empty()) s.offload.nvme_paths = a.nvme_paths;
   const bool nvme =
       s.offload.param == Tier::nvme || s.offload.optimizer == Tier::nvme || s.offload.automatic;

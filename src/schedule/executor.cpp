@@ -894,8 +894,11 @@ void Executor::State::run_task(const Task& t) {
         if (tied && u == U - 1 && u != 0) xs.push_back(0);
         for (int x : xs)
           if (t.kind == TaskKind::backward && up(x).replicated && !zero->gathered(x)) {
-            cv.wait(lock, [&] { return stop || zero->free_working_buffers() > 0; });
+            // The wait lets go of the lock: another rank may take the buffer meanwhile.
+            cv.wait(lock,
+                    [&] { return stop || zero->gathered(x) || zero->free_working_buffers() > 0; });
             if (stop) return;
+            if (zero->gathered(x)) continue;
             const std::vector<Stream*> cs = comm_streams();
             const std::vector<UnitBuffers> g = zero->gather(x, cs, true);
             for (int q = 0; q < N; ++q)
