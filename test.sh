@@ -26,13 +26,13 @@ cmake --build build -j"$JOBS"
 echo "== address + undefined-behaviour sanitizers, unit tests"
 cmake -S . -B build-asan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_WERROR=ON \
   -DSTRATA_CUDA=OFF -DSTRATA_SANITIZE=address,undefined
-cmake --build build-asan -j"$JOBS"
+cmake --build build-asan -j"$JOBS" --target tests_unit  # only what -L unit runs
 (cd build-asan && ctest "${ctest_args[@]}" -L unit)
 
 echo "== thread sanitizer, concurrent tests"
 cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_WERROR=ON \
   -DSTRATA_CUDA=OFF -DSTRATA_SANITIZE=thread
-cmake --build build-tsan -j"$JOBS"
+cmake --build build-tsan -j"$JOBS" --target tests_tsan  # only what -L tsan runs
 # TSan needs a narrower address-space randomisation than recent kernels use by default.
 (cd build-tsan && setarch "$(uname -m)" -R ctest "${ctest_args[@]}" -L tsan)
 
