@@ -13,9 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstdlib>
 #include <cstring>
-#include <filesystem>
 #include <random>
 
 namespace strata {
@@ -25,16 +23,6 @@ constexpr int kMicro = 2;
 constexpr int64_t kBatch = 2, kSeq = 16;
 constexpr int kSteps = 3;
 constexpr uint64_t kDeviceMemory = 256ull << 20;
-
-struct TempDir {
-  std::string path;
-  TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "strata-exec-XXXXXX").string();
-    if (mkdtemp(tmpl.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed";
-    path = tmpl;
-  }
-  ~TempDir() { std::filesystem::remove_all(path); }
-};
 
 struct Rig {
   std::vector<std::unique_ptr<Device>> devices;
@@ -141,9 +129,9 @@ std::string kinds(const Placement& pl, Device& d) {
 
 RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t threshold = 0,
                        int depth = 1) {
-  TempDir dir;
+  const test::TempDir dir("strata-exec");
   Rig rig(N);
-  const Placement pl = make_placement(c, N, p, o, dir.path, threshold, depth);
+  const Placement pl = make_placement(c, N, p, o, dir.path.string(), threshold, depth);
   ScheduleOptions so;
   so.micro_batches = kMicro;
   so.prefetch_depth = depth;
@@ -406,9 +394,9 @@ TEST(Executor, DeepPrefetchGivesTheSameBits) {
 
 TEST(Executor, NonFiniteGradientsSkipTheStep) {
   const LlamaConfig c = tiny(false);
-  TempDir dir;
+  const test::TempDir dir("strata-exec");
   Rig rig(2);
-  const Placement pl = make_placement(c, 2, Tier::cpu, Tier::nvme, dir.path);
+  const Placement pl = make_placement(c, 2, Tier::cpu, Tier::nvme, dir.path.string());
   ScheduleOptions so;
   so.micro_batches = kMicro;
   const Schedule sc = Schedule::build(pl, so);
@@ -435,9 +423,9 @@ TEST(Executor, NonFiniteGradientsSkipTheStep) {
 
 TEST(Executor, NvmeFaultStopsTheStepNamingTheTask) {
   const LlamaConfig c = tiny(false);
-  TempDir dir;
+  const test::TempDir dir("strata-exec");
   Rig rig(2);
-  const Placement pl = make_placement(c, 2, Tier::gpu, Tier::nvme, dir.path);
+  const Placement pl = make_placement(c, 2, Tier::gpu, Tier::nvme, dir.path.string());
   ScheduleOptions so;
   so.micro_batches = kMicro;
   const Schedule sc = Schedule::build(pl, so);

@@ -13,7 +13,6 @@
 #include "commands.h"
 #include "core/bytes.h"
 #include "core/error.h"
-#include "core/system.h"
 #include "device_args.h"
 #include "model/config.h"
 #include "partition/communicator.h"
@@ -207,15 +206,7 @@ int run_bench_step(const BenchStepArgs& a) {
   apply_offload_flags(request, a.offload_param, a.offload_optimizer);
   request.buffer_count = a.buffer_count;
   request.nvme_paths = paths;
-  TierBudgets budgets;
-  budgets.gpu_memory = ptrs.front()->memory().capacity;
-  budgets.cpu_memory = uint64_t(double(memory_info().available) * 0.8);
-  budgets.pinned_limit = can_lock_past_limit() ? kUnlimited : memlock_limit();
-  if (!paths.empty()) {
-    std::error_code ec;
-    budgets.nvme_free = std::filesystem::space(paths.front(), ec).available;
-    if (ec) fail("--nvme-path {}: {}", paths.front(), ec.message());
-  }
+  const TierBudgets budgets = local_budgets(ptrs.front()->memory().capacity, paths);
   const Placement placement = Placement::make(shape, request, budgets);
   placement.check(budgets);
   ScheduleOptions so;

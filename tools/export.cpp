@@ -43,7 +43,7 @@ int run_export(const ExportArgs& a) {
   if (dtype != DType::f32 && dtype != DType::bf16 && dtype != DType::f16)
     fail("--dtype {}: expected f32, bf16 or f16", a.dtype);
   const uint64_t max_shard = parse_bytes(a.max_shard_size);
-  const LlamaConfig config = resolve_model((ckpt).string());
+  const LlamaConfig config = resolve_model(ckpt.string());
   const ModelLayout layout = ModelLayout::build(config);
   const SafetensorsReader optimizer = SafetensorsReader::open(ckpt / "optimizer.safetensors");
   std::vector<std::vector<char>> data(static_cast<size_t>(layout.num_units()));

@@ -28,15 +28,11 @@
 
 #include <algorithm>
 #include <filesystem>
-#include <set>
-#include <sys/stat.h>
 
 namespace strata::cli {
 namespace {
 
 using nlohmann::json;
-
-constexpr double kSafeRamFraction = 0.8;
 
 struct PlanArgs {
   std::string model;
@@ -92,26 +88,6 @@ std::pair<int, uint64_t> parse_nvme(const std::string& text) {
   if (n < 1)
     fail("--nvme '{}': expected DRIVESxSIZE such as 2x3.5TB, or one SIZE such as 3.5TB", text);
   return {n, parse_bytes(text.substr(x + 1))};
-}
-
-// Free bytes over the nvme paths, each filesystem counted once.
-uint64_t nvme_free_of(const std::vector<std::string>& paths) {
-  std::set<dev_t> seen;
-  uint64_t free = 0;
-  for (const std::string& p : paths) {
-    struct stat st {};
-    if (::stat(p.c_str(), &st) != 0)
-      fail(
-          "nvme path {}: does not exist; create it, or give --nvme DRIVESxSIZE to plan for "
-          "drives this machine does not have",
-          p);
-    if (!seen.insert(st.st_dev).second) continue;
-    std::error_code ec;
-    const auto space = std::filesystem::space(p, ec);
-    if (ec) fail("nvme path {}: free space unknown ({}); give --nvme SIZE", p, ec.message());
-    free += space.available;
-  }
-  return free;
 }
 
 // "154.571 s", "3.214 ms", "12.0 us": a duration readable at every scale.
@@ -196,7 +172,7 @@ int run_plan(const PlanArgs& a) {
     if (request.nvme_paths.empty())
       for (int i = 0; i < n; ++i) request.nvme_paths.push_back(fmt::format("nvme{}", i));
   } else if (!request.nvme_paths.empty()) {
-    budgets.nvme_free = nvme_free_of(request.nvme_paths);
+    budgets.nvme_free = nvme_free_space(request.nvme_paths);
   }
 
   // ---- place, check, schedule, simulate ----

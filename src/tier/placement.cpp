@@ -8,6 +8,9 @@
 #include "core/system.h"
 
 #include <algorithm>
+#include <filesystem>
+#include <set>
+#include <sys/stat.h>
 #include <fmt/format.h>
 
 namespace strata {
@@ -557,6 +560,39 @@ std::string Placement::str() const {
   else
     s += "  pinned buffers: none (nothing is offloaded)\n";
   return s;
+}
+
+uint64_t nvme_free_space(const std::vector<std::string>& paths) {
+  std::set<dev_t> seen;
+  uint64_t free = 0;
+  for (const std::string& p : paths) {
+    struct stat st {};
+    if (::stat(p.c_str(), &st) != 0)
+      fail(
+          "nvme path {}: does not exist; create it or name another directory (strata plan sizes "
+          "drives this machine does not have with --nvme DRIVESxSIZE)",
+          p);
+    if (!seen.insert(st.st_dev).second) continue;
+    std::error_code ec;
+    const auto space = std::filesystem::space(p, ec);
+    if (ec)
+      fail(
+          "nvme path {}: free space unknown ({}); name another directory, or plan with --nvme SIZE",
+          p, ec.message());
+    free += space.available;
+  }
+  return free;
+}
+
+TierBudgets local_budgets(uint64_t device_memory, const std::vector<std::string>& nvme_paths,
+                          uint64_t cpu_memory) {
+  TierBudgets b;
+  b.gpu_memory = device_memory;
+  b.cpu_memory =
+      cpu_memory > 0 ? cpu_memory : uint64_t(double(memory_info().available) * kSafeRamFraction);
+  b.pinned_limit = can_lock_past_limit() ? kUnlimited : memlock_limit();
+  b.nvme_free = nvme_free_space(nvme_paths);
+  return b;
 }
 
 }  // namespace strata

@@ -81,6 +81,20 @@ struct TierBudgets {
   uint64_t nvme_free = 0;     // over all nvme_paths
 };
 
+// Host RAM a run may use by default: the rest of what /proc/meminfo calls available is left to
+// the OS, the page cache and the data loader.
+inline constexpr double kSafeRamFraction = 0.8;
+
+// Free bytes over the nvme paths, each filesystem counted once (two paths on one drive do not
+// double its space). An Error names a path that does not exist or whose space is unknown.
+uint64_t nvme_free_space(const std::vector<std::string>& paths);
+
+// This machine's budgets for a run on devices of `device_memory` each: host RAM `cpu_memory`
+// (0: kSafeRamFraction of what is available), the pinned limit (`ulimit -l`, unlimited with
+// CAP_IPC_LOCK), and nvme_free_space of the paths (0 without paths).
+TierBudgets local_budgets(uint64_t device_memory, const std::vector<std::string>& nvme_paths,
+                          uint64_t cpu_memory = 0);
+
 // The shape of the work a placement is sized for.
 struct RunShape {
   LlamaConfig model;

@@ -39,21 +39,6 @@ void write_text(const fs::path& path, const std::string& text) {
   fsync_path(path);
 }
 
-// Complete checkpoints under run_dir/checkpoints, oldest first, as (step, directory).
-std::vector<std::pair<int64_t, fs::path>> complete_checkpoints(const fs::path& run_dir) {
-  std::vector<std::pair<int64_t, fs::path>> out;
-  std::error_code ec;
-  const fs::path dir = run_dir / kCheckpointsFolder;
-  if (!fs::is_directory(dir, ec)) return out;
-  for (const fs::directory_entry& e : fs::directory_iterator(dir, ec)) {
-    const std::optional<int64_t> step = checkpoint_step(e.path().filename().string());
-    if (step && fs::exists(e.path() / kCheckpointCompleteMarker, ec))
-      out.emplace_back(*step, e.path());
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
-
 }  // namespace
 
 void fsync_path(const fs::path& path) {

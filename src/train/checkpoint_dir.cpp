@@ -38,6 +38,18 @@ bool is_run_dir(const fs::path& dir) {
   return fs::is_directory(dir / kCheckpointsFolder, ec);
 }
 
+std::vector<std::pair<int64_t, fs::path>> complete_checkpoints(const fs::path& run_dir) {
+  std::vector<std::pair<int64_t, fs::path>> out;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(run_dir / kCheckpointsFolder, ec)) {
+    const std::optional<int64_t> step = checkpoint_step(e.path().filename().string());
+    if (step && e.is_directory(ec) && fs::is_regular_file(e.path() / kCheckpointCompleteMarker, ec))
+      out.emplace_back(*step, e.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
 fs::path newest_checkpoint(const fs::path& run_dir) {
   const fs::path folder = run_dir / kCheckpointsFolder;
   std::error_code ec;
@@ -46,40 +58,29 @@ fs::path newest_checkpoint(const fs::path& run_dir) {
         "run directory {}: no {}/ folder in it; pass a run directory of `strata train` or a "
         "checkpoint directory (config.json + safetensors)",
         run_dir.string(), kCheckpointsFolder);
-  std::optional<int64_t> best;
-  fs::path best_path;
-  std::vector<std::string> incomplete;
   fs::directory_iterator it(folder, ec);
   if (ec)
     fail("run directory {}: cannot list {}: {}; check its permissions", run_dir.string(),
          folder.string(), ec.message());
+  const auto complete = complete_checkpoints(run_dir);
+  if (!complete.empty()) return complete.back().second;
+  // None complete: name what is there, for the error.
+  std::vector<std::string> incomplete;
   for (const fs::directory_entry& entry : it) {
     const std::string name = entry.path().filename().string();
-    const std::optional<int64_t> step = checkpoint_step(name);
-    if (!step || !entry.is_directory(ec)) continue;
-    if (!fs::is_regular_file(entry.path() / kCheckpointCompleteMarker, ec)) {
-      incomplete.push_back(name);
-      continue;
-    }
-    if (!best || *step > *best) {
-      best = step;
-      best_path = entry.path();
-    }
+    if (checkpoint_step(name) && entry.is_directory(ec)) incomplete.push_back(name);
   }
-  if (!best) {
-    std::sort(incomplete.begin(), incomplete.end());
-    if (incomplete.empty())
-      fail(
-          "run directory {}: no checkpoint in {} (no step-<N> directory); the run saved none "
-          "yet (see --save-every)",
-          run_dir.string(), folder.string());
+  std::sort(incomplete.begin(), incomplete.end());
+  if (incomplete.empty())
     fail(
-        "run directory {}: no complete checkpoint in {}: {} lack the {} marker (they were "
-        "being written when the run stopped); train until a checkpoint is saved, or pass a "
-        "checkpoint directory itself",
-        run_dir.string(), folder.string(), fmt::join(incomplete, ", "), kCheckpointCompleteMarker);
-  }
-  return best_path;
+        "run directory {}: no checkpoint in {} (no step-<N> directory); the run saved none "
+        "yet (see --save-every)",
+        run_dir.string(), folder.string());
+  fail(
+      "run directory {}: no complete checkpoint in {}: {} lack the {} marker (they were "
+      "being written when the run stopped); train until a checkpoint is saved, or pass a "
+      "checkpoint directory itself",
+      run_dir.string(), folder.string(), fmt::join(incomplete, ", "), kCheckpointCompleteMarker);
 }
 
 }  // namespace strata

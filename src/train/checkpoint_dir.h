@@ -13,6 +13,8 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 namespace strata {
 
@@ -28,6 +30,11 @@ std::optional<int64_t> checkpoint_step(std::string_view dir_name);
 
 // Whether `dir` holds a checkpoints/ folder, i.e. names a run directory.
 bool is_run_dir(const std::filesystem::path& dir);
+
+// The complete checkpoints of a run directory, (step, directory), oldest first; none when it
+// has no checkpoints/ folder.
+std::vector<std::pair<int64_t, std::filesystem::path>> complete_checkpoints(
+    const std::filesystem::path& run_dir);
 
 // run_dir/checkpoints/step-<N> with the largest N whose directory holds the COMPLETE marker.
 // An Error names the run directory when it has no checkpoints/ folder or no complete

@@ -5,7 +5,6 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/log.h"
-#include "core/system.h"
 #include "model/safetensors.h"
 #include "partition/communicator.h"
 #include "schedule/executor.h"
@@ -47,22 +46,14 @@ Placement place(const TrainSettings& s, const std::vector<Device*>& devices, Tie
   shape.seq_len = s.seq_len;
   shape.persistence_threshold = s.persistence_threshold;
   shape.working_buffers = std::max(s.prefetch_depth + 1, model.tie_word_embeddings ? 2 : 1);
-  budgets.gpu_memory = devices.front()->memory().capacity;
-  budgets.cpu_memory =
-      s.cpu_memory > 0 ? s.cpu_memory : uint64_t(double(memory_info().available) * 0.8);
-  budgets.pinned_limit = can_lock_past_limit() ? kUnlimited : memlock_limit();
-  if (!s.offload.nvme_paths.empty()) {
-    budgets.nvme_free = 0;
-    for (const std::string& p : s.offload.nvme_paths) {
-      std::error_code ec;
-      fs::create_directories(p, ec);
-      const auto space = fs::space(p, ec);
-      if (ec)
-        fail("nvme path {}: {}; create it or name a writable directory with --nvme-path", p,
-             ec.message());
-      budgets.nvme_free += space.available;
-    }
+  for (const std::string& p : s.offload.nvme_paths) {
+    std::error_code ec;
+    fs::create_directories(p, ec);
+    if (ec)
+      fail("nvme path {}: cannot create it: {}; name a writable directory with --nvme-path", p,
+           ec.message());
   }
+  budgets = local_budgets(devices.front()->memory().capacity, s.offload.nvme_paths, s.cpu_memory);
   const Placement placement = Placement::make(shape, s.offload, budgets);
   placement.check(budgets);
   return placement;
