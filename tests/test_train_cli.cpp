@@ -4,7 +4,7 @@
 // tried, the export loads back (f32 from the master weights, bf16 equal to the run's
 // parameters), a DeepSpeed config as Hugging Face writes it is accepted, and bad input is named.
 #include "model/safetensors.h"
-#include "testing.h"
+#include "train_cli_testing.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -19,42 +19,10 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-test::CommandResult strata(const std::string& args) {
-  return test::run_command(std::string("'") + STRATA_BINARY + "' " + args + " 2>&1");
-}
-
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
-
-std::vector<json> metrics(const fs::path& run) {
-  std::vector<json> out;
-  std::ifstream f(run / "metrics.jsonl");
-  for (std::string line; std::getline(f, line);) out.push_back(json::parse(line));
-  return out;
-}
-
-// Byte tokens of repetitive English-like text (the byte tokenizer's ids), llm.c format.
-fs::path make_data(const fs::path& dir) {
-  const fs::path txt = dir / "text.txt", bin = dir / "text.bin";
-  std::ofstream f(txt);
-  const char* words[] = {"the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog"};
-  uint32_t x = 12345;
-  for (int line = 0; line < 600; ++line) {
-    for (int w = 0; w < 10; ++w) {
-      x = x * 1103515245u + 12345u;
-      f << words[(x >> 16) % 9] << (w == 9 ? "\n" : " ");
-    }
-  }
-  f.close();
-  const test::CommandResult r =
-      strata("tokenize --tokenizer byte --input " + txt.string() + " --output " + bin.string());
-  EXPECT_EQ(r.status, 0) << r.out;
-  return bin;
-}
+using test::make_data;
+using test::metrics;
+using test::slurp;
+using test::strata;
 
 const std::string kTiny = "--model tiny --init random --seed 5 --seq-len 32 --micro-batch 2 ";
 

@@ -39,6 +39,7 @@ int run_export(const ExportArgs& a) {
           ckpt.string());
     ckpt = newest_checkpoint(ckpt);
   }
+  verify_checkpoint(ckpt);  // what is exported is what was trained, or an Error naming the file
   const DType dtype = parse_dtype(a.dtype);
   if (dtype != DType::f32 && dtype != DType::bf16 && dtype != DType::f16)
     fail("--dtype {}: expected f32, bf16 or f16", a.dtype);

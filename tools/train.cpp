@@ -35,7 +35,7 @@ struct TrainArgs {
   int threads = 0;
   int64_t save_every = 0, steps_per_print = 0;
   int keep = 3;
-  bool resume = false;
+  bool resume = false, resume_fallback = false;
   std::string trace;
 };
 
@@ -115,7 +115,8 @@ int run_train(const TrainArgs& a) {
   s.cpu_adam_threads = a.threads;
   s.save_every = a.save_every;
   s.keep = a.keep;
-  s.resume = a.resume;
+  s.resume = a.resume || a.resume_fallback;
+  s.resume_fallback = a.resume_fallback;
   s.trace = a.trace;
   s.echo = {{"model", a.model},
             {"data", a.data},
@@ -190,7 +191,10 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--threads", a->threads, "CPU Adam threads (0: every CPU)");
   cmd->add_option("--save-every", a->save_every, "checkpoint every N steps (and at the end)");
   cmd->add_option("--keep", a->keep, "complete checkpoints kept (0: all)")->capture_default_str();
-  cmd->add_flag("--resume", a->resume, "continue from the run directory's newest checkpoint");
+  cmd->add_flag("--resume", a->resume,
+                "continue from the run directory's newest checkpoint (verified first)");
+  cmd->add_flag("--resume-fallback", a->resume_fallback,
+                "--resume, from the newest checkpoint that verifies when newer ones are damaged");
   cmd->add_option("--steps-per-print", a->steps_per_print, "log every N steps (default 10)");
   cmd->add_option("--trace", a->trace, "write a Chrome/Perfetto trace of the run's steps here");
   return {cmd, [a] { return run_train(*a); }};

@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -150,6 +151,10 @@ nlohmann::json read_json_file(const std::filesystem::path& path, std::string_vie
   return parse_json_strict(text.str(), path.string());
 }
 
+uint64_t xxh3_64(const void* data, uint64_t bytes) {
+  return XXH3_64bits(data, bytes);
+}
+
 AtomicFile::AtomicFile(std::filesystem::path path) : path_(std::move(path)) {
   tmp_ = path_;
   tmp_ += ".tmp";
@@ -159,6 +164,9 @@ AtomicFile::AtomicFile(std::filesystem::path path) : path_(std::move(path)) {
     fail("cannot create {}: {}; check that the directory exists and is writable", tmp_.string(),
          errno_text(err));
   }
+  hash_ = XXH3_createState();
+  if (hash_ == nullptr) fail("writing {}: out of memory for its checksum state", tmp_.string());
+  XXH3_64bits_reset(hash_);
 }
 
 AtomicFile::~AtomicFile() {
@@ -166,9 +174,19 @@ AtomicFile::~AtomicFile() {
     ::close(fd_);
     ::unlink(tmp_.c_str());
   }
+  XXH3_freeState(hash_);
+}
+
+FileDigest AtomicFile::digest() const {
+  FileDigest d;
+  d.bytes = written_;
+  d.xxh3 = XXH3_64bits_digest(hash_);
+  return d;
 }
 
 void AtomicFile::write(const void* data, uint64_t bytes) {
+  XXH3_64bits_update(hash_, data, bytes);
+  written_ += bytes;
   const auto* p = static_cast<const uint8_t*>(data);
   while (bytes > 0) {
     // Linux writes at most ~2 GiB per call; loop on short writes.

@@ -11,8 +11,11 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <string_view>
+
+struct XXH3_state_s;  // xxhash's, kept out of this header
 
 namespace strata {
 
@@ -51,8 +54,20 @@ nlohmann::json parse_json_strict(std::string_view text, std::string_view source)
 // Reads and parses a whole (small) JSON file with parse_json_strict.
 nlohmann::json read_json_file(const std::filesystem::path& path, std::string_view what);
 
+// XXH3-64 of a byte range: the checksum strata's checkpoints and swap files carry.
+uint64_t xxh3_64(const void* data, uint64_t bytes);
+
+// What a writer put into a file: its size, the XXH3-64 of all of its bytes and, for a
+// safetensors file, of each tensor's data by name. A checkpoint keeps these to verify itself.
+struct FileDigest {
+  uint64_t bytes = 0;
+  uint64_t xxh3 = 0;
+  std::map<std::string, uint64_t> tensors;
+};
+
 // Writes `path` atomically: data goes to `path.tmp`; commit() fsyncs it, renames it over `path`
-// and fsyncs the directory. Destroyed without commit(), it removes the temporary file.
+// and fsyncs the directory. Destroyed without commit(), it removes the temporary file. The
+// bytes written are checksummed on the way (digest()), so a caller need not read them back.
 class AtomicFile {
  public:
   explicit AtomicFile(std::filesystem::path path);
@@ -62,10 +77,14 @@ class AtomicFile {
 
   void write(const void* data, uint64_t bytes);
   void commit();
+  // Size and XXH3-64 of everything written so far (tensors left empty).
+  FileDigest digest() const;
 
  private:
   std::filesystem::path path_, tmp_;
   int fd_ = -1;
+  uint64_t written_ = 0;
+  XXH3_state_s* hash_ = nullptr;
 };
 
 }  // namespace strata

@@ -404,8 +404,8 @@ void SafetensorsReader::read_checked(std::string_view name, void* dst, DType dst
 
 // ---- writer ----
 
-void write_safetensors(const fs::path& path, std::span<const SafetensorsTensor> tensors,
-                       const std::map<std::string, std::string>& metadata) {
+FileDigest write_safetensors(const fs::path& path, std::span<const SafetensorsTensor> tensors,
+                             const std::map<std::string, std::string>& metadata) {
   const std::vector<const SafetensorsTensor*> order = checked_order(tensors, path);
   json header = json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
@@ -430,8 +430,15 @@ void write_safetensors(const fs::path& path, std::span<const SafetensorsTensor> 
   AtomicFile out(path);
   out.write(length, sizeof(length));
   out.write(text.data(), text.size());
-  for (const SafetensorsTensor* t : order) out.write(t->data, tensor_bytes(*t));
+  std::map<std::string, uint64_t> sums;
+  for (const SafetensorsTensor* t : order) {
+    sums[t->name] = xxh3_64(t->data, tensor_bytes(*t));
+    out.write(t->data, tensor_bytes(*t));
+  }
   out.commit();
+  FileDigest d = out.digest();
+  d.tensors = std::move(sums);
+  return d;
 }
 
 std::vector<fs::path> write_safetensors_sharded(

@@ -83,10 +83,11 @@ struct SafetensorsTensor {
 
 // Writes one file atomically (path.tmp, fsync, rename). The header is padded with spaces to a
 // multiple of 8 bytes; data is ordered by element size, then name, so that every tensor is
-// aligned to its element size and the same tensors always give the same bytes.
-void write_safetensors(const std::filesystem::path& path,
-                       std::span<const SafetensorsTensor> tensors,
-                       const std::map<std::string, std::string>& metadata = {});
+// aligned to its element size and the same tensors always give the same bytes. Returns the
+// file's size and checksums, the whole file's and each tensor's (computed as it writes).
+FileDigest write_safetensors(const std::filesystem::path& path,
+                             std::span<const SafetensorsTensor> tensors,
+                             const std::map<std::string, std::string>& metadata = {});
 
 // Writes `dir`/model.safetensors when everything fits in max_shard_bytes, otherwise shards
 // model-0000k-of-0000N.safetensors (filled in the given order; a tensor larger than the limit

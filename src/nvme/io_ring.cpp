@@ -14,7 +14,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
+#include <cstdlib>
 #include <filesystem>
+#include <optional>
+#include <string_view>
 
 namespace strata::nvme {
 
@@ -384,6 +388,36 @@ void IoRing::throw_if_failed() {
   std::exception_ptr e = std::move(failure_);
   failure_ = nullptr;
   std::rethrow_exception(e);
+}
+
+std::vector<Fault> faults_from_env() {
+  const char* env = std::getenv("STRATA_NVME_FAULTS");
+  std::vector<Fault> faults;
+  if (env == nullptr || *env == 0) return faults;
+  std::string_view rest = env;
+  while (!rest.empty()) {
+    const size_t comma = rest.find(',');
+    const std::string_view item = rest.substr(0, comma);
+    rest = comma == std::string_view::npos ? std::string_view{} : rest.substr(comma + 1);
+    const size_t at = item.find('@');
+    const std::string_view kind = item.substr(0, at);
+    uint64_t request = 0;
+    const char* end = item.data() + item.size();
+    const bool number = at != std::string_view::npos && at + 1 < item.size() &&
+                        std::from_chars(item.data() + at + 1, end, request).ptr == end;
+    std::optional<FaultKind> k;
+    if (kind == "eio") k = FaultKind::eio;
+    if (kind == "enospc") k = FaultKind::enospc;
+    if (kind == "short") k = FaultKind::short_io;
+    if (kind == "corrupt") k = FaultKind::corrupt;
+    if (!k || !number)
+      fail(
+          "STRATA_NVME_FAULTS: '{}' is not KIND@REQUEST (KIND eio, enospc, short or corrupt; "
+          "REQUEST a count); unset the variable outside fault tests",
+          item);
+    faults.push_back({*k, request});
+  }
+  return faults;
 }
 
 }  // namespace strata::nvme

@@ -43,6 +43,12 @@ struct Fault {
   uint64_t request;
 };
 
+// Faults named by the environment variable STRATA_NVME_FAULTS, for tests of whole runs (the
+// swap store's ring takes them): a comma-separated list of KIND@REQUEST with KIND one of eio,
+// enospc, short, corrupt and REQUEST the 0-based submit() count of that ring. Empty when the
+// variable is unset; an Error names a malformed entry.
+std::vector<Fault> faults_from_env();
+
 struct IoOptions {
   unsigned queue_depth = 32;      // requests in flight at most; 1..4096
   bool direct = true;             // O_DIRECT where the filesystem takes it

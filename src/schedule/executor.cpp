@@ -9,6 +9,7 @@
 #include "schedule/executor.h"
 
 #include "core/error.h"
+#include "core/log.h"
 #include "core/pinned_pool.h"
 #include "cpu_adam/kernels.h"
 #include "model/safetensors.h"
@@ -535,6 +536,10 @@ void Executor::State::allocate() {
     so.capacity = nvme_bytes;
     so.stripe = opt.nvme_stripe;
     so.io = opt.io;
+    for (const nvme::Fault& f : nvme::faults_from_env()) so.io.faults.push_back(f);
+    if (!so.io.faults.empty())
+      log_warn("STRATA_NVME_FAULTS: injecting {} fault(s) into the swap store's I/O",
+               so.io.faults.size());
     store = std::make_unique<nvme::SwapStore>(so);
     for (int u = 0; u < U; ++u)
       for (int r = 0; r < host_ranks(u); ++r) {

@@ -2,6 +2,8 @@
 #include "train/checkpoint.h"
 
 #include "core/error.h"
+#include "core/log.h"
+#include "model/file_io.h"
 #include "model/llama.h"
 #include "model/safetensors.h"
 #include "schedule/executor.h"
@@ -14,9 +16,11 @@
 #include <cstring>
 #include <fcntl.h>
 #include <fstream>
+#include <optional>
 #include <string>
 #include <unistd.h>
 #include <vector>
+#include <xxhash.h>
 
 namespace strata {
 
@@ -26,17 +30,100 @@ namespace {
 
 constexpr const char* kTrainerState = "trainer_state.json";
 constexpr const char* kOptimizer = "optimizer.safetensors";
+constexpr const char* kModel = "model.safetensors";
+constexpr const char* kConfig = "config.json";
 
-void write_text(const fs::path& path, const std::string& text) {
-  {
-    std::ofstream f(path, std::ios::binary | std::ios::trunc);
-    f << text;
-    f.flush();
-    if (!f)
-      fail("checkpoint: cannot write {}: {}; check the run directory's space and permissions",
-           path.string(), std::strerror(errno));
+FileDigest write_text(const fs::path& path, const std::string& text) {
+  AtomicFile f(path);
+  f.write(text.data(), text.size());
+  f.commit();
+  return f.digest();
+}
+
+// Removes a checkpoint directory so that no crash can leave it looking complete with files
+// missing: it is first renamed out of the step-N namespace (atomic), then deleted.
+void retire(const fs::path& checkpoint) {
+  std::error_code ec;
+  if (!fs::exists(checkpoint, ec)) return;
+  const fs::path old = checkpoint.parent_path() / (".old-" + checkpoint.filename().string());
+  fs::remove_all(old, ec);
+  fs::rename(checkpoint, old, ec);
+  if (ec)
+    fail("checkpoint: cannot rename {} out of the way: {}; check the run directory's permissions",
+         checkpoint.string(), ec.message());
+  fsync_path(checkpoint.parent_path());
+  fs::remove_all(old, ec);
+}
+
+std::string hex64(uint64_t v) {
+  return fmt::format("{:016x}", v);
+}
+
+nlohmann::json digest_json(const FileDigest& d) {
+  nlohmann::json j = {{"bytes", d.bytes}, {"xxh3", hex64(d.xxh3)}};
+  if (!d.tensors.empty()) {
+    nlohmann::json t = nlohmann::json::object();
+    for (const auto& [name, h] : d.tensors) t[name] = hex64(h);
+    j["tensors"] = std::move(t);
   }
-  fsync_path(path);
+  return j;
+}
+
+// XXH3-64 of [offset, offset + bytes) of a mapped file, dropping the pages as it goes so that
+// verifying a large checkpoint does not stay in our resident set.
+uint64_t hash_range(const MappedFile& f, uint64_t offset, uint64_t bytes) {
+  XXH3_state_t* st = XXH3_createState();
+  if (st == nullptr) fail("verifying {}: out of memory for a checksum state", f.path());
+  XXH3_64bits_reset(st);
+  constexpr uint64_t kChunk = 64ull << 20;
+  f.advise_sequential(offset, bytes);
+  for (uint64_t at = offset; at < offset + bytes; at += kChunk) {
+    const uint64_t n = std::min(kChunk, offset + bytes - at);
+    XXH3_64bits_update(st, f.data() + at, n);
+    f.release(at, n);
+  }
+  const uint64_t h = XXH3_64bits_digest(st);
+  XXH3_freeState(st);
+  return h;
+}
+
+// The problem with one file of a checkpoint against its manifest entry, or "".
+std::string file_damage(const fs::path& dir, const std::string& name, const nlohmann::json& want) {
+  const fs::path path = dir / name;
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return fmt::format("{} is missing", name);
+  const auto bytes = want.at("bytes").get<uint64_t>();
+  const uint64_t size = fs::file_size(path, ec);
+  if (ec) return fmt::format("{} cannot be read: {}", name, ec.message());
+  if (size != bytes)
+    return fmt::format("{} is {} bytes, but {} bytes were written (truncated or overwritten)", name,
+                       size, bytes);
+  MappedFile f;
+  try {
+    f = MappedFile::open(path, "checkpoint file");
+  } catch (const Error& e) {
+    return fmt::format("{} cannot be read: {}", name, e.what());
+  }
+  if (hex64(hash_range(f, 0, size)) == want.at("xxh3").get<std::string>()) return "";
+  // Name the tensor when the file is a safetensors file whose header still parses.
+  if (want.contains("tensors")) {
+    std::optional<SafetensorsReader> reader;
+    try {
+      reader.emplace(SafetensorsReader::open(path));
+    } catch (const Error& e) {
+      return fmt::format("{}: its header is damaged ({})", name, e.what());
+    }
+    for (const auto& [tensor, sum] : want.at("tensors").items()) {
+      const SafetensorsEntry* e = reader->find(tensor);
+      if (e == nullptr)
+        return fmt::format("{}: tensor {} is missing from its header", name, tensor);
+      if (hex64(hash_range(f, e->offset, e->bytes)) != sum.get<std::string>())
+        return fmt::format("{}: the data of tensor {} (bytes {}..{}) fail their checksum", name,
+                           tensor, e->offset, e->offset + e->bytes);
+    }
+    return fmt::format("{}: its header fails the file's checksum", name);
+  }
+  return fmt::format("{} fails its checksum", name);
 }
 
 }  // namespace
@@ -61,12 +148,18 @@ fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& 
   if (ec)
     fail("checkpoint: cannot create {}: {}; check the run directory's permissions", dir.string(),
          ec.message());
-  fs::remove_all(tmp, ec);  // a save interrupted earlier
+  // Saves and removals interrupted earlier (a crash, a full disk) leave these behind.
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(".tmp-step-", 0) == 0 || name.rfind(".old-step-", 0) == 0)
+      fs::remove_all(e.path(), ec);
+  }
   fs::create_directory(tmp, ec);
   if (ec) fail("checkpoint: cannot create {}: {}", tmp.string(), ec.message());
 
   const ModelLayout layout = ModelLayout::build(config);
   const int U = layout.num_units();
+  nlohmann::json files = nlohmann::json::object();  // name -> digest, for COMPLETE
   // The model, as Hugging Face names and shapes it, in the run's dtype.
   {
     std::vector<std::vector<char>> data(static_cast<size_t>(U));
@@ -82,9 +175,9 @@ fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& 
              std::vector<int64_t>(s.shape.dims.begin(), s.shape.dims.begin() + s.shape.rank),
              raw.data() + s.offset * dtype_size(model_dtype)});
     }
-    write_safetensors(tmp / "model.safetensors", tensors, {{"format", "pt"}});
+    files[kModel] = digest_json(write_safetensors(tmp / kModel, tensors, {{"format", "pt"}}));
   }
-  write_text(tmp / "config.json", to_hf_config_json(config).dump(2) + "\n");
+  files[kConfig] = digest_json(write_text(tmp / kConfig, to_hf_config_json(config).dump(2) + "\n"));
   // The optimizer state, one unit at a time in memory.
   {
     std::vector<UnitOptimizerState> states;
@@ -99,23 +192,28 @@ fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& 
       tensors.push_back({name + ".exp_avg", DType::f32, {n}, st.m.data()});
       tensors.push_back({name + ".exp_avg_sq", DType::f32, {n}, st.v.data()});
     }
-    write_safetensors(tmp / kOptimizer, tensors, {{"format", "strata-optimizer"}});
+    files[kOptimizer] =
+        digest_json(write_safetensors(tmp / kOptimizer, tensors, {{"format", "strata-optimizer"}}));
   }
-  write_text(tmp / kTrainerState, trainer_state.dump(2) + "\n");
+  files[kTrainerState] = digest_json(write_text(tmp / kTrainerState, trainer_state.dump(2) + "\n"));
   fsync_path(tmp);
 
-  fs::remove_all(final_dir, ec);  // an incomplete one from a run that died before COMPLETE
+  retire(final_dir);  // an incomplete one, or one a --resume-fallback run found damaged
   fs::rename(tmp, final_dir, ec);
   if (ec)
     fail("checkpoint: cannot rename {} to {}: {}", tmp.string(), final_dir.string(), ec.message());
   fsync_path(dir);
-  write_text(final_dir / kCheckpointCompleteMarker, fmt::format("step {}\n", step));
+  // The marker lists every file's checksums and carries a checksum of its own content.
+  nlohmann::json marker = {{"step", step}, {"files", files}};
+  const std::string listed = marker.dump();
+  marker["xxh3"] = hex64(xxh3_64(listed.data(), listed.size()));
+  write_text(final_dir / kCheckpointCompleteMarker, marker.dump(2) + "\n");
   fsync_path(final_dir);
 
   if (keep > 0) {
     auto all = complete_checkpoints(run_dir);
     while (static_cast<int>(all.size()) > keep) {
-      fs::remove_all(all.front().second, ec);
+      retire(all.front().second);
       all.erase(all.begin());
     }
   }
@@ -153,6 +251,74 @@ void restore_checkpoint(const fs::path& checkpoint, Executor& executor) {
     }
     executor.set_optimizer_state(u, st);
   }
+}
+
+std::string checkpoint_damage(const fs::path& checkpoint) {
+  const fs::path marker_path = checkpoint / kCheckpointCompleteMarker;
+  std::ifstream in(marker_path, std::ios::binary);
+  if (!in) return fmt::format("{} is missing", kCheckpointCompleteMarker);
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  nlohmann::json m = nlohmann::json::parse(text, nullptr, false);
+  if (m.is_discarded() || !m.is_object() || !m.contains("files") || !m["files"].is_object() ||
+      !m.contains("step") || !m.contains("xxh3") || !m["xxh3"].is_string() || m.size() != 3)
+    return fmt::format(
+        "{} is not the checksum list strata writes (damaged, or written by an older strata)",
+        kCheckpointCompleteMarker);
+  const std::string self = m["xxh3"].get<std::string>();
+  m.erase("xxh3");
+  const std::string listed = m.dump();
+  if (hex64(xxh3_64(listed.data(), listed.size())) != self)
+    return fmt::format("{}: its checksum list fails its own checksum", kCheckpointCompleteMarker);
+  try {
+    for (const char* name : {kConfig, kModel, kOptimizer, kTrainerState})
+      if (!m["files"].contains(name))
+        return fmt::format("{} lists no checksum for {}", kCheckpointCompleteMarker, name);
+    for (const auto& [name, want] : m["files"].items()) {
+      std::string d = file_damage(checkpoint, name, want);
+      if (!d.empty()) return d;
+    }
+  } catch (const nlohmann::json::exception& e) {
+    return fmt::format("{}: malformed checksum entry ({})", kCheckpointCompleteMarker, e.what());
+  }
+  return "";
+}
+
+void verify_checkpoint(const fs::path& checkpoint) {
+  const std::string d = checkpoint_damage(checkpoint);
+  if (!d.empty())
+    fail("checkpoint {} is damaged: {}; resume from an earlier checkpoint (--resume-fallback)",
+         checkpoint.string(), d);
+}
+
+fs::path resume_checkpoint(const fs::path& run_dir, bool fallback) {
+  const fs::path newest = newest_checkpoint(run_dir);  // names the run when there is none
+  const auto all = complete_checkpoints(run_dir);
+  std::vector<std::string> skipped;
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    const std::string d = checkpoint_damage(it->second);
+    if (d.empty()) {
+      if (!skipped.empty())
+        log_warn("--resume-fallback: resuming from {}, the newest intact checkpoint",
+                 it->second.string());
+      return it->second;
+    }
+    if (!fallback) {
+      const auto prev = std::next(it);
+      fail("resume: checkpoint {} is damaged: {}; {}", it->second.string(), d,
+           prev == all.rend()
+               ? std::string("it is the run's only complete checkpoint, so the run must start "
+                             "again (or restore the file from a copy)")
+               : fmt::format("add --resume-fallback to resume from the newest intact earlier "
+                             "checkpoint ({} is the next one), or restore the file from a copy",
+                             prev->second.filename().string()));
+    }
+    log_warn("--resume-fallback: skipping damaged checkpoint {}: {}", it->second.string(), d);
+    skipped.push_back(it->second.filename().string());
+  }
+  fail(
+      "resume: every complete checkpoint of {} is damaged ({} of them, newest {}); the run must "
+      "start again",
+      run_dir.string(), skipped.size(), newest.filename().string());
 }
 
 }  // namespace strata

@@ -10,7 +10,9 @@
 //                                   a checkpoint never points into a swap file);
 //   trainer_state.json              what the trainer needs besides (step, data position, loss
 //                                   scale, the settings), written by the trainer;
-//   COMPLETE                        written last.
+//   COMPLETE                        written last: JSON listing every file above with its size
+//                                   and XXH3-64 (and each tensor's, for the safetensors files),
+//                                   plus a checksum of that list; resume verifies it all.
 // Writing goes to checkpoints/.tmp-step-N/ (every file fsync'ed), which is renamed to step-N
 // and the parent directory fsync'ed before COMPLETE is written and fsync'ed: a directory
 // without COMPLETE is never chosen (checkpoint_dir.h). The one thing to know before editing:
@@ -26,6 +28,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <string>
 
 namespace strata {
 
@@ -45,6 +48,19 @@ nlohmann::json read_trainer_state(const std::filesystem::path& checkpoint);
 // Puts a checkpoint's optimizer state (and so its parameters) into the executor; an Error
 // naming the file and tensor when one is missing or has another size.
 void restore_checkpoint(const std::filesystem::path& checkpoint, Executor& executor);
+
+// Why a checkpoint directory cannot be trusted: "" when every file matches the size and
+// XXH3-64 checksums its COMPLETE marker lists (the marker checksums its own list too);
+// otherwise the first problem, naming the file and, for a safetensors file whose header still
+// parses, the tensor whose bytes changed. Reads every byte of the checkpoint once.
+std::string checkpoint_damage(const std::filesystem::path& checkpoint);
+// Throws an Error naming the checkpoint and checkpoint_damage() when it is not "".
+void verify_checkpoint(const std::filesystem::path& checkpoint);
+
+// The checkpoint `--resume` continues from: the newest complete one of run_dir, verified. A
+// damaged one is an Error naming the file and tensor, unless `fallback`, which walks back to
+// the newest intact one (warning for each one skipped). An Error when there is none.
+std::filesystem::path resume_checkpoint(const std::filesystem::path& run_dir, bool fallback);
 
 // fsync of a file or directory; an Error naming it on failure.
 void fsync_path(const std::filesystem::path& path);

@@ -90,7 +90,7 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     fail("--run-dir {}: cannot create it: {}; name a writable directory", s.run_dir.string(),
          ec.message());
   if (s.resume) {
-    const fs::path ckpt = newest_checkpoint(s.run_dir);
+    const fs::path ckpt = resume_checkpoint(s.run_dir, s.resume_fallback);
     const nlohmann::json st = read_trainer_state(ckpt);
     const std::string where = (ckpt / "trainer_state.json").string();
     try {
@@ -108,7 +108,7 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
            where, e.what());
     }
     restore_checkpoint(ckpt, ex);
-    log_info("resumed from {} at step {}", ckpt.string(), step);
+    fmt::print("resumed from {} at step {}\n", ckpt.string(), step);
     if (step >= s.steps)
       fail("resume from {}: it is at step {} already and --steps is {}; ask for more steps",
            ckpt.string(), step, s.steps);

@@ -51,6 +51,7 @@ struct TrainSettings {
   int64_t save_every = 0;  // 0: only at the end
   int keep = 3;            // complete checkpoints kept (0: all)
   bool resume = false;
+  bool resume_fallback = false;  // resume from the newest intact checkpoint, skipping damaged ones
   int64_t steps_per_print = 10;
   std::string trace;    // Chrome trace of the last step run, when set
   nlohmann::json echo;  // the resolved settings, saved in every checkpoint
