@@ -310,6 +310,18 @@ TEST(DsConfig, BatchArithmetic) {
   b = resolve_ds_batch(c, 2);
   EXPECT_EQ(b.micro_batch, 3);
   EXPECT_FALSE(b.grad_accum.has_value());
+  // Products past 2^63 are refused, not overflowed (signed overflow: UBSan in fuzz_ds_config).
+  c = DsConfig{};
+  c.train_batch_size = int64_t{1} << 62;
+  c.train_micro_batch_size_per_gpu = int64_t{1} << 62;
+  c.gradient_accumulation_steps = 4;
+  expect_error([&] { resolve_ds_batch(c, 1); },
+               {"4611686018427387904 x 4", "does not fit a 64-bit count"});
+  c.gradient_accumulation_steps.reset();
+  expect_error([&] { resolve_ds_batch(c, 8); }, {"4611686018427387904 x 8", "64-bit"});
+  c.train_micro_batch_size_per_gpu.reset();
+  c.gradient_accumulation_steps = int64_t{1} << 62;
+  expect_error([&] { resolve_ds_batch(c, 2); }, {"gradient_accumulation_steps x GPUs", "64-bit"});
 }
 
 TEST(DsConfig, PrecisionAndAutomaticPlacement) {
@@ -396,6 +408,18 @@ TEST(DsConfig, LoadsFilesAndNamesBadOnes) {
   EXPECT_EQ(load_ds_config(dir / "ok.json").zero.stage, 3);
   expect_error([&] { load_ds_config(dir / "bad.json"); }, {"bad.json", "not valid JSON"});
   expect_error([&] { load_ds_config(dir / "missing.json"); }, {"missing.json", "--config"});
+  expect_error([&] { load_ds_config(dir); }, {dir.string(), "is a directory"});
+  // Strict JSON: a repeated key would silently drop one of its values; absurd nesting is damage.
+  std::ofstream(dir / "twice.json") << R"({"train_batch_size": 8, "train_batch_size": 16})";
+  expect_error([&] { load_ds_config(dir / "twice.json"); },
+               {"twice.json", "'train_batch_size' appears twice"});
+  std::ofstream(dir / "deep.json")
+      << "{\"aio\": " << std::string(100, '[') << std::string(100, ']') << "}";
+  expect_error([&] { load_ds_config(dir / "deep.json"); }, {"deep.json", "nested more than 64"});
+  // Past a double's range: nlohmann's out_of_range used to escape (found by fuzz_ds_config).
+  std::ofstream(dir / "huge.json") << R"({"optimizer": {"params": {"lr": 1e400}}})";
+  expect_error([&] { load_ds_config(dir / "huge.json"); },
+               {"huge.json", "not valid JSON", "number overflow"});
   fs::remove_all(dir);
 }
 

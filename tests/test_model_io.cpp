@@ -10,6 +10,7 @@
 #include "model/tokens.h"
 #include "testing.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 #include <stdlib.h>
@@ -424,6 +425,31 @@ TEST(LlamaConfigLoad, DirectoryFileAndDamagedJson) {
   const fs::path empty = tmp / "empty";
   fs::create_directories(empty);
   expect_error([&] { load_llama_config(empty); }, {empty.string(), "config.json"});
+}
+
+// parse_json_strict, which reads config.json, safetensors headers and DeepSpeed configs.
+TEST(StrictJson, DuplicatesNestingAndManyKeys) {
+  // The same key in two different objects is fine; twice in one object is not.
+  EXPECT_EQ(parse_json_strict(R"({"a": {"k": 1}, "b": {"k": 2}})", "x.json")["b"]["k"], 2);
+  expect_error([&] { parse_json_strict(R"({"a": {"k": 1, "k": 2}})", "x.json"); },
+               {"x.json", "'k' appears twice"});
+  // Nesting: 64 levels are read, deeper is refused before a recursive walk can overflow the
+  // stack (a value nested 100,000 deep used to crash dump() when an error message quoted it).
+  EXPECT_NO_THROW(parse_json_strict(std::string(64, '[') + std::string(64, ']'), "x.json"));
+  expect_error(
+      [&] { parse_json_strict(std::string(100000, '[') + std::string(100000, ']'), "x.json"); },
+      {"x.json", "nested more than 64 levels"});
+  expect_error([&] { parse_json_strict(R"({"a": )" + std::string(65, '['), "x.json"); },
+               {"x.json", "nested more than 64"});
+  // A number past a double's range is nlohmann's out_of_range, not a parse_error: it used to
+  // escape as a foreign exception (found by the fuzz targets).
+  expect_error([&] { parse_json_strict(R"({"a": 1E7777})", "x.json"); },
+               {"x.json", "not valid JSON", "number overflow"});
+  // A header with 200,000 tensors: duplicate detection must not be quadratic.
+  std::string many = "{";
+  for (int i = 0; i < 200000; ++i) many += fmt::format("{}\"t{}\": {}", i ? "," : "", i, i);
+  many += "}";
+  EXPECT_EQ(parse_json_strict(many, "x.json").size(), 200000u);
 }
 
 TEST(LlamaConfigPresets, PublishedParameterCounts) {

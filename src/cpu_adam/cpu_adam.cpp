@@ -18,6 +18,10 @@
 #include <oneapi/tbb/task_scheduler_observer.h>
 #include <xsimd/xsimd.hpp>
 
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -34,7 +38,10 @@ std::span<const SimdKernels* const> available_kernels() {
     std::vector<const SimdKernels*> l;
 #if defined(__x86_64__)
     const auto a = xsimd::available_architectures();
-    const bool f16c = __builtin_cpu_supports("f16c");
+    // F16C is CPUID.1:ECX bit 29 (read directly: clang 14, which the fuzz build uses, does not
+    // know "f16c" in __builtin_cpu_supports).
+    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+    const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
     if (a.avx512f && f16c) l.push_back(&kAvx512Kernels);
     if (a.avx2 && f16c) l.push_back(&kAvx2Kernels);
     if (a.sse4_2) l.push_back(&kSse42Kernels);

@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <fstream>
+#include <set>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -105,25 +106,31 @@ void MappedFile::release(uint64_t offset, uint64_t bytes) const {
 
 nlohmann::json parse_json_strict(std::string_view text, std::string_view source) {
   using json = nlohmann::json;
-  // One set of seen keys per open object; the first repeated key is reported after the parse.
-  std::vector<std::vector<std::string>> open_objects;
+  // Deeper nesting is damage, not a config or a header (theirs is a few levels), and values
+  // nested without bound would overflow the stack of recursive walks such as dump().
+  constexpr int kMaxDepth = 64;
+  // One set of seen keys per open object (a set: a header may hold many thousands of keys);
+  // the first repeated key is reported after the parse.
+  std::vector<std::set<std::string, std::less<>>> open_objects;
   std::string duplicate;
-  const json::parser_callback_t check = [&](int, json::parse_event_t event, json& parsed) {
+  const json::parser_callback_t check = [&](int depth, json::parse_event_t event, json& parsed) {
     switch (event) {
       case json::parse_event_t::object_start:
-        open_objects.emplace_back();
+      case json::parse_event_t::array_start:
+        if (depth >= kMaxDepth)
+          fail(
+              "{}: JSON nested more than {} levels deep; the file is damaged or not the JSON "
+              "file expected here",
+              source, kMaxDepth);
+        if (event == json::parse_event_t::object_start) open_objects.emplace_back();
         break;
       case json::parse_event_t::object_end:
         if (!open_objects.empty()) open_objects.pop_back();
         break;
       case json::parse_event_t::key:
-        if (!open_objects.empty()) {
-          auto& keys = open_objects.back();
-          const std::string& key = parsed.get_ref<const std::string&>();
-          for (const std::string& k : keys)
-            if (k == key && duplicate.empty()) duplicate = key;
-          keys.push_back(key);
-        }
+        if (!open_objects.empty() &&
+            !open_objects.back().insert(parsed.get<std::string>()).second && duplicate.empty())
+          duplicate = parsed.get<std::string>();
         break;
       default:
         break;
@@ -136,6 +143,9 @@ nlohmann::json parse_json_strict(std::string_view text, std::string_view source)
   } catch (const json::parse_error& e) {
     fail("{}: not valid JSON (at byte {}): {}; the file is damaged or not JSON", source, e.byte,
          e.what());
+  } catch (const json::exception& e) {
+    // out_of_range: a number past a double's range (1e400); found by fuzz/fuzz_safetensors.
+    fail("{}: not valid JSON: {}; the file is damaged or not JSON", source, e.what());
   }
   if (!duplicate.empty())
     fail("{}: key '{}' appears twice in one JSON object; remove the duplicate", source, duplicate);

@@ -149,7 +149,11 @@ void SafetensorsReader::add_file(const fs::path& path) {
   const uint64_t data_begin = 8 + n, data_size = f.size() - data_begin;
   const int index = static_cast<int>(files_.size());
   std::vector<SafetensorsEntry> entries;
-  for (const auto& [name, info] : header.items()) {
+  for (const auto& item : header.items()) {
+    // Named references, not a structured binding: the lambda below captures them (clang 14, the
+    // fuzz build's compiler, cannot capture structured bindings).
+    const std::string& name = item.key();
+    const json& info = item.value();
     if (name == "__metadata__") {
       if (!info.is_object())
         fail("safetensors file {}: __metadata__ is {}, not an object of strings", file,
@@ -377,8 +381,9 @@ void SafetensorsReader::read(std::string_view name, void* dst, DType dst_dtype) 
   // A header whose length is not a multiple of 8 (legal, but not what writers produce) leaves
   // the data unaligned; such chunks go through a small aligned copy.
   const bool aligned = reinterpret_cast<uintptr_t>(src) % src_size == 0;
-  std::vector<uint32_t> bounce(aligned ? 0 : kReadChunkBytes / 4);
   const uint64_t chunk = kReadChunkBytes / src_size;
+  // As large as one step's data, not a whole step's 8 MiB: small tensors are the common case.
+  std::vector<uint32_t> bounce(aligned ? 0 : (std::min(chunk, n) * src_size + 3) / 4);
   for (uint64_t i = 0; i < n; i += chunk) {
     const uint64_t m = std::min(chunk, n - i);
     const void* p = src + i * src_size;

@@ -4,12 +4,14 @@
 #include "train/ds_config.h"
 
 #include "core/error.h"
+#include "model/file_io.h"
 
 #include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <fstream>
 #include <limits>
+#include <sstream>
 
 namespace strata {
 namespace {
@@ -362,17 +364,37 @@ DsConfig parse_ds_config(const json& j, std::string_view source) {
 }
 
 DsConfig load_ds_config(const std::filesystem::path& path) {
-  std::ifstream in(path);
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec))
+    fail("DeepSpeed config {}: is a directory; give --config the JSON file itself", path.string());
+  std::ifstream in(path, std::ios::binary);
   if (!in)
     fail("DeepSpeed config {}: cannot be opened; check the path given to --config", path.string());
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::parse_error& e) {
-    fail("DeepSpeed config {}: not valid JSON ({}); fix the file", path.string(), e.what());
-  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad())
+    fail("DeepSpeed config {}: read failed; check the file and the disk", path.string());
+  // Strict JSON: a key given twice (one of the two values would be ignored) or nesting no
+  // config has is an error naming the file.
+  const json j = parse_json_strict(text.str(), fmt::format("DeepSpeed config {}", path.string()));
   return parse_ds_config(j, path.string());
 }
+
+namespace {
+
+// a x b for the batch checks; the config's counts go up to 2^63 - 1, so the product may not
+// fit, and no run has batches that large.
+int64_t batch_product(const DsConfig& c, std::string_view what, int64_t a, int64_t b) {
+  int64_t p = 0;
+  if (__builtin_mul_overflow(a, b, &p))
+    fail(
+        "DeepSpeed config {}: {} = {} x {} does not fit a 64-bit count; no run has batches "
+        "that large, fix the batch sizes",
+        c.source, what, a, b);
+  return p;
+}
+
+}  // namespace
 
 DsBatch resolve_ds_batch(const DsConfig& c, int world) {
   if (world < 1) fail("world size {}: at least 1 GPU", world);
@@ -382,29 +404,35 @@ DsBatch resolve_ds_batch(const DsConfig& c, int world) {
   const auto& ga = c.gradient_accumulation_steps;
   DsBatch b;
   if (tb && mb && ga) {
-    if (*tb != *mb * *ga * w)
+    const int64_t per_gpu =
+        batch_product(c, "train_micro_batch_size_per_gpu x gradient_accumulation_steps", *mb, *ga);
+    const int64_t all = batch_product(
+        c, "train_micro_batch_size_per_gpu x gradient_accumulation_steps x GPUs", per_gpu, w);
+    if (*tb != all)
       fail(
           "DeepSpeed config {}: train_batch_size {} != train_micro_batch_size_per_gpu {} x "
           "gradient_accumulation_steps {} x {} GPU(s) = {}; make the three agree (or set one "
           "to \"auto\")",
-          c.source, *tb, *mb, *ga, w, *mb * *ga * w);
+          c.source, *tb, *mb, *ga, w, all);
     b.micro_batch = mb;
     b.grad_accum = ga;
   } else if (tb && mb) {
-    if (*tb % (*mb * w) != 0)
+    const int64_t all = batch_product(c, "train_micro_batch_size_per_gpu x GPUs", *mb, w);
+    if (*tb % all != 0)
       fail(
           "DeepSpeed config {}: train_batch_size {} is not a multiple of "
           "train_micro_batch_size_per_gpu {} x {} GPU(s); change one of them",
           c.source, *tb, *mb, w);
     b.micro_batch = mb;
-    b.grad_accum = *tb / (*mb * w);
+    b.grad_accum = *tb / all;
   } else if (tb && ga) {
-    if (*tb % (*ga * w) != 0)
+    const int64_t all = batch_product(c, "gradient_accumulation_steps x GPUs", *ga, w);
+    if (*tb % all != 0)
       fail(
           "DeepSpeed config {}: train_batch_size {} is not a multiple of "
           "gradient_accumulation_steps {} x {} GPU(s); change one of them",
           c.source, *tb, *ga, w);
-    b.micro_batch = *tb / (*ga * w);
+    b.micro_batch = *tb / all;
     b.grad_accum = ga;
   } else if (tb) {
     if (*tb % w != 0)
