@@ -763,6 +763,50 @@ TEST(HardwareProfile, JsonRoundTripAndErrorsNameThePath) {
   expect_error([&] { HardwareProfile::load(path); }, {path, "cannot open"});
 }
 
+TEST(HardwareProfile, NotesAndNvmePathsRoundTripAndAreCheckedStrictly) {
+  HardwareProfile p = test_profile();
+  // Without them the JSON has neither key (profiles written before them read the same).
+  EXPECT_FALSE(nlohmann::json::parse(p.to_json()).contains("notes"));
+  EXPECT_FALSE(nlohmann::json::parse(p.to_json()).contains("nvme"));
+  p.notes["gpu_flops"] = "measured: forward + backward";
+  p.notes["comm_bytes_per_s"] = "absent: one device";
+  p.nvme_block_size = 1 << 20;
+  p.nvme_queue_depth = 8;
+  p.nvme_paths = {{"/mnt/a", 3e9, 2e9, true}, {"/mnt/b", 1.5e9, 1e9, false}};
+  const HardwareProfile q = HardwareProfile::from_json_text(p.to_json(), "mem");
+  EXPECT_EQ(q.notes, p.notes);
+  EXPECT_EQ(q.nvme_block_size, 1u << 20);
+  EXPECT_EQ(q.nvme_queue_depth, 8u);
+  ASSERT_EQ(q.nvme_paths.size(), 2u);
+  EXPECT_EQ(q.nvme_paths[1].path, "/mnt/b");
+  EXPECT_EQ(q.nvme_paths[1].read_bytes_per_s, 1.5e9);
+  EXPECT_EQ(q.nvme_paths[1].write_bytes_per_s, 1e9);
+  EXPECT_FALSE(q.nvme_paths[1].direct);
+  EXPECT_TRUE(q.nvme_paths[0].direct);
+  EXPECT_EQ(q.to_json(), p.to_json());
+
+  auto with = [&](const std::string& pointer, const nlohmann::json& value) {
+    nlohmann::json j = nlohmann::json::parse(p.to_json());
+    j[nlohmann::json::json_pointer(pointer)] = value;
+    return j.dump();
+  };
+  auto load = [](const std::string& text) { return HardwareProfile::from_json_text(text, "f"); };
+  expect_error([&] { load(with("/notes/fast", "x")); }, {"f", "/notes/fast", "not a rate"});
+  expect_error([&] { load(with("/notes/gpu_flops", 3)); },
+               {"/notes/gpu_flops", "expected a string"});
+  expect_error([&] { load(with("/nvme/speed", 1)); }, {"/nvme/speed", "unknown key"});
+  expect_error([&] { load(with("/nvme/queue_depth", -1)); }, {"/nvme/queue_depth", "-1"});
+  expect_error([&] { load(with("/nvme/paths/0/read_bytes_per_s", "x")); },
+               {"/nvme/paths/0/read_bytes_per_s", "expected a number"});
+  expect_error([&] { load(with("/nvme/paths/1/direct", 1)); },
+               {"/nvme/paths/1/direct", "expected a boolean"});
+  expect_error([&] { load(with("/nvme/paths/1/drive", 1)); },
+               {"/nvme/paths/1/drive", "unknown key"});
+  nlohmann::json missing = nlohmann::json::parse(p.to_json());
+  missing["nvme"]["paths"][0].erase("path");
+  expect_error([&] { load(missing.dump()); }, {"/nvme/paths/0/path", "missing"});
+}
+
 // ---- llama2-70b: what `strata plan` runs ----
 
 TEST(Schedule, Llama70bBuildsAndSimulatesWellUnderASecond) {

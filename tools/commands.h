@@ -25,6 +25,7 @@ Command add_tokenize(CLI::App& app);  // strata tokenize
 Command add_generate(CLI::App& app);  // strata generate
 Command add_train(CLI::App& app);     // strata train
 Command add_export(CLI::App& app);    // strata export
+Command add_tune(CLI::App& app);      // strata tune
 // `strata bench` subcommands (tools/bench_*.cpp), registered on the `bench` app.
 Command add_bench_adam(CLI::App& bench);   // strata bench adam
 Command add_bench_io(CLI::App& bench);     // strata bench io

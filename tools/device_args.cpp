@@ -5,6 +5,7 @@
 #include "core/log.h"
 #include "core/system.h"
 #include "gpu/runtime.h"
+#include "model/config.h"
 
 #include <filesystem>
 
@@ -35,6 +36,14 @@ bool weights_from_model_dir(const std::string& model, const std::string& init,
                             std::string_view use) {
   if (!init.empty() && init != "random")
     fail("--init '{}' is not known; the only initialisation is 'random'", init);
+  if (!std::filesystem::is_directory(model) && init.empty() && !find_preset(model)) {
+    if (std::filesystem::exists(model))
+      fail(
+          "--model {}: is a file; pass the Hugging Face checkpoint directory that holds "
+          "config.json and model.safetensors",
+          model);
+    (void)resolve_model(model);  // an Error naming the model and listing the presets
+  }
   if (!std::filesystem::is_directory(model) && init.empty())
     fail(
         "--model {} is a preset without weights; pass --init random (with --seed) to {} a "
@@ -70,6 +79,67 @@ void apply_offload_flags(OffloadRequest& request, const std::string& param,
       fail("{} {}: {}", flag, *value, e.what());
     }
   }
+}
+
+int64_t count_flag(const char* flag, int64_t value, int64_t fallback, const char* counts) {
+  if (value == kUnsetFlag) return fallback;
+  if (value < 1) fail("{} {}: it counts {}, so it must be at least 1", flag, value, counts);
+  return value;
+}
+
+std::pair<int64_t, int64_t> resolve_batch(const std::optional<DsConfig>& config,
+                                          const DsBatch& from_config, int world, int64_t micro_flag,
+                                          int64_t accum_flag) {
+  const int64_t micro = count_flag("--micro-batch", micro_flag, from_config.micro_batch.value_or(1),
+                                   "sequences per device per micro-batch");
+  const int64_t accum = count_flag("--grad-accum", accum_flag, from_config.grad_accum.value_or(1),
+                                   "micro-batches per optimizer step");
+  const bool micro_given = micro_flag != kUnsetFlag, accum_given = accum_flag != kUnsetFlag;
+  if (!config || !config->train_batch_size || (!micro_given && !accum_given)) return {micro, accum};
+  // DeepSpeed's arithmetic over the flags and the values the config fixes: with two of
+  // train_batch_size, micro-batch and accumulation the third is derived, with three they agree.
+  const int64_t want = *config->train_batch_size, w = world;
+  const std::optional<int64_t> mb =
+      micro_given ? std::optional<int64_t>(micro) : config->train_micro_batch_size_per_gpu;
+  const std::optional<int64_t> ga =
+      accum_given ? std::optional<int64_t>(accum) : config->gradient_accumulation_steps;
+  const std::string src = config->source;
+  const auto unfixable = [&](const std::string& what, const std::string& fix) {
+    fail(
+        "{} x {} device(s) does not divide the train_batch_size {} that DeepSpeed config {} "
+        "sets (DeepSpeed refuses such a run); {}, or set train_batch_size to \"auto\"",
+        what, w, want, src, fix);
+  };
+  if (mb && !ga) {
+    if (want % (*mb * w) != 0)
+      unfixable(fmt::format("--micro-batch {}", *mb),
+                "pass a --micro-batch that divides " + std::to_string(want / w));
+    return {*mb, want / (*mb * w)};
+  }
+  if (ga && !mb) {
+    if (want % (*ga * w) != 0)
+      unfixable(fmt::format("--grad-accum {}", *ga),
+                "pass a --grad-accum that divides " + std::to_string(want / w));
+    return {want / (*ga * w), *ga};
+  }
+  const int64_t got = *mb * *ga * w;
+  if (got == want) return {*mb, *ga};
+  const std::string m = micro_given ? fmt::format("--micro-batch {}", *mb)
+                                    : fmt::format("train_micro_batch_size_per_gpu {}", *mb);
+  const std::string g = accum_given ? fmt::format("--grad-accum {}", *ga)
+                                    : fmt::format("gradient_accumulation_steps {}", *ga);
+  std::string fix;
+  if (!accum_given && want % (*mb * w) == 0)
+    fix = fmt::format("add --grad-accum {}", want / (*mb * w));
+  else if (!micro_given && want % (*ga * w) == 0)
+    fix = fmt::format("add --micro-batch {}", want / (*ga * w));
+  else
+    fix = fmt::format("choose --micro-batch x --grad-accum = {} / {} device(s)", want, w);
+  fail(
+      "{} x {} x {} device(s) = {} sequences per step, but DeepSpeed config {} sets "
+      "train_batch_size {} (DeepSpeed refuses such a run); {}, or set train_batch_size to "
+      "\"auto\" in the config",
+      m, g, w, got, src, want, fix);
 }
 
 }  // namespace strata::cli

@@ -6,7 +6,10 @@
 #include "tier/placement.h"
 #include "train/ds_config.h"
 
+#include <cstdint>
+#include <limits>
 #include <optional>
+#include <utility>
 
 #include <memory>
 #include <string>
@@ -40,5 +43,22 @@ std::optional<DsConfig> load_cli_config(const std::string& path);
 // tier is an Error naming the flag and the value.
 void apply_offload_flags(OffloadRequest& request, const std::string& param,
                          const std::string& optimizer);
+
+// The value of a count flag that was not given (so that `--micro-batch 0` is not mistaken for
+// leaving it out).
+inline constexpr int64_t kUnsetFlag = std::numeric_limits<int64_t>::min();
+
+// A count flag: `fallback` when it was not given (kUnsetFlag), else its value, which must be at
+// least 1: an Error names the flag, the value and what it counts.
+int64_t count_flag(const char* flag, int64_t value, int64_t fallback, const char* counts);
+
+// The micro-batch and gradient accumulation steps of a run on `world` devices: --micro-batch
+// and --grad-accum (kUnsetFlag: not given) over what the DeepSpeed config resolves to
+// (`from_config`), else 1. When the config fixes train_batch_size, DeepSpeed refuses a run
+// whose micro-batch x accumulation x world differs from it, and so does this: flags that
+// break the product are an Error naming both sides and the flag value that would agree.
+std::pair<int64_t, int64_t> resolve_batch(const std::optional<DsConfig>& config,
+                                          const DsBatch& from_config, int world, int64_t micro_flag,
+                                          int64_t accum_flag);
 
 }  // namespace strata::cli

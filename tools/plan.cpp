@@ -39,7 +39,7 @@ struct PlanArgs {
   std::string config;
   std::string offload_param, offload_optimizer;
   std::vector<std::string> nvme_paths;
-  int64_t micro_batch = 0, grad_accum = 0, seq_len = 0;
+  int64_t micro_batch = kUnsetFlag, grad_accum = kUnsetFlag, seq_len = kUnsetFlag;
   int prefetch_depth = -1;
   std::string dtype, grad_dtype = "f32";
   int64_t persistence_threshold = -1;
@@ -120,12 +120,12 @@ int run_plan(const PlanArgs& a) {
   const LlamaConfig model = resolve_model(a.model);
   DsPlanSettings cfg;
   if (ds) cfg = ds_plan_settings(*ds, gpus, model);
-  const int64_t micro = a.micro_batch > 0 ? a.micro_batch : cfg.batch.micro_batch.value_or(1);
-  const int64_t accum = a.grad_accum > 0 ? a.grad_accum : cfg.batch.grad_accum.value_or(1);
+  const auto [micro, accum] = resolve_batch(ds, cfg.batch, gpus, a.micro_batch, a.grad_accum);
   std::string dtype = a.dtype;
   if (dtype.empty())
     dtype = cfg.param_dtype ? std::string(dtype_name(*cfg.param_dtype)) : std::string("bf16");
-  RunShape shape = run_shape_for(a.model, gpus, micro, a.seq_len, dtype);
+  RunShape shape = run_shape_for(
+      a.model, gpus, micro, count_flag("--seq-len", a.seq_len, 0, "tokens per sequence"), dtype);
   if (a.grad_dtype != "f32" && a.grad_dtype != "bf16" && a.grad_dtype != "f16")
     fail("--grad-dtype '{}' is not one of f32, bf16, f16", a.grad_dtype);
   shape.grad_dtype = parse_dtype(a.grad_dtype);
@@ -172,6 +172,7 @@ int run_plan(const PlanArgs& a) {
     if (request.nvme_paths.empty())
       for (int i = 0; i < n; ++i) request.nvme_paths.push_back(fmt::format("nvme{}", i));
   } else if (!request.nvme_paths.empty()) {
+    budgets.nvme_paths = nvme_path_space(request.nvme_paths);
     budgets.nvme_free = nvme_free_space(request.nvme_paths);
   }
 

@@ -18,6 +18,7 @@ int main(int argc, char** argv) {
       strata::cli::add_info(app),     strata::cli::add_eval(app),  strata::cli::add_bench(app),
       strata::cli::add_estimate(app), strata::cli::add_plan(app),  strata::cli::add_tokenize(app),
       strata::cli::add_generate(app), strata::cli::add_train(app), strata::cli::add_export(app),
+      strata::cli::add_tune(app),
   };
 
   try {

@@ -14,7 +14,9 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <filesystem>
+#include <utility>
 
 namespace strata::cli {
 namespace {
@@ -25,12 +27,12 @@ struct TrainArgs {
   std::string model, init, config, data_dtype, run_dir, dtype, devices, device_memory;
   std::vector<std::string> data, nvme_paths;
   uint64_t seed = 1;
-  int64_t steps = 0, micro_batch = 0, grad_accum = 0, seq_len = 0;
-  double lr = -1, weight_decay = -1, clip = -1, eps = -1;
+  int64_t steps = 0, micro_batch = kUnsetFlag, grad_accum = kUnsetFlag, seq_len = kUnsetFlag;
+  double lr = NAN, weight_decay = NAN, clip = NAN, eps = NAN;  // NaN: not given
   std::string optimizer, lr_schedule;
-  int64_t warmup_steps = -1;
-  std::string offload_param, offload_optimizer, cpu_memory;
-  int prefetch_depth = -1;
+  int64_t warmup_steps = kUnsetFlag;
+  std::string offload_param, offload_optimizer, cpu_memory, pinned_memory;
+  int64_t prefetch_depth = kUnsetFlag;
   int64_t persistence_threshold = -1;
   int threads = 0;
   int64_t save_every = 0, steps_per_print = 0;
@@ -39,7 +41,28 @@ struct TrainArgs {
   std::string trace;
 };
 
+// The numbers a user can get wrong by sign: each flag given must be finite and >= 0 (a
+// negative count or rate has no meaning; 0 is each one's "none").
+void check_train_numbers(const TrainArgs& a) {
+  for (const auto& [flag, v] :
+       {std::pair{"--lr", a.lr}, std::pair{"--weight-decay", a.weight_decay},
+        std::pair{"--clip", a.clip}, std::pair{"--eps", a.eps}})
+    if (!std::isnan(v) && !(v >= 0 && std::isfinite(v)))
+      fail("{} {}: it must be a finite number >= 0", flag, v);
+  for (const auto& [flag, v] :
+       {std::pair{"--warmup-steps", a.warmup_steps == kUnsetFlag ? 0 : a.warmup_steps},
+        std::pair{"--save-every", a.save_every}, std::pair{"--keep", int64_t{a.keep}},
+        std::pair{"--steps-per-print", a.steps_per_print}})
+    if (v < 0) fail("{} {}: it counts steps or checkpoints, so it must be 0 or more", flag, v);
+  if (!a.cpu_memory.empty() && parse_bytes(a.cpu_memory) == 0)
+    fail(
+        "--cpu-memory {}: no host RAM at all; give a size such as 64GiB (default: 80% of what "
+        "is available)",
+        a.cpu_memory);
+}
+
 int run_train(const TrainArgs& a) {
+  check_train_numbers(a);
   const std::optional<DsConfig> ds = load_cli_config(a.config);
   weights_from_model_dir(a.model, a.init, "train from");
   const LlamaConfig model = resolve_model(a.model);
@@ -58,9 +81,11 @@ int run_train(const TrainArgs& a) {
   s.steps = a.steps;
   DsPlanSettings plan;
   if (ds) plan = ds_plan_settings(*ds, world, model);
-  s.micro_batch = a.micro_batch > 0 ? a.micro_batch : plan.batch.micro_batch.value_or(1);
-  s.grad_accum = a.grad_accum > 0 ? a.grad_accum : plan.batch.grad_accum.value_or(1);
-  s.seq_len = a.seq_len > 0 ? a.seq_len : std::min<int64_t>(model.max_position_embeddings, 1024);
+  std::tie(s.micro_batch, s.grad_accum) =
+      resolve_batch(ds, plan.batch, world, a.micro_batch, a.grad_accum);
+  s.seq_len =
+      count_flag("--seq-len", a.seq_len, std::min<int64_t>(model.max_position_embeddings, 1024),
+                 "tokens per sequence");
   if (s.seq_len > model.max_position_embeddings)
     fail("--seq-len {}: the model's max_position_embeddings is {}; use at most that", s.seq_len,
          model.max_position_embeddings);
@@ -80,24 +105,24 @@ int run_train(const TrainArgs& a) {
     adamw = a.optimizer == "adamw";
   }
   s.adam.adamw = adamw;
-  const double lr = a.lr >= 0 ? a.lr : opt.lr.value_or(1e-3);
+  const double lr = !std::isnan(a.lr) ? a.lr : opt.lr.value_or(1e-3);
   s.adam.lr = static_cast<float>(lr);
   if (opt.betas) {
     s.adam.beta1 = static_cast<float>((*opt.betas)[0]);
     s.adam.beta2 = static_cast<float>((*opt.betas)[1]);
   }
-  s.adam.eps = static_cast<float>(a.eps >= 0 ? a.eps : opt.eps.value_or(1e-8));
-  s.adam.weight_decay =
-      static_cast<float>(a.weight_decay >= 0 ? a.weight_decay : opt.weight_decay.value_or(0.0));
+  s.adam.eps = static_cast<float>(!std::isnan(a.eps) ? a.eps : opt.eps.value_or(1e-8));
+  s.adam.weight_decay = static_cast<float>(
+      !std::isnan(a.weight_decay) ? a.weight_decay : opt.weight_decay.value_or(0.0));
   DsConfig::Scheduler sched = ds ? ds->scheduler : DsConfig::Scheduler{};
   if (!a.lr_schedule.empty()) {
     sched = DsConfig::Scheduler{};
     if (a.lr_schedule != "none") sched.type = a.lr_schedule;
   }
-  if (a.warmup_steps >= 0) sched.warmup_num_steps = a.warmup_steps;
+  if (a.warmup_steps != kUnsetFlag) sched.warmup_num_steps = a.warmup_steps;
   s.schedule = lr_schedule_from_config(sched, lr, s.steps);
   s.scaling = loss_scale_settings(ds ? ds->fp16 : DsConfig::Fp16{}, s.dtype == DType::f16);
-  s.max_grad_norm = a.clip >= 0 ? a.clip : (ds ? ds->gradient_clipping.value_or(0.0) : 0.0);
+  s.max_grad_norm = !std::isnan(a.clip) ? a.clip : (ds ? ds->gradient_clipping.value_or(0.0) : 0.0);
   s.steps_per_print =
       a.steps_per_print > 0 ? a.steps_per_print : (ds ? ds->steps_per_print.value_or(10) : 10);
 
@@ -107,11 +132,20 @@ int run_train(const TrainArgs& a) {
   const bool nvme =
       s.offload.param == Tier::nvme || s.offload.optimizer == Tier::nvme || s.offload.automatic;
   if (nvme && s.offload.nvme_paths.empty()) s.offload.nvme_paths = {(s.run_dir / "swap").string()};
-  s.prefetch_depth = a.prefetch_depth >= 0 ? a.prefetch_depth : plan.prefetch_depth.value_or(1);
+  if (a.prefetch_depth != kUnsetFlag && (a.prefetch_depth < 0 || a.prefetch_depth > 64))
+    fail("--prefetch-depth {}: units fetched ahead of use, 0..64", a.prefetch_depth);
+  s.prefetch_depth = a.prefetch_depth != kUnsetFlag ? static_cast<int>(a.prefetch_depth)
+                                                    : plan.prefetch_depth.value_or(1);
   s.persistence_threshold = a.persistence_threshold >= 0
                                 ? static_cast<uint64_t>(a.persistence_threshold)
                                 : plan.persistence_threshold.value_or(100000);
   if (!a.cpu_memory.empty()) s.cpu_memory = parse_bytes(a.cpu_memory);
+  if (!a.pinned_memory.empty()) {
+    s.pinned_memory = parse_bytes(a.pinned_memory);
+    if (s.pinned_memory == 0)
+      fail("--pinned-memory {}: no page-locked memory at all; give a size such as 2GiB",
+           a.pinned_memory);
+  }
   s.cpu_adam_threads = a.threads;
   s.save_every = a.save_every;
   s.keep = a.keep;
@@ -186,6 +220,8 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--persistence-threshold", a->persistence_threshold,
                   "units of at most this many elements stay whole on every device (100000)");
   cmd->add_option("--cpu-memory", a->cpu_memory, "host RAM the run may use");
+  cmd->add_option("--pinned-memory", a->pinned_memory,
+                  "page-locked memory the run may use (default and most: ulimit -l)");
   cmd->add_option("--devices", a->devices, "host:N, cuda or cuda:0,1");
   cmd->add_option("--device-memory", a->device_memory, "cap of each device's memory");
   cmd->add_option("--threads", a->threads, "CPU Adam threads (0: every CPU)");

@@ -15,11 +15,14 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <optional>
 
 namespace strata {
 namespace {
+
+std::atomic<uint64_t> g_pools_created{0};
 
 constexpr const char* kName = "pinned pool";
 constexpr const char* kRemedy =
@@ -77,6 +80,7 @@ PinnedPool::PinnedPool(const PinnedPoolOptions& options)
         "(for example --cpu-memory 8GiB)");
   const MemoryInfo mem = memory_info();
   if (capacity_ > mem.available) fail_ram(capacity_, mem, "");
+  g_pools_created.fetch_add(1);
 
   // 1. With a CUDA device: cudaHostAlloc, placed on the GPU's node by binding this thread.
   if (options.cuda) {
@@ -146,8 +150,14 @@ PinnedPool::~PinnedPool() {
     munmap(base_, capacity_);  // also unlocks
 }
 
+uint64_t PinnedPool::pools_created() {
+  return g_pools_created.load();
+}
+
 void* PinnedPool::allocate(uint64_t bytes, std::string_view what) {
-  return base_ + arena_.allocate(bytes, what);
+  char* p = base_ + arena_.allocate(bytes, what);
+  allocations_made_.fetch_add(1);
+  return p;
 }
 
 void PinnedPool::release(void* ptr) {

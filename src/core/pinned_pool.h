@@ -11,6 +11,7 @@
 
 #include "core/arena.h"
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -48,6 +49,13 @@ class PinnedPool {
   // Returns a block allocate() gave; throws Error on a pointer it did not give.
   void release(void* ptr);
 
+  // How often allocate() has handed out a block since construction (released ones included):
+  // a trainer whose buffers are allocated once sees this stay the same from step to step.
+  uint64_t allocations_made() const { return allocations_made_.load(); }
+  // PinnedPools constructed in this process so far: each is one request to the system for
+  // page-locked memory (cudaHostAlloc or mmap + mlock).
+  static uint64_t pools_created();
+
   Pinning pinning() const { return pinning_; }
   void* base() const { return base_; }  // for registering the whole pool with io_uring
   uint64_t capacity() const { return capacity_; }
@@ -58,6 +66,7 @@ class PinnedPool {
   char* base_ = nullptr;
   Pinning pinning_ = Pinning::unlocked;
   Arena arena_;
+  std::atomic<uint64_t> allocations_made_{0};
 };
 
 }  // namespace strata

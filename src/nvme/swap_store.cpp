@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <string>
 
 namespace strata::nvme {
 
@@ -27,6 +28,50 @@ namespace {
 
 bool aligned(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % kDirectAlignment == 0;
+}
+
+// Locks the swap directory `dir` through its lock file for as long as the returned descriptor
+// is open, and writes this process's id into the file. flock is dropped by the kernel when its
+// holder dies, so the file a killed run leaves behind does not block the next one. An Error
+// names the directory and, when another run holds it, that run's process id.
+int lock_swap_directory(const std::string& dir, const std::string& lock) {
+  for (int attempt = 0;; ++attempt) {
+    const int fd = open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0)
+      fail("nvme_path {}: cannot create lock file {}: {}; make the directory writable", dir, lock,
+           errno_text(errno));
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      char id[32] = {};
+      const ssize_t n = pread(fd, id, sizeof(id) - 1, 0);
+      close(fd);
+      std::string holder = n > 0 ? std::string(id, static_cast<size_t>(n)) : std::string();
+      while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+      if (err == EWOULDBLOCK)
+        fail(
+            "nvme_path {} is in use by another strata run ({} holds the lock {}); two runs on "
+            "one swap directory would overwrite each other's state: give this run its own "
+            "--nvme-path (or --run-dir), or wait for that run to end",
+            dir, holder.empty() ? std::string("a process") : "process " + holder, lock);
+      fail("nvme_path {}: flock of {} failed: {}", dir, lock, errno_text(err));
+    }
+    // A run that ends unlinks the lock file while holding it: a lock taken on that unlinked
+    // file locks nothing, so take the file now at the path instead.
+    struct stat held {
+    }, at_path{};
+    if (fstat(fd, &held) == 0 && ::stat(lock.c_str(), &at_path) == 0 &&
+        held.st_ino == at_path.st_ino && held.st_dev == at_path.st_dev) {
+      const std::string id = std::to_string(getpid()) + "\n";
+      if (ftruncate(fd, 0) != 0 ||
+          pwrite(fd, id.data(), id.size(), 0) != static_cast<ssize_t>(id.size()))
+        log_warn("nvme: cannot write the process id into {}: {}", lock, errno_text(errno));
+      return fd;
+    }
+    close(fd);
+    if (attempt == 100)
+      fail("nvme_path {}: the lock file {} keeps being replaced; is another run starting there?",
+           dir, lock);
+  }
 }
 
 // Bounce buffers taken from a pool for one call; every one goes back when it ends.
@@ -84,20 +129,7 @@ SwapStore::SwapStore(SwapStoreOptions options) : options_(std::move(options)) {
     // Lock every directory before touching anything in it.
     for (const std::string& p : options_.paths) {
       const std::string lock = (fs::path(p) / kLockFile).string();
-      const int fd = open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-      if (fd < 0)
-        fail("nvme_path {}: cannot create lock file {}: {}; make the directory writable", p, lock,
-             errno_text(errno));
-      if (flock(fd, LOCK_EX | LOCK_NB) != 0) {
-        const int err = errno;
-        close(fd);
-        if (err == EWOULDBLOCK)
-          fail(
-              "nvme_path {} is in use by another strata run ({} is locked); give each run its "
-              "own nvme_path",
-              p, lock);
-        fail("nvme_path {}: flock of {} failed: {}", p, lock, errno_text(err));
-      }
+      const int fd = lock_swap_directory(p, lock);
       lock_fds_.push_back(fd);
       locks_.push_back(lock);
       const std::string file = (fs::path(p) / kSwapFile).string();

@@ -8,6 +8,7 @@
 // producer is not among its dependencies is a schedule bug and is refused up front.
 #include "schedule/executor.h"
 
+#include "core/bytes.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "core/pinned_pool.h"
@@ -487,9 +488,19 @@ void Executor::State::allocate() {
   const bool pin = pl.request.pin_memory;
   uint64_t max_shard = 0;
   for (int u = 0; u < U; ++u) max_shard = std::max(max_shard, shard(u));
-  pinned_slot_bytes = round_up(std::max({static_cast<uint64_t>(N) * max_shard * ps, max_shard * gs,
-                                         static_cast<uint64_t>(N) * max_shard * 12}),
-                               kPage);
+  // A pinned staging buffer holds the largest transfer that goes through one (run_task): a
+  // unit's P of every host rank (read from NVMe, or updated on the host or a GPU on its way
+  // out), one rank's G shard staged for accumulation, or a unit's O of every host rank (NVMe).
+  // The same figure as Placement's pinned_buffer_bytes without buffer_size.
+  uint64_t slot_bytes = 0;
+  for (int u = 0; u < U; ++u) {
+    const uint64_t all = static_cast<uint64_t>(host_ranks(u)) * shard(u);
+    if (home(u).param != Tier::gpu || home(u).optimizer != Tier::gpu)
+      slot_bytes = std::max(slot_bytes, all * ps);
+    if (home(u).grad != Tier::gpu) slot_bytes = std::max(slot_bytes, shard(u) * gs);
+    if (home(u).optimizer == Tier::nvme) slot_bytes = std::max(slot_bytes, all * 12);
+  }
+  pinned_slot_bytes = round_up(slot_bytes, kPage);
   uint64_t capacity = pinned.size() * pinned_slot_bytes;
   for (int u = 0; u < U; ++u) {
     for (int r = 0; r < host_ranks(u); ++r) {
@@ -501,6 +512,13 @@ void Executor::State::allocate() {
   }
   bool cuda = false;
   for (int r = 0; r < N; ++r) cuda = cuda || dev(r).backend() == Backend::cuda;
+  if (capacity > 0 && opt.pinned_limit > 0 && capacity > opt.pinned_limit)
+    fail(
+        "pinned pool: {} of staging buffers ({} x {}){} must be page-locked, but the pinned-memory "
+        "limit is {}; raise it (--pinned-memory, ulimit -l), set pin_memory false, or lower the "
+        "buffer count",
+        format_bytes(capacity), pinned.size(), format_bytes(pinned_slot_bytes),
+        pin ? " and cpu-homed state" : "", format_bytes(opt.pinned_limit));
   if (capacity > 0) {
     PinnedPoolOptions po;
     po.capacity = capacity;
@@ -1296,6 +1314,7 @@ ExecutorMemory Executor::memory() const {
   if (s.pool) {
     m.pinned_capacity = s.pool->capacity();
     m.pinned_peak = s.pool->stats().high_water;
+    m.pinned_allocations = s.pool->allocations_made();
   }
   m.device_param_staging = s.dev_param.empty() ? 0 : static_cast<int>(s.dev_param[0].size());
   m.device_grad_staging = s.dev_grad.empty() ? 0 : static_cast<int>(s.dev_grad[0].size());

@@ -12,8 +12,8 @@
 // dependencies order after every task reading the buffer's previous contents. The schedule's
 // own choice (Task::slot for landing buffers, Task::buffer for pinned ones) is taken when it
 // passes that check, else the first free buffer, else a new one; memory() reports the counts.
-// First version: every pinned staging buffer has one size (the largest all-rank shard of
-// master, m and v), not the placement's pinned_buffer_bytes.
+// Every pinned staging buffer has one size, the largest transfer through one (the placement's
+// pinned_buffer_bytes when its buffer_size is unset: the executor does not split transfers).
 //
 // Replicated units are used in place; their backward takes a working gradient buffer from
 // the ZeroModel (the first rank's backward takes it for all) and their all-reduce returns it.
@@ -58,6 +58,9 @@ struct ExecutorOptions {
   bool record = false;               // keep every task's start and end (timeline(), trace())
   uint64_t nvme_stripe = 64 * 1024;  // the swap store's stripe (a multiple of 4 KiB)
   nvme::IoOptions io;                // the swap store's I/O (fault injection in tests)
+  // Page-locked bytes allowed (0: no limit): a pinned pool larger than this is refused, naming
+  // both, before it is allocated.
+  uint64_t pinned_limit = 0;
 };
 
 // One rank's sequences of one micro-batch, in host memory: batch × seq_len ids and targets.
@@ -86,8 +89,9 @@ struct StepResult {
 struct ExecutorMemory {
   uint64_t pinned_capacity = 0;
   uint64_t pinned_peak = 0;
-  int device_param_staging = 0;  // per rank
-  int device_grad_staging = 0;   // per rank
+  uint64_t pinned_allocations = 0;  // blocks the pool has handed out since construction
+  int device_param_staging = 0;     // per rank
+  int device_grad_staging = 0;      // per rank
   int pinned_staging = 0;
   // Per device, what the executor allocates beyond the ZeroModel, the models and the staging
   // above: the step's token ids and targets, the gradient chunk sums, the updated-parameter

@@ -1,9 +1,12 @@
-// measure.cpp: times each lane's work with the code the executor runs (see measure.h).
+// measure.cpp: times each lane's work with the code the executor runs, and verifies what it
+// timed (see measure.h).
 #include "schedule/measure.h"
 
+#include "core/bytes.h"
 #include "core/device.h"
 #include "core/error.h"
 #include "core/pinned_pool.h"
+#include "core/system.h"
 #include "cpu_adam/cpu_adam.h"
 #include "cpu_adam/kernels.h"
 #include "model/llama.h"
@@ -16,6 +19,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
+#include <cstring>
 #include <functional>
 #include <optional>
 
@@ -38,6 +43,32 @@ double median_seconds(int repeats, const std::function<void()>& f) {
 // Rate of `work` per second, or 0 when nothing could be timed.
 double rate(double work, double seconds) {
   return seconds > 0 ? work / seconds : 0.0;
+}
+
+// A value in [-0.5, 0.5) from an index hash: the same on every run, never subnormal.
+float hashed(size_t i, uint64_t salt) {
+  uint64_t x = (i + salt) * 0x9e3779b97f4a7c15ull;
+  x ^= x >> 29;
+  return static_cast<float>(x & 0xffffff) / 16777216.0f - 0.5f;
+}
+
+// The byte pattern copies and NVMe transfers carry: position-dependent, so a block landing in
+// the wrong place shows.
+char pattern_byte(uint64_t i) {
+  return static_cast<char>((i * 131 + 7) ^ (i >> 12));
+}
+void fill_pattern(char* p, uint64_t n) {
+  for (uint64_t i = 0; i < n; ++i) p[i] = pattern_byte(i);
+}
+// The first byte that differs from the pattern, or n.
+uint64_t pattern_mismatch(const char* p, uint64_t n) {
+  for (uint64_t i = 0; i < n; ++i)
+    if (p[i] != pattern_byte(i)) return i;
+  return n;
+}
+
+std::string repeats_note(const MeasureSetup& s) {
+  return fmt::format("median of {} after a warm-up", std::max(s.repeats, 1));
 }
 
 void measure_compute(const MeasureSetup& s, HardwareProfile& h) {
@@ -71,12 +102,46 @@ void measure_compute(const MeasureSetup& s, HardwareProfile& h) {
     model.backward(w.units(), pi, pt, s.micro_batch, 1.0f / static_cast<float>(n), *st);
     st->synchronize();
   });
+
+  // Verify the work timed: a randomly initialised model's loss is near ln(vocab) (its logits
+  // are small), and the gradients of its smallest unit are finite and not all zero.
+  std::vector<float> losses(static_cast<size_t>(n));
+  d.copy_to_host(losses.data(), model.losses(s.micro_batch).data, losses.size() * 4, *st);
+  st->synchronize();
+  double mean = 0;
+  for (float x : losses) mean += x;
+  mean /= static_cast<double>(n);
+  const double expect = std::log(static_cast<double>(c.vocab_size));
+  if (!std::isfinite(mean) || mean < 0.5 * expect || mean > 1.5 * expect)
+    fail(
+        "the timed forward's mean loss is {} on {}, but a randomly initialised model gives about "
+        "ln({}) = {:.3f}; the kernels are wrong on this device (run strata bench model), so no "
+        "rate is reported",
+        mean, d.name(), c.vocab_size, expect);
+  int smallest = 0;
+  for (int u = 1; u < model.layout().num_units(); ++u)
+    if (model.layout().units[size_t(u)].numel < model.layout().units[size_t(smallest)].numel)
+      smallest = u;
+  const std::vector<float> g = w.download(smallest, true, *st);
+  const bool finite = std::all_of(g.begin(), g.end(), [](float x) { return std::isfinite(x); });
+  const bool nonzero = std::any_of(g.begin(), g.end(), [](float x) { return x != 0.0f; });
+  if (!finite || !nonzero)
+    fail("the timed backward left {} gradients in unit {} on {}; no rate is reported",
+         finite ? "all-zero" : "non-finite", model.layout().units[size_t(smallest)].name, d.name());
+
   // What the schedule counts for this work: every unit's forward once, and its backward
   // (recompute + backward) at three times that.
   double flops = 0;
   for (int u = 0; u < model.layout().num_units(); ++u)
     flops += 4.0 * unit_forward_flops(c, u, s.micro_batch, s.seq_len);
   h.gpu_flops = rate(flops, seconds);
+  h.notes["gpu_flops"] = fmt::format(
+      "measured on {}: forward + backward (recompute included) of {} ({} layer(s), hidden {}, "
+      "vocab {}), {} x {} tokens, {}, {}; verified: loss {:.3f} ~ ln(vocab) {:.3f}, finite "
+      "gradients",
+      d.name(), s.compute_note.empty() ? c.name : s.compute_note, c.num_hidden_layers,
+      c.hidden_size, c.vocab_size, s.micro_batch, s.seq_len, dtype_name(s.param_dtype),
+      repeats_note(s), mean, expect);
 }
 
 void measure_copies(const MeasureSetup& s, HardwareProfile& h) {
@@ -85,8 +150,8 @@ void measure_copies(const MeasureSetup& s, HardwareProfile& h) {
   po.capacity = s.transfer_bytes;
   po.cuda = d.backend() == Backend::cuda;
   PinnedPool pool(po);
-  void* host = pool.allocate(s.transfer_bytes, "measure copy");
-  std::fill_n(static_cast<char*>(host), s.transfer_bytes, char(1));
+  char* host = static_cast<char*>(pool.allocate(s.transfer_bytes, "measure copy"));
+  fill_pattern(host, s.transfer_bytes);
   DeviceBuffer dev(d, s.transfer_bytes, "measure copy");
   auto st = d.create_stream("measure copies");
   const auto b = static_cast<double>(s.transfer_bytes);
@@ -94,32 +159,64 @@ void measure_copies(const MeasureSetup& s, HardwareProfile& h) {
                              d.copy_to_device(dev.data(), host, s.transfer_bytes, *st);
                              st->synchronize();
                            }));
+  std::memset(host, 0, s.transfer_bytes);
   h.d2h_bytes_per_s = rate(b, median_seconds(s.repeats, [&] {
                              d.copy_to_host(host, dev.data(), s.transfer_bytes, *st);
                              st->synchronize();
                            }));
+  // Verify: what came back is what went up.
+  const uint64_t bad = pattern_mismatch(host, s.transfer_bytes);
+  if (bad != s.transfer_bytes)
+    fail(
+        "bytes copied to {} and back differ at offset {} of {}; the copies are broken on this "
+        "device, so no rate is reported",
+        d.name(), bad, s.transfer_bytes);
   // The fixed cost of one task: a small copy queued and waited for.
   h.task_latency_s = median_seconds(std::max(s.repeats, 50), [&] {
     d.copy_to_host(host, dev.data(), 256, *st);
     st->synchronize();
   });
   pool.release(host);
+  h.notes["h2d_bytes_per_s"] = fmt::format(
+      "measured: copies of {} from pinned host memory to {}, "
+      "{}; verified: every byte came back",
+      format_bytes(s.transfer_bytes), d.name(), repeats_note(s));
+  h.notes["d2h_bytes_per_s"] = fmt::format(
+      "measured: copies of {} from {} to pinned host memory, "
+      "{}; verified: every byte as sent",
+      format_bytes(s.transfer_bytes), d.name(), repeats_note(s));
+  h.notes["task_latency_s"] =
+      fmt::format("measured: a 256-byte copy from {} queued and waited for, median of {}", d.name(),
+                  std::max(s.repeats, 50));
 }
 
 void measure_comm(const MeasureSetup& s, HardwareProfile& h) {
   const int R = static_cast<int>(s.devices.size());
-  if (R < 2 || s.comm == nullptr) return;
+  if (R < 2 || s.comm == nullptr) {
+    h.notes["comm_bytes_per_s"] =
+        "absent: one device; the all-gather needs two or more (only multi-device runs use it)";
+    return;
+  }
+  if (R > 256) fail("{} ranks: the all-gather check numbers at most 256", R);
   const uint64_t count = std::max<uint64_t>(s.transfer_bytes / 4 / uint64_t(R), 1);
   std::vector<DeviceBuffer> send, recv;
   std::vector<std::unique_ptr<Stream>> streams;
   std::vector<Stream*> sp;
   std::vector<TensorView> sv, rv;
-  for (Device* d : s.devices) {
+  // Rank r sends (r << 16) | (i & 0xffff): exact in f32, different on every rank.
+  auto value = [](int r, uint64_t i) {
+    return static_cast<float>((uint64_t(r) << 16) | (i & 0xffff));
+  };
+  std::vector<float> host(count);
+  for (int r = 0; r < R; ++r) {
+    Device* d = s.devices[size_t(r)];
     send.emplace_back(*d, count * 4, "measure all-gather");
     recv.emplace_back(*d, count * 4 * uint64_t(R), "measure all-gather");
     streams.push_back(d->create_stream("measure comm"));
     sp.push_back(streams.back().get());
-    d->fill_zero(send.back().data(), count * 4, *sp.back());
+    for (uint64_t i = 0; i < count; ++i) host[i] = value(r, i);
+    d->copy_to_device(send.back().data(), host.data(), count * 4, *sp.back());
+    sp.back()->synchronize();
     sv.push_back(send.back().view(DType::f32, {static_cast<int64_t>(count)}));
     rv.push_back(recv.back().view(DType::f32, {static_cast<int64_t>(count) * R}));
   }
@@ -129,78 +226,288 @@ void measure_comm(const MeasureSetup& s, HardwareProfile& h) {
                               s.comm->all_gather(sv, rv, sp);
                               for (Stream* x : sp) x->synchronize();
                             }));
+  // Verify: every rank holds every rank's input, in rank order.
+  std::vector<float> got(count * uint64_t(R));
+  for (int r = 0; r < R; ++r) {
+    s.devices[size_t(r)]->copy_to_host(got.data(), recv[size_t(r)].data(), got.size() * 4,
+                                       *sp[size_t(r)]);
+    sp[size_t(r)]->synchronize();
+    for (int q = 0; q < R; ++q)
+      for (uint64_t i = 0; i < count; ++i)
+        if (got[uint64_t(q) * count + i] != value(q, i))
+          fail(
+              "the all-gather left {} at element {} of rank {}'s output where rank {}'s input "
+              "{} belongs; the collective is broken, so no rate is reported",
+              got[uint64_t(q) * count + i], i, r, q, value(q, i));
+  }
+  h.notes["comm_bytes_per_s"] = fmt::format(
+      "measured: all-gather of {} per rank over {} ranks ((R-1)/R of the gathered bytes per "
+      "second), {}; verified: every rank's output",
+      format_bytes(count * 4), R, repeats_note(s));
 }
+
+// Inputs of an Adam step: hashed master and gradients, m and v from a previous step's size.
+struct AdamInputs {
+  std::vector<float> master, m, v;
+  std::vector<char> grad;
+  AdamInputs(size_t n, DType grad_dtype) : master(n), m(n), v(n), grad(n * dtype_size(grad_dtype)) {
+    std::vector<float> g(n);
+    for (size_t i = 0; i < n; ++i) {
+      master[i] = hashed(i, 1);
+      m[i] = hashed(i, 3) * 1e-3f;
+      v[i] = std::abs(hashed(i, 4)) * 1e-6f;
+      g[i] = hashed(i, 2) * 1e-2f;
+    }
+    convert(grad.data(), grad_dtype, g.data(), DType::f32, n);
+  }
+};
 
 void measure_adam(const MeasureSetup& s, HardwareProfile& h) {
   const size_t n = s.adam_elements;
   const size_t gsize = dtype_size(s.grad_dtype);
-  std::vector<float> master(n, 0.5f), m(n, 0.0f), v(n, 0.0f);
-  std::vector<char> grad(n * gsize, 0);
-  std::vector<char> copy(n * dtype_size(s.param_dtype), 0);
+  const bool has_copy = s.param_dtype != DType::f32;
+  const size_t csize = has_copy ? dtype_size(s.param_dtype) : 0;
+  AdamInputs in(n, s.grad_dtype);
+  std::vector<char> copy(n * std::max<size_t>(csize, 1), 0);
   CpuAdamOptions ao;
   ao.threads = s.cpu_adam_threads;
   CpuAdam adam(ao);
-  const GradShard g{grad.data(), s.grad_dtype, n};
-  const AdamShard shard{master.data(), m.data(), v.data(), n};
+  const GradShard g{in.grad.data(), s.grad_dtype, n};
+  const AdamShard shard{in.master.data(), in.m.data(), in.v.data(), n};
   std::optional<ParamCopy> pc;
-  if (s.param_dtype != DType::f32) pc = ParamCopy{copy.data(), s.param_dtype};
+  if (has_copy) pc = ParamCopy{copy.data(), s.param_dtype};
   AdamParams p;
-  int64_t step = 0;
-  h.adam_elements_per_s = rate(double(n), median_seconds(s.repeats, [&] {
-                                 adam.update(shard, g, ++step, p, 1.0f, GradStats{}, pc);
-                               }));
+  p.lr = 1e-3f;
+  p.weight_decay = 0.01f;
+
+  // Verify step 1 at a spread sample against the scalar path on copies of its inputs.
+  const size_t samples = std::min<size_t>(n, 4096);
+  std::vector<size_t> at(samples);
+  for (size_t j = 0; j < samples; ++j) at[j] = samples == 1 ? 0 : j * (n - 1) / (samples - 1);
+  std::vector<float> sp(samples), sm(samples), sv(samples);
+  std::vector<char> sg(samples * gsize), sc(samples * std::max<size_t>(csize, 1));
+  for (size_t j = 0; j < samples; ++j) {
+    sp[j] = in.master[at[j]];
+    sm[j] = in.m[at[j]];
+    sv[j] = in.v[at[j]];
+    std::memcpy(&sg[j * gsize], &in.grad[at[j] * gsize], gsize);
+  }
+  const GradStats stats = adam.grad_stats(g);
+  const float scale = combined_grad_scale(stats, 1.0f, 1.0f);
+  adam.update(shard, g, 1, p, scale, stats, pc);
+  CpuAdam scalar({.threads = 1, .simd = "scalar"});
+  std::optional<ParamCopy> spc;
+  if (has_copy) spc = ParamCopy{sc.data(), s.param_dtype};
+  scalar.update({sp.data(), sm.data(), sv.data(), samples}, {sg.data(), s.grad_dtype, samples}, 1,
+                p, scale, stats, spc);
+  for (size_t j = 0; j < samples; ++j) {
+    const size_t i = at[j];
+    const bool same = std::memcmp(&sp[j], &in.master[i], 4) == 0 &&
+                      std::memcmp(&sm[j], &in.m[i], 4) == 0 &&
+                      std::memcmp(&sv[j], &in.v[i], 4) == 0 &&
+                      (!has_copy || std::memcmp(&sc[j * csize], &copy[i * csize], csize) == 0);
+    if (!same)
+      fail(
+          "CPU Adam's {} path gave master {} at element {} where the scalar path gives {}; the "
+          "kernel is wrong on this CPU (run test_cpu_adam), so no rate is reported",
+          adam.simd_path(), in.master[i], i, sp[j]);
+  }
+
+  int64_t step = 1;
+  h.adam_elements_per_s =
+      rate(double(n),
+           median_seconds(s.repeats, [&] { adam.update(shard, g, ++step, p, scale, stats, pc); }));
   h.stats_elements_per_s =
       rate(double(n), median_seconds(s.repeats, [&] { (void)adam.grad_stats(g); }));
+  h.notes["adam_elements_per_s"] = fmt::format(
+      "measured: CpuAdam's fused update ({} path, {} thread(s)) of {} elements, {} gradients{}, "
+      "{}; verified: step 1 equals the scalar path bit for bit at {} elements",
+      adam.simd_path(), adam.threads(), n, dtype_name(s.grad_dtype),
+      has_copy ? fmt::format(", {} copy", dtype_name(s.param_dtype)) : std::string(),
+      repeats_note(s), samples);
+  h.notes["stats_elements_per_s"] =
+      fmt::format("measured: CpuAdam's gradient statistics pass over {} {} elements, {}", n,
+                  dtype_name(s.grad_dtype), repeats_note(s));
 }
 
 void measure_device_adam(const MeasureSetup& s, HardwareProfile& h) {
   Device& d = *s.devices.front();
   const auto n = static_cast<int64_t>(s.adam_elements);
+  const auto un = static_cast<size_t>(n);
+  const bool has_copy = s.param_dtype != DType::f32;
+  AdamInputs in(un, s.grad_dtype);
   std::vector<DeviceBuffer> b;
   auto st = d.create_stream("measure device adam");
-  for (const char* what : {"master", "m", "v"}) {
-    b.emplace_back(d, uint64_t(n) * 4, fmt::format("measure {}", what));
-    d.fill_zero(b.back().data(), uint64_t(n) * 4, *st);
+  for (const std::vector<float>* x : {&in.master, &in.m, &in.v}) {
+    b.emplace_back(d, uint64_t(n) * 4, "measure adam state");
+    d.copy_to_device(b.back().data(), x->data(), uint64_t(n) * 4, *st);
   }
-  DeviceBuffer grad(d, uint64_t(n) * dtype_size(s.grad_dtype), "measure gradient");
-  d.fill_zero(grad.data(), grad.bytes(), *st);
+  DeviceBuffer grad(d, in.grad.size(), "measure gradient");
+  d.copy_to_device(grad.data(), in.grad.data(), in.grad.size(), *st);
   DeviceBuffer copy;
   TensorView cv;
-  if (s.param_dtype != DType::f32) {
+  if (has_copy) {
     copy = DeviceBuffer(d, uint64_t(n) * dtype_size(s.param_dtype), "measure copy");
     cv = copy.view(s.param_dtype, {n});
   }
+  st->synchronize();
   auto f32 = [&](size_t i) { return b[i].view(DType::f32, {n}); };
-  int64_t step = 0;
-  h.gpu_adam_elements_per_s = rate(
-      double(n), median_seconds(s.repeats, [&] {
-        const cpu_adam::StepConstants k = cpu_adam::step_constants(++step, AdamParams{}, 1.0f);
-        d.kernels().adam_update(f32(0), f32(1), f32(2), grad.view(s.grad_dtype, {n}), cv, k, *st);
-        st->synchronize();
-      }));
+  AdamParams p;
+  p.lr = 1e-3f;
+  p.weight_decay = 0.01f;
+  auto step_on_device = [&](int64_t step) {
+    const cpu_adam::StepConstants k = cpu_adam::step_constants(step, p, 1.0f);
+    d.kernels().adam_update(f32(0), f32(1), f32(2), grad.view(s.grad_dtype, {n}), cv, k, *st);
+    st->synchronize();
+  };
+
+  // Verify step 1 against CpuAdam (whose every path gives the scalar bits) on the same inputs.
+  step_on_device(1);
+  std::vector<char> want_copy(has_copy ? un * dtype_size(s.param_dtype) : 0);
+  {
+    CpuAdamOptions ao;
+    ao.threads = s.cpu_adam_threads;
+    CpuAdam ref(ao);
+    std::optional<ParamCopy> pc;
+    if (has_copy) pc = ParamCopy{want_copy.data(), s.param_dtype};
+    ref.update({in.master.data(), in.m.data(), in.v.data(), un}, {in.grad.data(), s.grad_dtype, un},
+               1, p, 1.0f, GradStats{}, pc);
+  }
+  std::vector<float> got(un);
+  for (size_t i = 0; i < 3; ++i) {
+    d.copy_to_host(got.data(), b[i].data(), un * 4, *st);
+    st->synchronize();
+    const std::vector<float>& want = i == 0 ? in.master : i == 1 ? in.m : in.v;
+    if (std::memcmp(got.data(), want.data(), un * 4) != 0) {
+      size_t at = 0;
+      while (std::memcmp(&got[at], &want[at], 4) == 0) ++at;
+      fail(
+          "Adam on {} gave {} {} at element {} where CPU Adam gives {}; the device's adam_update "
+          "is wrong, so no rate is reported",
+          d.name(),
+          i == 0   ? "master"
+          : i == 1 ? "m"
+                   : "v",
+          got[at], at, want[at]);
+    }
+  }
+  if (has_copy) {
+    std::vector<char> got_copy(want_copy.size());
+    d.copy_to_host(got_copy.data(), copy.data(), got_copy.size(), *st);
+    st->synchronize();
+    if (got_copy != want_copy)
+      fail("Adam on {} wrote a {} parameter copy that differs from CPU Adam's; no rate is reported",
+           d.name(), dtype_name(s.param_dtype));
+  }
+
+  int64_t step = 1;
+  h.gpu_adam_elements_per_s =
+      rate(double(n), median_seconds(s.repeats, [&] { step_on_device(++step); }));
+  h.notes["gpu_adam_elements_per_s"] = fmt::format(
+      "measured: the kernel table's adam_update on {} over {} elements, {}; verified: step 1 "
+      "equals CPU Adam bit for bit",
+      d.name(), n, repeats_note(s));
+}
+
+struct NvmeTiming {
+  double read = 0, write = 0;  // bytes per second
+};
+
+// The swap store over `paths` with one shard of `bytes`: median write and read rates, then a
+// read into a cleared buffer compared byte for byte with what was written.
+NvmeTiming time_store(const MeasureSetup& s, const std::vector<std::string>& paths, uint64_t stripe,
+                      unsigned queue_depth, uint64_t bytes, char* buf) {
+  nvme::SwapStoreOptions so;
+  so.paths = paths;
+  so.stripe = stripe;
+  so.capacity = (bytes + stripe - 1) / stripe * stripe;
+  so.io = s.io;
+  so.io.queue_depth = queue_depth;
+  nvme::SwapStore store(so);
+  store.add_shard("measure", bytes);
+  fill_pattern(buf, bytes);
+  const auto b = static_cast<double>(bytes);
+  NvmeTiming t;
+  t.write = rate(b, median_seconds(s.repeats, [&] { store.write("measure", buf); }));
+  std::memset(buf, 0, bytes);
+  t.read = rate(b, median_seconds(s.repeats, [&] { store.read("measure", buf); }));
+  const uint64_t bad = pattern_mismatch(buf, bytes);
+  if (bad != bytes)
+    fail(
+        "the swap store over {} read back a byte at offset {} that differs from the one "
+        "written; the drive or the I/O engine returned bad data, so no rate is reported",
+        fmt::join(paths, ", "), bad);
+  return t;
 }
 
 void measure_nvme(const MeasureSetup& s, HardwareProfile& h) {
-  if (s.nvme_paths.empty()) return;
-  const uint64_t bytes = (s.transfer_bytes + 4095) / 4096 * 4096;
+  if (s.nvme_paths.empty()) {
+    h.notes["nvme_read_bytes_per_s"] = h.notes["nvme_write_bytes_per_s"] =
+        "absent: no nvme path given (strata tune --nvme-path DIR)";
+    return;
+  }
+  std::vector<std::pair<uint64_t, unsigned>> settings = s.nvme_settings;
+  if (settings.empty()) settings.push_back({s.nvme_stripe, s.io.queue_depth});
+  uint64_t largest = 0;
+  for (const auto& [stripe, qd] : settings) {
+    if (stripe == 0 || stripe % 4096 != 0)
+      fail("nvme stripe {}: not a positive multiple of 4096 bytes", stripe);
+    if (qd < 1 || qd > 4096) fail("nvme queue depth {}: expected 1..4096", qd);
+    largest = std::max(largest, stripe);
+  }
+  // Whole stripes of every setting, at least one per path and queue slot of the first.
+  const uint64_t bytes = std::max((s.transfer_bytes + largest - 1) / largest * largest, largest);
   PinnedPoolOptions po;
   po.capacity = bytes;
   po.cuda = s.devices.front()->backend() == Backend::cuda;
   PinnedPool pool(po);
   char* buf = static_cast<char*>(pool.allocate(bytes, "measure nvme"));
-  for (uint64_t i = 0; i < bytes; ++i) buf[i] = static_cast<char>(i * 131 + 7);
-  nvme::SwapStoreOptions so;
-  so.paths = s.nvme_paths;
-  so.stripe = s.nvme_stripe;
-  so.capacity = (bytes + s.nvme_stripe - 1) / s.nvme_stripe * s.nvme_stripe;
-  so.io = s.io;
-  nvme::SwapStore store(so);
-  store.add_shard("measure", bytes);
-  const auto b = static_cast<double>(bytes);
-  h.nvme_write_bytes_per_s =
-      rate(b, median_seconds(s.repeats, [&] { store.write("measure", buf); }));
-  h.nvme_read_bytes_per_s = rate(b, median_seconds(s.repeats, [&] { store.read("measure", buf); }));
+  NvmeTiming best;
+  size_t kept = 0;
+  std::string tried;
+  for (size_t i = 0; i < settings.size(); ++i) {
+    const NvmeTiming t =
+        time_store(s, s.nvme_paths, settings[i].first, settings[i].second, bytes, buf);
+    tried += fmt::format("{}{} KiB x qd {}: read {:.2f} / write {:.2f} GB/s", i ? "; " : "",
+                         settings[i].first / 1024, settings[i].second, t.read / 1e9, t.write / 1e9);
+    // Least time for a read plus a write of the same bytes.
+    if (i == 0 || 1 / t.read + 1 / t.write < 1 / best.read + 1 / best.write) {
+      best = t;
+      kept = i;
+    }
+  }
+  h.nvme_read_bytes_per_s = best.read;
+  h.nvme_write_bytes_per_s = best.write;
+  h.nvme_block_size = settings[kept].first;
+  h.nvme_queue_depth = settings[kept].second;
+  bool all_direct = true;
+  h.nvme_paths.clear();
+  for (const std::string& p : s.nvme_paths) {
+    NvmePathRate r;
+    r.path = p;
+    r.direct = probe_o_direct(p).result == ODirect::yes;
+    all_direct = all_direct && r.direct;
+    if (s.nvme_per_path && s.nvme_paths.size() > 1) {
+      const NvmeTiming t = time_store(s, {p}, h.nvme_block_size, h.nvme_queue_depth, bytes, buf);
+      r.read_bytes_per_s = t.read;
+      r.write_bytes_per_s = t.write;
+    } else if (s.nvme_paths.size() == 1) {
+      r.read_bytes_per_s = best.read;
+      r.write_bytes_per_s = best.write;
+    }
+    h.nvme_paths.push_back(r);
+  }
   pool.release(buf);
+  const std::string what = fmt::format(
+      "measured: the swap store (io_uring, checksummed) striped over {} path(s), {} per "
+      "transfer, stripe {} KiB, queue depth {}, {}{}; verified: every byte read back; settings "
+      "tried: {}",
+      s.nvme_paths.size(), format_bytes(bytes), h.nvme_block_size / 1024, h.nvme_queue_depth,
+      repeats_note(s),
+      all_direct ? ", O_DIRECT"
+                 : ", without O_DIRECT on some path (the page cache's speed, not the drive's)",
+      tried);
+  h.notes["nvme_read_bytes_per_s"] = h.notes["nvme_write_bytes_per_s"] = what;
 }
 
 }  // namespace

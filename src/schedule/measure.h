@@ -11,6 +11,14 @@
 // `repeats` timings after one warm-up. Nothing measured here is checked for speed: a rate
 // that cannot be measured (no nvme paths, one rank) is left 0, which simulate() refuses only
 // for a schedule that needs it.
+//
+// Every figure is verified before it is returned, as the benches do: the timed forward's loss
+// is finite and near ln(vocab) (a randomly initialised model's) and its gradients finite; the
+// copies' bytes come back as they were sent; the all-gather's output is every rank's input in
+// rank order; CPU Adam's step equals the scalar path bit for bit at 4,096 spread elements; the
+// device's adam_update equals CpuAdam bit for bit; every NVMe byte read equals the byte
+// written. A wrong result is an Error naming it, never a speed. The profile's notes say how
+// each rate was obtained, or why it is 0.
 #pragma once
 
 #include "model/config.h"
@@ -19,6 +27,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace strata {
@@ -44,6 +53,14 @@ struct MeasureSetup {
   uint64_t adam_elements = 1ull << 22;    // per CPU Adam / device Adam timing
   int cpu_adam_threads = 0;               // as the executor's
   int repeats = 5;
+  // NVMe: the (stripe, queue depth) pairs to time over all paths together; the pair whose read
+  // plus write of transfer_bytes takes least is kept, and recorded in the profile
+  // (nvme_block_size, nvme_queue_depth). Empty: nvme_stripe and io.queue_depth alone.
+  std::vector<std::pair<uint64_t, unsigned>> nvme_settings;
+  // Also time each path alone at the kept setting (HardwareProfile::nvme_paths).
+  bool nvme_per_path = false;
+  // What the compute figure's model is, for the profile's note ("" : the model's name).
+  std::string compute_note;
 };
 
 // Throws Error naming the measurement that failed (a device too small for the transfer, an

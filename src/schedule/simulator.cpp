@@ -46,13 +46,114 @@ constexpr std::array<RateField, 10> kFields = {{
     {"task_latency_s", &HardwareProfile::task_latency_s},
 }};
 
+std::string rate_keys() {
+  std::string all;
+  for (size_t i = 0; i < kFields.size(); ++i)
+    all += fmt::format("{}{}", i ? ", " : "", kFields[i].key);
+  return all;
+}
+
+bool is_rate_key(const std::string& key) {
+  return std::any_of(kFields.begin(), kFields.end(),
+                     [&](const RateField& f) { return key == f.key; });
+}
+
+// "notes": {rate: text}.
+void read_notes(const nlohmann::json& v, const std::string& where, HardwareProfile& p) {
+  if (!v.is_object())
+    fail("hardware profile {}: /notes: expected an object of strings keyed by rate, found {}",
+         where, v.type_name());
+  for (const auto& item : v.items()) {
+    const std::string& key = item.key();
+    if (!is_rate_key(key))
+      fail("hardware profile {}: /notes/{}: not a rate; the rates are {}", where, key, rate_keys());
+    if (!item.value().is_string())
+      fail("hardware profile {}: /notes/{}: expected a string, found {}", where, key,
+           item.value().type_name());
+    p.notes[key] = item.value().get<std::string>();
+  }
+}
+
+double read_rate(const nlohmann::json& v, const std::string& where, const std::string& path) {
+  if (!v.is_number())
+    fail("hardware profile {}: {}: expected a number, found {} ({})", where, path, v.type_name(),
+         v.dump());
+  const double x = v.get<double>();
+  if (!std::isfinite(x) || x < 0)
+    fail("hardware profile {}: {}: {} is not a rate; it must be a finite number >= 0", where, path,
+         v.dump());
+  return x;
+}
+
+uint64_t read_count(const nlohmann::json& v, const std::string& where, const std::string& path,
+                    uint64_t most) {
+  if (!v.is_number_unsigned() || v.get<uint64_t>() > most)
+    fail("hardware profile {}: {}: {} is not a count from 0 to {}", where, path, v.dump(), most);
+  return v.get<uint64_t>();
+}
+
+// "nvme": {"block_size", "queue_depth", "paths": [{"path", "read_bytes_per_s",
+// "write_bytes_per_s", "direct"}]}.
+void read_nvme(const nlohmann::json& v, const std::string& where, HardwareProfile& p) {
+  if (!v.is_object())
+    fail("hardware profile {}: /nvme: expected an object, found {}", where, v.type_name());
+  for (const auto& item : v.items()) {
+    const std::string& key = item.key();
+    const nlohmann::json& value = item.value();
+    if (key == "block_size") {
+      p.nvme_block_size = read_count(value, where, "/nvme/block_size", uint64_t{1} << 40);
+    } else if (key == "queue_depth") {
+      p.nvme_queue_depth =
+          static_cast<unsigned>(read_count(value, where, "/nvme/queue_depth", 4096));
+    } else if (key == "paths") {
+      if (!value.is_array())
+        fail("hardware profile {}: /nvme/paths: expected an array, found {}", where,
+             value.type_name());
+      for (size_t i = 0; i < value.size(); ++i) {
+        const nlohmann::json& e = value[i];
+        const std::string at = fmt::format("/nvme/paths/{}", i);
+        if (!e.is_object())
+          fail("hardware profile {}: {}: expected an object, found {}", where, at, e.type_name());
+        NvmePathRate r;
+        for (const char* need : {"path", "read_bytes_per_s", "write_bytes_per_s", "direct"})
+          if (!e.contains(need)) fail("hardware profile {}: {}/{}: missing", where, at, need);
+        for (const auto& f : e.items()) {
+          const std::string& k = f.key();
+          if (k == "path" && f.value().is_string()) {
+            r.path = f.value().get<std::string>();
+          } else if (k == "direct" && f.value().is_boolean()) {
+            r.direct = f.value().get<bool>();
+          } else if (k == "read_bytes_per_s") {
+            r.read_bytes_per_s = read_rate(f.value(), where, at + "/" + k);
+          } else if (k == "write_bytes_per_s") {
+            r.write_bytes_per_s = read_rate(f.value(), where, at + "/" + k);
+          } else if (k == "path" || k == "direct") {
+            fail("hardware profile {}: {}/{}: expected a {}, found {}", where, at, k,
+                 k == "path" ? "string" : "boolean", f.value().type_name());
+          } else {
+            fail(
+                "hardware profile {}: {}/{}: unknown key; the keys are path, read_bytes_per_s, "
+                "write_bytes_per_s, direct",
+                where, at, k);
+          }
+        }
+        p.nvme_paths.push_back(r);
+      }
+    } else {
+      fail(
+          "hardware profile {}: /nvme/{}: unknown key; the keys are block_size, queue_depth, paths",
+          where, key);
+    }
+  }
+}
+
 }  // namespace
 
 HardwareProfile HardwareProfile::from_json_text(const std::string& text, const std::string& where) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for 1e400
     fail(
         "hardware profile {}: not valid JSON ({}); fix the file or write it again with strata tune",
         where, e.what());
@@ -67,29 +168,23 @@ HardwareProfile HardwareProfile::from_json_text(const std::string& text, const s
       p.name = value.get<std::string>();
       continue;
     }
-    const bool known = std::any_of(kFields.begin(), kFields.end(),
-                                   [&](const RateField& f) { return key == f.key; });
-    if (!known)
-      fail("hardware profile {}: /{}: unknown key; the keys are name, {}", where, key, [] {
-        std::string all;
-        for (size_t i = 0; i < kFields.size(); ++i)
-          all += fmt::format("{}{}", i ? ", " : "", kFields[i].key);
-        return all;
-      }());
+    if (key == "notes") {
+      read_notes(value, where, p);
+      continue;
+    }
+    if (key == "nvme") {
+      read_nvme(value, where, p);
+      continue;
+    }
+    if (!is_rate_key(key))
+      fail("hardware profile {}: /{}: unknown key; the keys are name, notes, nvme, {}", where, key,
+           rate_keys());
   }
   for (const RateField& f : kFields) {
     if (!j.contains(f.key))
       fail("hardware profile {}: /{}: missing; every rate is a key (0 when it was not measured)",
            where, f.key);
-    const nlohmann::json& v = j.at(f.key);
-    if (!v.is_number())
-      fail("hardware profile {}: /{}: expected a number, found {} ({})", where, f.key,
-           v.type_name(), v.dump());
-    const double x = v.get<double>();
-    if (!std::isfinite(x) || x < 0)
-      fail("hardware profile {}: /{}: {} is not a rate; it must be a finite number >= 0", where,
-           f.key, v.dump());
-    p.*f.member = x;
+    p.*f.member = read_rate(j.at(f.key), where, std::string("/") + f.key);
   }
   return p;
 }
@@ -108,6 +203,24 @@ std::string HardwareProfile::to_json() const {
   nlohmann::ordered_json j;
   j["name"] = name;
   for (const RateField& f : kFields) j[f.key] = this->*f.member;
+  if (!notes.empty()) {
+    nlohmann::ordered_json n = nlohmann::ordered_json::object();
+    for (const RateField& f : kFields)  // in the rates' order, not the map's
+      if (const auto it = notes.find(f.key); it != notes.end()) n[f.key] = it->second;
+    j["notes"] = n;
+  }
+  if (nvme_block_size > 0 || nvme_queue_depth > 0 || !nvme_paths.empty()) {
+    nlohmann::ordered_json n;
+    n["block_size"] = nvme_block_size;
+    n["queue_depth"] = nvme_queue_depth;
+    n["paths"] = nlohmann::ordered_json::array();
+    for (const NvmePathRate& r : nvme_paths)
+      n["paths"].push_back({{"path", r.path},
+                            {"read_bytes_per_s", r.read_bytes_per_s},
+                            {"write_bytes_per_s", r.write_bytes_per_s},
+                            {"direct", r.direct}});
+    j["nvme"] = n;
+  }
   return j.dump(2) + "\n";
 }
 

@@ -11,10 +11,20 @@
 #include "schedule/schedule.h"
 #include "schedule/trace.h"
 
+#include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
 namespace strata {
+
+// One nvme path measured alone (the swap store over that path only).
+struct NvmePathRate {
+  std::string path;
+  double read_bytes_per_s = 0;
+  double write_bytes_per_s = 0;
+  bool direct = false;  // O_DIRECT was taken; false: through the page cache (not the drive's speed)
+};
 
 // Measured or assumed rates of one machine (`strata tune` writes it; JSON on disk).
 struct HardwareProfile {
@@ -30,10 +40,21 @@ struct HardwareProfile {
   double nvme_write_bytes_per_s = 0;
   double task_latency_s = 0;  // fixed cost added to every task
 
-  // Reads / writes the JSON form: an object whose keys are the fields above (`name` may be
-  // left out). Throws Error naming the file and the JSON path of a missing, non-numeric,
-  // negative or non-finite value, or of a key it does not know. A rate of 0 means "not
-  // measured": simulate() refuses a schedule that needs it.
+  // Optional, what `strata tune` records beside the rates (the simulator reads none of it):
+  // per rate, how it was obtained ("measured: ...", "assumed: ...") or why it is 0
+  // ("absent: ..."); the swap store settings the nvme rates were measured with (aio.block_size
+  // and aio.queue_depth; 0: not recorded); and each nvme path measured alone.
+  std::map<std::string, std::string> notes;
+  uint64_t nvme_block_size = 0;
+  unsigned nvme_queue_depth = 0;
+  std::vector<NvmePathRate> nvme_paths;
+
+  // Reads / writes the JSON form: an object whose keys are the rates above (`name` may be
+  // left out), and optionally "notes" (an object of strings keyed by rate) and "nvme"
+  // ({"block_size", "queue_depth", "paths": [{"path", "read_bytes_per_s",
+  // "write_bytes_per_s", "direct"}]}). Throws Error naming the file and the JSON path of a
+  // missing, non-numeric, negative or non-finite value, or of a key it does not know. A rate
+  // of 0 means "not measured": simulate() refuses a schedule that needs it.
   static HardwareProfile load(const std::string& path);
   static HardwareProfile from_json_text(const std::string& text, const std::string& where);
   std::string to_json() const;

@@ -8,9 +8,12 @@
 #include "core/system.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <sys/stat.h>
+#include <unistd.h>
 #include <fmt/format.h>
 
 namespace strata {
@@ -434,13 +437,33 @@ void Placement::check(const TierBudgets& budgets) const {
   };
   const uint64_t pinned_have = budgets.pinned_limit;
   const bool pinned_limited = pinned_have != 0 && pinned_have != kUnlimited;
+  // The swap store stripes evenly over the paths: each holds its share of the files, and a
+  // filesystem holding several paths needs all their shares (one path: the nvme row says it).
+  std::string short_paths;
+  const uint64_t nvme_need = t.total(Tier::nvme);
+  if (nvme_need > 0 && budgets.nvme_paths.size() > 1 &&
+      budgets.nvme_paths.size() == std::max<size_t>(request.nvme_paths.size(), 1)) {
+    const uint64_t share = nvme_need / budgets.nvme_paths.size();
+    std::map<uint64_t, uint64_t> on_filesystem;
+    for (const NvmePathSpace& p : budgets.nvme_paths) on_filesystem[p.filesystem] += share;
+    std::set<uint64_t> told;
+    for (const NvmePathSpace& p : budgets.nvme_paths) {
+      const uint64_t need = on_filesystem[p.filesystem];
+      if (need <= p.free || !told.insert(p.filesystem).second) continue;
+      short_paths += fmt::format(
+          "  - nvme path {} is too small: its filesystem has {} free, the swap files need {} "
+          "there ({} on each of the {} path(s)); free space on it or name a larger one\n",
+          p.path, format_bytes(p.free), format_bytes(need), format_bytes(share),
+          budgets.nvme_paths.size());
+    }
+  }
   const std::vector<Row> rows = {
       {"gpu (per device)", t.total(Tier::gpu), budgets.gpu_memory, true},
       {"cpu", t.total(Tier::cpu), budgets.cpu_memory, true},
       {"nvme", t.total(Tier::nvme), budgets.nvme_free, true},
       {"pinned (ulimit -l)", pinned_need(), pinned_have, pinned_limited},
   };
-  bool over = false;
+  bool over = !short_paths.empty();
   for (const Row& r : rows) over |= r.limited && r.need > r.have;
   if (!over) return;
 
@@ -490,7 +513,8 @@ void Placement::check(const TierBudgets& budgets) const {
       m += "  - offload the parameters (--offload-param cpu or nvme)\n";
     if (shape.working_buffers > 2)
       m += "  - a smaller --prefetch-depth (each level is a working buffer)\n";
-    m += "  - more GPUs (--gpus), or a larger --gpu-memory if the GPUs have it\n";
+    m += "  - more GPUs (--gpus in plan, --devices in train), or a larger --gpu-memory / "
+         "--device-memory if the GPUs have it\n";
   }
   if (rows[1].need > rows[1].have) {
     m += fmt::format("cpu: {}\n", split(Tier::cpu));
@@ -503,15 +527,19 @@ void Placement::check(const TierBudgets& budgets) const {
                        request.buffer_count, format_bytes(pinned_buffer_bytes));
     m += "  - raise --cpu-memory if the machine has more RAM free\n";
   }
-  if (rows[2].need > rows[2].have) {
-    m += fmt::format("nvme: {}\n", split(Tier::nvme));
+  if (rows[2].need > rows[2].have || !short_paths.empty()) {
+    std::string paths;
+    for (const std::string& p : request.nvme_paths) paths += (paths.empty() ? "" : ", ") + p;
+    m += fmt::format("nvme ({}): {}\n", paths, split(Tier::nvme));
+    m += short_paths;
     m += "  - add nvme paths on other drives (--nvme-path a,b) or free space on them\n";
     m += "  - keep more in host RAM (offload_param.device cpu, or a larger max_in_cpu)\n";
   }
   if (pinned_limited && rows[3].need > rows[3].have) {
     m += fmt::format("pinned: {} of buffers{}\n", format_bytes(pinned_bytes()),
                      request.pin_memory ? " plus the cpu-homed state (pin_memory true)" : "");
-    m += "  - raise the memlock limit (ulimit -l, or memlock in /etc/security/limits.conf)\n";
+    m += "  - raise the pinned-memory limit (--pinned-memory, at most ulimit -l; memlock in "
+         "/etc/security/limits.conf)\n";
     if (request.pin_memory) m += "  - set pin_memory false to pin only the buffers\n";
     m += "  - a smaller buffer_count or buffer_size\n";
   }
@@ -562,9 +590,8 @@ std::string Placement::str() const {
   return s;
 }
 
-uint64_t nvme_free_space(const std::vector<std::string>& paths) {
-  std::set<dev_t> seen;
-  uint64_t free = 0;
+std::vector<NvmePathSpace> nvme_path_space(const std::vector<std::string>& paths) {
+  std::vector<NvmePathSpace> out;
   for (const std::string& p : paths) {
     struct stat st {};
     if (::stat(p.c_str(), &st) != 0)
@@ -572,15 +599,29 @@ uint64_t nvme_free_space(const std::vector<std::string>& paths) {
           "nvme path {}: does not exist; create it or name another directory (strata plan sizes "
           "drives this machine does not have with --nvme DRIVESxSIZE)",
           p);
-    if (!seen.insert(st.st_dev).second) continue;
+    if (!S_ISDIR(st.st_mode))
+      fail("nvme path {}: is not a directory; name the directory the swap files go in", p);
+    if (::access(p.c_str(), W_OK | X_OK) != 0)
+      fail(
+          "nvme path {}: not writable ({}); the swap files cannot be created there, make it "
+          "writable or name another directory",
+          p, errno_text(errno));
     std::error_code ec;
     const auto space = std::filesystem::space(p, ec);
     if (ec)
       fail(
           "nvme path {}: free space unknown ({}); name another directory, or plan with --nvme SIZE",
           p, ec.message());
-    free += space.available;
+    out.push_back({p, static_cast<uint64_t>(st.st_dev), space.available});
   }
+  return out;
+}
+
+uint64_t nvme_free_space(const std::vector<std::string>& paths) {
+  std::set<uint64_t> seen;
+  uint64_t free = 0;
+  for (const NvmePathSpace& p : nvme_path_space(paths))
+    if (seen.insert(p.filesystem).second) free += p.free;
   return free;
 }
 
@@ -591,7 +632,10 @@ TierBudgets local_budgets(uint64_t device_memory, const std::vector<std::string>
   b.cpu_memory =
       cpu_memory > 0 ? cpu_memory : uint64_t(double(memory_info().available) * kSafeRamFraction);
   b.pinned_limit = can_lock_past_limit() ? kUnlimited : memlock_limit();
-  b.nvme_free = nvme_free_space(nvme_paths);
+  b.nvme_paths = nvme_path_space(nvme_paths);
+  std::set<uint64_t> seen;
+  for (const NvmePathSpace& p : b.nvme_paths)
+    if (seen.insert(p.filesystem).second) b.nvme_free += p.free;
   return b;
 }
 

@@ -73,12 +73,23 @@ struct OffloadRequest {
 // ranks, or one rank's G shard (grad dtype), rounded up to 4 KiB; or buffer_size elements
 // of param dtype when given (then the executor moves a larger transfer through it in pieces).
 
+// One nvme path of this machine: the swap store stripes evenly over the paths, so each must
+// have room for its share (paths on one filesystem share its free space).
+struct NvmePathSpace {
+  std::string path;
+  uint64_t filesystem = 0;  // st_dev
+  uint64_t free = 0;        // the filesystem's free bytes
+};
+
 // What each tier can hold. GPU figures are per device; NVMe is the free space over all paths.
 struct TierBudgets {
   uint64_t gpu_memory = 0;    // per device
   uint64_t cpu_memory = 0;    // host RAM the run may use (`--cpu-memory`)
   uint64_t pinned_limit = 0;  // page-locked bytes allowed (`ulimit -l`, or a cap); 0: none
   uint64_t nvme_free = 0;     // over all nvme_paths
+  // Per path, in the request's order, when the paths are this machine's (empty when sized by
+  // `--nvme`): check() then also refuses a path too small for its share.
+  std::vector<NvmePathSpace> nvme_paths;
 };
 
 // Host RAM a run may use by default: the rest of what /proc/meminfo calls available is left to
@@ -86,12 +97,15 @@ struct TierBudgets {
 inline constexpr double kSafeRamFraction = 0.8;
 
 // Free bytes over the nvme paths, each filesystem counted once (two paths on one drive do not
-// double its space). An Error names a path that does not exist or whose space is unknown.
+// double its space). An Error names a path that does not exist, is not a directory, is not
+// writable, or whose space is unknown.
 uint64_t nvme_free_space(const std::vector<std::string>& paths);
+// The same checks, and each path's filesystem and its free bytes.
+std::vector<NvmePathSpace> nvme_path_space(const std::vector<std::string>& paths);
 
 // This machine's budgets for a run on devices of `device_memory` each: host RAM `cpu_memory`
 // (0: kSafeRamFraction of what is available), the pinned limit (`ulimit -l`, unlimited with
-// CAP_IPC_LOCK), and nvme_free_space of the paths (0 without paths).
+// CAP_IPC_LOCK), and nvme_free_space of the paths (0 without paths) with each path's space.
 TierBudgets local_budgets(uint64_t device_memory, const std::vector<std::string>& nvme_paths,
                           uint64_t cpu_memory = 0);
 

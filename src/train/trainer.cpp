@@ -5,6 +5,8 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "core/pinned_pool.h"
+#include "core/system.h"
 #include "model/safetensors.h"
 #include "partition/communicator.h"
 #include "schedule/executor.h"
@@ -48,15 +50,48 @@ Placement place(const TrainSettings& s, const std::vector<Device*>& devices, Tie
   shape.working_buffers = std::max(s.prefetch_depth + 1, model.tie_word_embeddings ? 2 : 1);
   for (const std::string& p : s.offload.nvme_paths) {
     std::error_code ec;
+    if (fs::exists(p, ec) && !fs::is_directory(p, ec))
+      fail(
+          "nvme path {}: is a {}, not a directory; name a directory for the swap files with "
+          "--nvme-path (a missing one is created)",
+          p, fs::is_regular_file(p, ec) ? "file" : "special file");
     fs::create_directories(p, ec);
     if (ec)
       fail("nvme path {}: cannot create it: {}; name a writable directory with --nvme-path", p,
            ec.message());
   }
   budgets = local_budgets(devices.front()->memory().capacity, s.offload.nvme_paths, s.cpu_memory);
+  if (s.pinned_memory > 0 && (budgets.pinned_limit == 0 || s.pinned_memory < budgets.pinned_limit))
+    budgets.pinned_limit = s.pinned_memory;
   const Placement placement = Placement::make(shape, s.offload, budgets);
   placement.check(budgets);
   return placement;
+}
+
+// Host RAM the run is planned to hold at its peak (the figure `strata train` prints as "host
+// memory plan"): the placement's cpu tier (host-homed P, G, O and the pinned buffers), every
+// device's gpu tier when the devices are host devices (their arenas are host RAM), and what
+// writing a checkpoint holds at once: save_checkpoint keeps every unit's optimizer state (f32
+// master, m and v: 12 bytes an element) in memory until optimizer.safetensors is written, plus
+// the copies one unit's state is gathered through (two of 12 bytes per padded element).
+struct HostMemoryPlan {
+  uint64_t cpu = 0, devices = 0, checkpoint = 0;
+  uint64_t total() const { return cpu + devices + checkpoint; }
+};
+
+HostMemoryPlan plan_host_memory(const Placement& placement, const std::vector<Device*>& devices) {
+  const TierBytes need = placement.needs();
+  HostMemoryPlan h;
+  h.cpu = need.total(Tier::cpu);
+  for (const Device* d : devices)
+    if (d->backend() == Backend::host) h.devices += need.total(Tier::gpu);
+  uint64_t elements = 0, largest = 0;
+  for (const UnitPartition& u : placement.partition.units) {
+    elements += u.numel;
+    largest = std::max(largest, u.padded);
+  }
+  h.checkpoint = 12 * elements + 24 * largest;
+  return h;
 }
 
 }  // namespace
@@ -81,6 +116,8 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   ExecutorOptions eo;
   eo.cpu_adam_threads = s.cpu_adam_threads;
   eo.record = !s.trace.empty();
+  if (budgets.pinned_limit != kUnlimited) eo.pinned_limit = budgets.pinned_limit;
+  const uint64_t pools_before = PinnedPool::pools_created();
   Executor ex(placement, schedule, *comm, eo);
 
   int64_t step = 0, applied = 0;
@@ -125,6 +162,14 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
       model.name, R, s.grad_accum, s.micro_batch, s.seq_len, format_bytes(need.total(Tier::gpu)),
       format_bytes(need.total(Tier::cpu)), format_bytes(need.total(Tier::nvme)),
       s.run_dir.string());
+  const HostMemoryPlan host = plan_host_memory(placement, devices);
+  const ExecutorMemory mem = ex.memory();
+  fmt::print(
+      "host memory plan: {} (cpu tier {}, host devices {}, checkpoint copy {}); pinned pool {} "
+      "(placement {})\n",
+      format_bytes(host.total()), format_bytes(host.cpu), format_bytes(host.devices),
+      format_bytes(host.checkpoint), format_bytes(mem.pinned_capacity),
+      format_bytes(placement.pinned_need()));
   std::fflush(stdout);
 
   std::ofstream metrics(s.run_dir / "metrics.jsonl", s.resume ? std::ios::app : std::ios::trunc);
@@ -171,7 +216,11 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
                               {"tokens_per_s", tps},
                               {"step_s", r.step_s},
                               {"overlap", r.overlap},
-                              {"lane_busy_s", lanes}}
+                              {"lane_busy_s", lanes},
+                              {"host_memory_plan", host.total()},
+                              {"pinned_bytes", ex.memory().pinned_capacity},
+                              {"pinned_allocations", ex.memory().pinned_allocations},
+                              {"pinned_pools", PinnedPool::pools_created() - pools_before}}
                    .dump()
             << "\n";
     metrics.flush();

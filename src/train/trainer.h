@@ -46,7 +46,8 @@ struct TrainSettings {
   OffloadRequest offload;
   int prefetch_depth = 1;
   uint64_t persistence_threshold = 100000;
-  uint64_t cpu_memory = 0;  // budget of host RAM (0: 80% of what is available)
+  uint64_t cpu_memory = 0;     // budget of host RAM (0: 80% of what is available)
+  uint64_t pinned_memory = 0;  // page-locked bytes allowed (0: `ulimit -l`); never above it
   int cpu_adam_threads = 0;
   int64_t save_every = 0;  // 0: only at the end
   int keep = 3;            // complete checkpoints kept (0: all)

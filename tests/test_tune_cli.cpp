@@ -1,0 +1,283 @@
+// test_tune_cli.cpp: `strata tune` as a user runs it: the machine measured (--quick) into a
+// profile that the simulator's reader loads and simulates from, with what could not be
+// measured left 0 and said so; a recommendation for the tiny model on the host backend written
+// as a DeepSpeed config that the ds_config reader maps back to the configuration chosen and
+// that `strata train` runs; a model that fits nowhere refused with the numbers before anything
+// is measured; bad input named.
+#include "schedule/schedule.h"
+#include "schedule/simulator.h"
+#include "tier/placement.h"
+#include "train/ds_config.h"
+#include "train_cli_testing.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace strata {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+using test::CommandResult;
+
+// `strata ARGS` with stdout alone (stderr dropped) for --json runs.
+CommandResult strata_stdout(const std::string& args) {
+  return test::run_command(std::string("'") + STRATA_BINARY + "' " + args + " 2>/dev/null");
+}
+
+json parse(const CommandResult& r) {
+  EXPECT_EQ(r.status, 0) << r.out;
+  json j = json::parse(r.out, nullptr, false);
+  EXPECT_FALSE(j.is_discarded()) << r.out;
+  return j;
+}
+
+TEST(TuneCli, MeasuresThisMachineIntoAProfileTheSimulatorReads) {
+  const test::TempDir dir("strata-tune");
+  const fs::path a = dir.path / "a", b = dir.path / "b", profile = dir.path / "profile.json";
+  fs::create_directories(a);
+  fs::create_directories(b);
+  const auto start = std::chrono::steady_clock::now();
+  const json j =
+      parse(strata_stdout("tune --quick --devices host:2 --threads 1 --nvme-path " + a.string() +
+                          "," + b.string() + " --out-profile " + profile.string() + " --json"));
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_LT(took, 30.0) << "--quick is meant to take seconds";
+  ASSERT_TRUE(j.is_object());
+  EXPECT_EQ(j["measured"], true);
+  EXPECT_EQ(j["devices"]["count"], 2);
+  EXPECT_EQ(j["gpu"]["present"], false);   // host devices: the device figures are the host's
+  EXPECT_FALSE(j.contains("candidates"));  // no --model: measuring only
+
+  // Read back by the simulator's reader: the file is what was reported.
+  const HardwareProfile p = HardwareProfile::load(profile.string());
+  EXPECT_EQ(json::parse(p.to_json()), j["profile"]);
+  for (const auto& [name, v] : {std::pair{"gpu_flops", p.gpu_flops},
+                                {"h2d_bytes_per_s", p.h2d_bytes_per_s},
+                                {"d2h_bytes_per_s", p.d2h_bytes_per_s},
+                                {"comm_bytes_per_s", p.comm_bytes_per_s},
+                                {"adam_elements_per_s", p.adam_elements_per_s},
+                                {"stats_elements_per_s", p.stats_elements_per_s},
+                                {"gpu_adam_elements_per_s", p.gpu_adam_elements_per_s},
+                                {"nvme_read_bytes_per_s", p.nvme_read_bytes_per_s},
+                                {"nvme_write_bytes_per_s", p.nvme_write_bytes_per_s},
+                                {"task_latency_s", p.task_latency_s}}) {
+    EXPECT_GT(v, 0.0) << name;
+    EXPECT_TRUE(std::isfinite(v)) << name;
+    ASSERT_EQ(p.notes.count(name), 1u) << name << " has no note";
+    EXPECT_NE(p.notes.at(name).find("measured"), std::string::npos) << p.notes.at(name);
+  }
+  // Verified, and honest that the compute is the host backend's.
+  EXPECT_NE(p.notes.at("gpu_flops").find("verified"), std::string::npos);
+  EXPECT_NE(p.notes.at("gpu_flops").find("host backend"), std::string::npos);
+  EXPECT_NE(p.notes.at("nvme_read_bytes_per_s").find("every byte"), std::string::npos);
+  // NVMe per path, read and write separately, and the settings measured with.
+  ASSERT_EQ(p.nvme_paths.size(), 2u);
+  EXPECT_EQ(p.nvme_paths[0].path, a.string());
+  EXPECT_EQ(p.nvme_paths[1].path, b.string());
+  for (const NvmePathRate& r : p.nvme_paths) {
+    EXPECT_GT(r.read_bytes_per_s, 0.0) << r.path;
+    EXPECT_GT(r.write_bytes_per_s, 0.0) << r.path;
+  }
+  EXPECT_EQ(p.nvme_block_size, 1u << 20);
+  EXPECT_EQ(p.nvme_queue_depth, 32u);
+  // No test files are left behind in the measured directories.
+  EXPECT_TRUE(fs::is_empty(a));
+  EXPECT_TRUE(fs::is_empty(b));
+
+  // The simulator predicts from it: tiny with its optimizer on NVMe on 2 ranks.
+  RunShape shape;
+  shape.model = *find_preset("tiny");
+  shape.ranks = 2;
+  shape.param_dtype = DType::f32;
+  shape.seq_len = 64;
+  OffloadRequest req;
+  req.optimizer = Tier::nvme;
+  req.nvme_paths = {a.string(), b.string()};
+  const Placement pl = Placement::make(shape, req, TierBudgets{});
+  const Prediction pred = simulate(Schedule::build(pl, ScheduleOptions{}), p, 1);
+  EXPECT_GT(pred.step_s, 0.0);
+}
+
+TEST(TuneCli, RecommendsAConfigStrataTrainAccepts) {
+  const test::TempDir dir("strata-tune");
+  const fs::path swap = dir.path / "swap", profile = dir.path / "profile.json";
+  const fs::path config = dir.path / "ds_config.json", run = dir.path / "run";
+  fs::create_directories(swap);
+  // The optimizer on NVMe (asked for), the rest chosen: the config then carries nvme_path,
+  // pin_memory, buffer_count and aio.
+  const json j = parse(strata_stdout(
+      "tune --quick --devices host:1 --threads 1 --model tiny --seq-len 64 --global-batch 4 "
+      "--nvme-path " +
+      swap.string() + " --offload-optimizer nvme --out-profile " + profile.string() +
+      " --out-config " + config.string() + " --all --json"));
+  ASSERT_TRUE(j.contains("recommended")) << j.dump(2);
+  const json& best = j["recommended"];
+  EXPECT_EQ(best["offload_optimizer"], "nvme");
+  EXPECT_EQ(best["fits"], true);
+  const int64_t micro = best["micro_batch"], accum = best["grad_accum"];
+  EXPECT_EQ(micro * accum, 4);
+  EXPECT_GT(best["tokens_per_s"].get<double>(), 0.0);
+  // One device: no all-gather to time, and the profile says so instead of inventing a rate.
+  const HardwareProfile p = HardwareProfile::load(profile.string());
+  EXPECT_EQ(p.comm_bytes_per_s, 0.0);
+  EXPECT_NE(p.notes.at("comm_bytes_per_s").find("absent"), std::string::npos);
+  // Ranked: the first is the fastest (within the 1% ties are broken in).
+  ASSERT_GE(j["candidates"].size(), 2u);
+  for (const json& c : j["candidates"]) {
+    EXPECT_EQ(c["offload_optimizer"], "nvme");
+    EXPECT_LE(c["tokens_per_s"].get<double>(), best["tokens_per_s"].get<double>() * 1.0101);
+    EXPECT_EQ(c["micro_batch"].get<int64_t>() * c["grad_accum"].get<int64_t>(), 4);
+  }
+  EXPECT_EQ(j["candidates"][0], best);
+
+  // Read back by the reader `strata train --config` uses: the configuration chosen.
+  const DsConfig ds = load_ds_config(config);
+  EXPECT_TRUE(ds.ignored.empty()) << json(ds.ignored).dump();
+  const DsPlanSettings s = ds_plan_settings(ds, 1, *find_preset("tiny"));
+  EXPECT_EQ(s.batch.micro_batch, micro);
+  EXPECT_EQ(s.batch.grad_accum, accum);
+  EXPECT_EQ(ds.train_batch_size, 4);
+  EXPECT_EQ(ds.zero.stage, 3);
+  EXPECT_EQ(s.offload.optimizer, Tier::nvme);
+  EXPECT_EQ(tier_name(s.offload.param),
+            best["offload_param"] == "none" ? "gpu" : best["offload_param"].get<std::string>());
+  EXPECT_EQ(s.offload.nvme_paths, std::vector<std::string>{swap.string()});
+  EXPECT_EQ(s.offload.buffer_count, best["buffer_count"].get<int>());
+  EXPECT_EQ(s.offload.pin_memory, best["pin_memory"].get<bool>());
+  EXPECT_EQ(s.prefetch_depth.value_or(-1), best["prefetch_depth"].get<int>());
+  EXPECT_EQ(s.param_dtype, DType::f32);  // the host backend's precision: bf16 and fp16 off
+  EXPECT_EQ(ds.aio.block_size, p.nvme_block_size);
+  EXPECT_EQ(ds.aio.queue_depth, static_cast<int>(p.nvme_queue_depth));
+  EXPECT_EQ(j["config"], json::parse(test::slurp(config)));
+
+  // `strata train` runs it: two steps of tiny on the host backend, nothing in it ignored.
+  const fs::path data = test::make_data(dir.path);
+  const CommandResult t = test::strata(
+      "train --model tiny --init random --data " + data.string() + " --steps 2 --config " +
+      config.string() + " --seq-len 64 --devices host:1 --threads 1 --run-dir " + run.string());
+  ASSERT_EQ(t.status, 0) << t.out;
+  EXPECT_EQ(t.out.find("not acted on"), std::string::npos) << t.out;
+  EXPECT_NE(t.out.find(fmt::format("{} micro-batch(es) of {} x 64 tokens", accum, micro)),
+            std::string::npos)
+      << t.out;
+  const std::vector<json> m = test::metrics(run);
+  ASSERT_EQ(m.size(), 2u);
+  for (const json& line : m) EXPECT_TRUE(std::isfinite(line["loss"].get<double>())) << line;
+  // Its optimizer state lived in the swap directory the config names (removed at the end).
+  EXPECT_NE(j["train_command"].get<std::string>().find("--config " + config.string()),
+            std::string::npos);
+}
+
+TEST(TuneCli, SearchesEveryChoiceFromASavedProfileAndPrintsTheTable) {
+  const test::TempDir dir("strata-tune");
+  const fs::path swap = dir.path / "swap", profile = dir.path / "profile.json";
+  const fs::path config = dir.path / "ds.json";
+  fs::create_directories(swap);
+  ASSERT_EQ(strata_stdout("tune --quick --devices host:1 --threads 1 --nvme-path " + swap.string() +
+                          " --out-profile " + profile.string())
+                .status,
+            0);
+  const std::string before = test::slurp(profile);
+  // No measuring this time: the saved profile is used and left as it was.
+  const CommandResult r = test::strata("tune --hardware " + profile.string() +
+                                       " --devices host:1 --model tiny --seq-len 32 "
+                                       "--global-batch 8 --nvme-path " +
+                                       swap.string() + " --out-config " + config.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  for (const char* part : {"profile read from", "placements checked", "tokens/s", "critical lane",
+                           "recommended:", "strata train --model tiny --config", "--seq-len 32"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << "'" << part << "' missing from:\n" << r.out;
+  EXPECT_EQ(r.out.find("measured in"), std::string::npos) << r.out;
+  EXPECT_EQ(test::slurp(profile), before);
+  const DsConfig ds = load_ds_config(config);
+  EXPECT_EQ(ds.train_batch_size, 8);
+  EXPECT_TRUE(ds.ignored.empty());
+  // Every parameter/optimizer choice was tried, and with every unit sharded (persistence
+  // threshold 0) each places the state differently: nine rows, the best of each.
+  const json j =
+      parse(strata_stdout("tune --hardware " + profile.string() +
+                          " --devices host:1 --model tiny --seq-len 32 "
+                          "--global-batch 8 --persistence-threshold 0 --nvme-path " +
+                          swap.string() + " --out-config " + config.string() + " --json"));
+  std::set<std::pair<std::string, std::string>> choices;
+  for (const json& c : j["candidates"])
+    choices.insert(
+        {c["offload_param"].get<std::string>(), c["offload_optimizer"].get<std::string>()});
+  EXPECT_EQ(choices.size(), 9u) << j["candidates"].dump();
+  EXPECT_EQ(j["candidates"].size(), 9u);
+  EXPECT_EQ(j["measured"], false);
+  EXPECT_EQ(j["candidates"][0], j["recommended"]);
+  EXPECT_NE(j["train_command"].get<std::string>().find("--persistence-threshold 0"),
+            std::string::npos);
+  // With the default threshold every unit of tiny is replicated on the devices, so offloading
+  // the parameters changes nothing: those choices are said to be the same, not ranked.
+  const CommandResult same = test::strata(
+      "tune --hardware " + profile.string() + " --devices host:1 --model tiny --seq-len 32 " +
+      "--global-batch 8 --nvme-path " + swap.string() + " --out-config " + config.string());
+  EXPECT_NE(same.out.find("P cpu, O none places everything as P none, O none does"),
+            std::string::npos)
+      << same.out;
+}
+
+TEST(TuneCli, AModelThatFitsNowhereIsRefusedWithTheNumbers) {
+  const test::TempDir dir("strata-tune");
+  const fs::path profile = dir.path / "profile.json";
+  const auto start = std::chrono::steady_clock::now();
+  const CommandResult r = test::strata(
+      "tune --quick --devices host:1 --device-memory 1GiB --cpu-memory 2GiB --model llama2-70b "
+      "--seq-len 128 --nvme-path " +
+      dir.path.string() + " --out-profile " + profile.string());
+  const double took =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(r.status, 1) << r.out;
+  for (const char* part :
+       {"llama2-70b", "fits no placement", "nothing was measured", "P none O none", "P nvme O nvme",
+        "gpu: needs", "1 GiB available", "nvme: needs", "free", "--nvme-path"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << "'" << part << "' missing from:\n" << r.out;
+  EXPECT_FALSE(fs::exists(profile));  // refused before measuring
+  EXPECT_LT(took, 10.0);
+}
+
+TEST(TuneCli, BadInputIsNamed) {
+  const test::TempDir dir("strata-tune");
+  const fs::path file = dir.path / "file";
+  std::ofstream(file) << "x";
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"tune --nvme-path /nonexistent/strata-tune",
+       {"/nonexistent/strata-tune", "does not exist", "mkdir -p"}},
+      {"tune --nvme-path " + file.string(), {file.string(), "not a directory"}},
+      {"tune --nvme-path " + dir.path.string() + "," + dir.path.string(), {"named twice"}},
+      {"tune --seq-len 64", {"--seq-len", "give --model"}},
+      {"tune --devices host:2 --model tiny --global-batch 3",
+       {"--global-batch 3", "multiple of 2"}},
+      {"tune --devices host:1 --model tiny --offload-param disk",
+       {"--offload-param 'disk'", "none, cpu or nvme"}},
+      {"tune --devices host:1 --model tiny --prefetch-depth 0", {"--prefetch-depth 0", "1..4"}},
+      {"tune --devices host:1 --model tiny --seq-len 100000",
+       {"--seq-len 100000", "max_position_embeddings"}},
+      {"tune --devices host:1 --model no-such-model", {"no-such-model"}},
+      {"tune --devices host:1 --hardware " + file.string(), {file.string(), "not valid JSON"}},
+  };
+  for (const auto& [args, parts] : cases) {
+    const CommandResult r = test::strata(args);
+    EXPECT_NE(r.status, 0) << args << "\n" << r.out;
+    for (const std::string& part : parts)
+      EXPECT_NE(r.out.find(part), std::string::npos)
+          << "'" << part << "' missing from `" << args << "`:\n"
+          << r.out;
+  }
+}
+
+}  // namespace
+}  // namespace strata
