@@ -173,8 +173,8 @@ TEST(Reliability, SigkillAnywhereLosesNothing) {
   // every third one instead waits for a checkpoint to be in progress.
   std::mt19937_64 rng(20261123);
   std::uniform_real_distribution<double> delay(0.0, startup + whole / 20);
-  int kills = 0, mid_checkpoint = 0, resumes_checked = 0;
-  for (int attempt = 0; attempt < 60 && kills < 24; ++attempt) {
+  int kills = 0, mid_checkpoint = 0, resumes_checked = 0, restarts = 0;
+  for (int attempt = 0; attempt < 80 && kills < 24; ++attempt) {
     const auto done = complete_checkpoints(b);
     const std::string args = base + " --run-dir " + b.string() + (done.empty() ? "" : " --resume");
     const Child c = spawn(args, dir.path / "b.log");
@@ -187,7 +187,14 @@ TEST(Reliability, SigkillAnywhereLosesNothing) {
     } else {
       finished = exited_within(c, delay(rng));
     }
-    ASSERT_FALSE(finished) << "the run ended before it was killed:\n" << slurp(c.log);
+    if (finished) {
+      // A loaded machine can make the delays long against the run: the run got to its end
+      // between kills. Check it and start the crash run over.
+      expect_same_final_files(a, b, kSteps);
+      fs::remove_all(b);
+      ++restarts;
+      continue;
+    }
     kill_child(c);
     ++kills;
     if (checkpoint_in_progress(b)) ++mid_checkpoint;
@@ -213,6 +220,7 @@ TEST(Reliability, SigkillAnywhereLosesNothing) {
   RecordProperty("kills", kills);
   RecordProperty("kills_during_checkpoint_writes", mid_checkpoint);
   RecordProperty("resumes_checked", resumes_checked);
+  RecordProperty("runs_that_ended_between_kills", restarts);
   std::printf("%d kills (%d while a checkpoint was being written), %d resumes checked\n", kills,
               mid_checkpoint, resumes_checked);
 }
