@@ -3,7 +3,7 @@
 // wrong (the file, flag or value) and what to do about it; nothing may crash or hang. The
 // resource tests run `strata train` on the host backend and check the process's peak RSS
 // against the host memory the run planned, and that pinned memory is allocated once.
-#include "testing.h"
+#include "train_cli_testing.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -39,12 +39,7 @@ test::CommandResult strata(const std::string& args, const std::string& prefix = 
   return test::run_command(prefix + quote(STRATA_BINARY) + " " + args + " 2>&1");
 }
 
-std::string slurp(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
+using test::slurp;
 
 // The command failed (exit status 1, strata's status for an Error) and its output names every
 // one of `parts`.
@@ -504,13 +499,6 @@ Measured run_measured(const std::vector<std::string>& args, const fs::path& log)
   return m;
 }
 
-std::vector<json> metrics(const fs::path& run) {
-  std::vector<json> out;
-  std::ifstream f(run / "metrics.jsonl");
-  for (std::string line; std::getline(f, line);) out.push_back(json::parse(line));
-  return out;
-}
-
 // Issue 9, resource limits: a run's host RSS stays within the host memory its placement plans
 // (`strata train` prints it and puts it in every metrics line: the cpu tier, the host devices'
 // gpu tiers and the checkpoint writer's copy of the optimizer state), plus a margin; and the
@@ -550,7 +538,7 @@ TEST_F(BadInputCli, HostRssStaysWithinThePlanAndPinnedMemoryIsAllocatedOnce) {
     const Measured r = run_measured(args, path("rss.log"));
     SCOPED_TRACE(placement.back());
     ASSERT_EQ(r.status, 0) << r.out;
-    const std::vector<json> lines = metrics(run);
+    const std::vector<json> lines = test::metrics(run);
     ASSERT_EQ(lines.size(), 3u) << r.out;
     const double plan = lines[0]["host_memory_plan"].get<double>();
     const double peak = double(r.max_rss_kib) * 1024.0 - baseline;

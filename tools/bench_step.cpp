@@ -180,7 +180,7 @@ int run_bench_step(const BenchStepArgs& a) {
   shape.seq_len = a.seq_len;
   shape.persistence_threshold =
       static_cast<uint64_t>(std::max<int64_t>(a.persistence_threshold, 0));
-  shape.working_buffers = std::max(a.prefetch_depth + 1, model.tie_word_embeddings ? 2 : 1);
+  shape.working_buffers = working_buffers_for(a.prefetch_depth, model.tie_word_embeddings);
 
   // Swap space: the given paths, else a directory made here and removed at the end.
   std::vector<std::string> paths = a.nvme_paths;

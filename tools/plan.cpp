@@ -135,7 +135,7 @@ int run_plan(const PlanArgs& a) {
     shape.persistence_threshold = *cfg.persistence_threshold;
   const int depth = a.prefetch_depth >= 0 ? a.prefetch_depth : cfg.prefetch_depth.value_or(1);
   if (depth < 0 || depth > 64) fail("--prefetch-depth {}: expected 0..64", depth);
-  shape.working_buffers = std::max(depth + 1, shape.model.tie_word_embeddings ? 2 : 1);
+  shape.working_buffers = working_buffers_for(depth, shape.model.tie_word_embeddings);
 
   OffloadRequest request = cfg.offload;
   apply_offload_flags(request, a.offload_param, a.offload_optimizer);

@@ -44,8 +44,7 @@ RunShape shape_for(const TuneSpace& s, int64_t micro, int depth) {
   r.micro_batch = micro;
   r.seq_len = s.seq_len;
   r.persistence_threshold = s.persistence_threshold;
-  // As `strata train` sizes it: the unit in use and `depth` ahead (two with tied embeddings).
-  r.working_buffers = std::max(depth + 1, s.model.tie_word_embeddings ? 2 : 1);
+  r.working_buffers = working_buffers_for(depth, s.model.tie_word_embeddings);
   return r;
 }
 

@@ -21,6 +21,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <string>
@@ -121,6 +122,12 @@ struct RunShape {
   int working_buffers = 2;                  // gathered units per GPU (prefetch depth + 1)
   uint64_t device_alignment = 256;          // device arenas round every buffer up to this
 };
+
+// Gathered working buffers per GPU for a prefetch depth: the unit in use and `depth` ahead, and
+// at least two with tied embeddings (the head reuses unit 0 while the last block is gathered).
+inline int working_buffers_for(int prefetch_depth, bool tied_embeddings) {
+  return std::max(prefetch_depth + 1, tied_embeddings ? 2 : 1);
+}
 
 struct UnitHomes {
   Tier param = Tier::gpu;

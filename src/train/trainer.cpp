@@ -47,7 +47,7 @@ Placement place(const TrainSettings& s, const std::vector<Device*>& devices, Tie
   shape.micro_batch = s.micro_batch;
   shape.seq_len = s.seq_len;
   shape.persistence_threshold = s.persistence_threshold;
-  shape.working_buffers = std::max(s.prefetch_depth + 1, model.tie_word_embeddings ? 2 : 1);
+  shape.working_buffers = working_buffers_for(s.prefetch_depth, model.tie_word_embeddings);
   for (const std::string& p : s.offload.nvme_paths) {
     std::error_code ec;
     if (fs::exists(p, ec) && !fs::is_directory(p, ec))
