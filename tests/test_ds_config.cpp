@@ -238,6 +238,7 @@ TEST(DsConfig, HuggingFaceZero3NvmeOffload) {
   EXPECT_EQ(s.offload.buffer_size, 100'000'000u);
   EXPECT_EQ(s.offload.max_in_cpu, 1'000'000'000u);
   EXPECT_EQ(s.offload.nvme_stripe, 1048576u);
+  EXPECT_EQ(s.offload.nvme_queue_depth, 8u);
 }
 
 TEST(DsConfig, DeepSpeedExamplesZero3Nvme) {

@@ -59,6 +59,7 @@ Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std:
   req.optimizer = o;
   req.buffer_count = 4;
   if (p == Tier::nvme || o == Tier::nvme) req.nvme_paths = {dir};
+  req.nvme_stripe = 64 * 1024;  // small: the tiny model's shards span several stripes
   TierBudgets budgets;
   budgets.gpu_memory = kDeviceMemory;
   budgets.cpu_memory = 8ull << 30;

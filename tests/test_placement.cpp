@@ -92,6 +92,12 @@ TEST(Placement, ImpossibleRequestsNameTheSetting) {
   r = request(Tier::cpu, Tier::cpu);
   r.buffer_count = 0;
   expect_error([&] { Placement::make(s, r, roomy()); }, {"buffer_count 0"});
+  r = request(Tier::gpu, Tier::nvme);
+  r.nvme_stripe = 6000;
+  expect_error([&] { Placement::make(s, r, roomy()); }, {"aio.block_size", "6000", "4 KiB"});
+  r = request(Tier::gpu, Tier::nvme);
+  r.nvme_queue_depth = 0;
+  expect_error([&] { Placement::make(s, r, roomy()); }, {"aio.queue_depth", "0", "1 to 4096"});
   RunShape bad = s;
   bad.micro_batch = 0;
   expect_error([&] { Placement::make(bad, request(Tier::gpu, Tier::gpu), roomy()); },

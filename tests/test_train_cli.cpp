@@ -173,6 +173,36 @@ TEST(TrainCli, HuggingFaceDeepSpeedConfigIsAccepted) {
   EXPECT_EQ(state["settings"]["offload_optimizer"], "cpu");
 }
 
+// DeepSpeed's aio section sets the swap store's stripe and queue depth (the placement sizes the
+// swap files by that stripe, and the executor's store uses the same one).
+TEST(TrainCli, AioSettingsReachTheSwapStore) {
+  const test::TempDir dir("strata-train-aio");
+  const fs::path data = make_data(dir.path), run = dir.path / "run",
+                 cfg = dir.path / "ds_config.json", swap = dir.path / "swap";
+  const auto train_with = [&](const json& aio) {
+    json c;
+    c["zero_optimization"] = {
+        {"stage", 3}, {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", swap.string()}}}};
+    c["aio"] = aio;
+    std::ofstream(cfg) << c.dump();
+    return strata("train " + kTiny + "--data " + data.string() + " --steps 2 --run-dir " +
+                  run.string() + " --config " + cfg.string());
+  };
+  const test::CommandResult r = train_with({{"block_size", 65536}, {"queue_depth", 4}});
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("nvme swap: " + swap.string() +
+                       "; stripe 64 KiB (aio.block_size), queue depth 4 (aio.queue_depth)"),
+            std::string::npos)
+      << r.out;
+  const json state = json::parse(slurp(run / "checkpoints/step-2/trainer_state.json"));
+  EXPECT_EQ(state["settings"]["aio"]["block_size"], 65536);
+  EXPECT_EQ(state["settings"]["aio"]["queue_depth"], 4);
+  // A queue depth io_uring cannot take is refused before training, naming the key.
+  const test::CommandResult bad = train_with({{"queue_depth", 0}});
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.out.find("aio.queue_depth"), std::string::npos) << bad.out;
+}
+
 TEST(TrainCli, BadInputIsNamed) {
   const test::TempDir dir("strata-train-bad");
   const fs::path data = make_data(dir.path);

@@ -231,7 +231,8 @@ int run_bench_step(const BenchStepArgs& a) {
     ms.param_dtype = shape.param_dtype;
     ms.grad_dtype = shape.grad_dtype;
     ms.nvme_paths = paths;
-    ms.nvme_stripe = eo.nvme_stripe;
+    ms.nvme_stripe = placement.request.nvme_stripe;
+    ms.io.queue_depth = placement.request.nvme_queue_depth;
     ms.cpu_adam_threads = a.threads;
     uint64_t largest = 0;
     for (const UnitPartition& up : placement.partition.units)

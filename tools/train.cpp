@@ -172,6 +172,8 @@ int run_train(const TrainArgs& a) {
             {"nvme_path", s.offload.nvme_paths},
             {"devices", world},
             {"config", a.config}};
+  s.echo["aio"] = {{"block_size", s.offload.nvme_stripe},
+                   {"queue_depth", s.offload.nvme_queue_depth}};
   const double loss = train(s, ptrs);
   fmt::print(
       "done: loss {:.4f}; resume with --resume --run-dir {}, export with `strata export "

@@ -208,7 +208,8 @@ void write_text_atomic(const std::string& path, const std::string& text, const c
 
 // The written config read back by the reader `strata train --config` uses: it must mean the
 // configuration chosen, or this is a bug and nothing is recommended.
-void verify_config(const std::string& path, const TuneSpace& s, const TuneCandidate& c) {
+void verify_config(const std::string& path, const TuneSpace& s, const TuneCandidate& c,
+                   unsigned queue_depth) {
   const DsConfig ds = load_ds_config(path);
   const DsPlanSettings p = ds_plan_settings(ds, s.ranks, s.model);
   std::vector<std::string> wrong;
@@ -231,6 +232,7 @@ void verify_config(const std::string& path, const TuneSpace& s, const TuneCandid
   if (c.param == Tier::nvme || c.optimizer == Tier::nvme) {
     expect(p.offload.nvme_paths == s.nvme_paths, "nvme paths");
     expect(p.offload.nvme_stripe == s.nvme_stripe, "aio.block_size");
+    if (queue_depth > 0) expect(p.offload.nvme_queue_depth == queue_depth, "aio.queue_depth");
   }
   if (!wrong.empty())
     fail(
@@ -442,7 +444,7 @@ int run_tune(const TuneArgs& a) {
     best = result.ranked.front();
     config = tune_ds_config(space, *best, profile.nvme_queue_depth);
     write_text_atomic(a.out_config, config.dump(2) + "\n", "--out-config");
-    verify_config(a.out_config, space, *best);
+    verify_config(a.out_config, space, *best, profile.nvme_queue_depth);
   }
 
   // The table: the best of each parameter/optimizer choice (every candidate with --all), best

@@ -545,15 +545,16 @@ void Executor::State::allocate() {
       host_o[static_cast<size_t>(u)].push_back(
           home(u).optimizer == Tier::cpu ? host_alloc(n * 12, "optimizer state of " + what, pin)
                                          : nullptr);
-      if (home(u).param == Tier::nvme) nvme_bytes += round_up(n * ps, opt.nvme_stripe);
-      if (home(u).optimizer == Tier::nvme) nvme_bytes += round_up(n * 12, opt.nvme_stripe);
+      if (home(u).param == Tier::nvme) nvme_bytes += round_up(n * ps, pl.request.nvme_stripe);
+      if (home(u).optimizer == Tier::nvme) nvme_bytes += round_up(n * 12, pl.request.nvme_stripe);
     }
   if (nvme_bytes > 0) {
     nvme::SwapStoreOptions so;
     so.paths = pl.request.nvme_paths;
     so.capacity = nvme_bytes;
-    so.stripe = opt.nvme_stripe;
+    so.stripe = pl.request.nvme_stripe;
     so.io = opt.io;
+    so.io.queue_depth = pl.request.nvme_queue_depth;
     for (const nvme::Fault& f : nvme::faults_from_env()) so.io.faults.push_back(f);
     if (!so.io.faults.empty())
       log_warn("STRATA_NVME_FAULTS: injecting {} fault(s) into the swap store's I/O",

@@ -54,10 +54,11 @@ class SafetensorsReader;
 class PinnedPool;
 
 struct ExecutorOptions {
-  int cpu_adam_threads = 0;          // CpuAdam's threads; 0: every CPU of this process
-  bool record = false;               // keep every task's start and end (timeline(), trace())
-  uint64_t nvme_stripe = 64 * 1024;  // the swap store's stripe (a multiple of 4 KiB)
-  nvme::IoOptions io;                // the swap store's I/O (fault injection in tests)
+  int cpu_adam_threads = 0;  // CpuAdam's threads; 0: every CPU of this process
+  bool record = false;       // keep every task's start and end (timeline(), trace())
+  // The swap store's I/O. Its stripe and queue depth are the placement's (aio.block_size and
+  // aio.queue_depth: the placement sizes the swap files by that stripe); the rest is here.
+  nvme::IoOptions io;
   // Page-locked bytes allowed (0: no limit): a pinned pool larger than this is refused, naming
   // both, before it is allocated.
   uint64_t pinned_limit = 0;

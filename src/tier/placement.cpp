@@ -122,6 +122,8 @@ void check_shape(const RunShape& s, const OffloadRequest& r) {
   if (r.nvme_stripe == 0 || r.nvme_stripe % 4096 != 0)
     fail("NVMe stripe (aio.block_size) {}: use a positive multiple of 4 KiB, e.g. 1048576",
          r.nvme_stripe);
+  if (r.nvme_queue_depth < 1 || r.nvme_queue_depth > 4096)
+    fail("NVMe queue depth (aio.queue_depth) {}: use 1 to 4096, e.g. 32", r.nvme_queue_depth);
 }
 
 }  // namespace

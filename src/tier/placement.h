@@ -61,6 +61,7 @@ struct OffloadRequest {
   bool pin_memory = true;      // offload_*.pin_memory
   std::vector<std::string> nvme_paths;  // offload_*.nvme_path, one per drive
   uint64_t nvme_stripe = 1ull << 20;    // the swap store's stripe (aio.block_size)
+  unsigned nvme_queue_depth = 32;       // the swap store's requests in flight (aio.queue_depth)
 };
 // max_in_cpu, as DeepSpeed means it: with offload_param.device nvme, units in forward order
 // keep their parameter shards in host RAM while the total stays within max_in_cpu elements

@@ -477,6 +477,7 @@ DsPlanSettings ds_plan_settings(const DsConfig& c, int world, const LlamaConfig&
       if (std::find(r.nvme_paths.begin(), r.nvme_paths.end(), d) == r.nvme_paths.end())
         r.nvme_paths.push_back(d);
   if (c.aio.block_size) r.nvme_stripe = *c.aio.block_size;
+  if (c.aio.queue_depth) r.nvme_queue_depth = static_cast<unsigned>(*c.aio.queue_depth);
 
   if (c.bf16_enabled.value_or(false))
     s.param_dtype = DType::bf16;

@@ -16,6 +16,7 @@
 #include "train/data_loader.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <chrono>
 #include <cmath>
@@ -170,6 +171,10 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
       format_bytes(host.total()), format_bytes(host.cpu), format_bytes(host.devices),
       format_bytes(host.checkpoint), format_bytes(mem.pinned_capacity),
       format_bytes(placement.pinned_need()));
+  if (need.total(Tier::nvme) > 0)
+    fmt::print("nvme swap: {}; stripe {} (aio.block_size), queue depth {} (aio.queue_depth)\n",
+               fmt::join(placement.request.nvme_paths, ", "),
+               format_bytes(placement.request.nvme_stripe), placement.request.nvme_queue_depth);
   std::fflush(stdout);
 
   std::ofstream metrics(s.run_dir / "metrics.jsonl", s.resume ? std::ios::app : std::ios::trunc);
