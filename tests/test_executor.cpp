@@ -103,6 +103,7 @@ StepParams step_params(int64_t step) {
 struct RunResult {
   std::vector<double> losses, norms;
   std::vector<std::vector<float>> master, params;
+  double final_eval = 0;  // evaluate() on step 0's batches after the last step (executor runs)
 };
 
 void expect_bits(const std::vector<float>& a, const std::vector<float>& b,
@@ -145,13 +146,21 @@ RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t thr
   const auto batches = make_batches(N, c.vocab_size);
   RunResult out;
   for (int s = 0; s < kSteps; ++s) {
+    // A forward-only pass over the step's batches sees the parameters the step's forward does,
+    // so it gives the step's loss bit for bit; and it writes nothing, which the final weights
+    // (equal to the reference loop's, which never evaluates) show.
+    const EvalResult e = ex.evaluate(batches[static_cast<size_t>(s)]);
     const StepResult r = ex.step(batches[static_cast<size_t>(s)], step_params(s + 1));
+    EXPECT_EQ(e.loss(), r.loss) << "step " << s;
+    EXPECT_GT(e.targets, 0);
     EXPECT_FALSE(r.skipped);
     EXPECT_GT(r.grad_norm, 0.05) << "the test wants clipping active";
     EXPECT_EQ(r.lane_busy_s.size(), sc.lanes.size());
     out.losses.push_back(r.loss);
     out.norms.push_back(r.grad_norm);
   }
+  out.final_eval = ex.evaluate(batches[0]).loss();
+  EXPECT_NE(out.final_eval, out.losses[0]) << "three steps changed nothing";
   for (int u = 0; u < static_cast<int>(pl.homes.size()); ++u) {
     out.master.push_back(ex.master(u));
     out.params.push_back(ex.parameters(u));
@@ -324,6 +333,9 @@ RunResult run_reference(const LlamaConfig& c, int N, uint64_t threshold = 0) {
 
 void expect_same(const RunResult& a, const RunResult& b, const std::string& what) {
   ASSERT_EQ(a.master.size(), b.master.size());
+  if (a.final_eval != 0 && b.final_eval != 0) {
+    EXPECT_EQ(a.final_eval, b.final_eval) << what << " evaluation after the last step";
+  }
   for (size_t u = 0; u < a.master.size(); ++u) {
     expect_bits(a.master[u], b.master[u], what + fmt::format(" master of unit {}", u));
     expect_bits(a.params[u], b.params[u], what + fmt::format(" parameters of unit {}", u));

@@ -284,6 +284,44 @@ TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
   EXPECT_EQ(built, 2 * 2 * 9 * 2 * 2 * 3);
 }
 
+// Evaluation's schedule: each micro-batch's forwards and what fetches and gathers them; every
+// sharded unit gathered once per micro-batch, nothing written back. With tied embeddings unit 0
+// is gathered again for the last micro-batch's head (the other heads share their gather with
+// the next micro-batch's embedding, the use right after them).
+TEST(Schedule, ForwardOnlyHasTheForwardsAndTheirFetchesAlone) {
+  const std::array<Tier, 3> tiers = {Tier::gpu, Tier::cpu, Tier::nvme};
+  for (bool tied : {false, true})
+    for (uint64_t threshold : {uint64_t{0}, uint64_t{40000}})
+      for (Tier p : tiers)
+        for (Tier o : tiers)
+          for (int R : {1, 3})
+            for (int M : {1, 2})
+              for (int d = 0; d <= 2; ++d) {
+                const Placement pl = make_placement(tiny(tied), R, p, o, threshold, 3);
+                SCOPED_TRACE(fmt::format("tied={} threshold={} P={} O={} R={} M={} d={}", tied,
+                                         threshold, int(p), int(o), R, M, d));
+                ScheduleOptions so{M, d};
+                so.forward_only = true;
+                const Schedule s = Schedule::build(pl, so);
+                ASSERT_NO_THROW(s.validate());
+                EXPECT_EQ(buffer_reuse_violation(s), "") << s.str();
+                const int U = pl.partition.num_units();
+                int sharded = 0;
+                for (const UnitPartition& up : pl.partition.units) sharded += up.replicated ? 0 : 1;
+                const bool unit0_twice = tied && !pl.partition.units[0].replicated;
+                std::map<TaskKind, int> kinds;
+                for (const Task& t : s.tasks) ++kinds[t.kind];
+                for (const auto& [k, n] : kinds)
+                  EXPECT_TRUE(k == TaskKind::param_read || k == TaskKind::param_h2d ||
+                              k == TaskKind::gather || k == TaskKind::forward)
+                      << n << " x " << task_kind_name(k);
+                EXPECT_EQ(kinds[TaskKind::forward], U * M * R);
+                EXPECT_EQ(kinds[TaskKind::gather], (sharded * M + (unit0_twice ? 1 : 0)) * R);
+                const Prediction pred = simulate(s, test_profile(), 2);
+                ASSERT_NO_THROW(check_timeline(s, pred.timeline));
+              }
+}
+
 TEST(Schedule, BufferCheckCatchesAGatherThatDoesNotWaitForItsBuffer) {
   const Placement pl = make_placement(tiny(false), 2, Tier::gpu, Tier::nvme, 0, 2, 2);
   const Schedule s = Schedule::build(pl, {2, 1});

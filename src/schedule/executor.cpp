@@ -128,7 +128,7 @@ std::string task_label(const Schedule& s, const Task& t) {
 
 struct Executor::State {
   const Placement& pl;
-  const Schedule& sc;
+  const Schedule* sc;  // the schedule the lanes run: the step's, or evaluation's (swap())
   Communicator& comm;
   ExecutorOptions opt;
   int N = 1, U = 0, M = 1;
@@ -171,6 +171,31 @@ struct Executor::State {
   std::vector<std::vector<int>> lanes;        // tasks per lane
   std::vector<std::pair<int, int>> group_of;  // per task: [first, end) of its group
 
+  // The forward-only schedule of evaluate() and its resolution, built at its first call. It
+  // stages through the step's buffers (it needs no more of them), so it allocates nothing.
+  struct Resolved {
+    Schedule schedule;
+    const Schedule* sc = nullptr;
+    std::vector<int> slot, holders, rs_gather;
+    std::vector<std::vector<int>> src, uses, lanes;
+    std::vector<char> gather_bwd, d2h_staged;
+    std::vector<std::pair<int, int>> group_of;
+  };
+  std::unique_ptr<Resolved> eval;
+  // Exchanges the resolution the lanes run with `r`'s (twice restores it).
+  void swap(Resolved& r) {
+    std::swap(sc, r.sc);
+    slot.swap(r.slot);
+    holders.swap(r.holders);
+    rs_gather.swap(r.rs_gather);
+    src.swap(r.src);
+    uses.swap(r.uses);
+    lanes.swap(r.lanes);
+    gather_bwd.swap(r.gather_bwd);
+    d2h_staged.swap(r.d2h_staged);
+    group_of.swap(r.group_of);
+  }
+
   // One step's run.
   std::mutex mu;
   std::condition_variable cv;
@@ -192,7 +217,7 @@ struct Executor::State {
   std::chrono::steady_clock::time_point epoch = std::chrono::steady_clock::now();
 
   State(const Placement& p, const Schedule& s, Communicator& c, const ExecutorOptions& o)
-      : pl(p), sc(s), comm(c), opt(o) {}
+      : pl(p), sc(&s), comm(c), opt(o) {}
 
   const UnitPartition& up(int u) const { return pl.partition.units[static_cast<size_t>(u)]; }
   uint64_t shard(int u) const { return up(u).shard; }
@@ -236,8 +261,15 @@ struct Executor::State {
     return fmt::format("{}.{}.{}", kind, u, r);
   }
 
-  void resolve();
+  // Resolves sc's tasks; with `allocate_staging` false the staging it needs must fit in the
+  // buffers there are (evaluation's).
+  void resolve(bool allocate_staging);
   void allocate();
+  // The micro-batches' ids and targets onto the devices; returns the targets that count.
+  int64_t upload(const std::vector<std::vector<HostBatch>>& batches, const char* what);
+  // Runs sc's tasks, one thread per lane; on failure marks the executor broken and throws.
+  void run_lanes(int step_index, const std::string& what);
+  double loss_sum() const;
   void run_task(const Task& t);
   void run_group(int first, int end);
   // A replicated unit's view: its resident parameters, no gradient buffer.
@@ -249,7 +281,7 @@ struct Executor::State {
   // One holder of a gathered unit is done with it (called under mu); the last releases it.
   void let_go(int leader) {
     if (--users_left[static_cast<size_t>(leader)] > 0) return;
-    const int x = sc.tasks[static_cast<size_t>(leader)].unit;
+    const int x = sc->tasks[static_cast<size_t>(leader)].unit;
     zero->release(x, comm_streams());
     for (auto& v : views) v[static_cast<size_t>(x)] = UnitBuffers{};
   }
@@ -282,9 +314,9 @@ struct Executor::State {
 
 // ---- resolution of the schedule ----
 
-void Executor::State::resolve() {
-  const size_t T = sc.tasks.size();
-  const Ancestry anc(sc);
+void Executor::State::resolve(bool allocate_staging) {
+  const size_t T = sc->tasks.size();
+  const Ancestry anc(*sc);
   slot.assign(T, -1);
   src.assign(T, {});
   uses.assign(T, {});
@@ -295,23 +327,23 @@ void Executor::State::resolve() {
   group_of.assign(T, {0, 0});
   for (size_t t = 0; t < T;) {
     size_t end = t + 1;
-    if (sc.tasks[t].group >= 0)
-      while (end < T && sc.tasks[end].group == sc.tasks[t].group) ++end;
+    if (sc->tasks[t].group >= 0)
+      while (end < T && sc->tasks[end].group == sc->tasks[t].group) ++end;
     for (size_t i = t; i < end; ++i) group_of[i] = {static_cast<int>(t), static_cast<int>(end)};
     t = end;
   }
-  lanes.assign(sc.lanes.size(), {});
-  for (const Task& t : sc.tasks) lanes[static_cast<size_t>(t.lane)].push_back(t.id);
+  lanes.assign(sc->lanes.size(), {});
+  for (const Task& t : sc->tasks) lanes[static_cast<size_t>(t.lane)].push_back(t.id);
 
   auto need = [&](int producer, const Task& consumer, const char* what) {
     if (producer < 0)
       fail(
           "schedule: {} has no earlier {} to read from; the schedule does not fit this "
           "placement",
-          task_label(sc, consumer), what);
+          task_label(*sc, consumer), what);
     if (!anc.before(producer, consumer.id))
       fail("schedule: {} reads what {} produced but does not depend on it",
-           task_label(sc, consumer), task_label(sc, sc.tasks[static_cast<size_t>(producer)]));
+           task_label(*sc, consumer), task_label(*sc, sc->tasks[static_cast<size_t>(producer)]));
   };
   // seen[kind][unit][rank + 1]: the tasks of that kind so far, in order (slot 0: all ranks).
   // A consumer reads from the latest of them that it depends on, not simply the latest: with a
@@ -339,7 +371,7 @@ void Executor::State::resolve() {
   auto read = [&](int producer, int consumer) {
     consumers[static_cast<size_t>(producer)].push_back(consumer);
   };
-  for (const Task& t : sc.tasks) {
+  for (const Task& t : sc->tasks) {
     const int u = t.unit;
     const UnitHomes& h = home(u);
     const size_t id = static_cast<size_t>(t.id);
@@ -458,13 +490,28 @@ void Executor::State::resolve() {
     SlotPool& slots = p == 0   ? pinned_pool
                       : p <= N ? param_pools[static_cast<size_t>(p - 1)]
                                : grad_pools[static_cast<size_t>(p - 1 - N)];
-    const Task& task = sc.tasks[t];
+    const Task& task = sc->tasks[t];
     slot[t] = slots.take(static_cast<int>(t), consumers[t], anc,
                          p == 0   ? task.buffer
                          : p <= N ? task.slot
                                   : -1);
   }
 
+  if (!allocate_staging) {
+    bool fits = pinned_pool.last.size() <= pinned.size();
+    for (int r = 0; r < N; ++r)
+      fits =
+          fits &&
+          param_pools[static_cast<size_t>(r)].last.size() <=
+              dev_param[static_cast<size_t>(r)].size() &&
+          grad_pools[static_cast<size_t>(r)].last.size() <= dev_grad[static_cast<size_t>(r)].size();
+    if (!fits)
+      fail(
+          "executor: the forward-only schedule needs more staging buffers ({} pinned) than the "
+          "step's ({}); this is a bug in strata's schedule builder",
+          pinned_pool.last.size(), pinned.size());
+    return;
+  }
   pinned.assign(pinned_pool.last.size(), nullptr);
   dev_param.clear();
   dev_param.resize(static_cast<size_t>(N));
@@ -653,7 +700,7 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
     rs.setup = d.create_stream(fmt::format("gpu[{}].setup", r));
     s.streams.push_back(std::move(rs));
   }
-  s.resolve();
+  s.resolve(true);
   s.allocate();
   CpuAdamOptions ao;
   ao.threads = options.cpu_adam_threads;
@@ -830,16 +877,16 @@ void Executor::set_optimizer_state(int u, const UnitOptimizerState& state) {
 // ---- running tasks ----
 
 void Executor::State::run_group(int first, int end) {
-  const Task& t = sc.tasks[static_cast<size_t>(first)];
+  const Task& t = sc->tasks[static_cast<size_t>(first)];
   const int u = t.unit;
   std::vector<Stream*> cs = comm_streams();
   if (end - first != N)
-    fail("schedule: the group of {} has {} tasks for {} ranks", task_label(sc, t), end - first, N);
+    fail("schedule: the group of {} has {} tasks for {} ranks", task_label(*sc, t), end - first, N);
   if (t.kind == TaskKind::gather) {
     std::vector<TensorView> shards;
     if (!zero->param_resident(u))
       for (int i = first; i < end; ++i) {
-        const Task& m = sc.tasks[static_cast<size_t>(i)];
+        const Task& m = sc->tasks[static_cast<size_t>(i)];
         const int p = src[static_cast<size_t>(i)][0];
         shards.push_back(dev_param[static_cast<size_t>(m.rank)]
                                   [static_cast<size_t>(slot[static_cast<size_t>(p)])]
@@ -860,7 +907,7 @@ void Executor::State::run_group(int first, int end) {
     std::vector<TensorView> out;
     if (!zero->grad_resident(u))
       for (int i = first; i < end; ++i) {
-        const Task& m = sc.tasks[static_cast<size_t>(i)];
+        const Task& m = sc->tasks[static_cast<size_t>(i)];
         out.push_back(
             dev_grad[static_cast<size_t>(m.rank)][static_cast<size_t>(slot[static_cast<size_t>(i)])]
                 .view(gt, {static_cast<int64_t>(shard(u))}));
@@ -874,7 +921,7 @@ void Executor::State::run_group(int first, int end) {
     }
   } else {
     fail("schedule: {} is in a group, but only gathers and reduce-scatters are collectives",
-         task_label(sc, t));
+         task_label(*sc, t));
   }
   for (Stream* st : cs) st->synchronize();
 }
@@ -1142,12 +1189,12 @@ void Executor::State::run_task(const Task& t) {
     case TaskKind::reduce_scatter:
       break;
   }
-  fail("executor: {} is a collective outside a group", task_label(sc, t));
+  fail("executor: {} is a collective outside a group", task_label(*sc, t));
 }
 
 void Executor::State::lane_loop(int lane, int step_index) {
   for (int id : lanes[static_cast<size_t>(lane)]) {
-    const Task& t = sc.tasks[static_cast<size_t>(id)];
+    const Task& t = sc->tasks[static_cast<size_t>(id)];
     try {
       {
         std::unique_lock lock(mu);
@@ -1193,7 +1240,7 @@ void Executor::State::lane_loop(int lane, int step_index) {
       std::lock_guard lock(mu);
       if (!error) {
         error = std::current_exception();
-        error_task = fmt::format("{}: {}", task_label(sc, t), e.what());
+        error_task = fmt::format("{}: {}", task_label(*sc, t), e.what());
       }
       stop = true;
       cv.notify_all();
@@ -1202,78 +1249,94 @@ void Executor::State::lane_loop(int lane, int step_index) {
   }
 }
 
-StepResult Executor::step(const std::vector<std::vector<HostBatch>>& batches,
-                          const StepParams& params) {
-  State& s = *s_;
-  if (s.broken)
+int64_t Executor::State::upload(const std::vector<std::vector<HostBatch>>& batches,
+                                const char* what) {
+  if (broken)
     fail(
         "executor: an earlier step failed ({}), so the model state is undefined; start again "
         "from a checkpoint",
-        s.error_task);
-  const RunShape& shape = placement_.shape;
-  if (batches.size() != static_cast<size_t>(s.M))
-    fail("executor step: {} micro-batches given, the schedule has {}", batches.size(), s.M);
+        error_task);
+  const RunShape& shape = pl.shape;
+  if (batches.size() != static_cast<size_t>(M))
+    fail("executor {}: {} micro-batches given, the schedule has {}", what, batches.size(), M);
   const int64_t T = shape.seq_len, rows = shape.micro_batch * T;
   int64_t count = 0;
-  s.batch_sizes.assign(static_cast<size_t>(s.M), std::vector<int64_t>(static_cast<size_t>(s.N)));
-  for (int m = 0; m < s.M; ++m) {
-    if (batches[static_cast<size_t>(m)].size() != static_cast<size_t>(s.N))
-      fail("executor step: micro-batch {} has {} rank batches for {} ranks", m,
-           batches[static_cast<size_t>(m)].size(), s.N);
-    for (int r = 0; r < s.N; ++r) {
+  batch_sizes.assign(static_cast<size_t>(M), std::vector<int64_t>(static_cast<size_t>(N)));
+  for (int m = 0; m < M; ++m) {
+    if (batches[static_cast<size_t>(m)].size() != static_cast<size_t>(N))
+      fail("executor {}: micro-batch {} has {} rank batches for {} ranks", what, m,
+           batches[static_cast<size_t>(m)].size(), N);
+    for (int r = 0; r < N; ++r) {
       const HostBatch& b = batches[static_cast<size_t>(m)][static_cast<size_t>(r)];
       const auto len = static_cast<size_t>(b.batch * T);
       if (b.batch < 0 || b.batch > shape.micro_batch || b.ids.size() != len ||
           b.targets.size() != len)
         fail(
-            "executor step: rank {}'s micro-batch {} has {} sequences ({} ids, {} targets); at "
+            "executor {}: rank {}'s micro-batch {} has {} sequences ({} ids, {} targets); at "
             "most {} sequences of {} tokens fit",
-            r, m, b.batch, b.ids.size(), b.targets.size(), shape.micro_batch, T);
+            what, r, m, b.batch, b.ids.size(), b.targets.size(), shape.micro_batch, T);
       for (int32_t x : b.targets) count += x != kIgnoreIndex ? 1 : 0;
-      s.batch_sizes[static_cast<size_t>(m)][static_cast<size_t>(r)] = b.batch;
-      Stream& st = *s.streams[static_cast<size_t>(r)].setup;
-      char* ids = static_cast<char*>(s.ids_dev[static_cast<size_t>(r)].data()) + m * rows * 4;
-      char* tg = static_cast<char*>(s.tgt_dev[static_cast<size_t>(r)].data()) + m * rows * 4;
+      batch_sizes[static_cast<size_t>(m)][static_cast<size_t>(r)] = b.batch;
+      Stream& st = *streams[static_cast<size_t>(r)].setup;
+      char* ids = static_cast<char*>(ids_dev[static_cast<size_t>(r)].data()) + m * rows * 4;
+      char* tg = static_cast<char*>(tgt_dev[static_cast<size_t>(r)].data()) + m * rows * 4;
       if (len > 0) {
-        s.dev(r).copy_to_device(ids, b.ids.data(), len * 4, st);
-        s.dev(r).copy_to_device(tg, b.targets.data(), len * 4, st);
+        dev(r).copy_to_device(ids, b.ids.data(), len * 4, st);
+        dev(r).copy_to_device(tg, b.targets.data(), len * 4, st);
       }
       st.synchronize();
     }
   }
+  losses.assign(static_cast<size_t>(M), std::vector<std::vector<float>>(static_cast<size_t>(N)));
+  return count;
+}
+
+void Executor::State::run_lanes(int step_index, const std::string& what) {
+  const size_t T_tasks = sc->tasks.size();
+  done.assign(T_tasks, 0);
+  arrived.assign(T_tasks, 0);
+  users_left.assign(T_tasks, 0);
+  stop = false;
+  spans.clear();
+  {
+    std::vector<std::thread> threads;
+    for (size_t l = 0; l < sc->lanes.size(); ++l)
+      threads.emplace_back([this, l, step_index] { lane_loop(static_cast<int>(l), step_index); });
+    for (auto& th : threads) th.join();
+  }
+  if (!error) return;
+  broken = true;
+  for (auto& rs : streams)
+    for (Stream* st : {rs.compute.get(), rs.h2d.get(), rs.d2h.get(), rs.comm.get()}) {
+      try {
+        st->synchronize();
+      } catch (const Error&) {
+        // The task that queued it has failed already; that error is the one reported.
+      }
+    }
+  fail("executor: {} stopped at {}", what, error_task);
+}
+
+double Executor::State::loss_sum() const {
+  double sum = 0;
+  for (const auto& per_rank : losses)
+    for (const auto& l : per_rank)
+      for (float x : l) sum += x;
+  return sum;
+}
+
+StepResult Executor::step(const std::vector<std::vector<HostBatch>>& batches,
+                          const StepParams& params) {
+  State& s = *s_;
+  const int64_t count = s.upload(batches, "step");
   s.params = params;
   s.backward_scale = params.loss_scale / static_cast<float>(std::max<int64_t>(count, 1));
-  s.losses.assign(static_cast<size_t>(s.M),
-                  std::vector<std::vector<float>>(static_cast<size_t>(s.N)));
-  const size_t T_tasks = schedule_.tasks.size();
-  s.done.assign(T_tasks, 0);
-  s.arrived.assign(T_tasks, 0);
-  s.users_left.assign(T_tasks, 0);
-  s.stop = false;
   s.have_global = false;
-  s.spans.clear();
   for (auto& row : s.stats) std::fill(row.begin(), row.end(), GradStats{});
   const int step_index = timeline_.steps;
   const double t0 = s.now();
-  {
-    std::vector<std::thread> threads;
-    for (size_t l = 0; l < schedule_.lanes.size(); ++l)
-      threads.emplace_back([&s, l, step_index] { s.lane_loop(static_cast<int>(l), step_index); });
-    for (auto& th : threads) th.join();
-  }
+  s.run_lanes(step_index, fmt::format("step {}", params.step));
   const double t1 = s.now();
-  if (s.error) {
-    s.broken = true;
-    for (auto& rs : s.streams)
-      for (Stream* st : {rs.compute.get(), rs.h2d.get(), rs.d2h.get(), rs.comm.get()}) {
-        try {
-          st->synchronize();
-        } catch (const Error&) {
-          // The task that queued it has failed already; that error is the one reported.
-        }
-      }
-    fail("executor: step {} stopped at {}", params.step, s.error_task);
-  }
   // The accumulators start the next step from zero (host G is overwritten by its first
   // micro-batch, or zeroed here when the schedule accumulates into it).
   s.zero->zero_grads();
@@ -1282,11 +1345,7 @@ StepResult Executor::step(const std::vector<std::vector<HostBatch>>& batches,
       if (g != nullptr) std::memset(g, 0, s.shard(u) * s.gs);
 
   StepResult out;
-  double sum = 0;
-  for (const auto& per_rank : s.losses)
-    for (const auto& l : per_rank)
-      for (float x : l) sum += x;
-  out.loss = sum / static_cast<double>(std::max<int64_t>(count, 1));
+  out.loss = s.loss_sum() / static_cast<double>(std::max<int64_t>(count, 1));
   out.skipped = s.global.non_finite;
   out.grad_norm = s.global.non_finite
                       ? std::nan("")
@@ -1302,6 +1361,42 @@ StepResult Executor::step(const std::vector<std::vector<HostBatch>>& batches,
     timeline_.spans.insert(timeline_.spans.end(), s.spans.begin(), s.spans.end());
   }
   timeline_.steps = step_index + 1;
+  return out;
+}
+
+EvalResult Executor::evaluate(const std::vector<std::vector<HostBatch>>& batches) {
+  State& s = *s_;
+  if (!s.eval) {
+    ScheduleOptions so = schedule_.options;
+    so.forward_only = true;
+    auto e = std::make_unique<State::Resolved>();
+    e->schedule = Schedule::build(placement_, so);
+    e->schedule.validate();
+    e->sc = &e->schedule;
+    s.swap(*e);
+    try {
+      s.resolve(false);
+    } catch (...) {
+      s.swap(*e);
+      throw;
+    }
+    s.swap(*e);
+    s.eval = std::move(e);
+  }
+  const int64_t count = s.upload(batches, "evaluation");
+  const double t0 = s.now();
+  s.swap(*s.eval);
+  try {
+    s.run_lanes(-1, "evaluation");
+  } catch (...) {
+    s.swap(*s.eval);
+    throw;
+  }
+  s.swap(*s.eval);
+  EvalResult out;
+  out.loss_sum = s.loss_sum();
+  out.targets = count;
+  out.seconds = s.now() - t0;
   return out;
 }
 

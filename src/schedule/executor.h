@@ -43,6 +43,7 @@
 #include "schedule/trace.h"
 #include "tier/placement.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -86,6 +87,14 @@ struct StepResult {
   double overlap = 0;               // busiest lane's busy time / step time
 };
 
+// A forward-only pass over held-out batches.
+struct EvalResult {
+  double loss_sum = 0;  // summed over every non-ignored target
+  int64_t targets = 0;  // the targets counted
+  double seconds = 0;
+  double loss() const { return loss_sum / static_cast<double>(std::max<int64_t>(targets, 1)); }
+};
+
 // What the executor allocated, for tests and logs.
 struct ExecutorMemory {
   uint64_t pinned_capacity = 0;
@@ -122,6 +131,12 @@ class Executor {
 
   // batches[m][r]: micro-batch m of rank r. Throws Error (naming the task) when a task fails.
   StepResult step(const std::vector<std::vector<HostBatch>>& batches, const StepParams& params);
+
+  // The loss of the current parameters on batches[m][r] (as step() takes them): the step's
+  // schedule built forward-only (ScheduleOptions::forward_only), run on the same lanes through
+  // the same staging buffers, so the parameters come from wherever they live and nothing is
+  // written. Throws Error (naming the task) when a task fails.
+  EvalResult evaluate(const std::vector<std::vector<HostBatch>>& batches);
 
   // Unit u's parameters (or fp32 master weights) assembled from every rank's shard, as f32.
   std::vector<float> parameters(int u) const;

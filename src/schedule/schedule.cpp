@@ -58,6 +58,9 @@
 // optim_reads run ahead, from the last micro-batch's backward once no param_read is left, while
 // at least two pinned buffers are free (one stays for the mandatory takes).
 //
+// Forward only (evaluation): the uses are the forwards alone, fetched and gathered by the same
+// rules; nothing after them.
+//
 // Next step (`prev`). The first use of P[u] in a step (its param_read, param_h2d or gather, or
 // its forward when resident) waits for the previous step's last writer of P[u] (adam,
 // param_write, param_upload or param_d2h); optim_read(u) for the previous optim_write(u); the
@@ -305,10 +308,12 @@ class Builder {
       open_optim_lookahead(i);
       optim_lookahead();
     }
-    emit_gpu_grad_stats();
-    for (int u = 0; u < U_; ++u) {
-      emit_optimizer(u);
-      optim_lookahead();
+    if (!opt_.forward_only) {
+      emit_gpu_grad_stats();
+      for (int u = 0; u < U_; ++u) {
+        emit_optimizer(u);
+        optim_lookahead();
+      }
     }
     resolve_prev();
     return finish();
@@ -474,7 +479,7 @@ class Builder {
         if (gathered(u)) use.needs.push_back(u);
         uses_.push_back(use);
       }
-      for (int u = head; u >= 0; --u) {
+      for (int u = head; u >= 0 && !opt_.forward_only; --u) {
         Use use{true, u, m, {}, {}};
         if (gathered(u)) use.needs.push_back(u);
         // Unit 0's working gradients hold the head's share until backward(0).

@@ -91,6 +91,9 @@ double unit_forward_flops(const LlamaConfig& config, int unit, int64_t batch, in
 struct ScheduleOptions {
   int micro_batches = 1;   // gradient accumulation steps
   int prefetch_depth = 1;  // units fetched ahead of use (bounded by the placement's buffers)
+  // Evaluation: each micro-batch's forwards and the fetches and gathers that feed them; no
+  // backward, gradients or optimizer, so the model state is read and never written.
+  bool forward_only = false;
 };
 
 struct Schedule {
