@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -171,6 +172,64 @@ TEST(TrainCli, HuggingFaceDeepSpeedConfigIsAccepted) {
   const json state = json::parse(slurp(run / "checkpoints/step-6/trainer_state.json"));
   EXPECT_EQ(state["settings"]["grad_accum"], 2);
   EXPECT_EQ(state["settings"]["offload_optimizer"], "cpu");
+}
+
+// --eval-data: the held-out loss every --eval-every steps and after the last, from the
+// parameters wherever they live (here P on the host, O on NVMe, two ranks), equal to what
+// `strata eval` gives on the checkpoint of the same step.
+TEST(TrainCli, EvalDataGivesTheLossStrataEvalGivesOnTheCheckpoint) {
+  const test::TempDir dir("strata-train-eval");
+  const fs::path data = make_data(dir.path), run = dir.path / "run",
+                 held_txt = dir.path / "held.txt", held = dir.path / "held.bin";
+  {
+    std::ofstream f(held_txt);
+    for (int i = 0; i < 40; ++i) f << "a lazy dog naps under the brown oak, " << i << " times\n";
+  }
+  ASSERT_EQ(strata("tokenize --tokenizer byte --input " + held_txt.string() + " --output " +
+                   held.string())
+                .status,
+            0);
+  const std::string args = "train " + kTiny + "--data " + data.string() + " --eval-data " +
+                           held.string() + " --steps 5 --save-every 2 --keep 0 --devices host:2 " +
+                           "--offload-param cpu --offload-optimizer nvme --run-dir " + run.string();
+  const test::CommandResult r = strata(args + " --eval-every 2");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const std::vector<json> m = metrics(run);
+  ASSERT_EQ(m.size(), 5u);
+  for (int step : {1, 3}) EXPECT_FALSE(m[size_t(step - 1)].contains("eval_loss")) << step;
+  double previous = INFINITY;
+  for (int step : {2, 4, 5}) {
+    const json& row = m[size_t(step - 1)];
+    ASSERT_TRUE(row.contains("eval_loss")) << step;
+    EXPECT_NE(r.out.find(fmt::format("eval: step {} loss", step)), std::string::npos) << r.out;
+    const test::CommandResult e =
+        strata("eval --model " + (run / "checkpoints" / fmt::format("step-{}", step)).string() +
+               " --data " + held.string() + " --seq-len 32 --json");
+    ASSERT_EQ(e.status, 0) << e.out;
+    const json ej = json::parse(e.out.substr(e.out.find('{')));
+    const double want = ej["loss"].get<double>(), got = row["eval_loss"].get<double>();
+    EXPECT_NEAR(got, want, 1e-6 * want) << "step " << step;
+    EXPECT_EQ(row["eval_targets"], ej["tokens"]) << "step " << step;
+    EXPECT_LT(got, previous) << "the held-out loss should fall on text this close to the data";
+    previous = got;
+  }
+  // --eval-sequences caps the pass; without --eval-every it runs after the last step alone.
+  fs::remove_all(run);
+  const test::CommandResult capped = strata(args + " --eval-sequences 3");
+  ASSERT_EQ(capped.status, 0) << capped.out;
+  EXPECT_NE(capped.out.find("eval: step 5 loss"), std::string::npos) << capped.out;
+  EXPECT_NE(capped.out.find("over 3 sequences (96 targets)"), std::string::npos) << capped.out;
+  EXPECT_EQ(capped.out.find("eval: step 4"), std::string::npos) << capped.out;
+  // Asking for evaluation without held-out data, or naming a file that is not there.
+  const test::CommandResult no_data =
+      strata("train " + kTiny + "--data " + data.string() + " --steps 2 --eval-every 1");
+  EXPECT_NE(no_data.status, 0);
+  EXPECT_NE(no_data.out.find("give --eval-data FILE"), std::string::npos) << no_data.out;
+  const test::CommandResult missing =
+      strata("train " + kTiny + "--data " + data.string() + " --steps 2 --eval-data " +
+             (dir.path / "nope.bin").string() + " --run-dir " + run.string());
+  EXPECT_NE(missing.status, 0);
+  EXPECT_NE(missing.out.find("nope.bin"), std::string::npos) << missing.out;
 }
 
 // DeepSpeed's aio section sets the swap store's stripe and queue depth (the placement sizes the

@@ -39,6 +39,8 @@ struct TrainArgs {
   int keep = 3;
   bool resume = false, resume_fallback = false;
   std::string trace;
+  std::string eval_data;
+  int64_t eval_every = 0, eval_sequences = 0;
 };
 
 // The numbers a user can get wrong by sign: each flag given must be finite and >= 0 (a
@@ -52,7 +54,8 @@ void check_train_numbers(const TrainArgs& a) {
   for (const auto& [flag, v] :
        {std::pair{"--warmup-steps", a.warmup_steps == kUnsetFlag ? 0 : a.warmup_steps},
         std::pair{"--save-every", a.save_every}, std::pair{"--keep", int64_t{a.keep}},
-        std::pair{"--steps-per-print", a.steps_per_print}})
+        std::pair{"--steps-per-print", a.steps_per_print}, std::pair{"--eval-every", a.eval_every},
+        std::pair{"--eval-sequences", a.eval_sequences}})
     if (v < 0) fail("{} {}: it counts steps or checkpoints, so it must be 0 or more", flag, v);
   if (!a.cpu_memory.empty() && parse_bytes(a.cpu_memory) == 0)
     fail(
@@ -77,6 +80,11 @@ int run_train(const TrainArgs& a) {
   s.seed = a.seed;
   for (const std::string& f : a.data) s.data.emplace_back(f);
   s.data_width = parse_token_width(a.data_dtype);
+  if (a.eval_data.empty() && (a.eval_every > 0 || a.eval_sequences > 0))
+    fail("--eval-every/--eval-sequences: there is no held-out data; give --eval-data FILE");
+  s.eval_data = a.eval_data;
+  s.eval_every = a.eval_every;
+  s.eval_sequences = a.eval_sequences;
   s.run_dir = a.run_dir.empty() ? fs::path("runs") / model.name : fs::path(a.run_dir);
   s.steps = a.steps;
   DsPlanSettings plan;
@@ -172,6 +180,9 @@ int run_train(const TrainArgs& a) {
             {"nvme_path", s.offload.nvme_paths},
             {"devices", world},
             {"config", a.config}};
+  if (!a.eval_data.empty())
+    s.echo["eval"] = {
+        {"data", a.eval_data}, {"every", a.eval_every}, {"sequences", a.eval_sequences}};
   s.echo["aio"] = {{"block_size", s.offload.nvme_stripe},
                    {"queue_depth", s.offload.nvme_queue_depth}};
   const double loss = train(s, ptrs);
@@ -198,6 +209,11 @@ Command add_train(CLI::App& app) {
       ->required()
       ->delimiter(',');
   cmd->add_option("--data-dtype", a->data_dtype, "raw token files: uint16 or uint32");
+  cmd->add_option("--eval-data", a->eval_data,
+                  "held-out token file: its loss every --eval-every steps and at the end");
+  cmd->add_option("--eval-every", a->eval_every, "evaluate every N steps (0: at the end only)");
+  cmd->add_option("--eval-sequences", a->eval_sequences,
+                  "evaluate on at most N held-out sequences (0: all of them)");
   cmd->add_option("--config", a->config, "DeepSpeed JSON config");
   cmd->add_option("--run-dir", a->run_dir, "run directory (default runs/<model>)");
   cmd->add_option("--steps", a->steps, "optimizer steps in all")->required();

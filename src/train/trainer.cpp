@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <unistd.h>
 
 namespace strata {
@@ -36,6 +37,36 @@ std::string duration(double s) {
   if (t >= 3600) return fmt::format("{}h{:02}m", t / 3600, t / 60 % 60);
   if (t >= 60) return fmt::format("{}m{:02}s", t / 60, t % 60);
   return fmt::format("{}s", t);
+}
+
+// The held-out sequences in order, micro_batch of them per rank and micro-batch of each
+// forward-only pass, the last pass partly filled (its empty rank batches still take part in
+// the gathers). The loss is summed over every target, so it does not depend on the split.
+EvalResult evaluate(Executor& ex, EvalSequences& held_out, int64_t micro_batches, int ranks,
+                    int64_t micro_batch) {
+  held_out.rewind();
+  const int64_t T = held_out.seq_len();
+  EvalResult total;
+  for (;;) {
+    int64_t got = 0;
+    std::vector<std::vector<HostBatch>> batches(static_cast<size_t>(micro_batches));
+    for (auto& mb : batches)
+      for (int r = 0; r < ranks; ++r) {
+        HostBatch b;
+        b.ids.resize(static_cast<size_t>(micro_batch * T));
+        b.targets.resize(b.ids.size());
+        b.batch = held_out.next(micro_batch, b.ids, b.targets);
+        b.ids.resize(static_cast<size_t>(b.batch * T));
+        b.targets.resize(b.ids.size());
+        got += b.batch;
+        mb.push_back(std::move(b));
+      }
+    if (got == 0) return total;
+    const EvalResult e = ex.evaluate(batches);
+    total.loss_sum += e.loss_sum;
+    total.targets += e.targets;
+    total.seconds += e.seconds;
+  }
 }
 
 Placement place(const TrainSettings& s, const std::vector<Device*>& devices, TierBudgets& budgets) {
@@ -112,6 +143,9 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   schedule.validate();
 
   DataLoader loader(s.data, s.seq_len, model.vocab_size, s.seed, s.data_width);
+  std::optional<EvalSequences> held_out;
+  if (!s.eval_data.empty())
+    held_out.emplace(s.eval_data, s.seq_len, model.vocab_size, s.eval_sequences, s.data_width);
   LossScaler scaler(s.scaling);
   auto comm = make_communicator(devices);
   ExecutorOptions eo;
@@ -177,6 +211,10 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
                format_bytes(placement.request.nvme_stripe), placement.request.nvme_queue_depth);
   std::fflush(stdout);
 
+  // Where the state is, for the progress line: each tier's bytes per device (gpu) or in all.
+  const std::string tiers =
+      fmt::format("gpu {} cpu {} nvme {}", format_bytes(need.total(Tier::gpu)),
+                  format_bytes(need.total(Tier::cpu)), format_bytes(need.total(Tier::nvme)));
   std::ofstream metrics(s.run_dir / "metrics.jsonl", s.resume ? std::ios::app : std::ios::trunc);
   if (!metrics) fail("cannot write {}/metrics.jsonl", s.run_dir.string());
   const bool tty = ::isatty(STDOUT_FILENO) != 0;
@@ -205,41 +243,54 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     p.max_grad_norm = static_cast<float>(s.max_grad_norm);
     const StepResult r = ex.step(batches, p);
     scaler.update(r.skipped);
+    std::optional<EvalResult> eval;
+    if (held_out && ((s.eval_every > 0 && step % s.eval_every == 0) || step == s.steps))
+      eval = evaluate(ex, *held_out, s.grad_accum, R, s.micro_batch);
     if (!r.skipped) ++applied;
     loss = r.loss;
     nlohmann::json lanes = nlohmann::json::object();
     for (size_t l = 0; l < schedule.lanes.size(); ++l)
       lanes[schedule.lanes[l].name()] = r.lane_busy_s[l];
     const double tps = r.step_s > 0 ? tokens_per_step / r.step_s : 0;
-    metrics << nlohmann::json{{"step", step},
-                              {"loss", r.loss},
-                              {"lr", p.adam.lr},
-                              {"grad_norm",
-                               r.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.grad_norm)},
-                              {"loss_scale", p.loss_scale},
-                              {"skipped", r.skipped},
-                              {"tokens_per_s", tps},
-                              {"step_s", r.step_s},
-                              {"overlap", r.overlap},
-                              {"lane_busy_s", lanes},
-                              {"host_memory_plan", host.total()},
-                              {"pinned_bytes", ex.memory().pinned_capacity},
-                              {"pinned_allocations", ex.memory().pinned_allocations},
-                              {"pinned_pools", PinnedPool::pools_created() - pools_before}}
-                   .dump()
-            << "\n";
+    nlohmann::json record{
+        {"step", step},
+        {"loss", r.loss},
+        {"lr", p.adam.lr},
+        {"grad_norm", r.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.grad_norm)},
+        {"loss_scale", p.loss_scale},
+        {"skipped", r.skipped},
+        {"tokens_per_s", tps},
+        {"step_s", r.step_s},
+        {"overlap", r.overlap},
+        {"lane_busy_s", lanes},
+        {"host_memory_plan", host.total()},
+        {"pinned_bytes", ex.memory().pinned_capacity},
+        {"pinned_allocations", ex.memory().pinned_allocations},
+        {"pinned_pools", PinnedPool::pools_created() - pools_before}};
+    if (eval) {
+      record["eval_loss"] = eval->loss();
+      record["eval_targets"] = eval->targets;
+      record["eval_s"] = eval->seconds;
+    }
+    metrics << record.dump() << "\n";
     metrics.flush();
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double eta = elapsed / double(step - first) * double(s.steps - step);
-    const std::string line =
-        fmt::format("step {}/{} loss {:.4f} lr {:.3g} grad-norm {:.3g}{} {:.0f} tokens/s ETA {}",
-                    step, s.steps, r.loss, p.adam.lr, r.grad_norm,
-                    r.skipped ? " (skipped: overflow)" : "", tps, duration(eta));
+    const std::string line = fmt::format(
+        "step {}/{} loss {:.4f} lr {:.3g} grad-norm {:.3g}{} {:.0f} tokens/s ETA {} | {}", step,
+        s.steps, r.loss, p.adam.lr, r.grad_norm, r.skipped ? " (skipped: overflow)" : "", tps,
+        duration(eta), tiers);
     if (step % std::max<int64_t>(s.steps_per_print, 1) == 0 || step == s.steps || step == first + 1)
       fmt::print("{}{}\n", tty ? "\r" : "", line);
     else if (tty)
       fmt::print("\r{}", line);
+    if (eval)
+      fmt::print(
+          "{}eval: step {} loss {:.4f} perplexity {:.4g} over {} sequences ({} targets) in "
+          "{:.2f}s\n",
+          tty ? "\r" : "", step, eval->loss(), std::exp(eval->loss()), held_out->size(),
+          eval->targets, eval->seconds);
     std::fflush(stdout);
     if (!std::isfinite(r.loss) && !r.skipped)
       fail("step {}: the loss is {}; lower the learning rate or check the data", step, r.loss);

@@ -35,6 +35,11 @@ struct TrainSettings {
   uint64_t seed = 1;         // weights (with init_random) and data order
   std::vector<std::filesystem::path> data;
   std::optional<TokenWidth> data_width;  // raw token files; empty: llm.c shards
+  // Held-out data (same format as `data`): its sequences in order, the loss over them every
+  // eval_every steps (0: only after the last step) and after the last step.
+  std::filesystem::path eval_data;
+  int64_t eval_every = 0;
+  int64_t eval_sequences = 0;  // at most this many of them (0: all)
   std::filesystem::path run_dir;
   int64_t steps = 0;  // optimizer steps, in all (a resumed run counts the ones done)
   int64_t micro_batch = 1, grad_accum = 1, seq_len = 0;
