@@ -238,9 +238,13 @@ int count_groups(const Schedule& s) {
 
 // ---- the builder over every placement ----
 
-TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
+// Calls fn(placement, M, d) for each case the sweeps below cover, under a trace naming it: tied
+// embeddings or not, every unit sharded or the small ones replicated, P and O each in every
+// tier, 1 or 3 ranks, 1 or 2 micro-batches, prefetch depth 0..2 (3 working buffers).
+template <typename Fn>
+int for_every_placement(Fn&& fn) {
   const std::array<Tier, 3> tiers = {Tier::gpu, Tier::cpu, Tier::nvme};
-  int built = 0;
+  int cases = 0;
   for (bool tied : {false, true})
     for (uint64_t threshold : {uint64_t{0}, uint64_t{40000}})
       for (Tier p : tiers)
@@ -248,39 +252,44 @@ TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
           for (int R : {1, 3})
             for (int M : {1, 2})
               for (int d = 0; d <= 2; ++d) {
-                const Placement pl = make_placement(tiny(tied), R, p, o, threshold, 3);
-                const std::string where =
-                    fmt::format("tied={} threshold={} P={} O={} R={} M={} d={}", tied, threshold,
-                                int(p), int(o), R, M, d);
-                SCOPED_TRACE(where);
-                const Schedule s = Schedule::build(pl, ScheduleOptions{M, d});
-                ASSERT_NO_THROW(s.validate());
-                EXPECT_EQ(buffer_reuse_violation(s), "") << s.str();
-                const Expected e = expected_counts(pl, M);
-                EXPECT_EQ(count_kinds(s), e.kinds);
-                EXPECT_EQ(count_groups(s), e.groups);
-                EXPECT_EQ(s.prefetch_depth, std::min(d, 2));
-                // Lanes appear in the fixed order and only when used.
-                for (size_t l = 1; l < s.lanes.size(); ++l) {
-                  const Lane& a = s.lanes[l - 1];
-                  const Lane& b = s.lanes[l];
-                  const bool ordered =
-                      (a.device >= 0 && b.device < 0) ||
-                      (a.device >= 0 && b.device >= 0 &&
-                       (a.device < b.device || (a.device == b.device && a.kind < b.kind))) ||
-                      (a.device < 0 && b.device < 0 && a.kind < b.kind);
-                  EXPECT_TRUE(ordered) << a.name() << " before " << b.name();
-                }
-                for (size_t l = 0; l < s.lanes.size(); ++l)
-                  EXPECT_FALSE(s.lane_tasks(static_cast<int>(l)).empty()) << s.lanes[l].name();
-                EXPECT_EQ(s.lane_index(Lane{LaneKind::nvme_read, -1}) >= 0,
-                          p == Tier::nvme || o == Tier::nvme);
-                const Prediction pred = simulate(s, test_profile(), 3);
-                ASSERT_NO_THROW(check_timeline(s, pred.timeline));
-                EXPECT_GT(pred.step_s, 0);
-                EXPECT_LE(pred.overlap, 1.0 + 1e-9);
-                ++built;
+                SCOPED_TRACE(fmt::format("tied={} threshold={} P={} O={} R={} M={} d={}", tied,
+                                         threshold, int(p), int(o), R, M, d));
+                fn(make_placement(tiny(tied), R, p, o, threshold, 3), M, d);
+                ++cases;
               }
+  return cases;
+}
+
+TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
+  const int built = for_every_placement([](const Placement& pl, int M, int d) {
+    const Schedule s = Schedule::build(pl, ScheduleOptions{M, d});
+    ASSERT_NO_THROW(s.validate());
+    EXPECT_EQ(buffer_reuse_violation(s), "") << s.str();
+    const Expected e = expected_counts(pl, M);
+    EXPECT_EQ(count_kinds(s), e.kinds);
+    EXPECT_EQ(count_groups(s), e.groups);
+    EXPECT_EQ(s.prefetch_depth, std::min(d, 2));
+    // Lanes appear in the fixed order and only when used.
+    for (size_t l = 1; l < s.lanes.size(); ++l) {
+      const Lane& a = s.lanes[l - 1];
+      const Lane& b = s.lanes[l];
+      const bool ordered = (a.device >= 0 && b.device < 0) ||
+                           (a.device >= 0 && b.device >= 0 &&
+                            (a.device < b.device || (a.device == b.device && a.kind < b.kind))) ||
+                           (a.device < 0 && b.device < 0 && a.kind < b.kind);
+      EXPECT_TRUE(ordered) << a.name() << " before " << b.name();
+    }
+    for (size_t l = 0; l < s.lanes.size(); ++l)
+      EXPECT_FALSE(s.lane_tasks(static_cast<int>(l)).empty()) << s.lanes[l].name();
+    bool nvme = false;
+    for (const UnitHomes& h : pl.homes)
+      nvme = nvme || h.param == Tier::nvme || h.optimizer == Tier::nvme;
+    EXPECT_EQ(s.lane_index(Lane{LaneKind::nvme_read, -1}) >= 0, nvme);
+    const Prediction pred = simulate(s, test_profile(), 3);
+    ASSERT_NO_THROW(check_timeline(s, pred.timeline));
+    EXPECT_GT(pred.step_s, 0);
+    EXPECT_LE(pred.overlap, 1.0 + 1e-9);
+  });
   EXPECT_EQ(built, 2 * 2 * 9 * 2 * 2 * 3);
 }
 
@@ -289,37 +298,28 @@ TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
 // is gathered again for the last micro-batch's head (the other heads share their gather with
 // the next micro-batch's embedding, the use right after them).
 TEST(Schedule, ForwardOnlyHasTheForwardsAndTheirFetchesAlone) {
-  const std::array<Tier, 3> tiers = {Tier::gpu, Tier::cpu, Tier::nvme};
-  for (bool tied : {false, true})
-    for (uint64_t threshold : {uint64_t{0}, uint64_t{40000}})
-      for (Tier p : tiers)
-        for (Tier o : tiers)
-          for (int R : {1, 3})
-            for (int M : {1, 2})
-              for (int d = 0; d <= 2; ++d) {
-                const Placement pl = make_placement(tiny(tied), R, p, o, threshold, 3);
-                SCOPED_TRACE(fmt::format("tied={} threshold={} P={} O={} R={} M={} d={}", tied,
-                                         threshold, int(p), int(o), R, M, d));
-                ScheduleOptions so{M, d};
-                so.forward_only = true;
-                const Schedule s = Schedule::build(pl, so);
-                ASSERT_NO_THROW(s.validate());
-                EXPECT_EQ(buffer_reuse_violation(s), "") << s.str();
-                const int U = pl.partition.num_units();
-                int sharded = 0;
-                for (const UnitPartition& up : pl.partition.units) sharded += up.replicated ? 0 : 1;
-                const bool unit0_twice = tied && !pl.partition.units[0].replicated;
-                std::map<TaskKind, int> kinds;
-                for (const Task& t : s.tasks) ++kinds[t.kind];
-                for (const auto& [k, n] : kinds)
-                  EXPECT_TRUE(k == TaskKind::param_read || k == TaskKind::param_h2d ||
-                              k == TaskKind::gather || k == TaskKind::forward)
-                      << n << " x " << task_kind_name(k);
-                EXPECT_EQ(kinds[TaskKind::forward], U * M * R);
-                EXPECT_EQ(kinds[TaskKind::gather], (sharded * M + (unit0_twice ? 1 : 0)) * R);
-                const Prediction pred = simulate(s, test_profile(), 2);
-                ASSERT_NO_THROW(check_timeline(s, pred.timeline));
-              }
+  for_every_placement([](const Placement& pl, int M, int d) {
+    ScheduleOptions so{M, d};
+    so.forward_only = true;
+    const Schedule s = Schedule::build(pl, so);
+    ASSERT_NO_THROW(s.validate());
+    EXPECT_EQ(buffer_reuse_violation(s), "") << s.str();
+    const int U = pl.partition.num_units(), R = pl.shape.ranks;
+    int sharded = 0;
+    for (const UnitPartition& up : pl.partition.units) sharded += up.replicated ? 0 : 1;
+    const bool unit0_twice =
+        pl.shape.model.tie_word_embeddings && !pl.partition.units[0].replicated;
+    std::map<TaskKind, int> kinds;
+    for (const Task& t : s.tasks) ++kinds[t.kind];
+    for (const auto& [k, n] : kinds)
+      EXPECT_TRUE(k == TaskKind::param_read || k == TaskKind::param_h2d || k == TaskKind::gather ||
+                  k == TaskKind::forward)
+          << n << " x " << task_kind_name(k);
+    EXPECT_EQ(kinds[TaskKind::forward], U * M * R);
+    EXPECT_EQ(kinds[TaskKind::gather], (sharded * M + (unit0_twice ? 1 : 0)) * R);
+    const Prediction pred = simulate(s, test_profile(), 2);
+    ASSERT_NO_THROW(check_timeline(s, pred.timeline));
+  });
 }
 
 TEST(Schedule, BufferCheckCatchesAGatherThatDoesNotWaitForItsBuffer) {
