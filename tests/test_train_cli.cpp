@@ -174,6 +174,52 @@ TEST(TrainCli, HuggingFaceDeepSpeedConfigIsAccepted) {
   EXPECT_EQ(state["settings"]["offload_optimizer"], "cpu");
 }
 
+// fp16 with DeepSpeed's dynamic loss scaling, f16 parameters and activations on the host
+// backend: a scale of 2^32 overflows the f16 backward, so the first steps are skipped, each
+// halving the scale (hysteresis 1) and changing no weight or optimizer state, until the scale
+// fits; then steps apply and the loss falls.
+TEST(TrainCli, Fp16SkipsOverflowedStepsAndHalvesTheScale) {
+  const test::TempDir dir("strata-train-fp16");
+  const fs::path data = make_data(dir.path), run = dir.path / "run",
+                 cfg = dir.path / "ds_config.json";
+  std::ofstream(cfg) << R"({"fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 32,
+                            "hysteresis": 1, "loss_scale_window": 1000}})";
+  const test::CommandResult r =
+      strata("train " + kTiny + "--data " + data.string() + " --steps 20 --save-every 1 --keep 0 " +
+             "--config " + cfg.string() + " --run-dir " + run.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("(skipped: overflow)"), std::string::npos) << r.out;
+  const std::vector<json> m = metrics(run);
+  ASSERT_EQ(m.size(), 20u);
+  EXPECT_EQ(m[0]["loss_scale"].get<double>(), 4294967296.0);
+  int skipped = 0, first_applied = -1;
+  for (size_t i = 0; i < m.size(); ++i) {
+    const bool skip = m[i]["skipped"].get<bool>();
+    if (skip) {
+      ++skipped;
+      EXPECT_TRUE(m[i]["grad_norm"].is_null()) << "step " << i + 1;
+    } else if (first_applied < 0) {
+      first_applied = static_cast<int>(i) + 1;
+    }
+    if (i + 1 < m.size()) {
+      const double scale = m[i]["loss_scale"].get<double>();
+      EXPECT_EQ(m[i + 1]["loss_scale"].get<double>(), skip ? scale / 2 : scale) << "step " << i + 1;
+    }
+  }
+  EXPECT_GE(skipped, 8);
+  ASSERT_GT(first_applied, 2) << "the first steps should overflow at 2^32";
+  EXPECT_LT(m.back()["loss"].get<double>(), m[size_t(first_applied - 1)]["loss"].get<double>());
+  // Skipped steps change nothing: the checkpoints before the first applied step hold the
+  // initial weights and zero moments, byte for byte; the one after it does not.
+  const auto ckpt = [&](int step, const char* file) {
+    return slurp(run / "checkpoints" / fmt::format("step-{}", step) / file);
+  };
+  for (const char* f : {"model.safetensors", "optimizer.safetensors"}) {
+    EXPECT_EQ(ckpt(1, f), ckpt(first_applied - 1, f)) << f;
+    EXPECT_NE(ckpt(1, f), ckpt(first_applied, f)) << f;
+  }
+}
+
 // --eval-data: the held-out loss every --eval-every steps and after the last, from the
 // parameters wherever they live (here P on the host, O on NVMe, two ranks), equal to what
 // `strata eval` gives on the checkpoint of the same step.
