@@ -434,6 +434,44 @@ TEST(Executor, NonFiniteGradientsSkipTheStep) {
   EXPECT_FALSE(ok.skipped);
 }
 
+TEST(Executor, NextStepsForwardRunsUnderThisStepsOptimizer) {
+  // DESIGN §3.4: step() returns once the loss and the norm are known, and the next step's
+  // first fetches start while this step's optimizer is still writing. A slow drive (every
+  // request 5 ms late) makes the optimizer's tail of 2 x units writes far longer than the
+  // time the test takes to call step() again, so every step but the first starts before the
+  // previous one ends, and the timeline still honours every dependency.
+  const LlamaConfig c = tiny(false);
+  const test::TempDir dir("strata-exec");
+  Rig rig(1);
+  const Placement pl = make_placement(c, 1, Tier::nvme, Tier::nvme, dir.path.string());
+  ScheduleOptions so;
+  so.micro_batches = kMicro;
+  const Schedule sc = Schedule::build(pl, so);
+  ExecutorOptions eo;
+  eo.record = true;
+  eo.io.faults = {nvme::Fault{nvme::FaultKind::slow, 0}};
+  Executor ex(pl, sc, *rig.comm, eo);
+  ex.init_random(3);
+  const auto batches = make_batches(1, c.vocab_size);
+  for (int s = 0; s < kSteps; ++s) {
+    const StepResult r = ex.step(batches[static_cast<size_t>(s)], step_params(s + 1));
+    EXPECT_GT(r.step_s, 0.0);
+    EXPECT_GT(r.nvme_busy_s, 0.0);
+    EXPECT_GT(r.overlap, 0.0);
+    EXPECT_LE(r.overlap, 1.0 + 1e-9);
+  }
+  const Timeline& tl = ex.timeline();
+  EXPECT_NO_THROW(check_timeline(sc, tl));
+  std::vector<double> first(kSteps, 1e300), last(kSteps, -1e300);
+  for (const TaskSpan& sp : tl.spans) {
+    first[static_cast<size_t>(sp.step)] = std::min(first[static_cast<size_t>(sp.step)], sp.start_s);
+    last[static_cast<size_t>(sp.step)] = std::max(last[static_cast<size_t>(sp.step)], sp.end_s);
+  }
+  for (int k = 1; k < kSteps; ++k)
+    EXPECT_LT(first[static_cast<size_t>(k)], last[static_cast<size_t>(k - 1)])
+        << "step " << k << " started only after step " << k - 1 << " had ended";
+}
+
 TEST(Executor, NvmeFaultStopsTheStepNamingTheTask) {
   const LlamaConfig c = tiny(false);
   const test::TempDir dir("strata-exec");
@@ -449,8 +487,11 @@ TEST(Executor, NvmeFaultStopsTheStepNamingTheTask) {
   Executor ex(pl, sc, *rig.comm, eo);
   ex.init_random(3);
   const auto batches = make_batches(2, c.vocab_size);
+  // The optimizer's tasks may still run after step() returns: a failure among them surfaces
+  // at the next call (the next step(), or finish()).
   const std::string msg = test::error_message([&] {
     for (int s = 0; s < kSteps; ++s) ex.step(batches[static_cast<size_t>(s)], step_params(s + 1));
+    ex.finish();
   });
   // The task (an optimizer read or write on an NVMe lane) and the I/O error both appear.
   EXPECT_NE(msg.find("executor: step"), std::string::npos) << msg;
@@ -458,7 +499,7 @@ TEST(Executor, NvmeFaultStopsTheStepNamingTheTask) {
               msg.find("optim_write") != std::string::npos)
       << msg;
   EXPECT_NE(msg.find("on nvme."), std::string::npos) << msg;
-  test::expect_error([&] { ex.step(batches[0], step_params(4)); }, {"an earlier step failed"});
+  test::expect_error([&] { ex.step(batches[0], step_params(4)); }, {"an earlier step 3 failed"});
 }
 
 TEST(ZeroModelResidency, OffDeviceShardsGatherAndReduceScatterThroughCallerBuffers) {

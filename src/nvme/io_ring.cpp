@@ -14,6 +14,8 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <thread>
 #include <charconv>
 #include <cstdlib>
 #include <filesystem>
@@ -317,8 +319,12 @@ void IoRing::finish_part(unsigned slot, int res) {
   Pending& q = pending_[p.pending];
   const IoRequest& r = q.req;
   bool injected = false;
+  for (const Fault& fault : options_.faults)
+    if (fault.kind == FaultKind::slow && q.sequence >= fault.request)
+      std::this_thread::sleep_for(std::chrono::milliseconds(kSlowFaultDelayMs));
   if (!q.faulted)
     for (const Fault& fault : options_.faults) {
+      if (fault.kind == FaultKind::slow) continue;
       if (fault.request != q.sequence) continue;
       q.faulted = injected = true;
       if (fault.kind == FaultKind::eio) res = -EIO;
@@ -410,9 +416,10 @@ std::vector<Fault> faults_from_env() {
     if (kind == "enospc") k = FaultKind::enospc;
     if (kind == "short") k = FaultKind::short_io;
     if (kind == "corrupt") k = FaultKind::corrupt;
+    if (kind == "slow") k = FaultKind::slow;
     if (!k || !number)
       fail(
-          "STRATA_NVME_FAULTS: '{}' is not KIND@REQUEST (KIND eio, enospc, short or corrupt; "
+          "STRATA_NVME_FAULTS: '{}' is not KIND@REQUEST (KIND eio, enospc, short, corrupt or slow; "
           "REQUEST a count); unset the variable outside fault tests",
           item);
     faults.push_back({*k, request});

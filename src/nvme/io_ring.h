@@ -36,8 +36,11 @@ enum class IoOp : uint8_t { read, write };
 // Fault injection for tests: make the `request`-th submit() (0-based, counted per ring) fail
 // with EIO or ENOSPC, complete short once (it is then resumed), or (reads only) return data
 // with one flipped byte, which only a checksum can catch. o_direct_refused (request ignored)
-// makes add_file() see EINVAL from an O_DIRECT open, as on a filesystem that refuses it.
-enum class FaultKind : uint8_t { eio, enospc, short_io, corrupt, o_direct_refused };
+// makes add_file() see EINVAL from an O_DIRECT open, as on a filesystem that refuses it. slow
+// delays the completion of that request and of every later one by kSlowFaultDelayMs (a slow
+// drive: nothing fails, everything waits).
+enum class FaultKind : uint8_t { eio, enospc, short_io, corrupt, o_direct_refused, slow };
+inline constexpr int kSlowFaultDelayMs = 5;
 struct Fault {
   FaultKind kind;
   uint64_t request;
@@ -45,7 +48,7 @@ struct Fault {
 
 // Faults named by the environment variable STRATA_NVME_FAULTS, for tests of whole runs (the
 // swap store's ring takes them): a comma-separated list of KIND@REQUEST with KIND one of eio,
-// enospc, short, corrupt and REQUEST the 0-based submit() count of that ring. Empty when the
+// enospc, short, corrupt, slow and REQUEST the 0-based submit() count of that ring. Empty when the
 // variable is unset; an Error names a malformed entry.
 std::vector<Fault> faults_from_env();
 

@@ -211,6 +211,14 @@ void ZeroModel::zero_grads() {
   synchronize_setup();
 }
 
+void ZeroModel::zero_grad(int u, int r, Stream& stream) {
+  check_unit(u, "zero_grad");
+  if (!options_.with_grads || !grad_resident(u)) return;
+  Rank& rank = *ranks_.at(static_cast<size_t>(r));
+  DeviceBuffer& g = rank.grads[static_cast<size_t>(u)];
+  if (g.bytes() > 0) rank.device->fill_zero(g.data(), g.bytes(), stream);
+}
+
 std::vector<float> ZeroModel::download_unit(int u, bool grad) const {
   check_unit(u, "download");
   const UnitPartition& up = partition_.units[static_cast<size_t>(u)];

@@ -78,6 +78,9 @@ class ZeroModel {
   // Replaces unit u's parameters with `values` (f32, the layout's numel), converted.
   void upload_unit(int u, const std::vector<float>& values);
   void zero_grads();
+  // Zeroes rank r's resident gradients of unit u, queued on `stream` (no-op when unit u's
+  // gradients are not resident or the state has none).
+  void zero_grad(int u, int r, Stream& stream);
   // Unit u's parameters (or accumulated gradients) assembled from the shards, as f32, the
   // layout's numel. Replicated units must hold the same bits on every rank (else Error).
   std::vector<float> download_unit(int u, bool grad) const;

@@ -91,7 +91,8 @@ struct SlotPool {
     int producer = -1;
     std::vector<int> consumers;
   };
-  std::vector<Use> last;  // per slot, its latest use
+  std::vector<Use> last;   // per slot, its latest use
+  std::vector<int> first;  // per slot, its first producer
   // `preferred`: the schedule's own choice (Task::slot or Task::buffer), taken when the
   // dependencies allow it; else the first free one, else a new one.
   int take(int producer, const std::vector<int>& consumers, const Ancestry& anc, int preferred) {
@@ -102,20 +103,31 @@ struct SlotPool {
       return free;
     };
     if (preferred >= 0) {
-      if (last.size() <= static_cast<size_t>(preferred))
+      if (last.size() <= static_cast<size_t>(preferred)) {
         last.resize(static_cast<size_t>(preferred) + 1);
-      if (is_free(last[static_cast<size_t>(preferred)])) {
-        last[static_cast<size_t>(preferred)] = Use{producer, consumers};
-        return preferred;
+        first.resize(last.size(), -1);
       }
+      if (is_free(last[static_cast<size_t>(preferred)])) return use(preferred, producer, consumers);
     }
     for (size_t i = 0; i < last.size(); ++i)
-      if (is_free(last[i])) {
-        last[i] = Use{producer, consumers};
-        return static_cast<int>(i);
-      }
-    last.push_back(Use{producer, consumers});
-    return static_cast<int>(last.size()) - 1;
+      if (is_free(last[i])) return use(static_cast<int>(i), producer, consumers);
+    last.emplace_back();
+    first.push_back(-1);
+    return use(static_cast<int>(last.size()) - 1, producer, consumers);
+  }
+  int use(int i, int producer, const std::vector<int>& consumers) {
+    if (first[static_cast<size_t>(i)] < 0) first[static_cast<size_t>(i)] = producer;
+    last[static_cast<size_t>(i)] = Use{producer, consumers};
+    return i;
+  }
+  // The next step's first writer of each buffer waits for its last users in this one.
+  void order_across_steps(std::vector<std::vector<int>>& xprev) const {
+    for (size_t i = 0; i < last.size(); ++i) {
+      if (first[i] < 0) continue;
+      std::vector<int>& x = xprev[static_cast<size_t>(first[i])];
+      x.push_back(last[i].producer);
+      x.insert(x.end(), last[i].consumers.begin(), last[i].consumers.end());
+    }
   }
 };
 
@@ -142,7 +154,8 @@ struct Executor::State {
   std::vector<DeviceBuffer> act_a, act_b, ids_dev, tgt_dev, chunk_sums, param_tmp;
   std::vector<std::vector<DeviceBuffer>> o_dev;  // [u][r*3 + {master, m, v}]
   struct RankStreams {
-    std::unique_ptr<Stream> compute, h2d, d2h, comm, setup;
+    // tail: the cpu.adam lane's work on the device (zeroing resident gradients)
+    std::unique_ptr<Stream> compute, h2d, d2h, comm, setup, tail;
   };
   std::vector<RankStreams> streams;
   std::unique_ptr<CpuAdam> adam;
@@ -170,6 +183,10 @@ struct Executor::State {
   std::vector<char> d2h_staged;               // grad_d2h: via a pinned buffer (accumulated)
   std::vector<std::vector<int>> lanes;        // tasks per lane
   std::vector<std::pair<int, int>> group_of;  // per task: [first, end) of its group
+  std::vector<char> front;                    // per task: runs before the optimizer's tasks
+  // Per task: tasks of the previous step it waits for beyond Task::prev, because it is the
+  // step's first writer of a staging buffer they used last (see the file comment).
+  std::vector<std::vector<int>> xprev;
 
   // The forward-only schedule of evaluate() and its resolution, built at its first call. It
   // stages through the step's buffers (it needs no more of them), so it allocates nothing.
@@ -178,8 +195,11 @@ struct Executor::State {
     const Schedule* sc = nullptr;
     std::vector<int> slot, holders, rs_gather;
     std::vector<std::vector<int>> src, uses, lanes;
-    std::vector<char> gather_bwd, d2h_staged;
+    std::vector<char> gather_bwd, d2h_staged, front;
     std::vector<std::pair<int, int>> group_of;
+    std::vector<std::vector<int>> xprev;
+    std::vector<int64_t> done_at;
+    std::vector<int> arrived, users_left;
   };
   std::unique_ptr<Resolved> eval;
   // Exchanges the resolution the lanes run with `r`'s (twice restores it).
@@ -194,26 +214,52 @@ struct Executor::State {
     gather_bwd.swap(r.gather_bwd);
     d2h_staged.swap(r.d2h_staged);
     group_of.swap(r.group_of);
+    front.swap(r.front);
+    xprev.swap(r.xprev);
+    done_at.swap(r.done_at);
+    arrived.swap(r.arrived);
+    users_left.swap(r.users_left);
   }
 
-  // One step's run.
+  // The lanes' run. done_at[t]: the last step instance (0, 1, ...) whose task t is done, -1
+  // before the first; arrived: a group's members waiting for its last; users_left: per gather
+  // leader, the holders that have not let go of the gathered unit.
   std::mutex mu;
   std::condition_variable cv;
-  std::vector<char> done;
+  std::vector<int64_t> done_at;
   std::vector<int> arrived, users_left;
   std::vector<std::vector<UnitBuffers>> views;  // [rank][unit]
   bool stop = false, broken = false;
   std::exception_ptr error;
-  std::string error_task;
-  std::vector<std::vector<GradStats>> stats;  // [unit][rank]
-  bool have_global = false;
-  GradStats global;
-  float grad_scale = 1;
-  StepParams params;
+  std::string error_task, error_what;  // the failed task, and "step N" or "evaluation"
+  // The lane threads of the steps (started by the first step): each runs its lane's tasks of
+  // instance 0, 1, ... as they are released; lane_done: per lane, the last instance it ran.
+  std::vector<std::thread> workers;
+  int64_t released = -1;
+  bool quit = false;
+  std::vector<int64_t> lane_done;
+  int64_t instances = 0;  // steps released so far
+  int front_left = 0;     // front tasks of the latest released step not yet done
+  int front_tasks = 0;    // front tasks in a step
+  // What a step's optimizer reads, per step instance modulo 2 (two steps may be in flight).
+  struct StepSlot {
+    StepParams params;
+    std::vector<std::vector<GradStats>> stats;  // [unit][rank]
+    bool have_global = false;
+    GradStats global;
+    float grad_scale = 1;
+  };
+  StepSlot step_slots[2];
+  StepSlot& slot_of(int64_t k) { return step_slots[k % 2]; }
   std::vector<std::vector<std::vector<float>>> losses;  // [m][r]
   std::vector<std::vector<int64_t>> batch_sizes;        // [m][r]
   float backward_scale = 1;
-  std::vector<TaskSpan> spans;
+  // Timing: every finished span since the last period began (for its busy times), every span
+  // (with ExecutorOptions::record), the start of the task each lane is running (-1: none), and
+  // the end of the last step() (the next period's start while a step is in flight).
+  std::vector<TaskSpan> spans, recorded;
+  std::vector<double> running_since;
+  double last_return = 0;
   std::chrono::steady_clock::time_point epoch = std::chrono::steady_clock::now();
 
   State(const Placement& p, const Schedule& s, Communicator& c, const ExecutorOptions& o)
@@ -268,9 +314,24 @@ struct Executor::State {
   // The micro-batches' ids and targets onto the devices; returns the targets that count.
   int64_t upload(const std::vector<std::vector<HostBatch>>& batches, const char* what);
   // Runs sc's tasks, one thread per lane; on failure marks the executor broken and throws.
-  void run_lanes(int step_index, const std::string& what);
+  void run_lanes(int step_index);
+  // Throws when an earlier step or evaluation failed.
+  void check_usable() const;
+  // The step lanes: started by the first step, stopped by the destructor.
+  void start_workers();
+  void worker(int lane);
+  // Waits until every lane has run instance k (k < 0: returns at once); throws when a task
+  // failed. drain(): every released step.
+  void wait_lanes(int64_t k);
+  void drain() { wait_lanes(released); }
+  // Under mu: marks the executor broken after a failure, waits for the streams, throws.
+  [[noreturn]] void fail_stopped();
+  // The global gradient statistics and combined scale of slot `sl`'s step (under mu).
+  void ensure_global(StepSlot& sl) const;
   double loss_sum() const;
-  void run_task(const Task& t);
+  void run_task(const Task& t, int64_t k);
+  void update(const Task& t, const StepSlot& sl);
+  void zero_unit_grads(const Task& t);
   void run_group(int first, int end);
   // A replicated unit's view: its resident parameters, no gradient buffer.
   void reset_replicated(int x) {
@@ -285,7 +346,9 @@ struct Executor::State {
     zero->release(x, comm_streams());
     for (auto& v : views) v[static_cast<size_t>(x)] = UnitBuffers{};
   }
-  void lane_loop(int lane, int step_index);
+  // Runs lane's tasks of instance k (its dependencies: done_at >= k, prev ones >= k - 1),
+  // recording spans as step `span_step`.
+  void lane_loop(int lane, int64_t k, int span_step);
   void write_unit(int u, const std::vector<char>& staged, const float* mmv = nullptr);
   // The pieces of rank r's shard of unit u that take weight decay and those that do not (the
   // 1-D norm weights, Hugging Face Trainer's convention), in order: {begin, length, decay},
@@ -325,6 +388,24 @@ void Executor::State::resolve(bool allocate_staging) {
   rs_gather.assign(T, -1);
   d2h_staged.assign(T, 0);
   group_of.assign(T, {0, 0});
+  xprev.assign(T, {});
+  done_at.assign(T, -1);
+  arrived.assign(T, 0);
+  users_left.assign(T, 0);
+  front.assign(T, 0);
+  for (const Task& t : sc->tasks) {
+    switch (t.kind) {
+      case TaskKind::optim_read:
+      case TaskKind::adam:
+      case TaskKind::optim_write:
+      case TaskKind::param_write:
+      case TaskKind::param_upload:
+      case TaskKind::param_d2h:
+        break;
+      default:
+        front[static_cast<size_t>(t.id)] = 1;
+    }
+  }
   for (size_t t = 0; t < T;) {
     size_t end = t + 1;
     if (sc->tasks[t].group >= 0)
@@ -495,6 +576,11 @@ void Executor::State::resolve(bool allocate_staging) {
                          p == 0   ? task.buffer
                          : p <= N ? task.slot
                                   : -1);
+  }
+  pinned_pool.order_across_steps(xprev);
+  for (int r = 0; r < N; ++r) {
+    param_pools[static_cast<size_t>(r)].order_across_steps(xprev);
+    grad_pools[static_cast<size_t>(r)].order_across_steps(xprev);
   }
 
   if (!allocate_staging) {
@@ -698,6 +784,7 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
     rs.d2h = d.create_stream(fmt::format("gpu[{}].d2h", r));
     rs.comm = d.create_stream(fmt::format("gpu[{}].comm", r));
     rs.setup = d.create_stream(fmt::format("gpu[{}].setup", r));
+    rs.tail = d.create_stream(fmt::format("gpu[{}].tail", r));
     s.streams.push_back(std::move(rs));
   }
   s.resolve(true);
@@ -708,14 +795,21 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
   s.views.assign(static_cast<size_t>(s.N), std::vector<UnitBuffers>(static_cast<size_t>(s.U)));
   for (int u = 0; u < s.U; ++u)
     if (s.up(u).replicated) s.reset_replicated(u);
-  s.stats.assign(static_cast<size_t>(s.U), std::vector<GradStats>(static_cast<size_t>(s.N)));
+  s.front_tasks = static_cast<int>(std::count(s.front.begin(), s.front.end(), char{1}));
 }
 
 Executor::~Executor() {
   if (!s_) return;
+  {
+    // A step in flight runs to its end first: its lanes look at `quit` between steps only.
+    std::lock_guard lock(s_->mu);
+    s_->quit = true;
+    s_->cv.notify_all();
+  }
+  for (std::thread& w : s_->workers) w.join();
   for (auto& rs : s_->streams)
-    for (Stream* st :
-         {rs.compute.get(), rs.h2d.get(), rs.d2h.get(), rs.comm.get(), rs.setup.get()}) {
+    for (Stream* st : {rs.compute.get(), rs.h2d.get(), rs.d2h.get(), rs.comm.get(), rs.setup.get(),
+                       rs.tail.get()}) {
       try {
         st->synchronize();
       } catch (const Error&) {
@@ -764,6 +858,7 @@ void Executor::State::write_unit(int u, const std::vector<char>& staged, const f
 
 void Executor::init_random(uint64_t seed) {
   State& s = *s_;
+  s.drain();
   s.zero->init_random(seed);
   s.zero->zero_grads();
   for (int u = 0; u < s.U; ++u) {
@@ -775,6 +870,7 @@ void Executor::init_random(uint64_t seed) {
 
 void Executor::load(const SafetensorsReader& reader) {
   State& s = *s_;
+  s.drain();
   s.zero->load(reader);
   s.zero->zero_grads();
   for (int u = 0; u < s.U; ++u) {
@@ -789,6 +885,7 @@ void Executor::load(const SafetensorsReader& reader) {
 
 std::vector<float> Executor::parameters(int u) const {
   State& s = *s_;
+  s.drain();
   if (u < 0 || u >= s.U) fail("parameters of unit {}: the model has units 0..{}", u, s.U - 1);
   if (s.home(u).param == Tier::gpu) return s.zero->download_unit(u, false);
   std::vector<char> raw(s.up(u).padded * s.ps);
@@ -806,6 +903,7 @@ std::vector<float> Executor::parameters(int u) const {
 
 UnitOptimizerState Executor::optimizer_state(int u) const {
   State& s = *s_;
+  s.drain();
   if (u < 0 || u >= s.U) fail("optimizer state of unit {}: the model has units 0..{}", u, s.U - 1);
   const uint64_t n = s.shard(u);
   std::vector<float> all(s.up(u).padded * 3);
@@ -855,6 +953,7 @@ std::vector<float> Executor::master(int u) const {
 
 void Executor::set_optimizer_state(int u, const UnitOptimizerState& state) {
   State& s = *s_;
+  s.drain();
   if (u < 0 || u >= s.U) fail("optimizer state of unit {}: the model has units 0..{}", u, s.U - 1);
   const uint64_t numel = s.up(u).numel, padded = s.up(u).padded;
   for (const auto& [what, v] : {std::pair{"master weights", &state.master},
@@ -926,7 +1025,100 @@ void Executor::State::run_group(int first, int end) {
   for (Stream* st : cs) st->synchronize();
 }
 
-void Executor::State::run_task(const Task& t) {
+// Unit u's Adam update of step slot `sl` (the adam task), wherever its optimizer state lives.
+void Executor::State::update(const Task& t, const StepSlot& sl) {
+  const int u = t.unit, r = t.rank;
+  const uint64_t n = shard(u);
+  auto pin = [&](int producer) {
+    return pinned[static_cast<size_t>(slot[static_cast<size_t>(producer)])];
+  };
+  const StepParams& params = sl.params;
+  const GradStats& global = sl.global;
+  const float grad_scale = sl.grad_scale;
+  if (global.non_finite) return;
+  if (home(u).optimizer == Tier::gpu) {
+    const std::vector<int> rs = r >= 0 ? std::vector<int>{r} : task_ranks(t, u);
+    const cpu_adam::StepConstants k =
+        cpu_adam::step_constants(params.step, params.adam, grad_scale);
+    for (int q : rs) {
+      Stream& st = *streams[static_cast<size_t>(q)].compute;
+      const auto& b = o_dev[static_cast<size_t>(u)];
+      auto f32 = [&](int i) {
+        return b[static_cast<size_t>(q) * 3 + static_cast<size_t>(i)].view(
+            DType::f32, {static_cast<int64_t>(n)});
+      };
+      const bool resident = zero->param_resident(u);
+      const TensorView copy =
+          resident ? zero->param_shard(u, q)
+                   : param_tmp[static_cast<size_t>(q)].view(pt, {static_cast<int64_t>(n)});
+      const TensorView g = zero->grad_shard(u, q);
+      AdamParams no_decay = params.adam;
+      no_decay.weight_decay = 0.0f;
+      const cpu_adam::StepConstants k0 =
+          cpu_adam::step_constants(params.step, no_decay, grad_scale);
+      for (const Piece& pc : pieces(u, q)) {
+        auto part = [&](const TensorView& v) {
+          if (v.data == nullptr) return v;
+          TensorView x = v;
+          x.data = static_cast<char*>(v.data) + pc.begin * dtype_size(v.dtype);
+          x.shape = Shape{static_cast<int64_t>(pc.length)};
+          return x;
+        };
+        dev(q).kernels().adam_update(part(f32(0)), part(f32(1)), part(f32(2)), part(g), part(copy),
+                                     pc.decay ? k : k0, st);
+      }
+      if (!resident) {
+        char* to = home(u).param == Tier::cpu
+                       ? host_p[static_cast<size_t>(u)][static_cast<size_t>(q)]
+                       : pin(t.id) + static_cast<uint64_t>(q) * n * ps;
+        dev(q).copy_to_host(to, copy.data, n * ps, st);
+      }
+      st.synchronize();
+    }
+    return;
+  }
+  for (int q : task_ranks(t, u)) {
+    char* o = home(u).optimizer == Tier::cpu
+                  ? host_o[static_cast<size_t>(u)][static_cast<size_t>(q)]
+                  : pin(src[static_cast<size_t>(t.id)][0]) + static_cast<uint64_t>(q) * n * 12;
+    float* f = reinterpret_cast<float*>(o);
+    const AdamShard sh{f, f + n, f + 2 * n, n};
+    char* p = home(u).param == Tier::cpu ? host_p[static_cast<size_t>(u)][static_cast<size_t>(q)]
+                                         : pin(t.id) + static_cast<uint64_t>(q) * n * ps;
+    const char* g = host_g[static_cast<size_t>(u)][static_cast<size_t>(q)];
+    AdamParams no_decay = params.adam;
+    no_decay.weight_decay = 0.0f;
+    for (const Piece& pc : pieces(u, q)) {
+      std::optional<ParamCopy> copy;
+      if (pt != DType::f32) copy = ParamCopy{p + pc.begin * ps, pt};
+      const AdamShard part{sh.master + pc.begin, sh.m + pc.begin, sh.v + pc.begin, pc.length};
+      adam->update(part, GradShard{g + pc.begin * gs, gt, pc.length}, params.step,
+                   pc.decay ? params.adam : no_decay, grad_scale, global, copy);
+    }
+    if (pt == DType::f32) std::memcpy(p, f, n * 4);
+  }
+}
+
+// Zeroes unit u's gradient accumulators of the adam task's ranks: host G, and resident G on
+// the devices (a GPU adam task: its rank's, on its compute stream, after the update).
+void Executor::State::zero_unit_grads(const Task& t) {
+  const int u = t.unit;
+  if (t.rank >= 0) {
+    if (!zero->grad_resident(u)) return;
+    Stream& st = *streams[static_cast<size_t>(t.rank)].compute;
+    zero->zero_grad(u, t.rank, st);
+    st.synchronize();
+    return;
+  }
+  for (int q = 0; q < host_ranks(u); ++q)
+    if (char* g = host_g[static_cast<size_t>(u)][static_cast<size_t>(q)]; g != nullptr)
+      std::memset(g, 0, shard(u) * gs);
+  if (!zero->grad_resident(u)) return;
+  for (int q = 0; q < N; ++q) zero->zero_grad(u, q, *streams[static_cast<size_t>(q)].tail);
+  for (int q = 0; q < N; ++q) streams[static_cast<size_t>(q)].tail->synchronize();
+}
+
+void Executor::State::run_task(const Task& t, int64_t k) {
   const int u = t.unit, r = t.rank;
   const uint64_t n = u >= 0 ? shard(u) : 0;
   auto pin = [&](int producer) {
@@ -998,12 +1190,12 @@ void Executor::State::run_task(const Task& t) {
             dev(r).copy_to_host(l.data(), model.losses(b).data, l.size() * 4, st);
           }
         } else {
-          const int k = U - 1 - u;  // the activation gradients alternate, as in ZeroRunner
+          const int j = U - 1 - u;  // the activation gradients alternate, as in ZeroRunner
           const int64_t D = model.config().hidden_size;
           const TensorView a = act_a[static_cast<size_t>(r)].view(pt, {b * T, D});
           const TensorView c = act_b[static_cast<size_t>(r)].view(pt, {b * T, D});
-          model.backward_unit(u, v, ids, tg, backward_scale, in, k % 2 == 0 ? a : c,
-                              k % 2 == 0 ? c : a, b, st);
+          model.backward_unit(u, v, ids, tg, backward_scale, in, j % 2 == 0 ? a : c,
+                              j % 2 == 0 ? c : a, b, st);
         }
       }
       st.synchronize();
@@ -1047,7 +1239,7 @@ void Executor::State::run_task(const Task& t) {
     case TaskKind::grad_stats: {
       if (home(u).grad != Tier::gpu) {
         for (int q : task_ranks(t, u))
-          stats[static_cast<size_t>(u)][static_cast<size_t>(q)] = adam->grad_stats(
+          slot_of(k).stats[static_cast<size_t>(u)][static_cast<size_t>(q)] = adam->grad_stats(
               GradShard{host_g[static_cast<size_t>(u)][static_cast<size_t>(q)], gt, n});
         return;
       }
@@ -1065,7 +1257,7 @@ void Executor::State::run_task(const Task& t) {
         GradStats gsum;
         for (double c : sums) gsum.sum_squares += c;
         gsum.non_finite = !std::isfinite(gsum.sum_squares);
-        stats[static_cast<size_t>(u)][static_cast<size_t>(q)] = gsum;
+        slot_of(k).stats[static_cast<size_t>(u)][static_cast<size_t>(q)] = gsum;
       }
       return;
     }
@@ -1084,86 +1276,18 @@ void Executor::State::run_task(const Task& t) {
       return;
     }
     case TaskKind::adam: {
+      StepSlot& sl = slot_of(k);
       {
         std::lock_guard lock(mu);
-        if (!have_global) {
-          global = GradStats{};
-          for (int x = 0; x < U; ++x)
-            for (int q = 0; q < N; ++q)
-              global += stats[static_cast<size_t>(x)][static_cast<size_t>(q)];
-          grad_scale = global.non_finite
-                           ? 0.0f
-                           : combined_grad_scale(global, params.loss_scale, params.max_grad_norm);
-          have_global = true;
-        }
+        ensure_global(sl);
       }
-      if (global.non_finite) return;
-      if (home(u).optimizer == Tier::gpu) {
-        const std::vector<int> rs = r >= 0 ? std::vector<int>{r} : task_ranks(t, u);
-        const cpu_adam::StepConstants k =
-            cpu_adam::step_constants(params.step, params.adam, grad_scale);
-        for (int q : rs) {
-          Stream& st = *streams[static_cast<size_t>(q)].compute;
-          const auto& b = o_dev[static_cast<size_t>(u)];
-          auto f32 = [&](int i) {
-            return b[static_cast<size_t>(q) * 3 + static_cast<size_t>(i)].view(
-                DType::f32, {static_cast<int64_t>(n)});
-          };
-          const bool resident = zero->param_resident(u);
-          const TensorView copy =
-              resident ? zero->param_shard(u, q)
-                       : param_tmp[static_cast<size_t>(q)].view(pt, {static_cast<int64_t>(n)});
-          const TensorView g = zero->grad_shard(u, q);
-          AdamParams no_decay = params.adam;
-          no_decay.weight_decay = 0.0f;
-          const cpu_adam::StepConstants k0 =
-              cpu_adam::step_constants(params.step, no_decay, grad_scale);
-          for (const Piece& pc : pieces(u, q)) {
-            auto part = [&](const TensorView& v) {
-              if (v.data == nullptr) return v;
-              TensorView x = v;
-              x.data = static_cast<char*>(v.data) + pc.begin * dtype_size(v.dtype);
-              x.shape = Shape{static_cast<int64_t>(pc.length)};
-              return x;
-            };
-            dev(q).kernels().adam_update(part(f32(0)), part(f32(1)), part(f32(2)), part(g),
-                                         part(copy), pc.decay ? k : k0, st);
-          }
-          if (!resident) {
-            char* to = home(u).param == Tier::cpu
-                           ? host_p[static_cast<size_t>(u)][static_cast<size_t>(q)]
-                           : pin(t.id) + static_cast<uint64_t>(q) * n * ps;
-            dev(q).copy_to_host(to, copy.data, n * ps, st);
-          }
-          st.synchronize();
-        }
-        return;
-      }
-      for (int q : task_ranks(t, u)) {
-        char* o = home(u).optimizer == Tier::cpu
-                      ? host_o[static_cast<size_t>(u)][static_cast<size_t>(q)]
-                      : pin(src[static_cast<size_t>(t.id)][0]) + static_cast<uint64_t>(q) * n * 12;
-        float* f = reinterpret_cast<float*>(o);
-        const AdamShard sh{f, f + n, f + 2 * n, n};
-        char* p = home(u).param == Tier::cpu
-                      ? host_p[static_cast<size_t>(u)][static_cast<size_t>(q)]
-                      : pin(t.id) + static_cast<uint64_t>(q) * n * ps;
-        const char* g = host_g[static_cast<size_t>(u)][static_cast<size_t>(q)];
-        AdamParams no_decay = params.adam;
-        no_decay.weight_decay = 0.0f;
-        for (const Piece& pc : pieces(u, q)) {
-          std::optional<ParamCopy> copy;
-          if (pt != DType::f32) copy = ParamCopy{p + pc.begin * ps, pt};
-          const AdamShard part{sh.master + pc.begin, sh.m + pc.begin, sh.v + pc.begin, pc.length};
-          adam->update(part, GradShard{g + pc.begin * gs, gt, pc.length}, params.step,
-                       pc.decay ? params.adam : no_decay, grad_scale, global, copy);
-        }
-        if (pt == DType::f32) std::memcpy(p, f, n * 4);
-      }
+      update(t, sl);
+      // The update has read the gradients: zero them for the next step (a skipped step's too).
+      zero_unit_grads(t);
       return;
     }
     case TaskKind::param_write: {
-      if (global.non_finite) return;
+      if (slot_of(k).global.non_finite) return;
       const std::vector<int> rs = task_ranks(t, u);
       for (size_t i = 0; i < rs.size(); ++i) {
         std::lock_guard lock(store_mu);
@@ -1173,7 +1297,7 @@ void Executor::State::run_task(const Task& t) {
       return;
     }
     case TaskKind::param_upload: {
-      if (global.non_finite) return;
+      if (slot_of(k).global.non_finite) return;
       const int hr = up(u).replicated ? 0 : r;
       Stream& st = *streams[static_cast<size_t>(r)].h2d;
       dev(r).copy_to_device(
@@ -1192,70 +1316,153 @@ void Executor::State::run_task(const Task& t) {
   fail("executor: {} is a collective outside a group", task_label(*sc, t));
 }
 
-void Executor::State::lane_loop(int lane, int step_index) {
+void Executor::State::lane_loop(int lane, int64_t k, int span_step) {
+  // Whether task d of instance k (prev dependencies: k - 1) is done, under mu.
+  auto ready = [&](const Task& t) {
+    for (int d : t.deps)
+      if (done_at[static_cast<size_t>(d)] < k) return false;
+    for (const std::vector<int>* v :
+         {&t.prev, static_cast<const std::vector<int>*>(&xprev[static_cast<size_t>(t.id)])})
+      for (int p : *v)
+        if (done_at[static_cast<size_t>(p)] < k - 1) return false;
+    return true;
+  };
+  // Marks tasks [first, end) of instance k done, under mu.
+  auto finish = [&](int first, int end, double start, double end_s) {
+    for (int i = first; i < end; ++i) {
+      done_at[static_cast<size_t>(i)] = k;
+      const TaskSpan sp{i, span_step, start, end_s};
+      spans.push_back(sp);
+      if (opt.record && span_step >= 0) recorded.push_back(sp);
+      if (span_step >= 0 && front[static_cast<size_t>(i)]) --front_left;
+    }
+    running_since[static_cast<size_t>(lane)] = -1;
+    cv.notify_all();
+  };
   for (int id : lanes[static_cast<size_t>(lane)]) {
     const Task& t = sc->tasks[static_cast<size_t>(id)];
     try {
       {
         std::unique_lock lock(mu);
-        cv.wait(lock, [&] {
-          if (stop) return true;
-          for (int d : t.deps)
-            if (!done[static_cast<size_t>(d)]) return false;
-          return true;
-        });
+        cv.wait(lock, [&] { return stop || ready(t); });
         if (stop) return;
       }
       const auto [first, end] = group_of[static_cast<size_t>(id)];
       if (t.group >= 0) {
-        bool last = false;
+        double start = 0;
         {
           std::unique_lock lock(mu);
-          last = ++arrived[static_cast<size_t>(first)] == end - first;
-          if (!last) {
-            cv.wait(lock, [&] { return stop || done[static_cast<size_t>(id)]; });
+          if (++arrived[static_cast<size_t>(first)] < end - first) {
+            cv.wait(lock, [&] { return stop || done_at[static_cast<size_t>(id)] >= k; });
             if (stop) return;
             continue;
           }
+          arrived[static_cast<size_t>(first)] = 0;
+          start = now();
+          running_since[static_cast<size_t>(lane)] = start;
         }
-        const double start = now();
         run_group(first, end);
-        const double stop_s = now();
+        const double end_s = now();
         std::lock_guard lock(mu);
-        for (int i = first; i < end; ++i) {
-          done[static_cast<size_t>(i)] = 1;
-          spans.push_back(TaskSpan{i, step_index, start, stop_s});
-        }
-        cv.notify_all();
+        finish(first, end, start, end_s);
         continue;
       }
-      const double start = now();
-      run_task(t);
-      const double stop_s = now();
+      double start = 0;
+      {
+        std::lock_guard lock(mu);
+        start = now();
+        running_since[static_cast<size_t>(lane)] = start;
+      }
+      run_task(t, k);
+      const double end_s = now();
       std::lock_guard lock(mu);
-      done[static_cast<size_t>(id)] = 1;
-      spans.push_back(TaskSpan{id, step_index, start, stop_s});
-      cv.notify_all();
+      finish(id, id + 1, start, end_s);
     } catch (const std::exception& e) {
       std::lock_guard lock(mu);
       if (!error) {
         error = std::current_exception();
         error_task = fmt::format("{}: {}", task_label(*sc, t), e.what());
+        error_what = span_step >= 0 ? fmt::format("step {}", slot_of(k).params.step)
+                                    : std::string("evaluation");
       }
       stop = true;
+      running_since[static_cast<size_t>(lane)] = -1;
       cv.notify_all();
       return;
     }
   }
 }
 
-int64_t Executor::State::upload(const std::vector<std::vector<HostBatch>>& batches,
-                                const char* what) {
+void Executor::State::worker(int lane) {
+  for (int64_t k = 0;; ++k) {
+    {
+      std::unique_lock lock(mu);
+      cv.wait(lock, [&] { return quit || stop || released >= k; });
+      if (quit || stop) return;
+    }
+    lane_loop(lane, k, static_cast<int>(k));
+    std::lock_guard lock(mu);
+    if (stop) return;
+    lane_done[static_cast<size_t>(lane)] = k;
+    cv.notify_all();
+  }
+}
+
+void Executor::State::start_workers() {
+  if (!workers.empty()) return;
+  lane_done.assign(sc->lanes.size(), -1);
+  running_since.assign(sc->lanes.size(), -1.0);
+  for (size_t l = 0; l < sc->lanes.size(); ++l)
+    workers.emplace_back([this, l] { worker(static_cast<int>(l)); });
+}
+
+void Executor::State::wait_lanes(int64_t k) {
+  if (k < 0 || workers.empty()) return;
+  std::unique_lock lock(mu);
+  cv.wait(lock, [&] {
+    return stop ||
+           std::all_of(lane_done.begin(), lane_done.end(), [&](int64_t d) { return d >= k; });
+  });
+  if (stop) fail_stopped();
+}
+
+void Executor::State::fail_stopped() {
+  broken = true;
+  for (auto& rs : streams)
+    for (Stream* st :
+         {rs.compute.get(), rs.h2d.get(), rs.d2h.get(), rs.comm.get(), rs.tail.get()}) {
+      try {
+        st->synchronize();
+      } catch (const Error&) {
+        // The task that queued it has failed already; that error is the one reported.
+      }
+    }
+  fail("executor: {} stopped at {}", error_what, error_task);
+}
+
+void Executor::State::ensure_global(StepSlot& sl) const {
+  if (sl.have_global) return;
+  sl.global = GradStats{};
+  for (int x = 0; x < U; ++x)
+    for (int q = 0; q < N; ++q)
+      sl.global += sl.stats[static_cast<size_t>(x)][static_cast<size_t>(q)];
+  sl.grad_scale = sl.global.non_finite ? 0.0f
+                                       : combined_grad_scale(sl.global, sl.params.loss_scale,
+                                                             sl.params.max_grad_norm);
+  sl.have_global = true;
+}
+
+void Executor::State::check_usable() const {
   if (broken)
     fail(
-        "executor: an earlier step failed ({}), so the model state is undefined; start again "
+        "executor: an earlier {} failed ({}), so the model state is undefined; start again "
         "from a checkpoint",
-        error_task);
+        error_what, error_task);
+}
+
+int64_t Executor::State::upload(const std::vector<std::vector<HostBatch>>& batches,
+                                const char* what) {
+  check_usable();
   const RunShape& shape = pl.shape;
   if (batches.size() != static_cast<size_t>(M))
     fail("executor {}: {} micro-batches given, the schedule has {}", what, batches.size(), M);
@@ -1291,30 +1498,24 @@ int64_t Executor::State::upload(const std::vector<std::vector<HostBatch>>& batch
   return count;
 }
 
-void Executor::State::run_lanes(int step_index, const std::string& what) {
-  const size_t T_tasks = sc->tasks.size();
-  done.assign(T_tasks, 0);
-  arrived.assign(T_tasks, 0);
-  users_left.assign(T_tasks, 0);
-  stop = false;
-  spans.clear();
+void Executor::State::run_lanes(int step_index) {
+  std::fill(done_at.begin(), done_at.end(), -1);
+  std::fill(arrived.begin(), arrived.end(), 0);
+  std::fill(users_left.begin(), users_left.end(), 0);
+  std::vector<double> steps_running = std::move(running_since);
+  running_since.assign(sc->lanes.size(), -1.0);
   {
     std::vector<std::thread> threads;
     for (size_t l = 0; l < sc->lanes.size(); ++l)
-      threads.emplace_back([this, l, step_index] { lane_loop(static_cast<int>(l), step_index); });
+      threads.emplace_back(
+          [this, l, step_index] { lane_loop(static_cast<int>(l), 0, step_index); });
     for (auto& th : threads) th.join();
   }
+  running_since = std::move(steps_running);
+  spans.clear();
   if (!error) return;
-  broken = true;
-  for (auto& rs : streams)
-    for (Stream* st : {rs.compute.get(), rs.h2d.get(), rs.d2h.get(), rs.comm.get()}) {
-      try {
-        st->synchronize();
-      } catch (const Error&) {
-        // The task that queued it has failed already; that error is the one reported.
-      }
-    }
-  fail("executor: {} stopped at {}", what, error_task);
+  std::lock_guard lock(mu);
+  fail_stopped();
 }
 
 double Executor::State::loss_sum() const {
@@ -1328,44 +1529,77 @@ double Executor::State::loss_sum() const {
 StepResult Executor::step(const std::vector<std::vector<HostBatch>>& batches,
                           const StepParams& params) {
   State& s = *s_;
+  const int64_t k = s.instances;
+  s.check_usable();
+  s.start_workers();
+  // Two steps may be in flight: the slot this step takes was the one before the previous's.
+  s.wait_lanes(k - 2);
   const int64_t count = s.upload(batches, "step");
-  s.params = params;
+  State::StepSlot& sl = s.slot_of(k);
+  sl.params = params;
+  sl.have_global = false;
+  sl.stats.assign(static_cast<size_t>(s.U), std::vector<GradStats>(static_cast<size_t>(s.N)));
   s.backward_scale = params.loss_scale / static_cast<float>(std::max<int64_t>(count, 1));
-  s.have_global = false;
-  for (auto& row : s.stats) std::fill(row.begin(), row.end(), GradStats{});
-  const int step_index = timeline_.steps;
-  const double t0 = s.now();
-  s.run_lanes(step_index, fmt::format("step {}", params.step));
-  const double t1 = s.now();
-  // The accumulators start the next step from zero (host G is overwritten by its first
-  // micro-batch, or zeroed here when the schedule accumulates into it).
-  s.zero->zero_grads();
-  for (int u = 0; u < s.U; ++u)
-    for (char* g : s.host_g[static_cast<size_t>(u)])
-      if (g != nullptr) std::memset(g, 0, s.shard(u) * s.gs);
-
+  double t0 = 0, t1 = 0;
   StepResult out;
-  out.loss = s.loss_sum() / static_cast<double>(std::max<int64_t>(count, 1));
-  out.skipped = s.global.non_finite;
-  out.grad_norm = s.global.non_finite
-                      ? std::nan("")
-                      : std::sqrt(s.global.sum_squares) / static_cast<double>(params.loss_scale);
-  Timeline one;
-  one.steps = step_index + 1;
-  one.spans = s.spans;
-  const StepStats st = step_stats(schedule_, one, step_index);
-  out.step_s = t1 - t0;
-  out.lane_busy_s = st.lane_busy_s;
-  out.overlap = st.overlap;
-  if (s.opt.record) {
-    timeline_.spans.insert(timeline_.spans.end(), s.spans.begin(), s.spans.end());
+  {
+    std::unique_lock lock(s.mu);
+    const bool idle =
+        std::all_of(s.lane_done.begin(), s.lane_done.end(), [&](int64_t d) { return d >= k - 1; });
+    t0 = idle ? s.now() : s.last_return;
+    s.front_left = s.front_tasks;
+    s.released = k;
+    s.instances = k + 1;
+    s.cv.notify_all();
+    s.cv.wait(lock, [&] { return s.stop || s.front_left == 0; });
+    if (s.stop) s.fail_stopped();
+    s.ensure_global(sl);
+    t1 = s.now();
+    s.last_return = t1;
+    // The period's busy times: spans clipped to [t0, t1], and the tasks still running.
+    out.lane_busy_s.assign(schedule_.lanes.size(), 0.0);
+    std::vector<std::pair<double, double>> nvme;
+    auto busy = [&](int lane, double a, double b) {
+      a = std::max(a, t0);
+      b = std::min(b, t1);
+      if (b <= a) return;
+      out.lane_busy_s[static_cast<size_t>(lane)] += b - a;
+      if (is_nvme_lane(schedule_.lanes[static_cast<size_t>(lane)])) nvme.emplace_back(a, b);
+    };
+    for (const TaskSpan& sp : s.spans)
+      busy(schedule_.tasks[static_cast<size_t>(sp.task)].lane, sp.start_s, sp.end_s);
+    for (size_t l = 0; l < s.running_since.size(); ++l)
+      if (s.running_since[l] >= 0) busy(static_cast<int>(l), s.running_since[l], t1);
+    out.nvme_busy_s = union_seconds(std::move(nvme));
+    s.spans.clear();
   }
-  timeline_.steps = step_index + 1;
+  out.loss = s.loss_sum() / static_cast<double>(std::max<int64_t>(count, 1));
+  out.skipped = sl.global.non_finite;
+  out.grad_norm = sl.global.non_finite
+                      ? std::nan("")
+                      : std::sqrt(sl.global.sum_squares) / static_cast<double>(params.loss_scale);
+  out.step_s = t1 - t0;
+  const double busiest =
+      std::max(*std::max_element(out.lane_busy_s.begin(), out.lane_busy_s.end()), out.nvme_busy_s);
+  out.overlap = out.step_s > 0 ? busiest / out.step_s : 0;
+  timeline_.steps = static_cast<int>(k + 1);
   return out;
+}
+
+void Executor::finish() {
+  s_->drain();
+}
+
+const Timeline& Executor::timeline() const {
+  s_->drain();
+  std::lock_guard lock(s_->mu);
+  timeline_.spans = s_->recorded;
+  return timeline_;
 }
 
 EvalResult Executor::evaluate(const std::vector<std::vector<HostBatch>>& batches) {
   State& s = *s_;
+  s.drain();
   if (!s.eval) {
     ScheduleOptions so = schedule_.options;
     so.forward_only = true;
@@ -1387,7 +1621,7 @@ EvalResult Executor::evaluate(const std::vector<std::vector<HostBatch>>& batches
   const double t0 = s.now();
   s.swap(*s.eval);
   try {
-    s.run_lanes(-1, "evaluation");
+    s.run_lanes(-1);
   } catch (...) {
     s.swap(*s.eval);
     throw;
@@ -1401,10 +1635,11 @@ EvalResult Executor::evaluate(const std::vector<std::vector<HostBatch>>& batches
 }
 
 void Executor::trace(const std::string& path) const {
-  write_trace(path, schedule_, timeline_);
+  write_trace(path, schedule_, timeline());
 }
 
 ExecutorMemory Executor::memory() const {
+  s_->drain();
   const State& s = *s_;
   ExecutorMemory m;
   if (s.pool) {

@@ -18,15 +18,31 @@
 // Replicated units are used in place; their backward takes a working gradient buffer from
 // the ZeroModel (the first rank's backward takes it for all) and their all-reduce returns it.
 //
-// step() runs one step: one thread per lane runs that lane's tasks in schedule order, each
-// after its dependencies are done. First version: a GPU-lane task queues its work on its
-// rank's stream for that lane and synchronises that stream before it counts as done, and a
-// step runs to its end before step() returns, so the previous step's `prev` dependencies are
-// always met (the next step's forward does not yet overlap this step's optimizer). A group
-// (collective) runs once, from the lane of its last-arriving member, as one ZeroModel call
-// over every rank's comm stream. The SwapStore is shared by the nvme.read and nvme.write
-// lanes behind one mutex. The first exception stops every lane; step() rethrows it naming the
-// task, and the executor refuses further steps (its state is then undefined).
+// Steps overlap (DESIGN §3.4). One host thread per lane lives as long as the executor and runs
+// that lane's tasks step after step, in schedule order, each once its dependencies of this step
+// and its `prev` dependencies of the previous step are done: so the next step's forward of unit
+// u starts as soon as unit u's update is written, under the rest of this step's optimizer.
+// step() releases its step to the lanes and returns as soon as the step's loss and gradient
+// norm are known (every task before the optimizer's is done); the optimizer's tasks (optim_read,
+// adam, optim_write, param_write, param_upload, param_d2h) may still be running then. At most
+// two steps are in flight: step() first waits for the step before the previous one. Everything
+// that reads or writes the model state outside a step (parameters(), optimizer_state(),
+// evaluate(), load(), timeline(), ...) first waits for every step to end (finish()). Besides
+// the schedule's own `prev` dependencies, a staging buffer's first writer in a step waits for
+// the buffer's last users in the previous step. A GPU-lane task queues its work on its rank's
+// stream for that lane and synchronises that stream before it counts as done. A group
+// (collective) runs once, from the lane of its last-arriving member, as one ZeroModel call over
+// every rank's comm stream. The SwapStore is shared by the nvme.read and nvme.write lanes
+// behind one mutex. The first exception stops every lane; the next call rethrows it naming the
+// task (for an optimizer task, that may be the next step()), and the executor refuses further
+// steps (its state is then undefined). A step's gradients are zeroed by its unit's Adam task,
+// once the update has read them.
+//
+// StepResult's times are those of the step's period: from the previous step() returning (or
+// from this step's release when nothing was in flight) to this one returning. Its lane busy
+// times are what each lane ran within that period, whichever step the tasks belonged to, so
+// in a run of steps they add up to the run's lane busy times, and the overlap is the busiest
+// lane's share of the period (what the simulator's steady state predicts).
 //
 // Exactness (DESIGN §3.3): gradient statistics per (unit, rank) shard (replicated units: rank
 // 0's copy only), added in (unit, rank) order into one GradStats; the combined gradient scale
@@ -79,12 +95,13 @@ struct StepParams {
 };
 
 struct StepResult {
-  double loss = 0;       // mean over every non-ignored target of the step
-  double grad_norm = 0;  // of the unscaled gradients (before clipping)
-  bool skipped = false;  // non-finite gradients: nothing was updated
-  double step_s = 0;
-  std::vector<double> lane_busy_s;  // per lane of the schedule
-  double overlap = 0;               // busiest lane's busy time / step time
+  double loss = 0;                  // mean over every non-ignored target of the step
+  double grad_norm = 0;             // of the unscaled gradients (before clipping)
+  bool skipped = false;             // non-finite gradients: nothing was updated
+  double step_s = 0;                // the step's period (see the comment above)
+  std::vector<double> lane_busy_s;  // per lane of the schedule, within the period
+  double nvme_busy_s = 0;           // the drives': the NVMe lanes' union (see trace.h)
+  double overlap = 0;               // max(busiest lane, nvme_busy_s) / step_s
 };
 
 // A forward-only pass over held-out batches.
@@ -147,7 +164,10 @@ class Executor {
   UnitOptimizerState optimizer_state(int u) const;
   void set_optimizer_state(int u, const UnitOptimizerState& state);
 
-  const Timeline& timeline() const { return timeline_; }
+  // Waits for every step in flight to end; throws Error (naming the task) when one failed.
+  void finish();
+  // Every recorded task (ExecutorOptions::record) of every step run so far; waits for them.
+  const Timeline& timeline() const;
   void trace(const std::string& path) const;
   ExecutorMemory memory() const;
   const Schedule& schedule() const { return schedule_; }
@@ -157,7 +177,7 @@ class Executor {
   struct State;
   Placement placement_;
   Schedule schedule_;
-  Timeline timeline_;
+  mutable Timeline timeline_;
   std::unique_ptr<State> s_;
 };
 

@@ -37,7 +37,12 @@
 // read from NVMe until every param_h2d has read it; a grad_d2h's shard for micro-batch m > 0
 // until grad_accumulate added it into G; O[u] (master, m, v: 12 bytes an element) from
 // optim_read to optim_write; the updated P[u] from adam (or param_d2h) to param_write or the
-// param_uploads.
+// param_uploads. When both the fetches (and gradient staging) and the optimizer use pinned
+// buffers and there are enough, they take from two pools: buffers 0..F-1 for the fetches and
+// staging, F = min(d + 2, B - what the optimizer of one unit holds at once), the rest for the
+// optimizer. Steps overlap (the next step's first fetches run under this step's optimizer),
+// and a first take waits for the buffer's last users of the previous step: from one shared
+// pool, the next step's first fetch would get a buffer the optimizer used last, near its end.
 //
 // Gradients. After backward(u, m): a reduce_scatter group (replicated units: the group is an
 // all-reduce of the whole unit). G home gpu: the group writes G on the GPU for m == 0 and adds
@@ -219,11 +224,16 @@ std::string id_list(const std::vector<int>& ids) {
 // the tasks that last used it (per rank for working buffers, whose users are per-rank tasks);
 // a buffer not yet used in this step was last used by the previous step, which the builder
 // resolves once the step is complete.
+// Its buffers are numbered first, first + 1, ... (first + n - 1).
 class BufferPool {
  public:
-  explicit BufferPool(int n) : last_users_(static_cast<size_t>(n)), used_(static_cast<size_t>(n)) {
-    for (int b = 0; b < n; ++b) free_.push_back(b);
+  BufferPool() = default;
+  explicit BufferPool(int n, int first = 0)
+      : first_(first), last_users_(static_cast<size_t>(n)), used_(static_cast<size_t>(n)) {
+    for (int b = 0; b < n; ++b) free_.push_back(first + b);
   }
+  int size() const { return static_cast<int>(used_.size()); }
+  bool holds(int b) const { return b >= first_ && b < first_ + size(); }
   int free_count() const { return static_cast<int>(free_.size()); }
   int take() {
     const int b = free_.front();
@@ -231,15 +241,18 @@ class BufferPool {
     return b;
   }
   // Whether buffer b was last used in this step (else in the previous one).
-  bool used_this_step(int b) const { return used_[static_cast<size_t>(b)]; }
-  const std::vector<int>& last_users(int b) const { return last_users_[static_cast<size_t>(b)]; }
+  bool used_this_step(int b) const { return used_[static_cast<size_t>(b - first_)]; }
+  const std::vector<int>& last_users(int b) const {
+    return last_users_[static_cast<size_t>(b - first_)];
+  }
   void give_back(int b, std::vector<int> users) {
-    last_users_[static_cast<size_t>(b)] = std::move(users);
-    used_[static_cast<size_t>(b)] = true;
+    last_users_[static_cast<size_t>(b - first_)] = std::move(users);
+    used_[static_cast<size_t>(b - first_)] = true;
     free_.push_back(b);
   }
 
  private:
+  int first_ = 0;
   std::deque<int> free_;
   std::vector<std::vector<int>> last_users_;
   std::vector<bool> used_;
@@ -286,10 +299,20 @@ class Builder {
         tied_(placement.shape.model.tie_word_embeddings && part_.num_units() >= 2),
         ps_(dtype_size(placement.shape.param_dtype)),
         gs_(dtype_size(placement.shape.grad_dtype)),
-        slots_(std::max(W_, 0)),
-        pinned_(std::max(B_, 0)) {
+        slots_(std::max(W_, 0)) {
     check();
     d_ = std::min(options.prefetch_depth, W_ - 1);
+    // Two pinned pools when the buffers allow it (see the file comment): the fetches and
+    // gradient staging before the optimizer take from the first, d + 2 buffers at most; the
+    // optimizer from the rest, which must hold what one unit needs at once.
+    const int front = std::min(B_ - optim_need_, d_ + 2);
+    split_ = front_need_ && optim_need_ > 0 && front >= 1;
+    if (split_) {
+      pinned_ = BufferPool(front, 0);
+      optim_pinned_ = BufferPool(B_ - front, front);
+    } else {
+      pinned_ = BufferPool(std::max(B_, 0), 0);
+    }
     writer_.resize(static_cast<size_t>(U_));
     g_writer_.resize(static_cast<size_t>(U_));
     optim_read_.assign(static_cast<size_t>(U_), -1);
@@ -327,7 +350,7 @@ class Builder {
   // Elements the host-side optimizer works on for unit u: every rank's shard, or the one copy.
   uint64_t all_elements(int u) const { return unit(u).replicated ? unit(u).numel : unit(u).padded; }
 
-  void check() const {
+  void check() {
     const RunShape& s = pl_.shape;
     if (R_ < 1) fail("schedule: the partition has {} ranks; it needs at least 1", R_);
     if (U_ < 1) fail("schedule: the partition has no units; build it from the model's layout");
@@ -376,7 +399,10 @@ class Builder {
             name, tier_name(h.grad), tier_name(h.optimizer));
       const bool p_stage = h.param == Tier::nvme || (o_host(u) && h.param == Tier::gpu);
       int n = (h.optimizer == Tier::nvme ? 1 : 0) + (p_stage ? 1 : 0);
-      if (h.param == Tier::nvme || (h.grad == Tier::cpu && M_ > 1)) n = std::max(n, 1);
+      optim_need_ = std::max(optim_need_, n);
+      const bool front = h.param == Tier::nvme || (h.grad == Tier::cpu && M_ > 1);
+      front_need_ = front_need_ || front;
+      if (front) n = std::max(n, 1);
       need = std::max(need, n);
     }
     if (B_ < need)
@@ -448,20 +474,24 @@ class Builder {
       fixes_.push_back({id, PrevFix::What::working_buffer, slot, rank});
     task(id).slot = slot;
   }
+  BufferPool& pool_of(int buffer) { return pinned_.holds(buffer) ? pinned_ : optim_pinned_; }
+  BufferPool& optim_pool() { return split_ ? optim_pinned_ : pinned_; }
   void wait_for_pinned(int id, int buffer) {
-    if (pinned_.used_this_step(buffer))
-      add_deps(id, pinned_.last_users(buffer));
+    if (pool_of(buffer).used_this_step(buffer))
+      add_deps(id, pool_of(buffer).last_users(buffer));
     else
       fixes_.push_back({id, PrevFix::What::pinned_buffer, buffer, -1});
     task(id).buffer = buffer;
   }
-  int take_pinned(const char* what, int u) {
-    if (pinned_.free_count() == 0)
+  // From the optimizer's pool (`optimizer`) or the fetches' one.
+  int take_pinned(const char* what, int u, bool optimizer = false) {
+    BufferPool& pool = optimizer ? optim_pool() : pinned_;
+    if (pool.free_count() == 0)
       fail(
           "schedule: no pinned buffer is free for {} of unit {} (the placement has {}); this is "
           "a bug in strata's schedule builder",
           what, unit(u).name, B_);
-    return pinned_.take();
+    return pool.take();
   }
 
   // Makes the first use of P[u] in the step wait for the previous step's last writer.
@@ -686,7 +716,7 @@ class Builder {
   }
 
   void emit_optim_read(int u) {
-    const int buf = take_pinned("optim_read", u);
+    const int buf = take_pinned("optim_read", u, true);
     const int id = add(TaskKind::optim_read, LaneKind::nvme_read, -1, u, -1, {});
     task(id).bytes = all_elements(u) * kOptimizerBytesPerElement;
     wait_for_pinned(id, buf);
@@ -700,7 +730,7 @@ class Builder {
     while (next_optim_ < U_) {
       const int u = next_optim_;
       if (homes(u).optimizer == Tier::nvme && optim_read_[static_cast<size_t>(u)] < 0) {
-        if (pinned_.free_count() < 2) return;
+        if (optim_pool().free_count() < 2) return;
         emit_optim_read(u);
       }
       ++next_optim_;
@@ -718,7 +748,7 @@ class Builder {
       if (optim_read_[static_cast<size_t>(u)] >= 0)
         deps.push_back(optim_read_[static_cast<size_t>(u)]);
       const bool p_stage = h.param != Tier::cpu;
-      const int pbuf = p_stage ? take_pinned("the updated parameters", u) : -1;
+      const int pbuf = p_stage ? take_pinned("the updated parameters", u, true) : -1;
       const int adam = add(TaskKind::adam, LaneKind::cpu_adam, -1, u, -1, deps);
       task(adam).elements = all_elements(u);
       if (p_stage) wait_for_pinned(adam, pbuf);
@@ -726,14 +756,14 @@ class Builder {
         const int w = add(TaskKind::optim_write, LaneKind::nvme_write, -1, u, -1, {adam});
         task(w).bytes = all_elements(u) * kOptimizerBytesPerElement;
         task(w).buffer = o_buffer_[static_cast<size_t>(u)];
-        pinned_.give_back(o_buffer_[static_cast<size_t>(u)], {w});
+        optim_pool().give_back(o_buffer_[static_cast<size_t>(u)], {w});
         optim_write_[static_cast<size_t>(u)] = w;
       }
       if (h.param == Tier::nvme) {
         const int w = add(TaskKind::param_write, LaneKind::nvme_write, -1, u, -1, {adam});
         task(w).bytes = all_elements(u) * ps_;
         task(w).buffer = pbuf;
-        pinned_.give_back(pbuf, {w});
+        optim_pool().give_back(pbuf, {w});
         writer = {w};
       } else if (h.param == Tier::gpu) {
         std::vector<int> up_ids;
@@ -743,7 +773,7 @@ class Builder {
           task(id).buffer = pbuf;
           up_ids.push_back(id);
         }
-        pinned_.give_back(pbuf, up_ids);
+        optim_pool().give_back(pbuf, up_ids);
         writer = up_ids;
       } else {
         writer = {adam};
@@ -761,7 +791,7 @@ class Builder {
       return;
     }
     const bool p_stage = h.param == Tier::nvme;
-    const int pbuf = p_stage ? take_pinned("the updated parameters", u) : -1;
+    const int pbuf = p_stage ? take_pinned("the updated parameters", u, true) : -1;
     std::vector<int> d2h;
     for (int r = 0; r < R_; ++r) {
       const int id =
@@ -777,7 +807,7 @@ class Builder {
     const int w = add(TaskKind::param_write, LaneKind::nvme_write, -1, u, -1, d2h);
     task(w).bytes = up.padded * ps_;
     task(w).buffer = pbuf;
-    pinned_.give_back(pbuf, {w});
+    optim_pool().give_back(pbuf, {w});
     writer = {w};
   }
 
@@ -802,7 +832,7 @@ class Builder {
             ids.push_back(slots_.last_users(f.index)[static_cast<size_t>(f.rank)]);
           break;
         case PrevFix::What::pinned_buffer:
-          if (pinned_.used_this_step(f.index)) ids = pinned_.last_users(f.index);
+          if (pool_of(f.index).used_this_step(f.index)) ids = pool_of(f.index).last_users(f.index);
           break;
       }
       std::vector<int>& prev = task(f.task).prev;
@@ -838,7 +868,10 @@ class Builder {
   int U_, R_, M_, W_, B_, d_ = 0;
   bool tied_;
   uint64_t ps_, gs_;
-  BufferPool slots_, pinned_;
+  BufferPool slots_, pinned_, optim_pinned_;  // optim_pinned_: empty unless split_
+  bool split_ = false;
+  int optim_need_ = 0;       // pinned buffers the optimizer of one unit holds at once
+  bool front_need_ = false;  // whether fetches or gradient staging use pinned buffers
   std::vector<Task> tasks_;
   std::vector<Use> uses_;
   std::vector<Run> runs_;

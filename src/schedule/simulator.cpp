@@ -12,6 +12,7 @@
 // gpu_adam_elements_per_s on a GPU; grad_stats and grad_accumulate (streaming passes over a
 // shard) elements / stats_elements_per_s on the CPU, or gpu_adam_elements_per_s on a GPU (an
 // upper bound: the profile has no separate GPU rate for it). Every task adds task_latency_s.
+// The NVMe lanes share the drives: their tasks go into gaps of the drives' busy intervals.
 #include "schedule/simulator.h"
 
 #include "core/error.h"
@@ -312,6 +313,21 @@ Prediction simulate(const Schedule& schedule, const HardwareProfile& profile, in
   tl.spans.reserve(n * static_cast<size_t>(steps));
   std::vector<double> lane_free(schedule.lanes.size(), 0.0);
   std::vector<double> end_prev(n, 0.0), start(n), end(n);
+  // The drives' busy intervals, sorted and disjoint; a task fits in the first gap that holds
+  // it at or after `at`.
+  std::vector<std::pair<double, double>> drive;
+  auto fit = [&](double at, double length) {
+    size_t i = static_cast<size_t>(
+        std::lower_bound(drive.begin(), drive.end(), std::pair{at, -1.0},
+                         [](const auto& a, const auto& b) { return a.second <= b.first; }) -
+        drive.begin());
+    for (; i < drive.size(); ++i) {
+      if (at + length <= drive[i].first) break;
+      at = std::max(at, drive[i].second);
+    }
+    drive.insert(drive.begin() + static_cast<std::ptrdiff_t>(i), {at, at + length});
+    return at;
+  };
   for (int s = 0; s < steps; ++s) {
     auto ready = [&](size_t i) {
       const Task& t = tasks[i];
@@ -327,6 +343,9 @@ Prediction simulate(const Schedule& schedule, const HardwareProfile& profile, in
         at = std::max(at, ready(k));
         length = std::max(length, duration[k]);
       }
+      if (group_end[i] == i + 1 &&
+          is_nvme_lane(schedule.lanes[static_cast<size_t>(tasks[i].lane)]) && length > 0)
+        at = fit(at, length);
       for (size_t k = i; k < group_end[i]; ++k) {
         start[k] = at;
         end[k] = at + length;
@@ -341,6 +360,7 @@ Prediction simulate(const Schedule& schedule, const HardwareProfile& profile, in
   pred.step_s = st.step_s;
   pred.critical_lane = st.busiest_lane;
   pred.overlap = st.overlap;
+  pred.nvme_busy_s = st.nvme_busy_s;
   for (size_t l = 0; l < schedule.lanes.size(); ++l)
     pred.lanes.push_back(LaneTime{schedule.lanes[l].name(), st.lane_busy_s[l]});
   double first = n ? start[0] : 0;

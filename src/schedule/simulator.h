@@ -5,7 +5,9 @@
 // elements / the CPU's rate. Lanes run their tasks in schedule order; a task starts when its
 // lane is free and its dependencies (this step's, and `prev` ones of the previous step) are
 // done; a group starts on all its lanes at once. The simulator runs several steps back to back
-// so the cross-step overlap reaches its steady state, and reports the last one.
+// so the cross-step overlap reaches its steady state, and reports the last one. The NVMe lanes
+// share the drives, as the executor's one swap store does: a task on nvme.read or nvme.write
+// takes the earliest gap in the drives' busy time, at or after it is ready, that holds it.
 #pragma once
 
 #include "schedule/schedule.h"
@@ -69,7 +71,8 @@ struct Prediction {
   double step_s = 0;            // steady-state step time
   std::vector<LaneTime> lanes;  // per lane, in the schedule's order
   int critical_lane = -1;       // the busiest lane
-  double overlap = 0;           // busiest lane's busy time / step time
+  double nvme_busy_s = 0;       // the drives' busy time (the NVMe lanes' union)
+  double overlap = 0;           // max(busiest lane's busy time, nvme_busy_s) / step time
   // Start and end of each task of the reported step, relative to its start (the earliest
   // start among its tasks), indexed by task id (for traces).
   std::vector<double> start_s, end_s;

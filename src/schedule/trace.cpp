@@ -58,6 +58,29 @@ std::vector<std::vector<const TaskSpan*>> index_spans(const Schedule& s, const T
 
 }  // namespace
 
+bool is_nvme_lane(const Lane& lane) {
+  return lane.kind == LaneKind::nvme_read || lane.kind == LaneKind::nvme_write;
+}
+
+double union_seconds(std::vector<std::pair<double, double>> intervals) {
+  std::sort(intervals.begin(), intervals.end());
+  double total = 0, open = 0, close = 0;
+  bool any = false;
+  for (const auto& [a, b] : intervals) {
+    if (b <= a) continue;
+    if (!any || a > close) {
+      if (any) total += close - open;
+      open = a;
+      close = b;
+      any = true;
+    } else {
+      close = std::max(close, b);
+    }
+  }
+  if (any) total += close - open;
+  return total;
+}
+
 StepStats step_stats(const Schedule& schedule, const Timeline& timeline, int step) {
   if (step < 0 || step >= timeline.steps)
     fail("step statistics: step {} asked for, but the timeline has steps 0..{}", step,
@@ -66,6 +89,7 @@ StepStats step_stats(const Schedule& schedule, const Timeline& timeline, int ste
   st.lane_busy_s.assign(schedule.lanes.size(), 0.0);
   constexpr double inf = std::numeric_limits<double>::infinity();
   double first = inf, last = -inf, last_before = -inf;
+  std::vector<std::pair<double, double>> nvme;
   for (const TaskSpan& sp : timeline.spans) {
     if (sp.step == step - 1) last_before = std::max(last_before, sp.end_s);
     if (sp.step != step) continue;
@@ -76,7 +100,10 @@ StepStats step_stats(const Schedule& schedule, const Timeline& timeline, int ste
     last = std::max(last, sp.end_s);
     const int lane = schedule.tasks[static_cast<size_t>(sp.task)].lane;
     st.lane_busy_s[static_cast<size_t>(lane)] += sp.end_s - sp.start_s;
+    if (is_nvme_lane(schedule.lanes[static_cast<size_t>(lane)]))
+      nvme.emplace_back(sp.start_s, sp.end_s);
   }
+  st.nvme_busy_s = union_seconds(std::move(nvme));
   if (last == -inf) return st;  // nothing ran in that step
   st.step_s = last - (step > 0 && last_before > -inf ? last_before : first);
   for (size_t l = 0; l < st.lane_busy_s.size(); ++l)
@@ -84,7 +111,8 @@ StepStats step_stats(const Schedule& schedule, const Timeline& timeline, int ste
         st.lane_busy_s[l] > st.lane_busy_s[static_cast<size_t>(st.busiest_lane)])
       st.busiest_lane = static_cast<int>(l);
   if (st.busiest_lane >= 0 && st.step_s > 0)
-    st.overlap = st.lane_busy_s[static_cast<size_t>(st.busiest_lane)] / st.step_s;
+    st.overlap =
+        std::max(st.lane_busy_s[static_cast<size_t>(st.busiest_lane)], st.nvme_busy_s) / st.step_s;
   return st;
 }
 

@@ -13,6 +13,7 @@
 #include "schedule/schedule.h"
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace strata {
@@ -30,12 +31,22 @@ struct Timeline {
 };
 
 // The lanes' busy times, the step times and the overlap of step `step` of a timeline.
+//
+// The nvme.read and nvme.write lanes share the drives (one swap store over every nvme path,
+// whose requests go one at a time), so the NVMe tier's busy time is the union of their busy
+// intervals, not either lane's. The overlap is the busiest resource's share of the step: the
+// busiest lane's busy time, or the drives' when that is larger, over the step time.
 struct StepStats {
   double step_s = 0;
   std::vector<double> lane_busy_s;  // per lane of the schedule
   int busiest_lane = -1;
-  double overlap = 0;  // busiest lane's busy time / step_s
+  double nvme_busy_s = 0;  // the union of the nvme lanes' busy intervals
+  double overlap = 0;      // max(busiest lane's busy time, nvme_busy_s) / step_s
 };
+// Whether a lane is one of the NVMe tier's (they share the drives).
+bool is_nvme_lane(const Lane& lane);
+// The length of the union of [start, end) intervals.
+double union_seconds(std::vector<std::pair<double, double>> intervals);
 StepStats step_stats(const Schedule& schedule, const Timeline& timeline, int step);
 
 std::string trace_json(const Schedule& schedule, const Timeline& timeline);
