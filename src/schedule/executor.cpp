@@ -313,8 +313,9 @@ struct Executor::State {
   void allocate();
   // The micro-batches' ids and targets onto the devices; returns the targets that count.
   int64_t upload(const std::vector<std::vector<HostBatch>>& batches, const char* what);
-  // Runs sc's tasks, one thread per lane; on failure marks the executor broken and throws.
-  void run_lanes(int step_index);
+  // Runs the evaluation schedule swapped into sc once, one thread per lane, while the step
+  // lanes are idle; on failure marks the executor broken and throws.
+  void run_lanes();
   // Throws when an earlier step or evaluation failed.
   void check_usable() const;
   // The step lanes: started by the first step, stopped by the destructor.
@@ -1498,7 +1499,7 @@ int64_t Executor::State::upload(const std::vector<std::vector<HostBatch>>& batch
   return count;
 }
 
-void Executor::State::run_lanes(int step_index) {
+void Executor::State::run_lanes() {
   std::fill(done_at.begin(), done_at.end(), -1);
   std::fill(arrived.begin(), arrived.end(), 0);
   std::fill(users_left.begin(), users_left.end(), 0);
@@ -1507,8 +1508,7 @@ void Executor::State::run_lanes(int step_index) {
   {
     std::vector<std::thread> threads;
     for (size_t l = 0; l < sc->lanes.size(); ++l)
-      threads.emplace_back(
-          [this, l, step_index] { lane_loop(static_cast<int>(l), 0, step_index); });
+      threads.emplace_back([this, l] { lane_loop(static_cast<int>(l), 0, -1); });
     for (auto& th : threads) th.join();
   }
   running_since = std::move(steps_running);
@@ -1621,7 +1621,7 @@ EvalResult Executor::evaluate(const std::vector<std::vector<HostBatch>>& batches
   const double t0 = s.now();
   s.swap(*s.eval);
   try {
-    s.run_lanes(-1);
+    s.run_lanes();
   } catch (...) {
     s.swap(*s.eval);
     throw;
@@ -1639,7 +1639,8 @@ void Executor::trace(const std::string& path) const {
 }
 
 ExecutorMemory Executor::memory() const {
-  s_->drain();
+  // No waiting for the steps in flight: everything read here is fixed at construction (the
+  // lanes never allocate), so a trainer may log it after every step without ending the overlap.
   const State& s = *s_;
   ExecutorMemory m;
   if (s.pool) {

@@ -27,7 +27,8 @@
 // adam, optim_write, param_write, param_upload, param_d2h) may still be running then. At most
 // two steps are in flight: step() first waits for the step before the previous one. Everything
 // that reads or writes the model state outside a step (parameters(), optimizer_state(),
-// evaluate(), load(), timeline(), ...) first waits for every step to end (finish()). Besides
+// evaluate(), load(), timeline(), ...) first waits for every step to end (finish()); memory()
+// does not (what it reports is fixed at construction). Besides
 // the schedule's own `prev` dependencies, a staging buffer's first writer in a step waits for
 // the buffer's last users in the previous step. A GPU-lane task queues its work on its rank's
 // stream for that lane and synchronises that stream before it counts as done. A group
