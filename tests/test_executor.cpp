@@ -392,6 +392,24 @@ TEST(Executor, ReplicatedUnits) {
   }
 }
 
+TEST(Executor, TiedEmbeddingsWithReplicatedUnits) {
+  // The head adds into a replicated embedding's working gradients, which are a buffer of the
+  // unit's own: with the embedding and head replicated, and with every unit replicated (the
+  // comm lanes then run nothing but all-reduces, so no gather orders the compute lane behind
+  // them), each micro-batch's first backward into them must wait for the previous all-reduce.
+  // Before it did, `strata train` lost gradients of the tied table in ~1 run of 6 and
+  // deadlocked on two devices.
+  const LlamaConfig c = tiny(true);
+  for (const uint64_t threshold : {uint64_t{40000}, uint64_t{1} << 40})
+    for (const int N : {1, 2}) {
+      SCOPED_TRACE(fmt::format("threshold {} N {}", threshold, N));
+      const RunResult gpu = run_executor(c, N, Tier::gpu, Tier::gpu, threshold);
+      const RunResult ref = run_reference(c, N, threshold);
+      for (size_t s = 0; s < ref.losses.size(); ++s) EXPECT_EQ(gpu.losses[s], ref.losses[s]);
+      expect_same(gpu, ref, "tied replicated all-GPU vs reference:");
+    }
+}
+
 TEST(Executor, DeepPrefetchGivesTheSameBits) {
   // A prefetch as deep as the model: the gathers of a unit's backward are emitted before its
   // forward has run, so every consumer must read from the gather it depends on.

@@ -227,7 +227,7 @@ TEST(ZeroModel, GatherAssemblesUnitsAndReduceScatterSumsIntoShards) {
 }
 
 TEST(ZeroModel, PoolAndStateErrorsAreNamed) {
-  const ModelLayout layout = layout_of({1000, 200, 384});
+  const ModelLayout layout = layout_of({1000, 200, 384, 500});
   Ranks ranks(2);
   ZeroOptions o;
   o.persistence_threshold = 200;
@@ -241,11 +241,17 @@ TEST(ZeroModel, PoolAndStateErrorsAreNamed) {
   expect_error([&] { zero.gather(0, ranks.streams); }, {"u0", "gathered already"});
   zero.gather(2, ranks.streams);
   EXPECT_EQ(zero.free_working_buffers(), 0);
+  expect_error([&] { zero.gather(3, ranks.streams); }, {"u3", "u0, u2", "release one"});
+  // Gathered for backward, a replicated unit gets working gradients of its own, outside the
+  // pool: it never waits for a sharded unit to be released.
   zero.release(1, ranks.streams);
-  expect_error([&] { zero.gather(1, ranks.streams, true); }, {"u1", "u0, u2", "release one"});
+  const std::vector<UnitBuffers> g = zero.gather(1, ranks.streams, true);
+  EXPECT_NE(g[0].grads, nullptr);
+  EXPECT_EQ(zero.free_working_buffers(), 0);
+  zero.release(1, ranks.streams);
   expect_error([&] { zero.release(1, ranks.streams); }, {"u1", "not gathered"});
   expect_error([&] { zero.reduce_scatter_grads(0, ranks.streams); }, {"u0", "for backward"});
-  expect_error([&] { zero.gather(7, ranks.streams); }, {"unit 7", "0..2"});
+  expect_error([&] { zero.gather(7, ranks.streams); }, {"unit 7", "0..3"});
   expect_error([&] { zero.gather(1, {ranks.streams[0]}); }, {"1 streams", "2 ranks"});
   zero.release(0, ranks.streams);
   zero.release(2, ranks.streams);
@@ -466,13 +472,14 @@ TEST_P(ZeroLlama, ForwardBackwardOverNRanksMatchesOne) {
 
     // Memory by kind on every device: model state is 1/N of the sharded units plus every
     // replicated unit, exactly the partition's shards (each block rounded to 256 bytes).
-    uint64_t shards = 0, gathered = 0, gather_numel = 0;
+    uint64_t shards = 0, gathered = 0, gather_numel = 0, own = 0;
     for (const UnitPartition& up : p.units) {
       shards += round_up(up.resident() * 4, 256);
       if (!up.replicated) gather_numel = std::max(gather_numel, up.padded);
+      if (up.replicated) own += round_up(up.numel * 4, 256);
     }
     const uint64_t slots = 2;
-    gathered = slots * (round_up(gather_numel * 4, 256) + round_up(p.max_unit_numel() * 4, 256));
+    gathered = slots * 2 * round_up(gather_numel * 4, 256) + own;
     const uint64_t replicated = p.replicated_numel() * 4;
     const uint64_t slack = static_cast<uint64_t>(p.num_units()) *
                            (static_cast<uint64_t>(N) * ModelLayout::kAlign * 4 + 256);
@@ -487,10 +494,12 @@ TEST_P(ZeroLlama, ForwardBackwardOverNRanksMatchesOne) {
           2 * (layout.total_numel * 4 - replicated) / static_cast<uint64_t>(N) + 2 * replicated;
       EXPECT_GE(model_state, ideal);
       EXPECT_LE(model_state, ideal + 2 * slack);
-      // The gathered kind is the pool of two working buffers, never more: at most two units'
-      // worth of parameters and gradients.
+      // The gathered kind is the pool of two working buffers, never more (at most two sharded
+      // units' worth of parameters and gradients), and each replicated unit's own working
+      // gradients.
       EXPECT_EQ(m.peak_of(MemoryKind::gathered), gathered);
-      EXPECT_LE(m.peak_of(MemoryKind::gathered), 2 * 2 * (p.max_unit_numel() * 4 + 256));
+      EXPECT_LE(m.peak_of(MemoryKind::gathered),
+                2 * 2 * (p.max_unit_numel() * 4 + 256) + replicated + 256 * p.num_units());
       EXPECT_GT(m.peak_of(MemoryKind::activations), 0u);
       EXPECT_EQ(m.peak_of(MemoryKind::optimizer), 0u);
     }

@@ -157,15 +157,17 @@ TEST_P(PlacementAllocations, GpuFiguresEqualTheArenasPeaks) {
   const TierBytes t = p.needs();
 
   // By hand: every unit's resident elements in f32, each buffer rounded to 256 bytes.
-  uint64_t params = 0, gather = 0;
+  // The working buffers: a pool of two for gathered units (parameters and gradients), and the
+  // working gradients of each replicated unit.
+  uint64_t params = 0, gather = 0, replicated = 0;
   for (const UnitPartition& up : p.partition.units) {
     params += round256(up.resident() * 4);
     if (!up.replicated) gather = std::max(gather, up.padded);
+    if (up.replicated) replicated += round256(up.numel * 4);
   }
   EXPECT_EQ(t.at(Tier::gpu, StateKind::parameters), params);
   EXPECT_EQ(t.at(Tier::gpu, StateKind::gradients), params);
-  EXPECT_EQ(t.at(Tier::gpu, StateKind::working),
-            2 * (round256(gather * 4) + round256(p.partition.max_unit_numel() * 4)));
+  EXPECT_EQ(t.at(Tier::gpu, StateKind::working), 2 * 2 * round256(gather * 4) + replicated);
   EXPECT_EQ(t.at(Tier::gpu, StateKind::other), round256(p.partition.max_shard_numel() * 4));
   uint64_t optimizer = 0;
   for (const UnitPartition& up : p.partition.units) optimizer += 3 * round256(up.resident() * 4);

@@ -229,6 +229,49 @@ std::string buffer_reuse_violation(const Schedule& s) {
   return "";
 }
 
+// A replicated unit's working gradients are one buffer per rank, not a pool slot: held from
+// the first backward of a micro-batch that adds into them (the head's, for a tied unit 0)
+// through that micro-batch's all-reduce. Every task of one such holding must happen before
+// every task of the next on the same rank. Returns the first violation, or an empty string.
+std::string replicated_gradient_violation(const Schedule& s, const Placement& pl) {
+  const auto before = happens_before(s);
+  const int U = pl.partition.num_units();
+  const bool tied = pl.shape.model.tie_word_embeddings && U >= 2;
+  auto replicated = [&](int u) { return pl.partition.units[static_cast<size_t>(u)].replicated; };
+  // (unit, rank) -> holdings; a holding is closed by its all-reduce.
+  std::map<std::pair<int, int>, std::vector<std::vector<int>>> holdings;
+  std::map<std::pair<int, int>, bool> closed;
+  for (const Task& t : s.tasks) {
+    std::vector<int> xs;
+    if (t.kind == TaskKind::backward) {
+      if (replicated(t.unit)) xs.push_back(t.unit);
+      if (tied && t.unit == U - 1 && replicated(0)) xs.push_back(0);
+    } else if (t.kind == TaskKind::reduce_scatter && replicated(t.unit)) {
+      xs.push_back(t.unit);
+    }
+    for (int x : xs) {
+      auto& list = holdings[{x, t.rank}];
+      bool& done = closed[{x, t.rank}];
+      if (list.empty() || done) list.emplace_back();
+      list.back().push_back(t.id);
+      done = t.kind == TaskKind::reduce_scatter;
+    }
+  }
+  for (const auto& [key, list] : holdings)
+    for (size_t k = 0; k + 1 < list.size(); ++k)
+      for (int a : list[k])
+        for (int b : list[k + 1])
+          if (!before[static_cast<size_t>(b)][static_cast<size_t>(a)])
+            return fmt::format(
+                "working gradients of replicated unit {} on rank {}: task {} ({} m={}) is not "
+                "ordered before task {} ({} m={}) of the next micro-batch",
+                key.first, key.second, a, task_kind_name(s.tasks[static_cast<size_t>(a)].kind),
+                s.tasks[static_cast<size_t>(a)].micro_batch, b,
+                task_kind_name(s.tasks[static_cast<size_t>(b)].kind),
+                s.tasks[static_cast<size_t>(b)].micro_batch);
+  return "";
+}
+
 int count_groups(const Schedule& s) {
   int n = 0;
   for (size_t i = 0; i < s.tasks.size(); ++i)
@@ -239,14 +282,15 @@ int count_groups(const Schedule& s) {
 // ---- the builder over every placement ----
 
 // Calls fn(placement, M, d) for each case the sweeps below cover, under a trace naming it: tied
-// embeddings or not, every unit sharded or the small ones replicated, P and O each in every
-// tier, 1 or 3 ranks, 1 or 2 micro-batches, prefetch depth 0..2 (3 working buffers).
+// embeddings or not, every unit sharded, the small ones replicated or every one replicated
+// (nothing on the comm lanes but all-reduces), P and O each in every tier, 1 or 3 ranks, 1 or
+// 2 micro-batches, prefetch depth 0..2 (3 working buffers).
 template <typename Fn>
 int for_every_placement(Fn&& fn) {
   const std::array<Tier, 3> tiers = {Tier::gpu, Tier::cpu, Tier::nvme};
   int cases = 0;
   for (bool tied : {false, true})
-    for (uint64_t threshold : {uint64_t{0}, uint64_t{40000}})
+    for (uint64_t threshold : {uint64_t{0}, uint64_t{40000}, uint64_t{1} << 40})
       for (Tier p : tiers)
         for (Tier o : tiers)
           for (int R : {1, 3})
@@ -265,6 +309,7 @@ TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
     const Schedule s = Schedule::build(pl, ScheduleOptions{M, d});
     ASSERT_NO_THROW(s.validate());
     EXPECT_EQ(buffer_reuse_violation(s), "") << s.str();
+    EXPECT_EQ(replicated_gradient_violation(s, pl), "") << s.str();
     const Expected e = expected_counts(pl, M);
     EXPECT_EQ(count_kinds(s), e.kinds);
     EXPECT_EQ(count_groups(s), e.groups);
@@ -290,7 +335,7 @@ TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
     EXPECT_GT(pred.step_s, 0);
     EXPECT_LE(pred.overlap, 1.0 + 1e-9);
   });
-  EXPECT_EQ(built, 2 * 2 * 9 * 2 * 2 * 3);
+  EXPECT_EQ(built, 2 * 3 * 9 * 2 * 2 * 3);
 }
 
 // Evaluation's schedule: each micro-batch's forwards and what fetches and gathers them; every

@@ -77,6 +77,13 @@ uint64_t Partition::max_unit_numel() const {
   return n;
 }
 
+uint64_t Partition::max_gathered_numel() const {
+  uint64_t n = 0;
+  for (const UnitPartition& u : units)
+    if (!u.replicated) n = std::max(n, u.padded);
+  return n;
+}
+
 uint64_t Partition::max_shard_numel() const {
   uint64_t n = 0;
   for (const UnitPartition& u : units)

@@ -50,8 +50,10 @@ struct Partition {
   // Elements of the sharded units (padding included) and of the replicated ones.
   uint64_t sharded_padded_numel() const;
   uint64_t replicated_numel() const;
-  // The largest full unit a working buffer must hold (padded for sharded units).
+  // The largest full unit (padded for sharded units).
   uint64_t max_unit_numel() const;
+  // The largest sharded unit, padded: what a working buffer gathers (0 when none).
+  uint64_t max_gathered_numel() const;
   uint64_t max_shard_numel() const;  // of the sharded units only (0 when none)
 
   // One line per unit, then the totals, for logs and `strata plan`.

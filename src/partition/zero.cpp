@@ -20,6 +20,9 @@ struct ZeroModel::Rank {
 };
 
 // One working buffer, present on every rank; `unit` is the unit it holds, or -1 when free.
+// The pool's slots (the first working_buffers) hold a gathered sharded unit and its working
+// gradients; each replicated unit has a slot of its own with working gradients only (its
+// parameters are used in place), so its backward never competes with a gather for the pool.
 struct ZeroModel::Slot {
   int unit = -1;
   std::vector<DeviceBuffer> params, grads;             // per rank: a full (padded) unit
@@ -54,12 +57,10 @@ ZeroModel::ZeroModel(const ModelLayout& layout, Communicator& comm, const ZeroOp
           "or gradients are marked not resident; replicated units stay on every device",
           partition_.units[static_cast<size_t>(u)].name, options.persistence_threshold);
   const uint64_t ps = dtype_size(options.param_dtype), gs = dtype_size(options.grad_dtype);
-  // Working buffers hold gathered parameters only of sharded units (replicated ones are used
-  // in place), and working gradients of any unit.
-  uint64_t gather_numel = 0;
-  for (const UnitPartition& up : partition_.units)
-    if (!up.replicated) gather_numel = std::max(gather_numel, up.padded);
-  const uint64_t grad_numel = options.with_grads ? partition_.max_unit_numel() : 0;
+  // The pool's working buffers hold sharded units only; replicated ones are used in place,
+  // with working gradients in a slot of their own.
+  const uint64_t gather_numel = partition_.max_gathered_numel();
+  const uint64_t grad_numel = options.with_grads ? gather_numel : 0;
 
   for (int r = 0; r < N; ++r) {
     auto rank = std::make_unique<Rank>();
@@ -102,6 +103,23 @@ ZeroModel::ZeroModel(const ModelLayout& layout, Communicator& comm, const ZeroOp
       slot->released.push_back(d.create_event());
       slot->used.push_back(d.create_event());
     }
+    slots_.push_back(std::move(slot));
+  }
+  rep_slot_.assign(U, -1);
+  for (int u = 0; u < partition_.num_units() && options.with_grads; ++u) {
+    const UnitPartition& up = partition_.units[static_cast<size_t>(u)];
+    if (!up.replicated) continue;
+    auto slot = std::make_unique<Slot>();
+    for (int r = 0; r < N; ++r) {
+      Device& d = device(r);
+      slot->params.emplace_back(d, 0, "", MemoryKind::gathered);
+      slot->grads.emplace_back(d, up.numel * gs,
+                               fmt::format("working gradients of unit {} (replicated)", up.name),
+                               MemoryKind::gathered);
+      slot->released.push_back(d.create_event());
+      slot->used.push_back(d.create_event());
+    }
+    rep_slot_[static_cast<size_t>(u)] = static_cast<int>(slots_.size());
     slots_.push_back(std::move(slot));
   }
 }
@@ -293,24 +311,27 @@ bool ZeroModel::gathered(int u) const {
 
 int ZeroModel::free_working_buffers() const {
   int n = 0;
-  for (const auto& s : slots_) n += s->unit < 0 ? 1 : 0;
+  for (int i = 0; i < options_.working_buffers; ++i)
+    n += slots_[static_cast<size_t>(i)]->unit < 0 ? 1 : 0;
   return n;
 }
 
 int ZeroModel::take_slot(int u) {
-  for (size_t i = 0; i < slots_.size(); ++i)
-    if (slots_[i]->unit < 0) {
-      slots_[i]->unit = u;
-      return static_cast<int>(i);
+  const int pool = options_.working_buffers;
+  for (int i = 0; i < pool; ++i)
+    if (slots_[static_cast<size_t>(i)]->unit < 0) {
+      slots_[static_cast<size_t>(i)]->unit = u;
+      return i;
     }
   std::string held;
-  for (const auto& s : slots_)
-    held += fmt::format("{}{}", held.empty() ? "" : ", ",
-                        partition_.units[static_cast<size_t>(s->unit)].name);
+  for (int i = 0; i < pool; ++i)
+    held += fmt::format(
+        "{}{}", held.empty() ? "" : ", ",
+        partition_.units[static_cast<size_t>(slots_[static_cast<size_t>(i)]->unit)].name);
   fail(
       "gather of unit {}: all {} working buffers are in use (by {}); release one first, or "
       "make the model state with more working buffers",
-      partition_.units[static_cast<size_t>(u)].name, slots_.size(), held);
+      partition_.units[static_cast<size_t>(u)].name, pool, held);
 }
 
 // The caller's per-rank buffers for a non-resident unit: one per rank, on its device, of the
@@ -351,7 +372,13 @@ std::vector<UnitBuffers> ZeroModel::gather(int u, const std::vector<Stream*>& st
     fail("gather of unit {} for backward: this model state was made without gradients", up.name);
   check_external(shards, !param_resident(u), ranks(), up, options_.param_dtype, "gather", comm_);
   const int N = ranks();
-  const int s = !up.replicated || for_backward ? take_slot(u) : -1;
+  int s = -1;
+  if (!up.replicated) {
+    s = take_slot(u);
+  } else if (for_backward) {
+    s = rep_slot_[static_cast<size_t>(u)];
+    slots_[static_cast<size_t>(s)]->unit = u;
+  }
   std::vector<UnitBuffers> out(static_cast<size_t>(N));
   if (s >= 0) {
     Slot& slot = *slots_[static_cast<size_t>(s)];

@@ -95,9 +95,10 @@ class ZeroModel {
 
   // ---- gather / release / reduce-scatter, queued on streams[r] for each rank r ----
   // Unit u's full parameters on every rank (replicated units: the resident copy). With
-  // for_backward, the unit also gets a zeroed working gradient buffer. Returns one
-  // UnitBuffers per rank. Throws Error when u is already gathered or no working buffer is
-  // free (naming the units that hold them). `shards` (one per rank, param dtype, the unit's
+  // for_backward, the unit also gets a zeroed working gradient buffer (a replicated unit: one
+  // of its own, outside the pool). Returns one UnitBuffers per rank. Throws Error when u is
+  // already gathered or, for a sharded unit, no working buffer of the pool is free (naming
+  // the units that hold them). `shards` (one per rank, param dtype, the unit's
   // shard length, on that rank's device) is where the shards come from when the unit's
   // parameters are not resident, and must be empty otherwise.
   std::vector<UnitBuffers> gather(int u, const std::vector<Stream*>& streams,
@@ -112,7 +113,7 @@ class ZeroModel {
   void reduce_scatter_grads(int u, const std::vector<Stream*>& streams,
                             const std::vector<TensorView>& out = {});
   bool gathered(int u) const;
-  int free_working_buffers() const;
+  int free_working_buffers() const;  // of the pool
 
  private:
   struct Slot;
@@ -129,7 +130,8 @@ class ZeroModel {
   ZeroOptions options_;
   Partition partition_;
   std::vector<std::unique_ptr<Rank>> ranks_;
-  std::vector<std::unique_ptr<Slot>> slots_;
+  std::vector<std::unique_ptr<Slot>> slots_;  // the pool, then one per replicated unit
+  std::vector<int> rep_slot_;                 // per unit: its own slot, or -1
   struct UnitState {
     bool gathered = false;
     bool for_backward = false;

@@ -229,6 +229,9 @@ struct Executor::State {
   std::vector<int64_t> done_at;
   std::vector<int> arrived, users_left;
   std::vector<std::vector<UnitBuffers>> views;  // [rank][unit]
+  // Per replicated unit, while its working gradients are gathered: the step instance and
+  // micro-batch they belong to.
+  std::vector<std::pair<int64_t, int>> rep_owner;
   bool stop = false, broken = false;
   std::exception_ptr error;
   std::string error_task, error_what;  // the failed task, and "step N" or "evaluation"
@@ -794,6 +797,7 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
   ao.threads = options.cpu_adam_threads;
   s.adam = std::make_unique<CpuAdam>(ao);
   s.views.assign(static_cast<size_t>(s.N), std::vector<UnitBuffers>(static_cast<size_t>(s.U)));
+  s.rep_owner.assign(static_cast<size_t>(s.U), {-1, -1});
   for (int u = 0; u < s.U; ++u)
     if (s.up(u).replicated) s.reset_replicated(u);
   s.front_tasks = static_cast<int>(std::count(s.front.begin(), s.front.end(), char{1}));
@@ -993,9 +997,8 @@ void Executor::State::run_group(int first, int end) {
                                       .view(pt, {static_cast<int64_t>(shard(u))}));
       }
     std::unique_lock lock(mu);
-    // The unit's previous use (a forward on another lane, say) may still hold it.
-    // A replicated unit's backward may hold a working buffer the schedule does not count
-    // (see the compute tasks): wait for one to be free too; its all-reduce frees it.
+    // The unit's previous use (a forward on another lane, say) may still hold it, and the
+    // buffer the schedule gives this gather may still be held by its previous run's last user.
     cv.wait(lock, [&] { return stop || (!zero->gathered(u) && zero->free_working_buffers() > 0); });
     if (stop) return;
     const std::vector<UnitBuffers> g =
@@ -1149,26 +1152,34 @@ void Executor::State::run_task(const Task& t, int64_t k) {
     case TaskKind::backward: {
       std::vector<UnitBuffers> v;
       {
-        std::unique_lock lock(mu);
-        // Replicated units are used in place; their backward still needs a zeroed working
-        // gradient, which the first rank to get there takes for all (the reduce-scatter, an
-        // all-reduce for them, gives it back). The schedule counts no buffer for it, so wait
-        // for one to be free: the holders finish without this task.
+        std::lock_guard lock(mu);
+        // Replicated units are used in place; their backward still needs zeroed working
+        // gradients (a buffer of the unit's own, outside the pool), which the first rank to get
+        // there takes for all; the all-reduce gives it back. The schedule makes the first
+        // backward of micro-batch m that adds into them wait for the all-reduce of m - 1, so a
+        // unit still gathered here was gathered by this micro-batch's earlier backward (the
+        // head's, for a tied unit 0) or by another rank for this one.
         std::vector<int> xs{u};
         if (tied && u == U - 1 && u != 0) xs.push_back(0);
-        for (int x : xs)
-          if (t.kind == TaskKind::backward && up(x).replicated && !zero->gathered(x)) {
-            // The wait lets go of the lock: another rank may take the buffer meanwhile.
-            cv.wait(lock,
-                    [&] { return stop || zero->gathered(x) || zero->free_working_buffers() > 0; });
-            if (stop) return;
-            if (zero->gathered(x)) continue;
-            const std::vector<Stream*> cs = comm_streams();
-            const std::vector<UnitBuffers> g = zero->gather(x, cs, true);
-            for (int q = 0; q < N; ++q)
-              views[static_cast<size_t>(q)][static_cast<size_t>(x)] = g[static_cast<size_t>(q)];
-            for (Stream* st : cs) st->synchronize();
+        for (int x : xs) {
+          if (t.kind != TaskKind::backward || !up(x).replicated) continue;
+          auto& owner = rep_owner[static_cast<size_t>(x)];
+          const std::pair<int64_t, int> now{k, t.micro_batch};
+          if (zero->gathered(x)) {
+            if (owner != now)
+              fail(
+                  "unit {}'s working gradients still hold micro-batch {} of step {} when "
+                  "micro-batch {} adds into them; this is a bug in strata's schedule",
+                  up(x).name, owner.second, owner.first + 1, t.micro_batch);
+            continue;
           }
+          const std::vector<Stream*> cs = comm_streams();
+          const std::vector<UnitBuffers> g = zero->gather(x, cs, true);
+          for (int q = 0; q < N; ++q)
+            views[static_cast<size_t>(q)][static_cast<size_t>(x)] = g[static_cast<size_t>(q)];
+          for (Stream* st : cs) st->synchronize();
+          owner = now;
+        }
         v = views[static_cast<size_t>(r)];
       }
       const int m = t.micro_batch;

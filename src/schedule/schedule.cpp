@@ -45,11 +45,13 @@
 // pool, the next step's first fetch would get a buffer the optimizer used last, near its end.
 //
 // Gradients. After backward(u, m): a reduce_scatter group (replicated units: the group is an
-// all-reduce of the whole unit). G home gpu: the group writes G on the GPU for m == 0 and adds
-// into it for m > 0. G home cpu:
-// grad_d2h per rank (replicated units: rank 0 only, all ranks hold the same sum); m == 0
-// writes G directly, m > 0 stages into a pinned buffer and a grad_accumulate on cpu.adam adds
-// it into G. A reduce_scatter on rank r waits for that rank's previous grad_d2h (the
+// all-reduce of the whole unit; their working gradients are one buffer per unit, so the first
+// backward of micro-batch m + 1 that adds into them, the head's for a tied unit 0, waits for
+// it; across steps, every task of a step but the optimizer's ends before the next step
+// starts). G home gpu: the group writes G on the GPU for m == 0 and adds into it for m > 0.
+// G home cpu: grad_d2h per rank (replicated units: rank 0 only, all ranks hold the same
+// sum); m == 0 writes G directly, m > 0 stages into a pinned buffer and a grad_accumulate on
+// cpu.adam adds it into G. A reduce_scatter on rank r waits for that rank's previous grad_d2h (the
 // reduce-scatter output on the GPU is one buffer per rank). After the last micro-batch: one
 // grad_stats per unit on cpu.adam (G home cpu; emitted right after the unit's gradients are
 // final) or one per rank on gpu[r].compute (emitted after the last backward, in backward
@@ -315,6 +317,7 @@ class Builder {
     }
     writer_.resize(static_cast<size_t>(U_));
     g_writer_.resize(static_cast<size_t>(U_));
+    rep_reduce_.resize(static_cast<size_t>(U_));
     optim_read_.assign(static_cast<size_t>(U_), -1);
     optim_write_.assign(static_cast<size_t>(U_), -1);
     o_buffer_.assign(static_cast<size_t>(U_), -1);
@@ -629,14 +632,32 @@ class Builder {
       for (const Run* run : runs) deps.push_back(run->gather[static_cast<size_t>(r)]);
       if (i > 0 && (use.backward || use.unit > 0))
         deps.push_back(uses_[static_cast<size_t>(i - 1)].compute[static_cast<size_t>(r)]);
+      // A replicated unit's working gradients are one buffer of its own: the first backward
+      // of a micro-batch that adds into them waits until the previous one's all-reduce has
+      // read (and handed back) them.
+      if (use.backward)
+        for (int x : added_into(u))
+          if (!rep_reduce_[static_cast<size_t>(x)].empty())
+            deps.push_back(rep_reduce_[static_cast<size_t>(x)][static_cast<size_t>(r)]);
       const int id = add(use.backward ? TaskKind::backward : TaskKind::forward, LaneKind::compute,
                          r, u, use.m, deps);
       task(id).flops = flops;
       if (first_resident) wait_for_param_writer(id, u, r);
       use.compute.push_back(id);
     }
+    if (use.backward)
+      for (int x : added_into(u)) rep_reduce_[static_cast<size_t>(x)].clear();
     for (const Run* run : runs)
       if (run->last_use == i) slots_.give_back(run->slot, use.compute);
+  }
+
+  // The replicated units whose working gradients backward(u) adds into: u, and unit 0 from
+  // the head when the embeddings are tied.
+  std::vector<int> added_into(int u) const {
+    std::vector<int> out;
+    if (unit(u).replicated) out.push_back(u);
+    if (tied_ && u == U_ - 1 && u != 0 && unit(0).replicated) out.push_back(0);
+    return out;
   }
 
   void emit_gradients(int i) {
@@ -663,6 +684,7 @@ class Builder {
       task(id).slot = slot;
       rs.push_back(id);
     }
+    if (up.replicated) rep_reduce_[static_cast<size_t>(u)] = rs;
     std::vector<int>& g_writer = g_writer_[static_cast<size_t>(u)];
     if (!g_host) {
       g_writer = rs;
@@ -883,7 +905,10 @@ class Builder {
   std::vector<bool> first_use_done_;
   std::vector<std::vector<int>> writer_;    // per unit: the last writers of P[u]
   std::vector<std::vector<int>> g_writer_;  // per unit: the last writers of G[u] so far
-  std::vector<int> last_grad_d2h_;          // per rank
+  // Per replicated unit: its last all-reduce, until the next backward that adds into its
+  // working gradients has waited for it.
+  std::vector<std::vector<int>> rep_reduce_;
+  std::vector<int> last_grad_d2h_;  // per rank
   std::vector<int> grad_stats_;
   std::vector<int> optim_read_, optim_write_, o_buffer_;
   std::vector<PrevFix> fixes_;

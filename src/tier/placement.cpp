@@ -79,13 +79,15 @@ struct FixedGpu {
 
 FixedGpu fixed_gpu(const RunShape& s, const Partition& p) {
   const Sizes z = sizes_of(s);
-  uint64_t gather_numel = 0;  // replicated units are used in place, never gathered
-  for (const UnitPartition& up : p.units)
-    if (!up.replicated) gather_numel = std::max(gather_numel, up.padded);
+  // The pool gathers sharded units (parameters and working gradients); a replicated unit is
+  // used in place, with working gradients of its own (as ZeroModel allocates them).
+  const uint64_t gather_numel = p.max_gathered_numel();
   FixedGpu f;
   const auto wb = static_cast<uint64_t>(s.working_buffers);
   f.working = wb * (device_buffer(gather_numel * z.ps, z.align) +
-                    device_buffer(p.max_unit_numel() * z.gs, z.align));
+                    device_buffer(gather_numel * z.gs, z.align));
+  for (const UnitPartition& up : p.units)
+    if (up.replicated) f.working += device_buffer(up.numel * z.gs, z.align);
   f.landing = wb * device_buffer(p.max_shard_numel() * z.ps, z.align);
   ModelOptions mo;
   mo.param_dtype = s.param_dtype;
