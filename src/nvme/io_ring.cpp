@@ -204,7 +204,8 @@ void IoRing::submit(const IoRequest& r) {
     fail("io ring: {} names file {}, but {} are open", op_name(r.op), r.file, files_.size());
   if (r.len > 0 && r.buf == nullptr)
     fail("io ring: {} of {} bytes into a null buffer", op_name(r.op), r.len);
-  const uint64_t sequence = sequence_++;
+  const uint64_t sequence =
+      options_.request_counter ? options_.request_counter->fetch_add(1) : sequence_++;
   ++stats_.requests;
   if (r.len == 0) {
     if (on_complete_) on_complete_(r);

@@ -18,6 +18,7 @@
 
 #include <sys/uio.h>
 
+#include <atomic>
 #include <cstdint>
 #include <exception>
 #include <functional>
@@ -60,6 +61,10 @@ struct IoOptions {
   bool sqpoll = false;            // a kernel thread polls the submission queue (burns a core)
   bool iopoll = false;            // busy-poll completions (O_DIRECT only; burns a core)
   std::vector<Fault> faults;      // tests only
+  // Shared request numbering for faults: rings given the same counter count their submit()s
+  // together (a swap store's rings, so a fault names the store's N-th request); null: each
+  // ring counts its own.
+  std::shared_ptr<std::atomic<uint64_t>> request_counter;
 };
 
 struct IoRequest {

@@ -1,7 +1,8 @@
 // swap_store.cpp: SwapStore. A transfer walks a shard's stripe units in order and submits
-// one request per unit to the store's ring; the ring's completion hook verifies (reads) and
+// one request per unit to its channel's ring; the ring's completion hook verifies (reads) and
 // copies out of bounce buffers, so a unit is checked the moment it lands. Bounce buffers are
 // taken from the staging pool for the length of one call and given back however it ends.
+// The store's mutex is held only to look a shard up and flip its flags, never across I/O.
 #include "nvme/swap_store.h"
 
 #include "core/bytes.h"
@@ -110,6 +111,12 @@ SwapStore::SwapStore(SwapStoreOptions options) : options_(std::move(options)) {
   if (stripe == 0 || stripe % kDirectAlignment != 0)
     fail("swap store: stripe {} is not a positive multiple of 4 KiB; use e.g. 1 MiB", stripe);
   if (options_.capacity == 0) fail("swap store: capacity is 0; give the bytes of shards to hold");
+  if (options_.channels < 1 || options_.channels > 64)
+    fail("swap store: {} channels; give 1 to 64 (one per thread that transfers at once)",
+         options_.channels);
+  // The channels' rings number their requests together, so a fault names the store's N-th.
+  if (!options_.io.request_counter)
+    options_.io.request_counter = std::make_shared<std::atomic<uint64_t>>(0);
   const uint64_t k = options_.paths.size();
   const uint64_t per_path_units = (options_.capacity + stripe * k - 1) / (stripe * k);
   units_total_ = per_path_units * k;
@@ -156,11 +163,22 @@ SwapStore::SwapStore(SwapStoreOptions options) : options_(std::move(options)) {
         fail("nvme_path {}: no space left (needs {}, has {}); free space or add another path",
              options_.paths[i], format_bytes(need), format_bytes(free_bytes));
     }
-    ring_ = std::make_unique<IoRing>(options_.io);
-    for (const std::string& file : files_) {
-      const int index = ring_->add_file(file, true);
-      ring_files_.push_back(index);
-      const int fd = ring_->fd(index);
+    for (unsigned c = 0; c < options_.channels; ++c) {
+      rings_.push_back(std::make_unique<IoRing>(options_.io));
+      for (size_t i = 0; i < files_.size(); ++i) {
+        const int index = rings_.back()->add_file(files_[i], true);
+        if (c == 0) ring_files_.push_back(index);
+        if (index != ring_files_[i])
+          fail("swap store: ring {} numbered {} as file {}, ring 0 as {}", c, files_[i], index,
+               ring_files_[i]);
+      }
+      if (options_.staging != nullptr && options_.io.register_buffers)
+        rings_.back()->register_buffer(options_.staging->base(), options_.staging->capacity());
+    }
+    staging_registered_.assign(rings_.size(), 0);
+    for (size_t i = 0; i < files_.size(); ++i) {
+      const std::string& file = files_[i];
+      const int fd = rings_[0]->fd(ring_files_[i]);
       int rc = fallocate(fd, 0, 0, static_cast<off_t>(file_bytes_));
       if (rc != 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) {
         warn_once("nvme-fallocate",
@@ -176,8 +194,6 @@ SwapStore::SwapStore(SwapStoreOptions options) : options_(std::move(options)) {
              errno_text(err), err == ENOSPC ? "free space or add another path" : "check the path");
       }
     }
-    if (options_.staging != nullptr && options_.io.register_buffers)
-      ring_->register_buffer(options_.staging->base(), options_.staging->capacity());
   } catch (...) {
     remove_files();
     throw;
@@ -189,7 +205,7 @@ SwapStore::~SwapStore() {
 }
 
 void SwapStore::remove_files() noexcept {
-  ring_.reset();  // waits for anything in flight and closes the files
+  rings_.clear();  // each waits for anything in flight and closes its descriptors
   for (size_t i = 0; i < lock_fds_.size(); ++i) {
     unlink(files_[i].c_str());
     unlink(locks_[i].c_str());
@@ -198,7 +214,22 @@ void SwapStore::remove_files() noexcept {
   lock_fds_.clear();
 }
 
+IoStats SwapStore::io_stats() const {
+  IoStats t;
+  for (const auto& ring : rings_) {
+    const IoStats& s = ring->stats();
+    t.requests += s.requests;
+    t.bytes += s.bytes;
+    t.resumed += s.resumed;
+    t.requeued += s.requeued;
+    t.buffered_parts += s.buffered_parts;
+    t.fixed_buffers += s.fixed_buffers;
+  }
+  return t;
+}
+
 void SwapStore::add_shard(const std::string& name, uint64_t bytes) {
+  std::lock_guard lock(mu_);
   if (shards_.contains(name))
     fail("swap store: shard {} already exists; give each shard its own name", name);
   const uint64_t units = (bytes + options_.stripe - 1) / options_.stripe;
@@ -221,6 +252,7 @@ const SwapStore::Shard& SwapStore::shard(const std::string& name) const {
 }
 
 uint64_t SwapStore::shard_bytes(const std::string& name) const {
+  std::lock_guard lock(mu_);
   return shard(name).bytes;
 }
 
@@ -231,6 +263,7 @@ Extent SwapStore::locate(uint64_t unit, uint64_t bytes, int* file) const {
 }
 
 std::vector<Extent> SwapStore::extents(const std::string& name) const {
+  std::lock_guard lock(mu_);
   const Shard& s = shard(name);
   std::vector<Extent> out;
   for (uint64_t i = 0; i * options_.stripe < s.bytes; ++i)
@@ -242,7 +275,7 @@ std::vector<Extent> SwapStore::extents(const std::string& name) const {
 void SwapStore::check_files() const {
   for (size_t i = 0; i < files_.size(); ++i) {
     struct stat st {};
-    if (fstat(ring_->fd(ring_files_[i]), &st) != 0)
+    if (fstat(rings_[0]->fd(ring_files_[i]), &st) != 0)
       fail("swap file {}: fstat failed: {}", files_[i], errno_text(errno));
     if (st.st_nlink == 0)
       fail(
@@ -257,49 +290,80 @@ void SwapStore::check_files() const {
   }
 }
 
-void SwapStore::write(const std::string& name, const void* src) {
-  transfer(name, IoOp::write, static_cast<char*>(const_cast<void*>(src)));
+void SwapStore::write(const std::string& name, const void* src, unsigned channel) {
+  transfer(name, IoOp::write, static_cast<char*>(const_cast<void*>(src)), channel);
 }
 
-void SwapStore::read(const std::string& name, void* dst) {
-  transfer(name, IoOp::read, static_cast<char*>(dst));
+void SwapStore::read(const std::string& name, void* dst, unsigned channel) {
+  transfer(name, IoOp::read, static_cast<char*>(dst), channel);
 }
 
-void SwapStore::transfer(const std::string& name, IoOp op, char* data) {
-  shard(name);  // throws naming an unknown shard
-  Shard& s = shards_.find(name)->second;
+// The staging pool for callers whose buffers are not 4 KiB aligned (the caller's, else one of
+// the store's own, made on first need with a queue's worth of stripes per channel), registered
+// with `channel`'s ring when fixed buffers are asked for. Called by that channel's thread
+// between transfers, so its ring is idle.
+PinnedPool& SwapStore::staging_pool(unsigned channel) {
+  if (options_.staging != nullptr) return *options_.staging;
+  std::lock_guard lock(mu_);
+  if (!own_staging_) {
+    const uint64_t bytes = uint64_t{options_.io.queue_depth} * options_.stripe * rings_.size();
+    own_staging_ = std::make_unique<PinnedPool>(PinnedPoolOptions{bytes, false, -1, false});
+  }
+  if (options_.io.register_buffers && !staging_registered_[channel]) {
+    rings_[channel]->register_buffer(own_staging_->base(), own_staging_->capacity());
+    staging_registered_[channel] = 1;
+  }
+  return *own_staging_;
+}
+
+void SwapStore::transfer(const std::string& name, IoOp op, char* data, unsigned channel) {
+  if (channel >= rings_.size())
+    fail("swap store: {} of shard {} on channel {}, but the store has {} (0..{})",
+         op == IoOp::read ? "read" : "write", name, channel, rings_.size(), rings_.size() - 1);
+  IoRing& ring = *rings_[channel];
+  Shard* sp = nullptr;
+  {
+    std::lock_guard lock(mu_);
+    shard(name);  // throws naming an unknown shard
+    sp = &shards_.find(name)->second;
+    if (op == IoOp::read && !sp->written)
+      fail(
+          "swap store: shard {} has no data (never written, or its last write failed); write it "
+          "before reading it",
+          name);
+    if (sp->busy)
+      fail(
+          "swap store: shard {} is being transferred by another thread; reads and writes of one "
+          "shard must be ordered by the caller",
+          name);
+    if (sp->checksums.empty()) {
+      sp->written = op == IoOp::write || sp->written;
+      return;
+    }
+    sp->busy = true;
+    if (op == IoOp::write) sp->written = false;  // until every block is on the drive
+  }
+  Shard& s = *sp;
+  struct Idle {
+    std::mutex& mu;
+    Shard& s;
+    ~Idle() {
+      std::lock_guard lock(mu);
+      s.busy = false;
+    }
+  } idle{mu_, s};
   const uint64_t stripe = options_.stripe;
   const uint64_t units = s.checksums.size();
-  if (op == IoOp::read && !s.written)
-    fail(
-        "swap store: shard {} has no data (never written, or its last write failed); write it "
-        "before reading it",
-        name);
-  if (units == 0) {
-    s.written = op == IoOp::write || s.written;
-    return;
-  }
   check_files();
-  if (op == IoOp::write) s.written = false;  // until every block is on the drive
 
   std::unique_ptr<Staging> staging;
-  if (!aligned(data)) {
-    PinnedPool* pool = options_.staging;
-    if (pool == nullptr) {
-      if (!own_staging_) {
-        const uint64_t bytes = uint64_t{options_.io.queue_depth} * stripe;
-        own_staging_ = std::make_unique<PinnedPool>(PinnedPoolOptions{bytes, false, -1, false});
-        if (options_.io.register_buffers && ring_->in_flight() == 0)
-          ring_->register_buffer(own_staging_->base(), own_staging_->capacity());
-      }
-      pool = own_staging_.get();
-    }
+  if (!aligned(data))
     staging = std::make_unique<Staging>(
-        *pool, static_cast<unsigned>(std::min<uint64_t>(options_.io.queue_depth, units)), stripe);
-  }
+        staging_pool(channel),
+        static_cast<unsigned>(std::min<uint64_t>(options_.io.queue_depth, units)), stripe);
 
   auto block_bytes = [&](uint64_t i) { return std::min(stripe, s.bytes - i * stripe); };
-  ring_->on_complete([&](const IoRequest& r) {
+  ring.on_complete([&](const IoRequest& r) {
     const uint64_t i = r.tag;
     char* out = data + i * stripe;
     if (op == IoOp::read) {
@@ -321,24 +385,27 @@ void SwapStore::transfer(const std::string& name, IoOp op, char* data) {
   struct Unhook {
     IoRing& ring;
     ~Unhook() { ring.on_complete(nullptr); }
-  } unhook{*ring_};
+  } unhook{ring};
 
   for (uint64_t i = 0; i < units; ++i) {
     const uint64_t len = block_bytes(i);
     char* buf = data + i * stripe;
     if (op == IoOp::write) s.checksums[i] = XXH3_64bits(buf, len);
     if (staging) {
-      while (staging->empty()) ring_->wait_one();
+      while (staging->empty()) ring.wait_one();
       char* bounce = staging->take();
       if (op == IoOp::write) std::memcpy(bounce, buf, len);
       buf = bounce;
     }
     int file = 0;
     const Extent e = locate(s.start + i, len, &file);
-    ring_->submit(IoRequest{op, file, e.offset, buf, len, i});
+    ring.submit(IoRequest{op, file, e.offset, buf, len, i});
   }
-  ring_->wait_all();
-  if (op == IoOp::write) s.written = true;
+  ring.wait_all();
+  if (op == IoOp::write) {
+    std::lock_guard lock(mu_);
+    s.written = true;
+  }
 }
 
 }  // namespace strata::nvme

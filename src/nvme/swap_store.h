@@ -9,7 +9,12 @@
 // the data as good. One swap file per path is preallocated with fallocate after checking free
 // space; the directory is flock'ed so two runs cannot share it; the files (and the lock file)
 // are removed by the destructor. The swap files live as long as the run: a checkpoint must
-// copy out of them. Not thread-safe: one thread drives the store's ring.
+// copy out of them.
+//
+// Threads: the store has one io_uring ring per channel, and read()/write() name the channel
+// they run on; each channel is driven by one thread at a time, so `channels` threads (the
+// executor's nvme.read and nvme.write lanes) move data at once, each on its own ring. Two
+// transfers of one shard at once are refused with an Error (the caller must order them).
 #pragma once
 
 #include "core/pinned_pool.h"
@@ -18,6 +23,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -28,6 +34,7 @@ struct SwapStoreOptions {
   uint64_t capacity = 0;           // bytes of shards to hold (each shard rounds up to stripes)
   uint64_t stripe = 1ull << 20;    // stripe unit and checksum block; a multiple of 4 KiB
   IoOptions io;
+  unsigned channels = 1;  // rings, one per thread that transfers at once; 1..64
   // Bounce buffers for callers whose buffers are not 4 KiB aligned come from here (one
   // stripe per queue slot, only for the length of a call); nullptr: the store owns a pool.
   PinnedPool* staging = nullptr;
@@ -54,30 +61,35 @@ class SwapStore {
 
   // Reserves room for shard `name`; throws Error when the name is taken or the store is full.
   void add_shard(const std::string& name, uint64_t bytes);
-  // Writes the whole shard from `src` (shard_bytes(name) bytes), checksumming each block.
-  void write(const std::string& name, const void* src);
+  // Writes the whole shard from `src` (shard_bytes(name) bytes), checksumming each block,
+  // through channel `channel`'s ring.
+  void write(const std::string& name, const void* src, unsigned channel = 0);
   // Reads the whole shard into `dst`, verifying each block. Throws Error on an I/O error, a
   // lost file or a checksum mismatch; then `dst` holds no block that failed verification
   // (such blocks are zeroed) and must not be used.
-  void read(const std::string& name, void* dst);
+  void read(const std::string& name, void* dst, unsigned channel = 0);
 
   uint64_t shard_bytes(const std::string& name) const;
   std::vector<Extent> extents(const std::string& name) const;
   const std::vector<std::string>& files() const { return files_; }
   uint64_t file_bytes() const { return file_bytes_; }  // preallocated per path
-  const IoStats& io_stats() const { return ring_->stats(); }
+  unsigned channels() const { return static_cast<unsigned>(rings_.size()); }
+  // Summed over the channels' rings; call while no transfer runs.
+  IoStats io_stats() const;
 
  private:
   struct Shard {
     uint64_t start = 0;  // first stripe unit
     uint64_t bytes = 0;
     bool written = false;
-    std::vector<uint64_t> checksums;  // one per stripe unit
+    bool busy = false;                // a transfer of it is running
+    std::vector<uint64_t> checksums;  // one per stripe unit; its transfer's alone while busy
   };
-  const Shard& shard(const std::string& name) const;
+  const Shard& shard(const std::string& name) const;  // call under mu_
   Extent locate(uint64_t unit, uint64_t bytes, int* file) const;
   void check_files() const;
-  void transfer(const std::string& name, IoOp op, char* data);
+  void transfer(const std::string& name, IoOp op, char* data, unsigned channel);
+  PinnedPool& staging_pool(unsigned channel);
   void remove_files() noexcept;
 
   SwapStoreOptions options_;
@@ -88,9 +100,12 @@ class SwapStore {
   uint64_t file_bytes_ = 0;
   uint64_t units_total_ = 0;
   uint64_t units_used_ = 0;
+  // mu_ guards shards_ (the map and each shard's flags) and own_staging_.
+  mutable std::mutex mu_;
   std::map<std::string, Shard> shards_;
   std::unique_ptr<PinnedPool> own_staging_;
-  std::unique_ptr<IoRing> ring_;
+  std::vector<std::unique_ptr<IoRing>> rings_;  // one per channel
+  std::vector<char> staging_registered_;        // per ring: own_staging_ registered with it
 };
 
 }  // namespace strata::nvme

@@ -165,8 +165,11 @@ struct Executor::State {
   std::vector<AlignedBlock> plain_blocks;
   // Host homes per unit and host rank (replicated units: rank 0's copy only).
   std::vector<std::vector<char*>> host_p, host_g, host_o;  // host_o: master | m | v
+  // The swap store, with a ring per NVMe lane: nvme.read's tasks run on channel 0,
+  // nvme.write's on channel 1, at once (the schedule never reads and writes one shard
+  // together); outside the steps (load, init, parameters()) channel 0.
   std::unique_ptr<nvme::SwapStore> store;
-  std::mutex store_mu;
+  static constexpr unsigned kReadChannel = 0, kWriteChannel = 1;
 
   // Staging, and each task's resolution.
   std::vector<std::vector<DeviceBuffer>> dev_param, dev_grad;  // [rank][slot]
@@ -692,6 +695,7 @@ void Executor::State::allocate() {
     so.stripe = pl.request.nvme_stripe;
     so.io = opt.io;
     so.io.queue_depth = pl.request.nvme_queue_depth;
+    so.channels = 2;
     for (const nvme::Fault& f : nvme::faults_from_env()) so.io.faults.push_back(f);
     if (!so.io.faults.empty())
       log_warn("STRATA_NVME_FAULTS: injecting {} fault(s) into the swap store's I/O",
@@ -1130,10 +1134,9 @@ void Executor::State::run_task(const Task& t, int64_t k) {
   };
   switch (t.kind) {
     case TaskKind::param_read:
-      for (int q : task_ranks(t, u)) {
-        std::lock_guard lock(store_mu);
-        store->read(shard_name('P', u, q), pin(t.id) + static_cast<uint64_t>(q) * n * ps);
-      }
+      for (int q : task_ranks(t, u))
+        store->read(shard_name('P', u, q), pin(t.id) + static_cast<uint64_t>(q) * n * ps,
+                    kReadChannel);
       return;
     case TaskKind::param_h2d: {
       const char* from =
@@ -1274,17 +1277,15 @@ void Executor::State::run_task(const Task& t, int64_t k) {
       return;
     }
     case TaskKind::optim_read:
-      for (int q : task_ranks(t, u)) {
-        std::lock_guard lock(store_mu);
-        store->read(shard_name('O', u, q), pin(t.id) + static_cast<uint64_t>(q) * n * 12);
-      }
+      for (int q : task_ranks(t, u))
+        store->read(shard_name('O', u, q), pin(t.id) + static_cast<uint64_t>(q) * n * 12,
+                    kReadChannel);
       return;
     case TaskKind::optim_write: {
       const char* from = pin(src[static_cast<size_t>(t.id)][0]);
-      for (int q : task_ranks(t, u)) {
-        std::lock_guard lock(store_mu);
-        store->write(shard_name('O', u, q), from + static_cast<uint64_t>(q) * n * 12);
-      }
+      for (int q : task_ranks(t, u))
+        store->write(shard_name('O', u, q), from + static_cast<uint64_t>(q) * n * 12,
+                     kWriteChannel);
       return;
     }
     case TaskKind::adam: {
@@ -1301,11 +1302,10 @@ void Executor::State::run_task(const Task& t, int64_t k) {
     case TaskKind::param_write: {
       if (slot_of(k).global.non_finite) return;
       const std::vector<int> rs = task_ranks(t, u);
-      for (size_t i = 0; i < rs.size(); ++i) {
-        std::lock_guard lock(store_mu);
-        store->write(shard_name('P', u, rs[i]), pin(src[static_cast<size_t>(t.id)][i]) +
-                                                    static_cast<uint64_t>(rs[i]) * n * ps);
-      }
+      for (size_t i = 0; i < rs.size(); ++i)
+        store->write(shard_name('P', u, rs[i]),
+                     pin(src[static_cast<size_t>(t.id)][i]) + static_cast<uint64_t>(rs[i]) * n * ps,
+                     kWriteChannel);
       return;
     }
     case TaskKind::param_upload: {

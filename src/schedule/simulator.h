@@ -6,8 +6,10 @@
 // lane is free and its dependencies (this step's, and `prev` ones of the previous step) are
 // done; a group starts on all its lanes at once. The simulator runs several steps back to back
 // so the cross-step overlap reaches its steady state, and reports the last one. The NVMe lanes
-// share the drives, as the executor's one swap store does: a task on nvme.read or nvme.write
-// takes the earliest gap in the drives' busy time, at or after it is ready, that holds it.
+// share the drives' bandwidth (the executor runs them at once, each on its own ring of one
+// swap store over every nvme path), modelled as one drive timeline: a task on nvme.read or
+// nvme.write takes the earliest gap in the drives' busy time, at or after it is ready, that
+// holds it, so the drives are busy for the sum of both lanes' bytes over their rates.
 #pragma once
 
 #include "schedule/schedule.h"
