@@ -34,8 +34,9 @@ struct Timeline {
 //
 // The nvme.read and nvme.write lanes share the drives (one swap store over every nvme path;
 // the lanes run at once, each on its own ring, and split the drives' bandwidth), so the NVMe
-// tier's busy time is the union of their busy intervals, not either lane's. The overlap is the busiest resource's share of the step: the
-// busiest lane's busy time, or the drives' when that is larger, over the step time.
+// tier's busy time is the union of their busy intervals, not either lane's. The overlap is
+// the busiest resource's share of the step: the busiest lane's busy time, or the drives' when
+// that is larger, over the step time.
 struct StepStats {
   double step_s = 0;
   std::vector<double> lane_busy_s;  // per lane of the schedule
