@@ -33,16 +33,21 @@ TEST(BenchIo, EachModeReportsVerifiedJson) {
 }
 
 TEST(BenchIo, SwapStoreModeStripesAndVerifies) {
-  for (const char* rw : {"read", "write"}) {
-    const Result r = run(std::string("bench io --store --path /tmp --path /dev/shm --size 8MiB "
-                                     "--block 256KiB --qd 4 --json --rw ") +
-                         rw);
-    ASSERT_EQ(r.status, 0) << r.out;
-    const nlohmann::json j = nlohmann::json::parse(r.out, nullptr, false);
-    ASSERT_FALSE(j.is_discarded()) << "not valid JSON:\n" << r.out;
-    EXPECT_EQ(j["store"], true);
-    EXPECT_GT(j["bytes_per_s"].get<double>(), 0);
-  }
+  // One thread, and three at once on the store's channels (a ring each).
+  for (const char* threads : {"1", "3"})
+    for (const char* rw : {"read", "write"}) {
+      SCOPED_TRACE(std::string(rw) + " threads " + threads);
+      const Result r = run(std::string("bench io --store --path /tmp --path /dev/shm --size 8MiB "
+                                       "--block 256KiB --qd 4 --json --threads ") +
+                           threads + " --rw " + rw);
+      ASSERT_EQ(r.status, 0) << r.out;
+      const nlohmann::json j = nlohmann::json::parse(r.out, nullptr, false);
+      ASSERT_FALSE(j.is_discarded()) << "not valid JSON:\n" << r.out;
+      EXPECT_EQ(j["store"], true);
+      EXPECT_EQ(j["threads"], std::stoi(threads));
+      EXPECT_EQ(j["verified"], true);
+      EXPECT_GT(j["bytes_per_s"].get<double>(), 0);
+    }
 }
 
 TEST(BenchIo, BadArgumentsAreUsableErrors) {

@@ -152,13 +152,15 @@ double run_threads(const IoBench& o, const std::string& file, IoOp op, bool rand
 }
 
 // --store: the swap store end to end (striping, checksums, verification) over every --path,
-// stripe = --block, in shards of up to 64 MiB written from and read into one buffer. Only the
-// store's calls are timed; the content check after each read is not (the store's own
-// checksum check is).
+// stripe = --block, in shards of up to 64 MiB written from and read into one buffer per
+// thread. With --threads T the store has T channels (a ring each) and thread t moves shards
+// t, t + T, ... on channel t, all at once. Only the store's calls are timed, per thread; the
+// content check after each read is not (the store's own checksum check is). Returns the
+// slowest thread's timed seconds.
 double run_store(const IoBench& o, uint64_t size, uint64_t block, IoOp op, bool* direct) {
   if (o.rw != "read" && o.rw != "write")
     fail("bench io: --store measures --rw read or write, not {}", o.rw);
-  if (o.threads != 1) fail("bench io: --store drives one ring; use --threads 1");
+  if (o.threads > 64) fail("bench io: --store --threads {}: the store takes 1 to 64", o.threads);
   nvme::SwapStoreOptions so;
   so.paths = o.paths;
   so.capacity = size;
@@ -166,34 +168,59 @@ double run_store(const IoBench& o, uint64_t size, uint64_t block, IoOp op, bool*
   so.io.queue_depth = o.qd;
   so.io.direct = !o.buffered;
   so.io.register_files = true;
+  so.channels = o.threads;
   nvme::SwapStore store(so);
   const uint64_t shard =
-      std::min<uint64_t>(size, std::max<uint64_t>(block, 64ull << 20)) / block * block;
+      std::min<uint64_t>(size / o.threads, std::max<uint64_t>(block, 64ull << 20)) / block * block;
+  if (shard == 0)
+    fail(
+        "bench io: --store: --size {} gives {} threads less than one --block {} each; raise "
+        "--size or lower --threads",
+        format_bytes(size), o.threads, format_bytes(block));
   const uint64_t shards = size / shard;
-  std::unique_ptr<char, decltype(&std::free)> mem(
-      static_cast<char*>(std::aligned_alloc(kPage, shard)), &std::free);
-  if (!mem) fail("bench io: cannot allocate a {} buffer", format_bytes(shard));
-  for (uint64_t b = 0; b < shard; b += kPage)
-    std::memcpy(mem.get() + b + 8, page_pattern().data(), kPage - 8);
   for (uint64_t i = 0; i < shards; ++i) store.add_shard(fmt::format("s{}", i), shard);
   using clock = std::chrono::steady_clock;
-  clock::duration timed{};
-  for (uint64_t i = 0; i < shards; ++i) {
-    stamp(mem.get(), i * shard, shard);
-    const auto t0 = clock::now();
-    store.write(fmt::format("s{}", i), mem.get());
-    if (op == IoOp::write) timed += clock::now() - t0;
-  }
-  for (uint64_t i = 0; i < shards; ++i) {
-    std::memset(mem.get(), 0, kPage);
-    const auto t0 = clock::now();
-    store.read(fmt::format("s{}", i), mem.get());
-    if (op == IoOp::read) timed += clock::now() - t0;
-    check(mem.get(), i * shard, shard, store.files()[0]);
-  }
+  std::vector<double> timed(o.threads, 0.0);
+  std::vector<std::exception_ptr> errors(o.threads);
+  std::latch start(o.threads);
+  auto worker = [&](unsigned t) {
+    bool arrived = false;
+    try {
+      std::unique_ptr<char, decltype(&std::free)> mem(
+          static_cast<char*>(std::aligned_alloc(kPage, shard)), &std::free);
+      if (!mem) fail("bench io: cannot allocate a {} buffer", format_bytes(shard));
+      for (uint64_t b = 0; b < shard; b += kPage)
+        std::memcpy(mem.get() + b + 8, page_pattern().data(), kPage - 8);
+      arrived = true;
+      start.arrive_and_wait();
+      clock::duration spent{};
+      for (uint64_t i = t; i < shards; i += o.threads) {
+        stamp(mem.get(), i * shard, shard);
+        const auto t0 = clock::now();
+        store.write(fmt::format("s{}", i), mem.get(), t);
+        if (op == IoOp::write) spent += clock::now() - t0;
+      }
+      for (uint64_t i = t; i < shards; i += o.threads) {
+        std::memset(mem.get(), 0, kPage);
+        const auto t0 = clock::now();
+        store.read(fmt::format("s{}", i), mem.get(), t);
+        if (op == IoOp::read) spent += clock::now() - t0;
+        check(mem.get(), i * shard, shard, store.files()[0]);
+      }
+      timed[t] = std::chrono::duration<double>(spent).count();
+    } catch (...) {
+      errors[t] = std::current_exception();
+      if (!arrived) start.count_down();  // let the others start
+    }
+  };
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < o.threads; ++t) threads.emplace_back(worker, t);
+  for (std::thread& th : threads) th.join();
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
   // Whether the first path took O_DIRECT, as the ring would report it.
   *direct = !o.buffered && probe_o_direct(o.paths[0]).result == ODirect::yes;
-  return std::chrono::duration<double>(timed).count();
+  return *std::max_element(timed.begin(), timed.end());
 }
 
 double run_file(const IoBench& o, uint64_t size, uint64_t block, bool write, bool random,
@@ -292,7 +319,8 @@ Command add_bench_io(CLI::App& bench) {
       ->check(CLI::IsMember({"read", "write", "randread", "randwrite"}));
   app->add_flag("--buffered", o->buffered, "no O_DIRECT (through the page cache)");
   app->add_flag("--store", o->store,
-                "through the swap store: striped over every --path, checksummed, stripe = --block");
+                "through the swap store: striped over every --path, checksummed, stripe = --block; "
+                "--threads channels");
   app->add_flag("--json", o->json, "one JSON object (bytes_per_s, iops, ...)");
   return {app, [o] { return run_io(*o); }};
 }
