@@ -90,37 +90,30 @@ ZeroModel::ZeroModel(const ModelLayout& layout, Communicator& comm, const ZeroOp
     rank->setup = d.create_stream("zero setup");
     ranks_.push_back(std::move(rank));
   }
-  for (int i = 0; i < options.working_buffers; ++i) {
+  // A slot on every rank: `param_bytes` of gathered parameters, `grad_bytes` of gradients.
+  auto add_slot = [&](uint64_t param_bytes, uint64_t grad_bytes, const std::string& params_name,
+                      const std::string& grads_name) {
     auto slot = std::make_unique<Slot>();
     for (int r = 0; r < N; ++r) {
       Device& d = device(r);
-      slot->params.emplace_back(d, gather_numel * ps,
-                                fmt::format("working buffer {} (gathered parameters)", i),
-                                MemoryKind::gathered);
-      slot->grads.emplace_back(d, grad_numel * gs,
-                               fmt::format("working buffer {} (unit gradients)", i),
-                               MemoryKind::gathered);
+      slot->params.emplace_back(d, param_bytes, params_name, MemoryKind::gathered);
+      slot->grads.emplace_back(d, grad_bytes, grads_name, MemoryKind::gathered);
       slot->released.push_back(d.create_event());
       slot->used.push_back(d.create_event());
     }
     slots_.push_back(std::move(slot));
-  }
+    return static_cast<int>(slots_.size()) - 1;
+  };
+  for (int i = 0; i < options.working_buffers; ++i)
+    add_slot(gather_numel * ps, grad_numel * gs,
+             fmt::format("working buffer {} (gathered parameters)", i),
+             fmt::format("working buffer {} (unit gradients)", i));
   rep_slot_.assign(U, -1);
   for (int u = 0; u < partition_.num_units() && options.with_grads; ++u) {
     const UnitPartition& up = partition_.units[static_cast<size_t>(u)];
-    if (!up.replicated) continue;
-    auto slot = std::make_unique<Slot>();
-    for (int r = 0; r < N; ++r) {
-      Device& d = device(r);
-      slot->params.emplace_back(d, 0, "", MemoryKind::gathered);
-      slot->grads.emplace_back(d, up.numel * gs,
-                               fmt::format("working gradients of unit {} (replicated)", up.name),
-                               MemoryKind::gathered);
-      slot->released.push_back(d.create_event());
-      slot->used.push_back(d.create_event());
-    }
-    rep_slot_[static_cast<size_t>(u)] = static_cast<int>(slots_.size());
-    slots_.push_back(std::move(slot));
+    if (up.replicated)
+      rep_slot_[static_cast<size_t>(u)] = add_slot(
+          0, up.numel * gs, "", fmt::format("working gradients of unit {} (replicated)", up.name));
   }
 }
 
