@@ -849,6 +849,56 @@ TEST(Safetensors, DamagedFilesNameTheFileAndTensor) {
                {dir.string(), "model.safetensors", "pytorch_model.bin"});
 }
 
+// A tensor given by a source is asked for once, when the writer reaches it, and its pointer is
+// used before the next source is called: the checkpoint streams a model bigger than RAM
+// through one buffer this way. Here every source fills the same scratch buffer, so a writer
+// that asked ahead or kept a stale pointer would write the wrong bytes.
+TEST(Safetensors, SourcesAreAskedInFileOrderAndStreamThroughOneBuffer) {
+  TempDir tmp;
+  std::vector<float> scratch;
+  std::vector<std::string> asked;
+  auto tensor_values = [](int t, int n) {
+    std::vector<float> v(static_cast<size_t>(n));
+    for (int i = 0; i < n; ++i) v[static_cast<size_t>(i)] = static_cast<float>(t * 1000 + i);
+    return v;
+  };
+  std::vector<SafetensorsTensor> tensors;
+  const std::vector<std::pair<std::string, int>> given = {{"c", 5}, {"a", 3}, {"b", 8}, {"d", 1}};
+  for (int t = 0; t < static_cast<int>(given.size()); ++t) {
+    const auto& [name, n] = given[static_cast<size_t>(t)];
+    tensors.push_back({name, DType::f32, {n}, nullptr, [&, t, name, n]() -> const void* {
+                         asked.push_back(name);
+                         scratch = tensor_values(t, n);
+                         return scratch.data();
+                       }});
+  }
+  const std::vector<float> held = {7.5f, -1.0f};
+  tensors.push_back({"0.held", DType::f32, {2}, held.data()});  // data and sources mix
+  const fs::path path = tmp / "s.safetensors";
+  const FileDigest d = write_safetensors(path, tensors);
+  EXPECT_EQ(asked, (std::vector<std::string>{"a", "b", "c", "d"}));  // file order, once each
+  const SafetensorsReader r = SafetensorsReader::open(path);
+  for (int t = 0; t < static_cast<int>(given.size()); ++t) {
+    const auto& [name, n] = given[static_cast<size_t>(t)];
+    std::vector<float> got(static_cast<size_t>(n));
+    const std::vector<int64_t> shape{n};
+    r.read_checked(name, got.data(), DType::f32, shape);
+    EXPECT_EQ(got, tensor_values(t, n)) << name;
+    EXPECT_EQ(d.tensors.at(name), xxh3_64(got.data(), got.size() * 4)) << name;
+  }
+  std::vector<float> got(2);
+  const std::vector<int64_t> two{2};
+  r.read_checked("0.held", got.data(), DType::f32, two);
+  EXPECT_EQ(got, held);
+
+  // A source that gives nothing is the caller's bug, named; no file is left.
+  const std::vector<SafetensorsTensor> broken = {
+      {"w", DType::f32, {2}, nullptr, []() -> const void* { return nullptr; }}};
+  expect_error([&] { write_safetensors(tmp / "b.safetensors", broken); }, {"'w'", "gave no data"});
+  EXPECT_FALSE(fs::exists(tmp / "b.safetensors"));
+  EXPECT_FALSE(fs::exists(tmp / "b.safetensors.tmp"));
+}
+
 TEST(Safetensors, WriterRefusesBadInput) {
   TempDir tmp;
   const float x[2] = {1, 2};

@@ -81,7 +81,7 @@ std::vector<const SafetensorsTensor*> checked_order(std::span<const SafetensorsT
     if (!checked_numel(t.shape, &n))
       fail("writing {}: tensor '{}' has an invalid shape {}; dims must be non-negative",
            path.string(), t.name, shape_text(t.shape));
-    if (n > 0 && t.data == nullptr)
+    if (n > 0 && t.data == nullptr && !t.source)
       fail("writing {}: tensor '{}' {} has no data; this is a bug in the caller", path.string(),
            t.name, shape_text(t.shape));
     order.push_back(&t);
@@ -437,8 +437,13 @@ FileDigest write_safetensors(const fs::path& path, std::span<const SafetensorsTe
   out.write(text.data(), text.size());
   std::map<std::string, uint64_t> sums;
   for (const SafetensorsTensor* t : order) {
-    sums[t->name] = xxh3_64(t->data, tensor_bytes(*t));
-    out.write(t->data, tensor_bytes(*t));
+    const uint64_t bytes = tensor_bytes(*t);
+    const void* data = t->data != nullptr || bytes == 0 ? t->data : t->source();
+    if (data == nullptr && bytes > 0)
+      fail("writing {}: the source of tensor '{}' gave no data; this is a bug in the caller",
+           path.string(), t->name);
+    sums[t->name] = xxh3_64(data, bytes);
+    out.write(data, bytes);
   }
   out.commit();
   FileDigest d = out.digest();

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <span>
 #include <string>
@@ -79,12 +80,17 @@ struct SafetensorsTensor {
   DType dtype = DType::f32;
   std::vector<int64_t> shape;
   const void* data = nullptr;  // numel elements of dtype, row-major
+  // Instead of data, for a file bigger than RAM: called once, when the writer reaches this
+  // tensor (in file order), for a pointer to its bytes that stays valid until the next call of
+  // any source. A checkpoint of a 70B model streams through this one unit at a time.
+  std::function<const void*()> source;
 };
 
 // Writes one file atomically (path.tmp, fsync, rename). The header is padded with spaces to a
 // multiple of 8 bytes; data is ordered by element size, then name, so that every tensor is
 // aligned to its element size and the same tensors always give the same bytes. Returns the
 // file's size and checksums, the whole file's and each tensor's (computed as it writes).
+// Nothing is copied: each tensor's bytes go from its data (or its source's pointer) to the file.
 FileDigest write_safetensors(const std::filesystem::path& path,
                              std::span<const SafetensorsTensor> tensors,
                              const std::map<std::string, std::string>& metadata = {});

@@ -160,37 +160,75 @@ fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& 
   const ModelLayout layout = ModelLayout::build(config);
   const int U = layout.num_units();
   nlohmann::json files = nlohmann::json::object();  // name -> digest, for COMPLETE
+  // Both files are streamed: the writer asks for each tensor in file order and gets it from
+  // the one unit held in memory, fetched (from whichever tier homes it) when a tensor of
+  // another unit is asked for. A checkpoint of a 70B model with its optimizer state on NVMe
+  // needs one unit's state in RAM, not 840 GB. The file orders tensors by name, which keeps a
+  // unit's tensors together except the last unit's (lm_head first, model.norm last), so at
+  // most one unit is fetched twice.
   // The model, as Hugging Face names and shapes it, in the run's dtype.
   {
-    std::vector<std::vector<char>> data(static_cast<size_t>(U));
+    int held = -1;
+    std::vector<char> raw;  // unit `held`'s parameters in model_dtype
+    auto unit_bytes = [&](int u) -> const char* {
+      if (held != u) {
+        held = -1;
+        raw.clear();
+        raw.shrink_to_fit();
+        const std::vector<float> p = executor.parameters(u);
+        raw.resize(p.size() * dtype_size(model_dtype));
+        convert(raw.data(), model_dtype, p.data(), DType::f32, p.size());
+        held = u;
+      }
+      return raw.data();
+    };
     std::vector<SafetensorsTensor> tensors;
-    for (int u = 0; u < U; ++u) {
-      const std::vector<float> p = executor.parameters(u);
-      auto& raw = data[static_cast<size_t>(u)];
-      raw.resize(p.size() * dtype_size(model_dtype));
-      convert(raw.data(), model_dtype, p.data(), DType::f32, p.size());
+    for (int u = 0; u < U; ++u)
       for (const ParamSlot& s : layout.units[static_cast<size_t>(u)].params)
         tensors.push_back(
             {s.name, model_dtype,
              std::vector<int64_t>(s.shape.dims.begin(), s.shape.dims.begin() + s.shape.rank),
-             raw.data() + s.offset * dtype_size(model_dtype)});
-    }
+             nullptr, [&unit_bytes, u, offset = s.offset * dtype_size(model_dtype)] {
+               return static_cast<const void*>(unit_bytes(u) + offset);
+             }});
     files[kModel] = digest_json(write_safetensors(tmp / kModel, tensors, {{"format", "pt"}}));
   }
   files[kConfig] = digest_json(write_text(tmp / kConfig, to_hf_config_json(config).dump(2) + "\n"));
-  // The optimizer state, one unit at a time in memory.
+  // The optimizer state, the same way.
   {
-    std::vector<UnitOptimizerState> states;
+    int held = -1;
+    UnitOptimizerState state;  // unit `held`'s
+    auto unit_state = [&](int u) -> const UnitOptimizerState& {
+      if (held != u) {
+        held = -1;
+        state = UnitOptimizerState{};
+        state = executor.optimizer_state(u);
+        held = u;
+      }
+      return state;
+    };
     std::vector<SafetensorsTensor> tensors;
-    states.reserve(static_cast<size_t>(U));
     for (int u = 0; u < U; ++u) {
-      states.push_back(executor.optimizer_state(u));
-      const UnitOptimizerState& st = states.back();
       const std::string& name = layout.units[static_cast<size_t>(u)].name;
-      const auto n = static_cast<int64_t>(st.master.size());
-      tensors.push_back({name + ".master", DType::f32, {n}, st.master.data()});
-      tensors.push_back({name + ".exp_avg", DType::f32, {n}, st.m.data()});
-      tensors.push_back({name + ".exp_avg_sq", DType::f32, {n}, st.v.data()});
+      const auto n = static_cast<int64_t>(layout.units[static_cast<size_t>(u)].numel);
+      for (int k = 0; k < 3; ++k)
+        tensors.push_back(
+            {name + (k == 0   ? ".master"
+                     : k == 1 ? ".exp_avg"
+                              : ".exp_avg_sq"),
+             DType::f32,
+             {n},
+             nullptr,
+             [&unit_state, &name, u, k, n]() -> const void* {
+               const UnitOptimizerState& st = unit_state(u);
+               const std::vector<float>& v = k == 0 ? st.master : k == 1 ? st.m : st.v;
+               if (static_cast<int64_t>(v.size()) != n)
+                 fail(
+                     "checkpoint: unit {} has {} optimizer elements where the "
+                     "model has {}; this is a bug in the executor",
+                     name, v.size(), n);
+               return v.data();
+             }});
     }
     files[kOptimizer] =
         digest_json(write_safetensors(tmp / kOptimizer, tensors, {{"format", "strata-optimizer"}}));

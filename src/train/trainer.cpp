@@ -103,9 +103,10 @@ Placement place(const TrainSettings& s, const std::vector<Device*>& devices, Tie
 // Host RAM the run is planned to hold at its peak (the figure `strata train` prints as "host
 // memory plan"): the placement's cpu tier (host-homed P, G, O and the pinned buffers), every
 // device's gpu tier when the devices are host devices (their arenas are host RAM), and what
-// writing a checkpoint holds at once: save_checkpoint keeps every unit's optimizer state (f32
-// master, m and v: 12 bytes an element) in memory until optimizer.safetensors is written, plus
-// the copies one unit's state is gathered through (two of 12 bytes per padded element).
+// writing a checkpoint holds at once: save_checkpoint streams the files one unit at a time, so
+// the most is the largest unit's optimizer state (f32 master, m and v: 12 bytes an element)
+// while it is gathered: the padded gather buffer, one rank's shard and the result, at most
+// three times 12 bytes per padded element.
 struct HostMemoryPlan {
   uint64_t cpu = 0, devices = 0, checkpoint = 0;
   uint64_t total() const { return cpu + devices + checkpoint; }
@@ -117,12 +118,9 @@ HostMemoryPlan plan_host_memory(const Placement& placement, const std::vector<De
   h.cpu = need.total(Tier::cpu);
   for (const Device* d : devices)
     if (d->backend() == Backend::host) h.devices += need.total(Tier::gpu);
-  uint64_t elements = 0, largest = 0;
-  for (const UnitPartition& u : placement.partition.units) {
-    elements += u.numel;
-    largest = std::max(largest, u.padded);
-  }
-  h.checkpoint = 12 * elements + 24 * largest;
+  uint64_t largest = 0;
+  for (const UnitPartition& u : placement.partition.units) largest = std::max(largest, u.padded);
+  h.checkpoint = 36 * largest;
   return h;
 }
 
