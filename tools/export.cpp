@@ -47,29 +47,23 @@ int run_export(const ExportArgs& a) {
   const LlamaConfig config = resolve_model(ckpt.string());
   const ModelLayout layout = ModelLayout::build(config);
   const SafetensorsReader optimizer = SafetensorsReader::open(ckpt / "optimizer.safetensors");
-  std::vector<std::vector<char>> data(static_cast<size_t>(layout.num_units()));
-  std::vector<SafetensorsTensor> tensors;
-  for (int u = 0; u < layout.num_units(); ++u) {
-    const UnitLayout& unit = layout.units[static_cast<size_t>(u)];
-    const SafetensorsEntry* e = optimizer.find(unit.name + ".master");
-    if (e == nullptr)
+  // Streamed one unit at a time, as a checkpoint is written: a 70B export needs RAM for its
+  // largest unit, not for the model.
+  for (const UnitLayout& unit : layout.units)
+    if (optimizer.find(unit.name + ".master") == nullptr)
       fail("export {}: optimizer.safetensors has no {}.master; the checkpoint is damaged",
            ckpt.string(), unit.name);
-    std::vector<float> master(static_cast<size_t>(e->numel()));
-    optimizer.read(unit.name + ".master", master.data(), DType::f32);
-    auto& raw = data[static_cast<size_t>(u)];
-    raw.resize(master.size() * dtype_size(dtype));
-    convert(raw.data(), dtype, master.data(), DType::f32, master.size());
-    for (const ParamSlot& s : unit.params) {
-      if (s.offset + static_cast<uint64_t>(s.numel()) > master.size())
-        fail("export {}: {}.master has {} values, too few for {}; the checkpoint is damaged",
-             ckpt.string(), unit.name, master.size(), s.name);
-      tensors.push_back(
-          {s.name, dtype,
-           std::vector<int64_t>(s.shape.dims.begin(), s.shape.dims.begin() + s.shape.rank),
-           raw.data() + s.offset * dtype_size(dtype)});
-    }
-  }
+  const std::vector<SafetensorsTensor> tensors = streamed_model_tensors(layout, dtype, [&](int u) {
+    const UnitLayout& unit = layout.units[static_cast<size_t>(u)];
+    const std::string name = unit.name + ".master";
+    const auto n = static_cast<uint64_t>(optimizer.find(name)->numel());
+    if (n != unit.numel)
+      fail("export {}: {} has {} values where {} has {}; the checkpoint is of another model",
+           ckpt.string(), name, n, config.name, unit.numel);
+    std::vector<float> master(n);
+    optimizer.read(name, master.data(), DType::f32);
+    return master;
+  });
   const fs::path out = a.out;
   std::error_code ec;
   fs::create_directories(out, ec);

@@ -15,6 +15,8 @@
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
+#include <functional>
+#include <memory>
 #include <fstream>
 #include <optional>
 #include <string>
@@ -137,6 +139,44 @@ void fsync_path(const fs::path& path) {
   if (rc != 0) fail("fsync {}: {}; the data may not be on disk", path.string(), std::strerror(err));
 }
 
+std::vector<SafetensorsTensor> streamed_model_tensors(
+    const ModelLayout& layout, DType dtype, std::function<std::vector<float>(int)> unit_values) {
+  struct Held {
+    int unit = -1;
+    std::vector<char> raw;  // that unit's parameters in dtype
+  };
+  auto held = std::make_shared<Held>();
+  auto unit_bytes = [held, dtype, values = std::move(unit_values)](int u) -> const char* {
+    if (held->unit != u) {
+      held->unit = -1;
+      held->raw = {};  // freed before the next unit is fetched
+      const std::vector<float> p = values(u);
+      held->raw.resize(p.size() * dtype_size(dtype));
+      convert(held->raw.data(), dtype, p.data(), DType::f32, p.size());
+      held->unit = u;
+    }
+    return held->raw.data();
+  };
+  std::vector<SafetensorsTensor> tensors;
+  for (int u = 0; u < layout.num_units(); ++u)
+    for (const ParamSlot& s : layout.units[static_cast<size_t>(u)].params) {
+      const uint64_t end = s.offset + static_cast<uint64_t>(s.numel());
+      tensors.push_back(
+          {s.name, dtype,
+           std::vector<int64_t>(s.shape.dims.begin(), s.shape.dims.begin() + s.shape.rank), nullptr,
+           [unit_bytes, held, u, end, dtype, offset = s.offset * dtype_size(dtype), &s] {
+             const char* p = unit_bytes(u);
+             if (held->raw.size() < end * dtype_size(dtype))
+               fail(
+                   "writing {}: its unit gave {} values, too few for the tensor, which ends at "
+                   "{}; this is a bug in strata",
+                   s.name, held->raw.size() / dtype_size(dtype), end);
+             return static_cast<const void*>(p + offset);
+           }});
+    }
+  return tensors;
+}
+
 fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& executor,
                          const LlamaConfig& config, DType model_dtype,
                          const nlohmann::json& trainer_state, int keep) {
@@ -160,41 +200,15 @@ fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& 
   const ModelLayout layout = ModelLayout::build(config);
   const int U = layout.num_units();
   nlohmann::json files = nlohmann::json::object();  // name -> digest, for COMPLETE
-  // Both files are streamed: the writer asks for each tensor in file order and gets it from
-  // the one unit held in memory, fetched (from whichever tier homes it) when a tensor of
-  // another unit is asked for. A checkpoint of a 70B model with its optimizer state on NVMe
-  // needs one unit's state in RAM, not 840 GB. The file orders tensors by name, which keeps a
-  // unit's tensors together except the last unit's (lm_head first, model.norm last), so at
-  // most one unit is fetched twice.
+  // Both files stream one unit at a time (streamed_model_tensors): a checkpoint of a 70B model
+  // with its optimizer state on NVMe needs one unit's state in RAM, not 840 GB.
   // The model, as Hugging Face names and shapes it, in the run's dtype.
-  {
-    int held = -1;
-    std::vector<char> raw;  // unit `held`'s parameters in model_dtype
-    auto unit_bytes = [&](int u) -> const char* {
-      if (held != u) {
-        held = -1;
-        raw.clear();
-        raw.shrink_to_fit();
-        const std::vector<float> p = executor.parameters(u);
-        raw.resize(p.size() * dtype_size(model_dtype));
-        convert(raw.data(), model_dtype, p.data(), DType::f32, p.size());
-        held = u;
-      }
-      return raw.data();
-    };
-    std::vector<SafetensorsTensor> tensors;
-    for (int u = 0; u < U; ++u)
-      for (const ParamSlot& s : layout.units[static_cast<size_t>(u)].params)
-        tensors.push_back(
-            {s.name, model_dtype,
-             std::vector<int64_t>(s.shape.dims.begin(), s.shape.dims.begin() + s.shape.rank),
-             nullptr, [&unit_bytes, u, offset = s.offset * dtype_size(model_dtype)] {
-               return static_cast<const void*>(unit_bytes(u) + offset);
-             }});
-    files[kModel] = digest_json(write_safetensors(tmp / kModel, tensors, {{"format", "pt"}}));
-  }
+  files[kModel] = digest_json(write_safetensors(
+      tmp / kModel,
+      streamed_model_tensors(layout, model_dtype, [&](int u) { return executor.parameters(u); }),
+      {{"format", "pt"}}));
   files[kConfig] = digest_json(write_text(tmp / kConfig, to_hf_config_json(config).dump(2) + "\n"));
-  // The optimizer state, the same way.
+  // The optimizer state, one unit held at a time the same way (its three tensors sort together).
   {
     int held = -1;
     UnitOptimizerState state;  // unit `held`'s

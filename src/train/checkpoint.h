@@ -23,16 +23,31 @@
 
 #include "core/dtype.h"
 #include "model/config.h"
+#include "model/safetensors.h"
 
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <string>
+#include <vector>
 
 namespace strata {
 
 class Executor;
+
+struct ModelLayout;
+
+// The model's tensors as Hugging Face names and shapes them, in `dtype`, for write_safetensors
+// to stream: each one's source fetches its unit's f32 values with unit_values(u) (the flat
+// buffer of ModelLayout) when the writer first needs a tensor of it, and holds that one unit
+// only. Writing a 70B model this way needs RAM for its largest unit, not for the model. The
+// file orders tensors by name, which keeps a unit's tensors together except the last unit's
+// (lm_head first, model.norm last), so at most one unit is fetched twice. `layout` must
+// outlive the tensors.
+std::vector<SafetensorsTensor> streamed_model_tensors(
+    const ModelLayout& layout, DType dtype, std::function<std::vector<float>(int)> unit_values);
 
 // Writes checkpoint `step` of the executor's state under run_dir/checkpoints/ and removes all
 // but the newest `keep` complete checkpoints (keep <= 0: keeps all). Returns its directory.
