@@ -334,6 +334,16 @@ TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
     ASSERT_NO_THROW(check_timeline(s, pred.timeline));
     EXPECT_GT(pred.step_s, 0);
     EXPECT_LE(pred.overlap, 1.0 + 1e-9);
+    // Drives that serve reads and writes at once can only make the step shorter.
+    if (nvme)
+      for (double mixed : {1.5, 2.0}) {
+        HardwareProfile hw = test_profile();
+        hw.nvme_mixed = mixed;
+        const Prediction m = simulate(s, hw, 3);
+        ASSERT_NO_THROW(check_timeline(s, m.timeline)) << mixed;
+        EXPECT_LE(m.step_s, pred.step_s * (1 + 1e-9)) << mixed;
+        EXPECT_LE(m.overlap, 1.0 + 1e-9) << mixed;
+      }
   });
   EXPECT_EQ(built, 2 * 3 * 9 * 2 * 2 * 3);
 }
@@ -700,6 +710,59 @@ TEST(Simulator, PrevDependenciesGiveTheOptimizerForwardOverlap) {
   const StepStats st = step_stats(optimizer_overlap(true), overlap.timeline, 1);
   EXPECT_DOUBLE_EQ(st.step_s, 5.0);
   EXPECT_EQ(st.busiest_lane, 1);
+}
+
+// The NVMe lanes share the drives. Reads of 4 s and 2 s (one after the other on nvme.read) and
+// a write of 4 s, all ready at 0, in the order read, write, read; by hand for each nvme_mixed:
+//   1: one direction at a time; the write takes the first gap that holds all of it, 4-8, and
+//      the second read the next, 8-10.
+//   2: each task holds the drives for half its length; the read holds [0, 2), the write its
+//      first free 2 s, [2, 4), so it runs 0-4 beside the read, and the second read (4-6)
+//      holds [4, 5).
+//   1.6: the read holds [0, 2.5); the write needs 2.5 s free within its span, which [t, t + 4)
+//      has from t = 1 (free 2.5-5), and takes [2.5, 5); the second read, ready at 4, needs
+//      1.25 s free within [t, t + 2): [5, 6.25) from t = 4.25.
+TEST(Simulator, NvmeLanesShareTheDrivesAsTheProfileSays) {
+  Schedule s;
+  s.lanes = {Lane{LaneKind::nvme_read, -1}, Lane{LaneKind::nvme_write, -1}};
+  Task r0 = make_task(0, TaskKind::param_read, 0);
+  r0.bytes = 4;
+  Task w = make_task(1, TaskKind::optim_write, 1);
+  w.bytes = 4;
+  Task r1 = make_task(2, TaskKind::optim_read, 0);
+  r1.bytes = 2;
+  for (Task* t : {&r0, &w, &r1}) t->unit = 0;
+  s.tasks = {r0, w, r1};
+  s.units = 1;
+  ASSERT_NO_THROW(s.validate());
+  HardwareProfile p;
+  p.nvme_read_bytes_per_s = p.nvme_write_bytes_per_s = 1;
+  struct Case {
+    double mixed, w_start, r1_start, step;
+  };
+  for (const Case& c : {Case{1, 4, 8, 10}, Case{2, 0, 4, 6}, Case{1.6, 1, 4.25, 6.25}}) {
+    SCOPED_TRACE(c.mixed);
+    p.nvme_mixed = c.mixed;
+    const Prediction one = simulate(s, p, 1);
+    EXPECT_DOUBLE_EQ(one.start_s[0], 0.0);
+    EXPECT_NEAR(one.start_s[1], c.w_start, 1e-12);
+    EXPECT_NEAR(one.end_s[1], c.w_start + 4, 1e-12);
+    EXPECT_NEAR(one.start_s[2], c.r1_start, 1e-12);
+    EXPECT_NEAR(one.step_s, c.step, 1e-12);
+    ASSERT_NO_THROW(check_timeline(s, one.timeline));
+  }
+  // The key is optional in a profile, and checked.
+  p.nvme_mixed = 1.5;
+  EXPECT_EQ(HardwareProfile::from_json_text(p.to_json(), "m").nvme_mixed, 1.5);
+  nlohmann::json j = nlohmann::json::parse(p.to_json());
+  j.erase("nvme_mixed");
+  EXPECT_EQ(HardwareProfile::from_json_text(j.dump(), "m").nvme_mixed, 1.0);
+  for (const nlohmann::json& bad :
+       {nlohmann::json(0.5), nlohmann::json(2.5), nlohmann::json("2")}) {
+    j["nvme_mixed"] = bad;
+    expect_error([&] { HardwareProfile::from_json_text(j.dump(), "m"); },
+                 {"/nvme_mixed", bad.dump(), "from 1"});
+  }
 }
 
 TEST(Simulator, MissingRateIsAnErrorNamingTheField) {

@@ -391,6 +391,7 @@ int run_tune(const TuneArgs& a) {
       ms.transfer_bytes = 8ull << 20;
       ms.adam_elements = 1ull << 18;
       ms.repeats = 2;
+      ms.nvme_min_seconds = 0.1;
       ms.nvme_settings = {{1ull << 20, 32}};
     } else {
       ms.transfer_bytes = 32ull << 20;

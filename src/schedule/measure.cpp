@@ -18,11 +18,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <optional>
+#include <thread>
 
 namespace strata {
 namespace {
@@ -38,6 +40,22 @@ double median_seconds(int repeats, const std::function<void()>& f) {
   }
   std::sort(t.begin(), t.end());
   return t[t.size() / 2];
+}
+
+// Bytes per second of back-to-back calls of f, each moving `bytes`, after one warm-up call:
+// at least `repeats` calls and at least `min_seconds`, the total over the elapsed time.
+double sustained_rate(int repeats, double min_seconds, uint64_t bytes,
+                      const std::function<void()>& f) {
+  f();
+  const auto t0 = std::chrono::steady_clock::now();
+  double elapsed = 0;
+  uint64_t calls = 0;
+  while (calls < uint64_t(std::max(repeats, 1)) || elapsed < min_seconds) {
+    f();
+    ++calls;
+    elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return elapsed > 0 ? double(calls) * double(bytes) / elapsed : 0.0;
 }
 
 // Rate of `work` per second, or 0 when nothing could be timed.
@@ -426,11 +444,12 @@ NvmeTiming time_store(const MeasureSetup& s, const std::vector<std::string>& pat
   nvme::SwapStore store(so);
   store.add_shard("measure", bytes);
   fill_pattern(buf, bytes);
-  const auto b = static_cast<double>(bytes);
   NvmeTiming t;
-  t.write = rate(b, median_seconds(s.repeats, [&] { store.write("measure", buf); }));
+  t.write =
+      sustained_rate(s.repeats, s.nvme_min_seconds, bytes, [&] { store.write("measure", buf); });
   std::memset(buf, 0, bytes);
-  t.read = rate(b, median_seconds(s.repeats, [&] { store.read("measure", buf); }));
+  t.read =
+      sustained_rate(s.repeats, s.nvme_min_seconds, bytes, [&] { store.read("measure", buf); });
   const uint64_t bad = pattern_mismatch(buf, bytes);
   if (bad != bytes)
     fail(
@@ -438,6 +457,72 @@ NvmeTiming time_store(const MeasureSetup& s, const std::vector<std::string>& pat
         "written; the drive or the I/O engine returned bad data, so no rate is reported",
         fmt::join(paths, ", "), bad);
   return t;
+}
+
+// The drives reading one shard on channel 0 while writing another on channel 1, as the
+// executor's two NVMe lanes do, for at least nvme_min_seconds: each direction's rate then as a
+// fraction of its rate alone (`alone`), summed (HardwareProfile::nvme_mixed), kept within
+// [1, 2]. What was read is verified.
+double time_mixed(const MeasureSetup& s, const std::vector<std::string>& paths, uint64_t stripe,
+                  unsigned queue_depth, uint64_t bytes, char* buf, const NvmeTiming& alone,
+                  std::string& note) {
+  nvme::SwapStoreOptions so;
+  so.paths = paths;
+  so.stripe = stripe;
+  const uint64_t shard = (bytes + stripe - 1) / stripe * stripe;
+  so.capacity = 2 * shard;
+  so.io = s.io;
+  so.io.queue_depth = queue_depth;
+  so.channels = 2;
+  nvme::SwapStore store(so);
+  store.add_shard("read", bytes);
+  store.add_shard("write", bytes);
+  fill_pattern(buf, bytes);
+  store.write("read", buf);
+  store.write("write", buf);
+  std::vector<char> other(bytes);  // the writer's source; buf is the reader's destination
+  std::memcpy(other.data(), buf, bytes);
+  std::atomic<bool> stop{false};
+  struct Side {
+    uint64_t calls = 0;
+    double seconds = 0;
+    std::exception_ptr error;
+  } rd, wr;
+  auto run = [&](Side& side, const std::function<void()>& f) {
+    try {
+      const auto t0 = std::chrono::steady_clock::now();
+      while (!stop.load() || side.calls < uint64_t(std::max(s.repeats, 1))) {
+        f();
+        ++side.calls;
+      }
+      side.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    } catch (...) {
+      side.error = std::current_exception();
+    }
+  };
+  std::thread reader(run, std::ref(rd), [&] { store.read("read", buf, 0); });
+  std::thread writer(run, std::ref(wr), [&] { store.write("write", other.data(), 1); });
+  std::this_thread::sleep_for(std::chrono::duration<double>(std::max(s.nvme_min_seconds, 0.01)));
+  stop = true;
+  reader.join();
+  writer.join();
+  for (const Side* side : {&rd, &wr})
+    if (side->error) std::rethrow_exception(side->error);
+  const uint64_t bad = pattern_mismatch(buf, bytes);
+  if (bad != bytes)
+    fail(
+        "the swap store over {} read back a byte at offset {}, while writing another shard, "
+        "that differs from the one written; no rate is reported",
+        fmt::join(paths, ", "), bad);
+  const double r = rate(double(rd.calls) * double(bytes), rd.seconds);
+  const double w = rate(double(wr.calls) * double(bytes), wr.seconds);
+  const double sum = r / alone.read + w / alone.write;
+  note = fmt::format(
+      "measured: reading and writing at once (channels 0 and 1, as the executor's lanes), read "
+      "{:.2f} GB/s ({:.2f} of alone) and write {:.2f} GB/s ({:.2f} of alone) over at least "
+      "{:.2g} s; sum {:.2f}, kept within [1, 2]",
+      r / 1e9, r / alone.read, w / 1e9, w / alone.write, s.nvme_min_seconds, sum);
+  return std::clamp(sum, 1.0, 2.0);
 }
 
 void measure_nvme(const MeasureSetup& s, HardwareProfile& h) {
@@ -480,6 +565,8 @@ void measure_nvme(const MeasureSetup& s, HardwareProfile& h) {
   h.nvme_write_bytes_per_s = best.write;
   h.nvme_block_size = settings[kept].first;
   h.nvme_queue_depth = settings[kept].second;
+  h.nvme_mixed = time_mixed(s, s.nvme_paths, h.nvme_block_size, h.nvme_queue_depth, bytes, buf,
+                            best, h.notes["nvme_mixed"]);
   bool all_direct = true;
   h.nvme_paths.clear();
   for (const std::string& p : s.nvme_paths) {
@@ -500,10 +587,10 @@ void measure_nvme(const MeasureSetup& s, HardwareProfile& h) {
   pool.release(buf);
   const std::string what = fmt::format(
       "measured: the swap store (io_uring, checksummed) striped over {} path(s), {} per "
-      "transfer, stripe {} KiB, queue depth {}, {}{}; verified: every byte read back; settings "
-      "tried: {}",
+      "transfer, stripe {} KiB, queue depth {}, sustained over at least {} transfers and {:.2g} "
+      "s after a warm-up{}; verified: every byte read back; settings tried: {}",
       s.nvme_paths.size(), format_bytes(bytes), h.nvme_block_size / 1024, h.nvme_queue_depth,
-      repeats_note(s),
+      std::max(s.repeats, 1), s.nvme_min_seconds,
       all_direct ? ", O_DIRECT"
                  : ", without O_DIRECT on some path (the page cache's speed, not the drive's)",
       tried);

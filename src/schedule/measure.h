@@ -8,7 +8,8 @@
 // CpuAdam's fused update and statistics pass for the CPU lanes; the kernel table's
 // adam_update for Adam on a device; the SwapStore (striped, checksummed, io_uring) for NVMe;
 // and one queued copy plus a wait for the fixed cost of a task. Each figure is the median of
-// `repeats` timings after one warm-up. Nothing measured here is checked for speed: a rate
+// `repeats` timings after one warm-up, except NVMe's, which are sustained rates (see
+// nvme_min_seconds). Nothing measured here is checked for speed: a rate
 // that cannot be measured (no nvme paths, one rank) is left 0, which simulate() refuses only
 // for a schedule that needs it.
 //
@@ -59,6 +60,12 @@ struct MeasureSetup {
   std::vector<std::pair<uint64_t, unsigned>> nvme_settings;
   // Also time each path alone at the kept setting (HardwareProfile::nvme_paths).
   bool nvme_per_path = false;
+  // Each NVMe direction is timed as a run of back-to-back transfers (at least `repeats`) lasting
+  // at least this long, its rate the bytes over the run's time: what a drive sustains, which
+  // is what a step's traffic sees. A few short transfers alone can catch a drive's write cache
+  // or a throttle's burst allowance and read several times too fast (on a loop device
+  // throttled to 300 MB/s, 5 transfers of 3 MiB read 2.6 GB/s).
+  double nvme_min_seconds = 0.5;
   // What the compute figure's model is, for the profile's note ("" : the model's name).
   std::string compute_note;
 };

@@ -12,7 +12,8 @@
 // gpu_adam_elements_per_s on a GPU; grad_stats and grad_accumulate (streaming passes over a
 // shard) elements / stats_elements_per_s on the CPU, or gpu_adam_elements_per_s on a GPU (an
 // upper bound: the profile has no separate GPU rate for it). Every task adds task_latency_s.
-// The NVMe lanes share the drives: their tasks go into gaps of the drives' busy intervals.
+// The NVMe lanes share the drives: each task takes a gap of its length / nvme_mixed in the
+// drives' busy intervals, within its own span (simulator.h).
 #include "schedule/simulator.h"
 
 #include "core/error.h"
@@ -66,8 +67,9 @@ void read_notes(const nlohmann::json& v, const std::string& where, HardwareProfi
          where, v.type_name());
   for (const auto& item : v.items()) {
     const std::string& key = item.key();
-    if (!is_rate_key(key))
-      fail("hardware profile {}: /notes/{}: not a rate; the rates are {}", where, key, rate_keys());
+    if (!is_rate_key(key) && key != "nvme_mixed")
+      fail("hardware profile {}: /notes/{}: not a rate; the rates are {}, nvme_mixed", where, key,
+           rate_keys());
     if (!item.value().is_string())
       fail("hardware profile {}: /notes/{}: expected a string, found {}", where, key,
            item.value().type_name());
@@ -177,9 +179,18 @@ HardwareProfile HardwareProfile::from_json_text(const std::string& text, const s
       read_nvme(value, where, p);
       continue;
     }
+    if (key == "nvme_mixed") {
+      if (!value.is_number() || !(value.get<double>() >= 1 && value.get<double>() <= 2))
+        fail(
+            "hardware profile {}: /nvme_mixed: {} is not a number from 1 (the drives read or "
+            "write, one at a time) to 2 (both at full rate at once); measure it with strata tune",
+            where, value.dump());
+      p.nvme_mixed = value.get<double>();
+      continue;
+    }
     if (!is_rate_key(key))
-      fail("hardware profile {}: /{}: unknown key; the keys are name, notes, nvme, {}", where, key,
-           rate_keys());
+      fail("hardware profile {}: /{}: unknown key; the keys are name, notes, nvme, nvme_mixed, {}",
+           where, key, rate_keys());
   }
   for (const RateField& f : kFields) {
     if (!j.contains(f.key))
@@ -204,10 +215,12 @@ std::string HardwareProfile::to_json() const {
   nlohmann::ordered_json j;
   j["name"] = name;
   for (const RateField& f : kFields) j[f.key] = this->*f.member;
+  j["nvme_mixed"] = nvme_mixed;
   if (!notes.empty()) {
     nlohmann::ordered_json n = nlohmann::ordered_json::object();
     for (const RateField& f : kFields)  // in the rates' order, not the map's
       if (const auto it = notes.find(f.key); it != notes.end()) n[f.key] = it->second;
+    if (const auto it = notes.find("nvme_mixed"); it != notes.end()) n["nvme_mixed"] = it->second;
     j["notes"] = n;
   }
   if (nvme_block_size > 0 || nvme_queue_depth > 0 || !nvme_paths.empty()) {
@@ -313,20 +326,92 @@ Prediction simulate(const Schedule& schedule, const HardwareProfile& profile, in
   tl.spans.reserve(n * static_cast<size_t>(steps));
   std::vector<double> lane_free(schedule.lanes.size(), 0.0);
   std::vector<double> end_prev(n, 0.0), start(n), end(n);
-  // The drives' busy intervals, sorted and disjoint; a task fits in the first gap that holds
-  // it at or after `at`.
+  // The drives' busy intervals, sorted, disjoint and merged where they touch. A task of
+  // `length` ready at `at` holds the drives for length / nvme_mixed of its span: it starts at
+  // the earliest t >= at whose span [t, t + length) has that much free time, and takes the
+  // earliest free pieces of it. With nvme_mixed 1 that is the first gap that holds the whole
+  // task; the general case finds t on the free time of the span, a piecewise linear function
+  // of t whose corners are where either end of the span crosses an interval's edge.
   std::vector<std::pair<double, double>> drive;
-  auto fit = [&](double at, double length) {
-    size_t i = static_cast<size_t>(
-        std::lower_bound(drive.begin(), drive.end(), std::pair{at, -1.0},
-                         [](const auto& a, const auto& b) { return a.second <= b.first; }) -
+  const double mixed = std::clamp(profile.nvme_mixed, 1.0, 2.0);
+  auto first_ending_after = [&](double a) {
+    return static_cast<size_t>(
+        std::lower_bound(drive.begin(), drive.end(), std::pair{a, a},
+                         [](const auto& x, const auto& y) { return x.second <= y.first; }) -
         drive.begin());
-    for (; i < drive.size(); ++i) {
-      if (at + length <= drive[i].first) break;
-      at = std::max(at, drive[i].second);
+  };
+  auto free_in = [&](double a, double b) {
+    double busy = 0;
+    for (size_t i = first_ending_after(a); i < drive.size() && drive[i].first < b; ++i)
+      busy += std::min(b, drive[i].second) - std::max(a, drive[i].first);
+    return (b - a) - busy;
+  };
+  auto take = [&](double a, double b) {  // marks [a, b) busy; it was free
+    size_t i = first_ending_after(a);
+    if (i > 0 && drive[i - 1].second >= a) --i;  // touches the interval before
+    if (i < drive.size() && drive[i].second >= a && drive[i].first <= b) {
+      drive[i].first = std::min(drive[i].first, a);
+      drive[i].second = std::max(drive[i].second, b);
+      while (i + 1 < drive.size() && drive[i + 1].first <= drive[i].second) {
+        drive[i].second = std::max(drive[i].second, drive[i + 1].second);
+        drive.erase(drive.begin() + static_cast<std::ptrdiff_t>(i) + 1);
+      }
+    } else {
+      drive.insert(drive.begin() + static_cast<std::ptrdiff_t>(i), {a, b});
     }
-    drive.insert(drive.begin() + static_cast<std::ptrdiff_t>(i), {at, at + length});
-    return at;
+  };
+  auto fit = [&](double at, double length) {
+    if (mixed == 1.0) {  // the first gap that holds the whole task
+      size_t i = first_ending_after(at);
+      for (; i < drive.size(); ++i) {
+        if (at + length <= drive[i].first) break;
+        at = std::max(at, drive[i].second);
+      }
+      take(at, at + length);
+      return at;
+    }
+    const double held = length / mixed;
+    double t = at;
+    double f = free_in(at, at + length);
+    if (f < held) {
+      std::vector<double> corners;
+      for (size_t i = first_ending_after(at); i < drive.size(); ++i)
+        for (double e : {drive[i].first, drive[i].second})
+          for (double c : {e, e - length})
+            if (c > at) corners.push_back(c);
+      std::sort(corners.begin(), corners.end());
+      for (double c : corners) {
+        const double fc = free_in(c, c + length);
+        if (fc >= held) {  // crosses between t and c, linearly
+          t = fc > f ? t + (held - f) * (c - t) / (fc - f) : c;
+          break;
+        }
+        t = c;
+        f = fc;
+      }
+    }
+    // The earliest free pieces from t, `held` of them; rounding may leave a sliver past the
+    // span, which the task then ends with.
+    double need = held, x = t;
+    size_t i = first_ending_after(x);
+    while (x + need > x) {  // what is left is more than rounding at x
+      if (i == drive.size()) {
+        take(x, x + need);
+        break;
+      }
+      const double gap_end = drive[i].first;
+      if (gap_end > x) {
+        const double piece = std::min(need, gap_end - x);
+        take(x, x + piece);
+        need -= piece;
+        x += piece;
+        i = first_ending_after(x);
+        continue;
+      }
+      x = std::max(x, drive[i].second);
+      ++i;
+    }
+    return t;
   };
   for (int s = 0; s < steps; ++s) {
     auto ready = [&](size_t i) {

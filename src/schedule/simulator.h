@@ -6,10 +6,12 @@
 // lane is free and its dependencies (this step's, and `prev` ones of the previous step) are
 // done; a group starts on all its lanes at once. The simulator runs several steps back to back
 // so the cross-step overlap reaches its steady state, and reports the last one. The NVMe lanes
-// share the drives' bandwidth (the executor runs them at once, each on its own ring of one
-// swap store over every nvme path), modelled as one drive timeline: a task on nvme.read or
-// nvme.write takes the earliest gap in the drives' busy time, at or after it is ready, that
-// holds it, so the drives are busy for the sum of both lanes' bytes over their rates.
+// share the drives (the executor runs them at once, each on its own ring of one swap store
+// over every nvme path), modelled as one drive timeline: a task of length L on nvme.read or
+// nvme.write runs from the earliest time t at or after it is ready such that the drives have
+// a free gap of L / nvme_mixed within [t, t + L), which it then takes. With nvme_mixed 1 the
+// task holds the drives for all of its length, so they are busy for the sum of both lanes'
+// bytes over their rates; with 2, a read and a write of equal length run side by side.
 #pragma once
 
 #include "schedule/schedule.h"
@@ -43,6 +45,13 @@ struct HardwareProfile {
   double nvme_read_bytes_per_s = 0;    // over all nvme_paths together
   double nvme_write_bytes_per_s = 0;
   double task_latency_s = 0;  // fixed cost added to every task
+  // How the drives serve reads and writes at once (the executor's two NVMe lanes do): their
+  // read and write rates then, as fractions of the rates alone, add up to this. 1 (the default,
+  // and what a profile without the key means): one direction at a time, the sum of both
+  // lanes' bytes over their rates. 2: each direction at its full rate beside the other (a
+  // full-duplex link, or a throttle with a budget per direction). Measured by strata tune and
+  // strata bench step; optional in the JSON ("nvme_mixed"), from 1 to 2.
+  double nvme_mixed = 1;
 
   // Optional, what `strata tune` records beside the rates (the simulator reads none of it):
   // per rate, how it was obtained ("measured: ...", "assumed: ...") or why it is 0

@@ -92,6 +92,10 @@ StepStats step_stats(const Schedule& schedule, const Timeline& timeline, int ste
   std::vector<std::pair<double, double>> nvme;
   for (const TaskSpan& sp : timeline.spans) {
     if (sp.step == step - 1) last_before = std::max(last_before, sp.end_s);
+    if (sp.task >= 0 && static_cast<size_t>(sp.task) < schedule.tasks.size() &&
+        is_nvme_lane(
+            schedule.lanes[static_cast<size_t>(schedule.tasks[static_cast<size_t>(sp.task)].lane)]))
+      nvme.emplace_back(sp.start_s, sp.end_s);  // every step's: clipped to this one's period
     if (sp.step != step) continue;
     if (sp.task < 0 || static_cast<size_t>(sp.task) >= schedule.tasks.size())
       fail("step statistics: a span names task {}, but the schedule has {} tasks", sp.task,
@@ -100,12 +104,15 @@ StepStats step_stats(const Schedule& schedule, const Timeline& timeline, int ste
     last = std::max(last, sp.end_s);
     const int lane = schedule.tasks[static_cast<size_t>(sp.task)].lane;
     st.lane_busy_s[static_cast<size_t>(lane)] += sp.end_s - sp.start_s;
-    if (is_nvme_lane(schedule.lanes[static_cast<size_t>(lane)]))
-      nvme.emplace_back(sp.start_s, sp.end_s);
+  }
+  if (last == -inf) return st;  // nothing ran in that step
+  const double begin = step > 0 && last_before > -inf ? last_before : first;
+  st.step_s = last - begin;
+  for (auto& [a, b] : nvme) {
+    a = std::max(a, begin);
+    b = std::min(b, last);
   }
   st.nvme_busy_s = union_seconds(std::move(nvme));
-  if (last == -inf) return st;  // nothing ran in that step
-  st.step_s = last - (step > 0 && last_before > -inf ? last_before : first);
   for (size_t l = 0; l < st.lane_busy_s.size(); ++l)
     if (st.busiest_lane < 0 ||
         st.lane_busy_s[l] > st.lane_busy_s[static_cast<size_t>(st.busiest_lane)])
