@@ -431,17 +431,38 @@ struct NvmeTiming {
   double read = 0, write = 0;  // bytes per second
 };
 
+// Swap store options over `paths` for `capacity` bytes (rounded up to whole stripes), as
+// the run would open it, with `channels` rings.
+nvme::SwapStoreOptions store_options(const MeasureSetup& s, const std::vector<std::string>& paths,
+                                     uint64_t stripe, unsigned queue_depth, uint64_t capacity,
+                                     unsigned channels) {
+  nvme::SwapStoreOptions so;
+  so.paths = paths;
+  so.stripe = stripe;
+  so.capacity = (capacity + stripe - 1) / stripe * stripe;
+  so.io = s.io;
+  so.io.queue_depth = queue_depth;
+  so.channels = channels;
+  return so;
+}
+
+// Fails unless `buf` holds the pattern the measurement wrote: a rate is never reported for a
+// store that returned bad data.
+void check_read_back(const char* buf, uint64_t bytes, const std::vector<std::string>& paths,
+                     const char* when) {
+  const uint64_t bad = pattern_mismatch(buf, bytes);
+  if (bad != bytes)
+    fail(
+        "the swap store over {} read back a byte at offset {}{} that differs from the one "
+        "written; the drive or the I/O engine returned bad data, so no rate is reported",
+        fmt::join(paths, ", "), bad, when);
+}
+
 // The swap store over `paths` with one shard of `bytes`: median write and read rates, then a
 // read into a cleared buffer compared byte for byte with what was written.
 NvmeTiming time_store(const MeasureSetup& s, const std::vector<std::string>& paths, uint64_t stripe,
                       unsigned queue_depth, uint64_t bytes, char* buf) {
-  nvme::SwapStoreOptions so;
-  so.paths = paths;
-  so.stripe = stripe;
-  so.capacity = (bytes + stripe - 1) / stripe * stripe;
-  so.io = s.io;
-  so.io.queue_depth = queue_depth;
-  nvme::SwapStore store(so);
+  nvme::SwapStore store(store_options(s, paths, stripe, queue_depth, bytes, 1));
   store.add_shard("measure", bytes);
   fill_pattern(buf, bytes);
   NvmeTiming t;
@@ -450,12 +471,7 @@ NvmeTiming time_store(const MeasureSetup& s, const std::vector<std::string>& pat
   std::memset(buf, 0, bytes);
   t.read =
       sustained_rate(s.repeats, s.nvme_min_seconds, bytes, [&] { store.read("measure", buf); });
-  const uint64_t bad = pattern_mismatch(buf, bytes);
-  if (bad != bytes)
-    fail(
-        "the swap store over {} read back a byte at offset {} that differs from the one "
-        "written; the drive or the I/O engine returned bad data, so no rate is reported",
-        fmt::join(paths, ", "), bad);
+  check_read_back(buf, bytes, paths, "");
   return t;
 }
 
@@ -466,15 +482,8 @@ NvmeTiming time_store(const MeasureSetup& s, const std::vector<std::string>& pat
 double time_mixed(const MeasureSetup& s, const std::vector<std::string>& paths, uint64_t stripe,
                   unsigned queue_depth, uint64_t bytes, char* buf, const NvmeTiming& alone,
                   std::string& note) {
-  nvme::SwapStoreOptions so;
-  so.paths = paths;
-  so.stripe = stripe;
   const uint64_t shard = (bytes + stripe - 1) / stripe * stripe;
-  so.capacity = 2 * shard;
-  so.io = s.io;
-  so.io.queue_depth = queue_depth;
-  so.channels = 2;
-  nvme::SwapStore store(so);
+  nvme::SwapStore store(store_options(s, paths, stripe, queue_depth, 2 * shard, 2));
   store.add_shard("read", bytes);
   store.add_shard("write", bytes);
   fill_pattern(buf, bytes);
@@ -508,12 +517,7 @@ double time_mixed(const MeasureSetup& s, const std::vector<std::string>& paths, 
   writer.join();
   for (const Side* side : {&rd, &wr})
     if (side->error) std::rethrow_exception(side->error);
-  const uint64_t bad = pattern_mismatch(buf, bytes);
-  if (bad != bytes)
-    fail(
-        "the swap store over {} read back a byte at offset {}, while writing another shard, "
-        "that differs from the one written; no rate is reported",
-        fmt::join(paths, ", "), bad);
+  check_read_back(buf, bytes, paths, " (while writing another shard)");
   const double r = rate(double(rd.calls) * double(bytes), rd.seconds);
   const double w = rate(double(wr.calls) * double(bytes), wr.seconds);
   const double sum = r / alone.read + w / alone.write;
