@@ -304,6 +304,28 @@ int for_every_placement(Fn&& fn) {
   return cases;
 }
 
+// The first two tasks on host-core lanes (every lane but NVMe's) that run at once, a group's
+// members counted as one, or "".
+std::string cores_overlap(const Schedule& s, const Timeline& tl) {
+  std::vector<const TaskSpan*> spans;
+  for (const TaskSpan& x : tl.spans) {
+    const Task& t = s.tasks[size_t(x.task)];
+    const LaneKind k = s.lanes[size_t(t.lane)].kind;
+    if (k == LaneKind::nvme_read || k == LaneKind::nvme_write || x.end_s <= x.start_s) continue;
+    if (t.group >= 0 && x.task > 0 && s.tasks[size_t(x.task) - 1].group == t.group) continue;
+    spans.push_back(&x);
+  }
+  std::sort(spans.begin(), spans.end(),
+            [](const TaskSpan* a, const TaskSpan* b) { return a->start_s < b->start_s; });
+  for (size_t i = 1; i < spans.size(); ++i)
+    if (spans[i]->start_s < spans[i - 1]->end_s - 1e-12)
+      return fmt::format("step {} task {} [{}, {}) and step {} task {} [{}, {})",
+                         spans[i - 1]->step, spans[i - 1]->task, spans[i - 1]->start_s,
+                         spans[i - 1]->end_s, spans[i]->step, spans[i]->task, spans[i]->start_s,
+                         spans[i]->end_s);
+  return "";
+}
+
 TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
   const int built = for_every_placement([](const Placement& pl, int M, int d) {
     const Schedule s = Schedule::build(pl, ScheduleOptions{M, d});
@@ -334,6 +356,18 @@ TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
     ASSERT_NO_THROW(check_timeline(s, pred.timeline));
     EXPECT_GT(pred.step_s, 0);
     EXPECT_LE(pred.overlap, 1.0 + 1e-9);
+    // On host devices the device lanes and cpu.adam share the cores: with host_cpu_mixed 1
+    // no two of their tasks (a group counted once) run at once; with 2 the timeline holds.
+    for (double mixed : {1.0, 2.0}) {
+      HardwareProfile hw = test_profile();
+      hw.host_cpu_mixed = mixed;
+      const Prediction m = simulate(s, hw, 3);
+      ASSERT_NO_THROW(check_timeline(s, m.timeline)) << mixed;
+      EXPECT_LE(m.overlap, 1.0 + 1e-9) << mixed;
+      if (mixed == 1.0) {
+        EXPECT_EQ(cores_overlap(s, m.timeline), "") << s.str();
+      }
+    }
     // Drives that serve reads and writes at once can only make the step shorter.
     if (nvme)
       for (double mixed : {1.5, 2.0}) {
@@ -762,6 +796,123 @@ TEST(Simulator, NvmeLanesShareTheDrivesAsTheProfileSays) {
     j["nvme_mixed"] = bad;
     expect_error([&] { HardwareProfile::from_json_text(j.dump(), "m"); },
                  {"/nvme_mixed", bad.dump(), "from 1"});
+  }
+}
+
+// On host devices the lanes share the cores. A forward of 3 s (gpu[0].compute) and an Adam of
+// 2 s (cpu.adam), both ready at 0, in that order; by hand for each host_cpu_mixed:
+//   0: a GPU: they run side by side, Adam 0-2; the step is 3 s.
+//   1: one at a time: Adam waits for the forward, 3-5.
+//   2: each holds the cores for half its length: the forward [0, 1.5); Adam needs 1 s free
+//      within [t, t + 2), which it has from t = 0.5, and runs 0.5-2.5.
+// Then a gather of two ranks (one call, 1 s) on the comm lanes, ready at 0: it takes the cores
+// once, for 1 s with mixed 1 (5-6, after Adam) and for 0.5 s within its span with 2 (the cores
+// are held until 2.5, so 2-3).
+TEST(Simulator, HostCoresAreSharedAsTheProfileSays) {
+  Schedule s;
+  s.ranks = 2;
+  s.lanes = {Lane{LaneKind::compute, 0}, Lane{LaneKind::comm, 0}, Lane{LaneKind::comm, 1},
+             Lane{LaneKind::cpu_adam, -1}};
+  Task f = make_task(0, TaskKind::forward, 0);
+  f.rank = 0;
+  f.flops = 3;
+  Task a = make_task(1, TaskKind::adam, 3);
+  a.elements = 2;
+  Task g0 = make_task(2, TaskKind::gather, 1);
+  Task g1 = make_task(3, TaskKind::gather, 2);
+  for (Task* t : {&g0, &g1}) {
+    t->rank = t == &g0 ? 0 : 1;
+    t->group = 0;
+    t->bytes = 1;
+  }
+  for (Task* t : {&f, &a, &g0, &g1}) t->unit = 0;
+  s.tasks = {f, a, g0, g1};
+  s.units = 1;
+  ASSERT_NO_THROW(s.validate());
+  struct Case {
+    double mixed, adam_start, gather_start, step;
+  };
+  for (const Case& c : {Case{0, 0, 0, 3}, Case{1, 3, 5, 6}, Case{2, 0.5, 2, 3}}) {
+    SCOPED_TRACE(c.mixed);
+    HardwareProfile p = unit_rates();
+    p.host_cpu_mixed = c.mixed;
+    const Prediction one = simulate(s, p, 1);
+    EXPECT_DOUBLE_EQ(one.start_s[0], 0.0);
+    EXPECT_NEAR(one.start_s[1], c.adam_start, 1e-12);
+    EXPECT_NEAR(one.start_s[2], c.gather_start, 1e-12);
+    EXPECT_NEAR(one.start_s[3], c.gather_start, 1e-12);  // the group starts together
+    EXPECT_NEAR(one.step_s, c.step, 1e-12);
+    ASSERT_NO_THROW(check_timeline(s, one.timeline));
+  }
+  // The key is optional in a profile (0 without it), and checked.
+  HardwareProfile p = unit_rates();
+  p.host_cpu_mixed = 1.25;
+  EXPECT_EQ(HardwareProfile::from_json_text(p.to_json(), "m").host_cpu_mixed, 1.25);
+  nlohmann::json j = nlohmann::json::parse(p.to_json());
+  j.erase("host_cpu_mixed");
+  EXPECT_EQ(HardwareProfile::from_json_text(j.dump(), "m").host_cpu_mixed, 0.0);
+  for (const nlohmann::json& bad :
+       {nlohmann::json(0.5), nlohmann::json(2.5), nlohmann::json(-1), nlohmann::json("1")}) {
+    j["host_cpu_mixed"] = bad;
+    expect_error([&] { HardwareProfile::from_json_text(j.dump(), "m"); },
+                 {"/host_cpu_mixed", bad.dump(), "neither 0"});
+  }
+}
+
+// A collective of one rank is a copy within the device: its bytes over
+// device_copy_bytes_per_s, or free (the task latency) when the profile has no such rate; with
+// two ranks it is the link's.
+TEST(Simulator, OneRankCollectivesAreDeviceCopies) {
+  Task g = make_task(0, TaskKind::gather, 0);
+  g.bytes = 8;
+  const Lane comm{LaneKind::comm, 0};
+  HardwareProfile p;
+  p.comm_bytes_per_s = 1;
+  p.task_latency_s = 0.5;
+  EXPECT_DOUBLE_EQ(task_seconds(g, comm, 1, p), 0.5);
+  p.device_copy_bytes_per_s = 4;
+  EXPECT_DOUBLE_EQ(task_seconds(g, comm, 1, p), 2.5);
+  EXPECT_DOUBLE_EQ(task_seconds(g, comm, 2, p), 8.5);
+  g.kind = TaskKind::reduce_scatter;
+  EXPECT_DOUBLE_EQ(task_seconds(g, comm, 1, p), 2.5);
+  p.comm_bytes_per_s = 0;
+  expect_error([&] { task_seconds(g, comm, 2, p); }, {"comm_bytes_per_s is 0", "reduce_scatter"});
+  // Optional in the JSON, 0 without it, and checked as a rate.
+  nlohmann::json j = nlohmann::json::parse(p.to_json());
+  EXPECT_EQ(HardwareProfile::from_json_text(j.dump(), "m").device_copy_bytes_per_s, 4.0);
+  j.erase("device_copy_bytes_per_s");
+  EXPECT_EQ(HardwareProfile::from_json_text(j.dump(), "m").device_copy_bytes_per_s, 0.0);
+  j["device_copy_bytes_per_s"] = -2;
+  expect_error([&] { HardwareProfile::from_json_text(j.dump(), "m"); },
+               {"/device_copy_bytes_per_s", "-2"});
+}
+
+// What a one-rank schedule's collectives copy within the device (schedule.h, Task::bytes).
+TEST(Schedule, OneRankCollectivesCountTheDeviceCopies) {
+  for (const Tier o : {Tier::gpu, Tier::cpu}) {
+    SCOPED_TRACE(tier_name(o));
+    const Placement pl = make_placement(tiny(false), 1, Tier::gpu, o, 0);
+    const uint64_t ps = dtype_size(pl.shape.param_dtype), gs = dtype_size(pl.shape.grad_dtype);
+    const Schedule s = Schedule::build(pl, {1, 1});
+    int for_backward = 0;
+    for (const Task& t : s.tasks) {
+      const UnitPartition& up = pl.partition.units[size_t(t.unit)];
+      if (t.kind == TaskKind::gather) {
+        ASSERT_FALSE(up.replicated);
+        EXPECT_TRUE(t.bytes == up.padded * ps || t.bytes == up.padded * (ps + gs)) << t.bytes;
+        for_backward += t.bytes == up.padded * (ps + gs);
+      } else if (t.kind == TaskKind::reduce_scatter) {
+        EXPECT_EQ(t.bytes, up.padded * gs * (o == Tier::cpu ? 1 : 2)) << up.name;
+      }
+    }
+    EXPECT_EQ(for_backward, s.units);  // every unit is gathered once for its backward
+    ScheduleOptions eval;
+    eval.forward_only = true;
+    for (const Task& t : Schedule::build(pl, eval).tasks) {
+      if (t.kind == TaskKind::gather) {
+        EXPECT_EQ(t.bytes, pl.partition.units[size_t(t.unit)].padded * ps);
+      }
+    }
   }
 }
 

@@ -71,12 +71,18 @@ TEST(TuneCli, MeasuresThisMachineIntoAProfileTheSimulatorReads) {
                                 {"gpu_adam_elements_per_s", p.gpu_adam_elements_per_s},
                                 {"nvme_read_bytes_per_s", p.nvme_read_bytes_per_s},
                                 {"nvme_write_bytes_per_s", p.nvme_write_bytes_per_s},
+                                {"device_copy_bytes_per_s", p.device_copy_bytes_per_s},
+                                {"host_cpu_mixed", p.host_cpu_mixed},
                                 {"task_latency_s", p.task_latency_s}}) {
     EXPECT_GT(v, 0.0) << name;
     EXPECT_TRUE(std::isfinite(v)) << name;
     ASSERT_EQ(p.notes.count(name), 1u) << name << " has no note";
     EXPECT_NE(p.notes.at(name).find("measured"), std::string::npos) << p.notes.at(name);
   }
+  // Host devices: the device lanes run on the host's cores, shared as measured.
+  EXPECT_GE(p.host_cpu_mixed, 1.0);
+  EXPECT_LE(p.host_cpu_mixed, 2.0);
+  EXPECT_NE(p.notes.at("host_cpu_mixed").find("CPU Adam"), std::string::npos);
   // Verified, and honest that the compute is the host backend's.
   EXPECT_NE(p.notes.at("gpu_flops").find("verified"), std::string::npos);
   EXPECT_NE(p.notes.at("gpu_flops").find("host backend"), std::string::npos);

@@ -55,7 +55,8 @@ struct PlanArgs {
 // copies each way (of 32), 20 GB/s per rank for collectives through PCIe peer traffic, CPU
 // Adam at 3e9 elements/s (a memory-bound update of ~30 bytes an element on a ~100 GB/s
 // socket), the statistics pass at 2e10, Adam on the GPU at 5e10 (HBM-bound), and per drive
-// 6.5 GB/s reads and 4.5 GB/s writes (striping adds drives' bandwidth), 10 us per task.
+// 6.5 GB/s reads and 4.5 GB/s writes (striping adds drives' bandwidth), copies within the GPU
+// at 1.5 TB/s (each byte read and written in its 3.35 TB/s HBM), 10 us per task.
 HardwareProfile assumed_profile(int drives) {
   HardwareProfile h;
   h.name = fmt::format("assumed: H100, PCIe 4.0 x16, {} NVMe drive(s) at 6.5/4.5 GB/s",
@@ -69,6 +70,7 @@ HardwareProfile assumed_profile(int drives) {
   h.gpu_adam_elements_per_s = 5e10;
   h.nvme_read_bytes_per_s = 6.5e9 * std::max(drives, 1);
   h.nvme_write_bytes_per_s = 4.5e9 * std::max(drives, 1);
+  h.device_copy_bytes_per_s = 1.5e12;
   h.task_latency_s = 10e-6;
   return h;
 }

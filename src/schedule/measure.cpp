@@ -89,37 +89,72 @@ std::string repeats_note(const MeasureSetup& s) {
   return fmt::format("median of {} after a warm-up", std::max(s.repeats, 1));
 }
 
-void measure_compute(const MeasureSetup& s, HardwareProfile& h) {
-  Device& d = *s.devices.front();
-  LlamaConfig c = s.model;
-  if (s.compute_layers > 0) c.num_hidden_layers = std::min(c.num_hidden_layers, s.compute_layers);
-  ModelOptions o;
-  o.param_dtype = s.param_dtype;
-  o.grad_dtype = s.grad_dtype;
-  o.max_batch = s.micro_batch;
-  o.seq_len = s.seq_len;
-  LlamaModel model(c, o, d);
-  ResidentWeights w(model.layout(), d, s.param_dtype, s.grad_dtype, true);
-  auto st = d.create_stream("measure compute");
-  w.init_random(1, *st);
-  w.zero_grads(*st);
-  const int64_t n = s.micro_batch * s.seq_len;
-  std::vector<int32_t> ids(static_cast<size_t>(n)), targets(ids.size());
-  for (int64_t i = 0; i < n; ++i) {
-    ids[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919 + 13) % c.vocab_size);
-    targets[static_cast<size_t>(i)] = static_cast<int32_t>((i * 104729 + 5) % c.vocab_size);
-  }
-  DeviceBuffer di(d, static_cast<uint64_t>(n) * 4, "measure ids"),
-      dt(d, static_cast<uint64_t>(n) * 4, "measure targets");
-  d.copy_to_device(di.data(), ids.data(), di.bytes(), *st);
-  d.copy_to_device(dt.data(), targets.data(), dt.bytes(), *st);
-  const auto* pi = static_cast<const int32_t*>(di.data());
-  const auto* pt = static_cast<const int32_t*>(dt.data());
-  const double seconds = median_seconds(s.repeats, [&] {
-    model.forward(w.units(), pi, pt, s.micro_batch, true, *st);
-    model.backward(w.units(), pi, pt, s.micro_batch, 1.0f / static_cast<float>(n), *st);
+// The model's forward and backward (recompute included) on the first device, as the executor
+// runs them: what gpu_flops is timed on.
+struct ComputeRun {
+  explicit ComputeRun(const MeasureSetup& s)
+      : d(*s.devices.front()),
+        c(cut(s)),
+        model(c, options(s), d),
+        w(model.layout(), d, s.param_dtype, s.grad_dtype, true),
+        st(d.create_stream("measure compute")),
+        batch(s.micro_batch),
+        n(s.micro_batch * s.seq_len),
+        ids(d, static_cast<uint64_t>(n) * 4, "measure ids"),
+        targets(d, static_cast<uint64_t>(n) * 4, "measure targets") {
+    w.init_random(1, *st);
+    w.zero_grads(*st);
+    std::vector<int32_t> hi(static_cast<size_t>(n)), ht(hi.size());
+    for (int64_t i = 0; i < n; ++i) {
+      hi[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919 + 13) % c.vocab_size);
+      ht[static_cast<size_t>(i)] = static_cast<int32_t>((i * 104729 + 5) % c.vocab_size);
+    }
+    d.copy_to_device(ids.data(), hi.data(), ids.bytes(), *st);
+    d.copy_to_device(targets.data(), ht.data(), targets.bytes(), *st);
     st->synchronize();
-  });
+  }
+
+  // One forward and backward, waited for.
+  void operator()() {
+    const auto* pi = static_cast<const int32_t*>(ids.data());
+    const auto* pt = static_cast<const int32_t*>(targets.data());
+    model.forward(w.units(), pi, pt, batch, true, *st);
+    model.backward(w.units(), pi, pt, batch, 1.0f / static_cast<float>(n), *st);
+    st->synchronize();
+  }
+
+  Device& d;
+  const LlamaConfig c;
+  LlamaModel model;
+  ResidentWeights w;
+  std::unique_ptr<Stream> st;
+  const int64_t batch, n;
+  DeviceBuffer ids, targets;
+
+  static LlamaConfig cut(const MeasureSetup& s) {
+    LlamaConfig m = s.model;
+    if (s.compute_layers > 0) m.num_hidden_layers = std::min(m.num_hidden_layers, s.compute_layers);
+    return m;
+  }
+  static ModelOptions options(const MeasureSetup& s) {
+    ModelOptions o;
+    o.param_dtype = s.param_dtype;
+    o.grad_dtype = s.grad_dtype;
+    o.max_batch = s.micro_batch;
+    o.seq_len = s.seq_len;
+    return o;
+  }
+};
+
+void measure_compute(const MeasureSetup& s, HardwareProfile& h) {
+  ComputeRun run(s);
+  Device& d = run.d;
+  const LlamaConfig& c = run.c;
+  LlamaModel& model = run.model;
+  ResidentWeights& w = run.w;
+  Stream* st = run.st.get();
+  const int64_t n = run.n;
+  const double seconds = median_seconds(s.repeats, [&] { run(); });
 
   // Verify the work timed: a randomly initialised model's loss is near ln(vocab) (its logits
   // are small), and the gradients of its smallest unit are finite and not all zero.
@@ -189,6 +224,21 @@ void measure_copies(const MeasureSetup& s, HardwareProfile& h) {
         "bytes copied to {} and back differ at offset {} of {}; the copies are broken on this "
         "device, so no rate is reported",
         d.name(), bad, s.transfer_bytes);
+  // A copy within the device (what a collective of one rank does), checked the same way.
+  DeviceBuffer other(d, s.transfer_bytes, "measure device copy");
+  h.device_copy_bytes_per_s =
+      rate(b, median_seconds(s.repeats, [&] {
+             d.copy_on_device(other.data(), dev.data(), s.transfer_bytes, *st);
+             st->synchronize();
+           }));
+  std::memset(host, 0, s.transfer_bytes);
+  d.copy_to_host(host, other.data(), s.transfer_bytes, *st);
+  st->synchronize();
+  if (const uint64_t at = pattern_mismatch(host, s.transfer_bytes); at != s.transfer_bytes)
+    fail(
+        "a copy within {} differs from its source at offset {} of {}; the device's copies are "
+        "broken, so no rate is reported",
+        d.name(), at, s.transfer_bytes);
   // The fixed cost of one task: a small copy queued and waited for.
   h.task_latency_s = median_seconds(std::max(s.repeats, 50), [&] {
     d.copy_to_host(host, dev.data(), 256, *st);
@@ -202,6 +252,9 @@ void measure_copies(const MeasureSetup& s, HardwareProfile& h) {
   h.notes["d2h_bytes_per_s"] = fmt::format(
       "measured: copies of {} from {} to pinned host memory, "
       "{}; verified: every byte as sent",
+      format_bytes(s.transfer_bytes), d.name(), repeats_note(s));
+  h.notes["device_copy_bytes_per_s"] = fmt::format(
+      "measured: copies of {} within {} (a one-rank collective), {}; verified: every byte",
       format_bytes(s.transfer_bytes), d.name(), repeats_note(s));
   h.notes["task_latency_s"] =
       fmt::format("measured: a 256-byte copy from {} queued and waited for, median of {}", d.name(),
@@ -346,6 +399,90 @@ void measure_adam(const MeasureSetup& s, HardwareProfile& h) {
   h.notes["stats_elements_per_s"] =
       fmt::format("measured: CpuAdam's gradient statistics pass over {} {} elements, {}", n,
                   dtype_name(s.grad_dtype), repeats_note(s));
+}
+
+// On host devices the executor's device lanes run on the host's cores beside CPU Adam (the
+// next step's forward runs under this step's optimizer): the model's forward and backward on
+// one thread and CPU Adam on another, at once for at least 0.3 s, each as a fraction of its rate
+// alone, summed (HardwareProfile::host_cpu_mixed), kept within [1, 2]. A GPU's lanes do not
+// share the cores: 0.
+void measure_host_cores(const MeasureSetup& s, HardwareProfile& h) {
+  if (s.devices.front()->backend() != Backend::host) {
+    h.host_cpu_mixed = 0;
+    h.notes["host_cpu_mixed"] = fmt::format(
+        "0: the device lanes run on {}, not on the host's cores", s.devices.front()->name());
+    return;
+  }
+  ComputeRun compute(s);
+  const size_t n = s.adam_elements;
+  AdamInputs in(n, s.grad_dtype);
+  CpuAdamOptions ao;
+  ao.threads = s.cpu_adam_threads;
+  CpuAdam adam(ao);
+  const GradShard g{in.grad.data(), s.grad_dtype, n};
+  const AdamShard shard{in.master.data(), in.m.data(), in.v.data(), n};
+  AdamParams p;
+  p.lr = 1e-3f;
+  const GradStats stats = adam.grad_stats(g);
+  int64_t step = 0;
+  auto update = [&] { adam.update(shard, g, ++step, p, 1.0f, stats, std::nullopt); };
+  const double compute_alone = median_seconds(s.repeats, [&] { compute(); });
+  const double adam_alone = median_seconds(s.repeats, update);
+
+  constexpr double kSeconds = 0.3;
+  std::atomic<bool> stop{false};
+  struct Side {
+    uint64_t calls = 0;
+    double seconds = 0;
+    std::exception_ptr error;
+  } c, a;
+  auto run = [&](Side& side, const std::function<void()>& f) {
+    try {
+      const auto t0 = std::chrono::steady_clock::now();
+      while (!stop.load() || side.calls < 2) {
+        f();
+        ++side.calls;
+      }
+      side.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    } catch (...) {
+      side.error = std::current_exception();
+    }
+  };
+  std::thread ct(run, std::ref(c), [&] { compute(); });
+  std::thread at(run, std::ref(a), update);
+  std::this_thread::sleep_for(std::chrono::duration<double>(kSeconds));
+  stop = true;
+  ct.join();
+  at.join();
+  for (const Side* side : {&c, &a})
+    if (side->error) std::rethrow_exception(side->error);
+  // Verify: the model's forward and backward still give a finite loss near ln(vocab), and
+  // Adam's master weights are finite.
+  std::vector<float> losses(static_cast<size_t>(compute.n));
+  compute.d.copy_to_host(losses.data(), compute.model.losses(s.micro_batch).data, losses.size() * 4,
+                         *compute.st);
+  compute.st->synchronize();
+  double mean = 0;
+  for (float x : losses) mean += x;
+  mean /= static_cast<double>(losses.size());
+  const double expect = std::log(static_cast<double>(compute.c.vocab_size));
+  if (!std::isfinite(mean) || mean < 0.5 * expect || mean > 1.5 * expect)
+    fail(
+        "beside CPU Adam, the timed forward's mean loss is {} on {} where about {:.3f} is "
+        "expected; no rate is reported",
+        mean, compute.d.name(), expect);
+  if (!std::all_of(in.master.begin(), in.master.end(), [](float x) { return std::isfinite(x); }))
+    fail(
+        "beside the model's compute, CPU Adam left non-finite master weights; no rate is "
+        "reported");
+  const double fc = c.seconds > 0 ? double(c.calls) / c.seconds * compute_alone : 0;
+  const double fa = a.seconds > 0 ? double(a.calls) / a.seconds * adam_alone : 0;
+  h.host_cpu_mixed = std::clamp(fc + fa, 1.0, 2.0);
+  h.notes["host_cpu_mixed"] = fmt::format(
+      "measured on {}: the model's forward and backward ({:.2f} of its rate alone) and CPU Adam "
+      "over {} elements ({:.2f} of its rate alone) at once for {:.2g} s; sum {:.2f}, kept within "
+      "[1, 2]",
+      compute.d.name(), fc, n, fa, kSeconds, fc + fa);
 }
 
 void measure_device_adam(const MeasureSetup& s, HardwareProfile& h) {
@@ -613,6 +750,7 @@ HardwareProfile measure_hardware(const MeasureSetup& setup) {
       {"host<->device copies", measure_copies},
       {"all-gather", measure_comm},
       {"CPU Adam", measure_adam},
+      {"the model's compute beside CPU Adam", measure_host_cores},
       {"Adam on the device", measure_device_adam},
       {"NVMe swap store", measure_nvme},
   };

@@ -4,10 +4,13 @@
 // Each rate is timed with the code the executor runs for that lane, at sizes like the run's:
 // the model's own forward and backward (recompute included) on the first device for
 // gpu_flops, so the rate is what the kernel table achieves at this shape, not a matmul peak;
-// Device copies from the pinned pool for h2d/d2h; the communicator's all-gather for comm;
+// Device copies from the pinned pool for h2d/d2h, and within the device for one-rank
+// collectives; the communicator's all-gather for comm;
 // CpuAdam's fused update and statistics pass for the CPU lanes; the kernel table's
 // adam_update for Adam on a device; the SwapStore (striped, checksummed, io_uring) for NVMe;
-// and one queued copy plus a wait for the fixed cost of a task. Each figure is the median of
+// and one queued copy plus a wait for the fixed cost of a task. On host devices the model's
+// compute and CPU Adam are also run at once, for how the cores serve two lanes
+// (host_cpu_mixed). Each figure is the median of
 // `repeats` timings after one warm-up, except NVMe's, which are sustained rates (see
 // nvme_min_seconds). Nothing measured here is checked for speed: a rate
 // that cannot be measured (no nvme paths, one rank) is left 0, which simulate() refuses only

@@ -594,6 +594,9 @@ class Builder {
         if (first) wait_for_param_writer(h2d[static_cast<size_t>(r)], u, r);
       }
     }
+    bool backward = false;  // the working gradients are cleared when a backward reads the run
+    for (int i = run.first_use; i <= run.last_use; ++i)
+      backward = backward || uses_[static_cast<size_t>(i)].backward;
     const int group = next_group_++;
     for (int r = 0; r < R_; ++r) {
       std::vector<int> deps = h2d[static_cast<size_t>(r)] >= 0
@@ -601,7 +604,8 @@ class Builder {
                                   : gate(r);
       const int g = add(TaskKind::gather, LaneKind::comm, r, u, m, deps);
       task(g).group = group;
-      task(g).bytes = up.padded * ps_ * uint64_t(R_ - 1) / uint64_t(R_);
+      task(g).bytes = R_ > 1 ? up.padded * ps_ * uint64_t(R_ - 1) / uint64_t(R_)
+                             : up.padded * (ps_ + (backward ? gs_ : 0));
       wait_for_slot(g, run.slot, r);
       if (first && home == Tier::gpu) wait_for_param_writer(g, u, r);
       run.gather.push_back(g);
@@ -679,8 +683,11 @@ class Builder {
         deps.push_back(last_grad_d2h_[static_cast<size_t>(r)]);
       const int id = add(TaskKind::reduce_scatter, LaneKind::comm, r, u, m, deps);
       task(id).group = group;
-      task(id).bytes = up.replicated ? 2 * up.numel * gs_ * uint64_t(R_ - 1) / uint64_t(R_)
-                                     : up.padded * gs_ * uint64_t(R_ - 1) / uint64_t(R_);
+      if (R_ > 1)
+        task(id).bytes = up.replicated ? 2 * up.numel * gs_ * uint64_t(R_ - 1) / uint64_t(R_)
+                                       : up.padded * gs_ * uint64_t(R_ - 1) / uint64_t(R_);
+      else  // one rank: the add into the replicated shard; a copy out, or through scratch
+        task(id).bytes = up.replicated ? up.numel * gs_ : up.padded * gs_ * (g_host ? 1 : 2);
       task(id).slot = slot;
       rs.push_back(id);
     }

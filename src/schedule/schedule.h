@@ -75,7 +75,10 @@ struct Task {
   // The pinned host buffer (0..pinned_buffers-1) the task writes or reads; -1 when none.
   int buffer = -1;
   // The work, for the simulator: bytes moved (transfers; collectives: what one rank moves in
-  // a ring, (R-1)/R of the unit), FLOPs (compute), elements updated (Adam, grad stats).
+  // a ring, (R-1)/R of the unit; with one rank, what the device copies or clears in its own
+  // memory: the unit into its working buffer, plus its working gradients cleared for a
+  // backward; the gradients into their shard, twice when they are added to a resident shard
+  // through scratch), FLOPs (compute), elements updated (Adam, grad stats).
   uint64_t bytes = 0;
   double flops = 0;
   uint64_t elements = 0;

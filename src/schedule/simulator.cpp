@@ -12,8 +12,10 @@
 // gpu_adam_elements_per_s on a GPU; grad_stats and grad_accumulate (streaming passes over a
 // shard) elements / stats_elements_per_s on the CPU, or gpu_adam_elements_per_s on a GPU (an
 // upper bound: the profile has no separate GPU rate for it). Every task adds task_latency_s.
-// The NVMe lanes share the drives: each task takes a gap of its length / nvme_mixed in the
-// drives' busy intervals, within its own span (simulator.h).
+// One-rank collectives are device copies: bytes / device_copy_bytes_per_s (free when it is
+// 0). The NVMe lanes share the drives: each task takes a gap of its length / nvme_mixed in the
+// drives' busy intervals, within its own span (simulator.h); on the host backend the device
+// lanes and cpu.adam share the cores in the same way, with host_cpu_mixed.
 #include "schedule/simulator.h"
 
 #include "core/error.h"
@@ -60,6 +62,16 @@ bool is_rate_key(const std::string& key) {
                      [&](const RateField& f) { return key == f.key; });
 }
 
+// The keys a profile may leave out.
+constexpr std::array<const char*, 3> kOptional = {"nvme_mixed", "device_copy_bytes_per_s",
+                                                  "host_cpu_mixed"};
+bool is_optional_key(const std::string& key) {
+  return std::find(kOptional.begin(), kOptional.end(), key) != kOptional.end();
+}
+std::string optional_keys() {
+  return fmt::format("{}", fmt::join(kOptional, ", "));
+}
+
 // "notes": {rate: text}.
 void read_notes(const nlohmann::json& v, const std::string& where, HardwareProfile& p) {
   if (!v.is_object())
@@ -67,9 +79,9 @@ void read_notes(const nlohmann::json& v, const std::string& where, HardwareProfi
          where, v.type_name());
   for (const auto& item : v.items()) {
     const std::string& key = item.key();
-    if (!is_rate_key(key) && key != "nvme_mixed")
-      fail("hardware profile {}: /notes/{}: not a rate; the rates are {}, nvme_mixed", where, key,
-           rate_keys());
+    if (!is_rate_key(key) && !is_optional_key(key))
+      fail("hardware profile {}: /notes/{}: not a rate; the rates are {}, {}", where, key,
+           rate_keys(), optional_keys());
     if (!item.value().is_string())
       fail("hardware profile {}: /notes/{}: expected a string, found {}", where, key,
            item.value().type_name());
@@ -150,6 +162,109 @@ void read_nvme(const nlohmann::json& v, const std::string& where, HardwareProfil
   }
 }
 
+// A resource that lanes share (the drives, or the host's cores): its busy intervals, sorted,
+// disjoint and merged where they touch. A task of `length` ready at `at` holds it for
+// length / mixed of its span: it starts at the earliest t >= at whose span [t, t + length) has
+// that much free time, and takes the earliest free pieces of it. With mixed 1 that is the
+// first gap that holds the whole task; the general case finds t on the free time of the span,
+// a piecewise linear function of t whose corners are where either end of the span crosses an
+// interval's edge.
+class SharedTimeline {
+ public:
+  explicit SharedTimeline(double mixed) : mixed_(std::clamp(mixed, 1.0, 2.0)) {}
+
+  // Places a task of `length` ready at `at`; returns its start.
+  double fit(double at, double length) {
+    if (mixed_ == 1.0) {  // the first gap that holds the whole task
+      size_t i = first_ending_after(at);
+      for (; i < busy_.size(); ++i) {
+        if (at + length <= busy_[i].first) break;
+        at = std::max(at, busy_[i].second);
+      }
+      take(at, at + length);
+      return at;
+    }
+    const double held = length / mixed_;
+    double t = at;
+    double f = free_in(at, at + length);
+    if (f < held) {
+      std::vector<double> corners;
+      for (size_t i = first_ending_after(at); i < busy_.size(); ++i)
+        for (double e : {busy_[i].first, busy_[i].second})
+          for (double c : {e, e - length})
+            if (c > at) corners.push_back(c);
+      std::sort(corners.begin(), corners.end());
+      for (double c : corners) {
+        const double fc = free_in(c, c + length);
+        if (fc >= held) {  // crosses between t and c, linearly
+          t = fc > f ? t + (held - f) * (c - t) / (fc - f) : c;
+          break;
+        }
+        t = c;
+        f = fc;
+      }
+    }
+    // The earliest free pieces from t, `held` of them; rounding may leave a sliver past the
+    // span, which the task then ends with.
+    double need = held, x = t;
+    size_t i = first_ending_after(x);
+    while (x + need > x) {  // what is left is more than rounding at x
+      if (i == busy_.size()) {
+        take(x, x + need);
+        break;
+      }
+      const double gap_end = busy_[i].first;
+      if (gap_end > x) {
+        const double piece = std::min(need, gap_end - x);
+        take(x, x + piece);
+        need -= piece;
+        x += piece;
+        i = first_ending_after(x);
+        continue;
+      }
+      x = std::max(x, busy_[i].second);
+      ++i;
+    }
+    return t;
+  }
+
+ private:
+  size_t first_ending_after(double a) const {
+    return static_cast<size_t>(
+        std::lower_bound(busy_.begin(), busy_.end(), std::pair{a, a},
+                         [](const auto& x, const auto& y) { return x.second <= y.first; }) -
+        busy_.begin());
+  }
+  double free_in(double a, double b) const {
+    double busy = 0;
+    for (size_t i = first_ending_after(a); i < busy_.size() && busy_[i].first < b; ++i)
+      busy += std::min(b, busy_[i].second) - std::max(a, busy_[i].first);
+    return (b - a) - busy;
+  }
+  void take(double a, double b) {  // marks [a, b) busy; it was free
+    size_t i = first_ending_after(a);
+    if (i > 0 && busy_[i - 1].second >= a) --i;  // touches the interval before
+    if (i < busy_.size() && busy_[i].second >= a && busy_[i].first <= b) {
+      busy_[i].first = std::min(busy_[i].first, a);
+      busy_[i].second = std::max(busy_[i].second, b);
+      while (i + 1 < busy_.size() && busy_[i + 1].first <= busy_[i].second) {
+        busy_[i].second = std::max(busy_[i].second, busy_[i + 1].second);
+        busy_.erase(busy_.begin() + static_cast<std::ptrdiff_t>(i) + 1);
+      }
+    } else {
+      busy_.insert(busy_.begin() + static_cast<std::ptrdiff_t>(i), {a, b});
+    }
+  }
+
+  double mixed_;
+  std::vector<std::pair<double, double>> busy_;
+};
+
+// The lanes whose work runs on the host's cores when the devices are host devices.
+bool runs_on_host_cores(const Lane& lane) {
+  return lane.kind != LaneKind::nvme_read && lane.kind != LaneKind::nvme_write;
+}
+
 }  // namespace
 
 HardwareProfile HardwareProfile::from_json_text(const std::string& text, const std::string& where) {
@@ -188,9 +303,24 @@ HardwareProfile HardwareProfile::from_json_text(const std::string& text, const s
       p.nvme_mixed = value.get<double>();
       continue;
     }
+    if (key == "device_copy_bytes_per_s") {
+      p.device_copy_bytes_per_s = read_rate(value, where, "/" + key);
+      continue;
+    }
+    if (key == "host_cpu_mixed") {
+      if (!value.is_number() ||
+          !(value.get<double>() == 0 || (value.get<double>() >= 1 && value.get<double>() <= 2)))
+        fail(
+            "hardware profile {}: /host_cpu_mixed: {} is neither 0 (the device lanes do not run "
+            "on the host's cores: a GPU) nor a number from 1 (host cores serve one lane at a "
+            "time) to 2 (two at full speed); measure it with strata tune on host devices",
+            where, value.dump());
+      p.host_cpu_mixed = value.get<double>();
+      continue;
+    }
     if (!is_rate_key(key))
-      fail("hardware profile {}: /{}: unknown key; the keys are name, notes, nvme, nvme_mixed, {}",
-           where, key, rate_keys());
+      fail("hardware profile {}: /{}: unknown key; the keys are name, notes, nvme, {}, {}", where,
+           key, optional_keys(), rate_keys());
   }
   for (const RateField& f : kFields) {
     if (!j.contains(f.key))
@@ -216,11 +346,14 @@ std::string HardwareProfile::to_json() const {
   j["name"] = name;
   for (const RateField& f : kFields) j[f.key] = this->*f.member;
   j["nvme_mixed"] = nvme_mixed;
+  j["device_copy_bytes_per_s"] = device_copy_bytes_per_s;
+  j["host_cpu_mixed"] = host_cpu_mixed;
   if (!notes.empty()) {
     nlohmann::ordered_json n = nlohmann::ordered_json::object();
     for (const RateField& f : kFields)  // in the rates' order, not the map's
       if (const auto it = notes.find(f.key); it != notes.end()) n[f.key] = it->second;
-    if (const auto it = notes.find("nvme_mixed"); it != notes.end()) n["nvme_mixed"] = it->second;
+    for (const char* key : kOptional)
+      if (const auto it = notes.find(key); it != notes.end()) n[key] = it->second;
     j["notes"] = n;
   }
   if (nvme_block_size > 0 || nvme_queue_depth > 0 || !nvme_paths.empty()) {
@@ -238,7 +371,7 @@ std::string HardwareProfile::to_json() const {
   return j.dump(2) + "\n";
 }
 
-double task_seconds(const Task& task, const Lane& lane, const HardwareProfile& profile) {
+double task_seconds(const Task& task, const Lane& lane, int ranks, const HardwareProfile& profile) {
   const HardwareProfile& p = profile;
   double work = 0, rate = 0;
   const char* field = "";
@@ -269,7 +402,10 @@ double task_seconds(const Task& task, const Lane& lane, const HardwareProfile& p
       break;
     case TaskKind::gather:
     case TaskKind::reduce_scatter:
-      use(bytes, p.comm_bytes_per_s, "comm_bytes_per_s");
+      if (ranks > 1)
+        use(bytes, p.comm_bytes_per_s, "comm_bytes_per_s");
+      else if (p.device_copy_bytes_per_s > 0)  // 0: counted free (simulator.h)
+        use(bytes, p.device_copy_bytes_per_s, "device_copy_bytes_per_s");
       break;
     case TaskKind::forward:
     case TaskKind::backward:
@@ -308,7 +444,8 @@ Prediction simulate(const Schedule& schedule, const HardwareProfile& profile, in
     if (t.lane < 0 || static_cast<size_t>(t.lane) >= schedule.lanes.size())
       fail("simulate: task {} is on lane {}, but the schedule has {} lanes; validate() it first",
            t.id, t.lane, schedule.lanes.size());
-    duration[i] = task_seconds(t, schedule.lanes[static_cast<size_t>(t.lane)], profile);
+    duration[i] =
+        task_seconds(t, schedule.lanes[static_cast<size_t>(t.lane)], schedule.ranks, profile);
   }
   // Groups are consecutive: the end (one past) of the group starting at each task.
   std::vector<size_t> group_end(n, 0);
@@ -326,93 +463,9 @@ Prediction simulate(const Schedule& schedule, const HardwareProfile& profile, in
   tl.spans.reserve(n * static_cast<size_t>(steps));
   std::vector<double> lane_free(schedule.lanes.size(), 0.0);
   std::vector<double> end_prev(n, 0.0), start(n), end(n);
-  // The drives' busy intervals, sorted, disjoint and merged where they touch. A task of
-  // `length` ready at `at` holds the drives for length / nvme_mixed of its span: it starts at
-  // the earliest t >= at whose span [t, t + length) has that much free time, and takes the
-  // earliest free pieces of it. With nvme_mixed 1 that is the first gap that holds the whole
-  // task; the general case finds t on the free time of the span, a piecewise linear function
-  // of t whose corners are where either end of the span crosses an interval's edge.
-  std::vector<std::pair<double, double>> drive;
-  const double mixed = std::clamp(profile.nvme_mixed, 1.0, 2.0);
-  auto first_ending_after = [&](double a) {
-    return static_cast<size_t>(
-        std::lower_bound(drive.begin(), drive.end(), std::pair{a, a},
-                         [](const auto& x, const auto& y) { return x.second <= y.first; }) -
-        drive.begin());
-  };
-  auto free_in = [&](double a, double b) {
-    double busy = 0;
-    for (size_t i = first_ending_after(a); i < drive.size() && drive[i].first < b; ++i)
-      busy += std::min(b, drive[i].second) - std::max(a, drive[i].first);
-    return (b - a) - busy;
-  };
-  auto take = [&](double a, double b) {  // marks [a, b) busy; it was free
-    size_t i = first_ending_after(a);
-    if (i > 0 && drive[i - 1].second >= a) --i;  // touches the interval before
-    if (i < drive.size() && drive[i].second >= a && drive[i].first <= b) {
-      drive[i].first = std::min(drive[i].first, a);
-      drive[i].second = std::max(drive[i].second, b);
-      while (i + 1 < drive.size() && drive[i + 1].first <= drive[i].second) {
-        drive[i].second = std::max(drive[i].second, drive[i + 1].second);
-        drive.erase(drive.begin() + static_cast<std::ptrdiff_t>(i) + 1);
-      }
-    } else {
-      drive.insert(drive.begin() + static_cast<std::ptrdiff_t>(i), {a, b});
-    }
-  };
-  auto fit = [&](double at, double length) {
-    if (mixed == 1.0) {  // the first gap that holds the whole task
-      size_t i = first_ending_after(at);
-      for (; i < drive.size(); ++i) {
-        if (at + length <= drive[i].first) break;
-        at = std::max(at, drive[i].second);
-      }
-      take(at, at + length);
-      return at;
-    }
-    const double held = length / mixed;
-    double t = at;
-    double f = free_in(at, at + length);
-    if (f < held) {
-      std::vector<double> corners;
-      for (size_t i = first_ending_after(at); i < drive.size(); ++i)
-        for (double e : {drive[i].first, drive[i].second})
-          for (double c : {e, e - length})
-            if (c > at) corners.push_back(c);
-      std::sort(corners.begin(), corners.end());
-      for (double c : corners) {
-        const double fc = free_in(c, c + length);
-        if (fc >= held) {  // crosses between t and c, linearly
-          t = fc > f ? t + (held - f) * (c - t) / (fc - f) : c;
-          break;
-        }
-        t = c;
-        f = fc;
-      }
-    }
-    // The earliest free pieces from t, `held` of them; rounding may leave a sliver past the
-    // span, which the task then ends with.
-    double need = held, x = t;
-    size_t i = first_ending_after(x);
-    while (x + need > x) {  // what is left is more than rounding at x
-      if (i == drive.size()) {
-        take(x, x + need);
-        break;
-      }
-      const double gap_end = drive[i].first;
-      if (gap_end > x) {
-        const double piece = std::min(need, gap_end - x);
-        take(x, x + piece);
-        need -= piece;
-        x += piece;
-        i = first_ending_after(x);
-        continue;
-      }
-      x = std::max(x, drive[i].second);
-      ++i;
-    }
-    return t;
-  };
+  SharedTimeline drives(profile.nvme_mixed);
+  const bool cores_shared = profile.host_cpu_mixed > 0;
+  SharedTimeline cores(cores_shared ? profile.host_cpu_mixed : 1.0);
   for (int s = 0; s < steps; ++s) {
     auto ready = [&](size_t i) {
       const Task& t = tasks[i];
@@ -428,9 +481,15 @@ Prediction simulate(const Schedule& schedule, const HardwareProfile& profile, in
         at = std::max(at, ready(k));
         length = std::max(length, duration[k]);
       }
-      if (group_end[i] == i + 1 &&
-          is_nvme_lane(schedule.lanes[static_cast<size_t>(tasks[i].lane)]) && length > 0)
-        at = fit(at, length);
+      if (length > 0) {
+        bool on_cores = cores_shared;
+        for (size_t k = i; k < group_end[i]; ++k)
+          on_cores = on_cores && runs_on_host_cores(schedule.lanes[size_t(tasks[k].lane)]);
+        if (group_end[i] == i + 1 && is_nvme_lane(schedule.lanes[size_t(tasks[i].lane)]))
+          at = drives.fit(at, length);
+        else if (on_cores)  // a group is one call: it takes the cores once
+          at = cores.fit(at, length);
+      }
       for (size_t k = i; k < group_end[i]; ++k) {
         start[k] = at;
         end[k] = at + length;

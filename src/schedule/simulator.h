@@ -11,7 +11,9 @@
 // nvme.write runs from the earliest time t at or after it is ready such that the drives have
 // a free gap of L / nvme_mixed within [t, t + L), which it then takes. With nvme_mixed 1 the
 // task holds the drives for all of its length, so they are busy for the sum of both lanes'
-// bytes over their rates; with 2, a read and a write of equal length run side by side.
+// bytes over their rates; with 2, a read and a write of equal length run side by side. On the
+// host backend (host_cpu_mixed > 0) the device lanes and cpu.adam share the host's cores the
+// same way, on a timeline of their own: a group (a collective, one call) takes it once.
 #pragma once
 
 #include "schedule/schedule.h"
@@ -52,6 +54,21 @@ struct HardwareProfile {
   // full-duplex link, or a throttle with a budget per direction). Measured by strata tune and
   // strata bench step; optional in the JSON ("nvme_mixed"), from 1 to 2.
   double nvme_mixed = 1;
+  // A copy within one device's memory (copy_on_device), bytes per second: what a collective
+  // of one rank does (the unit into its working buffer, its gradients into their shard).
+  // Optional in the JSON ("device_copy_bytes_per_s"); 0, or a profile without the key, counts
+  // such a copy free (task_latency_s only): on a GPU it is a few hundred times faster than the
+  // links that set the step's pace.
+  double device_copy_bytes_per_s = 0;
+  // Whether the device lanes run on the host's cores, and how the cores serve two lanes at
+  // once. 0 (the default, and what a profile without the key means): they do not (a GPU
+  // computes and its copy engines copy while the CPU runs Adam). From 1 to 2: they do
+  // (strata's host backend): every task on a device lane or on cpu.adam holds the cores for
+  // its length / host_cpu_mixed within its span, as the NVMe tasks hold the drives: 1, one at
+  // a time (each lane's work already uses every core, as BLAS and CPU Adam do); 2, two side by
+  // side at full speed. Measured on host devices by timing the model's compute and CPU Adam at
+  // once. Optional in the JSON ("host_cpu_mixed").
+  double host_cpu_mixed = 0;
 
   // Optional, what `strata tune` records beside the rates (the simulator reads none of it):
   // per rate, how it was obtained ("measured: ...", "assumed: ...") or why it is 0
@@ -92,8 +109,8 @@ struct Prediction {
   Timeline timeline;
 };
 
-// Duration of one task under `profile`.
-double task_seconds(const Task& task, const Lane& lane, const HardwareProfile& profile);
+// Duration of one task of a schedule over `ranks` ranks under `profile`.
+double task_seconds(const Task& task, const Lane& lane, int ranks, const HardwareProfile& profile);
 
 // Throws Error when the profile lacks a rate some task needs (naming the field), or steps < 1.
 // With one step, step_s is that step's length; with more, the last step's end minus the one
