@@ -756,6 +756,36 @@ TEST_F(CudaOpsTest, PointersOutsideTheArenaAreRefused) {
   x.fetch("x");  // nothing was queued: the guards are intact
 }
 
+// Both tables refuse a negative chunk start: on CUDA it would read the wrong column as the
+// target's logit (the host refused it first).
+TEST_F(CudaOpsTest, NegativeVocabularyChunkStartIsRefused) {
+  DeviceTensor logits = empty(f32, {2, 3}), m = empty(f32, {2}), s = empty(f32, {2}),
+               tl = empty(f32, {2}), lse = empty(f32, {2});
+  DeviceInts targets = ints({1, 2});
+  test::expect_error(
+      [&] {
+        gpu().xent_forward_chunk(logits.view(), -1, targets.data(), m.view(), s.view(), tl.view(),
+                                 stream());
+      },
+      {"xent_forward_chunk", "v0 = -1"});
+  test::expect_error(
+      [&] {
+        gpu().xent_backward_chunk(logits.view(), -2, targets.data(), lse.view(), 1.0f, stream());
+      },
+      {"xent_backward_chunk", "v0 = -2"});
+}
+
+// Rows of no columns: rstd is 1 / sqrt(eps) on both backends (mean(x^2) of nothing is 0),
+// not 0 / 0.
+TEST_F(CudaOpsTest, RmsNormOfEmptyRowsGivesFiniteStats) {
+  const float eps = 1e-5f;
+  DeviceTensor y = empty(f32, {3, 0}), x = empty(f32, {3, 0}), w = empty(f32, {0});
+  DeviceTensor rstd = empty(f32, {3});
+  gpu().rmsnorm_forward(y.view(), rstd.view(), x.view(), w.view(), eps, stream());
+  const HostTensor got = rstd.fetch("rstd");
+  for (int64_t r = 0; r < 3; ++r) EXPECT_FLOAT_EQ(got.at(r), 1.0f / std::sqrt(eps)) << r;
+}
+
 TEST_F(CudaOpsTest, ShapeMismatchesThrowBeforeAnythingIsQueued) {
   DeviceTensor a = empty(f32, {4, 5}), b = empty(f32, {6, 3}), c = empty(f32, {4, 3});
   test::expect_error(

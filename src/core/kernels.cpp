@@ -178,6 +178,10 @@ int64_t check_same_shape(const char* op, std::initializer_list<const TensorView*
   return first == nullptr ? 0 : first->numel();
 }
 
+void check_chunk_start(const char* op, int64_t v0) {
+  if (v0 < 0) fail("{}: v0 = {} is negative; pass the chunk's first vocabulary column", op, v0);
+}
+
 XentDims check_xent(const char* op, const TensorView& logits,
                     std::initializer_list<const TensorView*> stats) {
   XentDims d;

@@ -168,6 +168,9 @@ struct XentDims {
 };
 // `logits` [N, C]; each stats view [N] f32. xent_finish, which has no logits, passes its
 // `losses` [N] f32 as `logits` (chunk 0).
+// A vocabulary chunk's first column: refused when negative (a target would be read from the
+// wrong column).
+void check_chunk_start(const char* op, int64_t v0);
 XentDims check_xent(const char* op, const TensorView& logits,
                     std::initializer_list<const TensorView*> stats);
 

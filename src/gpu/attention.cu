@@ -22,6 +22,10 @@
 #include "gpu/kernel_common.cuh"
 #include "gpu/ops.h"
 
+#include <map>
+#include <mutex>
+#include <utility>
+
 namespace strata {
 namespace {
 
@@ -374,10 +378,22 @@ void dispatch_slots(int64_t head_dim, F&& f) {
   }
 }
 
+// Lets `kernel` take `bytes` of dynamic shared memory on the current device. The limit is
+// only ever raised: one kernel instance serves a bucket of head sizes whose needs differ, and
+// a lower limit set by another thread between this one's call and its launch would make the
+// launch fail.
 template <typename Kernel>
 void allow_shared(Kernel kernel, uint64_t bytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, uint64_t> limits;
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard lock(mutex);
+  uint64_t& have = limits[{device, reinterpret_cast<const void*>(kernel)}];
+  if (bytes <= have) return;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                   static_cast<int>(bytes)));
+  have = bytes;
 }
 
 }  // namespace

@@ -285,6 +285,7 @@ void CudaKernels::xent_forward_chunk(const TensorView& logits, int64_t v0, const
                                      const TensorView& target_logit, Stream& s) {
   const char* op = "xent_forward_chunk";
   const XentDims d = check_xent(op, logits, {&row_max, &row_sum, &target_logit});
+  check_chunk_start(op, v0);
   operands(op, {{"logits", &logits}});
   float* max = stats(op, "row_max", row_max);
   float* sum = stats(op, "row_sum", row_sum);
@@ -314,6 +315,7 @@ void CudaKernels::xent_backward_chunk(const TensorView& logits, int64_t v0, cons
                                       const TensorView& lse, float scale, Stream& s) {
   const char* op = "xent_backward_chunk";
   const XentDims d = check_xent(op, logits, {&lse});
+  check_chunk_start(op, v0);
   operands(op, {{"logits", &logits}});
   const float* l = stats(op, "lse", lse);
   ids(op, "targets", targets, d.rows);
@@ -340,6 +342,11 @@ void CudaKernels::grad_chunk_sums(const TensorView& grad, double* chunk_sums, St
   const char* op = "grad_chunk_sums";
   const int64_t chunks = check_grad_chunk_sums(grad, chunk_sums);
   in_arena(op, {{"grad", &grad}});
+  if (reinterpret_cast<uintptr_t>(chunk_sums) % alignof(double) != 0)
+    fail(
+        "{}: chunk_sums {} is not aligned to {} bytes; pass memory from the device's arena as "
+        "allocated (every allocation is aligned)",
+        op, static_cast<const void*>(chunk_sums), alignof(double));
   if (chunks > 0)
     device_.check_in_arena(op, "chunk_sums", chunk_sums,
                            static_cast<uint64_t>(chunks) * sizeof(double));

@@ -31,7 +31,7 @@ __global__ void rmsnorm_forward_kernel(Y* y, float* __restrict__ rstd, const X* 
       ss += v * v;
     }
     ss = gpu::block_sum(ss, scratch);
-    const float r = 1.0f / sqrtf(ss / static_cast<float>(dim) + eps);
+    const float r = 1.0f / sqrtf((dim > 0 ? ss / static_cast<float>(dim) : 0.0f) + eps);
     if (threadIdx.x == 0) rstd[row] = r;
     Y* yr = y + row * dim;
     for (int64_t d = threadIdx.x; d < dim; d += blockDim.x)

@@ -128,6 +128,7 @@ class HostKernels final : public Kernels {
                           const TensorView& target_logit, Stream& s) override {
     const char* op = "xent_forward_chunk";
     const XentDims d = check_xent(op, logits, {&row_max, &row_sum, &target_logit});
+    check_chunk_start(op, v0);
     in_memory(op, {{"logits", &logits},
                    {"row_max", &row_max},
                    {"row_sum", &row_sum},
@@ -155,6 +156,7 @@ class HostKernels final : public Kernels {
                            const TensorView& lse, float scale, Stream& s) override {
     const char* op = "xent_backward_chunk";
     const XentDims d = check_xent(op, logits, {&lse});
+    check_chunk_start(op, v0);
     in_memory(op, {{"logits", &logits}, {"lse", &lse}});
     ids_in_memory(op, "targets", targets, d.rows);
     q_.enqueue(s, [=] { host::xent_backward_chunk(logits, v0, targets, lse, scale); });

@@ -452,7 +452,7 @@ void xent_forward_chunk(const TensorView& logits, int64_t v0, const int32_t* tar
                         const TensorView& target_logit) {
   const char* op = "xent_forward_chunk";
   const XentDims d = check_xent(op, logits, {&row_max, &row_sum, &target_logit});
-  if (v0 < 0) fail("{}: v0 = {} is negative; pass the chunk's first vocabulary column", op, v0);
+  check_chunk_start(op, v0);
   check_targets(op, targets, d.rows);
   parallel_ranges(d.rows, rows_grain(d.chunk), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -496,7 +496,7 @@ void xent_backward_chunk(const TensorView& logits, int64_t v0, const int32_t* ta
                          const TensorView& lse, float scale) {
   const char* op = "xent_backward_chunk";
   const XentDims d = check_xent(op, logits, {&lse});
-  if (v0 < 0) fail("{}: v0 = {} is negative; pass the chunk's first vocabulary column", op, v0);
+  check_chunk_start(op, v0);
   check_targets(op, targets, d.rows);
   parallel_ranges(d.rows, rows_grain(d.chunk), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
