@@ -26,6 +26,8 @@
 #include <optional>
 #include <thread>
 
+#include <unistd.h>
+
 namespace strata {
 namespace {
 
@@ -197,65 +199,105 @@ void measure_compute(const MeasureSetup& s, HardwareProfile& h) {
       repeats_note(s), mean, expect);
 }
 
+// The memory a timing cycles through so that its data comes from memory rather than a cache,
+// as a step's does (it streams every unit's state): twice the last-level cache, within
+// [64 MiB, 256 MiB]. A copy or an Adam over one 3 MiB buffer, timed again and again, runs in
+// the L3 cache several times faster than the step's traffic ever does.
+uint64_t cold_bytes() {
+  long llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  if (llc <= 0) llc = sysconf(_SC_LEVEL2_CACHE_SIZE);
+  const uint64_t cache = llc > 0 ? static_cast<uint64_t>(llc) : (32ull << 20);
+  return std::clamp<uint64_t>(2 * cache, 64ull << 20, 256ull << 20);
+}
+
+// How many buffers of `bytes` a timing rotates through: enough for cold_bytes(), at most 64.
+size_t cold_sets(uint64_t bytes) {
+  const uint64_t n =
+      (cold_bytes() + std::max<uint64_t>(bytes, 1) - 1) / std::max<uint64_t>(bytes, 1);
+  return static_cast<size_t>(std::clamp<uint64_t>(n, 1, 64));
+}
+
+// Median seconds of `repeats` calls of f(i) after one warm-up call, i cycling through
+// 0..sets-1 so that each call touches memory the previous ones did not.
+double median_rotating(int repeats, size_t sets, const std::function<void(size_t)>& f) {
+  size_t i = 0;
+  return median_seconds(repeats, [&] { f(i++ % sets); });
+}
+
 void measure_copies(const MeasureSetup& s, HardwareProfile& h) {
   Device& d = *s.devices.front();
+  const uint64_t bytes = s.transfer_bytes;
+  const size_t k = cold_sets(bytes);
   PinnedPoolOptions po;
-  po.capacity = s.transfer_bytes;
+  po.capacity = k * ((bytes + 4095) / 4096 * 4096);
   po.cuda = d.backend() == Backend::cuda;
   PinnedPool pool(po);
-  char* host = static_cast<char*>(pool.allocate(s.transfer_bytes, "measure copy"));
-  fill_pattern(host, s.transfer_bytes);
-  DeviceBuffer dev(d, s.transfer_bytes, "measure copy");
+  std::vector<char*> host;
+  std::vector<DeviceBuffer> dev;
+  for (size_t i = 0; i < k; ++i) {
+    host.push_back(static_cast<char*>(pool.allocate(bytes, "measure copy")));
+    fill_pattern(host.back(), bytes);
+    dev.emplace_back(d, bytes, "measure copy");
+  }
   auto st = d.create_stream("measure copies");
-  const auto b = static_cast<double>(s.transfer_bytes);
-  h.h2d_bytes_per_s = rate(b, median_seconds(s.repeats, [&] {
-                             d.copy_to_device(dev.data(), host, s.transfer_bytes, *st);
+  const auto b = static_cast<double>(bytes);
+  h.h2d_bytes_per_s = rate(b, median_rotating(s.repeats, k, [&](size_t i) {
+                             d.copy_to_device(dev[i].data(), host[i], bytes, *st);
                              st->synchronize();
                            }));
-  std::memset(host, 0, s.transfer_bytes);
-  h.d2h_bytes_per_s = rate(b, median_seconds(s.repeats, [&] {
-                             d.copy_to_host(host, dev.data(), s.transfer_bytes, *st);
+  // Every device buffer holds the pattern (the timing may not have reached them all); the
+  // host buffers are cleared for the way back.
+  for (size_t i = 0; i < k; ++i) d.copy_to_device(dev[i].data(), host[i], bytes, *st);
+  st->synchronize();
+  for (char* p : host) std::memset(p, 0, bytes);
+  h.d2h_bytes_per_s = rate(b, median_rotating(s.repeats, k, [&](size_t i) {
+                             d.copy_to_host(host[i], dev[i].data(), bytes, *st);
                              st->synchronize();
                            }));
   // Verify: what came back is what went up.
-  const uint64_t bad = pattern_mismatch(host, s.transfer_bytes);
-  if (bad != s.transfer_bytes)
-    fail(
-        "bytes copied to {} and back differ at offset {} of {}; the copies are broken on this "
-        "device, so no rate is reported",
-        d.name(), bad, s.transfer_bytes);
-  // A copy within the device (what a collective of one rank does), checked the same way.
-  DeviceBuffer other(d, s.transfer_bytes, "measure device copy");
-  h.device_copy_bytes_per_s =
-      rate(b, median_seconds(s.repeats, [&] {
-             d.copy_on_device(other.data(), dev.data(), s.transfer_bytes, *st);
-             st->synchronize();
-           }));
-  std::memset(host, 0, s.transfer_bytes);
-  d.copy_to_host(host, other.data(), s.transfer_bytes, *st);
+  for (size_t i = 0; i < std::min<size_t>(k, size_t(std::max(s.repeats, 1)) + 1); ++i)
+    if (const uint64_t bad = pattern_mismatch(host[i], bytes); bad != bytes)
+      fail(
+          "bytes copied to {} and back differ at offset {} of {}; the copies are broken on this "
+          "device, so no rate is reported",
+          d.name(), bad, bytes);
+  // A copy within the device (what a collective of one rank does): buffer i into the next
+  // one, all of them holding the pattern, checked the same way.
+  DeviceBuffer spare(d, bytes, "measure device copy");
+  auto next = [&](size_t i) { return k > 1 ? dev[(i + 1) % k].data() : spare.data(); };
+  h.device_copy_bytes_per_s = rate(b, median_rotating(s.repeats, k, [&](size_t i) {
+                                     d.copy_on_device(next(i), dev[i].data(), bytes, *st);
+                                     st->synchronize();
+                                   }));
+  d.fill_zero(spare.data(), bytes, *st);
+  d.copy_on_device(spare.data(), dev[0].data(), bytes, *st);
+  std::memset(host[0], 0, bytes);
+  d.copy_to_host(host[0], spare.data(), bytes, *st);
   st->synchronize();
-  if (const uint64_t at = pattern_mismatch(host, s.transfer_bytes); at != s.transfer_bytes)
+  if (const uint64_t at = pattern_mismatch(host[0], bytes); at != bytes)
     fail(
         "a copy within {} differs from its source at offset {} of {}; the device's copies are "
         "broken, so no rate is reported",
-        d.name(), at, s.transfer_bytes);
+        d.name(), at, bytes);
   // The fixed cost of one task: a small copy queued and waited for.
   h.task_latency_s = median_seconds(std::max(s.repeats, 50), [&] {
-    d.copy_to_host(host, dev.data(), 256, *st);
+    d.copy_to_host(host[0], dev[0].data(), 256, *st);
     st->synchronize();
   });
-  pool.release(host);
+  for (char* p : host) pool.release(p);
+  const std::string cycling =
+      fmt::format("cycling through {} buffer(s), {} in all", k, format_bytes(k * bytes));
   h.notes["h2d_bytes_per_s"] = fmt::format(
-      "measured: copies of {} from pinned host memory to {}, "
-      "{}; verified: every byte came back",
-      format_bytes(s.transfer_bytes), d.name(), repeats_note(s));
+      "measured: copies of {} from pinned host memory to {}, {}, {}; verified: every byte came "
+      "back",
+      format_bytes(bytes), d.name(), cycling, repeats_note(s));
   h.notes["d2h_bytes_per_s"] = fmt::format(
-      "measured: copies of {} from {} to pinned host memory, "
-      "{}; verified: every byte as sent",
-      format_bytes(s.transfer_bytes), d.name(), repeats_note(s));
+      "measured: copies of {} from {} to pinned host memory, {}, {}; verified: every "
+      "byte as sent",
+      format_bytes(bytes), d.name(), cycling, repeats_note(s));
   h.notes["device_copy_bytes_per_s"] = fmt::format(
-      "measured: copies of {} within {} (a one-rank collective), {}; verified: every byte",
-      format_bytes(s.transfer_bytes), d.name(), repeats_note(s));
+      "measured: copies of {} within {} (a one-rank collective), {}, {}; verified: every byte",
+      format_bytes(bytes), d.name(), cycling, repeats_note(s));
   h.notes["task_latency_s"] =
       fmt::format("measured: a 256-byte copy from {} queued and waited for, median of {}", d.name(),
                   std::max(s.repeats, 50));
@@ -384,21 +426,36 @@ void measure_adam(const MeasureSetup& s, HardwareProfile& h) {
           adam.simd_path(), in.master[i], i, sp[j]);
   }
 
+  // Timed over sets of inputs cycled through, so that the state comes from memory as a
+  // step's does (cold_bytes()): the first set is the verified one.
+  const size_t k = cold_sets(n * (12 + gsize));
+  std::vector<std::unique_ptr<AdamInputs>> more;
+  for (size_t i = 1; i < k; ++i) more.push_back(std::make_unique<AdamInputs>(n, s.grad_dtype));
+  auto shard_of = [&](size_t i) {
+    AdamInputs& x = i == 0 ? in : *more[i - 1];
+    return AdamShard{x.master.data(), x.m.data(), x.v.data(), n};
+  };
+  auto grad_of = [&](size_t i) {
+    return GradShard{(i == 0 ? in : *more[i - 1]).grad.data(), s.grad_dtype, n};
+  };
   int64_t step = 1;
-  h.adam_elements_per_s =
-      rate(double(n),
-           median_seconds(s.repeats, [&] { adam.update(shard, g, ++step, p, scale, stats, pc); }));
+  h.adam_elements_per_s = rate(double(n), median_rotating(s.repeats, k, [&](size_t i) {
+                                 adam.update(shard_of(i), grad_of(i), ++step, p, scale, stats, pc);
+                               }));
   h.stats_elements_per_s =
-      rate(double(n), median_seconds(s.repeats, [&] { (void)adam.grad_stats(g); }));
+      rate(double(n),
+           median_rotating(s.repeats, k, [&](size_t i) { (void)adam.grad_stats(grad_of(i)); }));
   h.notes["adam_elements_per_s"] = fmt::format(
       "measured: CpuAdam's fused update ({} path, {} thread(s)) of {} elements, {} gradients{}, "
-      "{}; verified: step 1 equals the scalar path bit for bit at {} elements",
+      "cycling through {} set(s) of state, {}; verified: step 1 equals the scalar path bit for "
+      "bit at {} elements",
       adam.simd_path(), adam.threads(), n, dtype_name(s.grad_dtype),
-      has_copy ? fmt::format(", {} copy", dtype_name(s.param_dtype)) : std::string(),
+      has_copy ? fmt::format(", {} copy", dtype_name(s.param_dtype)) : std::string(), k,
       repeats_note(s), samples);
-  h.notes["stats_elements_per_s"] =
-      fmt::format("measured: CpuAdam's gradient statistics pass over {} {} elements, {}", n,
-                  dtype_name(s.grad_dtype), repeats_note(s));
+  h.notes["stats_elements_per_s"] = fmt::format(
+      "measured: CpuAdam's gradient statistics pass over {} {} elements, cycling through {} "
+      "set(s), {}",
+      n, dtype_name(s.grad_dtype), k, repeats_note(s));
 }
 
 // On host devices the executor's device lanes run on the host's cores beside CPU Adam (the
