@@ -12,7 +12,9 @@
 // compute and CPU Adam are also run at once, for how the cores serve two lanes
 // (host_cpu_mixed). Each figure is the median of
 // `repeats` timings after one warm-up, except NVMe's, which are sustained rates (see
-// nvme_min_seconds). Nothing measured here is checked for speed: a rate
+// nvme_min_seconds). The copies and CPU Adam cycle through buffers that together exceed the
+// last-level cache twice, so that, as in a step, their data comes from memory rather than a
+// cache. Nothing measured here is checked for speed: a rate
 // that cannot be measured (no nvme paths, one rank) is left 0, which simulate() refuses only
 // for a schedule that needs it.
 //
