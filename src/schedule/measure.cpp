@@ -199,6 +199,44 @@ void measure_compute(const MeasureSetup& s, HardwareProfile& h) {
       repeats_note(s), mean, expect);
 }
 
+// Calls made and seconds taken by one side of side_by_side().
+struct SideRun {
+  uint64_t calls = 0;
+  double seconds = 0;
+};
+
+// Runs `a` and `b` on two threads at once, each again and again until `seconds` have passed
+// and it has made at least `min_calls` calls; an exception from either is rethrown once both
+// have stopped.
+std::pair<SideRun, SideRun> side_by_side(double seconds, uint64_t min_calls,
+                                         const std::function<void()>& a,
+                                         const std::function<void()>& b) {
+  std::atomic<bool> stop{false};
+  SideRun ra, rb;
+  std::exception_ptr ea, eb;
+  auto run = [&](SideRun& side, std::exception_ptr& error, const std::function<void()>& f) {
+    try {
+      const auto t0 = std::chrono::steady_clock::now();
+      while (!stop.load() || side.calls < min_calls) {
+        f();
+        ++side.calls;
+      }
+      side.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    } catch (...) {
+      error = std::current_exception();
+    }
+  };
+  std::thread ta(run, std::ref(ra), std::ref(ea), std::cref(a));
+  std::thread tb(run, std::ref(rb), std::ref(eb), std::cref(b));
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  stop = true;
+  ta.join();
+  tb.join();
+  for (const std::exception_ptr& e : {ea, eb})
+    if (e) std::rethrow_exception(e);
+  return {ra, rb};
+}
+
 // The memory a timing cycles through so that its data comes from memory rather than a cache,
 // as a step's does (it streams every unit's state): twice the last-level cache, within
 // [64 MiB, 256 MiB]. A copy or an Adam over one 3 MiB buffer, timed again and again, runs in
@@ -487,32 +525,8 @@ void measure_host_cores(const MeasureSetup& s, HardwareProfile& h) {
   const double adam_alone = median_seconds(s.repeats, update);
 
   constexpr double kSeconds = 0.3;
-  std::atomic<bool> stop{false};
-  struct Side {
-    uint64_t calls = 0;
-    double seconds = 0;
-    std::exception_ptr error;
-  } c, a;
-  auto run = [&](Side& side, const std::function<void()>& f) {
-    try {
-      const auto t0 = std::chrono::steady_clock::now();
-      while (!stop.load() || side.calls < 2) {
-        f();
-        ++side.calls;
-      }
-      side.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    } catch (...) {
-      side.error = std::current_exception();
-    }
-  };
-  std::thread ct(run, std::ref(c), [&] { compute(); });
-  std::thread at(run, std::ref(a), update);
-  std::this_thread::sleep_for(std::chrono::duration<double>(kSeconds));
-  stop = true;
-  ct.join();
-  at.join();
-  for (const Side* side : {&c, &a})
-    if (side->error) std::rethrow_exception(side->error);
+  const auto [c, a] = side_by_side(
+      kSeconds, 2, [&] { compute(); }, update);
   // Verify: the model's forward and backward still give a finite loss near ln(vocab), and
   // Adam's master weights are finite.
   std::vector<float> losses(static_cast<size_t>(compute.n));
@@ -685,32 +699,9 @@ double time_mixed(const MeasureSetup& s, const std::vector<std::string>& paths, 
   store.write("write", buf);
   std::vector<char> other(bytes);  // the writer's source; buf is the reader's destination
   std::memcpy(other.data(), buf, bytes);
-  std::atomic<bool> stop{false};
-  struct Side {
-    uint64_t calls = 0;
-    double seconds = 0;
-    std::exception_ptr error;
-  } rd, wr;
-  auto run = [&](Side& side, const std::function<void()>& f) {
-    try {
-      const auto t0 = std::chrono::steady_clock::now();
-      while (!stop.load() || side.calls < uint64_t(std::max(s.repeats, 1))) {
-        f();
-        ++side.calls;
-      }
-      side.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    } catch (...) {
-      side.error = std::current_exception();
-    }
-  };
-  std::thread reader(run, std::ref(rd), [&] { store.read("read", buf, 0); });
-  std::thread writer(run, std::ref(wr), [&] { store.write("write", other.data(), 1); });
-  std::this_thread::sleep_for(std::chrono::duration<double>(std::max(s.nvme_min_seconds, 0.01)));
-  stop = true;
-  reader.join();
-  writer.join();
-  for (const Side* side : {&rd, &wr})
-    if (side->error) std::rethrow_exception(side->error);
+  const auto [rd, wr] = side_by_side(
+      std::max(s.nvme_min_seconds, 0.01), uint64_t(std::max(s.repeats, 1)),
+      [&] { store.read("read", buf, 0); }, [&] { store.write("write", other.data(), 1); });
   check_read_back(buf, bytes, paths, " (while writing another shard)");
   const double r = rate(double(rd.calls) * double(bytes), rd.seconds);
   const double w = rate(double(wr.calls) * double(bytes), wr.seconds);
