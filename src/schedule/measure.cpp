@@ -125,6 +125,25 @@ struct ComputeRun {
     st->synchronize();
   }
 
+  // The last forward's mean loss, checked: a randomly initialised model's is near ln(vocab)
+  // (its logits are small). `what` names the timing in the error.
+  double checked_loss(const char* what) {
+    std::vector<float> losses(static_cast<size_t>(n));
+    d.copy_to_host(losses.data(), model.losses(batch).data, losses.size() * 4, *st);
+    st->synchronize();
+    double mean = 0;
+    for (float x : losses) mean += x;
+    mean /= static_cast<double>(n);
+    const double expect = std::log(static_cast<double>(c.vocab_size));
+    if (!std::isfinite(mean) || mean < 0.5 * expect || mean > 1.5 * expect)
+      fail(
+          "{}: the timed forward's mean loss is {} on {}, but a randomly initialised model gives "
+          "about ln({}) = {:.3f}; the kernels are wrong on this device (run strata bench model), "
+          "so no rate is reported",
+          what, mean, d.name(), c.vocab_size, expect);
+    return mean;
+  }
+
   Device& d;
   const LlamaConfig c;
   LlamaModel model;
@@ -155,24 +174,12 @@ void measure_compute(const MeasureSetup& s, HardwareProfile& h) {
   LlamaModel& model = run.model;
   ResidentWeights& w = run.w;
   Stream* st = run.st.get();
-  const int64_t n = run.n;
   const double seconds = median_seconds(s.repeats, [&] { run(); });
 
-  // Verify the work timed: a randomly initialised model's loss is near ln(vocab) (its logits
-  // are small), and the gradients of its smallest unit are finite and not all zero.
-  std::vector<float> losses(static_cast<size_t>(n));
-  d.copy_to_host(losses.data(), model.losses(s.micro_batch).data, losses.size() * 4, *st);
-  st->synchronize();
-  double mean = 0;
-  for (float x : losses) mean += x;
-  mean /= static_cast<double>(n);
+  // Verify the work timed: the loss, and the gradients of its smallest unit finite and not
+  // all zero.
+  const double mean = run.checked_loss("compute alone");
   const double expect = std::log(static_cast<double>(c.vocab_size));
-  if (!std::isfinite(mean) || mean < 0.5 * expect || mean > 1.5 * expect)
-    fail(
-        "the timed forward's mean loss is {} on {}, but a randomly initialised model gives about "
-        "ln({}) = {:.3f}; the kernels are wrong on this device (run strata bench model), so no "
-        "rate is reported",
-        mean, d.name(), c.vocab_size, expect);
   int smallest = 0;
   for (int u = 1; u < model.layout().num_units(); ++u)
     if (model.layout().units[size_t(u)].numel < model.layout().units[size_t(smallest)].numel)
@@ -527,21 +534,8 @@ void measure_host_cores(const MeasureSetup& s, HardwareProfile& h) {
   constexpr double kSeconds = 0.3;
   const auto [c, a] = side_by_side(
       kSeconds, 2, [&] { compute(); }, update);
-  // Verify: the model's forward and backward still give a finite loss near ln(vocab), and
-  // Adam's master weights are finite.
-  std::vector<float> losses(static_cast<size_t>(compute.n));
-  compute.d.copy_to_host(losses.data(), compute.model.losses(s.micro_batch).data, losses.size() * 4,
-                         *compute.st);
-  compute.st->synchronize();
-  double mean = 0;
-  for (float x : losses) mean += x;
-  mean /= static_cast<double>(losses.size());
-  const double expect = std::log(static_cast<double>(compute.c.vocab_size));
-  if (!std::isfinite(mean) || mean < 0.5 * expect || mean > 1.5 * expect)
-    fail(
-        "beside CPU Adam, the timed forward's mean loss is {} on {} where about {:.3f} is "
-        "expected; no rate is reported",
-        mean, compute.d.name(), expect);
+  // Verify: the model's loss still near ln(vocab), and Adam's master weights finite.
+  compute.checked_loss("compute beside CPU Adam");
   if (!std::all_of(in.master.begin(), in.master.end(), [](float x) { return std::isfinite(x); }))
     fail(
         "beside the model's compute, CPU Adam left non-finite master weights; no rate is "
