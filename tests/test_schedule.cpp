@@ -887,6 +887,31 @@ TEST(Simulator, OneRankCollectivesAreDeviceCopies) {
                {"/device_copy_bytes_per_s", "-2"});
 }
 
+// The statistics pass on a device: gpu_stats_elements_per_s where the profile has it, else
+// bounded by gpu_adam_elements_per_s; on the CPU, stats_elements_per_s. Optional in the JSON.
+TEST(Simulator, DeviceGradStatsHaveTheirOwnRate) {
+  Task t = make_task(0, TaskKind::grad_stats, 0);
+  t.elements = 12;
+  const Lane compute{LaneKind::compute, 0}, cpu{LaneKind::cpu_adam, -1};
+  HardwareProfile p;
+  p.gpu_adam_elements_per_s = 3;
+  p.stats_elements_per_s = 6;
+  p.task_latency_s = 0.5;
+  EXPECT_DOUBLE_EQ(task_seconds(t, compute, 1, p), 4.5);  // no own rate: Adam's bounds it
+  p.gpu_stats_elements_per_s = 24;
+  EXPECT_DOUBLE_EQ(task_seconds(t, compute, 1, p), 1.0);
+  EXPECT_DOUBLE_EQ(task_seconds(t, cpu, 1, p), 2.5);
+  t.kind = TaskKind::adam;  // Adam itself keeps Adam's rate
+  EXPECT_DOUBLE_EQ(task_seconds(t, compute, 1, p), 4.5);
+  nlohmann::json j = nlohmann::json::parse(p.to_json());
+  EXPECT_EQ(HardwareProfile::from_json_text(j.dump(), "m").gpu_stats_elements_per_s, 24.0);
+  j.erase("gpu_stats_elements_per_s");
+  EXPECT_EQ(HardwareProfile::from_json_text(j.dump(), "m").gpu_stats_elements_per_s, 0.0);
+  j["gpu_stats_elements_per_s"] = "fast";
+  expect_error([&] { HardwareProfile::from_json_text(j.dump(), "m"); },
+               {"/gpu_stats_elements_per_s", "expected a number"});
+}
+
 // What a one-rank schedule's collectives copy within the device (schedule.h, Task::bytes).
 TEST(Schedule, OneRankCollectivesCountTheDeviceCopies) {
   for (const Tier o : {Tier::gpu, Tier::cpu}) {
@@ -902,7 +927,9 @@ TEST(Schedule, OneRankCollectivesCountTheDeviceCopies) {
         EXPECT_TRUE(t.bytes == up.padded * ps || t.bytes == up.padded * (ps + gs)) << t.bytes;
         for_backward += t.bytes == up.padded * (ps + gs);
       } else if (t.kind == TaskKind::reduce_scatter) {
-        EXPECT_EQ(t.bytes, up.padded * gs * (o == Tier::cpu ? 1 : 2)) << up.name;
+        // Out to the host: one copy; into a resident shard: a copy into scratch, then an add
+        // (a copy and a half of traffic).
+        EXPECT_EQ(t.bytes, o == Tier::cpu ? up.padded * gs : up.padded * gs * 5 / 2) << up.name;
       }
     }
     EXPECT_EQ(for_backward, s.units);  // every unit is gathered once for its backward

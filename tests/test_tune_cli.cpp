@@ -69,6 +69,7 @@ TEST(TuneCli, MeasuresThisMachineIntoAProfileTheSimulatorReads) {
                                 {"adam_elements_per_s", p.adam_elements_per_s},
                                 {"stats_elements_per_s", p.stats_elements_per_s},
                                 {"gpu_adam_elements_per_s", p.gpu_adam_elements_per_s},
+                                {"gpu_stats_elements_per_s", p.gpu_stats_elements_per_s},
                                 {"nvme_read_bytes_per_s", p.nvme_read_bytes_per_s},
                                 {"nvme_write_bytes_per_s", p.nvme_write_bytes_per_s},
                                 {"device_copy_bytes_per_s", p.device_copy_bytes_per_s},
@@ -86,6 +87,8 @@ TEST(TuneCli, MeasuresThisMachineIntoAProfileTheSimulatorReads) {
   // Verified, and honest that the compute is the host backend's.
   EXPECT_NE(p.notes.at("gpu_flops").find("verified"), std::string::npos);
   EXPECT_NE(p.notes.at("gpu_flops").find("host backend"), std::string::npos);
+  EXPECT_NE(p.notes.at("gpu_stats_elements_per_s").find("grad_stats bit for bit"),
+            std::string::npos);
   EXPECT_NE(p.notes.at("nvme_read_bytes_per_s").find("every byte"), std::string::npos);
   // NVMe per path, read and write separately, and the settings measured with.
   ASSERT_EQ(p.nvme_paths.size(), 2u);

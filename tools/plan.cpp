@@ -54,7 +54,8 @@ struct PlanArgs {
 // sheet peaks: 400 TFLOP/s of bf16 matmuls (40% of the 989 dense peak), 25 GB/s of pinned
 // copies each way (of 32), 20 GB/s per rank for collectives through PCIe peer traffic, CPU
 // Adam at 3e9 elements/s (a memory-bound update of ~30 bytes an element on a ~100 GB/s
-// socket), the statistics pass at 2e10, Adam on the GPU at 5e10 (HBM-bound), and per drive
+// socket), the statistics pass at 2e10, Adam on the GPU at 5e10 (HBM-bound) and its
+// statistics pass at 5e11 (one f32 read an element where Adam moves 20 bytes), and per drive
 // 6.5 GB/s reads and 4.5 GB/s writes (striping adds drives' bandwidth), copies within the GPU
 // at 1.5 TB/s (each byte read and written in its 3.35 TB/s HBM), 10 us per task.
 HardwareProfile assumed_profile(int drives) {
@@ -68,6 +69,7 @@ HardwareProfile assumed_profile(int drives) {
   h.adam_elements_per_s = 3e9;
   h.stats_elements_per_s = 2e10;
   h.gpu_adam_elements_per_s = 5e10;
+  h.gpu_stats_elements_per_s = 5e11;
   h.nvme_read_bytes_per_s = 6.5e9 * std::max(drives, 1);
   h.nvme_write_bytes_per_s = 4.5e9 * std::max(drives, 1);
   h.device_copy_bytes_per_s = 1.5e12;

@@ -410,8 +410,9 @@ int run_tune(const TuneArgs& a) {
       const std::string why =
           fmt::format("host backend (no GPU: {}); the rate of strata's host devices, not a GPU's: ",
                       no_gpu_reason());
-      for (const char* k : {"gpu_flops", "h2d_bytes_per_s", "d2h_bytes_per_s",
-                            "gpu_adam_elements_per_s", "task_latency_s"})
+      for (const char* k :
+           {"gpu_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "gpu_adam_elements_per_s",
+            "gpu_stats_elements_per_s", "task_latency_s"})
         profile.notes[k] = why + profile.notes[k];
     }
   }
@@ -542,8 +543,9 @@ int run_tune(const TuneArgs& a) {
   fmt::print("  {:<22} {:>16}  (grad stats {})\n", "CPU Adam",
              per_second(profile.adam_elements_per_s, "elements"),
              per_second(profile.stats_elements_per_s, "elements"));
-  fmt::print("  {:<22} {:>16}{}\n", "Adam on the device",
+  fmt::print("  {:<22} {:>16}  (grad stats {}){}\n", "Adam on the device",
              per_second(profile.gpu_adam_elements_per_s, "elements"),
+             per_second(profile.gpu_stats_elements_per_s, "elements"),
              absent(profile.gpu_adam_elements_per_s, "gpu_adam_elements_per_s"));
   if (profile.nvme_read_bytes_per_s > 0 || profile.nvme_write_bytes_per_s > 0) {
     fmt::print("  {:<22} read {}, write {} (stripe {} KiB, queue depth {})\n", "nvme, all paths",

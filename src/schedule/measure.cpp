@@ -627,6 +627,36 @@ void measure_device_adam(const MeasureSetup& s, HardwareProfile& h) {
       "measured: the kernel table's adam_update on {} over {} elements, {}; verified: step 1 "
       "equals CPU Adam bit for bit",
       d.name(), n, repeats_note(s));
+
+  // The statistics pass as the executor's grad_stats task runs it on a device: the chunk sums,
+  // copied to the host and added in chunk order, which gives CpuAdam's grad_stats bits.
+  const size_t chunks = cpu_adam::chunk_count(un, CpuAdam::kStatsChunk);
+  DeviceBuffer sums_on_device(d, chunks * 8, "measure chunk sums");
+  std::vector<double> sums(chunks);
+  auto stats_on_device = [&] {
+    d.kernels().grad_chunk_sums(grad.view(s.grad_dtype, {n}),
+                                static_cast<double*>(sums_on_device.data()), *st);
+    d.copy_to_host(sums.data(), sums_on_device.data(), chunks * 8, *st);
+    st->synchronize();
+    double total = 0;
+    for (double c : sums) total += c;
+    return total;
+  };
+  CpuAdamOptions ao;
+  ao.threads = s.cpu_adam_threads;
+  const double want_sum = CpuAdam(ao).grad_stats({in.grad.data(), s.grad_dtype, un}).sum_squares;
+  if (const double got_sum = stats_on_device(); std::memcmp(&got_sum, &want_sum, 8) != 0)
+    fail(
+        "the gradient statistics on {} summed to {} where CPU Adam's grad_stats gives {}; the "
+        "device's grad_chunk_sums is wrong, so no rate is reported",
+        d.name(), got_sum, want_sum);
+  h.gpu_stats_elements_per_s =
+      rate(double(n), median_seconds(s.repeats, [&] { (void)stats_on_device(); }));
+  h.notes["gpu_stats_elements_per_s"] = fmt::format(
+      "measured: the kernel table's grad_chunk_sums on {} over {} elements and its {} chunk "
+      "sum(s) copied to the host, {}; verified: their sum equals CPU Adam's grad_stats bit for "
+      "bit",
+      d.name(), n, chunks, repeats_note(s));
 }
 
 struct NvmeTiming {

@@ -7,22 +7,22 @@
 // Device copies from the pinned pool for h2d/d2h, and within the device for one-rank
 // collectives; the communicator's all-gather for comm;
 // CpuAdam's fused update and statistics pass for the CPU lanes; the kernel table's
-// adam_update for Adam on a device; the SwapStore (striped, checksummed, io_uring) for NVMe;
-// and one queued copy plus a wait for the fixed cost of a task. On host devices the model's
-// compute and CPU Adam are also run at once, for how the cores serve two lanes
-// (host_cpu_mixed). Each figure is the median of
-// `repeats` timings after one warm-up, except NVMe's, which are sustained rates (see
-// nvme_min_seconds). The copies and CPU Adam cycle through buffers that together exceed the
-// last-level cache twice, so that, as in a step, their data comes from memory rather than a
-// cache. Nothing measured here is checked for speed: a rate
-// that cannot be measured (no nvme paths, one rank) is left 0, which simulate() refuses only
+// adam_update and grad_chunk_sums for Adam and its statistics pass on a device; the SwapStore
+// (striped, checksummed, io_uring) for NVMe; and one queued copy plus a wait for the fixed cost of
+// a task. On host devices the model's compute and CPU Adam are also run at once, for how the cores
+// serve two lanes (host_cpu_mixed). Each figure is the median of `repeats` timings after one
+// warm-up, except NVMe's, which are sustained rates (see nvme_min_seconds). The copies and CPU Adam
+// cycle through buffers that together exceed the last-level cache twice, so that, as in a step,
+// their data comes from memory rather than a cache. Nothing measured here is checked for speed: a
+// rate that cannot be measured (no nvme paths, one rank) is left 0, which simulate() refuses only
 // for a schedule that needs it.
 //
 // Every figure is verified before it is returned, as the benches do: the timed forward's loss
 // is finite and near ln(vocab) (a randomly initialised model's) and its gradients finite; the
 // copies' bytes come back as they were sent; the all-gather's output is every rank's input in
 // rank order; CPU Adam's step equals the scalar path bit for bit at 4,096 spread elements; the
-// device's adam_update equals CpuAdam bit for bit; every NVMe byte read equals the byte
+// device's adam_update equals CpuAdam bit for bit, and its chunk sums add up to CpuAdam's
+// grad_stats bit for bit; every NVMe byte read equals the byte
 // written. A wrong result is an Error naming it, never a speed. The profile's notes say how
 // each rate was obtained, or why it is 0.
 #pragma once

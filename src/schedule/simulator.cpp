@@ -10,8 +10,9 @@
 // Rates used: transfers bytes / their link (h2d, d2h, comm, NVMe read, NVMe write); forward
 // and backward FLOPs / gpu_flops; adam elements / adam_elements_per_s on the CPU or
 // gpu_adam_elements_per_s on a GPU; grad_stats and grad_accumulate (streaming passes over a
-// shard) elements / stats_elements_per_s on the CPU, or gpu_adam_elements_per_s on a GPU (an
-// upper bound: the profile has no separate GPU rate for it). Every task adds task_latency_s.
+// shard) elements / stats_elements_per_s on the CPU; on a GPU, grad_stats at
+// gpu_stats_elements_per_s where the profile has it, and otherwise, like grad_accumulate, at
+// gpu_adam_elements_per_s (an upper bound). Every task adds task_latency_s.
 // One-rank collectives are device copies: bytes / device_copy_bytes_per_s (free when it is
 // 0). The NVMe lanes share the drives: each task takes a gap of its length / nvme_mixed in the
 // drives' busy intervals, within its own span (simulator.h); on the host backend the device
@@ -63,8 +64,8 @@ bool is_rate_key(const std::string& key) {
 }
 
 // The keys a profile may leave out.
-constexpr std::array<const char*, 3> kOptional = {"nvme_mixed", "device_copy_bytes_per_s",
-                                                  "host_cpu_mixed"};
+constexpr std::array<const char*, 4> kOptional = {"nvme_mixed", "device_copy_bytes_per_s",
+                                                  "host_cpu_mixed", "gpu_stats_elements_per_s"};
 bool is_optional_key(const std::string& key) {
   return std::find(kOptional.begin(), kOptional.end(), key) != kOptional.end();
 }
@@ -307,6 +308,10 @@ HardwareProfile HardwareProfile::from_json_text(const std::string& text, const s
       p.device_copy_bytes_per_s = read_rate(value, where, "/" + key);
       continue;
     }
+    if (key == "gpu_stats_elements_per_s") {
+      p.gpu_stats_elements_per_s = read_rate(value, where, "/" + key);
+      continue;
+    }
     if (key == "host_cpu_mixed") {
       if (!value.is_number() ||
           !(value.get<double>() == 0 || (value.get<double>() >= 1 && value.get<double>() <= 2)))
@@ -348,6 +353,7 @@ std::string HardwareProfile::to_json() const {
   j["nvme_mixed"] = nvme_mixed;
   j["device_copy_bytes_per_s"] = device_copy_bytes_per_s;
   j["host_cpu_mixed"] = host_cpu_mixed;
+  j["gpu_stats_elements_per_s"] = gpu_stats_elements_per_s;
   if (!notes.empty()) {
     nlohmann::ordered_json n = nlohmann::ordered_json::object();
     for (const RateField& f : kFields)  // in the rates' order, not the map's
@@ -418,6 +424,13 @@ double task_seconds(const Task& task, const Lane& lane, int ranks, const Hardwar
         use(elements, p.adam_elements_per_s, "adam_elements_per_s");
       break;
     case TaskKind::grad_stats:
+      if (on_gpu && p.gpu_stats_elements_per_s > 0)  // 0: the Adam rate bounds it (above)
+        use(elements, p.gpu_stats_elements_per_s, "gpu_stats_elements_per_s");
+      else if (on_gpu)
+        use(elements, p.gpu_adam_elements_per_s, "gpu_adam_elements_per_s");
+      else
+        use(elements, p.stats_elements_per_s, "stats_elements_per_s");
+      break;
     case TaskKind::grad_accumulate:
       if (on_gpu)
         use(elements, p.gpu_adam_elements_per_s, "gpu_adam_elements_per_s");

@@ -69,6 +69,12 @@ struct HardwareProfile {
   // side at full speed. Measured on host devices by timing the model's compute and CPU Adam at
   // once. Optional in the JSON ("host_cpu_mixed").
   double host_cpu_mixed = 0;
+  // The gradient statistics pass on a device (the kernel table's grad_chunk_sums, plus copying
+  // its chunk sums to the host), elements per second: it reads the gradient once where Adam
+  // reads and writes four arrays, so it runs several times faster. Optional in the JSON
+  // ("gpu_stats_elements_per_s"); 0, or a profile without the key, times it at
+  // gpu_adam_elements_per_s, an upper bound.
+  double gpu_stats_elements_per_s = 0;
 
   // Optional, what `strata tune` records beside the rates (the simulator reads none of it):
   // per rate, how it was obtained ("measured: ...", "assumed: ...") or why it is 0
