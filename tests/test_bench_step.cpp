@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -70,14 +71,27 @@ TEST(BenchStepCli, VerifiesThenReportsMeasuredAndPredicted) {
   EXPECT_EQ(tracks, lanes);
   EXPECT_GT(complete, 10u);
 
-  // Predicting from the saved profile instead of measuring gives the same prediction inputs.
+  ASSERT_EQ(j["rounds"].size(), 1u);
+  EXPECT_EQ(j["rounds"][0]["prediction_error"], j["prediction_error"]);
+
+  // Predicting from the saved profile instead of measuring gives the same prediction inputs,
+  // in each of two rounds; the round reported is the one with the median (here the upper)
+  // error.
   const test::CommandResult again = strata(
       "bench step --devices host:2 --offload-param cpu --offload-optimizer nvme --steps 1 "
-      "--grad-accum 2 --threads 1 --nvme-path " +
+      "--rounds 2 --grad-accum 2 --threads 1 --nvme-path " +
       path + " --hardware " + profile + " --json");
   ASSERT_EQ(again.status, 0) << again.out;
   const json k = json::parse(again.out, nullptr, false);
   EXPECT_EQ(k["predicted_step_s"], j["predicted_step_s"]);
+  ASSERT_EQ(k["rounds"].size(), 2u);
+  double worst = -1e9;
+  for (const json& rd : k["rounds"]) {
+    EXPECT_EQ(rd["predicted_step_s"], j["predicted_step_s"]);
+    EXPECT_GT(rd["step_s"].get<double>(), 0.0);
+    worst = std::max(worst, rd["prediction_error"].get<double>());
+  }
+  EXPECT_EQ(k["prediction_error"].get<double>(), worst);
 }
 
 TEST(BenchStepCli, BadSettingsAreNamed) {
@@ -87,6 +101,9 @@ TEST(BenchStepCli, BadSettingsAreNamed) {
   const test::CommandResult steps = strata("bench step --steps 0", "2>&1");
   EXPECT_NE(steps.status, 0);
   EXPECT_NE(steps.out.find("--steps 0"), std::string::npos) << steps.out;
+  const test::CommandResult rounds = strata("bench step --rounds 0", "2>&1");
+  EXPECT_NE(rounds.status, 0);
+  EXPECT_NE(rounds.out.find("--rounds 0"), std::string::npos) << rounds.out;
   const test::CommandResult hidden = strata("bench step --hidden 30", "2>&1");
   EXPECT_NE(hidden.status, 0);
   EXPECT_NE(hidden.out.find("--hidden 30"), std::string::npos) << hidden.out;
