@@ -84,6 +84,9 @@ TEST(TuneCli, MeasuresThisMachineIntoAProfileTheSimulatorReads) {
   EXPECT_GE(p.host_cpu_mixed, 1.0);
   EXPECT_LE(p.host_cpu_mixed, 2.0);
   EXPECT_NE(p.notes.at("host_cpu_mixed").find("CPU Adam"), std::string::npos);
+  // ... and a task's fixed cost is timed where the lanes' threads wait for busy cores.
+  EXPECT_NE(p.notes.at("task_latency_s").find("beside the model's forward"), std::string::npos)
+      << p.notes.at("task_latency_s");
   // Verified, and honest that the compute is the host backend's.
   EXPECT_NE(p.notes.at("gpu_flops").find("verified"), std::string::npos);
   EXPECT_NE(p.notes.at("gpu_flops").find("host backend"), std::string::npos);

@@ -355,8 +355,9 @@ int run_bench_step(const BenchStepArgs& a) {
       "tokens x {} accumulation\n",
       model.name, double(parameter_count(model)) / 1e6, R, dtype_name(shape.param_dtype),
       a.offload_param, a.offload_optimizer, a.micro_batch, a.seq_len, a.grad_accum);
-  fmt::print("  verified: after {} steps every weight equals the all-device run's bit for bit\n",
-             a.steps + 1);
+  fmt::print("  verified: after {} steps every weight equals the all-device run's bit for bit{}\n",
+             a.steps + 1,
+             rounds.size() > 1 ? fmt::format(", in each of {} rounds", rounds.size()) : "");
   fmt::print("  profile: {}\n", profile.name);
   fmt::print(
       "  measured step {} (median of {}, steps overlapping), {:.0f} tokens/s; predicted {} "
@@ -425,7 +426,9 @@ Command add_bench_step(CLI::App& bench) {
   cmd->add_option("--threads", a->threads, "CPU Adam threads (0: every CPU)");
   cmd->add_option("--hardware", a->hardware, "a profile JSON to predict from instead of measuring");
   cmd->add_option("--save-profile", a->save_profile, "write the measured profile JSON here");
-  cmd->add_option("--trace", a->trace, "write the timed run's Chrome/Perfetto trace JSON here");
+  cmd->add_option("--trace", a->trace,
+                  "write the timed run's Chrome/Perfetto trace JSON here (with --rounds, the last "
+                  "round's)");
   cmd->add_flag("--json", a->json, "one JSON object");
   return {cmd, [a] { return run_bench_step(*a); }};
 }

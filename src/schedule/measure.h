@@ -8,14 +8,16 @@
 // collectives; the communicator's all-gather for comm;
 // CpuAdam's fused update and statistics pass for the CPU lanes; the kernel table's
 // adam_update and grad_chunk_sums for Adam and its statistics pass on a device; the SwapStore
-// (striped, checksummed, io_uring) for NVMe; and one queued copy plus a wait for the fixed cost of
-// a task. On host devices the model's compute and CPU Adam are also run at once, for how the cores
-// serve two lanes (host_cpu_mixed). Each figure is the median of `repeats` timings after one
-// warm-up, except NVMe's, which are sustained rates (see nvme_min_seconds). The copies and CPU Adam
-// cycle through buffers that together exceed the last-level cache twice, so that, as in a step,
-// their data comes from memory rather than a cache. Nothing measured here is checked for speed: a
-// rate that cannot be measured (no nvme paths, one rank) is left 0, which simulate() refuses only
-// for a schedule that needs it.
+// (striped, checksummed, io_uring) for NVMe; and for the fixed cost of a task, a small copy
+// queued and waited for by one thread that then wakes another to do the same, as the executor's
+// lanes hand each other work. On host devices the model's compute and CPU Adam are also run at
+// once, for how the cores serve two lanes (host_cpu_mixed), and the task cost is measured again
+// beside the model's compute, since there the lanes' threads wait for busy cores. Each figure is
+// the median of `repeats` timings after one warm-up, except NVMe's, which are sustained rates (see
+// nvme_min_seconds). The copies and CPU Adam cycle through buffers that together exceed the
+// last-level cache twice, so that, as in a step, their data comes from memory rather than a cache.
+// Nothing measured here is checked for speed: a rate that cannot be measured (no nvme paths, one
+// rank) is left 0, which simulate() refuses only for a schedule that needs it.
 //
 // Every figure is verified before it is returned, as the benches do: the timed forward's loss
 // is finite and near ln(vocab) (a randomly initialised model's) and its gradients finite; the
