@@ -16,6 +16,10 @@
 #include "cpu_adam/cpu_adam.h"
 #include "cpu_adam/kernels.h"
 #include "gpu/runtime.h"
+#if STRATA_HAVE_CUDA
+#include "gpu/cuda_stream.h"
+#include "gpu/ops.h"
+#endif
 #include "host/ops.h"
 
 #include <gtest/gtest.h>
@@ -454,6 +458,57 @@ TEST_F(CudaOpsTest, AttentionForwardAndBackward) {
     expect_close("dv", dv_dev.fetch("dv"), dv, tol);
   }
 }
+
+#if STRATA_HAVE_CUDA
+// The backward's smaller query tiles (16 and 8 rows), which a GPU with less shared memory per
+// block than the test's takes for large heads (99 KiB, as on an RTX 4090, at head_dim 256):
+// forced by telling the launcher that only that tile's memory is available.
+TEST_F(CudaOpsTest, AttentionBackwardWithSmallerQueryTiles) {
+  if (!on_cuda()) GTEST_SKIP() << "the query tile is the CUDA backward's; nothing to force here";
+  Rng rng(11);
+  const std::vector<AttentionCase> cases = {{2, 129, 8, 2, 64, f32},
+                                            {1, 65, 4, 2, 128, bf16},
+                                            {1, 40, 2, 1, 256, f32},
+                                            {1, 7, 2, 2, 96, f32}};
+  for (const int64_t rows : {16, 8})
+    for (const AttentionCase& c : cases) {
+      SCOPED_TRACE(
+          fmt::format("{}-row query tiles, {} batch {} seq {} heads {} kv_heads {} "
+                      "head_dim {}",
+                      rows, dtype_name(c.dtype), c.batch, c.seq, c.heads, c.kv_heads, c.head_dim));
+      const Shape qs{c.batch, c.seq, c.heads, c.head_dim};
+      const Shape ks{c.batch, c.seq, c.kv_heads, c.head_dim};
+      const Shape ls{c.batch, c.heads, c.seq};
+      HostTensor q = random_tensor(c.dtype, qs, rng, -3.0f, 3.0f);
+      HostTensor k = random_tensor(c.dtype, ks, rng), v = random_tensor(c.dtype, ks, rng);
+      HostTensor out(c.dtype, qs), lse(f32, ls), dout = random_tensor(c.dtype, qs, rng);
+      host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view());
+      HostTensor dq(c.dtype, qs), dk(c.dtype, ks), dv(c.dtype, ks);
+      host::attention_backward(dq.view(), dk.view(), dv.view(), dout.view(), q.view(), k.view(),
+                               v.view(), out.view(), lse.view());
+      DeviceTensor q_dev = upload(q), k_dev = upload(k), v_dev = upload(v);
+      DeviceTensor out_dev = upload(out), lse_dev = upload(lse), dout_dev = upload(dout);
+      DeviceTensor dq_dev = empty(c.dtype, qs), dk_dev = empty(c.dtype, ks),
+                   dv_dev = empty(c.dtype, ks);
+      AttentionDims dims;
+      dims.batch = c.batch;
+      dims.seq = c.seq;
+      dims.heads = c.heads;
+      dims.kv_heads = c.kv_heads;
+      dims.head_dim = c.head_dim;
+      launch_attention_backward(dq_dev.data(), dk_dev.data(), dv_dev.data(), dout_dev.data(),
+                                q_dev.data(), k_dev.data(), v_dev.data(), out_dev.data(),
+                                static_cast<const float*>(lse_dev.data()), c.dtype, dims,
+                                attention_backward_shared_bytes(c.head_dim, rows),
+                                cuda_stream_handle(*device_, stream()));
+      sync();
+      const double tol = tolerance(c.dtype, c.dtype);
+      expect_close("dq", dq_dev.fetch("dq"), dq, tol);
+      expect_close("dk", dk_dev.fetch("dk"), dk, tol);
+      expect_close("dv", dv_dev.fetch("dv"), dv, tol);
+    }
+}
+#endif
 
 // ---- swiglu, add, fill ----
 

@@ -402,6 +402,10 @@ uint64_t attention_shared_bytes_min(int64_t head_dim) {
   return std::max({forward_bytes(head_dim), dq_bytes(head_dim), dkdv_bytes(head_dim, kWarps)});
 }
 
+uint64_t attention_backward_shared_bytes(int64_t head_dim, int64_t query_rows) {
+  return dkdv_bytes(head_dim, query_rows);
+}
+
 void launch_attention_forward(void* out, float* lse, const void* q, const void* k, const void* v,
                               DType t, const AttentionDims& dims, cudaStream_t stream) {
   if (dims.batch * dims.seq * dims.heads == 0) return;

@@ -52,6 +52,9 @@ inline constexpr int64_t kAttentionMaxGrid = 65535;
 // The most dynamic shared memory any attention kernel needs for `head_dim` in its smallest
 // configuration; the device must allow that much per block (every sm_80+ GPU does for 256).
 uint64_t attention_shared_bytes_min(int64_t head_dim);
+// The dynamic shared memory of the backward's dk/dv kernel for `head_dim` with query tiles of
+// `query_rows` (32, 16 or 8): what a device must allow for the backward to pick that tile.
+uint64_t attention_backward_shared_bytes(int64_t head_dim, int64_t query_rows);
 // q, k, v, out (and the gradients) all of dtype t. `max_shared_bytes` is the device's
 // cudaDevAttrMaxSharedMemoryPerBlockOptin (>= attention_shared_bytes_min): the backward picks
 // the largest query tile that fits.
