@@ -746,6 +746,24 @@ TEST(Simulator, PrevDependenciesGiveTheOptimizerForwardOverlap) {
   EXPECT_EQ(st.busiest_lane, 1);
 }
 
+// An optional profile key, with `p` holding a value for it that is not the default: read
+// back as written, `absent` when the key is left out, and each of `bad` refused with an error
+// naming the key, the value and `why`.
+void expect_optional_key(const HardwareProfile& p, const std::string& key,
+                         double HardwareProfile::*member, double absent,
+                         std::initializer_list<nlohmann::json> bad, const std::string& why) {
+  SCOPED_TRACE(key);
+  nlohmann::json j = nlohmann::json::parse(p.to_json());
+  EXPECT_EQ(HardwareProfile::from_json_text(j.dump(), "m").*member, p.*member);
+  j.erase(key);
+  EXPECT_EQ(HardwareProfile::from_json_text(j.dump(), "m").*member, absent);
+  for (const nlohmann::json& b : bad) {
+    j[key] = b;
+    expect_error([&] { HardwareProfile::from_json_text(j.dump(), "m"); },
+                 {"/" + key, b.dump(), why});
+  }
+}
+
 // The NVMe lanes share the drives. Reads of 4 s and 2 s (one after the other on nvme.read) and
 // a write of 4 s, all ready at 0, in the order read, write, read; by hand for each nvme_mixed:
 //   1: one direction at a time; the write takes the first gap that holds all of it, 4-8, and
@@ -787,16 +805,8 @@ TEST(Simulator, NvmeLanesShareTheDrivesAsTheProfileSays) {
   }
   // The key is optional in a profile, and checked.
   p.nvme_mixed = 1.5;
-  EXPECT_EQ(HardwareProfile::from_json_text(p.to_json(), "m").nvme_mixed, 1.5);
-  nlohmann::json j = nlohmann::json::parse(p.to_json());
-  j.erase("nvme_mixed");
-  EXPECT_EQ(HardwareProfile::from_json_text(j.dump(), "m").nvme_mixed, 1.0);
-  for (const nlohmann::json& bad :
-       {nlohmann::json(0.5), nlohmann::json(2.5), nlohmann::json("2")}) {
-    j["nvme_mixed"] = bad;
-    expect_error([&] { HardwareProfile::from_json_text(j.dump(), "m"); },
-                 {"/nvme_mixed", bad.dump(), "from 1"});
-  }
+  expect_optional_key(p, "nvme_mixed", &HardwareProfile::nvme_mixed, 1.0,
+                      {nlohmann::json(0.5), nlohmann::json(2.5), nlohmann::json("2")}, "from 1");
 }
 
 // On host devices the lanes share the cores. A forward of 3 s (gpu[0].compute) and an Adam of
@@ -847,16 +857,10 @@ TEST(Simulator, HostCoresAreSharedAsTheProfileSays) {
   // The key is optional in a profile (0 without it), and checked.
   HardwareProfile p = unit_rates();
   p.host_cpu_mixed = 1.25;
-  EXPECT_EQ(HardwareProfile::from_json_text(p.to_json(), "m").host_cpu_mixed, 1.25);
-  nlohmann::json j = nlohmann::json::parse(p.to_json());
-  j.erase("host_cpu_mixed");
-  EXPECT_EQ(HardwareProfile::from_json_text(j.dump(), "m").host_cpu_mixed, 0.0);
-  for (const nlohmann::json& bad :
-       {nlohmann::json(0.5), nlohmann::json(2.5), nlohmann::json(-1), nlohmann::json("1")}) {
-    j["host_cpu_mixed"] = bad;
-    expect_error([&] { HardwareProfile::from_json_text(j.dump(), "m"); },
-                 {"/host_cpu_mixed", bad.dump(), "neither 0"});
-  }
+  expect_optional_key(
+      p, "host_cpu_mixed", &HardwareProfile::host_cpu_mixed, 0.0,
+      {nlohmann::json(0.5), nlohmann::json(2.5), nlohmann::json(-1), nlohmann::json("1")},
+      "neither 0");
 }
 
 // A collective of one rank is a copy within the device: its bytes over
@@ -878,13 +882,9 @@ TEST(Simulator, OneRankCollectivesAreDeviceCopies) {
   p.comm_bytes_per_s = 0;
   expect_error([&] { task_seconds(g, comm, 2, p); }, {"comm_bytes_per_s is 0", "reduce_scatter"});
   // Optional in the JSON, 0 without it, and checked as a rate.
-  nlohmann::json j = nlohmann::json::parse(p.to_json());
-  EXPECT_EQ(HardwareProfile::from_json_text(j.dump(), "m").device_copy_bytes_per_s, 4.0);
-  j.erase("device_copy_bytes_per_s");
-  EXPECT_EQ(HardwareProfile::from_json_text(j.dump(), "m").device_copy_bytes_per_s, 0.0);
-  j["device_copy_bytes_per_s"] = -2;
-  expect_error([&] { HardwareProfile::from_json_text(j.dump(), "m"); },
-               {"/device_copy_bytes_per_s", "-2"});
+  EXPECT_EQ(p.device_copy_bytes_per_s, 4.0);
+  expect_optional_key(p, "device_copy_bytes_per_s", &HardwareProfile::device_copy_bytes_per_s, 0.0,
+                      {nlohmann::json(-2)}, "not a rate");
 }
 
 // The statistics pass on a device: gpu_stats_elements_per_s where the profile has it, else
@@ -903,13 +903,8 @@ TEST(Simulator, DeviceGradStatsHaveTheirOwnRate) {
   EXPECT_DOUBLE_EQ(task_seconds(t, cpu, 1, p), 2.5);
   t.kind = TaskKind::adam;  // Adam itself keeps Adam's rate
   EXPECT_DOUBLE_EQ(task_seconds(t, compute, 1, p), 4.5);
-  nlohmann::json j = nlohmann::json::parse(p.to_json());
-  EXPECT_EQ(HardwareProfile::from_json_text(j.dump(), "m").gpu_stats_elements_per_s, 24.0);
-  j.erase("gpu_stats_elements_per_s");
-  EXPECT_EQ(HardwareProfile::from_json_text(j.dump(), "m").gpu_stats_elements_per_s, 0.0);
-  j["gpu_stats_elements_per_s"] = "fast";
-  expect_error([&] { HardwareProfile::from_json_text(j.dump(), "m"); },
-               {"/gpu_stats_elements_per_s", "expected a number"});
+  expect_optional_key(p, "gpu_stats_elements_per_s", &HardwareProfile::gpu_stats_elements_per_s,
+                      0.0, {nlohmann::json("fast")}, "expected a number");
 }
 
 // What a one-rank schedule's collectives copy within the device (schedule.h, Task::bytes).
