@@ -188,6 +188,18 @@ void expect_close(const std::string& what, const HostTensor& got, const HostTens
                       << (worst_at >= 0 ? want.at(worst_at) : 0.0f);
 }
 
+void expect_same_bits(const std::string& what, const HostTensor& got, const HostTensor& want) {
+  ASSERT_EQ(got.bytes.size(), want.bytes.size()) << what;
+  const size_t size = dtype_size(want.dtype);
+  for (size_t i = 0; i < got.bytes.size(); ++i)
+    if (got.bytes[i] != want.bytes[i]) {
+      const auto at = static_cast<int64_t>(i / size);
+      ADD_FAILURE() << what << ": bits differ first at [" << at << "]: gpu " << got.at(at)
+                    << ", host " << want.at(at);
+      return;
+    }
+}
+
 class CudaOpsTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -290,11 +302,11 @@ TEST_F(CudaOpsTest, MatmulWithAnEmptyInnerDimensionScalesC) {
 
 // ---- embedding ----
 
-TEST_F(CudaOpsTest, EmbeddingForwardAndBackward) {
+TEST_F(CudaOpsTest, EmbeddingForward) {
   Rng rng(4);
   const int64_t vocab = 50, dim = 33, rows = 40;
   std::vector<int32_t> ids(rows);
-  for (auto& id : ids) id = rng.below(10);  // many repeats, for the backward's scatter-add
+  for (auto& id : ids) id = rng.below(10);  // repeats: a row read more than once
   ids[7] = static_cast<int32_t>(vocab - 1);
   DeviceInts dids = ints(ids);
 
@@ -309,15 +321,35 @@ TEST_F(CudaOpsTest, EmbeddingForwardAndBackward) {
       expect_close("out", dout.fetch("out"), out, 0.0);  // a gather: exact
     }
   }
-  for (const MatmulTypes types : {MatmulTypes{f32, f32}, {bf16, f32}, {bf16, bf16}}) {
-    const DType dout_t = types.ab, dtable_t = types.c;
-    SCOPED_TRACE(fmt::format("dtable {} dout {}", dtype_name(dtable_t), dtype_name(dout_t)));
-    HostTensor dtable = random_tensor(dtable_t, {vocab, dim}, rng);
-    HostTensor dout = random_tensor(dout_t, {rows, dim}, rng);
-    DeviceTensor ddtable = upload(dtable), ddout = upload(dout);
-    gpu().embedding_backward(ddtable.view(), ddout.view(), dids.data(), stream());
-    host::embedding_backward(dtable.view(), dout.view(), ids.data());
-    expect_close("dtable", ddtable.fetch("dtable"), dtable, tolerance(dtable_t, dout_t));
+}
+
+// The backward adds rows sharing an id in token order, as the host does: the same bits, every
+// run. Shapes: few rows; rows past one chunk of the id scan (1024) and columns past one block,
+// with one id taking most rows (a long chain, as padding makes); every id distinct.
+TEST_F(CudaOpsTest, EmbeddingBackwardIsTheHostsBitForBit) {
+  Rng rng(14);
+  struct Case {
+    int64_t vocab, dim, rows;
+    int repeats_below;  // ids drawn below this (0: every id distinct, in shuffled order)
+  };
+  for (const Case c : {Case{50, 33, 40, 10}, Case{300, 700, 2500, 3}, Case{4096, 64, 3000, 0}}) {
+    std::vector<int32_t> ids(static_cast<size_t>(c.rows));
+    for (size_t i = 0; i < ids.size(); ++i)
+      ids[i] = c.repeats_below ? static_cast<int32_t>(rng.below(c.repeats_below))
+                               : static_cast<int32_t>((i * 2654435761u) % c.vocab);
+    ids.back() = static_cast<int32_t>(c.vocab - 1);
+    DeviceInts dids = ints(ids);
+    for (const MatmulTypes types : {MatmulTypes{f32, f32}, {bf16, f32}, {bf16, bf16}}) {
+      const DType dout_t = types.ab, dtable_t = types.c;
+      SCOPED_TRACE(fmt::format("vocab {} dim {} rows {}: dtable {} dout {}", c.vocab, c.dim,
+                               c.rows, dtype_name(dtable_t), dtype_name(dout_t)));
+      HostTensor dtable = random_tensor(dtable_t, {c.vocab, c.dim}, rng);
+      HostTensor dout = random_tensor(dout_t, {c.rows, c.dim}, rng);
+      DeviceTensor ddtable = upload(dtable), ddout = upload(dout);
+      gpu().embedding_backward(ddtable.view(), ddout.view(), dids.data(), stream());
+      host::embedding_backward(dtable.view(), dout.view(), ids.data());
+      expect_same_bits("dtable", ddtable.fetch("dtable"), dtable);
+    }
   }
 }
 
@@ -667,18 +699,6 @@ HostTensor wide_tensor(DType t, int64_t n, Rng& rng) {
   HostTensor h(t, {n});
   for (int64_t i = 0; i < n; ++i) h.set(i, wide_value(rng));
   return h;
-}
-
-void expect_same_bits(const std::string& what, const HostTensor& got, const HostTensor& want) {
-  ASSERT_EQ(got.bytes.size(), want.bytes.size()) << what;
-  const size_t size = dtype_size(want.dtype);
-  for (size_t i = 0; i < got.bytes.size(); ++i)
-    if (got.bytes[i] != want.bytes[i]) {
-      const auto at = static_cast<int64_t>(i / size);
-      ADD_FAILURE() << what << ": bits differ first at [" << at << "]: gpu " << got.at(at)
-                    << ", host " << want.at(at);
-      return;
-    }
 }
 
 TEST_F(CudaOpsTest, AdamUpdateMatchesHostBitForBit) {

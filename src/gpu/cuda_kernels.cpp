@@ -173,9 +173,14 @@ void CudaKernels::embedding_backward(const TensorView& dtable, const TensorView&
   const RowDims d = check_embedding("embedding_backward", dout, dtable);
   operands("embedding_backward", {{"dtable", &dtable}, {"dout", &dout}});
   ids("embedding_backward", "ids", id, d.rows);
+  if (embedding_backward_scratch_bytes(d.rows) > kStreamWorkspaceBytes)
+    fail(
+        "{}: embedding_backward: {} rows need {} bytes of scratch, over the stream workspace's "
+        "{}; pass fewer tokens per call (a smaller micro-batch or sequence)",
+        name_, d.rows, embedding_backward_scratch_bytes(d.rows), kStreamWorkspaceBytes);
   const cudaStream_t stream = device_.enter(s);
   launch_embedding_backward(dtable.data, dtable.dtype, dout.data, dout.dtype, id, d.rows, d.cols,
-                            stream);
+                            device_.workspace(s), stream);
 }
 
 void CudaKernels::rmsnorm_forward(const TensorView& y, const TensorView& rstd_stats,

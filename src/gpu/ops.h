@@ -20,10 +20,13 @@ namespace strata {
 // ---- embedding.cu ----
 void launch_embedding_forward(void* out, DType out_t, const void* table, DType table_t,
                               const int32_t* ids, int64_t rows, int64_t dim, cudaStream_t stream);
-// Atomic adds: rows sharing an id add in an unspecified order, so an f32 dtable may differ
-// from run to run in the last bits (as PyTorch's non-deterministic embedding backward).
+// Deterministic: rows sharing an id add in token order, the host's bits exactly. `scratch`
+// (device memory of embedding_backward_scratch_bytes(rows)) holds each row's link to the next
+// row with its id.
+uint64_t embedding_backward_scratch_bytes(int64_t rows);
 void launch_embedding_backward(void* dtable, DType dtable_t, const void* dout, DType dout_t,
-                               const int32_t* ids, int64_t rows, int64_t dim, cudaStream_t stream);
+                               const int32_t* ids, int64_t rows, int64_t dim, void* scratch,
+                               cudaStream_t stream);
 
 // ---- rmsnorm.cu ----
 void launch_rmsnorm_forward(void* y, DType y_t, float* rstd, const void* x, DType x_t,
