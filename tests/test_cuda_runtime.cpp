@@ -45,7 +45,9 @@ TEST(CudaRuntime, ProbeDescribesTheBuildWithoutThrowing) {
       EXPECT_EQ(g.index, static_cast<int>(i));
       EXPECT_FALSE(g.name.empty());
       EXPECT_GT(g.total_memory, 0u);
-      EXPECT_LE(g.free_memory, g.total_memory);
+      const uint64_t free_bytes = cuda_free_memory(g.index);
+      EXPECT_GT(free_bytes, 0u);
+      EXPECT_LE(free_bytes, g.total_memory);
       EXPECT_GE(g.compute_capability, 50);
       EXPECT_GT(g.multiprocessors, 0);
       EXPECT_EQ(g.pci_bus_id.size(), 12u) << g.pci_bus_id;  // "0000:17:00.0"

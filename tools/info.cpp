@@ -88,7 +88,7 @@ json gpu_facts(const CudaRuntime& rt) {
     gpus.push_back({{"index", g.index},
                     {"name", g.name},
                     {"memory_bytes", g.total_memory},
-                    {"free_bytes", g.free_memory},
+                    {"free_bytes", cuda_free_memory(g.index)},
                     {"compute_capability",
                      fmt::format("{}.{}", g.compute_capability / 10, g.compute_capability % 10)},
                     {"multiprocessors", g.multiprocessors},

@@ -46,7 +46,8 @@ class Stream {
   // Work queued after this call starts only once `event`'s last record() has completed.
   // Waiting on an event that was never recorded does nothing (as in CUDA).
   virtual void wait(Event& event) = 0;
-  // Runs `fn` on a host thread in stream order. It must not queue work on streams.
+  // Runs `fn` on a host thread in stream order. It must not queue work on streams, nor wait for
+  // another stream's host task: CUDA may run the host tasks of all streams on one thread.
   // An exception it throws is rethrown by synchronize().
   virtual void host_task(std::function<void()> fn) = 0;
   // Blocks until all queued work is done; rethrows the first error raised by it.
@@ -81,6 +82,7 @@ class Device {
   // ---- copies, in stream order. Host pointers should be pinned for async copies. ----
   virtual void copy_to_device(void* dst, const void* src, uint64_t bytes, Stream& s) = 0;
   virtual void copy_to_host(void* dst, const void* src, uint64_t bytes, Stream& s) = 0;
+  // The ranges must not overlap (CUDA's copies leave that undefined; the host's moves).
   virtual void copy_on_device(void* dst, const void* src, uint64_t bytes, Stream& s) = 0;
   virtual void fill_zero(void* dst, uint64_t bytes, Stream& s) = 0;
   // dst (this device's memory) = src (src_device's memory; src_device of the same backend,

@@ -46,7 +46,9 @@ class CudaEvent final : public Event {
  public:
   explicit CudaEvent(int device) : device_(device) {
     CUDA_CHECK(cudaSetDevice(device_));
-    CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    // Blocking sync: a thread waiting in synchronize() sleeps instead of spinning a core that
+    // CPU Adam and the I/O lanes need.
+    CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming | cudaEventBlockingSync));
   }
   ~CudaEvent() override {
     if (const cudaError_t err = cudaEventDestroy(event_); err != cudaSuccess) {

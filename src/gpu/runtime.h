@@ -17,7 +17,6 @@ struct CudaGpu {
   int index = 0;
   std::string name;
   uint64_t total_memory = 0;
-  uint64_t free_memory = 0;
   std::string pci_bus_id;      // "0000:17:00.0", for hwloc's NUMA lookup
   int compute_capability = 0;  // 90 for sm_90
   int multiprocessors = 0;
@@ -34,8 +33,12 @@ struct CudaRuntime {
   std::vector<CudaGpu> gpus;
 };
 
-// Probes once and caches the answer.
+// Probes once and caches the answer. It reads each GPU's properties, which opens no context.
 const CudaRuntime& cuda_runtime();
+
+// GPU `index`'s free memory now (0 when it cannot be read). This opens a context on that GPU
+// (hundreds of MiB of its memory, until the process exits): for `strata info`, not for a run.
+uint64_t cuda_free_memory(int index);
 
 // Pinned host memory through cudaHostAlloc. Returns nullptr when there is no CUDA device
 // (the caller falls back to page-aligned, mlock'ed memory); throws Error if the driver

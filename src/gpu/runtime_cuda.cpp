@@ -63,8 +63,8 @@ CudaRuntime probe() {
     return rt;
   }
 
-  int previous = 0;
-  if (cudaGetDevice(&previous) != cudaSuccess) (void)cudaGetLastError();
+  // Properties only: they need no context, so a run on one GPU of a shared node leaves the
+  // others untouched (a context costs hundreds of MiB of each GPU's memory).
   for (int i = 0; i < count; ++i) {
     CudaGpu g;
     g.index = i;
@@ -82,18 +82,8 @@ CudaRuntime probe() {
       g.pci_bus_id = bus;
     else
       note(rt, i, "cudaDeviceGetPCIBusId", e);
-    size_t free_bytes = 0, total_bytes = 0;
-    cudaError_t e = cudaSetDevice(i);
-    if (e == cudaSuccess) e = cudaMemGetInfo(&free_bytes, &total_bytes);
-    if (e == cudaSuccess) {
-      g.free_memory = free_bytes;
-      g.total_memory = total_bytes;
-    } else {
-      note(rt, i, "cudaMemGetInfo", e);
-    }
     rt.gpus.push_back(std::move(g));
   }
-  if (cudaSetDevice(previous) != cudaSuccess) (void)cudaGetLastError();
   rt.status = "ok";
   return rt;
 }
@@ -103,6 +93,21 @@ CudaRuntime probe() {
 const CudaRuntime& cuda_runtime() {
   static const CudaRuntime rt = probe();
   return rt;
+}
+
+uint64_t cuda_free_memory(int index) {
+  if (index < 0 || index >= static_cast<int>(cuda_runtime().gpus.size())) return 0;
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess) (void)cudaGetLastError();
+  size_t free_bytes = 0, total_bytes = 0;
+  cudaError_t e = cudaSetDevice(index);
+  if (e == cudaSuccess) e = cudaMemGetInfo(&free_bytes, &total_bytes);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    free_bytes = 0;
+  }
+  if (cudaSetDevice(previous) != cudaSuccess) (void)cudaGetLastError();
+  return free_bytes;
 }
 
 void* cuda_host_alloc(uint64_t bytes) {
