@@ -341,8 +341,8 @@ TEST_F(CudaOpsTest, EmbeddingBackwardIsTheHostsBitForBit) {
     DeviceInts dids = ints(ids);
     for (const MatmulTypes types : {MatmulTypes{f32, f32}, {bf16, f32}, {bf16, bf16}}) {
       const DType dout_t = types.ab, dtable_t = types.c;
-      SCOPED_TRACE(fmt::format("vocab {} dim {} rows {}: dtable {} dout {}", c.vocab, c.dim,
-                               c.rows, dtype_name(dtable_t), dtype_name(dout_t)));
+      SCOPED_TRACE(fmt::format("vocab {} dim {} rows {}: dtable {} dout {}", c.vocab, c.dim, c.rows,
+                               dtype_name(dtable_t), dtype_name(dout_t)));
       HostTensor dtable = random_tensor(dtable_t, {c.vocab, c.dim}, rng);
       HostTensor dout = random_tensor(dout_t, {c.rows, c.dim}, rng);
       DeviceTensor ddtable = upload(dtable), ddout = upload(dout);

@@ -520,6 +520,31 @@ TEST(Executor, NvmeFaultStopsTheStepNamingTheTask) {
   test::expect_error([&] { ex.step(batches[0], step_params(4)); }, {"an earlier step 3 failed"});
 }
 
+// The CUDA kernels index the embedding and the logits with these ids unchecked, so the
+// executor refuses one outside the vocabulary before anything runs, naming where it is; the
+// executor stays usable.
+TEST(Executor, TokenIdsOutsideTheVocabularyAreRefused) {
+  const LlamaConfig c = tiny(false);
+  Rig rig(2);
+  const Placement pl = make_placement(c, 2, Tier::gpu, Tier::gpu, "");
+  ScheduleOptions so;
+  so.micro_batches = kMicro;
+  const Schedule sc = Schedule::build(pl, so);
+  Executor ex(pl, sc, *rig.comm, ExecutorOptions{});
+  ex.init_random(3);
+  const auto good = make_batches(2, c.vocab_size);
+  auto bad = good[0];
+  bad[1][1].ids[5] = static_cast<int32_t>(c.vocab_size);
+  test::expect_error([&] { ex.step(bad, step_params(1)); },
+                     {"rank 1's micro-batch 1, token 5", "id " + std::to_string(c.vocab_size),
+                      "outside the vocabulary"});
+  bad = good[0];
+  bad[0][0].targets[3] = -1;
+  test::expect_error([&] { ex.evaluate(bad); }, {"target -1", "vocab_size"});
+  EXPECT_GT(ex.evaluate(good[0]).targets, 0);
+  EXPECT_FALSE(ex.step(good[0], step_params(1)).skipped);
+}
+
 TEST(ZeroModelResidency, OffDeviceShardsGatherAndReduceScatterThroughCallerBuffers) {
   // A unit whose P and G are not resident: gather from caller shards, reduce-scatter into
   // caller buffers, with integer-valued data so sums are exact.

@@ -106,6 +106,7 @@ int run_eval(const EvalArgs& a) {
     models.push_back(std::make_unique<LlamaModel>(config, options, *d));
     model_ptrs.push_back(models.back().get());
     owned_streams.push_back(d->create_stream("eval"));
+    d->kernels().prepare(*owned_streams.back());
     streams.push_back(owned_streams.back().get());
     d_ids.emplace_back(*d, static_cast<uint64_t>(B * T) * 4, "token ids", MemoryKind::activations);
     d_targets.emplace_back(*d, static_cast<uint64_t>(B * T) * 4, "targets",

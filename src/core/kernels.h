@@ -39,6 +39,11 @@ class Kernels {
  public:
   virtual ~Kernels() = default;
 
+  // Allocates now what ops on `s` would otherwise allocate on first use (CUDA: the stream's
+  // workspace, a cudaMalloc that waits for the whole GPU, collectives in flight included), so
+  // that nothing is allocated while a schedule's streams run. Optional; the host needs nothing.
+  virtual void prepare(Stream& /*s*/) {}
+
   // c = alpha * op(a) · op(b) + beta * c, all rank 2. op(a) is [m,k]: a is [m,k], or [k,m]
   // read transposed when trans_a. op(b) is [k,n]: b is [k,n], or [n,k] when trans_b. a and b
   // have one dtype; c has that dtype or f32 (bf16 inputs, f32 gradient accumulators).

@@ -26,6 +26,7 @@ class CudaKernels final : public Kernels {
   explicit CudaKernels(const CudaDeviceAccess& device)
       : device_(device), name_(device.device_name()), matmul_(device.device_name()) {}
 
+  void prepare(Stream& s) override { (void)device_.workspace(s); }
   void matmul(const TensorView& c, const TensorView& a, bool trans_a, const TensorView& b,
               bool trans_b, float alpha, float beta, Stream& s) override;
   void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids,

@@ -788,6 +788,7 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
                            MemoryKind::activations);
     State::RankStreams rs;
     rs.compute = d.create_stream(fmt::format("gpu[{}].compute", r));
+    d.kernels().prepare(*rs.compute);  // no allocation once the lanes run
     rs.h2d = d.create_stream(fmt::format("gpu[{}].h2d", r));
     rs.d2h = d.create_stream(fmt::format("gpu[{}].d2h", r));
     rs.comm = d.create_stream(fmt::format("gpu[{}].comm", r));
@@ -1494,7 +1495,19 @@ int64_t Executor::State::upload(const std::vector<std::vector<HostBatch>>& batch
             "executor {}: rank {}'s micro-batch {} has {} sequences ({} ids, {} targets); at "
             "most {} sequences of {} tokens fit",
             what, r, m, b.batch, b.ids.size(), b.targets.size(), shape.micro_batch, T);
-      for (int32_t x : b.targets) count += x != kIgnoreIndex ? 1 : 0;
+      // The CUDA kernels index tables with these ids unchecked: an id past the vocabulary
+      // would read or write another buffer (or end the GPU context), so it is refused here.
+      const int64_t vocab = shape.model.vocab_size;
+      for (size_t i = 0; i < len; ++i) {
+        const int32_t id = b.ids[i], t = b.targets[i];
+        if (id < 0 || id >= vocab || (t != kIgnoreIndex && (t < 0 || t >= vocab)))
+          fail(
+              "executor {}: rank {}'s micro-batch {}, token {}: id {} / target {} is outside "
+              "the vocabulary [0, {}) (targets may also be {}, ignored); check the token file "
+              "against the model's vocab_size",
+              what, r, m, i, id, t, vocab, kIgnoreIndex);
+        count += t != kIgnoreIndex ? 1 : 0;
+      }
       batch_sizes[static_cast<size_t>(m)][static_cast<size_t>(r)] = b.batch;
       Stream& st = *streams[static_cast<size_t>(r)].setup;
       char* ids = static_cast<char*>(ids_dev[static_cast<size_t>(r)].data()) + m * rows * 4;
