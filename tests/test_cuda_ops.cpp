@@ -17,6 +17,7 @@
 #include "cpu_adam/kernels.h"
 #include "gpu/runtime.h"
 #if STRATA_HAVE_CUDA
+#include "gpu/cuda_check.h"
 #include "gpu/cuda_stream.h"
 #include "gpu/ops.h"
 #endif
@@ -492,6 +493,21 @@ TEST_F(CudaOpsTest, AttentionForwardAndBackward) {
 }
 
 #if STRATA_HAVE_CUDA
+// A failed CUDA call's message names the call, the GPU that was current (where there is one),
+// the error and the line. Runs without a GPU too.
+TEST(CudaCheck, NamesTheCallTheGpuTheErrorAndTheLine) {
+  const int line = __LINE__ + 1;
+  const std::string msg = test::error_message([] { CUDA_CHECK(cudaErrorInvalidValue); });
+  EXPECT_NE(msg.find("cudaErrorInvalidValue failed"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("cudaErrorInvalidValue (invalid argument)"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(fmt::format("test_cuda_ops.cpp:{}", line)), std::string::npos) << msg;
+  if (!cuda_runtime().gpus.empty()) {
+    int current = -1;
+    ASSERT_EQ(cudaGetDevice(&current), cudaSuccess);
+    EXPECT_NE(msg.find(fmt::format("failed on cuda:{}:", current)), std::string::npos) << msg;
+  }
+}
+
 // The backward's smaller query tiles (16 and 8 rows), which a GPU with less shared memory per
 // block than the test's takes for large heads (99 KiB, as on an RTX 4090, at head_dim 256):
 // forced by telling the launcher that only that tile's memory is available.

@@ -1,8 +1,9 @@
 // cuda_check.h: every CUDA and NCCL call is checked through these macros.
 //
-// A failure throws strata::Error naming the call as written, the error's name and text, and
-// the file and line: "cudaMalloc(&p, bytes) failed: cudaErrorMemoryAllocation (out of memory)
-// at src/gpu/cuda_device.cpp:42". Call CUDA_CHECK_LAUNCH() right after every kernel launch.
+// A failure throws strata::Error naming the call as written, the GPU that was current, the
+// error's name and text, and the file and line: "cudaMalloc(&p, bytes) failed on cuda:0:
+// cudaErrorMemoryAllocation (out of memory) at src/gpu/cuda_device.cpp:42". Call
+// CUDA_CHECK_LAUNCH() right after every kernel launch.
 // This header is included by .cu files, so it must not pull in fmt (its consteval format
 // strings do not compile under nvcc): the messages are built in cuda_error.cpp. NCCL_CHECK
 // needs <nccl.h> included by the file that uses it.

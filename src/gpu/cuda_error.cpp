@@ -68,10 +68,19 @@ std::string cuda_error_text(cudaError_t err) {
   return fmt::format("{} ({})", cudaGetErrorName(err), cudaGetErrorString(err));
 }
 
+// Names the GPU that was current: strata makes a call's GPU current right before it (and
+// cudaGetDevice answers even after a sticky error), so on a machine of several GPUs the message
+// says which one failed.
 void cuda_fail(cudaError_t err, const char* call, const char* file, int line) {
   (void)cudaGetLastError();
-  throw Error(fmt::format("{} failed: {} at {}:{}{}", call, cuda_error_text(err), short_path(file),
-                          line, cuda_hint(err)));
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    device = -1;
+  }
+  const std::string on = device >= 0 ? fmt::format(" on cuda:{}", device) : std::string();
+  throw Error(fmt::format("{} failed{}: {} at {}:{}{}", call, on, cuda_error_text(err),
+                          short_path(file), line, cuda_hint(err)));
 }
 
 void nccl_fail(int result, const char* call, const char* file, int line) {
