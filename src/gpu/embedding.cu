@@ -104,8 +104,10 @@ void launch_embedding_backward(void* dtable, DType dtable_t, const void* dout, D
   if (rows * dim == 0) return;
   int32_t* next = static_cast<int32_t*>(scratch);
   int32_t* head = next + rows;
-  embedding_chain_kernel<<<gpu::grid_for(static_cast<uint64_t>(rows)), gpu::kThreads, 0, stream>>>(
-      next, head, ids, rows);
+  // One thread per row, no grid-stride loop: the caller's workspace bounds rows far below
+  // the 2^31 - 1 blocks a grid may have.
+  const auto row_blocks = static_cast<unsigned>((rows + gpu::kThreads - 1) / gpu::kThreads);
+  embedding_chain_kernel<<<row_blocks, gpu::kThreads, 0, stream>>>(next, head, ids, rows);
   CUDA_CHECK_LAUNCH();
   const int64_t blocks = rows * ((dim + gpu::kThreads - 1) / gpu::kThreads);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(blocks, int64_t{1} << 20));
