@@ -123,7 +123,7 @@ class CudaStream final : public Stream {
   std::shared_ptr<GpuState> gpu_;
   std::string name_;
   cudaStream_t stream_ = nullptr;
-  cudaEvent_t idle_ = nullptr;  // synchronize()'s: blocking sync, so waiting sleeps
+  CudaEvent idle_;  // synchronize()'s: a blocking-sync event, so waiting sleeps
   std::mutex error_mutex_;
   std::optional<std::string> error_;
   std::mutex workspace_mutex_;
@@ -199,15 +199,9 @@ class CudaDevice final : public Device, private CudaDeviceAccess {
 // ---- CudaStream ----
 
 CudaStream::CudaStream(std::shared_ptr<GpuState> gpu, std::string name)
-    : gpu_(std::move(gpu)), name_(std::move(name)) {
+    : gpu_(std::move(gpu)), name_(std::move(name)), idle_(gpu_->index) {
   gpu_->use();
   CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-  if (const cudaError_t err =
-          cudaEventCreateWithFlags(&idle_, cudaEventDisableTiming | cudaEventBlockingSync);
-      err != cudaSuccess) {
-    (void)cudaStreamDestroy(stream_);
-    cuda_fail(err, "cudaEventCreateWithFlags(&idle_, ...)", __FILE__, __LINE__);
-  }
   std::lock_guard lock(gpu_->streams_mutex);
   gpu_->streams.push_back(this);
 }
@@ -221,7 +215,6 @@ CudaStream::~CudaStream() {
   cudaError_t err = cudaSetDevice(gpu_->index);
   if (err == cudaSuccess) err = cudaStreamSynchronize(stream_);
   if (err == cudaSuccess && workspace_ != nullptr) err = cudaFree(workspace_);
-  if (err == cudaSuccess) err = cudaEventDestroy(idle_);
   if (err == cudaSuccess) err = cudaStreamDestroy(stream_);
   if (err != cudaSuccess) {
     (void)cudaGetLastError();
@@ -305,9 +298,8 @@ std::optional<std::string> CudaStream::take_error() {
 // spins while a process has no more contexts than CPUs), taking a core from CPU Adam and the
 // I/O lanes for each waiting lane; an event of the stream's own, with blocking sync, sleeps.
 void CudaStream::synchronize() {
-  gpu_->use();
-  CUDA_CHECK(cudaEventRecord(idle_, stream_));
-  CUDA_CHECK(cudaEventSynchronize(idle_));
+  record(idle_);
+  idle_.synchronize();
   if (auto e = take_error()) throw Error(*e);
 }
 
