@@ -1,0 +1,128 @@
+// cuda_runtime.h (CUDA emulator): the runtime API (cuda_runtime_api.h) plus what CUDA C++ adds
+// for kernels: the execution-space keywords, threadIdx / blockIdx / blockDim / gridDim,
+// __syncthreads, warp shuffles, the explicitly rounded arithmetic intrinsics, and the launch
+// that the source rewriter (tests/cuda_emu/rewrite.cpp) turns `k<<<grid, block, shared,
+// stream>>>(args)` into.
+//
+// A kernel's threads run as fibers on the stream's worker thread, one block at a time: a fiber
+// runs until it reaches __syncthreads or a shuffle, and kernel.cpp's scheduler resumes the
+// others, so the block's threads meet at every barrier as on a GPU. Static `__shared__`
+// variables become `static thread_local` (one copy per worker thread, which runs one block at a
+// time); dynamic shared memory (`extern __shared__`) is a per-block buffer filled with 0xff
+// bytes (NaN in f32 and bf16) before each block, so reading what no thread wrote shows up.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+#define __shared__ static thread_local
+
+struct uint3 {
+  unsigned x, y, z;
+};
+
+namespace cuda_emu {
+
+// The running CUDA thread's coordinates (kernel.cpp switches this with each fiber).
+struct ThreadCoords {
+  uint3 thread_idx{0, 0, 0}, block_idx{0, 0, 0};
+  dim3 block_dim, grid_dim;
+};
+extern thread_local const ThreadCoords* current_coords;
+
+void syncthreads();
+// One lane's part of a warp shuffle: `bits` is the lane's value; returns the source lane's.
+// `xor_mode`: source = lane ^ param, else source = param (both within `width` lanes).
+uint64_t shuffle(unsigned mask, uint64_t bits, int param, int width, bool xor_mode);
+// The block's dynamic shared memory (`extern __shared__`).
+void* dynamic_shared_memory();
+
+struct LaunchConfig {
+  dim3 grid, block;
+  size_t shared_bytes;
+  cudaStream_t stream;
+  LaunchConfig(dim3 g, dim3 b, size_t shared = 0, cudaStream_t s = nullptr)
+      : grid(g), block(b), shared_bytes(shared), stream(s) {}
+};
+
+// Checks the configuration as a GPU would (cudaGetLastError reports a bad one), then queues
+// the grid's blocks on the stream; `body` runs one CUDA thread.
+// `name` is the kernel as the source wrote it, for messages.
+void launch_grid(const char* name, const void* kernel, const LaunchConfig& config,
+                 std::function<void()> body);
+
+template <typename... P, typename... A>
+void launch(const char* name, void (*kernel)(P...), const LaunchConfig& config, A&&... args) {
+  // The arguments are converted and copied at the launch, as CUDA copies them.
+  auto params = std::make_shared<std::tuple<std::decay_t<P>...>>(std::forward<A>(args)...);
+  launch_grid(name, reinterpret_cast<const void*>(kernel), config,
+              [kernel, params] { std::apply(kernel, *params); });
+}
+
+template <typename T>
+T shuffle_value(unsigned mask, T v, int param, int width, bool xor_mode) {
+  static_assert(std::is_trivially_copyable_v<T> && sizeof(T) <= sizeof(uint64_t));
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof v);
+  bits = shuffle(mask, bits, param, width, xor_mode);
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+}  // namespace cuda_emu
+
+#define threadIdx (::cuda_emu::current_coords->thread_idx)
+#define blockIdx (::cuda_emu::current_coords->block_idx)
+#define blockDim (::cuda_emu::current_coords->block_dim)
+#define gridDim (::cuda_emu::current_coords->grid_dim)
+// A variable, as on the GPU (a macro would break cudaDeviceProp's member of that name).
+inline constexpr int warpSize = 32;
+
+inline void __syncthreads() {
+  ::cuda_emu::syncthreads();
+}
+
+template <typename T>
+T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
+  return ::cuda_emu::shuffle_value(mask, v, src_lane, width, false);
+}
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  return ::cuda_emu::shuffle_value(mask, v, lane_mask, width, true);
+}
+
+// The explicitly rounded intrinsics: IEEE operations, never contracted into an FMA (the
+// emulator is compiled with -ffp-contract=off).
+inline float __fadd_rn(float a, float b) {
+  return a + b;
+}
+inline float __fmul_rn(float a, float b) {
+  return a * b;
+}
+inline float __fdiv_rn(float a, float b) {
+  return a / b;
+}
+inline float __fsqrt_rn(float a) {
+  return std::sqrt(a);
+}
+inline double __dadd_rn(double a, double b) {
+  return a + b;
+}
+inline double __dmul_rn(double a, double b) {
+  return a * b;
+}

@@ -1,0 +1,409 @@
+// kernel.cpp (CUDA emulator): kernels run as fibers, one thread block at a time.
+//
+// launch_grid checks the configuration as the GPU does (sizes, the dynamic shared memory
+// against 48 KiB or the kernel's cudaFuncSetAttribute limit) and queues the grid on the stream.
+// On the stream's worker thread each block gets one fiber per CUDA thread. The scheduler runs
+// every runnable fiber until it blocks (at __syncthreads or a shuffle) or returns, then:
+// - completes the shuffles of every warp whose lanes named in the mask have all arrived;
+// - otherwise, if every live thread waits at __syncthreads, releases them all;
+// - otherwise the block cannot go on (a barrier some threads never reach while others wait in
+//   a shuffle, a shuffle whose lanes are not all there): a Fault naming the kernel's block and
+//   threads, which the runtime turns into a sticky launch failure, as a hung or trapped kernel
+//   would be on a GPU.
+// Threads that have returned do not hold up a barrier (as on sm_70 and later).
+//
+// Fibers switch with a few instructions on x86-64 (callee-saved registers and the stack
+// pointer; no signal-mask system call as swapcontext makes), with ucontext elsewhere.
+#include "emu_internal.h"
+
+#include <cuda_runtime.h>
+
+#include <sys/mman.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <string>
+#include <vector>
+
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+namespace cuda_emu {
+
+thread_local const ThreadCoords* current_coords = nullptr;
+
+namespace {
+
+constexpr size_t kStackBytes = size_t{128} << 10;
+constexpr unsigned kMaxThreads = 1024;
+constexpr size_t kDefaultSharedLimit = 48 << 10;
+
+#if defined(__x86_64__)
+// switch_stack(&save, next): pushes the callee-saved registers and the x87/SSE control words,
+// stores the stack pointer in *save, loads `next` and pops the same from there.
+extern "C" void cuda_emu_switch_stack(void** save, void* next);
+asm(R"(
+  .text
+  .globl cuda_emu_switch_stack
+  .type cuda_emu_switch_stack, @function
+cuda_emu_switch_stack:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size cuda_emu_switch_stack, .-cuda_emu_switch_stack
+  .section .note.GNU-stack,"",@progbits
+  .text
+)");
+#endif
+
+enum class State { kRunnable, kAtBarrier, kAtShuffle, kDone };
+
+struct Fiber {
+  ThreadCoords coords;
+  State state = State::kRunnable;
+  unsigned lane = 0, warp = 0;
+  // The shuffle this thread waits in.
+  unsigned mask = 0;
+  int param = 0, width = 32;
+  bool xor_mode = false;
+  uint64_t bits = 0, result = 0;
+  char* stack = nullptr;
+#if defined(__x86_64__)
+  void* sp = nullptr;
+#else
+  ucontext_t context;
+#endif
+};
+
+// One worker thread's block in flight.
+struct Block {
+  const std::function<void()>* body = nullptr;
+  std::vector<Fiber> fibers;
+  Fiber* running = nullptr;
+#if defined(__x86_64__)
+  void* scheduler_sp = nullptr;
+#else
+  ucontext_t scheduler;
+#endif
+  std::vector<unsigned char> dynamic_shared;
+  std::exception_ptr error;
+  std::string kernel_name;
+};
+
+thread_local Block* current_block = nullptr;
+
+// The fibers' stacks: one mapping per worker thread, grown to the largest block it has run and
+// unmapped when the thread exits (untouched pages cost nothing). No guard pages (a mapping
+// each would soon exhaust the process's map count with many streams); instead the lowest
+// bytes of every stack hold a canary that run_block checks after each block.
+constexpr uint64_t kCanary = 0x5a17c0de5a17c0deull;
+constexpr size_t kCanaryWords = 8;
+
+class StackPool {
+ public:
+  ~StackPool() {
+    if (region_ != nullptr) munmap(region_, count_ * kStackBytes);
+  }
+  // Stacks [0, n), canaries set.
+  void reserve(unsigned n) {
+    if (n > count_) {
+      if (region_ != nullptr) munmap(region_, count_ * kStackBytes);
+      void* p = mmap(nullptr, n * kStackBytes, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p == MAP_FAILED)
+        throw Fault("cannot map fiber stacks for " + std::to_string(n) + " threads");
+      region_ = static_cast<char*>(p);
+      count_ = n;
+    }
+    for (unsigned i = 0; i < n; ++i)
+      for (size_t w = 0; w < kCanaryWords; ++w)
+        std::memcpy(stack(i) + w * sizeof kCanary, &kCanary, sizeof kCanary);
+  }
+  char* stack(unsigned i) const { return region_ + size_t{i} * kStackBytes; }
+  bool intact(unsigned i) const {
+    for (size_t w = 0; w < kCanaryWords; ++w)
+      if (std::memcmp(stack(i) + w * sizeof kCanary, &kCanary, sizeof kCanary) != 0) return false;
+    return true;
+  }
+
+ private:
+  char* region_ = nullptr;
+  size_t count_ = 0;
+};
+
+thread_local StackPool stacks;
+
+void switch_to_scheduler(Fiber& f) {
+  Block& b = *current_block;
+#if defined(__x86_64__)
+  cuda_emu_switch_stack(&f.sp, b.scheduler_sp);
+#else
+  swapcontext(&f.context, &b.scheduler);
+#endif
+  current_coords = &f.coords;
+}
+
+[[noreturn]] void fiber_main() {
+  Block& b = *current_block;
+  Fiber& f = *b.running;
+  try {
+    (*b.body)();
+  } catch (...) {
+    if (!b.error) b.error = std::current_exception();
+  }
+  f.state = State::kDone;
+  switch_to_scheduler(f);
+  std::abort();  // a finished fiber is never resumed
+}
+
+#if !defined(__x86_64__)
+void fiber_entry_ucontext() {
+  fiber_main();
+}
+#endif
+
+void start_fiber(Block& b, Fiber& f) {
+#if defined(__x86_64__)
+  // The new stack, from its top: a slot keeping the ABI's alignment at fiber_main's entry, the
+  // address `ret` jumps to, six zeroed registers, then the caller's SSE and x87 control words.
+  auto* top = reinterpret_cast<uint64_t*>(f.stack + kStackBytes);
+  uint64_t* sp = top - 1;
+  *--sp = reinterpret_cast<uint64_t>(&fiber_main);
+  for (int i = 0; i < 6; ++i) *--sp = 0;
+  --sp;
+  uint32_t mxcsr = 0;
+  uint16_t fpcw = 0;
+  asm volatile("stmxcsr %0" : "=m"(mxcsr));
+  asm volatile("fnstcw %0" : "=m"(fpcw));
+  std::memcpy(sp, &mxcsr, 4);
+  std::memcpy(reinterpret_cast<char*>(sp) + 4, &fpcw, 2);
+  f.sp = sp;
+#else
+  getcontext(&f.context);
+  f.context.uc_stack.ss_sp = f.stack;
+  f.context.uc_stack.ss_size = kStackBytes;
+  f.context.uc_link = nullptr;
+  makecontext(&f.context, &fiber_entry_ucontext, 0);
+#endif
+  (void)b;
+}
+
+void resume(Block& b, Fiber& f) {
+  b.running = &f;
+  current_coords = &f.coords;
+#if defined(__x86_64__)
+  cuda_emu_switch_stack(&b.scheduler_sp, f.sp);
+#else
+  swapcontext(&b.scheduler, &f.context);
+#endif
+  current_coords = nullptr;
+}
+
+std::string where(const Block& b, const Fiber& f) {
+  const ThreadCoords& c = f.coords;
+  return b.kernel_name + " block (" + std::to_string(c.block_idx.x) + "," +
+         std::to_string(c.block_idx.y) + "," + std::to_string(c.block_idx.z) + ") thread (" +
+         std::to_string(c.thread_idx.x) + "," + std::to_string(c.thread_idx.y) + "," +
+         std::to_string(c.thread_idx.z) + ")";
+}
+
+// Completes the shuffles of every warp whose participants have all arrived; false when none.
+bool complete_shuffles(Block& b) {
+  bool any = false;
+  const auto n = static_cast<unsigned>(b.fibers.size());
+  for (unsigned w = 0; w * 32 < n; ++w) {
+    const unsigned first = w * 32, last = std::min(n, first + 32);
+    // The warp's waiting lanes and whether everyone their masks name is waiting too.
+    bool waiting = false, complete = true;
+    for (unsigned i = first; i < last; ++i) {
+      const Fiber& f = b.fibers[i];
+      if (f.state != State::kAtShuffle) continue;
+      waiting = true;
+      for (unsigned l = 0; l < 32; ++l) {
+        if (!(f.mask >> l & 1u)) continue;
+        if (first + l >= last || b.fibers[first + l].state == State::kDone)
+          throw Fault(where(b, f) + ": a shuffle's mask names lane " + std::to_string(l) +
+                      ", which has exited or does not exist");
+        if (b.fibers[first + l].state != State::kAtShuffle) complete = false;
+      }
+    }
+    if (!waiting || !complete) continue;
+    for (unsigned i = first; i < last; ++i) {
+      Fiber& f = b.fibers[i];
+      if (f.state != State::kAtShuffle) continue;
+      if (f.width <= 0 || f.width > 32 || (f.width & (f.width - 1)) != 0)
+        throw Fault(where(b, f) + ": shuffle width " + std::to_string(f.width) +
+                    " is not a power of two up to 32");
+      const unsigned segment = f.lane & ~static_cast<unsigned>(f.width - 1);
+      const unsigned src =
+          f.xor_mode ? (f.lane ^ static_cast<unsigned>(f.param)) % 32
+                     : segment + static_cast<unsigned>(f.param) % static_cast<unsigned>(f.width);
+      // A source lane outside the width's segment (xor) leaves the value unchanged, as CUDA does.
+      const unsigned source = (src & ~static_cast<unsigned>(f.width - 1)) == segment ? src : f.lane;
+      const Fiber& s = b.fibers[first + source];
+      if (s.state != State::kAtShuffle || !(f.mask >> source & 1u))
+        throw Fault(where(b, f) + ": shuffle reads lane " + std::to_string(source) +
+                    ", which is not taking part (mask " + std::to_string(f.mask) + ")");
+      f.result = s.bits;
+    }
+    for (unsigned i = first; i < last; ++i)
+      if (b.fibers[i].state == State::kAtShuffle) b.fibers[i].state = State::kRunnable;
+    any = true;
+  }
+  return any;
+}
+
+void run_block(Block& b) {
+  for (;;) {
+    bool ran = false;
+    for (Fiber& f : b.fibers) {
+      if (f.state != State::kRunnable) continue;
+      resume(b, f);
+      ran = true;
+      if (b.error) std::rethrow_exception(b.error);
+    }
+    if (complete_shuffles(b)) continue;
+    bool live = false, all_at_barrier = true;
+    const Fiber* stuck = nullptr;
+    for (Fiber& f : b.fibers) {
+      if (f.state == State::kDone) continue;
+      live = true;
+      if (f.state != State::kAtBarrier) {
+        all_at_barrier = false;
+        stuck = &f;
+      }
+    }
+    if (!live) return;
+    if (all_at_barrier) {
+      for (Fiber& f : b.fibers)
+        if (f.state == State::kAtBarrier) f.state = State::kRunnable;
+      continue;
+    }
+    if (!ran)
+      throw Fault(where(b, *stuck) +
+                  " waits in a warp shuffle while other threads wait at __syncthreads: the block "
+                  "would hang on a GPU");
+  }
+}
+
+}  // namespace
+
+void syncthreads() {
+  Block* b = current_block;
+  if (b == nullptr || b->running == nullptr) throw Fault("__syncthreads outside a kernel");
+  Fiber& f = *b->running;
+  f.state = State::kAtBarrier;
+  switch_to_scheduler(f);
+}
+
+uint64_t shuffle(unsigned mask, uint64_t bits, int param, int width, bool xor_mode) {
+  Block* b = current_block;
+  if (b == nullptr || b->running == nullptr) throw Fault("a warp shuffle outside a kernel");
+  Fiber& f = *b->running;
+  if (!(mask >> f.lane & 1u))
+    throw Fault(where(*b, f) + ": the shuffle's mask leaves out the calling lane");
+  f.state = State::kAtShuffle;
+  f.mask = mask;
+  f.bits = bits;
+  f.param = param;
+  f.width = width;
+  f.xor_mode = xor_mode;
+  switch_to_scheduler(f);
+  return f.result;
+}
+
+void* dynamic_shared_memory() {
+  Block* b = current_block;
+  if (b == nullptr) throw Fault("extern __shared__ outside a kernel");
+  return b->dynamic_shared.empty() ? nullptr : b->dynamic_shared.data();
+}
+
+void launch_grid(const char* name, const void* kernel, const LaunchConfig& c,
+                 std::function<void()> body) {
+  const int device = stream_device(c.stream);
+  if (const cudaError_t sticky = sticky_error(device); sticky != cudaSuccess) {
+    set_last_error(sticky);
+    return;
+  }
+  const uint64_t threads = uint64_t{c.block.x} * c.block.y * c.block.z;
+  const bool bad_block = threads == 0 || threads > kMaxThreads || c.block.x > 1024 ||
+                         c.block.y > 1024 || c.block.z > 64;
+  const bool bad_grid = c.grid.x == 0 || c.grid.y == 0 || c.grid.z == 0 || c.grid.x > 0x7fffffffu ||
+                        c.grid.y > 65535 || c.grid.z > 65535;
+  if (bad_block || bad_grid) {
+    set_last_error(cudaErrorInvalidConfiguration);
+    return;
+  }
+  const auto limit =
+      std::max<size_t>(kDefaultSharedLimit, static_cast<size_t>(func_max_dynamic_shared(kernel)));
+  if (c.shared_bytes > limit ||
+      c.shared_bytes > static_cast<size_t>(max_shared_per_block_optin(device))) {
+    set_last_error(cudaErrorInvalidValue);
+    return;
+  }
+  enqueue(c.stream, [c, body = std::move(body), kernel_name = std::string(name)] {
+    Block b;
+    b.body = &body;
+    b.kernel_name = kernel_name;
+    b.fibers.resize(static_cast<size_t>(uint64_t{c.block.x} * c.block.y * c.block.z));
+    b.dynamic_shared.resize(c.shared_bytes);
+    stacks.reserve(static_cast<unsigned>(b.fibers.size()));
+    Block* const outer = current_block;
+    current_block = &b;
+    struct Restore {
+      Block* outer;
+      ~Restore() {
+        current_block = outer;
+        current_coords = nullptr;
+      }
+    } restore{outer};
+    for (unsigned z = 0; z < c.grid.z; ++z)
+      for (unsigned y = 0; y < c.grid.y; ++y)
+        for (unsigned x = 0; x < c.grid.x; ++x) {
+          std::fill(b.dynamic_shared.begin(), b.dynamic_shared.end(), 0xff);
+          b.error = nullptr;
+          unsigned i = 0;
+          for (unsigned tz = 0; tz < c.block.z; ++tz)
+            for (unsigned ty = 0; ty < c.block.y; ++ty)
+              for (unsigned tx = 0; tx < c.block.x; ++tx, ++i) {
+                Fiber& f = b.fibers[i];
+                f.coords.thread_idx = uint3{tx, ty, tz};
+                f.coords.block_idx = uint3{x, y, z};
+                f.coords.block_dim = c.block;
+                f.coords.grid_dim = c.grid;
+                f.state = State::kRunnable;
+                f.lane = i % 32;
+                f.warp = i / 32;
+                f.stack = stacks.stack(i);
+                start_fiber(b, f);
+              }
+          run_block(b);
+          for (unsigned t = 0; t < b.fibers.size(); ++t)
+            if (!stacks.intact(t))
+              throw Fault(where(b, b.fibers[t]) + " overflowed its " +
+                          std::to_string(kStackBytes >> 10) + " KiB fiber stack");
+        }
+  });
+}
+
+}  // namespace cuda_emu
