@@ -4,7 +4,9 @@
 #   2. Release build with warnings as errors (CUDA compiled where a toolkit exists), full ctest
 #      (GPU tests skip with a message when there is no GPU);
 #   3. ASan+UBSan build, unit tests;
-#   4. TSan build, the concurrent tests (label tsan).
+#   4. TSan build, the concurrent tests (label tsan);
+#   5. the CUDA backend built against the CPU emulator (tests/cuda_emu) on 3 emulated GPUs,
+#      the gpu tests (every CUDA kernel against the host's, NCCL, the executor on CUDA).
 cd "$(dirname "$0")"
 source scripts/common.sh
 install_packages "${STRATA_PACKAGES[@]}" clang-format
@@ -35,5 +37,10 @@ cmake -S . -B build-tsan -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_WER
 cmake --build build-tsan -j"$JOBS" --target tests_tsan  # only what -L tsan runs
 # TSan needs a narrower address-space randomisation than recent kernels use by default.
 (cd build-tsan && setarch "$(uname -m)" -R ctest "${ctest_args[@]}" -L tsan)
+
+echo "== CUDA backend on the CPU emulator, gpu tests"
+cmake -S . -B build-emu -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_WERROR=ON -DSTRATA_CUDA=EMU
+cmake --build build-emu -j"$JOBS" --target tests_gpu  # only what -L gpu runs
+(cd build-emu && STRATA_EMU_GPUS=3 ctest "${ctest_args[@]}" -L gpu)
 
 echo "== all checks passed"

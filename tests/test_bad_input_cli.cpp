@@ -69,7 +69,8 @@ json tiny_config(const fs::path& model_dir) {
 }
 
 // Shared by every test: a token file of byte-like ids and a tiny model directory (config.json
-// and model.safetensors) made by training the tiny preset for one step.
+// and model.safetensors, F32: made on a host device) made by training the tiny preset for one
+// step.
 class BadInputCli : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -80,7 +81,7 @@ class BadInputCli : public ::testing::Test {
     write_tokens(data(), tokens);
     const fs::path run = dir_->path / "seed-run";
     const test::CommandResult r = strata(
-        "train --model tiny --init random --seq-len 32 --steps 1 "
+        "train --model tiny --init random --seq-len 32 --steps 1 --devices host:1 "
         "--data " +
         data().string() + " --run-dir " + run.string());
     ASSERT_EQ(r.status, 0) << r.out;
@@ -513,7 +514,9 @@ Measured run_measured(const std::vector<std::string>& args, const fs::path& log)
 // unit's optimizer state: when save_checkpoint held the whole model's state at once (12 bytes
 // an element), the NVMe run's peak was 336 MiB against a bound of 320 for this plan. With the
 // CUDA backend linked, measured peaks are 206 and 267 MiB for plans of 278 and 274 MiB (this
-// model: 7.5M parameters).
+// model: 7.5M parameters). The run is on a host device whatever the machine has: a GPU's
+// context adds host memory of the driver's that no plan counts, and an emulated GPU
+// (STRATA_CUDA=EMU) keeps its whole memory in the process.
 TEST_F(BadInputCli, HostRssStaysWithinThePlanAndPinnedMemoryIsAllocatedOnce) {
   const fs::path m = path("wide-model");
   fs::create_directories(m);
@@ -534,9 +537,10 @@ TEST_F(BadInputCli, HostRssStaysWithinThePlanAndPinnedMemoryIsAllocatedOnce) {
         std::vector<std::string>{"--offload-param", "cpu", "--offload-optimizer", "nvme"}}) {
     const fs::path run = path("rss-" + std::to_string(i++));
     std::vector<std::string> args = {
-        "train",     "--model",   m.string(),      "--init", "random",  "--data", data().string(),
-        "--seq-len", "64",        "--micro-batch", "2",      "--steps", "3",      "--save-every",
-        "1",         "--run-dir", run.string()};
+        "train",     "--model",       m.string(),  "--init",       "random",
+        "--data",    data().string(), "--seq-len", "64",           "--micro-batch",
+        "2",         "--steps",       "3",         "--save-every", "1",
+        "--run-dir", run.string(),    "--devices", "host:1"};
     args.insert(args.end(), placement.begin(), placement.end());
     const Measured r = run_measured(args, path("rss.log"));
     SCOPED_TRACE(placement.back());

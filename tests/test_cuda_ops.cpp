@@ -159,8 +159,11 @@ double tolerance(DType out, DType in) {
   return in == bf16 ? 1e-4 : 1e-5;
 }
 
+// `floor`: the smallest magnitude the error is measured against, per element. A result that is
+// zero in exact arithmetic comes out of both backends as rounding noise, and noise against noise
+// is no measure of anything.
 void expect_close(const std::string& what, const HostTensor& got, const HostTensor& want,
-                  double tol) {
+                  double tol, double floor = 0.0) {
   ASSERT_EQ(got.numel(), want.numel()) << what;
   double num = 0.0, den = 0.0, worst = -1.0;
   int64_t worst_at = -1, special = 0;
@@ -182,6 +185,7 @@ void expect_close(const std::string& what, const HostTensor& got, const HostTens
     }
   }
   EXPECT_EQ(special, 0) << what << ": NaN/Inf positions differ:" << specials;
+  den = std::max(den, floor * floor * static_cast<double>(got.numel()));
   const double err = den > 0.0 ? std::sqrt(num / den) : std::sqrt(num);
   EXPECT_LE(err, tol) << what << ": normalised error " << err << " over " << got.numel()
                       << " elements; largest difference at [" << worst_at << "]: gpu "
@@ -485,10 +489,13 @@ TEST_F(CudaOpsTest, AttentionForwardAndBackward) {
                              stream());
     host::attention_backward(dq.view(), dk.view(), dv.view(), dout.view(), q.view(), k.view(),
                              v.view(), out.view(), lse.view());
-    const double tol = tolerance(c.dtype, c.dtype);
-    expect_close("dq", dq_dev.fetch("dq"), dq, tol);
-    expect_close("dk", dk_dev.fetch("dk"), dk, tol);
-    expect_close("dv", dv_dev.fetch("dv"), dv, tol);
+    // With one key (seq 1) P = 1 and dS = 0: dq and dk are zero in exact arithmetic and up to
+    // ~1e-6 of rounding noise on either backend (different noise: the GPU sums in another
+    // order), so they are measured against elements of 0.1, the size of real gradients here.
+    const double tol = tolerance(c.dtype, c.dtype), floor = 0.1;
+    expect_close("dq", dq_dev.fetch("dq"), dq, tol, floor);
+    expect_close("dk", dk_dev.fetch("dk"), dk, tol, floor);
+    expect_close("dv", dv_dev.fetch("dv"), dv, tol, floor);
   }
 }
 
@@ -518,8 +525,15 @@ TEST_F(CudaOpsTest, AttentionBackwardWithSmallerQueryTiles) {
                                             {1, 65, 4, 2, 128, bf16},
                                             {1, 40, 2, 1, 256, f32},
                                             {1, 7, 2, 2, 96, f32}};
+  // A tile the GPU cannot hold at all is left out (16 rows at head_dim 256 need 100.25 KiB).
+  int optin = 0;
+  ASSERT_EQ(
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device_->index()),
+      cudaSuccess);
   for (const int64_t rows : {16, 8})
     for (const AttentionCase& c : cases) {
+      if (attention_backward_shared_bytes(c.head_dim, rows) > static_cast<uint64_t>(optin))
+        continue;
       SCOPED_TRACE(
           fmt::format("{}-row query tiles, {} batch {} seq {} heads {} kv_heads {} "
                       "head_dim {}",

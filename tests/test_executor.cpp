@@ -1,7 +1,13 @@
 // test_executor.cpp: the step executor on host devices. Same math wherever the state lives:
 // every placement gives the all-GPU run's weights bit for bit, and the all-GPU run equals a
 // plain loop over ZeroRunner and CpuAdam written here independently.
+//
+// STRATA_EXECUTOR_TEST_DEVICES=cuda runs the same suite on GPUs (ctest's ExecutorSuiteOnCuda,
+// label `gpu`), one GPU per rank with NCCL between them: the CUDA kernels are deterministic and
+// the device's optimizer gives CpuAdam's bits, so the same equalities hold. A test needing more
+// GPUs than there are skips, saying so.
 #include "core/device.h"
+#include "gpu/runtime.h"
 #include "cpu_adam/cpu_adam.h"
 #include "model/config.h"
 #include "partition/communicator.h"
@@ -13,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -24,16 +31,36 @@ constexpr int64_t kBatch = 2, kSeq = 16;
 constexpr int kSteps = 3;
 constexpr uint64_t kDeviceMemory = 256ull << 20;
 
+Backend test_backend() {
+  const char* env = std::getenv("STRATA_EXECUTOR_TEST_DEVICES");
+  return env != nullptr && std::string(env) == "cuda" ? Backend::cuda : Backend::host;
+}
+
+// Why `n` ranks cannot run here, or empty when they can.
+std::string missing_devices(int n) {
+  if (test_backend() == Backend::host) return {};
+  const CudaRuntime& rt = cuda_runtime();
+  if (static_cast<int>(rt.gpus.size()) >= n) return {};
+  return fmt::format("{} ranks need {} GPUs, this machine has {} ({}: {})", n, n, rt.gpus.size(),
+                     rt.status, rt.detail);
+}
+
+#define REQUIRE_DEVICES(n)                                                             \
+  do {                                                                                 \
+    if (const std::string why = missing_devices(n); !why.empty()) GTEST_SKIP() << why; \
+  } while (0)
+
 struct Rig {
   std::vector<std::unique_ptr<Device>> devices;
   std::unique_ptr<Communicator> comm;
   explicit Rig(int n) {
     DeviceSpec spec;
+    spec.backend = test_backend();
     for (int i = 0; i < n; ++i) spec.indices.push_back(i);
     devices = open_devices(spec, kDeviceMemory);
     std::vector<Device*> ptrs;
     for (auto& d : devices) ptrs.push_back(d.get());
-    comm = make_inprocess_communicator(ptrs);
+    comm = make_communicator(ptrs);  // in-process on host devices, NCCL across GPUs
   }
 };
 
@@ -346,6 +373,7 @@ class ExecutorPlacements : public ::testing::TestWithParam<int> {};
 
 TEST_P(ExecutorPlacements, EveryPlacementGivesTheAllGpuBits) {
   const int N = GetParam();
+  REQUIRE_DEVICES(N);
   const LlamaConfig c = tiny(false);
   const RunResult gpu = run_executor(c, N, Tier::gpu, Tier::gpu);
   const RunResult ref = run_reference(c, N);
@@ -368,6 +396,7 @@ TEST_P(ExecutorPlacements, EveryPlacementGivesTheAllGpuBits) {
 INSTANTIATE_TEST_SUITE_P(Ranks, ExecutorPlacements, ::testing::Values(1, 3));
 
 TEST(Executor, TiedEmbeddings) {
+  REQUIRE_DEVICES(2);
   const LlamaConfig c = tiny(true);
   const RunResult gpu = run_executor(c, 2, Tier::gpu, Tier::gpu);
   const RunResult ref = run_reference(c, 2);
@@ -377,6 +406,7 @@ TEST(Executor, TiedEmbeddings) {
 }
 
 TEST(Executor, ReplicatedUnits) {
+  REQUIRE_DEVICES(2);
   // 40,000 elements: the embedding and the head stay whole on every rank, the blocks are
   // sharded.
   const uint64_t threshold = 40000;
@@ -393,6 +423,7 @@ TEST(Executor, ReplicatedUnits) {
 }
 
 TEST(Executor, TiedEmbeddingsWithReplicatedUnits) {
+  REQUIRE_DEVICES(2);
   // The head adds into a replicated embedding's working gradients, which are a buffer of the
   // unit's own: with the embedding and head replicated, and with every unit replicated (the
   // comm lanes then run nothing but all-reduces, so no gather orders the compute lane behind
@@ -411,6 +442,7 @@ TEST(Executor, TiedEmbeddingsWithReplicatedUnits) {
 }
 
 TEST(Executor, DeepPrefetchGivesTheSameBits) {
+  REQUIRE_DEVICES(2);
   // A prefetch as deep as the model: the gathers of a unit's backward are emitted before its
   // forward has run, so every consumer must read from the gather it depends on.
   const LlamaConfig c = tiny(false);
@@ -424,6 +456,7 @@ TEST(Executor, DeepPrefetchGivesTheSameBits) {
 }
 
 TEST(Executor, NonFiniteGradientsSkipTheStep) {
+  REQUIRE_DEVICES(2);
   const LlamaConfig c = tiny(false);
   const test::TempDir dir("strata-exec");
   Rig rig(2);
@@ -453,6 +486,7 @@ TEST(Executor, NonFiniteGradientsSkipTheStep) {
 }
 
 TEST(Executor, NextStepsForwardRunsUnderThisStepsOptimizer) {
+  REQUIRE_DEVICES(1);
   // DESIGN §3.4: step() returns once the loss and the norm are known, and the next step's
   // first fetches start while this step's optimizer is still writing. A slow drive (every
   // request 5 ms late) makes the optimizer's tail of 2 x units writes far longer than the
@@ -491,6 +525,7 @@ TEST(Executor, NextStepsForwardRunsUnderThisStepsOptimizer) {
 }
 
 TEST(Executor, NvmeFaultStopsTheStepNamingTheTask) {
+  REQUIRE_DEVICES(2);
   const LlamaConfig c = tiny(false);
   const test::TempDir dir("strata-exec");
   Rig rig(2);
@@ -524,6 +559,7 @@ TEST(Executor, NvmeFaultStopsTheStepNamingTheTask) {
 // executor refuses one outside the vocabulary before anything runs, naming where it is; the
 // executor stays usable.
 TEST(Executor, TokenIdsOutsideTheVocabularyAreRefused) {
+  REQUIRE_DEVICES(2);
   const LlamaConfig c = tiny(false);
   Rig rig(2);
   const Placement pl = make_placement(c, 2, Tier::gpu, Tier::gpu, "");
@@ -546,6 +582,7 @@ TEST(Executor, TokenIdsOutsideTheVocabularyAreRefused) {
 }
 
 TEST(ZeroModelResidency, OffDeviceShardsGatherAndReduceScatterThroughCallerBuffers) {
+  REQUIRE_DEVICES(3);
   // A unit whose P and G are not resident: gather from caller shards, reduce-scatter into
   // caller buffers, with integer-valued data so sums are exact.
   const int N = 3;
