@@ -3,6 +3,7 @@
 // stopped and resumed gives the uninterrupted run's files byte for byte with every placement
 // tried, the export loads back (f32 from the master weights, bf16 equal to the run's
 // parameters), a DeepSpeed config as Hugging Face writes it is accepted, and bad input is named.
+#include "gpu/runtime.h"
 #include "model/safetensors.h"
 #include "train_cli_testing.h"
 
@@ -186,7 +187,7 @@ TEST(TrainCli, Fp16SkipsOverflowedStepsAndHalvesTheScale) {
                             "hysteresis": 1, "loss_scale_window": 1000}})";
   const test::CommandResult r =
       strata("train " + kTiny + "--data " + data.string() + " --steps 20 --save-every 1 --keep 0 " +
-             "--config " + cfg.string() + " --run-dir " + run.string());
+             "--config " + cfg.string() + " --run-dir " + run.string() + " --devices host:1");
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("(skipped: overflow)"), std::string::npos) << r.out;
   const std::vector<json> m = metrics(run);
@@ -220,6 +221,31 @@ TEST(TrainCli, Fp16SkipsOverflowedStepsAndHalvesTheScale) {
   }
 }
 
+// The CUDA backend has no f16 kernels: a DeepSpeed config with fp16 enabled, or --dtype f16, on
+// a GPU is refused before anything is allocated, naming the source and what to use instead
+// (before, step 1 failed inside the executor at the first embedding).
+TEST(TrainCli, Fp16OnAGpuIsRefusedBeforeTraining) {
+  if (cuda_runtime().gpus.empty())
+    GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
+  const test::TempDir dir("strata-train-fp16-gpu");
+  const fs::path data = make_data(dir.path), cfg = dir.path / "ds_config.json";
+  std::ofstream(cfg) << R"({"fp16": {"enabled": true}})";
+  for (const std::string& how : {"--config " + cfg.string(), std::string("--dtype f16")}) {
+    SCOPED_TRACE(how);
+    const fs::path run = dir.path / ("run-" + std::to_string(how.size()));
+    const test::CommandResult r =
+        strata("train " + kTiny + "--data " + data.string() + " --steps 2 --devices cuda:0 " + how +
+               " --run-dir " + run.string());
+    EXPECT_EQ(r.status, 1) << r.out;
+    for (const char* want : {"f16 kernels", "bf16", "--devices host:N"})
+      EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
+    EXPECT_NE(r.out.find(how.starts_with("--dtype") ? "--dtype f16" : "fp16.enabled"),
+              std::string::npos)
+        << r.out;
+    EXPECT_EQ(r.out.find("step 1"), std::string::npos) << "refused before training\n" << r.out;
+  }
+}
+
 // --eval-data: the held-out loss every --eval-every steps and after the last, from the
 // parameters wherever they live (here P on the host, O on NVMe, two ranks), equal to what
 // `strata eval` gives on the checkpoint of the same step.
@@ -250,7 +276,7 @@ TEST(TrainCli, EvalDataGivesTheLossStrataEvalGivesOnTheCheckpoint) {
     EXPECT_NE(r.out.find(fmt::format("eval: step {} loss", step)), std::string::npos) << r.out;
     const test::CommandResult e =
         strata("eval --model " + (run / "checkpoints" / fmt::format("step-{}", step)).string() +
-               " --data " + held.string() + " --seq-len 32 --json");
+               " --data " + held.string() + " --seq-len 32 --devices host:1 --json");
     ASSERT_EQ(e.status, 0) << e.out;
     const json ej = json::parse(e.out.substr(e.out.find('{')));
     const double want = ej["loss"].get<double>(), got = row["eval_loss"].get<double>();

@@ -28,8 +28,20 @@ std::vector<std::unique_ptr<Device>> open_cli_devices(const std::string& devices
 }
 
 DType model_dtype(const Device& device, const std::string& dtype) {
-  if (!dtype.empty()) return parse_dtype(dtype);
-  return device.backend() == Backend::host ? DType::f32 : DType::bf16;
+  if (dtype.empty()) return device.backend() == Backend::host ? DType::f32 : DType::bf16;
+  const DType t = parse_dtype(dtype);
+  check_model_dtype(device, t, "--dtype " + dtype);
+  return t;
+}
+
+void check_model_dtype(const Device& device, DType dtype, std::string_view source) {
+  if (dtype == DType::f16 && device.backend() == Backend::cuda)
+    fail(
+        "{}: f16 parameters and activations need f16 kernels, which strata's CUDA backend does "
+        "not have ({} computes in f32 or bf16); use bf16 (--dtype bf16, or \"bf16\": "
+        "{{\"enabled\": true}} in the DeepSpeed config: the same memory, and no loss scaling "
+        "needed), or host devices (--devices host:N)",
+        source, device.name());
 }
 
 bool weights_from_model_dir(const std::string& model, const std::string& init,

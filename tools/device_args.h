@@ -27,6 +27,9 @@ std::vector<std::unique_ptr<Device>> open_cli_devices(const std::string& devices
 
 // --dtype, or the default for the device: f32 on the host backend, bf16 on CUDA.
 DType model_dtype(const Device& device, const std::string& dtype);
+// An Error unless `device`'s kernels compute in `dtype`: the CUDA backend has no f16 kernels
+// (f32 and bf16 only). `source` names where the dtype came from ("--dtype f16").
+void check_model_dtype(const Device& device, DType dtype, std::string_view source);
 
 // Whether the weights come from the directory --model names (true) or from --init random
 // (false). An Error for an --init other than 'random', and for a preset (no weights) without

@@ -97,12 +97,15 @@ int run_train(const TrainArgs& a) {
   if (s.seq_len > model.max_position_embeddings)
     fail("--seq-len {}: the model's max_position_embeddings is {}; use at most that", s.seq_len,
          model.max_position_embeddings);
-  if (!a.dtype.empty())
-    s.dtype = parse_dtype(a.dtype);
-  else if (plan.param_dtype)
+  if (!a.dtype.empty()) {
+    s.dtype = model_dtype(*ptrs.front(), a.dtype);
+  } else if (plan.param_dtype) {
     s.dtype = *plan.param_dtype;
-  else
+    check_model_dtype(*ptrs.front(), s.dtype,
+                      fmt::format("{}: fp16.enabled", a.config.empty() ? "config" : a.config));
+  } else {
     s.dtype = model_dtype(*ptrs.front(), "");
+  }
 
   // The optimizer: DeepSpeed's Adam is AdamW unless adam_w_mode is false.
   const DsConfig::Optimizer opt = ds ? ds->optimizer : DsConfig::Optimizer{};
