@@ -273,15 +273,23 @@ bool complete_shuffles(Block& b) {
   return any;
 }
 
-void run_block(Block& b) {
+// `reverse`: the block starts with its last thread. Between two barriers a GPU runs a block's
+// threads in no fixed order, so neither order may change a correct kernel's result; the
+// order alternates from block to block and from barrier to barrier, so that a kernel missing
+// a barrier (a thread reading shared memory another has yet to write) gets the wrong answer
+// here in some block instead of the right one by luck.
+void run_block(Block& b, bool reverse) {
+  const size_t n = b.fibers.size();
   for (;;) {
     bool ran = false;
-    for (Fiber& f : b.fibers) {
+    for (size_t k = 0; k < n; ++k) {
+      Fiber& f = b.fibers[reverse ? n - 1 - k : k];
       if (f.state != State::kRunnable) continue;
       resume(b, f);
       ran = true;
       if (b.error) std::rethrow_exception(b.error);
     }
+    reverse = !reverse;
     if (complete_shuffles(b)) continue;
     bool live = false, all_at_barrier = true;
     const Fiber* stuck = nullptr;
@@ -397,7 +405,7 @@ void launch_grid(const char* name, const void* kernel, const LaunchConfig& c,
                 f.stack = stacks.stack(i);
                 start_fiber(b, f);
               }
-          run_block(b);
+          run_block(b, (x + y + z) % 2 == 1);
           for (unsigned t = 0; t < b.fibers.size(); ++t)
             if (!stacks.intact(t))
               throw Fault(where(b, b.fibers[t]) + " overflowed its " +

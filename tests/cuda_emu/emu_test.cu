@@ -1,0 +1,127 @@
+// emu_test.cu: the emulator's own checks, written as CUDA and run through rewrite.cpp like
+// strata's kernels: that a block's threads meet at barriers and exchange values in shuffles,
+// and that what would hang, fault or race on a GPU shows up here instead of passing.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+namespace {
+
+__global__ void block_sum(const float* x, float* out, int n) {
+  __shared__ float partial[32];
+  float v = 0.0f;
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) v += x[i];
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    v = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (threadIdx.x == 0) out[blockIdx.x] = v;
+  }
+}
+
+// Each thread but the first reads its left neighbour's value, with or without the barrier
+// between: threads run in index order get it right without one, by luck.
+__global__ void left_neighbour(float* out, bool barrier) {
+  extern __shared__ float values[];
+  values[threadIdx.x] = static_cast<float>(threadIdx.x);
+  if (barrier) __syncthreads();
+  const unsigned left = threadIdx.x == 0 ? 0 : threadIdx.x - 1;
+  out[blockIdx.x * blockDim.x + threadIdx.x] = values[left];
+}
+
+// Half of the block waits at a barrier the other half never reaches.
+__global__ void divergent_barrier(float* out) {
+  if (threadIdx.x < 16) {
+    __syncthreads();
+  } else {
+    out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
+  }
+}
+
+class CudaEmu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_EQ(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), cudaSuccess);
+  }
+  void TearDown() override { (void)cudaStreamDestroy(stream_); }
+  float* device_floats(size_t n) {
+    float* p = nullptr;
+    EXPECT_EQ(cudaMalloc(reinterpret_cast<void**>(&p), n * sizeof(float)), cudaSuccess);
+    allocations_.push_back(p);
+    return p;
+  }
+  std::vector<float> fetch(const float* p, size_t n) {
+    std::vector<float> h(n);
+    EXPECT_EQ(cudaMemcpyAsync(h.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost, stream_),
+              cudaSuccess);
+    EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+    return h;
+  }
+  ~CudaEmu() override {
+    for (float* p : allocations_) (void)cudaFree(p);
+  }
+  cudaStream_t stream_ = nullptr;
+  std::vector<float*> allocations_;
+};
+
+TEST_F(CudaEmu, BarriersAndShufflesGiveABlockReduction) {
+  const int n = 100000, blocks = 7;
+  std::vector<float> x(n);
+  for (int i = 0; i < n; ++i) x[static_cast<size_t>(i)] = static_cast<float>(i % 10);
+  float* dx = device_floats(n);
+  float* out = device_floats(blocks);
+  ASSERT_EQ(cudaMemcpyAsync(dx, x.data(), n * sizeof(float), cudaMemcpyHostToDevice, stream_),
+            cudaSuccess);
+  block_sum<<<blocks, 256, 0, stream_>>>(dx, out, n);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  double total = 0;
+  for (float v : fetch(out, blocks)) total += v;
+  EXPECT_EQ(total, 450000.0);
+}
+
+TEST_F(CudaEmu, AMissingBarrierGivesWrongValuesInSomeBlock) {
+  const unsigned threads = 64, blocks = 2;
+  float* out = device_floats(threads * blocks);
+  for (const bool barrier : {true, false}) {
+    left_neighbour<<<blocks, threads, threads * sizeof(float), stream_>>>(out, barrier);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    const std::vector<float> got = fetch(out, threads * blocks);
+    int wrong = 0;
+    for (unsigned b = 0; b < blocks; ++b)
+      for (unsigned t = 0; t < threads; ++t)
+        wrong += !(got[b * threads + t] == static_cast<float>(t == 0 ? 0 : t - 1));
+    if (barrier)
+      EXPECT_EQ(wrong, 0);
+    else
+      EXPECT_GT(wrong, 0) << "threads ran in an order that hid the missing barrier";
+  }
+}
+
+TEST_F(CudaEmu, LaunchesAGpuWouldRefuseAreRefused) {
+  float* out = device_floats(4096);
+  left_neighbour<<<1, 2048, 0, stream_>>>(out, true);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidConfiguration);
+  left_neighbour<<<1, 64, 64 * 1024, stream_>>>(out, true);  // over 48 KiB, no attribute set
+  EXPECT_EQ(cudaGetLastError(), cudaErrorInvalidValue);
+  EXPECT_EQ(
+      cudaFuncSetAttribute(left_neighbour, cudaFuncAttributeMaxDynamicSharedMemorySize, 64 * 1024),
+      cudaSuccess);
+  left_neighbour<<<1, 64, 64 * 1024, stream_>>>(out, true);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+}
+
+// Last: the fault is sticky for the rest of the process, as on a GPU.
+TEST_F(CudaEmu, ZZABarrierNotEveryThreadReachesIsAStickyFault) {
+  float* out = device_floats(32);
+  divergent_barrier<<<1, 32, 0, stream_>>>(out);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);  // the launch itself is fine
+  EXPECT_EQ(cudaStreamSynchronize(stream_), cudaErrorLaunchFailure);
+  EXPECT_EQ(cudaGetLastError(), cudaErrorLaunchFailure);
+}
+
+}  // namespace
