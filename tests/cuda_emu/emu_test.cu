@@ -33,6 +33,17 @@ __global__ void left_neighbour(float* out, bool barrier) {
   out[blockIdx.x * blockDim.x + threadIdx.x] = values[left];
 }
 
+// out[t] = the value lane t reads with __shfl_xor_sync(mask 16) in groups of 16 lanes.
+__global__ void xor_in_groups_of_16(float* out) {
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, static_cast<float>(threadIdx.x), 16, 16);
+}
+
+// Lanes past `live` return at once; the others broadcast lane 0's value under a full mask.
+__global__ void broadcast_after_some_exit(float* out, unsigned live) {
+  if (threadIdx.x >= live) return;
+  out[threadIdx.x] = __shfl_sync(0xffffffffu, 100.0f + static_cast<float>(threadIdx.x), 0);
+}
+
 // Half of the block waits at a barrier the other half never reaches.
 __global__ void divergent_barrier(float* out) {
   if (threadIdx.x < 16) {
@@ -99,6 +110,24 @@ TEST_F(CudaEmu, AMissingBarrierGivesWrongValuesInSomeBlock) {
     else
       EXPECT_GT(wrong, 0) << "threads ran in an order that hid the missing barrier";
   }
+}
+
+// CUDA's rules: with width 16, lane ^ 16 is an earlier group's lane for lanes 16-31 (read) and
+// past the group's end for lanes 0-15 (their own value back); lanes that have exited may be
+// named in the mask; a block of 16 threads shuffles in its half warp.
+TEST_F(CudaEmu, ShufflesFollowCudasRulesForWidthsAndExitedLanes) {
+  float* out = device_floats(32);
+  xor_in_groups_of_16<<<1, 32, 0, stream_>>>(out);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  std::vector<float> got = fetch(out, 32);
+  for (int t = 0; t < 32; ++t)
+    EXPECT_EQ(got[size_t(t)], static_cast<float>(t < 16 ? t : t - 16)) << "lane " << t;
+  xor_in_groups_of_16<<<1, 16, 0, stream_>>>(out);
+  got = fetch(out, 16);
+  for (int t = 0; t < 16; ++t) EXPECT_EQ(got[size_t(t)], static_cast<float>(t)) << "lane " << t;
+  broadcast_after_some_exit<<<1, 32, 0, stream_>>>(out, 8);
+  got = fetch(out, 8);
+  for (int t = 0; t < 8; ++t) EXPECT_EQ(got[size_t(t)], 100.0f) << "lane " << t;
 }
 
 TEST_F(CudaEmu, LaunchesAGpuWouldRefuseAreRefused) {

@@ -128,6 +128,8 @@ class StackPool {
   void reserve(unsigned n) {
     if (n > count_) {
       if (region_ != nullptr) munmap(region_, count_ * kStackBytes);
+      region_ = nullptr;
+      count_ = 0;
       void* p = mmap(nullptr, n * kStackBytes, PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
       if (p == MAP_FAILED)
@@ -233,18 +235,18 @@ bool complete_shuffles(Block& b) {
   const auto n = static_cast<unsigned>(b.fibers.size());
   for (unsigned w = 0; w * 32 < n; ++w) {
     const unsigned first = w * 32, last = std::min(n, first + 32);
-    // The warp's waiting lanes and whether everyone their masks name is waiting too.
+    // The warp's waiting lanes, and whether every live lane their masks name waits too (CUDA
+    // asks that of the non-exited lanes of the mask; a lane that has returned, or that the
+    // block does not have, is only an error if some lane reads from it).
     bool waiting = false, complete = true;
     for (unsigned i = first; i < last; ++i) {
       const Fiber& f = b.fibers[i];
       if (f.state != State::kAtShuffle) continue;
       waiting = true;
       for (unsigned l = 0; l < 32; ++l) {
-        if (!(f.mask >> l & 1u)) continue;
-        if (first + l >= last || b.fibers[first + l].state == State::kDone)
-          throw Fault(where(b, f) + ": a shuffle's mask names lane " + std::to_string(l) +
-                      ", which has exited or does not exist");
-        if (b.fibers[first + l].state != State::kAtShuffle) complete = false;
+        if (!(f.mask >> l & 1u) || first + l >= last) continue;
+        const State other = b.fibers[first + l].state;
+        if (other != State::kAtShuffle && other != State::kDone) complete = false;
       }
     }
     if (!waiting || !complete) continue;
@@ -254,12 +256,18 @@ bool complete_shuffles(Block& b) {
       if (f.width <= 0 || f.width > 32 || (f.width & (f.width - 1)) != 0)
         throw Fault(where(b, f) + ": shuffle width " + std::to_string(f.width) +
                     " is not a power of two up to 32");
-      const unsigned segment = f.lane & ~static_cast<unsigned>(f.width - 1);
-      const unsigned src =
-          f.xor_mode ? (f.lane ^ static_cast<unsigned>(f.param)) % 32
-                     : segment + static_cast<unsigned>(f.param) % static_cast<unsigned>(f.width);
-      // A source lane outside the width's segment (xor) leaves the value unchanged, as CUDA does.
-      const unsigned source = (src & ~static_cast<unsigned>(f.width - 1)) == segment ? src : f.lane;
+      const auto width = static_cast<unsigned>(f.width);
+      const unsigned segment = f.lane & ~(width - 1);
+      unsigned source = segment + static_cast<unsigned>(f.param) % width;
+      if (f.xor_mode) {
+        // A lane may read from its own group of `width` lanes or an earlier one; past the end
+        // of its group it gets its own value back (PTX shfl.bfly).
+        source = f.lane ^ static_cast<unsigned>(f.param);
+        if (source > segment + width - 1) source = f.lane;
+      }
+      if (first + source >= last)
+        throw Fault(where(b, f) + ": shuffle reads lane " + std::to_string(source) +
+                    ", which the block does not have");
       const Fiber& s = b.fibers[first + source];
       if (s.state != State::kAtShuffle || !(f.mask >> source & 1u))
         throw Fault(where(b, f) + ": shuffle reads lane " + std::to_string(source) +

@@ -47,7 +47,8 @@ extern thread_local const ThreadCoords* current_coords;
 
 void syncthreads();
 // One lane's part of a warp shuffle: `bits` is the lane's value; returns the source lane's.
-// `xor_mode`: source = lane ^ param, else source = param (both within `width` lanes).
+// `xor_mode`: source = lane ^ param (its own value back past the end of its group of `width`
+// lanes), else source = param within the lane's group.
 uint64_t shuffle(unsigned mask, uint64_t bits, int param, int width, bool xor_mode);
 // The block's dynamic shared memory (`extern __shared__`).
 void* dynamic_shared_memory();
