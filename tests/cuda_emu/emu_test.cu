@@ -44,6 +44,14 @@ __global__ void broadcast_after_some_exit(float* out, unsigned live) {
   out[threadIdx.x] = __shfl_sync(0xffffffffu, 100.0f + static_cast<float>(threadIdx.x), 0);
 }
 
+// Only block 0 writes its static shared variable; every block reads it.
+__global__ void written_in_block_zero_only(float* out) {
+  __shared__ float value[1];
+  if (blockIdx.x == 0 && threadIdx.x == 0) value[0] = 42.0f;
+  __syncthreads();
+  if (threadIdx.x == 0) out[blockIdx.x] = value[0];
+}
+
 // Half of the block waits at a barrier the other half never reaches.
 __global__ void divergent_barrier(float* out) {
   if (threadIdx.x < 16) {
@@ -128,6 +136,17 @@ TEST_F(CudaEmu, ShufflesFollowCudasRulesForWidthsAndExitedLanes) {
   broadcast_after_some_exit<<<1, 32, 0, stream_>>>(out, 8);
   got = fetch(out, 8);
   for (int t = 0; t < 8; ++t) EXPECT_EQ(got[size_t(t)], 100.0f) << "lane " << t;
+}
+
+// Shared memory is the block's own: a block that reads a static __shared__ variable nobody in
+// it wrote gets NaN, not what the previous block left there.
+TEST_F(CudaEmu, StaticSharedMemoryStartsAsNaNInEveryBlock) {
+  float* out = device_floats(3);
+  written_in_block_zero_only<<<3, 32, 0, stream_>>>(out);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const std::vector<float> got = fetch(out, 3);
+  EXPECT_EQ(got[0], 42.0f);
+  EXPECT_TRUE(std::isnan(got[1]) && std::isnan(got[2])) << got[1] << " " << got[2];
 }
 
 TEST_F(CudaEmu, LaunchesAGpuWouldRefuseAreRefused) {

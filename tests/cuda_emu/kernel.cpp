@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -106,6 +107,11 @@ struct Block {
   ucontext_t scheduler;
 #endif
   std::vector<unsigned char> dynamic_shared;
+  // Static shared variables: offsets into a fixed 48 KiB (a GPU's static limit), assigned at a
+  // variable's first use in the launch; the used prefix is poisoned again at every block.
+  std::map<const void*, size_t> static_offsets;
+  std::vector<unsigned char> static_shared;
+  size_t static_used = 0, shared_limit = 0;
   std::exception_ptr error;
   std::string kernel_name;
 };
@@ -348,6 +354,25 @@ uint64_t shuffle(unsigned mask, uint64_t bits, int param, int width, bool xor_mo
   return f.result;
 }
 
+void* block_shared_bytes(const void* tag, size_t bytes, size_t align) {
+  Block* b = current_block;
+  if (b == nullptr || b->running == nullptr) throw Fault("__shared__ used outside a kernel");
+  if (auto it = b->static_offsets.find(tag); it != b->static_offsets.end())
+    return b->static_shared.data() + it->second;
+  const size_t offset = (b->static_used + align - 1) / align * align;
+  if (offset + bytes > b->static_shared.size() ||
+      offset + bytes + b->dynamic_shared.size() > b->shared_limit)
+    throw Fault(where(*b, *b->running) + ": " + std::to_string(offset + bytes) +
+                " bytes of static shared memory (with " + std::to_string(b->dynamic_shared.size()) +
+                " dynamic) are over the GPU's limits (48 KiB static, " +
+                std::to_string(b->shared_limit) + " in all)");
+  std::fill(b->static_shared.begin() + static_cast<std::ptrdiff_t>(offset),
+            b->static_shared.begin() + static_cast<std::ptrdiff_t>(offset + bytes), 0xff);
+  b->static_offsets.emplace(tag, offset);
+  b->static_used = offset + bytes;
+  return b->static_shared.data() + offset;
+}
+
 void* dynamic_shared_memory() {
   Block* b = current_block;
   if (b == nullptr) throw Fault("extern __shared__ outside a kernel");
@@ -383,6 +408,8 @@ void launch_grid(const char* name, const void* kernel, const LaunchConfig& c,
     b.kernel_name = kernel_name;
     b.fibers.resize(static_cast<size_t>(uint64_t{c.block.x} * c.block.y * c.block.z));
     b.dynamic_shared.resize(c.shared_bytes);
+    b.static_shared.resize(kDefaultSharedLimit);
+    b.shared_limit = static_cast<size_t>(max_shared_per_block_optin(stream_device(c.stream)));
     stacks.reserve(static_cast<unsigned>(b.fibers.size()));
     Block* const outer = current_block;
     current_block = &b;
@@ -397,6 +424,8 @@ void launch_grid(const char* name, const void* kernel, const LaunchConfig& c,
       for (unsigned y = 0; y < c.grid.y; ++y)
         for (unsigned x = 0; x < c.grid.x; ++x) {
           std::fill(b.dynamic_shared.begin(), b.dynamic_shared.end(), 0xff);
+          std::fill(b.static_shared.begin(),
+                    b.static_shared.begin() + static_cast<std::ptrdiff_t>(b.static_used), 0xff);
           b.error = nullptr;
           unsigned i = 0;
           for (unsigned tz = 0; tz < c.block.z; ++tz)

@@ -1,9 +1,10 @@
 // rewrite.cpp (CUDA emulator): turns a .cu file into C++ that g++ compiles against the
-// emulator's headers. Two rewrites, nothing else changes:
+// emulator's headers. Three rewrites, nothing else changes:
 //   NAME<<<CONFIG>>>(ARGS)          ->  ::cuda_emu::launch("NAME", NAME,
 //                                         ::cuda_emu::LaunchConfig(CONFIG), ARGS)
 //   extern __shared__ TYPE NAME[];  ->  TYPE* const NAME =
 //                                         static_cast<TYPE*>(::cuda_emu::dynamic_shared_memory());
+//   __shared__ TYPE NAME[N];        ->  auto& NAME = ::cuda_emu::block_shared<TYPE[N]>(&TAG);
 // Each rewrite keeps the number of lines, and the output starts with cuda_runtime.h (which nvcc
 // includes implicitly) and a #line naming the .cu file, so compiler messages and __FILE__
 // (CUDA_CHECK's) point into the original source.
@@ -42,6 +43,13 @@ size_t close_paren(const std::string& text, size_t open) {
   return std::string::npos;
 }
 
+// Whether `at` lies in a // comment (the rewrites leave comments alone).
+bool in_comment(const std::string& text, size_t at) {
+  const size_t line = text.rfind('\n', at);
+  const size_t start = line == std::string::npos ? 0 : line + 1;
+  return text.substr(start, at - start).find("//") != std::string::npos;
+}
+
 std::string trim(const std::string& s) {
   const size_t b = s.find_first_not_of(" \t\n");
   const size_t e = s.find_last_not_of(" \t\n");
@@ -50,6 +58,10 @@ std::string trim(const std::string& s) {
 
 std::string rewrite_launches(const std::string& file, std::string text) {
   for (size_t at = text.find("<<<"); at != std::string::npos; at = text.find("<<<", at)) {
+    if (in_comment(text, at)) {
+      at += 3;
+      continue;
+    }
     // Back over whitespace, template arguments <...> and the (qualified) name.
     size_t start = at;
     while (start > 0 && std::isspace(static_cast<unsigned char>(text[start - 1]))) --start;
@@ -94,6 +106,10 @@ std::string rewrite_launches(const std::string& file, std::string text) {
 std::string rewrite_dynamic_shared(const std::string& file, std::string text) {
   const std::string key = "extern __shared__";
   for (size_t at = text.find(key); at != std::string::npos; at = text.find(key, at)) {
+    if (in_comment(text, at)) {
+      at += key.size();
+      continue;
+    }
     const size_t semi = text.find(';', at);
     if (semi == std::string::npos) die(file, "extern __shared__ without a ;");
     std::string decl = trim(text.substr(at + key.size(), semi - at - key.size()));
@@ -116,6 +132,36 @@ std::string rewrite_dynamic_shared(const std::string& file, std::string text) {
   return text;
 }
 
+// `__shared__ T name[N];` (in a kernel or device function) becomes a reference into the running
+// block's static shared memory, poisoned like the dynamic kind at every block (a static
+// thread_local, as the plain macro makes it, would keep the previous block's values).
+std::string rewrite_static_shared(const std::string& file, std::string text) {
+  const std::string key = "__shared__";
+  for (size_t at = text.find(key); at != std::string::npos; at = text.find(key, at)) {
+    if (in_comment(text, at)) {
+      at += key.size();
+      continue;
+    }
+    const size_t semi = text.find(';', at);
+    if (semi == std::string::npos) die(file, "__shared__ without a ;");
+    const std::string decl = trim(text.substr(at + key.size(), semi - at - key.size()));
+    const size_t bracket = decl.find('[');
+    const std::string head = trim(decl.substr(0, bracket));
+    const std::string dims = bracket == std::string::npos ? std::string() : decl.substr(bracket);
+    size_t name_at = head.size();
+    while (name_at > 0 && ident_char(head[name_at - 1])) --name_at;
+    const std::string name = head.substr(name_at), type = trim(head.substr(0, name_at));
+    if (name.empty() || type.empty() || decl.find('=') != std::string::npos)
+      die(file, "__shared__ " + decl + ": expected `__shared__ TYPE NAME[DIMS];`");
+    const std::string tag = "cuda_emu_tag_" + name;
+    const std::string out = "static thread_local const char " + tag + " = 0; auto& " + name +
+                            " = ::cuda_emu::block_shared<" + type + dims + ">(&" + tag + ");";
+    text.replace(at, semi + 1 - at, out);
+    at += out.size();
+  }
+  return text;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -127,7 +173,8 @@ int main(int argc, char** argv) {
   if (!in) die(argv[1], "cannot read it");
   std::stringstream buffer;
   buffer << in.rdbuf();
-  std::string text = rewrite_dynamic_shared(argv[1], rewrite_launches(argv[1], buffer.str()));
+  std::string text = rewrite_static_shared(
+      argv[1], rewrite_dynamic_shared(argv[1], rewrite_launches(argv[1], buffer.str())));
   const std::string out_path = argv[2], tmp = out_path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::binary);

@@ -6,10 +6,10 @@
 //
 // A kernel's threads run as fibers on the stream's worker thread, one block at a time: a fiber
 // runs until it reaches __syncthreads or a shuffle, and kernel.cpp's scheduler resumes the
-// others, so the block's threads meet at every barrier as on a GPU. Static `__shared__`
-// variables become `static thread_local` (one copy per worker thread, which runs one block at a
-// time); dynamic shared memory (`extern __shared__`) is a per-block buffer filled with 0xff
-// bytes (NaN in f32 and bf16) before each block, so reading what no thread wrote shows up.
+// others, so the block's threads meet at every barrier as on a GPU. Shared memory, static
+// (`__shared__ T x[N]`, which the rewriter turns into block_shared) and dynamic
+// (`extern __shared__`), is per-block storage filled with 0xff bytes (NaN in f32 and bf16)
+// before each block, so reading what no thread of the block wrote shows up.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -52,6 +52,14 @@ void syncthreads();
 uint64_t shuffle(unsigned mask, uint64_t bits, int param, int width, bool xor_mode);
 // The block's dynamic shared memory (`extern __shared__`).
 void* dynamic_shared_memory();
+// The block's static shared variable declared at `tag` (`__shared__ T x[N]`, rewritten): the
+// same bytes for every thread of the block, 0xff bytes at the start of each block.
+void* block_shared_bytes(const void* tag, size_t bytes, size_t align);
+template <typename T>
+T& block_shared(const void* tag) {
+  static_assert(std::is_trivially_copyable_v<T>, "__shared__ variables must be trivial");
+  return *static_cast<T*>(block_shared_bytes(tag, sizeof(T), alignof(T)));
+}
 
 struct LaunchConfig {
   dim3 grid, block;
