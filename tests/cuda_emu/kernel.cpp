@@ -397,19 +397,19 @@ void launch_grid(const char* name, const void* kernel, const LaunchConfig& c,
   }
   const auto limit =
       std::max<size_t>(kDefaultSharedLimit, static_cast<size_t>(func_max_dynamic_shared(kernel)));
-  if (c.shared_bytes > limit ||
-      c.shared_bytes > static_cast<size_t>(max_shared_per_block_optin(device))) {
+  const auto optin = static_cast<size_t>(max_shared_per_block_optin(device));
+  if (c.shared_bytes > limit || c.shared_bytes > optin) {
     set_last_error(cudaErrorInvalidValue);
     return;
   }
-  enqueue(c.stream, [c, body = std::move(body), kernel_name = std::string(name)] {
+  enqueue(c.stream, [c, optin, body = std::move(body), kernel_name = std::string(name)] {
     Block b;
     b.body = &body;
     b.kernel_name = kernel_name;
     b.fibers.resize(static_cast<size_t>(uint64_t{c.block.x} * c.block.y * c.block.z));
     b.dynamic_shared.resize(c.shared_bytes);
     b.static_shared.resize(kDefaultSharedLimit);
-    b.shared_limit = static_cast<size_t>(max_shared_per_block_optin(stream_device(c.stream)));
+    b.shared_limit = optin;
     stacks.reserve(static_cast<unsigned>(b.fibers.size()));
     Block* const outer = current_block;
     current_block = &b;
