@@ -208,6 +208,23 @@ TEST(HostOps, MatmulMatchesNaiveForEveryTransposeAndDtype) {
   for (int64_t i = 0; i < z.numel(); ++i) EXPECT_EQ(z.at(i), 0.0f);
 }
 
+// Big enough that matmul splits C's columns into several sgemm calls (about 4 MFLOP each),
+// with a last block narrower than the others, for every transpose.
+TEST(HostOps, MatmulSplitIntoColumnBlocksMatchesNaive) {
+  Random rng(16);
+  const int64_t m = 40, n = 1000, k = 70;  // 2 m k = 5600 flops a column: blocks of 768
+  for (bool ta : {false, true})
+    for (bool tb : {false, true}) {
+      const std::string what = std::string(ta ? "aT" : "a") + (tb ? " bT" : " b");
+      Tensor a = rng.tensor(DType::f32, ta ? Shape{k, m} : Shape{m, k});
+      Tensor b = rng.tensor(DType::f32, tb ? Shape{n, k} : Shape{k, n});
+      Tensor c = rng.tensor(DType::f32, {m, n});
+      const std::vector<double> want = naive_matmul(a, ta, b, tb, c, 1.5f, 0.5f, m, n, k);
+      host::matmul(c.view(), a.view(), ta, b.view(), tb, 1.5f, 0.5f);
+      expect_close(c, want, 1e-5, what);
+    }
+}
+
 // dA and dB of L = Σ R·(op(a) op(b)) through matmul itself, as the model's backward does.
 TEST(HostOps, MatmulGradientsMatchFiniteDifferences) {
   Random rng(2);
@@ -777,17 +794,19 @@ TEST(HostOps, ResultsDoNotDependOnThreadCount) {
          k = rng.tensor(DType::f32, {s.B, s.T, s.Hkv, s.hd}), v = rng.tensor(DType::f32, k.shape),
          dout = rng.tensor(DType::f32, q.shape);
   Tensor x = rng.tensor(DType::f32, {512, 64}), w = rng.tensor(DType::f32, {64});
+  Tensor ma = rng.tensor(DType::f32, {64, 96}), mb = rng.tensor(DType::f32, {700, 96});
   auto run = [&] {
     std::vector<Tensor> r = {Tensor(DType::f32, q.shape),   Tensor(DType::f32, {s.B, s.H, s.T}),
                              Tensor(DType::f32, q.shape),   Tensor(DType::f32, k.shape),
                              Tensor(DType::f32, k.shape),   Tensor(DType::f32, x.shape),
                              Tensor(DType::f32, {512}),     Tensor(DType::f32, x.shape, 0.0f),
-                             Tensor(DType::f32, {64}, 0.0f)};
+                             Tensor(DType::f32, {64}, 0.0f), Tensor(DType::f32, {64, 700})};
     host::attention_forward(r[0].view(), r[1].view(), q.view(), k.view(), v.view());
     host::attention_backward(r[2].view(), r[3].view(), r[4].view(), dout.view(), q.view(), k.view(),
                              v.view(), r[0].view(), r[1].view());
     host::rmsnorm_forward(r[5].view(), r[6].view(), x.view(), w.view(), 1e-6f);
     host::rmsnorm_backward(r[7].view(), r[8].view(), r[5].view(), x.view(), w.view(), r[6].view());
+    host::matmul(r[9].view(), ma.view(), false, mb.view(), true, 1.0f, 0.0f);  // 2 blocks
     return r;
   };
   const std::vector<Tensor> parallel = run();

@@ -110,6 +110,28 @@ int blas_int(int64_t v, const char* what, const MatmulDims& d) {
   return static_cast<int>(v);
 }
 
+// OpenBLAS's own thread pool is turned off: its idle workers spin (sched_yield) for about
+// 0.1 s after every call, taking cores from oneTBB's workers and from the executor's other
+// lanes (CPU Adam, I/O) on a machine with few of them, and for the small products of a
+// pipelined step its threading costs more than it gains. matmul spreads the work over oneTBB
+// instead (the same threads as every other host op).
+void blas_on_the_calling_thread() {
+  static const bool once = [] {
+    openblas_set_num_threads(1);
+    return true;
+  }();
+  (void)once;
+}
+
+// Columns of C per sgemm call: about 4 MFLOP each (a few tens of microseconds on a core, so
+// scheduling costs little), a multiple of 64 (every sgemm kernel's column unroll divides it).
+int64_t matmul_block_cols(int64_t m, int64_t k) {
+  constexpr int64_t kBlockFlops = int64_t{4} << 20;
+  const int64_t per_col = std::max<int64_t>(1, 2 * m * k);
+  const int64_t cols = (kBlockFlops + per_col - 1) / per_col;
+  return std::max<int64_t>(64, (cols + 63) / 64 * 64);
+}
+
 // exp(a - m), but exactly 1 when a == m: an all -inf row (m = -inf) then sums to its count
 // instead of exp(-inf + inf) = NaN, as in the CUDA kernel.
 double rescale(double a, double m) {
@@ -142,9 +164,20 @@ void matmul(const TensorView& c, const TensorView& a, bool trans_a, const Tensor
   } else {
     const F32Input fa(a), fb(b);
     const int m = blas_int(d.m, "m", d), n = blas_int(d.n, "n", d), k = blas_int(d.k, "k", d);
-    cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
-                trans_b ? CblasTrans : CblasNoTrans, m, n, k, alpha, fa.data(), trans_a ? m : k,
-                fb.data(), trans_b ? k : n, beta, cp, n);
+    blas_on_the_calling_thread();
+    // Blocks of C's columns, each one single-threaded sgemm over the whole of k. The blocks
+    // depend only on the shape, so the bits do not depend on how many threads run them.
+    const int64_t cols = matmul_block_cols(d.m, d.k);
+    parallel_ranges((d.n + cols - 1) / cols, 1, [&](int64_t b0, int64_t b1) {
+      for (int64_t blk = b0; blk < b1; ++blk) {
+        const int64_t j0 = blk * cols;
+        const int nj = static_cast<int>(std::min(cols, d.n - j0));
+        const float* bj = fb.data() + (trans_b ? j0 * d.k : j0);
+        cblas_sgemm(CblasRowMajor, trans_a ? CblasTrans : CblasNoTrans,
+                    trans_b ? CblasTrans : CblasNoTrans, m, nj, k, alpha, fa.data(),
+                    trans_a ? m : k, bj, trans_b ? k : n, beta, cp + j0, n);
+      }
+    });
   }
   if (c.dtype != DType::f32) convert(c.data, c.dtype, cp, DType::f32, static_cast<size_t>(mn));
 }

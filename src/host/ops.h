@@ -7,7 +7,9 @@
 // takes views of ordinary host memory (a view's `device` is ignored), runs the op's shape
 // checks first and throws Error on a mismatch or on an id out of range. Rows are spread over
 // oneTBB threads, but every sum runs in a fixed order: results do not depend on thread count.
-// Matmuls go through OpenBLAS's cblas_sgemm; 16-bit operands are converted to f32 first.
+// Matmuls go through OpenBLAS's cblas_sgemm, one call per fixed block of C's columns, spread
+// over oneTBB like the rest (OpenBLAS's own threads are off); 16-bit operands are converted to
+// f32 first.
 #pragma once
 
 #include "core/kernels.h"
