@@ -796,10 +796,10 @@ TEST(HostOps, ResultsDoNotDependOnThreadCount) {
   Tensor x = rng.tensor(DType::f32, {512, 64}), w = rng.tensor(DType::f32, {64});
   Tensor ma = rng.tensor(DType::f32, {64, 96}), mb = rng.tensor(DType::f32, {700, 96});
   auto run = [&] {
-    std::vector<Tensor> r = {Tensor(DType::f32, q.shape),   Tensor(DType::f32, {s.B, s.H, s.T}),
-                             Tensor(DType::f32, q.shape),   Tensor(DType::f32, k.shape),
-                             Tensor(DType::f32, k.shape),   Tensor(DType::f32, x.shape),
-                             Tensor(DType::f32, {512}),     Tensor(DType::f32, x.shape, 0.0f),
+    std::vector<Tensor> r = {Tensor(DType::f32, q.shape),    Tensor(DType::f32, {s.B, s.H, s.T}),
+                             Tensor(DType::f32, q.shape),    Tensor(DType::f32, k.shape),
+                             Tensor(DType::f32, k.shape),    Tensor(DType::f32, x.shape),
+                             Tensor(DType::f32, {512}),      Tensor(DType::f32, x.shape, 0.0f),
                              Tensor(DType::f32, {64}, 0.0f), Tensor(DType::f32, {64, 700})};
     host::attention_forward(r[0].view(), r[1].view(), q.view(), k.view(), v.view());
     host::attention_backward(r[2].view(), r[3].view(), r[4].view(), dout.view(), q.view(), k.view(),
