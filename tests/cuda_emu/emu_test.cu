@@ -52,6 +52,13 @@ __global__ void written_in_block_zero_only(float* out) {
   if (threadIdx.x == 0) out[blockIdx.x] = value[0];
 }
 
+/* The rewrites leave comments and literals alone: a block comment that speaks of a launch,
+   kernel<<<grid, block>>> and then its arguments, or of a __shared__ array, is not code (the
+   rewriter used to stop at the first of these: "no argument list after kernel"). */
+const char* const kLooksLikeALaunch = "copy<<<1, 1>>>(p); __shared__ float s[2];";
+const char kQuote = '"';
+constexpr int kSeparated = 1'000;  // a digit separator, not a character literal
+
 // Half of the block waits at a barrier the other half never reaches.
 __global__ void divergent_barrier(float* out) {
   if (threadIdx.x < 16) {
@@ -147,6 +154,13 @@ TEST_F(CudaEmu, StaticSharedMemoryStartsAsNaNInEveryBlock) {
   const std::vector<float> got = fetch(out, 3);
   EXPECT_EQ(got[0], 42.0f);
   EXPECT_TRUE(std::isnan(got[1]) && std::isnan(got[2])) << got[1] << " " << got[2];
+}
+
+TEST_F(CudaEmu, RewritesLeaveCommentsAndLiteralsAlone) {
+  EXPECT_EQ(std::string(kLooksLikeALaunch),
+            std::string("copy<") + "<<1, 1>>" + ">(p); __sha" + "red__ float s[2];");
+  EXPECT_EQ(kQuote, '\x22');
+  EXPECT_EQ(kSeparated, 1000);
 }
 
 TEST_F(CudaEmu, LaunchesAGpuWouldRefuseAreRefused) {

@@ -5,9 +5,10 @@
 //   extern __shared__ TYPE NAME[];  ->  TYPE* const NAME =
 //                                         static_cast<TYPE*>(::cuda_emu::dynamic_shared_memory());
 //   __shared__ TYPE NAME[N];        ->  auto& NAME = ::cuda_emu::block_shared<TYPE[N]>(&TAG);
-// Each rewrite keeps the number of lines, and the output starts with cuda_runtime.h (which nvcc
-// includes implicitly) and a #line naming the .cu file, so compiler messages and __FILE__
-// (CUDA_CHECK's) point into the original source.
+// Comments, string and character literals are left alone. Each rewrite keeps the number of
+// lines, and the output starts with cuda_runtime.h (which nvcc includes implicitly) and a
+// #line naming the .cu file, so compiler messages and __FILE__ (CUDA_CHECK's) point into the
+// original source.
 //
 // Usage: cuda_emu_rewrite IN.cu OUT.cpp
 #include <cctype>
@@ -43,11 +44,47 @@ size_t close_paren(const std::string& text, size_t open) {
   return std::string::npos;
 }
 
-// Whether `at` lies in a // comment (the rewrites leave comments alone).
-bool in_comment(const std::string& text, size_t at) {
-  const size_t line = text.rfind('\n', at);
-  const size_t start = line == std::string::npos ? 0 : line + 1;
-  return text.substr(start, at - start).find("//") != std::string::npos;
+// Whether text[at] is code: not inside a comment (// or /* */), a string literal or a
+// character literal, which the rewrites leave alone. A ' right after a digit is a digit
+// separator (1'000), not a character literal.
+bool is_code(const std::string& text, size_t at) {
+  enum class In { code, line_comment, block_comment, string, character } in = In::code;
+  for (size_t i = 0; i < at && i < text.size(); ++i) {
+    const char c = text[i];
+    const char next = i + 1 < text.size() ? text[i + 1] : '\0';
+    switch (in) {
+      case In::code:
+        if (c == '/' && next == '/') {
+          in = In::line_comment;
+          ++i;
+        } else if (c == '/' && next == '*') {
+          in = In::block_comment;
+          ++i;
+        } else if (c == '"') {
+          in = In::string;
+        } else if (c == '\'' && !(i > 0 && std::isdigit(static_cast<unsigned char>(text[i - 1])))) {
+          in = In::character;
+        }
+        break;
+      case In::line_comment:
+        if (c == '\n') in = In::code;
+        break;
+      case In::block_comment:
+        if (c == '*' && next == '/') {
+          in = In::code;
+          ++i;
+        }
+        break;
+      case In::string:
+      case In::character:
+        if (c == '\\')
+          ++i;  // an escape: the next character is the literal's
+        else if (c == (in == In::string ? '"' : '\'') || c == '\n')
+          in = In::code;  // closed (or unterminated at the line's end, which cannot compile)
+        break;
+    }
+  }
+  return in == In::code;
 }
 
 std::string trim(const std::string& s) {
@@ -58,7 +95,7 @@ std::string trim(const std::string& s) {
 
 std::string rewrite_launches(const std::string& file, std::string text) {
   for (size_t at = text.find("<<<"); at != std::string::npos; at = text.find("<<<", at)) {
-    if (in_comment(text, at)) {
+    if (!is_code(text, at)) {
       at += 3;
       continue;
     }
@@ -106,7 +143,7 @@ std::string rewrite_launches(const std::string& file, std::string text) {
 std::string rewrite_dynamic_shared(const std::string& file, std::string text) {
   const std::string key = "extern __shared__";
   for (size_t at = text.find(key); at != std::string::npos; at = text.find(key, at)) {
-    if (in_comment(text, at)) {
+    if (!is_code(text, at)) {
       at += key.size();
       continue;
     }
@@ -138,7 +175,7 @@ std::string rewrite_dynamic_shared(const std::string& file, std::string text) {
 std::string rewrite_static_shared(const std::string& file, std::string text) {
   const std::string key = "__shared__";
   for (size_t at = text.find(key); at != std::string::npos; at = text.find(key, at)) {
-    if (in_comment(text, at)) {
+    if (!is_code(text, at)) {
       at += key.size();
       continue;
     }
