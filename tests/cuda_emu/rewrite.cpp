@@ -45,8 +45,8 @@ size_t close_paren(const std::string& text, size_t open) {
 }
 
 // Whether text[at] is code: not inside a comment (// or /* */), a string literal or a
-// character literal, which the rewrites leave alone. A ' right after a digit is a digit
-// separator (1'000), not a character literal.
+// character literal, which the rewrites leave alone. A ' right after a hex digit is a digit
+// separator (1'000, 0xff'ff), not a character literal (prefixes L, u and U are not hex).
 bool is_code(const std::string& text, size_t at) {
   enum class In { code, line_comment, block_comment, string, character } in = In::code;
   for (size_t i = 0; i < at && i < text.size(); ++i) {
@@ -62,7 +62,8 @@ bool is_code(const std::string& text, size_t at) {
           ++i;
         } else if (c == '"') {
           in = In::string;
-        } else if (c == '\'' && !(i > 0 && std::isdigit(static_cast<unsigned char>(text[i - 1])))) {
+        } else if (c == '\'' &&
+                   !(i > 0 && std::isxdigit(static_cast<unsigned char>(text[i - 1])))) {
           in = In::character;
         }
         break;
