@@ -3,8 +3,10 @@
 // and that what would hang, fault or race on a GPU shows up here instead of passing.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace {
@@ -57,7 +59,8 @@ __global__ void written_in_block_zero_only(float* out) {
    rewriter used to stop at the first of these: "no argument list after kernel"). */
 const char* const kLooksLikeALaunch = "copy<<<1, 1>>>(p); __shared__ float s[2];";
 const char kQuote = '"';
-constexpr int kSeparated = 1'000;  // a digit separator, not a character literal
+constexpr int kSeparated = 1'000;  // digit separators, not character literals
+constexpr unsigned kHexSeparated = 0xff'ff;
 
 // Half of the block waits at a barrier the other half never reaches.
 __global__ void divergent_barrier(float* out) {
@@ -161,6 +164,7 @@ TEST_F(CudaEmu, RewritesLeaveCommentsAndLiteralsAlone) {
             std::string("copy<") + "<<1, 1>>" + ">(p); __sha" + "red__ float s[2];");
   EXPECT_EQ(kQuote, '\x22');
   EXPECT_EQ(kSeparated, 1000);
+  EXPECT_EQ(kHexSeparated, 65535u);
 }
 
 TEST_F(CudaEmu, LaunchesAGpuWouldRefuseAreRefused) {
@@ -180,8 +184,19 @@ TEST_F(CudaEmu, LaunchesAGpuWouldRefuseAreRefused) {
 // Last: the fault is sticky for the rest of the process, as on a GPU.
 TEST_F(CudaEmu, ZZABarrierNotEveryThreadReachesIsAStickyFault) {
   float* out = device_floats(32);
+  // The stream holds the kernel back until the launch has been checked: otherwise the fault
+  // can already be sticky when cudaGetLastError asks (it was in about half the runs here).
+  std::atomic<bool> checked{false};
+  ASSERT_EQ(cudaLaunchHostFunc(
+                stream_,
+                [](void* flag) {
+                  while (!static_cast<std::atomic<bool>*>(flag)->load()) std::this_thread::yield();
+                },
+                &checked),
+            cudaSuccess);
   divergent_barrier<<<1, 32, 0, stream_>>>(out);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);  // the launch itself is fine
+  checked = true;
   EXPECT_EQ(cudaStreamSynchronize(stream_), cudaErrorLaunchFailure);
   EXPECT_EQ(cudaGetLastError(), cudaErrorLaunchFailure);
 }
