@@ -248,8 +248,9 @@ TEST(Placement, HostAndNvmeBytesByHand) {
     optimizer += 3 * page(up.shard * 12);  // one page-rounded block per rank
     grads += 3 * page(up.shard * 4);
     stripes += 3 * ((up.shard * 2 + 4095) / 4096);
-    // A buffer carries every rank's P shards, or one rank's f32 gradient shard.
-    largest = std::max({largest, up.padded * 2, up.shard * 4});
+    // A buffer carries every rank's P shard, each from a page boundary so the swap store
+    // reads it in place, or one rank's f32 gradient shard.
+    largest = std::max({largest, 3 * page(up.shard * 2), up.shard * 4});
   }
   EXPECT_EQ(t.at(Tier::cpu, StateKind::optimizer), optimizer);
   EXPECT_EQ(t.at(Tier::cpu, StateKind::gradients), grads);
@@ -263,11 +264,9 @@ TEST(Placement, HostAndNvmeBytesByHand) {
   EXPECT_EQ(p.pinned_need(), p.pinned_bytes() + optimizer + grads);
   r.pin_memory = false;
   EXPECT_EQ(Placement::make(s, r, roomy()).pinned_need(), p.pinned_bytes());
-  r.buffer_size = 100000;
-  EXPECT_EQ(Placement::make(s, r, roomy()).pinned_buffer_bytes, page(200000));
   // Optimizer on NVMe: a buffer carries a whole unit's master, m and v.
   const Placement o = Placement::make(s, request(Tier::gpu, Tier::nvme), roomy());
-  EXPECT_EQ(o.pinned_buffer_bytes, page(p.partition.units[1].padded * 12));
+  EXPECT_EQ(o.pinned_buffer_bytes, 3 * page(p.partition.units[1].shard * 12));
 }
 
 // Replicated units keep parameters and gradients on every GPU whatever the homes say, as

@@ -316,6 +316,11 @@ PinnedPool& SwapStore::staging_pool(unsigned channel) {
   return *own_staging_;
 }
 
+uint64_t SwapStore::own_staging_bytes() const {
+  std::lock_guard lock(mu_);
+  return own_staging_ ? own_staging_->capacity() : 0;
+}
+
 void SwapStore::transfer(const std::string& name, IoOp op, char* data, unsigned channel) {
   if (channel >= rings_.size())
     fail("swap store: {} of shard {} on channel {}, but the store has {} (0..{})",

@@ -76,6 +76,9 @@ class SwapStore {
   unsigned channels() const { return static_cast<unsigned>(rings_.size()); }
   // Summed over the channels' rings; call while no transfer runs.
   IoStats io_stats() const;
+  // Bytes of the store's own bounce-buffer pool (made on the first call whose buffer is not 4
+  // KiB aligned and no `staging` pool was given); 0 while every caller's buffers were aligned.
+  uint64_t own_staging_bytes() const;
 
  private:
   struct Shard {

@@ -36,11 +36,33 @@ uint64_t round_up(uint64_t x, uint64_t a) {
   return (x + a - 1) / a * a;
 }
 
+// Where host rank q's part begins in a pinned buffer that holds a unit's shard of
+// `shard_bytes` for every host rank (an NVMe read, an update on its way out): each part starts
+// on a page, so the swap store reads and writes it in place with O_DIRECT instead of through
+// bounce buffers of its own (pinned memory that no placement counts). Placement sizes the
+// buffers the same way (host_bytes).
+uint64_t rank_part(int q, uint64_t shard_bytes) {
+  return static_cast<uint64_t>(q) * round_up(shard_bytes, kPage);
+}
+
 // Host memory for state homed in RAM when pin_memory is off: page aligned, not locked.
 struct AlignedFree {
   void operator()(char* p) const { std::free(p); }
 };
 using AlignedBlock = std::unique_ptr<char, AlignedFree>;
+
+// A page-aligned host copy of one shard, for the swap store's calls outside a step (loading,
+// checkpoints, reading state back), which it then moves in place like the step's pinned
+// buffers: a heap vector would send every stripe through the store's own bounce buffers, a
+// pinned pool of queue depth x stripe per ring that no placement counts.
+AlignedBlock page_block(uint64_t bytes, const char* what) {
+  char* p =
+      static_cast<char*>(std::aligned_alloc(kPage, round_up(std::max<uint64_t>(bytes, 1), kPage)));
+  if (p == nullptr)
+    fail("executor: {} of host memory for {} could not be allocated; free host memory",
+         format_bytes(bytes), what);
+  return AlignedBlock(p);
+}
 
 // Transitive dependencies of every task within one step, as bit sets.
 class Ancestry {
@@ -630,15 +652,17 @@ void Executor::State::allocate() {
   for (int u = 0; u < U; ++u) max_shard = std::max(max_shard, shard(u));
   // A pinned staging buffer holds the largest transfer that goes through one (run_task): a
   // unit's P of every host rank (read from NVMe, or updated on the host or a GPU on its way
-  // out), one rank's G shard staged for accumulation, or a unit's O of every host rank (NVMe).
-  // The same figure as Placement's pinned_buffer_bytes without buffer_size.
+  // out), one rank's G shard staged for accumulation, or a unit's O of every host rank (NVMe);
+  // each rank's part page aligned (rank_part).
+  // The same figure as Placement's pinned_buffer_bytes.
   uint64_t slot_bytes = 0;
   for (int u = 0; u < U; ++u) {
-    const uint64_t all = static_cast<uint64_t>(host_ranks(u)) * shard(u);
+    const int hr = host_ranks(u);
     if (home(u).param != Tier::gpu || home(u).optimizer != Tier::gpu)
-      slot_bytes = std::max(slot_bytes, all * ps);
+      slot_bytes = std::max(slot_bytes, rank_part(hr, shard(u) * ps));
     if (home(u).grad != Tier::gpu) slot_bytes = std::max(slot_bytes, shard(u) * gs);
-    if (home(u).optimizer == Tier::nvme) slot_bytes = std::max(slot_bytes, all * 12);
+    if (home(u).optimizer == Tier::nvme)
+      slot_bytes = std::max(slot_bytes, rank_part(hr, shard(u) * 12));
   }
   pinned_slot_bytes = round_up(slot_bytes, kPage);
   uint64_t capacity = pinned.size() * pinned_slot_bytes;
@@ -840,29 +864,35 @@ void Executor::State::write_unit(int u, const std::vector<char>& staged, const f
   for (int r = 0; r < N; ++r) {
     const uint64_t off = up(u).shard_offset(r);
     const char* p = staged.data() + off * ps;
-    std::vector<float> o(n * 3, 0.0f);
+    const AlignedBlock o_block = page_block(n * 12, "a shard's optimizer state");
+    float* const o = reinterpret_cast<float*>(o_block.get());
     if (mmv != nullptr) {
-      for (int k = 0; k < 3; ++k) std::memcpy(o.data() + k * n, mmv + k * padded + off, n * 4);
+      for (int k = 0; k < 3; ++k) std::memcpy(o + k * n, mmv + k * padded + off, n * 4);
     } else {
-      convert(o.data(), DType::f32, p, pt, n);
+      convert(o, DType::f32, p, pt, n);
+      std::fill(o + n, o + 3 * n, 0.0f);
     }
     if (home(u).optimizer == Tier::gpu) {
       Stream& st = *streams[static_cast<size_t>(r)].setup;
       auto& b = o_dev[static_cast<size_t>(u)];
       for (int k = 0; k < 3; ++k)
         dev(r).copy_to_device(b[static_cast<size_t>(r) * 3 + static_cast<size_t>(k)].data(),
-                              o.data() + k * n, n * 4, st);
+                              o + k * n, n * 4, st);
       st.synchronize();
     }
     if (r >= host_ranks(u)) continue;
     if (home(u).param == Tier::cpu)
       std::memcpy(host_p[static_cast<size_t>(u)][static_cast<size_t>(r)], p, n * ps);
-    if (home(u).param == Tier::nvme) store->write(shard_name('P', u, r), p);
+    if (home(u).param == Tier::nvme) {
+      const AlignedBlock block = page_block(n * ps, "a shard's parameters");
+      std::memcpy(block.get(), p, n * ps);
+      store->write(shard_name('P', u, r), block.get());
+    }
     if (home(u).grad == Tier::cpu)
       std::memset(host_g[static_cast<size_t>(u)][static_cast<size_t>(r)], 0, n * gs);
     if (home(u).optimizer == Tier::cpu)
-      std::memcpy(host_o[static_cast<size_t>(u)][static_cast<size_t>(r)], o.data(), n * 12);
-    if (home(u).optimizer == Tier::nvme) store->write(shard_name('O', u, r), o.data());
+      std::memcpy(host_o[static_cast<size_t>(u)][static_cast<size_t>(r)], o, n * 12);
+    if (home(u).optimizer == Tier::nvme) store->write(shard_name('O', u, r), o);
   }
 }
 
@@ -901,10 +931,13 @@ std::vector<float> Executor::parameters(int u) const {
   std::vector<char> raw(s.up(u).padded * s.ps);
   for (int r = 0; r < s.host_ranks(u); ++r) {
     char* dst = raw.data() + s.up(u).shard_offset(r) * s.ps;
-    if (s.home(u).param == Tier::cpu)
+    if (s.home(u).param == Tier::cpu) {
       std::memcpy(dst, s.host_p[static_cast<size_t>(u)][static_cast<size_t>(r)], s.shard(u) * s.ps);
-    else
-      s.store->read(State::shard_name('P', u, r), dst);
+    } else {
+      const AlignedBlock block = page_block(s.shard(u) * s.ps, "a shard's parameters");
+      s.store->read(State::shard_name('P', u, r), block.get());
+      std::memcpy(dst, block.get(), s.shard(u) * s.ps);
+    }
   }
   std::vector<float> out(s.up(u).numel);
   convert(out.data(), DType::f32, raw.data(), s.pt, out.size());
@@ -919,34 +952,35 @@ UnitOptimizerState Executor::optimizer_state(int u) const {
   std::vector<float> all(s.up(u).padded * 3);
   const uint64_t padded = s.up(u).padded;
   const int ranks = s.home(u).optimizer == Tier::gpu ? s.N : s.host_ranks(u);
+  const AlignedBlock o_block = page_block(n * 12, "a shard's optimizer state");
+  float* const o = reinterpret_cast<float*>(o_block.get());
   for (int r = 0; r < ranks; ++r) {
-    std::vector<float> o(n * 3);
     if (s.home(u).optimizer == Tier::gpu) {
       Stream& st = *s.streams[static_cast<size_t>(r)].setup;
       for (int k = 0; k < 3; ++k)
         s.dev(r).copy_to_host(
-            o.data() + k * n,
+            o + k * n,
             s.o_dev[static_cast<size_t>(u)][static_cast<size_t>(r) * 3 + static_cast<size_t>(k)]
                 .data(),
             n * 4, st);
       st.synchronize();
     } else if (s.home(u).optimizer == Tier::cpu) {
-      std::memcpy(o.data(), s.host_o[static_cast<size_t>(u)][static_cast<size_t>(r)], n * 12);
+      std::memcpy(o, s.host_o[static_cast<size_t>(u)][static_cast<size_t>(r)], n * 12);
     } else {
-      s.store->read(State::shard_name('O', u, r), o.data());
+      s.store->read(State::shard_name('O', u, r), o);
     }
     const uint64_t off = s.up(u).shard_offset(r);
     for (int k = 0; k < 3; ++k) {
       float* dst = all.data() + k * padded + off;
       if (s.up(u).replicated && r > 0) {
-        if (std::memcmp(o.data() + k * n, dst, n * 4) != 0)
+        if (std::memcmp(o + k * n, dst, n * 4) != 0)
           fail(
               "optimizer state of replicated unit {}: rank {} differs from rank 0; this is a "
               "bug in the executor",
               s.up(u).name, r);
         continue;
       }
-      std::memcpy(dst, o.data() + k * n, n * 4);
+      std::memcpy(dst, o + k * n, n * 4);
     }
   }
   const uint64_t numel = s.up(u).numel;
@@ -1079,7 +1113,7 @@ void Executor::State::update(const Task& t, const StepSlot& sl) {
       if (!resident) {
         char* to = home(u).param == Tier::cpu
                        ? host_p[static_cast<size_t>(u)][static_cast<size_t>(q)]
-                       : pin(t.id) + static_cast<uint64_t>(q) * n * ps;
+                       : pin(t.id) + rank_part(q, n * ps);
         dev(q).copy_to_host(to, copy.data, n * ps, st);
       }
       st.synchronize();
@@ -1089,11 +1123,11 @@ void Executor::State::update(const Task& t, const StepSlot& sl) {
   for (int q : task_ranks(t, u)) {
     char* o = home(u).optimizer == Tier::cpu
                   ? host_o[static_cast<size_t>(u)][static_cast<size_t>(q)]
-                  : pin(src[static_cast<size_t>(t.id)][0]) + static_cast<uint64_t>(q) * n * 12;
+                  : pin(src[static_cast<size_t>(t.id)][0]) + rank_part(q, n * 12);
     float* f = reinterpret_cast<float*>(o);
     const AdamShard sh{f, f + n, f + 2 * n, n};
     char* p = home(u).param == Tier::cpu ? host_p[static_cast<size_t>(u)][static_cast<size_t>(q)]
-                                         : pin(t.id) + static_cast<uint64_t>(q) * n * ps;
+                                         : pin(t.id) + rank_part(q, n * ps);
     const char* g = host_g[static_cast<size_t>(u)][static_cast<size_t>(q)];
     AdamParams no_decay = params.adam;
     no_decay.weight_decay = 0.0f;
@@ -1136,14 +1170,12 @@ void Executor::State::run_task(const Task& t, int64_t k) {
   switch (t.kind) {
     case TaskKind::param_read:
       for (int q : task_ranks(t, u))
-        store->read(shard_name('P', u, q), pin(t.id) + static_cast<uint64_t>(q) * n * ps,
-                    kReadChannel);
+        store->read(shard_name('P', u, q), pin(t.id) + rank_part(q, n * ps), kReadChannel);
       return;
     case TaskKind::param_h2d: {
-      const char* from =
-          home(u).param == Tier::cpu
-              ? host_p[static_cast<size_t>(u)][static_cast<size_t>(r)]
-              : pin(src[static_cast<size_t>(t.id)][0]) + static_cast<uint64_t>(r) * n * ps;
+      const char* from = home(u).param == Tier::cpu
+                             ? host_p[static_cast<size_t>(u)][static_cast<size_t>(r)]
+                             : pin(src[static_cast<size_t>(t.id)][0]) + rank_part(r, n * ps);
       Stream& st = *streams[static_cast<size_t>(r)].h2d;
       dev(r).copy_to_device(
           dev_param[static_cast<size_t>(r)][static_cast<size_t>(slot[static_cast<size_t>(t.id)])]
@@ -1279,14 +1311,12 @@ void Executor::State::run_task(const Task& t, int64_t k) {
     }
     case TaskKind::optim_read:
       for (int q : task_ranks(t, u))
-        store->read(shard_name('O', u, q), pin(t.id) + static_cast<uint64_t>(q) * n * 12,
-                    kReadChannel);
+        store->read(shard_name('O', u, q), pin(t.id) + rank_part(q, n * 12), kReadChannel);
       return;
     case TaskKind::optim_write: {
       const char* from = pin(src[static_cast<size_t>(t.id)][0]);
       for (int q : task_ranks(t, u))
-        store->write(shard_name('O', u, q), from + static_cast<uint64_t>(q) * n * 12,
-                     kWriteChannel);
+        store->write(shard_name('O', u, q), from + rank_part(q, n * 12), kWriteChannel);
       return;
     }
     case TaskKind::adam: {
@@ -1305,7 +1335,7 @@ void Executor::State::run_task(const Task& t, int64_t k) {
       const std::vector<int> rs = task_ranks(t, u);
       for (size_t i = 0; i < rs.size(); ++i)
         store->write(shard_name('P', u, rs[i]),
-                     pin(src[static_cast<size_t>(t.id)][i]) + static_cast<uint64_t>(rs[i]) * n * ps,
+                     pin(src[static_cast<size_t>(t.id)][i]) + rank_part(rs[i], n * ps),
                      kWriteChannel);
       return;
     }
@@ -1313,9 +1343,9 @@ void Executor::State::run_task(const Task& t, int64_t k) {
       if (slot_of(k).global.non_finite) return;
       const int hr = up(u).replicated ? 0 : r;
       Stream& st = *streams[static_cast<size_t>(r)].h2d;
-      dev(r).copy_to_device(
-          zero->param_shard(u, r).data,
-          pin(src[static_cast<size_t>(t.id)][0]) + static_cast<uint64_t>(hr) * n * ps, n * ps, st);
+      dev(r).copy_to_device(zero->param_shard(u, r).data,
+                            pin(src[static_cast<size_t>(t.id)][0]) + rank_part(hr, n * ps), n * ps,
+                            st);
       st.synchronize();
       return;
     }
@@ -1678,6 +1708,7 @@ ExecutorMemory Executor::memory() const {
   const uint64_t align = s.pl.shape.device_alignment;
   for (const auto* v : {&s.ids_dev, &s.tgt_dev, &s.chunk_sums, &s.param_tmp})
     if (!v->empty()) m.device_extra_bytes += round_up((*v)[0].bytes(), align);
+  if (s.store) m.swap_bounce_bytes = s.store->own_staging_bytes();
   return m;
 }
 

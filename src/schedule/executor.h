@@ -125,6 +125,9 @@ struct ExecutorMemory {
   // above: the step's token ids and targets, the gradient chunk sums, the updated-parameter
   // buffer of a device optimizer whose parameters live off the device.
   uint64_t device_extra_bytes = 0;
+  // The swap store's own bounce buffers (pinned, not in the placement): 0 while every buffer
+  // the executor hands the store is page aligned, which it is by construction.
+  uint64_t swap_bounce_bytes = 0;
 };
 
 // One unit's optimizer state, each the unit's element count (padding dropped), f32.

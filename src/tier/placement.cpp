@@ -255,9 +255,9 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& request,
     uint64_t gpu = f.working + f.landing + f.activations + f.other;
     uint64_t largest_moving = 0;
     for (const UnitPartition& up : p.partition.units)
-      largest_moving = std::max(largest_moving, host_elements(up) * kOptimizerBytesPerElement);
-    const uint64_t buffer_bytes = round_up(
-        request.buffer_size > 0 ? request.buffer_size * z.ps : largest_moving, kPinnedAlignment);
+      largest_moving =
+          std::max(largest_moving, host_bytes(up, shape.ranks, kOptimizerBytesPerElement));
+    const uint64_t buffer_bytes = round_up(largest_moving, kPinnedAlignment);
     uint64_t cpu = uint64_t(request.buffer_count) * buffer_bytes;
     uint64_t stripes = 0, param_in_cpu = 0;
     const uint64_t stripe = request.nvme_stripe;
@@ -360,15 +360,15 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& request,
     const UnitHomes& h = p.homes[size_t(u)];
     const UnitPartition& up = unit(u);
     if (h.param != Tier::gpu || h.optimizer != Tier::gpu)
-      largest_moving = std::max(largest_moving, host_elements(up) * z.ps);
+      largest_moving = std::max(largest_moving, host_bytes(up, shape.ranks, z.ps));
     if (h.grad != Tier::gpu) largest_moving = std::max(largest_moving, up.resident() * z.gs);
     if (h.optimizer == Tier::nvme)
-      largest_moving = std::max(largest_moving, host_elements(up) * kOptimizerBytesPerElement);
+      largest_moving =
+          std::max(largest_moving, host_bytes(up, shape.ranks, kOptimizerBytesPerElement));
   }
   if (largest_moving > 0) {
     p.pinned_buffers = request.buffer_count;
-    p.pinned_buffer_bytes = round_up(
-        request.buffer_size > 0 ? request.buffer_size * z.ps : largest_moving, kPinnedAlignment);
+    p.pinned_buffer_bytes = round_up(largest_moving, kPinnedAlignment);
   }
   return p;
 }
@@ -545,7 +545,7 @@ void Placement::check(const TierBudgets& budgets) const {
     m += "  - raise the pinned-memory limit (--pinned-memory, at most ulimit -l; memlock in "
          "/etc/security/limits.conf)\n";
     if (request.pin_memory) m += "  - set pin_memory false to pin only the buffers\n";
-    m += "  - a smaller buffer_count or buffer_size\n";
+    m += "  - a smaller buffer_count\n";
   }
   if (!m.empty() && m.back() == '\n') m.pop_back();
   throw Error(m);

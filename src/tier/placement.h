@@ -57,7 +57,6 @@ struct OffloadRequest {
   Tier optimizer = Tier::gpu;  // offload_optimizer.device
   uint64_t max_in_cpu = 0;     // offload_param.max_in_cpu (elements); 0: no limit
   int buffer_count = 5;        // offload_param.buffer_count / offload_optimizer.buffer_count
-  uint64_t buffer_size = 0;    // offload_param.buffer_size (elements); 0: the largest shard
   bool pin_memory = true;      // offload_*.pin_memory
   std::vector<std::string> nvme_paths;  // offload_*.nvme_path, one per drive
   uint64_t nvme_stripe = 1ull << 20;    // the swap store's stripe (aio.block_size)
@@ -72,8 +71,9 @@ struct OffloadRequest {
 // flight between tiers. A buffer carries a whole unit's transfer, every rank's shard of it
 // (the schedule reads P[u] from NVMe and streams O[u] through CPU Adam for all ranks at
 // once), so each is the largest such transfer: P (param dtype) or O (master+m+v) over all
-// ranks, or one rank's G shard (grad dtype), rounded up to 4 KiB; or buffer_size elements
-// of param dtype when given (then the executor moves a larger transfer through it in pieces).
+// ranks (each rank's shard starting on a 4 KiB page, so the swap store moves it in place with
+// O_DIRECT), or one rank's G shard (grad dtype), rounded up to 4 KiB. DeepSpeed's
+// buffer_size is not acted on: the executor moves a unit's transfer whole, never in pieces.
 
 // One nvme path of this machine: the swap store stripes evenly over the paths, so each must
 // have room for its share (paths on one filesystem share its free space).

@@ -151,8 +151,11 @@ void read_offload(Reader& r, const json& v, const std::string& path, DsOffload& 
     } else if (key == "buffer_count") {
       o.buffer_count = r.small(value, p, 1, 1 << 16);
     } else if (key == "buffer_size") {
+      // Checked, then listed as not acted on: a pinned buffer carries a unit's whole transfer
+      // (placement.h), so its size follows from the model, not from this key.
       o.buffer_size = r.count(value, p);
       if (*o.buffer_size == 0) r.bad(p, value, "a number of elements >= 1");
+      r.ignore(p);
     } else if (key == "max_in_cpu") {
       o.max_in_cpu = r.count(value, p);
     } else {
@@ -459,7 +462,6 @@ DsPlanSettings ds_plan_settings(const DsConfig& c, int world, const LlamaConfig&
   r.param = op.device.value_or(Tier::gpu);
   r.optimizer = oo.device.value_or(Tier::gpu);
   r.max_in_cpu = op.max_in_cpu.value_or(0);
-  r.buffer_size = op.buffer_size.value_or(0);
   // One pool serves both directions: the larger of the two counts the config asks for.
   const bool p_off = r.param != Tier::gpu, o_off = r.optimizer != Tier::gpu;
   int count = 0;
