@@ -315,6 +315,17 @@ struct Executor::State {
   double now() const {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch).count();
   }
+  // g[e] += a[e] for e in [begin, end), both of the gradient dtype (rounded to nearest even).
+  void accumulate(char* g, const char* a, size_t begin, size_t end) const {
+    if (gt == DType::f32) {
+      float* x = reinterpret_cast<float*>(g);
+      const float* y = reinterpret_cast<const float*>(a);
+      for (size_t e = begin; e < end; ++e) x[e] += y[e];
+      return;
+    }
+    for (size_t e = begin; e < end; ++e)
+      store_f32(g, gt, e, load_f32(g, gt, e) + load_f32(a, gt, e));
+  }
   char* host_alloc(uint64_t bytes, const std::string& what, bool pinned_memory) {
     if (bytes == 0) return nullptr;
     if (pinned_memory) {
@@ -1280,7 +1291,14 @@ void Executor::State::run_task(const Task& t, int64_t k) {
       for (size_t i = 0; i < rs.size(); ++i) {
         char* g = host_g[static_cast<size_t>(u)][static_cast<size_t>(rs[i])];
         const char* a = pin(src[static_cast<size_t>(t.id)][i]);
-        for (size_t e = 0; e < n; ++e) store_f32(g, gt, e, load_f32(g, gt, e) + load_f32(a, gt, e));
+        // On CPU Adam's threads, in its statistics chunks, as the simulator assumes (one thread
+        // ran at an eighth of grad_stats' rate on 2 cores); each element's sum is the same
+        // whatever the split.
+        adam->for_each_chunk(
+            g, n * gs, cpu_adam::chunk_count(n, CpuAdam::kStatsChunk), [&](size_t c) {
+              const cpu_adam::ChunkRange cr = cpu_adam::chunk_range(n, CpuAdam::kStatsChunk, c);
+              accumulate(g, a, cr.begin, cr.begin + cr.n);
+            });
       }
       return;
     }
