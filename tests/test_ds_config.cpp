@@ -387,6 +387,7 @@ TEST(DsConfig, WrongTypesAndValuesNameTheirPath) {
       {R"({"scheduler": {"params": {"total_num_steps": 0}}})",
        {"scheduler.params.total_num_steps"}},
       {R"({"aio": {"block_size": 1000}})", {"aio.block_size", "multiple of 4096"}},
+      {R"({"aio": {"block_size": 536870912}})", {"aio.block_size", "536870912", "256 MiB"}},
       {R"({"aio": {"queue_depth": true}})", {"aio.queue_depth"}},
       {R"({"bf16": {"enabled": true}, "fp16": {"enabled": true}})",
        {"bf16.enabled", "fp16.enabled", "both true"}},

@@ -479,6 +479,14 @@ TEST(SwapStore, SetUpErrorsNameThePathAndWhatToDo) {
         SwapStore store(o);
       },
       {"listed twice"});
+  for (const uint64_t stripe : {uint64_t{1000}, SwapStore::kMaxStripe * 2})
+    expect_error(
+        [&] {
+          SwapStoreOptions o = store_options(p);
+          o.stripe = stripe;
+          SwapStore store(o);
+        },
+        {fmt::format("stripe {} is not a positive multiple of 4 KiB up to 256 MiB", stripe)});
   expect_error([&] { SwapStore store(store_options(p, uint64_t{1} << 50)); },
                {"nvme_path " + p.names[0] + ": no space left (needs 1 PiB, has ", "free space"});
   {

@@ -108,8 +108,9 @@ class Staging {
 SwapStore::SwapStore(SwapStoreOptions options) : options_(std::move(options)) {
   const uint64_t stripe = options_.stripe;
   if (options_.paths.empty()) fail("swap store: no nvme_path given; name at least one directory");
-  if (stripe == 0 || stripe % kDirectAlignment != 0)
-    fail("swap store: stripe {} is not a positive multiple of 4 KiB; use e.g. 1 MiB", stripe);
+  if (stripe == 0 || stripe % kDirectAlignment != 0 || stripe > kMaxStripe)
+    fail("swap store: stripe {} is not a positive multiple of 4 KiB up to {}; use e.g. 1 MiB",
+         stripe, format_bytes(kMaxStripe));
   if (options_.capacity == 0) fail("swap store: capacity is 0; give the bytes of shards to hold");
   if (options_.channels < 1 || options_.channels > 64)
     fail("swap store: {} channels; give 1 to 64 (one per thread that transfers at once)",

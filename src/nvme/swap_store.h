@@ -51,6 +51,9 @@ class SwapStore {
  public:
   static constexpr const char* kSwapFile = "strata-swap.bin";
   static constexpr const char* kLockFile = "strata-swap.lock";
+  // The largest stripe: beyond a few MiB a drive gains nothing, and the figures derived from it
+  // (a queue's worth of bounce buffers, stripes x stripe) must stay far from overflowing.
+  static constexpr uint64_t kMaxStripe = uint64_t{256} << 20;
 
   // Throws Error when a path is missing, listed twice or locked by another run, when the
   // space is not there (naming the path, bytes needed and bytes free), or when fallocate fails.

@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "model/file_io.h"
+#include "nvme/swap_store.h"
 
 #include <algorithm>
 #include <cctype>
@@ -286,8 +287,11 @@ void read_aio(Reader& r, const json& v, DsConfig::Aio& a) {
     const std::string p = path_of("aio", key);
     if (key == "block_size") {
       a.block_size = r.count(value, p);
-      if (*a.block_size == 0 || *a.block_size % 4096 != 0)
-        r.bad(p, value, "a positive multiple of 4096 bytes, e.g. 1048576");
+      // At most the swap store's largest stripe (nvme/swap_store.h).
+      if (*a.block_size == 0 || *a.block_size % 4096 != 0 ||
+          *a.block_size > nvme::SwapStore::kMaxStripe)
+        r.bad(p, value,
+              "a positive multiple of 4096 bytes up to 268435456 (256 MiB), e.g. 1048576");
     } else if (key == "queue_depth") {
       a.queue_depth = r.small(value, p, 1, 4096);
     } else if (key == "intra_op_parallelism") {
