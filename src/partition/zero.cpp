@@ -181,15 +181,7 @@ void ZeroModel::init_random(uint64_t seed) {
 }
 
 void ZeroModel::load(const SafetensorsReader& reader) {
-  std::set<std::string> expected;
-  for (const UnitLayout& u : layout_.units)
-    for (const ParamSlot& p : u.params) expected.insert(p.name);
-  for (const std::string& name : reader.names())
-    if (!expected.contains(name) && !name.ends_with("rotary_emb.inv_freq"))
-      fail(
-          "checkpoint {}: tensor '{}' is not part of a Llama model with this config; check "
-          "that config.json and the safetensors files belong to the same model",
-          reader.source(), name);
+  check_tensor_names(reader);
   const uint64_t ps = dtype_size(options_.param_dtype);
   std::vector<char> staged(partition_.max_unit_numel() * ps);
   for (int u = 0; u < partition_.num_units(); ++u) {
@@ -200,6 +192,18 @@ void ZeroModel::load(const SafetensorsReader& reader) {
     }
     scatter_staged(u, staged);
   }
+}
+
+void ZeroModel::check_tensor_names(const SafetensorsReader& reader) const {
+  std::set<std::string> expected;
+  for (const UnitLayout& u : layout_.units)
+    for (const ParamSlot& p : u.params) expected.insert(p.name);
+  for (const std::string& name : reader.names())
+    if (!expected.contains(name) && !name.ends_with("rotary_emb.inv_freq"))
+      fail(
+          "checkpoint {}: tensor '{}' is not part of a Llama model with this config; check "
+          "that config.json and the safetensors files belong to the same model",
+          reader.source(), name);
 }
 
 void ZeroModel::upload_unit(int u, const std::vector<float>& values) {

@@ -75,6 +75,12 @@ class ZeroModel {
   void init_random(uint64_t seed);  // init_unit_random's bits, as ResidentWeights
   // Every tensor from a checkpoint, checked as ResidentWeights::load checks it.
   void load(const SafetensorsReader& reader);
+  // Throws Error naming a tensor of `reader` that is no part of this model (load's first check).
+  void check_tensor_names(const SafetensorsReader& reader) const;
+  // Unit u's padded parameters in param dtype (host memory, the whole unit) to every rank's
+  // resident shard; nothing for a unit whose parameters are not resident (their home's owner
+  // sets them). For a caller that stages each unit once for every home, as the executor does.
+  void scatter_staged(int u, const std::vector<char>& staged);
   // Replaces unit u's parameters with `values` (f32, the layout's numel), converted.
   void upload_unit(int u, const std::vector<float>& values);
   void zero_grads();
@@ -121,8 +127,6 @@ class ZeroModel {
   int take_slot(int u);
   void check_unit(int u, const char* what) const;
   void check_streams(const std::vector<Stream*>& streams, const char* what) const;
-  // Unit u's padded parameters in param dtype (host memory) to every rank's shard.
-  void scatter_staged(int u, const std::vector<char>& staged);
   void synchronize_setup() const;
 
   ModelLayout layout_;

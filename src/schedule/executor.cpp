@@ -968,14 +968,18 @@ void Executor::State::write_unit(int u, const std::vector<char>& staged, const f
   }
 }
 
+// Each unit is made or read once and staged on the host, then sent to every home it has: the
+// ZeroModel's resident shards, host RAM, NVMe, the optimizer's tiers. (Letting the ZeroModel
+// load or initialise the model itself first read every tensor twice: 2 x 141 GB from disk for
+// a 70B model in bf16.)
 void Executor::init_random(uint64_t seed) {
   State& s = *s_;
   s.drain();
-  s.zero->init_random(seed);
   s.zero->zero_grads();
   for (int u = 0; u < s.U; ++u) {
     std::vector<char> staged(s.up(u).padded * s.ps, char{0});
     init_unit_random(s.layout, u, seed, s.pt, staged.data());
+    s.zero->scatter_staged(u, staged);
     s.write_unit(u, staged);
   }
 }
@@ -983,7 +987,7 @@ void Executor::init_random(uint64_t seed) {
 void Executor::load(const SafetensorsReader& reader) {
   State& s = *s_;
   s.drain();
-  s.zero->load(reader);
+  s.zero->check_tensor_names(reader);
   s.zero->zero_grads();
   for (int u = 0; u < s.U; ++u) {
     std::vector<char> staged(s.up(u).padded * s.ps, char{0});
@@ -991,6 +995,7 @@ void Executor::load(const SafetensorsReader& reader) {
       std::vector<int64_t> shape(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.rank);
       reader.read_checked(p.name, staged.data() + p.offset * s.ps, s.pt, shape);
     }
+    s.zero->scatter_staged(u, staged);
     s.write_unit(u, staged);
   }
 }
