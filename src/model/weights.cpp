@@ -47,9 +47,9 @@ void ResidentWeights::init_random(uint64_t seed, Stream& stream) {
   }
 }
 
-void ResidentWeights::load(const SafetensorsReader& reader, Stream& stream) {
+void check_tensor_names(const ModelLayout& layout, const SafetensorsReader& reader) {
   std::set<std::string> expected;
-  for (const UnitLayout& u : layout_.units)
+  for (const UnitLayout& u : layout.units)
     for (const ParamSlot& p : u.params) expected.insert(p.name);
   for (const std::string& name : reader.names())
     if (!expected.contains(name) && !name.ends_with("rotary_emb.inv_freq"))
@@ -57,6 +57,10 @@ void ResidentWeights::load(const SafetensorsReader& reader, Stream& stream) {
           "checkpoint {}: tensor '{}' is not part of a Llama model with this config; check "
           "that config.json and the safetensors files belong to the same model",
           reader.source(), name);
+}
+
+void ResidentWeights::load(const SafetensorsReader& reader, Stream& stream) {
+  check_tensor_names(layout_, reader);
 
   uint64_t largest = 0;
   for (const UnitLayout& u : layout_.units) largest = std::max(largest, u.numel);

@@ -15,6 +15,10 @@ namespace strata {
 
 class SafetensorsReader;
 
+// Throws Error naming the first tensor of `reader` that is no part of a model of `layout`
+// (rotary_emb.inv_freq, which some checkpoints carry, aside).
+void check_tensor_names(const ModelLayout& layout, const SafetensorsReader& reader);
+
 class ResidentWeights {
  public:
   // Allocates every unit's parameters in `param_dtype` (and gradients in `grad_dtype` when

@@ -3,10 +3,10 @@
 #include "core/bytes.h"
 #include "core/error.h"
 #include "model/safetensors.h"
+#include "model/weights.h"
 
 #include <algorithm>
 #include <cstring>
-#include <set>
 
 namespace strata {
 
@@ -195,15 +195,7 @@ void ZeroModel::load(const SafetensorsReader& reader) {
 }
 
 void ZeroModel::check_tensor_names(const SafetensorsReader& reader) const {
-  std::set<std::string> expected;
-  for (const UnitLayout& u : layout_.units)
-    for (const ParamSlot& p : u.params) expected.insert(p.name);
-  for (const std::string& name : reader.names())
-    if (!expected.contains(name) && !name.ends_with("rotary_emb.inv_freq"))
-      fail(
-          "checkpoint {}: tensor '{}' is not part of a Llama model with this config; check "
-          "that config.json and the safetensors files belong to the same model",
-          reader.source(), name);
+  strata::check_tensor_names(layout_, reader);
 }
 
 void ZeroModel::upload_unit(int u, const std::vector<float>& values) {
