@@ -71,7 +71,7 @@ AlignedBlock page_block(uint64_t bytes, const char* what) {
 //   one of them on its lane: a lane runs its tasks one at a time and in order, each finished,
 //   its streams synchronised, before the next begins. On every lane that set is a prefix of
 //   the lane's tasks, so it is one position per lane and task: T x lanes entries, where a bit
-//   set per task took T^2 / 8 bytes (3.6 GiB and 8 s for the 170,000 tasks of a 70B model on 8
+//   set per task took T^2 / 8 bytes (3.5 GiB and 10 s for the 170,000 tasks of a 70B model on 8
 //   GPUs with 32 micro-batches). Enough for handing a buffer on, and for a read to be safe.
 // - depends(a, t): a is among t's dependencies, transitively, lanes aside: which of a unit's
 //   gathers a compute task reads from is the one it depends on, not merely one already done (a
