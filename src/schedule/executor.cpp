@@ -119,6 +119,8 @@ class Ancestry {
   bool done(int a, int t) const {
     return pos_[static_cast<size_t>(a)] <= row(static_cast<size_t>(t))[lane(a)];
   }
+  // Task t's group, [first, end); a task outside any group is a group of one.
+  std::pair<int, int> group(int t) const { return group_[static_cast<size_t>(t)]; }
   bool depends(int a, int t) const {
     if (a >= group_[static_cast<size_t>(t)].first) return false;
     if (!done(a, t)) return false;  // done is the wider relation
@@ -507,13 +509,7 @@ void Executor::State::resolve(bool allocate_staging) {
         front[static_cast<size_t>(t.id)] = 1;
     }
   }
-  for (size_t t = 0; t < T;) {
-    size_t end = t + 1;
-    if (sc->tasks[t].group >= 0)
-      while (end < T && sc->tasks[end].group == sc->tasks[t].group) ++end;
-    for (size_t i = t; i < end; ++i) group_of[i] = {static_cast<int>(t), static_cast<int>(end)};
-    t = end;
-  }
+  for (size_t t = 0; t < T; ++t) group_of[t] = anc.group(static_cast<int>(t));
   lanes.assign(sc->lanes.size(), {});
   for (const Task& t : sc->tasks) lanes[static_cast<size_t>(t.lane)].push_back(t.id);
 
