@@ -1,7 +1,9 @@
 // emu_test.cu: the emulator's own checks, written as CUDA and run through rewrite.cpp like
 // strata's kernels: that a block's threads meet at barriers and exchange values in shuffles,
 // and that what would hang, fault or race on a GPU shows up here instead of passing.
+#include <cuda_bf16.h>
 #include <gtest/gtest.h>
+#include <mma.h>
 
 #include <atomic>
 #include <cmath>
@@ -69,6 +71,56 @@ __global__ void divergent_barrier(float* out) {
   } else {
     out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1.0f, 1);
   }
+}
+
+using namespace nvcuda;
+
+// c[16 x 32] = a[16 x 32] . b[32 x 32], a row-major, b row- or column-major (ld 40 and 48
+// elements), through two accumulators; then each row r of c is scaled by r + 1 through the
+// accumulators' elements, finding each element's row from a fragment loaded from a matrix of
+// row numbers (what a kernel may do without knowing the GPU's layout); stored row-major to c,
+// column-major to ct.
+__global__ void wmma_product(float* c, float* ct, const __nv_bfloat16* a, const __nv_bfloat16* b,
+                             bool b_row_major, float* rows) {
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2], row_of;
+  for (int n = 0; n < 2; ++n) wmma::fill_fragment(acc[n], 0.0f);
+  for (int k = 0; k < 2; ++k) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+    wmma::load_matrix_sync(fa, a + 16 * k, 40);
+    for (int n = 0; n < 2; ++n) {
+      if (b_row_major) {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> fb;
+        wmma::load_matrix_sync(fb, b + 16 * k * 48 + 16 * n, 48);
+        wmma::mma_sync(acc[n], fa, fb, acc[n]);
+      } else {
+        wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+        wmma::load_matrix_sync(fb, b + 16 * n * 48 + 16 * k, 48);
+        wmma::mma_sync(acc[n], fa, fb, acc[n]);
+      }
+    }
+  }
+  for (int i = threadIdx.x; i < 256; i += 32) rows[i] = static_cast<float>(i / 16);
+  __syncwarp();
+  wmma::load_matrix_sync(row_of, rows, 16, wmma::mem_row_major);
+  for (int n = 0; n < 2; ++n) {
+    for (int i = 0; i < acc[n].num_elements; ++i) acc[n].x[i] *= row_of.x[i] + 1.0f;
+    wmma::store_matrix_sync(c + 16 * n, acc[n], 32, wmma::mem_row_major);
+    wmma::store_matrix_sync(ct + 16 * n * 16, acc[n], 16, wmma::mem_col_major);
+  }
+}
+
+// What a GPU leaves undefined, each a fault here: kind 0 a pointer that is not 32-byte aligned,
+// 1 half the warp in the product, 2 lanes loading from different rows.
+__global__ void wmma_misuse(float* c, const __nv_bfloat16* a, int kind) {
+  wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa;
+  wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb;
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+  wmma::fill_fragment(acc, 0.0f);
+  const unsigned lane = threadIdx.x % 32;
+  wmma::load_matrix_sync(fa, a + (kind == 0 ? 8 : kind == 2 ? 16 * (lane % 2) : 0), 16);
+  wmma::load_matrix_sync(fb, a, 16);
+  if (kind != 1 || lane < 16) wmma::mma_sync(acc, fa, fb, acc);
+  wmma::store_matrix_sync(c, acc, 16, wmma::mem_row_major);
 }
 
 class CudaEmu : public ::testing::Test {
@@ -179,6 +231,64 @@ TEST_F(CudaEmu, LaunchesAGpuWouldRefuseAreRefused) {
   left_neighbour<<<1, 64, 64 * 1024, stream_>>>(out, true);
   EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   EXPECT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
+}
+
+TEST_F(CudaEmu, WmmaProductsMatchALoopInAnyLayout) {
+  // Integer-valued inputs: every product and sum is exact in f32, whatever the order.
+  std::vector<__nv_bfloat16> a(16 * 40), b(32 * 48);
+  for (size_t i = 0; i < a.size(); ++i)
+    a[i] = __float2bfloat16_rn(static_cast<float>(static_cast<int>(i * 7 % 11) - 5));
+  for (size_t i = 0; i < b.size(); ++i)
+    b[i] = __float2bfloat16_rn(static_cast<float>(static_cast<int>(i * 5 % 13) - 6));
+  __nv_bfloat16 *da = nullptr, *db = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&da), a.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&db), b.size() * 2), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(da, a.data(), a.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(db, b.data(), b.size() * 2, cudaMemcpyHostToDevice), cudaSuccess);
+  float* c = device_floats(16 * 32);
+  float* ct = device_floats(32 * 16);
+  float* rows = device_floats(256);
+  for (const bool b_row_major : {true, false}) {
+    wmma_product<<<1, 32, 0, stream_>>>(c, ct, da, db, b_row_major, rows);
+    ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+    const std::vector<float> got = fetch(c, 16 * 32), got_t = fetch(ct, 32 * 16);
+    int wrong = 0;
+    for (int r = 0; r < 16; ++r)
+      for (int n = 0; n < 32; ++n) {
+        float want = 0.0f;
+        for (int k = 0; k < 32; ++k) {
+          const size_t bi = b_row_major ? size_t(k) * 48 + size_t(n) : size_t(n) * 48 + size_t(k);
+          want += __bfloat162float(a[size_t(r) * 40 + size_t(k)]) * __bfloat162float(b[bi]);
+        }
+        want *= static_cast<float>(r + 1);
+        const size_t tile = size_t(n) / 16, col = size_t(n) % 16;
+        wrong += got[size_t(r) * 32 + size_t(n)] != want;
+        wrong += got_t[tile * 256 + col * 16 + size_t(r)] != want;
+      }
+    EXPECT_EQ(wrong, 0) << (b_row_major ? "b row-major" : "b column-major");
+  }
+  (void)cudaFree(da);
+  (void)cudaFree(db);
+}
+
+// Each misuse in a child process: the fault is sticky for the rest of the process.
+TEST_F(CudaEmu, WmmaMisuseIsAFaultNamingIt) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const char* const expected[] = {"not 32-byte aligned", "different warp-wide operations",
+                                  "pointer, stride or layout differs"};
+  for (int kind = 0; kind < 3; ++kind)
+    EXPECT_EXIT(
+        {
+          __nv_bfloat16* da = nullptr;
+          float* dc = nullptr;
+          (void)cudaMalloc(reinterpret_cast<void**>(&da), 1024 * 2);
+          (void)cudaMalloc(reinterpret_cast<void**>(&dc), 256 * 4);
+          const std::vector<__nv_bfloat16> zeros(1024, __float2bfloat16_rn(0.0f));
+          (void)cudaMemcpy(da, zeros.data(), 1024 * 2, cudaMemcpyHostToDevice);
+          wmma_misuse<<<1, 64>>>(dc, da, kind);
+          std::exit(cudaDeviceSynchronize() == cudaErrorLaunchFailure ? 3 : 4);
+        },
+        ::testing::ExitedWithCode(3), expected[kind]);
 }
 
 // Last: the fault is sticky for the rest of the process, as on a GPU.

@@ -10,6 +10,8 @@
 //   a shuffle, a shuffle whose lanes are not all there): a Fault naming the kernel's block and
 //   threads, which the runtime turns into a sticky launch failure, as a hung or trapped kernel
 //   would be on a GPU.
+// - completes the warp-wide operations (wmma loads, stores and products) of every warp whose 32
+//   lanes have all arrived at the same one, running it once for the warp;
 // Threads that have returned do not hold up a barrier (as on sm_70 and later).
 //
 // Fibers switch with a few instructions on x86-64 (callee-saved registers and the stack
@@ -77,7 +79,7 @@ cuda_emu_switch_stack:
 )");
 #endif
 
-enum class State { kRunnable, kAtBarrier, kAtShuffle, kDone };
+enum class State { kRunnable, kAtBarrier, kAtShuffle, kAtCollective, kDone };
 
 struct Fiber {
   ThreadCoords coords;
@@ -88,6 +90,10 @@ struct Fiber {
   int param = 0, width = 32;
   bool xor_mode = false;
   uint64_t bits = 0, result = 0;
+  // The warp-wide operation this thread waits in, and its own argument to it.
+  WarpOp op = nullptr;
+  void* op_arg = nullptr;
+  const char* op_name = nullptr;
   char* stack = nullptr;
 #if defined(__x86_64__)
   void* sp = nullptr;
@@ -287,6 +293,53 @@ bool complete_shuffles(Block& b) {
   return any;
 }
 
+// Runs the warp-wide operation of every warp whose 32 lanes all wait in it; false when none.
+// Such an operation (wmma) needs the whole warp: a lane that has returned, a warp the block
+// does not fill, or lanes waiting in different operations are faults, as they would hang or
+// give undefined results on a GPU.
+bool complete_collectives(Block& b) {
+  bool any = false;
+  const auto n = static_cast<unsigned>(b.fibers.size());
+  for (unsigned w = 0; w * 32 < n; ++w) {
+    const unsigned first = w * 32, last = std::min(n, first + 32);
+    const Fiber* waiting = nullptr;
+    bool complete = true;
+    for (unsigned i = first; i < last; ++i) {
+      const Fiber& f = b.fibers[i];
+      if (f.state == State::kAtCollective) {
+        if (waiting == nullptr) waiting = &f;
+      } else {
+        complete = false;
+      }
+    }
+    if (waiting == nullptr) continue;
+    if (last - first < 32)
+      throw Fault(where(b, *waiting) + ": " + waiting->op_name + " in a warp of " +
+                  std::to_string(last - first) + " threads; it needs all 32 lanes");
+    for (unsigned i = first; i < last; ++i)
+      if (b.fibers[i].state == State::kDone)
+        throw Fault(where(b, *waiting) + ": " + waiting->op_name + " while lane " +
+                    std::to_string(i - first) + " of the warp has returned; it needs all 32");
+    if (!complete) continue;
+    void* args[32];
+    for (unsigned i = first; i < last; ++i) {
+      const Fiber& f = b.fibers[i];
+      if (f.op != waiting->op)
+        throw Fault(where(b, f) + ": lanes of one warp wait in different warp-wide operations (" +
+                    f.op_name + " and " + waiting->op_name + ")");
+      args[i - first] = f.op_arg;
+    }
+    try {
+      waiting->op(args);
+    } catch (const std::exception& e) {
+      throw Fault(where(b, *waiting) + ": " + waiting->op_name + ": " + e.what());
+    }
+    for (unsigned i = first; i < last; ++i) b.fibers[i].state = State::kRunnable;
+    any = true;
+  }
+  return any;
+}
+
 // `reverse`: the block starts with its last thread. Between two barriers a GPU runs a block's
 // threads in no fixed order, so neither order may change a correct kernel's result; the
 // order alternates from block to block and from barrier to barrier, so that a kernel missing
@@ -304,7 +357,8 @@ void run_block(Block& b, bool reverse) {
       if (b.error) std::rethrow_exception(b.error);
     }
     reverse = !reverse;
-    if (complete_shuffles(b)) continue;
+    const bool shuffled = complete_shuffles(b);
+    if (complete_collectives(b) || shuffled) continue;
     bool live = false, all_at_barrier = true;
     const Fiber* stuck = nullptr;
     for (Fiber& f : b.fibers) {
@@ -323,8 +377,9 @@ void run_block(Block& b, bool reverse) {
     }
     if (!ran)
       throw Fault(where(b, *stuck) +
-                  " waits in a warp shuffle while other threads wait at __syncthreads: the block "
-                  "would hang on a GPU");
+                  " waits in a warp shuffle or a warp-wide operation that other threads of its "
+                  "warp never reach (they wait at __syncthreads or elsewhere): the block would "
+                  "hang on a GPU");
   }
 }
 
@@ -352,6 +407,17 @@ uint64_t shuffle(unsigned mask, uint64_t bits, int param, int width, bool xor_mo
   f.xor_mode = xor_mode;
   switch_to_scheduler(f);
   return f.result;
+}
+
+void warp_collective(const char* name, WarpOp op, void* arg) {
+  Block* b = current_block;
+  if (b == nullptr || b->running == nullptr) throw Fault(std::string(name) + " outside a kernel");
+  Fiber& f = *b->running;
+  f.state = State::kAtCollective;
+  f.op = op;
+  f.op_arg = arg;
+  f.op_name = name;
+  switch_to_scheduler(f);
 }
 
 void* block_shared_bytes(const void* tag, size_t bytes, size_t align) {

@@ -50,6 +50,11 @@ void syncthreads();
 // `xor_mode`: source = lane ^ param (its own value back past the end of its group of `width`
 // lanes), else source = param within the lane's group.
 uint64_t shuffle(unsigned mask, uint64_t bits, int param, int width, bool xor_mode);
+// A warp-wide operation: every one of the warp's 32 lanes calls warp_collective with the same
+// `op` and its own `arg`; once all have arrived, op(args) runs once, args[l] being lane l's
+// (wmma's loads, stores and products, in mma.h, are built on it).
+using WarpOp = void (*)(void* const* args);
+void warp_collective(const char* name, WarpOp op, void* arg);
 // The block's dynamic shared memory (`extern __shared__`).
 void* dynamic_shared_memory();
 // The block's static shared variable declared at `tag` (`__shared__ T x[N]`, rewritten): the
@@ -113,6 +118,12 @@ T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
 template <typename T>
 T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
   return ::cuda_emu::shuffle_value(mask, v, lane_mask, width, true);
+}
+
+// All lanes in `mask` meet here (a shuffle that exchanges nothing), as on a GPU, where
+// __syncwarp also orders their shared-memory accesses.
+inline void __syncwarp(unsigned mask = 0xffffffffu) {
+  ::cuda_emu::shuffle_value(mask, 0, 0, 32, true);  // each lane reads its own value
 }
 
 // The explicitly rounded intrinsics: IEEE operations, never contracted into an FMA (the
