@@ -448,21 +448,45 @@ std::vector<AttentionCase> attention_cases() {
     cases.push_back({1, t, 8, 2, 128, f32});  // Llama's head_dim
     cases.push_back({1, t, 4, 4, 64, f32});   // one kv head per head
   }
+  for (const int64_t t : {1, 17, 64, 65})  // bf16 on the tensor cores
+    cases.push_back({2, t, 8, 2, 64, bf16});
   cases.push_back({2, 129, 8, 2, 128, bf16});
   cases.push_back({1, 300, 8, 2, 64, bf16});
   cases.push_back({1, 64, 4, 4, 128, bf16});
+  cases.push_back({1, 200, 4, 1, 16, bf16});  // the tiny model's head_dim, 4 heads per kv head
+  cases.push_back({1, 70, 2, 2, 48, bf16});
   cases.push_back({1, 129, 4, 2, 96, f32});  // other multiples of 8, up to 256
   cases.push_back({1, 33, 2, 2, 40, f32});
   cases.push_back({1, 65, 2, 1, 256, f32});
   cases.push_back({1, 40, 2, 1, 256, bf16});
+  cases.push_back({1, 33, 2, 2, 40, bf16});  // not a multiple of 16: SIMT in bf16
   return cases;
 }
 
+// Whether the CUDA backend's tensor-core attention (attention_tc.cu) takes a case.
+bool on_tensor_cores(const AttentionCase& c) {
+  return c.dtype == bf16 && c.head_dim % 16 == 0 && c.head_dim <= 128;
+}
+
+// attention_tensor_cores(false) for a scope: every call to the SIMT kernels.
+struct SimtAttention {
+  SimtAttention() {
+#if STRATA_HAVE_CUDA
+    attention_tensor_cores(false);
+#endif
+  }
+  ~SimtAttention() {
+#if STRATA_HAVE_CUDA
+    attention_tensor_cores(true);
+#endif
+  }
+};
+
+// Each case against the host backend; bf16 cases the tensor cores take run a second time on the
+// SIMT kernels, which must pass too, and give other bits (or the tensor cores never ran).
 TEST_F(CudaOpsTest, AttentionForwardAndBackward) {
   Rng rng(7);
   for (const AttentionCase& c : attention_cases()) {
-    SCOPED_TRACE(fmt::format("{} batch {} seq {} heads {} kv_heads {} head_dim {}",
-                             dtype_name(c.dtype), c.batch, c.seq, c.heads, c.kv_heads, c.head_dim));
     const Shape qs{c.batch, c.seq, c.heads, c.head_dim};
     const Shape ks{c.batch, c.seq, c.kv_heads, c.head_dim};
     const Shape ls{c.batch, c.heads, c.seq};
@@ -470,32 +494,50 @@ TEST_F(CudaOpsTest, AttentionForwardAndBackward) {
     HostTensor q = random_tensor(c.dtype, qs, rng, -3.0f, 3.0f);
     HostTensor k = random_tensor(c.dtype, ks, rng), v = random_tensor(c.dtype, ks, rng);
     HostTensor out(c.dtype, qs), lse(f32, ls);
-    DeviceTensor q_dev = upload(q), k_dev = upload(k), v_dev = upload(v);
-    DeviceTensor out_dev = empty(c.dtype, qs), lse_dev = empty(f32, ls);
-    gpu().attention_forward(out_dev.view(), lse_dev.view(), q_dev.view(), k_dev.view(),
-                            v_dev.view(), stream());
     host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view());
-    expect_close("out", out_dev.fetch("out"), out, tolerance(c.dtype, c.dtype));
-    expect_close("lse", lse_dev.fetch("lse"), lse, tolerance(f32, c.dtype));
-
-    // Backward from the host's out and lse on both sides.
     HostTensor dout = random_tensor(c.dtype, qs, rng);
     HostTensor dq(c.dtype, qs), dk(c.dtype, ks), dv(c.dtype, ks);
-    DeviceTensor dout_dev = upload(dout), out_in = upload(out), lse_in = upload(lse);
-    DeviceTensor dq_dev = empty(c.dtype, qs), dk_dev = empty(c.dtype, ks),
-                 dv_dev = empty(c.dtype, ks);
-    gpu().attention_backward(dq_dev.view(), dk_dev.view(), dv_dev.view(), dout_dev.view(),
-                             q_dev.view(), k_dev.view(), v_dev.view(), out_in.view(), lse_in.view(),
-                             stream());
     host::attention_backward(dq.view(), dk.view(), dv.view(), dout.view(), q.view(), k.view(),
                              v.view(), out.view(), lse.view());
-    // With one key (seq 1) P = 1 and dS = 0: dq and dk are zero in exact arithmetic and up to
-    // ~1e-6 of rounding noise on either backend (different noise: the GPU sums in another
-    // order), so they are measured against elements of 0.1, the size of real gradients here.
-    const double tol = tolerance(c.dtype, c.dtype), floor = 0.1;
-    expect_close("dq", dq_dev.fetch("dq"), dq, tol, floor);
-    expect_close("dk", dk_dev.fetch("dk"), dk, tol, floor);
-    expect_close("dv", dv_dev.fetch("dv"), dv, tol, floor);
+    DeviceTensor q_dev = upload(q), k_dev = upload(k), v_dev = upload(v);
+    DeviceTensor dout_dev = upload(dout), out_in = upload(out), lse_in = upload(lse);
+    std::vector<HostTensor> runs;  // out and dq of each run
+    const bool both = on_cuda() && on_tensor_cores(c);
+    for (const bool tensor_cores : {true, false}) {
+      if (!tensor_cores && !both) break;
+      std::optional<SimtAttention> simt;
+      if (!tensor_cores) simt.emplace();
+      SCOPED_TRACE(fmt::format("{} batch {} seq {} heads {} kv_heads {} head_dim {}{}",
+                               dtype_name(c.dtype), c.batch, c.seq, c.heads, c.kv_heads, c.head_dim,
+                               both ? (tensor_cores ? " tensor cores" : " SIMT") : ""));
+      DeviceTensor out_dev = empty(c.dtype, qs), lse_dev = empty(f32, ls);
+      gpu().attention_forward(out_dev.view(), lse_dev.view(), q_dev.view(), k_dev.view(),
+                              v_dev.view(), stream());
+      runs.push_back(out_dev.fetch("out"));
+      expect_close("out", runs.back(), out, tolerance(c.dtype, c.dtype));
+      expect_close("lse", lse_dev.fetch("lse"), lse, tolerance(f32, c.dtype));
+
+      // Backward from the host's out and lse on both sides.
+      DeviceTensor dq_dev = empty(c.dtype, qs), dk_dev = empty(c.dtype, ks),
+                   dv_dev = empty(c.dtype, ks);
+      gpu().attention_backward(dq_dev.view(), dk_dev.view(), dv_dev.view(), dout_dev.view(),
+                               q_dev.view(), k_dev.view(), v_dev.view(), out_in.view(),
+                               lse_in.view(), stream());
+      // With one key (seq 1) P = 1 and dS = 0: dq and dk are zero in exact arithmetic and up to
+      // ~1e-6 of rounding noise on either backend (different noise: the GPU sums in another
+      // order), so they are measured against elements of 0.1, the size of real gradients here.
+      const double tol = tolerance(c.dtype, c.dtype), floor = 0.1;
+      runs.push_back(dq_dev.fetch("dq"));
+      expect_close("dq", runs.back(), dq, tol, floor);
+      expect_close("dk", dk_dev.fetch("dk"), dk, tol, floor);
+      expect_close("dv", dv_dev.fetch("dv"), dv, tol, floor);
+    }
+    if (both && c.seq > 1) {
+      EXPECT_NE(runs[0].bytes, runs[2].bytes)
+          << "out: the tensor cores gave the SIMT kernels' bits; did they run?";
+      EXPECT_NE(runs[1].bytes, runs[3].bytes)
+          << "dq: the tensor cores gave the SIMT kernels' bits; did they run?";
+    }
   }
 }
 

@@ -1,5 +1,6 @@
 // attention.cu: causal grouped-query attention, forward and backward, tiled so that the T x T
-// score matrix never exists (the flash-attention algorithm, in plain f32 SIMT code).
+// score matrix never exists (the flash-attention algorithm, in plain f32 SIMT code). bf16 calls
+// with head_dim a multiple of 16 up to 128 go to attention_tc.cu's tensor-core kernels first.
 //
 // Layouts (core/kernels.h): q, out [B,T,H,hd]; k, v [B,T,Hkv,hd]; lse [B,H,T] f32; query head h
 // reads kv head h / (H / Hkv). Scores are scale * q.k with scale = 1/sqrt(hd).
@@ -407,8 +408,10 @@ uint64_t attention_backward_shared_bytes(int64_t head_dim, int64_t query_rows) {
 }
 
 void launch_attention_forward(void* out, float* lse, const void* q, const void* k, const void* v,
-                              DType t, const AttentionDims& dims, cudaStream_t stream) {
+                              DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
+                              cudaStream_t stream) {
   if (dims.batch * dims.seq * dims.heads == 0) return;
+  if (attention_tc_forward(out, lse, q, k, v, t, dims, max_shared_bytes, stream)) return;
   const Geometry g = geometry(dims);
   gpu::dispatch(t, [&]<typename T>() {
     dispatch_slots(dims.head_dim, [&]<int NR>() {
@@ -431,6 +434,8 @@ void launch_attention_backward(void* dq, void* dk, void* dv, const void* dout, c
                                DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
                                cudaStream_t stream) {
   if (dims.batch * dims.seq * dims.heads == 0) return;
+  if (attention_tc_backward(dq, dk, dv, dout, q, k, v, out, lse, t, dims, max_shared_bytes, stream))
+    return;
   const Geometry g = geometry(dims);
   // The largest query tile whose shared memory fits (32 rows: 8 warps x 4 in phase 1).
   int brq = 32;

@@ -229,7 +229,8 @@ void CudaKernels::attention_forward(const TensorView& out, const TensorView& lse
   operands(op, {{"out", &out}, {"q", &q}, {"k", &k}, {"v", &v}});
   float* lse = stats(op, "lse_stats", lse_stats);
   const cudaStream_t stream = device_.enter(s);
-  launch_attention_forward(out.data, lse, q.data, k.data, v.data, q.dtype, d, stream);
+  launch_attention_forward(out.data, lse, q.data, k.data, v.data, q.dtype, d, max_shared_bytes(),
+                           stream);
 }
 
 void CudaKernels::attention_backward(const TensorView& dq, const TensorView& dk,

@@ -62,11 +62,27 @@ uint64_t attention_backward_shared_bytes(int64_t head_dim, int64_t query_rows);
 // cudaDevAttrMaxSharedMemoryPerBlockOptin (>= attention_shared_bytes_min): the backward picks
 // the largest query tile that fits.
 void launch_attention_forward(void* out, float* lse, const void* q, const void* k, const void* v,
-                              DType t, const AttentionDims& dims, cudaStream_t stream);
+                              DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
+                              cudaStream_t stream);
 void launch_attention_backward(void* dq, void* dk, void* dv, const void* dout, const void* q,
                                const void* k, const void* v, const void* out, const float* lse,
                                DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
                                cudaStream_t stream);
+
+// ---- attention_tc.cu: the same on tensor cores (wmma), for bf16 with head_dim a multiple of
+// 16 up to 128, where the device's shared memory allows and every pointer is 16-byte aligned.
+// The launchers above call these first; each launches nothing and returns false where it does
+// not apply.
+bool attention_tc_forward(void* out, float* lse, const void* q, const void* k, const void* v,
+                          DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
+                          cudaStream_t stream);
+bool attention_tc_backward(void* dq, void* dk, void* dv, const void* dout, const void* q,
+                           const void* k, const void* v, const void* out, const float* lse, DType t,
+                           const AttentionDims& dims, uint64_t max_shared_bytes,
+                           cudaStream_t stream);
+// Whether the tensor-core kernels take the calls they apply to (the default) or leave every
+// call to the SIMT kernels; process-wide, for tests and benchmarks that compare the two.
+void attention_tensor_cores(bool enabled);
 
 // ---- swiglu.cu ----
 void launch_swiglu_forward(void* h, DType h_t, const void* gate, DType gate_t, const void* up,

@@ -112,7 +112,11 @@ struct Block {
 #else
   ucontext_t scheduler;
 #endif
+  // Dynamic shared memory: `dynamic_bytes` from `dynamic_base`, which is 128-byte aligned (as
+  // a GPU's shared window is; `extern __shared__ __align__(128)` asks for no more).
   std::vector<unsigned char> dynamic_shared;
+  unsigned char* dynamic_base = nullptr;
+  size_t dynamic_bytes = 0;
   // Static shared variables: offsets into a fixed 48 KiB (a GPU's static limit), assigned at a
   // variable's first use in the launch; the used prefix is poisoned again at every block.
   std::map<const void*, size_t> static_offsets;
@@ -427,9 +431,9 @@ void* block_shared_bytes(const void* tag, size_t bytes, size_t align) {
     return b->static_shared.data() + it->second;
   const size_t offset = (b->static_used + align - 1) / align * align;
   if (offset + bytes > b->static_shared.size() ||
-      offset + bytes + b->dynamic_shared.size() > b->shared_limit)
+      offset + bytes + b->dynamic_bytes > b->shared_limit)
     throw Fault(where(*b, *b->running) + ": " + std::to_string(offset + bytes) +
-                " bytes of static shared memory (with " + std::to_string(b->dynamic_shared.size()) +
+                " bytes of static shared memory (with " + std::to_string(b->dynamic_bytes) +
                 " dynamic) are over the GPU's limits (48 KiB static, " +
                 std::to_string(b->shared_limit) + " in all)");
   std::fill(b->static_shared.begin() + static_cast<std::ptrdiff_t>(offset),
@@ -442,7 +446,7 @@ void* block_shared_bytes(const void* tag, size_t bytes, size_t align) {
 void* dynamic_shared_memory() {
   Block* b = current_block;
   if (b == nullptr) throw Fault("extern __shared__ outside a kernel");
-  return b->dynamic_shared.empty() ? nullptr : b->dynamic_shared.data();
+  return b->dynamic_bytes == 0 ? nullptr : b->dynamic_base;
 }
 
 void launch_grid(const char* name, const void* kernel, const LaunchConfig& c,
@@ -473,7 +477,11 @@ void launch_grid(const char* name, const void* kernel, const LaunchConfig& c,
     b.body = &body;
     b.kernel_name = kernel_name;
     b.fibers.resize(static_cast<size_t>(uint64_t{c.block.x} * c.block.y * c.block.z));
-    b.dynamic_shared.resize(c.shared_bytes);
+    constexpr size_t kAlign = 128;
+    b.dynamic_shared.resize(c.shared_bytes + kAlign);
+    const auto address = reinterpret_cast<uintptr_t>(b.dynamic_shared.data());
+    b.dynamic_base = b.dynamic_shared.data() + (kAlign - address % kAlign) % kAlign;
+    b.dynamic_bytes = c.shared_bytes;
     b.static_shared.resize(kDefaultSharedLimit);
     b.shared_limit = optin;
     stacks.reserve(static_cast<unsigned>(b.fibers.size()));
@@ -489,7 +497,7 @@ void launch_grid(const char* name, const void* kernel, const LaunchConfig& c,
     for (unsigned z = 0; z < c.grid.z; ++z)
       for (unsigned y = 0; y < c.grid.y; ++y)
         for (unsigned x = 0; x < c.grid.x; ++x) {
-          std::fill(b.dynamic_shared.begin(), b.dynamic_shared.end(), 0xff);
+          std::fill(b.dynamic_base, b.dynamic_base + b.dynamic_bytes, 0xff);
           std::fill(b.static_shared.begin(),
                     b.static_shared.begin() + static_cast<std::ptrdiff_t>(b.static_used), 0xff);
           b.error = nullptr;
