@@ -1,5 +1,6 @@
 // test_eval_cli.cpp: `strata eval` as a user runs it, on the tiny preset with random weights
 // (the checkpoint path, compared with PyTorch, is in test_llama_reference).
+#include "gpu/runtime.h"
 #include "model/tokens.h"
 #include "testing.h"
 
@@ -165,6 +166,55 @@ TEST(BenchModelCli, VerifiesThenReports) {
     EXPECT_GT(j["model_tflops"].get<double>(), 0.0);
     EXPECT_DOUBLE_EQ(j["mfu"].get<double>(), j["model_tflops"].get<double>());
   }
+}
+
+test::CommandResult bench_attention(const std::string& args) {
+  return test::run_command(std::string("'") + STRATA_BINARY + "' bench attention " + args +
+                           " 2>&1");
+}
+
+// `strata bench attention` verifies against the host backend in f32, then reports its figures.
+TEST(BenchAttentionCli, VerifiesThenReports) {
+  for (const char* dtype : {"f32", "bf16"}) {
+    const test::CommandResult r = bench_attention(
+        std::string("--devices host --seq-len 70 --heads 4 --kv-heads 2 --head-dim 24 --steps 1 "
+                    "--json --dtype ") +
+        dtype);
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto j = nlohmann::json::parse(r.out, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << r.out;
+    EXPECT_TRUE(j["verified"].get<bool>());
+    EXPECT_EQ(j["dtype"], dtype);
+    EXPECT_DOUBLE_EQ(j["forward_flops"].get<double>(), 2.0 * 4 * 24 * 70 * 70);
+    ASSERT_EQ(j["runs"].size(), 1u) << r.out;
+    EXPECT_EQ(j["runs"][0]["kernels"], "host");
+    EXPECT_GT(j["runs"][0]["forward_tflops"].get<double>(), 0.0);
+    EXPECT_GT(j["runs"][0]["backward_tflops"].get<double>(), 0.0);
+  }
+}
+
+TEST(BenchAttentionCli, BadShapesAreNamed) {
+  test::CommandResult r = bench_attention("--devices host --heads 6 --kv-heads 4");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("--heads 6 is not a multiple of --kv-heads 4"), std::string::npos) << r.out;
+  r = bench_attention("--devices host --seq-len 0");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("--seq-len 0"), std::string::npos) << r.out;
+}
+
+// On a GPU in bf16: the tensor-core kernels and the SIMT kernels, each verified, side by side.
+TEST(BenchAttentionCli, OnAGpuTensorCoresBesideSimt) {
+  if (cuda_runtime().gpus.empty())
+    GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
+  const test::CommandResult r = bench_attention(
+      "--devices cuda:0 --seq-len 130 --heads 4 --kv-heads 1 --head-dim 32 --steps 1 --json");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_EQ(j["dtype"], "bf16");
+  ASSERT_EQ(j["runs"].size(), 2u) << r.out;
+  EXPECT_EQ(j["runs"][0]["kernels"], "tensor cores");
+  EXPECT_EQ(j["runs"][1]["kernels"], "SIMT");
 }
 
 }  // namespace

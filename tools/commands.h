@@ -27,10 +27,11 @@ Command add_train(CLI::App& app);     // strata train
 Command add_export(CLI::App& app);    // strata export
 Command add_tune(CLI::App& app);      // strata tune
 // `strata bench` subcommands (tools/bench_*.cpp), registered on the `bench` app.
-Command add_bench_adam(CLI::App& bench);   // strata bench adam
-Command add_bench_io(CLI::App& bench);     // strata bench io
-Command add_bench_model(CLI::App& bench);  // strata bench model
-Command add_bench_step(CLI::App& bench);   // strata bench step
+Command add_bench_adam(CLI::App& bench);       // strata bench adam
+Command add_bench_attention(CLI::App& bench);  // strata bench attention
+Command add_bench_io(CLI::App& bench);         // strata bench io
+Command add_bench_model(CLI::App& bench);      // strata bench model
+Command add_bench_step(CLI::App& bench);       // strata bench step
 
 }  // namespace strata::cli
 

@@ -512,6 +512,10 @@ dim3 grid_of(int64_t seq, int64_t heads, int64_t batch) {
 
 }  // namespace
 
+uint64_t attention_tc_backward_shared_bytes(int64_t head_dim) {
+  return std::max(dq_bytes(static_cast<int>(head_dim)), dkdv_bytes(static_cast<int>(head_dim)));
+}
+
 void attention_tensor_cores(bool enabled) {
   g_enabled.store(enabled, std::memory_order_relaxed);
 }
@@ -537,7 +541,7 @@ bool attention_tc_backward(void* dq, void* dk, void* dv, const void* dout, const
                            const AttentionDims& dims, uint64_t max_shared_bytes,
                            cudaStream_t stream) {
   const int hd = static_cast<int>(dims.head_dim);
-  const uint64_t bytes = hd > 0 ? std::max(dq_bytes(hd), dkdv_bytes(hd)) : 0;
+  const uint64_t bytes = hd > 0 ? attention_tc_backward_shared_bytes(hd) : 0;
   if (!applies(t, dims, bytes, max_shared_bytes, {dq, dk, dv, dout, q, k, v, out})) return false;
   const Geometry g = geometry(dims);
   dispatch_slices(dims.head_dim, [&]<int NS>() {

@@ -80,6 +80,9 @@ bool attention_tc_backward(void* dq, void* dk, void* dv, const void* dout, const
                            const void* k, const void* v, const void* out, const float* lse, DType t,
                            const AttentionDims& dims, uint64_t max_shared_bytes,
                            cudaStream_t stream);
+// The dynamic shared memory the tensor-core backward needs per block at `head_dim` (a GPU
+// allowing less takes the SIMT backward; the forward needs less than every sm_80+ GPU allows).
+uint64_t attention_tc_backward_shared_bytes(int64_t head_dim);
 // Whether the tensor-core kernels take the calls they apply to (the default) or leave every
 // call to the SIMT kernels; process-wide, for tests and benchmarks that compare the two.
 void attention_tensor_cores(bool enabled);
