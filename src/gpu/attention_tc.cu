@@ -181,6 +181,24 @@ __device__ __forceinline__ void product_to_scratch(float* scratch, const bf16* a
   }
 }
 
+// The same with the 16 x hd A operand already in registers (the forward's and dq's query rows,
+// the same for every key tile): one shared-memory load per product instead of two.
+template <int NS>
+__device__ __forceinline__ void product_to_scratch(float* scratch, const FragA (&a)[NS],
+                                                   const bf16* b_rows, int ld, int n0, int n1) {
+  for (int n = n0; n < n1; ++n) {
+    FragC s;
+    wmma::fill_fragment(s, 0.0f);
+#pragma unroll
+    for (int j = 0; j < NS; ++j) {
+      FragBCol b;
+      wmma::load_matrix_sync(b, b_rows + n * kSub * ld + j * kSub, ld);
+      wmma::mma_sync(s, a[j], b, s);
+    }
+    wmma::store_matrix_sync(scratch + n * kSub, s, kScoreLd, wmma::mem_row_major);
+  }
+}
+
 // acc[j] += p (16 x 16 n1, bf16 in shared memory, columns [16 n0, 16 n1)) . rows [16 n0, 16 n1)
 // of the tile `b_rows` (64 x hd, row-major).
 template <int NS>
@@ -226,6 +244,10 @@ __global__ void __launch_bounds__(kThreads)
   const bf16* kh = k + b * g.seq * kvs + hk * hd;
   const bf16* vh = v + b * g.seq * kvs + hk * hd;
   load_tile(sq, ld, q + b * g.seq * qs + h * hd, qs, q0, g.seq, hd);
+  __syncthreads();
+  FragA qa[NS];  // this warp's 16 query rows, for every key tile
+#pragma unroll
+  for (int j = 0; j < NS; ++j) wmma::load_matrix_sync(qa[j], sq + warp * kSub * ld + j * kSub, ld);
 
   FragC row_of, o[NS];
   load_row_numbers(row_of, scores, lane);
@@ -238,12 +260,12 @@ __global__ void __launch_bounds__(kThreads)
 
   const int64_t q_end = gpu::min64(q0 + kTile, g.seq);
   for (int64_t k0 = 0; k0 < q_end; k0 += kTile) {
-    __syncthreads();  // the previous tile is consumed (the first time: nothing to wait for)
+    __syncthreads();  // the previous tile is consumed
     load_tile(sk, ld, kh, kvs, k0, g.seq, hd);
     load_tile(sv, ld, vh, kvs, k0, g.seq, hd);
     __syncthreads();
     const int subs = visible_subs(row0, k0);
-    product_to_scratch<NS>(scores, sq + warp * kSub * ld, sk, ld, 0, subs);
+    product_to_scratch<NS>(scores, qa, sk, ld, 0, subs);
     __syncwarp();
 
     const float* srow = scores + r * kScoreLd + half * 32;
@@ -319,6 +341,12 @@ __global__ void __launch_bounds__(kThreads)
   load_tile(sq, ld, q + q_base, qs, q0, g.seq, hd);
   load_tile(sdo, ld, dout + q_base, qs, q0, g.seq, hd);
   __syncthreads();
+  FragA qa[NS], doa[NS];  // this warp's 16 rows of q and dout, for every key tile
+#pragma unroll
+  for (int j = 0; j < NS; ++j) {
+    wmma::load_matrix_sync(qa[j], sq + warp * kSub * ld + j * kSub, ld);
+    wmma::load_matrix_sync(doa[j], sdo + warp * kSub * ld + j * kSub, ld);
+  }
 
   const int r = lane / 2, half = lane % 2;
   const int64_t t = row0 + r;
@@ -335,8 +363,8 @@ __global__ void __launch_bounds__(kThreads)
     load_tile(sv, ld, vh, kvs, k0, g.seq, hd);
     __syncthreads();
     const int subs = visible_subs(row0, k0);
-    product_to_scratch<NS>(scores, sq + warp * kSub * ld, sk, ld, 0, subs);
-    product_to_scratch<NS>(dps, sdo + warp * kSub * ld, sv, ld, 0, subs);
+    product_to_scratch<NS>(scores, qa, sk, ld, 0, subs);
+    product_to_scratch<NS>(dps, doa, sv, ld, 0, subs);
     __syncwarp();
     const int64_t key0 = k0 + half * 32;
     for (int c = 0; c < 32; ++c) {
