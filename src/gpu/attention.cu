@@ -23,10 +23,6 @@
 #include "gpu/kernel_common.cuh"
 #include "gpu/ops.h"
 
-#include <map>
-#include <mutex>
-#include <utility>
-
 namespace strata {
 namespace {
 
@@ -379,24 +375,6 @@ void dispatch_slots(int64_t head_dim, F&& f) {
   }
 }
 
-// Lets `kernel` take `bytes` of dynamic shared memory on the current device. The limit is
-// only ever raised: one kernel instance serves a bucket of head sizes whose needs differ, and
-// a lower limit set by another thread between this one's call and its launch would make the
-// launch fail.
-template <typename Kernel>
-void allow_shared(Kernel kernel, uint64_t bytes) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, const void*>, uint64_t> limits;
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard lock(mutex);
-  uint64_t& have = limits[{device, reinterpret_cast<const void*>(kernel)}];
-  if (bytes <= have) return;
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(bytes)));
-  have = bytes;
-}
-
 }  // namespace
 
 uint64_t attention_shared_bytes_min(int64_t head_dim) {
@@ -418,7 +396,7 @@ void launch_attention_forward(void* out, float* lse, const void* q, const void* 
       constexpr int64_t br = kWarps * rows_per_warp(NR);
       const uint64_t bytes = forward_bytes(dims.head_dim);
       auto* kernel = attention_forward_kernel<T, NR>;
-      allow_shared(kernel, bytes);
+      gpu::allow_dynamic_shared(kernel, bytes);
       const dim3 grid(static_cast<unsigned>((dims.seq + br - 1) / br),
                       static_cast<unsigned>(dims.heads), static_cast<unsigned>(dims.batch));
       kernel<<<grid, kBlockThreads, bytes, stream>>>(
@@ -445,7 +423,7 @@ void launch_attention_backward(void* dq, void* dk, void* dv, const void* dout, c
       constexpr int64_t br = kWarps * rows_per_warp(NR);
       const uint64_t bytes = dq_bytes(dims.head_dim);
       auto* dq_kernel = attention_dq_kernel<T, NR>;
-      allow_shared(dq_kernel, bytes);
+      gpu::allow_dynamic_shared(dq_kernel, bytes);
       const dim3 dq_grid(static_cast<unsigned>((dims.seq + br - 1) / br),
                          static_cast<unsigned>(dims.heads), static_cast<unsigned>(dims.batch));
       dq_kernel<<<dq_grid, kBlockThreads, bytes, stream>>>(
@@ -455,7 +433,7 @@ void launch_attention_backward(void* dq, void* dk, void* dv, const void* dout, c
 
       const uint64_t kv_bytes = dkdv_bytes(dims.head_dim, brq);
       auto* kv_kernel = attention_dkdv_kernel<T, NR>;
-      allow_shared(kv_kernel, kv_bytes);
+      gpu::allow_dynamic_shared(kv_kernel, kv_bytes);
       const dim3 kv_grid(static_cast<unsigned>((dims.seq + kKeys - 1) / kKeys),
                          static_cast<unsigned>(dims.kv_heads), static_cast<unsigned>(dims.batch));
       kv_kernel<<<kv_grid, kBlockThreads, kv_bytes, stream>>>(

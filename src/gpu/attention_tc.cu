@@ -29,9 +29,6 @@
 
 #include <atomic>
 #include <cstring>
-#include <map>
-#include <mutex>
-#include <utility>
 
 namespace strata {
 namespace {
@@ -485,22 +482,6 @@ bool applies(DType t, const AttentionDims& d, uint64_t bytes, uint64_t max_share
   return true;
 }
 
-// Lets `kernel` take `bytes` of dynamic shared memory on the current device (only ever raised;
-// see attention.cu's allow_shared).
-template <typename Kernel>
-void allow_shared(Kernel kernel, uint64_t bytes) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, const void*>, uint64_t> limits;
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  std::lock_guard lock(mutex);
-  uint64_t& have = limits[{device, reinterpret_cast<const void*>(kernel)}];
-  if (bytes <= have) return;
-  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  static_cast<int>(bytes)));
-  have = bytes;
-}
-
 // Calls f.template operator()<NS>() with NS = head_dim / 16 (1 to 8): the accumulators are
 // arrays of NS fragments, which stay in registers only with NS known at compile time.
 template <typename F>
@@ -555,7 +536,7 @@ bool attention_tc_forward(void* out, float* lse, const void* q, const void* k, c
   if (!applies(t, dims, bytes, max_shared_bytes, {out, q, k, v})) return false;
   dispatch_slices(dims.head_dim, [&]<int NS>() {
     auto* kernel = attention_tc_forward_kernel<NS>;
-    allow_shared(kernel, bytes);
+    gpu::allow_dynamic_shared(kernel, bytes);
     kernel<<<grid_of(dims.seq, dims.heads, dims.batch), kThreads, bytes, stream>>>(
         static_cast<bf16*>(out), lse, static_cast<const bf16*>(q), static_cast<const bf16*>(k),
         static_cast<const bf16*>(v), geometry(dims));
@@ -574,14 +555,14 @@ bool attention_tc_backward(void* dq, void* dk, void* dv, const void* dout, const
   const Geometry g = geometry(dims);
   dispatch_slices(dims.head_dim, [&]<int NS>() {
     auto* dq_kernel = attention_tc_dq_kernel<NS>;
-    allow_shared(dq_kernel, dq_bytes(hd));
+    gpu::allow_dynamic_shared(dq_kernel, dq_bytes(hd));
     dq_kernel<<<grid_of(dims.seq, dims.heads, dims.batch), kThreads, dq_bytes(hd), stream>>>(
         static_cast<bf16*>(dq), static_cast<const bf16*>(dout), static_cast<const bf16*>(q),
         static_cast<const bf16*>(k), static_cast<const bf16*>(v), static_cast<const bf16*>(out),
         lse, g);
     CUDA_CHECK_LAUNCH();
     auto* kv_kernel = attention_tc_dkdv_kernel<NS>;
-    allow_shared(kv_kernel, dkdv_bytes(hd));
+    gpu::allow_dynamic_shared(kv_kernel, dkdv_bytes(hd));
     kv_kernel<<<grid_of(dims.seq, dims.kv_heads, dims.batch), kThreads, dkdv_bytes(hd), stream>>>(
         static_cast<bf16*>(dk), static_cast<bf16*>(dv), static_cast<const bf16*>(dout),
         static_cast<const bf16*>(q), static_cast<const bf16*>(k), static_cast<const bf16*>(v),

@@ -15,6 +15,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 namespace strata::gpu {
 
@@ -100,6 +103,24 @@ void dispatch(DType t, F&& f) {
     f.template operator()<bf16>();
   else
     f.template operator()<float>();
+}
+
+// Lets `kernel` take `bytes` of dynamic shared memory on the current device
+// (cudaFuncSetAttribute, needed past 48 KiB). The limit is only ever raised: one kernel instance
+// serves a bucket of sizes whose needs differ, and a lower limit set by another thread between
+// this one's call and its launch would make the launch fail.
+template <typename Kernel>
+void allow_dynamic_shared(Kernel kernel, uint64_t bytes) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, uint64_t> limits;
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  std::lock_guard lock(mutex);
+  uint64_t& have = limits[{device, reinterpret_cast<const void*>(kernel)}];
+  if (bytes <= have) return;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(bytes)));
+  have = bytes;
 }
 
 constexpr unsigned kThreads = 256;
