@@ -70,10 +70,11 @@ constexpr uint64_t kRowStatBytes = 128;  // 16 floats, rounded to keep 32-byte a
 __host__ __device__ constexpr uint64_t tiles_bytes(int hd, int tiles) {
   return static_cast<uint64_t>(tiles) * kTile * tile_ld(hd) * 2;
 }
-// Per warp: forward scores + P + one row statistic; dq scores + dP + dS + two statistics;
-// dk/dv S^T + dP^T + P^T + dS^T (its row statistics are the block's, 2 x 64 floats).
+// Per warp: forward scores + P + one row statistic; dq scores + dP + dS (its row statistics
+// stay in registers); dk/dv S^T + dP^T + P^T + dS^T (its row statistics are the block's, 2 x 64
+// floats).
 constexpr uint64_t kForwardWarpBytes = kTileScoreBytes + kTileProbBytes + kRowStatBytes;
-constexpr uint64_t kDqWarpBytes = 2 * kTileScoreBytes + kTileProbBytes + 2 * kRowStatBytes;
+constexpr uint64_t kDqWarpBytes = 2 * kTileScoreBytes + kTileProbBytes;
 constexpr uint64_t kDkdvWarpBytes = 2 * kTileScoreBytes + 2 * kTileProbBytes;
 constexpr uint64_t kDkdvBlockStatBytes = 2 * kTile * sizeof(float);
 
