@@ -485,34 +485,12 @@ bool applies(DType t, const AttentionDims& d, uint64_t bytes, uint64_t max_share
 
 // Calls f.template operator()<NS>() with NS = head_dim / 16 (1 to 8): the accumulators are
 // arrays of NS fragments, which stay in registers only with NS known at compile time.
-template <typename F>
+template <int NS = 1, typename F>
 void dispatch_slices(int64_t head_dim, F&& f) {
-  switch (head_dim / kSub) {
-    case 1:
-      f.template operator()<1>();
-      break;
-    case 2:
-      f.template operator()<2>();
-      break;
-    case 3:
-      f.template operator()<3>();
-      break;
-    case 4:
-      f.template operator()<4>();
-      break;
-    case 5:
-      f.template operator()<5>();
-      break;
-    case 6:
-      f.template operator()<6>();
-      break;
-    case 7:
-      f.template operator()<7>();
-      break;
-    default:
-      f.template operator()<8>();
-      break;
+  if constexpr (NS < kMaxHeadDim / kSub) {
+    if (head_dim / kSub != NS) return dispatch_slices<NS + 1>(head_dim, f);
   }
+  f.template operator()<NS>();
 }
 
 dim3 grid_of(int64_t seq, int64_t heads, int64_t batch) {
