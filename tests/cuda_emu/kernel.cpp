@@ -24,6 +24,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <map>
 #include <string>
@@ -328,7 +329,7 @@ bool complete_collectives(Block& b) {
     void* args[32];
     for (unsigned i = first; i < last; ++i) {
       const Fiber& f = b.fibers[i];
-      if (f.op != waiting->op)
+      if (f.op != waiting->op || std::strcmp(f.op_name, waiting->op_name) != 0)
         throw Fault(where(b, f) + ": lanes of one warp wait in different warp-wide operations (" +
                     f.op_name + " and " + waiting->op_name + ")");
       args[i - first] = f.op_arg;
