@@ -55,19 +55,31 @@ void select(Path p) {
 #endif
 }
 
-// One attention problem's tensors on a device, filled from host values of `dtype`.
+// One attention problem's tensors on a device, filled from random values of `dtype`; with
+// `keep_inputs` the values stay on the host too, in f32, for the host reference.
 class Problem {
  public:
-  Problem(Device& device, Stream& s, DType dtype, const Dims& d, uint32_t seed)
-      : device_(device), dtype_(dtype), d_(d) {
+  Problem(Device& device, Stream& s, DType dtype, const Dims& d, uint32_t seed, bool keep_inputs)
+      : device_(device) {
     std::mt19937 gen(seed);
-    std::uniform_real_distribution<float> wide(-3.0f, 3.0f), narrow(-1.0f, 1.0f);
-    // q spans a wider range than k so that some rows' softmax is sharp.
-    host_[0] = random(d.q(), gen, wide);
-    host_[1] = random(d.kv(), gen, narrow);
-    host_[2] = random(d.kv(), gen, narrow);
-    host_[3] = random(d.q(), gen, narrow);  // dout
-    for (int i = 0; i < 4; ++i) upload(i, s);
+    // q spans a wider range than k so that some rows' softmax is sharp; the last is dout.
+    const Shape in_shapes[] = {d.q(), d.kv(), d.kv(), d.q()};
+    const float ranges[] = {3.0f, 1.0f, 1.0f, 1.0f};
+    for (int i = 0; i < 4; ++i) {
+      std::uniform_real_distribution<float> dist(-ranges[i], ranges[i]);
+      std::vector<uint8_t> raw(bytes(in_shapes[i], dtype));
+      for (size_t e = 0; e < static_cast<size_t>(in_shapes[i].numel()); ++e)
+        store_f32(raw.data(), dtype, e, dist(gen));
+      inputs_[i] = DeviceBuffer(device, raw.size(), "bench attention");
+      device.copy_to_device(inputs_[i].data(), raw.data(), raw.size(), s);
+      in_views_[i] = TensorView{inputs_[i].data(), dtype, in_shapes[i], &device};
+      if (keep_inputs) {
+        host_f32_[i].resize(static_cast<size_t>(in_shapes[i].numel()));
+        for (size_t e = 0; e < host_f32_[i].size(); ++e)
+          host_f32_[i][e] = load_f32(raw.data(), dtype, e);
+      }
+      s.synchronize();  // before `raw` goes
+    }
     const Shape shapes[] = {d.q(), d.lse(), d.q(), d.kv(), d.kv()};
     const DType types[] = {dtype, DType::f32, dtype, dtype, dtype};
     for (int i = 0; i < 5; ++i) {
@@ -96,39 +108,18 @@ class Problem {
     }
     return r;
   }
-  // The inputs as f32, for the host reference.
+  // Input i (q, k, v, dout) as f32, for the host reference (keep_inputs only).
   const std::vector<float>& input(int i) const { return host_f32_[i]; }
 
  private:
   static uint64_t bytes(const Shape& s, DType t) {
     return static_cast<uint64_t>(s.numel()) * dtype_size(t);
   }
-  std::vector<uint8_t> random(const Shape& shape, std::mt19937& gen,
-                              std::uniform_real_distribution<float>& dist) const {
-    std::vector<uint8_t> raw(bytes(shape, dtype_));
-    for (size_t i = 0; i < static_cast<size_t>(shape.numel()); ++i)
-      store_f32(raw.data(), dtype_, i, dist(gen));
-    return raw;
-  }
-  void upload(int i, Stream& s) {
-    const Shape shape = i == 1 || i == 2 ? d_.kv() : d_.q();
-    inputs_[i] = DeviceBuffer(device_, host_[i].size(), "bench attention");
-    device_.copy_to_device(inputs_[i].data(), host_[i].data(), host_[i].size(), s);
-    in_views_[i] = TensorView{inputs_[i].data(), dtype_, shape, &device_};
-    host_f32_[i].resize(static_cast<size_t>(shape.numel()));
-    for (size_t e = 0; e < host_f32_[i].size(); ++e)
-      host_f32_[i][e] = load_f32(host_[i].data(), dtype_, e);
-    s.synchronize();
-    host_[i] = {};
-  }
   const TensorView& in(int i) const { return in_views_[i]; }
   const TensorView& out() const { return out_views_[0]; }
   const TensorView& lse() const { return out_views_[1]; }
 
   Device& device_;
-  DType dtype_;
-  Dims d_;
-  std::vector<uint8_t> host_[4];
   std::vector<float> host_f32_[4];
   DeviceBuffer inputs_[4], outputs_[5];
   TensorView in_views_[4], out_views_[5];
@@ -169,7 +160,7 @@ void verify(Device& device, DType dtype, const Dims& full, Path path, const char
   d.batch = 1;
   d.seq = std::min<int64_t>(full.seq, 192);
   auto s = device.create_stream("bench attention verify");
-  Problem p(device, *s, dtype, d, 5);
+  Problem p(device, *s, dtype, d, 5, true);
   select(path);
   p.forward(*s);
   p.backward(*s);
@@ -237,20 +228,18 @@ int run_bench_attention(const BenchAttentionArgs& a) {
   const Dims d{a.batch, a.seq_len, a.heads, a.kv_heads, a.head_dim};
 
   // On a GPU in bf16 both kernel families, else the device's one.
-  std::vector<std::pair<Path, std::string>> paths = {{Path::kDefault, "default"}};
-  const bool gpu = device.backend() == Backend::cuda;
-  if (gpu && dtype == DType::bf16) {
-    paths = {{Path::kDefault, "tensor cores"}, {Path::kSimt, "SIMT"}};
-    if (a.head_dim % 16 != 0 || a.head_dim > 128) paths = {{Path::kSimt, "SIMT"}};
-  } else if (gpu) {
-    paths = {{Path::kDefault, "SIMT"}};
-  } else {
-    paths = {{Path::kDefault, "host"}};
+  // The host backend's one kernel; on a GPU the SIMT kernels, and first the tensor-core ones
+  // where they apply (bf16, head_dim a multiple of 16 up to 128: attention_tc.cu).
+  std::vector<std::pair<Path, std::string>> paths = {{Path::kDefault, "host"}};
+  if (device.backend() == Backend::cuda) {
+    paths = {{Path::kSimt, "SIMT"}};
+    if (dtype == DType::bf16 && a.head_dim % 16 == 0 && a.head_dim <= 128)
+      paths.insert(paths.begin(), {Path::kDefault, "tensor cores"});
   }
   for (const auto& [path, label] : paths) verify(device, dtype, d, path, label.c_str());
 
   auto s = device.create_stream("bench attention");
-  Problem p(device, *s, dtype, d, 7);
+  Problem p(device, *s, dtype, d, 7, false);
   std::vector<Timing> timings;
   for (const auto& [path, label] : paths)
     timings.push_back(time_kernels(p, *s, path, a.steps, label));

@@ -55,9 +55,9 @@ using FragC = wmma::fragment<wmma::accumulator, kSub, kSub, kSub, float>;
 
 std::atomic<bool> g_enabled{true};
 
+// head_dim is each kernel's template parameter (16 NS), not a field.
 struct Geometry {
   int64_t seq, heads, kv_heads;
-  int hd;
   float scale;
 };
 
@@ -469,8 +469,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 Geometry geometry(const AttentionDims& d) {
-  return Geometry{d.seq, d.heads, d.kv_heads, static_cast<int>(d.head_dim),
-                  1.0f / sqrtf(static_cast<float>(d.head_dim))};
+  return Geometry{d.seq, d.heads, d.kv_heads, 1.0f / sqrtf(static_cast<float>(d.head_dim))};
 }
 
 // Whether the tensor-core kernels take a call of dtype t that needs `bytes` of shared memory.
