@@ -7,8 +7,10 @@
 #include "testing.h"
 
 #include <gtest/gtest.h>
+#include <tbb/task_arena.h>
 
 #include <cmath>
+#include <cstring>
 #include <numeric>
 #include <random>
 
@@ -185,23 +187,25 @@ INSTANTIATE_TEST_SUITE_P(Tied, LlamaGradient, ::testing::Values(false, true));
 TEST(LlamaModel, WorkspaceBytesForIsWhatTheConstructorAllocates) {
   for (bool tied : {false, true})
     for (DType t : {DType::f32, DType::bf16})
-      for (int64_t batch : {1, 3}) {
-        const LlamaConfig c = small_config(tied);
-        auto device = open_host_device(0, 64ull << 20);
-        ModelOptions o;
-        o.param_dtype = t;
-        o.max_batch = batch;
-        o.seq_len = 13;
-        o.vocab_chunk = 8;
-        const uint64_t before = device->memory().in_use;
-        LlamaModel model(c, o, *device);
-        EXPECT_EQ(LlamaModel::workspace_bytes_for(c, o), model.workspace_bytes());
-        EXPECT_GT(model.workspace_bytes(), 0u);
-        // The host arena rounds every buffer to 256 bytes.
-        EXPECT_EQ(LlamaModel::workspace_bytes_for(c, o, 256), device->memory().in_use - before);
-        EXPECT_EQ(LlamaModel::workspace_bytes_for(c, o, 256),
-                  device->memory().peak_of(MemoryKind::activations));
-      }
+      for (int64_t batch : {1, 3})
+        for (bool recompute : {true, false}) {
+          const LlamaConfig c = small_config(tied);
+          auto device = open_host_device(0, 64ull << 20);
+          ModelOptions o;
+          o.param_dtype = t;
+          o.max_batch = batch;
+          o.seq_len = 13;
+          o.vocab_chunk = 8;
+          o.recompute = recompute;
+          const uint64_t before = device->memory().in_use;
+          LlamaModel model(c, o, *device);
+          EXPECT_EQ(LlamaModel::workspace_bytes_for(c, o), model.workspace_bytes());
+          EXPECT_GT(model.workspace_bytes(), 0u);
+          // The host arena rounds every buffer to 256 bytes.
+          EXPECT_EQ(LlamaModel::workspace_bytes_for(c, o, 256), device->memory().in_use - before);
+          EXPECT_EQ(LlamaModel::workspace_bytes_for(c, o, 256),
+                    device->memory().peak_of(MemoryKind::activations));
+        }
   ModelOptions bad;
   bad.seq_len = 65;  // past max_position_embeddings
   EXPECT_THROW(LlamaModel::workspace_bytes_for(small_config(false), bad), Error);
@@ -299,6 +303,69 @@ TEST(LlamaModel, Bf16AgreesWithF32) {
   }
 }
 
+// Without recompute each block keeps its activations from the forward and its backward redoes
+// only the norms and the SwiGLU: the same kernels on the same inputs, so the loss and every
+// gradient are the same bits as with recompute, in f32 and bf16, for a full batch and a short
+// one (which uses the front of each block's kept buffers), accumulated over two batches. It
+// costs more memory for a model of more than one block.
+TEST(LlamaModel, WithoutRecomputeTheGradientsAreTheSameBits) {
+  for (DType dt : {DType::f32, DType::bf16}) {
+    LlamaConfig c = small_config(dt == DType::bf16);
+    c.num_hidden_layers = 3;
+    auto device = open_host_device(0, 64ull << 20);
+    auto stream = device->create_stream("test");
+    ModelOptions o;
+    o.param_dtype = dt;
+    o.max_batch = 3;
+    o.seq_len = 6;
+    o.vocab_chunk = 8;
+    std::vector<int32_t> host_ids(18), host_targets(18);
+    for (int i = 0; i < 18; ++i) {
+      host_ids[static_cast<size_t>(i)] = (i * 11 + 2) % 29;
+      host_targets[static_cast<size_t>(i)] = i % 5 == 3 ? kIgnoreIndex : (i * 3 + 5) % 29;
+    }
+    DeviceBuffer ids(*device, 72, "ids"), targets(*device, 72, "targets");
+    device->copy_to_device(ids.data(), host_ids.data(), 72, *stream);
+    device->copy_to_device(targets.data(), host_targets.data(), 72, *stream);
+    auto* i = static_cast<int32_t*>(ids.data());
+    auto* t = static_cast<int32_t*>(targets.data());
+
+    std::vector<float> loss[2], grads[2];
+    uint64_t workspace[2] = {};
+    for (int run = 0; run < 2; ++run) {
+      o.recompute = run == 0;
+      LlamaModel model(c, o, *device);
+      workspace[run] = model.workspace_bytes();
+      ResidentWeights w(model.layout(), *device, dt, DType::f32, true);
+      w.init_random(5, *stream);
+      w.zero_grads(*stream);
+      for (int64_t batch : {3, 2}) {
+        model.forward(w.units(), i, t, batch, true, *stream);
+        std::vector<float> l(static_cast<size_t>(batch * 6));
+        device->copy_to_host(l.data(), model.losses(batch).data, l.size() * 4, *stream);
+        stream->synchronize();  // the copy lands before l is read (and freed)
+        loss[run].insert(loss[run].end(), l.begin(), l.end());
+        model.backward(w.units(), i, t, batch, 0.25f, *stream);
+      }
+      for (int u = 0; u < model.layout().num_units(); ++u) {
+        const std::vector<float> g = w.download(u, true, *stream);
+        grads[run].insert(grads[run].end(), g.begin(), g.end());
+      }
+    }
+    SCOPED_TRACE(dtype_name(dt));
+    EXPECT_EQ(loss[0], loss[1]);
+    ASSERT_EQ(grads[0].size(), grads[1].size());
+    size_t differ = 0, nonzero = 0;
+    for (size_t k = 0; k < grads[0].size(); ++k) {
+      differ += std::memcmp(&grads[0][k], &grads[1][k], 4) != 0;
+      nonzero += grads[0][k] != 0.0f;
+    }
+    EXPECT_EQ(differ, 0u) << "of " << grads[0].size() << " gradient elements";
+    EXPECT_GT(nonzero, grads[0].size() / 2);
+    EXPECT_GT(workspace[1], workspace[0]);
+  }
+}
+
 TEST(LlamaModel, RandomInitIsDeterministicAndScaled) {
   const LlamaConfig c = small_config(false);
   const ModelLayout layout = ModelLayout::build(c);
@@ -316,6 +383,36 @@ TEST(LlamaModel, RandomInitIsDeterministicAndScaled) {
   for (int64_t i = 0; i < up.numel(); ++i)
     sq += a[up.offset + static_cast<uint64_t>(i)] * a[up.offset + static_cast<uint64_t>(i)];
   EXPECT_NEAR(std::sqrt(sq / static_cast<double>(up.numel())), 0.02, 0.003);
+}
+
+// Tensors are made in pieces of 65536 elements, in parallel: the bits do not depend on the
+// threads, and every piece draws its own numbers.
+TEST(LlamaModel, RandomInitIsTheSameOnAnyNumberOfThreads) {
+  LlamaConfig c = small_config(false);
+  c.hidden_size = 256;
+  c.intermediate_size = 384;  // gate, up, down: 98304 elements, a piece and a part
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 64;
+  const ModelLayout layout = ModelLayout::build(c);
+  const uint64_t n = layout.units[1].numel;
+  std::vector<float> one(n, -7.0f), many(n, -7.0f);
+  tbb::task_arena(1).execute([&] { init_unit_random(layout, 1, 9, DType::f32, one.data()); });
+  tbb::task_arena(4).execute([&] { init_unit_random(layout, 1, 9, DType::f32, many.data()); });
+  EXPECT_EQ(0, std::memcmp(one.data(), many.data(), n * 4));
+  const ParamSlot& up = layout.units[1].slot("up_proj");
+  ASSERT_GT(up.numel(), 65536);
+  const float* w = one.data() + up.offset;
+  EXPECT_NE(std::vector<float>(w, w + 64), std::vector<float>(w + 65536, w + 65536 + 64));
+  double sum = 0, sq = 0;
+  for (int64_t i = 0; i < up.numel(); ++i) {
+    sum += w[i];
+    sq += double(w[i]) * w[i];
+  }
+  EXPECT_NEAR(sum / double(up.numel()), 0.0, 3e-4);
+  EXPECT_NEAR(std::sqrt(sq / double(up.numel())), 0.02, 3e-4);
+  // Padding after each tensor is zero, never left as it was.
+  for (uint64_t i = 0; i < n; ++i) ASSERT_NE(one[i], -7.0f) << i;
 }
 
 }  // namespace

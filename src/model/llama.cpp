@@ -3,7 +3,11 @@
 #include "core/bytes.h"
 #include "core/error.h"
 
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <numbers>
@@ -31,6 +35,29 @@ uint64_t splitmix(uint64_t& state) {
 
 double uniform01(uint64_t& state) {  // (0, 1]
   return (static_cast<double>(splitmix(state) >> 11) + 1.0) * 0x1.0p-53;
+}
+
+// Without recompute, each block keeps q, k, v, the attention output, its log-sum-exp, the
+// residual, gate and up for options.max_batch sequences: their byte offsets in the block's part
+// of the stash, each on 256 bytes (as a device arena aligns a buffer), and [8] the part's size.
+std::array<uint64_t, 9> stash_offsets(const LlamaConfig& c, const ModelOptions& o) {
+  const auto n = static_cast<uint64_t>(o.max_batch * o.seq_len);
+  const uint64_t a = dtype_size(o.param_dtype);
+  const auto D = static_cast<uint64_t>(c.hidden_size),
+             F = static_cast<uint64_t>(c.intermediate_size);
+  const auto Hq = static_cast<uint64_t>(c.num_attention_heads * c.head_dim);
+  const auto Hk = static_cast<uint64_t>(c.num_key_value_heads * c.head_dim);
+  const uint64_t bytes[8] = {n * Hq * a,
+                             n * Hk * a,
+                             n * Hk * a,
+                             n * Hq * a,
+                             n * static_cast<uint64_t>(c.num_attention_heads) * 4,
+                             n * D * a,
+                             n * F * a,
+                             n * F * a};
+  std::array<uint64_t, 9> off{};
+  for (int i = 0; i < 8; ++i) off[i + 1] = off[i] + align_up(bytes[i], 256);
+  return off;
 }
 
 }  // namespace
@@ -126,22 +153,47 @@ std::vector<float> rope_table(const LlamaConfig& c, int64_t seq_len) {
 
 void init_unit_random(const ModelLayout& layout, int u, uint64_t seed, DType dtype, void* host) {
   const UnitLayout& unit = layout.units.at(static_cast<size_t>(u));
-  for (uint64_t i = 0; i < unit.numel; ++i) store_f32(host, dtype, i, 0.0f);
+  // Each tensor in pieces of kPiece elements, each piece from a generator of its own seeded by
+  // (seed, unit, tensor, piece): the same bits on any number of threads, and a 70B model's
+  // units made on every core (one core took minutes for an 8B model).
+  constexpr uint64_t kPiece = uint64_t{1} << 16;  // even: Box-Muller pairs stay inside a piece
+  struct Piece {
+    size_t slot;
+    uint64_t begin, end;  // elements of the tensor
+  };
+  std::vector<Piece> pieces;
+  uint64_t covered = 0;  // padding between tensors and after the last one is zero
   for (size_t p = 0; p < unit.params.size(); ++p) {
     const ParamSlot& slot = unit.params[p];
-    uint64_t state = seed ^ (0x51ed270b2a2b8f35ull * (static_cast<uint64_t>(u) + 1)) ^
-                     (0x2545f4914f6cdd1dull * (p + 1));
-    const bool norm = slot.shape.rank == 1;
+    for (uint64_t i = covered; i < slot.offset; ++i) store_f32(host, dtype, i, 0.0f);
     const auto n = static_cast<uint64_t>(slot.numel());
-    for (uint64_t i = 0; i < n; i += 2) {
-      // Box-Muller: two normals per pair of uniforms.
-      const double r = std::sqrt(-2.0 * std::log(uniform01(state)));
-      const double a = 2.0 * std::numbers::pi * uniform01(state);
-      const double z[2] = {r * std::cos(a), r * std::sin(a)};
-      for (uint64_t j = 0; j < 2 && i + j < n; ++j)
-        store_f32(host, dtype, slot.offset + i + j, norm ? 1.0f : static_cast<float>(0.02 * z[j]));
-    }
+    for (uint64_t b = 0; b < n; b += kPiece) pieces.push_back({p, b, std::min(n, b + kPiece)});
+    covered = slot.offset + n;
   }
+  for (uint64_t i = covered; i < unit.numel; ++i) store_f32(host, dtype, i, 0.0f);
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, pieces.size()), [&](const auto& range) {
+    for (size_t k = range.begin(); k != range.end(); ++k) {
+      const Piece& piece = pieces[k];
+      const ParamSlot& slot = unit.params[piece.slot];
+      uint64_t state = seed ^ (0x51ed270b2a2b8f35ull * (static_cast<uint64_t>(u) + 1)) ^
+                       (0x2545f4914f6cdd1dull * (piece.slot + 1)) ^
+                       (0x9fb21c651e98df25ull * (piece.begin / kPiece + 1));
+      (void)splitmix(state);       // one step mixes the seed's bits
+      if (slot.shape.rank == 1) {  // norm weights
+        for (uint64_t i = piece.begin; i < piece.end; ++i)
+          store_f32(host, dtype, slot.offset + i, 1.0f);
+        continue;
+      }
+      for (uint64_t i = piece.begin; i < piece.end; i += 2) {
+        // Box-Muller: two normals per pair of uniforms.
+        const double r = std::sqrt(-2.0 * std::log(uniform01(state)));
+        const double a = 2.0 * std::numbers::pi * uniform01(state);
+        const double z[2] = {r * std::cos(a), r * std::sin(a)};
+        for (uint64_t j = 0; j < 2 && i + j < piece.end; ++j)
+          store_f32(host, dtype, slot.offset + i + j, static_cast<float>(0.02 * z[j]));
+      }
+    }
+  });
 }
 
 // ---- the model ----
@@ -171,29 +223,41 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
       {&LlamaModel::grad_a_, n * D * a, "activation gradient"},
       {&LlamaModel::grad_b_, n * D * a, "activation gradient"},
       {&LlamaModel::xn_, n * D * a, "normed activations"},
-      {&LlamaModel::q_, n * Hq * a, "queries"},
-      {&LlamaModel::k_buf_, n * Hk * a, "keys"},
-      {&LlamaModel::v_, n * Hk * a, "values"},
-      {&LlamaModel::att_, n * Hq * a, "attention output"},
-      {&LlamaModel::lse_, n * config.num_attention_heads * f4, "attention log-sum-exp"},
-      {&LlamaModel::h_, n * D * a, "residual"},
       {&LlamaModel::hn_, n * D * a, "normed residual"},
-      {&LlamaModel::gate_, n * F * a, "gate projection"},
-      {&LlamaModel::up_, n * F * a, "up projection"},
       {&LlamaModel::act_, n * F * a, "SwiGLU output"},
       {&LlamaModel::rstd1_, n * f4, "RMSNorm statistics"},
       {&LlamaModel::rstd2_, n * f4, "RMSNorm statistics"},
-      {&LlamaModel::d_big_, n * F * a, "SwiGLU gradient"},
-      {&LlamaModel::d_gate_, n * F * a, "gate gradient"},
-      {&LlamaModel::d_up_, n * F * a, "up gradient"},
-      {&LlamaModel::dq_, n * Hq * a, "query gradient"},
-      {&LlamaModel::dk_, n * Hk * a, "key gradient"},
-      {&LlamaModel::dv_, n * Hk * a, "value gradient"},
-      {&LlamaModel::d_att_, n * Hq * a, "attention gradient"},
-      {&LlamaModel::d_h_, n * D * a, "residual gradient"},
-      {&LlamaModel::d_small_, n * D * a, "normed-input gradient"},
-      {&LlamaModel::chunk_, n * static_cast<uint64_t>(C) * f4, "logits chunk"},
   };
+  if (options.recompute) {
+    w.insert(w.end(),
+             {
+                 {&LlamaModel::q_, n * Hq * a, "queries"},
+                 {&LlamaModel::k_buf_, n * Hk * a, "keys"},
+                 {&LlamaModel::v_, n * Hk * a, "values"},
+                 {&LlamaModel::att_, n * Hq * a, "attention output"},
+                 {&LlamaModel::lse_, n * config.num_attention_heads * f4, "attention log-sum-exp"},
+                 {&LlamaModel::h_, n * D * a, "residual"},
+                 {&LlamaModel::gate_, n * F * a, "gate projection"},
+                 {&LlamaModel::up_, n * F * a, "up projection"},
+             });
+  } else {
+    w.push_back(
+        {&LlamaModel::stash_,
+         static_cast<uint64_t>(config.num_hidden_layers) * stash_offsets(config, options)[8],
+         "activations kept for backward (no recompute)"});
+  }
+  w.insert(w.end(), {
+                        {&LlamaModel::d_big_, n * F * a, "SwiGLU gradient"},
+                        {&LlamaModel::d_gate_, n * F * a, "gate gradient"},
+                        {&LlamaModel::d_up_, n * F * a, "up gradient"},
+                        {&LlamaModel::dq_, n * Hq * a, "query gradient"},
+                        {&LlamaModel::dk_, n * Hk * a, "key gradient"},
+                        {&LlamaModel::dv_, n * Hk * a, "value gradient"},
+                        {&LlamaModel::d_att_, n * Hq * a, "attention gradient"},
+                        {&LlamaModel::d_h_, n * D * a, "residual gradient"},
+                        {&LlamaModel::d_small_, n * D * a, "normed-input gradient"},
+                        {&LlamaModel::chunk_, n * static_cast<uint64_t>(C) * f4, "logits chunk"},
+                    });
   if (options.param_dtype != DType::f32)
     w.push_back(
         {&LlamaModel::chunk_act_, n * static_cast<uint64_t>(C) * a, "logits gradient chunk"});
@@ -270,6 +334,39 @@ TensorView LlamaModel::param(const std::vector<UnitBuffers>& units, int u, std::
   return TensorView{static_cast<char*>(base) + p.offset * dtype_size(t), t, p.shape, &device_};
 }
 
+LlamaModel::BlockActs LlamaModel::acts(int u, int64_t batch) const {
+  const LlamaConfig& c = config_;
+  const DType t = options_.param_dtype;
+  const int64_t T = options_.seq_len, N = batch * T, D = c.hidden_size, F = c.intermediate_size;
+  const int64_t H = c.num_attention_heads, Hq = H * c.head_dim;
+  const int64_t Hk = c.num_key_value_heads * c.head_dim;
+  if (options_.recompute)
+    return {rows(q_, t, N, Hq),
+            rows(k_buf_, t, N, Hk),
+            rows(v_, t, N, Hk),
+            rows(att_, t, N, Hq),
+            lse_.view(DType::f32, {batch, H, T}),
+            rows(h_, t, N, D),
+            rows(gate_, t, N, F),
+            rows(up_, t, N, F)};
+  if (u < 1 || u > c.num_hidden_layers || batch < 1 || batch > options_.max_batch)
+    fail("block activations of unit {} for {} sequences: none kept; this is a bug in strata", u,
+         batch);
+  const std::array<uint64_t, 9> off = stash_offsets(c, options_);
+  char* base = static_cast<char*>(stash_.data()) + static_cast<uint64_t>(u - 1) * off[8];
+  auto at = [&](int i, DType dt, Shape shape) {
+    return TensorView{base + off[static_cast<size_t>(i)], dt, shape, &device_};
+  };
+  return {at(0, t, {N, Hq}),
+          at(1, t, {N, Hk}),
+          at(2, t, {N, Hk}),
+          at(3, t, {N, Hq}),
+          at(4, DType::f32, {batch, H, T}),
+          at(5, t, {N, D}),
+          at(6, t, {N, F}),
+          at(7, t, {N, F})};
+}
+
 void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
                                const TensorView& out, int64_t batch, Stream& s) {
   const LlamaConfig& c = config_;
@@ -277,11 +374,11 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
   const int64_t T = options_.seq_len, N = batch * T, D = c.hidden_size, F = c.intermediate_size;
   const int64_t H = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
   auto w = [&](std::string_view n) { return param(units, u, n, false); };
-  const TensorView xn = rows(xn_, t, N, D), h = rows(h_, t, N, D), hn = rows(hn_, t, N, D);
+  const BlockActs a = acts(u, batch);
+  const TensorView &q = a.q, &kk = a.k, &v = a.v, &att = a.att, &h = a.h, &gate = a.gate;
+  const TensorView& up = a.up;
+  const TensorView xn = rows(xn_, t, N, D), hn = rows(hn_, t, N, D), act = rows(act_, t, N, F);
   const TensorView rstd1 = rows(rstd1_, DType::f32, N, 0), rstd2 = rows(rstd2_, DType::f32, N, 0);
-  const TensorView q = rows(q_, t, N, H * hd), kk = rows(k_buf_, t, N, Hkv * hd);
-  const TensorView v = rows(v_, t, N, Hkv * hd), att = rows(att_, t, N, H * hd);
-  const TensorView gate = rows(gate_, t, N, F), up = rows(up_, t, N, F), act = rows(act_, t, N, F);
   const TensorView rope = rope_.view(DType::f32, {T, hd});
 
   k_.rmsnorm_forward(xn, rstd1, x, w("input_layernorm"), static_cast<float>(c.rms_norm_eps), s);
@@ -291,8 +388,7 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
   const TensorView q3{q.data, t, {N, H, hd}, &device_}, k3{kk.data, t, {N, Hkv, hd}, &device_};
   k_.rope(q3, rope, T, false, s);
   k_.rope(k3, rope, T, false, s);
-  k_.attention_forward(TensorView{att.data, t, {batch, T, H, hd}, &device_},
-                       lse_.view(DType::f32, {batch, H, T}),
+  k_.attention_forward(TensorView{att.data, t, {batch, T, H, hd}, &device_}, a.lse,
                        TensorView{q.data, t, {batch, T, H, hd}, &device_},
                        TensorView{kk.data, t, {batch, T, Hkv, hd}, &device_},
                        TensorView{v.data, t, {batch, T, Hkv, hd}, &device_}, s);
@@ -317,13 +413,22 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
   const int64_t H = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
   auto w = [&](std::string_view n) { return param(units, u, n, false); };
   auto g = [&](std::string_view n) { return param(units, u, n, true); };
-  block_forward(u, units, x, TensorView{}, batch, s);
-
-  const TensorView xn = rows(xn_, t, N, D), h = rows(h_, t, N, D), hn = rows(hn_, t, N, D);
+  const BlockActs a = acts(u, batch);
+  const TensorView &q = a.q, &kk = a.k, &v = a.v, &att = a.att, &h = a.h, &gate = a.gate;
+  const TensorView& up = a.up;
+  const TensorView xn = rows(xn_, t, N, D), hn = rows(hn_, t, N, D), act = rows(act_, t, N, F);
   const TensorView rstd1 = rows(rstd1_, DType::f32, N, 0), rstd2 = rows(rstd2_, DType::f32, N, 0);
-  const TensorView q = rows(q_, t, N, H * hd), kk = rows(k_buf_, t, N, Hkv * hd);
-  const TensorView v = rows(v_, t, N, Hkv * hd), att = rows(att_, t, N, H * hd);
-  const TensorView gate = rows(gate_, t, N, F), up = rows(up_, t, N, F), act = rows(act_, t, N, F);
+  if (options_.recompute) {
+    block_forward(u, units, x, TensorView{}, batch, s);
+  } else {
+    // The forward kept the rest; these three are the same kernels on the same inputs, so the
+    // same bits as the forward's.
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    k_.rmsnorm_forward(xn, rstd1, x, w("input_layernorm"), eps, s);
+    k_.rmsnorm_forward(hn, rstd2, h, w("post_attention_layernorm"), eps, s);
+    k_.swiglu_forward(act, gate, up, s);
+  }
+
   const TensorView da = rows(d_big_, t, N, F), dgate = rows(d_gate_, t, N, F);
   const TensorView dup = rows(d_up_, t, N, F), dsmall = rows(d_small_, t, N, D);
   const TensorView dh = rows(d_h_, t, N, D), datt = rows(d_att_, t, N, H * hd);
@@ -353,8 +458,7 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
                         TensorView{q.data, t, {batch, T, H, hd}, &device_},
                         TensorView{kk.data, t, {batch, T, Hkv, hd}, &device_},
                         TensorView{v.data, t, {batch, T, Hkv, hd}, &device_},
-                        TensorView{att.data, t, {batch, T, H, hd}, &device_},
-                        lse_.view(DType::f32, {batch, H, T}), s);
+                        TensorView{att.data, t, {batch, T, H, hd}, &device_}, a.lse, s);
   k_.rope(TensorView{dq.data, t, {N, H, hd}, &device_}, rope, T, true, s);
   k_.rope(TensorView{dk.data, t, {N, Hkv, hd}, &device_}, rope, T, true, s);
   k_.matmul(dsmall, dq, false, w("q_proj"), false, 1.0f, 0.0f, s);
