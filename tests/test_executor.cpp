@@ -72,7 +72,7 @@ LlamaConfig tiny(bool tied) {
 }
 
 Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std::string& dir,
-                         uint64_t threshold = 0, int depth = 1) {
+                         uint64_t threshold = 0, int depth = 1, bool recompute = true) {
   RunShape shape;
   shape.model = c;
   shape.ranks = N;
@@ -82,6 +82,7 @@ Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std:
   shape.seq_len = kSeq;
   shape.persistence_threshold = threshold;
   shape.working_buffers = std::max(2, depth + 1);
+  shape.recompute = recompute;
   OffloadRequest req;
   req.param = p;
   req.optimizer = o;
@@ -158,10 +159,10 @@ std::string kinds(const Placement& pl, Device& d) {
 }
 
 RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t threshold = 0,
-                       int depth = 1) {
+                       int depth = 1, bool recompute = true) {
   const test::TempDir dir("strata-exec");
   Rig rig(N);
-  const Placement pl = make_placement(c, N, p, o, dir.path.string(), threshold, depth);
+  const Placement pl = make_placement(c, N, p, o, dir.path.string(), threshold, depth, recompute);
   ScheduleOptions so;
   so.micro_batches = kMicro;
   so.prefetch_depth = depth;
@@ -459,6 +460,19 @@ TEST(Executor, DeepPrefetchGivesTheSameBits) {
       const RunResult r = run_executor(c, 2, p, o, 0, depth);
       expect_same(r, gpu, fmt::format("depth {} P {} O {}:", depth, tier_name(p), tier_name(o)));
     }
+}
+
+TEST(Executor, WithoutRecomputeGivesTheSameBits) {
+  REQUIRE_DEVICES(2);
+  // Blocks keeping their activations (activation checkpointing off) run the same kernels on
+  // the same inputs, with two micro-batches and an evaluation before each step writing the
+  // same kept buffers in between.
+  const LlamaConfig c = tiny(false);
+  const RunResult gpu = run_executor(c, 2, Tier::gpu, Tier::gpu);
+  for (auto [p, o] : {std::pair{Tier::gpu, Tier::gpu}, std::pair{Tier::nvme, Tier::cpu}}) {
+    const RunResult r = run_executor(c, 2, p, o, 0, 1, false);
+    expect_same(r, gpu, fmt::format("no recompute, P {} O {}:", tier_name(p), tier_name(o)));
+  }
 }
 
 TEST(Executor, NonFiniteGradientsSkipTheStep) {

@@ -235,6 +235,42 @@ INSTANTIATE_TEST_SUITE_P(RanksThresholdTied, PlacementAllocations,
                          ::testing::Combine(::testing::Values(1, 3), ::testing::Values(0, 40000),
                                             ::testing::Bool()));
 
+// Without recompute every block keeps its activations: the placement counts what the model and
+// ZeroRunner allocate then, in f32 and bf16, and it is more than with recompute.
+TEST(Placement, ActivationsWithoutRecomputeAreWhatIsAllocated) {
+  for (DType dt : {DType::f32, DType::bf16}) {
+    uint64_t figure[2] = {};
+    for (bool recompute : {true, false}) {
+      SCOPED_TRACE(fmt::format("{} recompute {}", dtype_name(dt), recompute));
+      RunShape s = tiny_shape(2);
+      s.param_dtype = dt;
+      s.recompute = recompute;
+      const Placement p = Placement::make(s, request(Tier::gpu, Tier::gpu), roomy());
+      figure[recompute] = p.needs().at(Tier::gpu, StateKind::activations);
+      HostRanks ranks(2);
+      ZeroOptions zo;
+      zo.param_dtype = dt;
+      zo.working_buffers = s.working_buffers;
+      ZeroModel zero(ModelLayout::build(s.model), *ranks.comm, zo);
+      ModelOptions mo;
+      mo.param_dtype = dt;
+      mo.max_batch = s.micro_batch;
+      mo.seq_len = s.seq_len;
+      mo.recompute = recompute;
+      std::vector<std::unique_ptr<LlamaModel>> models;
+      std::vector<LlamaModel*> model_ptrs;
+      for (auto& d : ranks.devices) {
+        models.push_back(std::make_unique<LlamaModel>(s.model, mo, *d));
+        model_ptrs.push_back(models.back().get());
+      }
+      ZeroRunner runner(zero, model_ptrs);
+      for (auto& d : ranks.devices)
+        EXPECT_EQ(d->memory().peak_of(MemoryKind::activations), figure[recompute]);
+    }
+    EXPECT_GT(figure[false], figure[true]);
+  }
+}
+
 TEST(Placement, HostAndNvmeBytesByHand) {
   RunShape s = tiny_shape(3);  // every unit sharded
   s.param_dtype = DType::bf16;

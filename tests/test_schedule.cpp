@@ -500,6 +500,37 @@ TEST(Schedule, PrefetchShortensTheSimulatedStep) {
   EXPECT_LT(two, none * 0.95) << none << " " << two;
 }
 
+// Without recompute a block's backward is twice its forward's FLOPs, not three times; the
+// head still recomputes its logits (3x) and the embedding counts nothing. Less compute, so a
+// compute-bound step is predicted shorter.
+TEST(Schedule, BackwardFlopsFollowActivationCheckpointing) {
+  Placement pl = make_placement(tiny(false), 1, Tier::gpu, Tier::gpu, 0);
+  const int U = pl.partition.num_units();
+  for (bool recompute : {true, false}) {
+    SCOPED_TRACE(recompute ? "recompute" : "no recompute");
+    pl.shape.recompute = recompute;
+    const Schedule s = Schedule::build(pl, {1, 1});
+    std::vector<double> fwd(size_t(U), -1), bwd(size_t(U), -1);
+    for (const Task& t : s.tasks) {
+      if (t.kind == TaskKind::forward) fwd[size_t(t.unit)] = t.flops;
+      if (t.kind == TaskKind::backward) bwd[size_t(t.unit)] = t.flops;
+    }
+    EXPECT_EQ(fwd[0], 0.0);
+    EXPECT_EQ(bwd[0], 0.0);
+    for (int u = 1; u < U; ++u) {
+      ASSERT_GT(fwd[size_t(u)], 0.0) << u;
+      EXPECT_EQ(bwd[size_t(u)], (recompute || u == U - 1 ? 3.0 : 2.0) * fwd[size_t(u)]) << u;
+    }
+  }
+  HardwareProfile p = test_profile();
+  p.gpu_flops = 1e9;  // compute-bound
+  pl.shape.recompute = true;
+  const double with = simulate(Schedule::build(pl, {1, 1}), p).step_s;
+  pl.shape.recompute = false;
+  const double without = simulate(Schedule::build(pl, {1, 1}), p).step_s;
+  EXPECT_LT(without, with * 0.85) << with << " " << without;
+}
+
 TEST(Schedule, NextStepWaitsOnlyForItsUnitsUpdate) {
   // P on the GPU, O in host RAM: forward's first gather of unit u waits for u's upload only.
   const Placement pl = make_placement(tiny(false), 2, Tier::gpu, Tier::cpu, 0);

@@ -867,6 +867,7 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
   mo.grad_dtype = s.gt;
   mo.max_batch = shape.micro_batch;
   mo.seq_len = shape.seq_len;
+  mo.recompute = shape.recompute;
   const uint64_t rows = static_cast<uint64_t>(shape.micro_batch * shape.seq_len);
   for (int r = 0; r < s.N; ++r) {
     Device& d = s.dev(r);

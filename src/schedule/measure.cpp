@@ -93,8 +93,8 @@ std::string repeats_note(const MeasureSetup& s) {
   return fmt::format("median of {} after a warm-up", std::max(s.repeats, 1));
 }
 
-// The model's forward and backward (recompute included) on the first device, as the executor
-// runs them: what gpu_flops is timed on.
+// The model's forward and backward (recompute included unless the run turns it off) on the
+// first device, as the executor runs them: what gpu_flops is timed on.
 struct ComputeRun {
   explicit ComputeRun(const MeasureSetup& s)
       : d(*s.devices.front()),
@@ -165,6 +165,7 @@ struct ComputeRun {
     o.grad_dtype = s.grad_dtype;
     o.max_batch = s.micro_batch;
     o.seq_len = s.seq_len;
+    o.recompute = s.recompute;
     return o;
   }
 };
@@ -193,19 +194,20 @@ void measure_compute(const MeasureSetup& s, HardwareProfile& h) {
     fail("the timed backward left {} gradients in unit {} on {}; no rate is reported",
          finite ? "all-zero" : "non-finite", model.layout().units[size_t(smallest)].name, d.name());
 
-  // What the schedule counts for this work: every unit's forward once, and its backward
-  // (recompute + backward) at three times that.
+  // What the schedule counts for this work: every unit's forward and backward tasks.
   double flops = 0;
   for (int u = 0; u < model.layout().num_units(); ++u)
-    flops += 4.0 * unit_forward_flops(c, u, s.micro_batch, s.seq_len);
+    flops += unit_forward_flops(c, u, s.micro_batch, s.seq_len) +
+             unit_backward_flops(c, u, s.micro_batch, s.seq_len, s.recompute);
   h.gpu_flops = rate(flops, seconds);
   h.notes["gpu_flops"] = fmt::format(
-      "measured on {}: forward + backward (recompute included) of {} ({} layer(s), hidden {}, "
+      "measured on {}: forward + backward ({}) of {} ({} layer(s), hidden {}, "
       "vocab {}), {} x {} tokens, {}, {}; verified: loss {:.3f} ~ ln(vocab) {:.3f}, finite "
       "gradients",
-      d.name(), s.compute_note.empty() ? c.name : s.compute_note, c.num_hidden_layers,
-      c.hidden_size, c.vocab_size, s.micro_batch, s.seq_len, dtype_name(s.param_dtype),
-      repeats_note(s), mean, expect);
+      d.name(), s.recompute ? "recompute included" : "activations kept, no recompute",
+      s.compute_note.empty() ? c.name : s.compute_note, c.num_hidden_layers, c.hidden_size,
+      c.vocab_size, s.micro_batch, s.seq_len, dtype_name(s.param_dtype), repeats_note(s), mean,
+      expect);
 }
 
 // Calls made and seconds taken by one side of side_by_side().

@@ -54,6 +54,7 @@ struct MeasureSetup {
   // Layers of the model run for gpu_flops: 0 for all of them. A model too big for the first
   // device is cut to fewer layers (the per-layer rate does not depend on the count).
   int64_t compute_layers = 0;
+  bool recompute = true;                // the run's activation checkpointing (RunShape::recompute)
   std::vector<std::string> nvme_paths;  // none: nvme rates stay 0
   uint64_t nvme_stripe = 64 * 1024;
   nvme::IoOptions io;

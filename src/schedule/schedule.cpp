@@ -83,7 +83,8 @@
 // down weights) x t + causal attention 2 x micro_batch x seq_len^2 x heads x head_dim (QK^T and
 // PV are 2 x T^2 x head_dim each per head and sequence, halved by causality); the head
 // 2 x vocab x hidden x t (tied or not); the embedding 0 (a lookup). backward = 3 x forward
-// (recompute + twice the forward for the two gradients). adam, grad_stats, grad_accumulate:
+// (recompute + twice the forward for the two gradients), 2 x for a block when the placement's
+// shape turns recompute off (unit_backward_flops). adam, grad_stats, grad_accumulate:
 // elements (padded shards; replicated units their numel).
 #include "schedule/schedule.h"
 
@@ -114,6 +115,12 @@ double unit_forward_flops(const LlamaConfig& c, int u, int64_t batch, int64_t se
   const double attention = 2.0 * b * t * t * static_cast<double>(c.num_attention_heads) *
                            static_cast<double>(c.head_dim);
   return 2.0 * matmul * tokens + attention;
+}
+
+double unit_backward_flops(const LlamaConfig& c, int u, int64_t batch, int64_t seq_len,
+                           bool recompute) {
+  const bool head = u == static_cast<int>(c.num_hidden_layers) + 1;
+  return (recompute || head ? 3.0 : 2.0) * unit_forward_flops(c, u, batch, seq_len);
 }
 
 std::string_view lane_kind_name(LaneKind k) {
@@ -612,8 +619,10 @@ class Builder {
     }
   }
 
-  double forward_flops(int u) const {
-    return unit_forward_flops(pl_.shape.model, u, pl_.shape.micro_batch, pl_.shape.seq_len);
+  double compute_flops(int u, bool backward) const {
+    const RunShape& s = pl_.shape;
+    return backward ? unit_backward_flops(s.model, u, s.micro_batch, s.seq_len, s.recompute)
+                    : unit_forward_flops(s.model, u, s.micro_batch, s.seq_len);
   }
 
   // The runs covering use i (the gathered units it reads).
@@ -630,7 +639,7 @@ class Builder {
     const int u = use.unit;
     const bool first_resident = !gathered(u) && !first_use_done_[static_cast<size_t>(u)];
     if (first_resident) first_use_done_[static_cast<size_t>(u)] = true;
-    const double flops = forward_flops(u) * (use.backward ? 3.0 : 1.0);
+    const double flops = compute_flops(u, use.backward);
     for (int r = 0; r < R_; ++r) {
       std::vector<int> deps;
       for (const Run* run : runs) deps.push_back(run->gather[static_cast<size_t>(r)]);

@@ -89,8 +89,14 @@ struct Task {
 
 // FLOPs of unit u's forward for `batch` sequences of `seq_len` tokens: the matmuls (2 per
 // multiply-add) and causal attention (QKᵀ and PV over half the keys on average); the embedding
-// counts 0. A backward task recomputes the forward and then runs the backward: 3× this.
+// counts 0.
 double unit_forward_flops(const LlamaConfig& config, int unit, int64_t batch, int64_t seq_len);
+// FLOPs of unit u's backward task: the two gradients' matmuls are twice the forward's, and with
+// `recompute` (activation checkpointing) the forward runs again first: 3× the forward. Without
+// it a block's backward is 2× (the norms and SwiGLU it redoes are not counted), while the head
+// still recomputes its logits chunk by chunk (3×).
+double unit_backward_flops(const LlamaConfig& config, int unit, int64_t batch, int64_t seq_len,
+                           bool recompute);
 
 struct ScheduleOptions {
   int micro_batches = 1;   // gradient accumulation steps

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <optional>
 #include <tuple>
@@ -26,6 +27,7 @@ std::string TuneCandidate::label() const {
   std::string s = fmt::format("P {}, O {}, micro {} x {}, depth {}", offload_name(param),
                               offload_name(optimizer), micro_batch, grad_accum, prefetch_depth);
   if (param != Tier::gpu || optimizer != Tier::gpu) s += fmt::format(", {} buffers", buffer_count);
+  if (!recompute) s += ", no recompute";
   return s;
 }
 
@@ -35,7 +37,7 @@ int offload_rank(Tier t) {
   return t == Tier::gpu ? 0 : t == Tier::cpu ? 1 : 2;
 }
 
-RunShape shape_for(const TuneSpace& s, int64_t micro, int depth) {
+RunShape shape_for(const TuneSpace& s, int64_t micro, int depth, bool recompute) {
   RunShape r;
   r.model = s.model;
   r.ranks = s.ranks;
@@ -45,6 +47,7 @@ RunShape shape_for(const TuneSpace& s, int64_t micro, int depth) {
   r.seq_len = s.seq_len;
   r.persistence_threshold = s.persistence_threshold;
   r.working_buffers = working_buffers_for(depth, s.model.tie_word_embeddings);
+  r.recompute = recompute;
   return r;
 }
 
@@ -115,7 +118,8 @@ std::optional<Placement> place(const TuneSpace& s, const TierBudgets& b, TuneCan
   std::optional<Placement> p;
   for (bool pin : {true, false}) {
     c.pin_memory = pin;
-    p = Placement::make(shape_for(s, c.micro_batch, c.prefetch_depth), request_for(s, c), b);
+    p = Placement::make(shape_for(s, c.micro_batch, c.prefetch_depth, c.recompute),
+                        request_for(s, c), b);
     c.why_not = over_budget(s, *p, b, c);
     c.fits = c.why_not.empty();
     // Pinning only the buffers helps when the pinned limit is all that is over.
@@ -204,8 +208,8 @@ std::vector<std::pair<int64_t, int64_t>> batch_choices(const TuneSpace& s) {
 TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareProfile* profile) {
   if (s.ranks < 1) fail("tune: {} devices; at least 1", s.ranks);
   if (s.seq_len < 1) fail("tune: --seq-len {}; at least 1", s.seq_len);
-  if (s.prefetch_depths.empty() || s.buffer_counts.empty())
-    fail("tune: no prefetch depth or buffer count to try");
+  if (s.prefetch_depths.empty() || s.buffer_counts.empty() || s.recompute.empty())
+    fail("tune: no prefetch depth, buffer count or activation checkpointing choice to try");
   for (int d : s.prefetch_depths)
     if (d < 0 || d > 64) fail("tune: prefetch depth {}: expected 0..64", d);
   const auto batches = batch_choices(s);
@@ -229,13 +233,18 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
   std::vector<int> buffers = s.buffer_counts;
   std::sort(buffers.begin(), buffers.end());
 
+  // Checkpointing first: without a profile only it is tried (the smaller memory).
+  std::vector<bool> recomputes = s.recompute;
+  std::sort(recomputes.begin(), recomputes.end(), std::greater<>());
+  recomputes.erase(std::unique(recomputes.begin(), recomputes.end()), recomputes.end());
+
   // What makes two candidates the same run: every unit's homes, the pinned buffers, pinning,
-  // micro-batch, accumulation and depth.
+  // micro-batch, accumulation, depth and checkpointing.
   std::map<std::string, std::string> first_with;  // signature -> the choice that had it first
   auto signature = [](const Placement& p, const TuneCandidate& c) {
-    std::string sig =
-        fmt::format("{} {} {} {} {} {}|", c.micro_batch, c.grad_accum, c.prefetch_depth,
-                    p.pinned_buffers, p.pinned_buffer_bytes, p.offloaded() && c.pin_memory);
+    std::string sig = fmt::format("{} {} {} {} {} {} {}|", c.micro_batch, c.grad_accum,
+                                  c.prefetch_depth, p.pinned_buffers, p.pinned_buffer_bytes,
+                                  p.offloaded() && c.pin_memory, c.recompute);
     for (const UnitHomes& h : p.homes)
       sig += fmt::format("{}{}{}", int(h.param), int(h.grad), int(h.optimizer));
     return sig;
@@ -256,47 +265,49 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
       bool any = false;
       // Without a profile only whether the choice fits: its smallest setting.
       const size_t nd = profile ? depths.size() : 1, nc = profile ? counts.size() : 1;
-      const size_t nb = profile ? batches.size() : 1;
+      const size_t nb = profile ? batches.size() : 1, nr = profile ? recomputes.size() : 1;
       for (size_t di = 0; di < nd; ++di)
         for (size_t ci = 0; ci < nc; ++ci)
-          for (size_t bi = 0; bi < nb; ++bi) {
-            const int depth = depths[di], count = counts[ci];
-            const auto [micro, accum] = batches[bi];
-            TuneCandidate c;
-            c.param = pt;
-            c.optimizer = ot;
-            c.micro_batch = micro;
-            c.grad_accum = accum;
-            c.prefetch_depth = depth;
-            c.buffer_count = count;
-            const std::optional<Placement> p = place(s, b, c);
-            ++r.placements;
-            if (!smallest) smallest = c;
-            // Larger micro-batches need more of every tier: none of them fits either.
-            if (!p) break;
-            any = true;
-            const auto [it, fresh] = first_with.emplace(signature(*p, c), choice(pt, ot));
-            if (!fresh) {
-              if (it->second != choice(pt, ot)) duplicate_of = it->second;
-              continue;
-            }
-            ++distinct;
-            if (profile != nullptr) {
-              try {
-                simulate_candidate(*p, *profile, s, c, r.simulations);
-              } catch (const Error& e) {
-                // A rate this candidate needs is not in the profile: say so once per rate
-                // (the messages differ only in the task named), rank the rest.
-                const std::string m = e.what();
-                const std::string key = m.substr(0, m.find(", but task"));
-                if (std::none_of(r.unsimulated.begin(), r.unsimulated.end(),
-                                 [&](const std::string& x) { return x.starts_with(key); }))
-                  r.unsimulated.push_back(m);
+          for (size_t ri = 0; ri < nr; ++ri)
+            for (size_t bi = 0; bi < nb; ++bi) {
+              const int depth = depths[di], count = counts[ci];
+              const auto [micro, accum] = batches[bi];
+              TuneCandidate c;
+              c.param = pt;
+              c.optimizer = ot;
+              c.micro_batch = micro;
+              c.grad_accum = accum;
+              c.prefetch_depth = depth;
+              c.buffer_count = count;
+              c.recompute = recomputes[ri];
+              const std::optional<Placement> p = place(s, b, c);
+              ++r.placements;
+              if (!smallest) smallest = c;
+              // Larger micro-batches need more of every tier: none of them fits either.
+              if (!p) break;
+              any = true;
+              const auto [it, fresh] = first_with.emplace(signature(*p, c), choice(pt, ot));
+              if (!fresh) {
+                if (it->second != choice(pt, ot)) duplicate_of = it->second;
                 continue;
               }
+              ++distinct;
+              if (profile != nullptr) {
+                try {
+                  simulate_candidate(*p, *profile, s, c, r.simulations);
+                } catch (const Error& e) {
+                  // A rate this candidate needs is not in the profile: say so once per rate
+                  // (the messages differ only in the task named), rank the rest.
+                  const std::string m = e.what();
+                  const std::string key = m.substr(0, m.find(", but task"));
+                  if (std::none_of(r.unsimulated.begin(), r.unsimulated.end(),
+                                   [&](const std::string& x) { return x.starts_with(key); }))
+                    r.unsimulated.push_back(m);
+                  continue;
+                }
+              }
+              r.ranked.push_back(c);
             }
-            r.ranked.push_back(c);
-          }
       if (!any && smallest) r.refused.push_back(*smallest);
       if (any && distinct == 0 && !duplicate_of.empty())
         r.same_as.push_back(
@@ -305,11 +316,12 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
   if (profile == nullptr) return r;
   // Best first: of those left, the preferred among the ones within 1% of the fastest (fewer
   // tiers off the devices, the optimizer nearer, a shallower prefetch, fewer buffers, a larger
-  // micro-batch), then again. A selection, not a sort: "within 1%" is not transitive.
+  // micro-batch, checkpointing kept), then again. A selection, not a sort: "within 1%" is not
+  // transitive.
   auto preference = [](const TuneCandidate& c) {
     return std::make_tuple(offload_rank(c.param) + offload_rank(c.optimizer),
                            offload_rank(c.optimizer), c.prefetch_depth, c.buffer_count,
-                           -c.micro_batch);
+                           -c.micro_batch, !c.recompute);
   };
   std::vector<TuneCandidate> left = std::move(r.ranked), out;
   while (!left.empty()) {

@@ -40,8 +40,11 @@ struct TuneSpace {
   std::vector<Tier> optimizer_tiers{Tier::gpu, Tier::cpu, Tier::nvme};
   std::vector<int> prefetch_depths{1, 2, 3};
   std::vector<int> buffer_counts{4, 8};  // pinned buffers, when something lives off the devices
-  std::vector<std::string> nvme_paths;   // none: the nvme tier is not tried
-  uint64_t nvme_stripe = 1ull << 20;     // the swap store's stripe (aio.block_size)
+  // Activation checkpointing choices (RunShape::recompute): on needs less GPU memory, off a
+  // third fewer FLOPs per block.
+  std::vector<bool> recompute{true, false};
+  std::vector<std::string> nvme_paths;  // none: the nvme tier is not tried
+  uint64_t nvme_stripe = 1ull << 20;    // the swap store's stripe (aio.block_size)
   // The devices are host devices, whose memory is host RAM: the cpu tier and every device's
   // gpu tier must then fit in budgets.cpu_memory together.
   bool host_devices = false;
@@ -57,6 +60,7 @@ struct TuneCandidate {
   int prefetch_depth = 1;
   int buffer_count = 5;
   bool pin_memory = true;
+  bool recompute = true;  // activation checkpointing
 
   bool fits = false;
   std::string why_not;  // every tier over its budget: needed and available bytes
@@ -72,7 +76,7 @@ struct TuneCandidate {
   double overlap = 0;         // the critical lane's busy time / the step
   bool extrapolated = false;  // grad_accum > kMaxSimulatedAccum
 
-  // "P nvme, O cpu, micro 4 x 2, depth 2, 8 buffers" for tables and messages.
+  // "P nvme, O cpu, micro 4 x 2, depth 2, 8 buffers[, no recompute]" for tables and messages.
   std::string label() const;
   // DeepSpeed's word for a tier: "none" (not offloaded), "cpu", "nvme".
   static std::string offload_name(Tier t);

@@ -94,6 +94,7 @@ FixedGpu fixed_gpu(const RunShape& s, const Partition& p) {
   mo.grad_dtype = s.grad_dtype;
   mo.max_batch = s.micro_batch;
   mo.seq_len = s.seq_len;
+  mo.recompute = s.recompute;
   const uint64_t flow =
       static_cast<uint64_t>(s.micro_batch * s.seq_len * s.model.hidden_size) * z.ps;
   f.activations =

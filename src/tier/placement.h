@@ -122,6 +122,9 @@ struct RunShape {
   uint64_t persistence_threshold = 100000;  // elements
   int working_buffers = 2;                  // gathered units per GPU (prefetch depth + 1)
   uint64_t device_alignment = 256;          // device arenas round every buffer up to this
+  // Activation checkpointing: backward recomputes each block (ModelOptions::recompute). Off,
+  // every block keeps its activations on the GPU, a third fewer FLOPs for more memory.
+  bool recompute = true;
 };
 
 // Gathered working buffers per GPU for a prefetch depth: the unit in use and `depth` ahead, and

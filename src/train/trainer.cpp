@@ -80,6 +80,7 @@ Placement place(const TrainSettings& s, const std::vector<Device*>& devices, Tie
   shape.seq_len = s.seq_len;
   shape.persistence_threshold = s.persistence_threshold;
   shape.working_buffers = working_buffers_for(s.prefetch_depth, model.tie_word_embeddings);
+  shape.recompute = s.recompute;
   for (const std::string& p : s.offload.nvme_paths) {
     std::error_code ec;
     if (fs::exists(p, ec) && !fs::is_directory(p, ec))
