@@ -94,6 +94,37 @@ TEST(BenchStepCli, VerifiesThenReportsMeasuredAndPredicted) {
   EXPECT_EQ(k["prediction_error"].get<double>(), worst);
 }
 
+// A model whose state does not fit on the devices all at once has no all-device run to compare
+// with: its placement is verified on a two-layer copy instead, and the report says so. Here
+// 8 MiB of device memory holds the 8-layer model offloaded but not all of it on the device.
+// Also: activation checkpointing off, and MFU against a given peak.
+TEST(BenchStepCli, AModelTooBigForTheDevicesIsVerifiedOnTwoLayers) {
+  const test::TempDir dir("strata-bench-step");
+  const std::string profile = (dir.path / "profile.json").string();
+  ASSERT_EQ(strata("tune --quick --devices host:1 --threads 1 --out-profile " + profile).status, 0);
+  const std::string base =
+      "bench step --devices host:1 --offload-param cpu --offload-optimizer cpu --layers 8 "
+      "--steps 1 --threads 1 --activation-checkpointing off --peak-tflops 2 --hardware " +
+      profile;
+  const test::CommandResult r = strata(base + " --device-memory 8MiB --json");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const json j = json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_EQ(j["verified"], true);
+  EXPECT_EQ(j["verified_on_two_layers"], true);
+  EXPECT_EQ(j["activation_checkpointing"], false);
+  EXPECT_GT(j["model_tflops"].get<double>(), 0.0);
+  EXPECT_DOUBLE_EQ(j["mfu"].get<double>(), j["model_tflops"].get<double>() / 2);
+  const test::CommandResult text = strata(base + " --device-memory 8MiB");
+  ASSERT_EQ(text.status, 0) << text.out;
+  EXPECT_NE(text.out.find("a two-layer copy of it"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("% of 2 TFLOP/s"), std::string::npos) << text.out;
+  // With room for everything, the full model is its own reference.
+  const test::CommandResult roomy = strata(base + " --device-memory 64MiB --json");
+  ASSERT_EQ(roomy.status, 0) << roomy.out;
+  EXPECT_EQ(json::parse(roomy.out, nullptr, false)["verified_on_two_layers"], false);
+}
+
 TEST(BenchStepCli, BadSettingsAreNamed) {
   const test::CommandResult tier = strata("bench step --offload-param disk", "2>&1");
   EXPECT_NE(tier.status, 0);

@@ -151,21 +151,24 @@ namespace strata {
 namespace {
 
 // `strata bench model` verifies against the host backend, then reports its figures.
+// Activation checkpointing off runs (and verifies) the blocks keeping their activations.
 TEST(BenchModelCli, VerifiesThenReports) {
-  for (const char* dtype : {"f32", "bf16"}) {
-    const test::CommandResult r = test::run_command(
-        std::string("'") + STRATA_BINARY +
-        "' bench model --model tiny --devices host --seq-len 16 --batch 2 --steps 1 --dtype " +
-        dtype + " --peak-tflops 1 --json 2>&1");
-    ASSERT_EQ(r.status, 0) << r.out;
-    const auto j = nlohmann::json::parse(r.out, nullptr, false);
-    ASSERT_FALSE(j.is_discarded()) << r.out;
-    EXPECT_TRUE(j["verified"].get<bool>());
-    EXPECT_EQ(j["dtype"], dtype);
-    EXPECT_GT(j["tokens_per_s"].get<double>(), 0.0);
-    EXPECT_GT(j["model_tflops"].get<double>(), 0.0);
-    EXPECT_DOUBLE_EQ(j["mfu"].get<double>(), j["model_tflops"].get<double>());
-  }
+  for (const char* dtype : {"f32", "bf16"})
+    for (const char* checkpointing : {"on", "off"}) {
+      const test::CommandResult r = test::run_command(
+          std::string("'") + STRATA_BINARY +
+          "' bench model --model tiny --devices host --seq-len 16 --batch 2 --steps 1 --dtype " +
+          dtype + " --activation-checkpointing " + checkpointing + " --peak-tflops 1 --json 2>&1");
+      ASSERT_EQ(r.status, 0) << r.out;
+      const auto j = nlohmann::json::parse(r.out, nullptr, false);
+      ASSERT_FALSE(j.is_discarded()) << r.out;
+      EXPECT_TRUE(j["verified"].get<bool>());
+      EXPECT_EQ(j["dtype"], dtype);
+      EXPECT_GT(j["tokens_per_s"].get<double>(), 0.0);
+      EXPECT_GT(j["model_tflops"].get<double>(), 0.0);
+      EXPECT_DOUBLE_EQ(j["mfu"].get<double>(), j["model_tflops"].get<double>());
+      EXPECT_EQ(j["activation_checkpointing"], std::string(checkpointing) == "on");
+    }
 }
 
 test::CommandResult bench_attention(const std::string& args) {

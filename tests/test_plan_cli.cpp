@@ -158,6 +158,19 @@ TEST(EstimateCli, JsonRowsInOrderWithEveryTier) {
   EXPECT_GT(j[0]["gpu_per_device"]["activations"].get<uint64_t>(), 0u);
   EXPECT_EQ(j[4]["gpu_per_device"]["activations"], j[0]["gpu_per_device"]["activations"]);
 
+  // Without activation checkpointing every block keeps its activations: llama2-7b's 32 blocks
+  // at 4096 tokens keep q, k, v, attention out, residual (5 x 4096) and gate, up (2 x 11008)
+  // bf16 values a token each, where one block's worth was scratch before: at least 31 blocks'
+  // worth more (the log-sum-exps come on top). The plan says which it planned.
+  const json off = parse_json(strata(
+      "estimate --model llama2-7b --gpus 2 --activation-checkpointing off --json", "2>/dev/null"));
+  const uint64_t kept = 4096ull * 32 * (5 * 4096 + 2 * 11008) * 2;
+  EXPECT_GE(off[0]["gpu_per_device"]["activations"].get<uint64_t>(),
+            j[0]["gpu_per_device"]["activations"].get<uint64_t>() + kept / 32 * 31);
+  const json plan = parse_json(strata(
+      "plan --model tiny --gpu-memory 1GiB --activation-checkpointing off --json", "2>/dev/null"));
+  EXPECT_EQ(plan["activation_checkpointing"], false);
+
   const Result text = strata("estimate --model tiny");
   EXPECT_EQ(text.status, 0);
   EXPECT_NE(text.out.find("params+optimizer->nvme"), std::string::npos) << text.out;

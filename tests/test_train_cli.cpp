@@ -98,6 +98,40 @@ TEST(TrainCli, ResumeIsBitIdenticalWithEveryPlacement) {
       6, 1);
 }
 
+// --activation-checkpointing off keeps each block's activations instead of recomputing them:
+// the same kernels on the same inputs, so the same files and losses bit for bit, on one device
+// and on two with the state offloaded.
+TEST(TrainCli, ActivationCheckpointingOffGivesTheSameBits) {
+  const test::TempDir dir("strata-recompute");
+  const fs::path data = make_data(dir.path);
+  for (const std::string& placement :
+       {std::string(""), std::string("--devices host:2 --persistence-threshold 0 "
+                                     "--offload-param cpu --offload-optimizer nvme")}) {
+    SCOPED_TRACE(placement);
+    const std::string base = "train " + kTiny + "--data " + data.string() +
+                             " --lr 2e-3 --grad-accum 2 --threads 1 --steps 3 " + placement;
+    const fs::path a = dir.path / "on", b = dir.path / "off";
+    fs::remove_all(a);
+    fs::remove_all(b);
+    test::CommandResult r = strata(base + " --run-dir " + a.string());
+    ASSERT_EQ(r.status, 0) << r.out;
+    r = strata(base + " --activation-checkpointing off --run-dir " + b.string());
+    ASSERT_EQ(r.status, 0) << r.out;
+    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+      EXPECT_TRUE(slurp(a / "checkpoints/step-3" / file) == slurp(b / "checkpoints/step-3" / file))
+          << file << " differs";
+    const std::vector<json> ma = metrics(a), mb = metrics(b);
+    ASSERT_EQ(ma.size(), 3u);
+    ASSERT_EQ(mb.size(), 3u);
+    for (size_t i = 0; i < ma.size(); ++i) EXPECT_EQ(ma[i]["loss"], mb[i]["loss"]) << i;
+  }
+  const test::CommandResult bad = strata(
+      "train " + kTiny + "--data " + data.string() +
+      " --steps 1 --activation-checkpointing sometimes --run-dir " + (dir.path / "bad").string());
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.out.find("--activation-checkpointing"), std::string::npos) << bad.out;
+}
+
 TEST(TrainCli, ExportWritesAHuggingFaceDirectory) {
   const test::TempDir dir("strata-export");
   const fs::path data = make_data(dir.path), run = dir.path / "run";

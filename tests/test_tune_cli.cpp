@@ -152,6 +152,16 @@ TEST(TuneCli, RecommendsAConfigStrataTrainAccepts) {
     EXPECT_EQ(c["micro_batch"].get<int64_t>() * c["grad_accum"].get<int64_t>(), 4);
   }
   EXPECT_EQ(j["candidates"][0], best);
+  // Both activation checkpointing choices ranked (--all lists them); the command to train says
+  // which one was picked.
+  std::set<bool> checkpointing;
+  for (const json& c : j["candidates"])
+    checkpointing.insert(c["activation_checkpointing"].get<bool>());
+  EXPECT_EQ(checkpointing.size(), 2u);
+  const bool recompute = best["activation_checkpointing"];
+  EXPECT_EQ(j["train_command"].get<std::string>().find("--activation-checkpointing off") ==
+                std::string::npos,
+            recompute);
 
   // Read back by the reader `strata train --config` uses: the configuration chosen.
   const DsConfig ds = load_ds_config(config);
@@ -177,7 +187,8 @@ TEST(TuneCli, RecommendsAConfigStrataTrainAccepts) {
   const fs::path data = test::make_data(dir.path);
   const CommandResult t = test::strata(
       "train --model tiny --init random --data " + data.string() + " --steps 2 --config " +
-      config.string() + " --seq-len 64 --devices host:1 --threads 1 --run-dir " + run.string());
+      config.string() + " --seq-len 64 --devices host:1 --threads 1 --run-dir " + run.string() +
+      (recompute ? "" : " --activation-checkpointing off"));
   ASSERT_EQ(t.status, 0) << t.out;
   EXPECT_EQ(t.out.find("not acted on"), std::string::npos) << t.out;
   EXPECT_NE(t.out.find(fmt::format("{} micro-batch(es) of {} x 64 tokens", accum, micro)),

@@ -6,7 +6,8 @@
 // a copy of the model cut to at most two layers, batch 1 and at most 64 positions, with the
 // same weights, must give the same per-token losses (1e-4 relative in f32, 3% in bf16) and
 // finite gradients. Model FLOPs count what the model needs (6 per parameter and token, plus
-// causal attention), not the recomputation that activation checkpointing adds.
+// causal attention), not the recomputation that activation checkpointing adds
+// (--activation-checkpointing off keeps every block's activations instead).
 #include "commands.h"
 #include "core/error.h"
 #include "device_args.h"
@@ -32,6 +33,7 @@ struct BenchModelArgs {
   int steps = 5;
   std::string devices, device_memory, dtype;
   double peak_tflops = 0;
+  bool recompute = true;  // --activation-checkpointing
   bool json = false;
 };
 
@@ -41,9 +43,10 @@ struct Probe {
   std::vector<float> losses;
   bool finite_grads = true;
 };
-Probe probe(const LlamaConfig& config, Device& device, DType dtype, int64_t T,
+Probe probe(const LlamaConfig& config, Device& device, DType dtype, bool recompute, int64_t T,
             const std::vector<int32_t>& ids, const std::vector<int32_t>& targets) {
   ModelOptions o;
+  o.recompute = recompute;
   o.param_dtype = dtype;
   o.grad_dtype = DType::f32;
   o.max_batch = 1;
@@ -70,7 +73,7 @@ Probe probe(const LlamaConfig& config, Device& device, DType dtype, int64_t T,
   return p;
 }
 
-void verify(const LlamaConfig& full, Device& device, DType dtype, int64_t seq_len) {
+void verify(const LlamaConfig& full, Device& device, DType dtype, bool recompute, int64_t seq_len) {
   LlamaConfig c = full;
   c.num_hidden_layers = std::min<int64_t>(c.num_hidden_layers, 2);
   const int64_t T = std::min<int64_t>(seq_len, 64);
@@ -79,10 +82,10 @@ void verify(const LlamaConfig& full, Device& device, DType dtype, int64_t seq_le
     ids[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919 + 13) % c.vocab_size);
     targets[static_cast<size_t>(i)] = static_cast<int32_t>((i * 104729 + 5) % c.vocab_size);
   }
-  const Probe got = probe(c, device, dtype, T, ids, targets);
+  const Probe got = probe(c, device, dtype, recompute, T, ids, targets);
   // f32 parameters and gradients plus activations; the arena only reserves address space.
   auto host = open_host_device(99, parameter_count(c) * 8 + (1ull << 30));
-  const Probe want = probe(c, *host, DType::f32, T, ids, targets);
+  const Probe want = probe(c, *host, DType::f32, true, T, ids, targets);
   const double tol = dtype == DType::f32 ? 1e-4 : 3e-2;
   for (size_t i = 0; i < want.losses.size(); ++i)
     if (!(std::abs(got.losses[i] - want.losses[i]) <= tol * std::abs(want.losses[i])))
@@ -102,9 +105,10 @@ int run_bench_model(const BenchModelArgs& a) {
   Device& device = *devices.at(0);
   const DType dtype = model_dtype(device, a.dtype);
   if (a.steps < 1) fail("--steps {} must be at least 1", a.steps);
-  verify(config, device, dtype, a.seq_len);
+  verify(config, device, dtype, a.recompute, a.seq_len);
 
   ModelOptions o;
+  o.recompute = a.recompute;
   o.param_dtype = dtype;
   o.grad_dtype = DType::f32;
   o.max_batch = a.batch;
@@ -152,22 +156,29 @@ int run_bench_model(const BenchModelArgs& a) {
   const double tflops = flops / t / 1e12;
   const double tokens_per_s = static_cast<double>(N) / t;
   if (a.json) {
-    nlohmann::json j = {
-        {"model", config.name}, {"device", device.name()},      {"dtype", dtype_name(dtype)},
-        {"batch", a.batch},     {"seq_len", a.seq_len},         {"forward_s", f},
-        {"step_s", t},          {"tokens_per_s", tokens_per_s}, {"model_tflops", tflops},
-        {"verified", true}};
+    nlohmann::json j = {{"model", config.name},
+                        {"device", device.name()},
+                        {"dtype", dtype_name(dtype)},
+                        {"batch", a.batch},
+                        {"seq_len", a.seq_len},
+                        {"forward_s", f},
+                        {"step_s", t},
+                        {"tokens_per_s", tokens_per_s},
+                        {"model_tflops", tflops},
+                        {"activation_checkpointing", a.recompute},
+                        {"verified", true}};
     if (a.peak_tflops > 0) j["mfu"] = tflops / a.peak_tflops;
     fmt::print("{}\n", j.dump());
     return 0;
   }
   fmt::print(
-      "bench model: {} ({:.3g}M parameters, {}) on {}, batch {} x {} tokens; verified against "
-      "the host backend\n"
+      "bench model: {} ({:.3g}M parameters, {}) on {}, batch {} x {} tokens, {}; verified "
+      "against the host backend\n"
       "  forward {:.2f} ms, forward+backward {:.2f} ms (median of {}): {:.0f} tokens/s, {:.3g} "
       "model TFLOP/s{}\n",
-      config.name, params / 1e6, dtype_name(dtype), device.name(), a.batch, a.seq_len, f * 1e3,
-      t * 1e3, a.steps, tokens_per_s, tflops,
+      config.name, params / 1e6, dtype_name(dtype), device.name(), a.batch, a.seq_len,
+      a.recompute ? "blocks recomputed in backward" : "activations kept", f * 1e3, t * 1e3, a.steps,
+      tokens_per_s, tflops,
       a.peak_tflops > 0
           ? fmt::format(" = {:.1f}% of {} TFLOP/s", 100 * tflops / a.peak_tflops, a.peak_tflops)
           : std::string());
@@ -188,6 +199,7 @@ Command add_bench_model(CLI::App& bench) {
   cmd->add_option("--devices", args->devices, "host or cuda:N (default: cuda:0 if usable)");
   cmd->add_option("--device-memory", args->device_memory, "cap of the device's memory");
   cmd->add_option("--dtype", args->dtype, "f32 or bf16 (default: f32 on host, bf16 on cuda)");
+  add_checkpointing_option(cmd, args->recompute);
   cmd->add_option("--peak-tflops", args->peak_tflops,
                   "the device's peak (e.g. measured by a large matmul) to report MFU against");
   cmd->add_flag("--json", args->json, "one JSON object: tokens_per_s, model_tflops, mfu, ...");

@@ -33,6 +33,16 @@ Command add_bench_io(CLI::App& bench);         // strata bench io
 Command add_bench_model(CLI::App& bench);      // strata bench model
 Command add_bench_step(CLI::App& bench);       // strata bench step
 
+// --activation-checkpointing on|off into `recompute` (RunShape::recompute), the same words and
+// help in every command; anything else is refused naming the flag, the value and the choices.
+inline CLI::Option* add_checkpointing_option(CLI::App* cmd, bool& recompute) {
+  return cmd
+      ->add_option("--activation-checkpointing", recompute,
+                   "on (default): backward recomputes each block from its input, the least GPU "
+                   "memory; off: blocks keep their activations on the GPU, a third fewer FLOPs")
+      ->check(CLI::IsMember({"on", "off", "true", "false"}));
+}
+
 }  // namespace strata::cli
 
 namespace strata {

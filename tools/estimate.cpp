@@ -45,6 +45,7 @@ struct EstimateArgs {
   int64_t micro_batch = 1;
   int64_t seq_len = 0;
   std::string dtype = "bf16";
+  bool recompute = true;  // --activation-checkpointing
   bool json = false;
 };
 
@@ -68,7 +69,8 @@ std::string offload_name(Tier t) {
 }
 
 int run_estimate(const EstimateArgs& a) {
-  const RunShape shape = run_shape_for(a.model, a.gpus, a.micro_batch, a.seq_len, a.dtype);
+  RunShape shape = run_shape_for(a.model, a.gpus, a.micro_batch, a.seq_len, a.dtype);
+  shape.recompute = a.recompute;
   json rows = json::array();
   std::vector<std::vector<std::string>> table;
   for (const Option& o : kOptions) {
@@ -136,6 +138,7 @@ Command add_estimate(CLI::App& app) {
   cmd->add_option("--seq-len", a->seq_len,
                   "tokens per sequence (default: the model's context, at most 4096)");
   cmd->add_option("--dtype", a->dtype, "parameter dtype: bf16 (default), f16 or f32");
+  add_checkpointing_option(cmd, a->recompute);
   cmd->add_flag("--json", a->json, "print an array of objects, one per offload option");
   return {cmd, [a] { return run_estimate(*a); }};
 }

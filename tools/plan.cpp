@@ -41,6 +41,7 @@ struct PlanArgs {
   std::vector<std::string> nvme_paths;
   int64_t micro_batch = kUnsetFlag, grad_accum = kUnsetFlag, seq_len = kUnsetFlag;
   int prefetch_depth = -1;
+  bool recompute = true;  // --activation-checkpointing
   std::string dtype, grad_dtype = "f32";
   int64_t persistence_threshold = -1;
   std::string hardware;
@@ -140,6 +141,7 @@ int run_plan(const PlanArgs& a) {
   const int depth = a.prefetch_depth >= 0 ? a.prefetch_depth : cfg.prefetch_depth.value_or(1);
   if (depth < 0 || depth > 64) fail("--prefetch-depth {}: expected 0..64", depth);
   shape.working_buffers = working_buffers_for(depth, shape.model.tie_word_embeddings);
+  shape.recompute = a.recompute;
 
   OffloadRequest request = cfg.offload;
   apply_offload_flags(request, a.offload_param, a.offload_optimizer);
@@ -215,6 +217,7 @@ int run_plan(const PlanArgs& a) {
         {"dtype", dtype},
         {"grad_dtype", a.grad_dtype},
         {"prefetch_depth", schedule.prefetch_depth},
+        {"activation_checkpointing", shape.recompute},
         {"budgets",
          {{"gpu_memory", budgets.gpu_memory},
           {"cpu_memory", budgets.cpu_memory},
@@ -281,6 +284,7 @@ Command add_plan(CLI::App& app) {
   cmd->add_option("--grad-accum", a->grad_accum, "micro-batches per optimizer step");
   cmd->add_option("--seq-len", a->seq_len, "tokens per sequence");
   cmd->add_option("--prefetch-depth", a->prefetch_depth, "units fetched ahead of use (default 1)");
+  add_checkpointing_option(cmd, a->recompute);
   cmd->add_option("--dtype", a->dtype, "parameter dtype: bf16, f16 or f32");
   cmd->add_option("--grad-dtype", a->grad_dtype,
                   "gradient accumulators: f32 (default), or bf16/f16 (half the host RAM; for "

@@ -33,6 +33,7 @@ struct TrainArgs {
   int64_t warmup_steps = kUnsetFlag;
   std::string offload_param, offload_optimizer, cpu_memory, pinned_memory;
   int64_t prefetch_depth = kUnsetFlag;
+  bool recompute = true;  // --activation-checkpointing
   int64_t persistence_threshold = -1;
   int threads = 0;
   int64_t save_every = 0, steps_per_print = 0;
@@ -147,6 +148,7 @@ int run_train(const TrainArgs& a) {
     fail("--prefetch-depth {}: units fetched ahead of use, 0..64", a.prefetch_depth);
   s.prefetch_depth = a.prefetch_depth != kUnsetFlag ? static_cast<int>(a.prefetch_depth)
                                                     : plan.prefetch_depth.value_or(1);
+  s.recompute = a.recompute;
   s.persistence_threshold = a.persistence_threshold >= 0
                                 ? static_cast<uint64_t>(a.persistence_threshold)
                                 : plan.persistence_threshold.value_or(100000);
@@ -238,6 +240,7 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--nvme-path", a->nvme_paths, "NVMe directories (default RUN/swap)")
       ->delimiter(',');
   cmd->add_option("--prefetch-depth", a->prefetch_depth, "units fetched ahead (default 1)");
+  add_checkpointing_option(cmd, a->recompute);
   cmd->add_option("--persistence-threshold", a->persistence_threshold,
                   "units of at most this many elements stay whole on every device (100000)");
   cmd->add_option("--cpu-memory", a->cpu_memory, "host RAM the run may use");

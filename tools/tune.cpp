@@ -61,6 +61,7 @@ struct TuneArgs {
   std::string dtype;
   std::vector<std::string> offload_param, offload_optimizer;
   std::vector<int> prefetch_depths{1, 2, 3};
+  std::vector<bool> recompute{true, false};  // --activation-checkpointing choices
   std::string cpu_memory, pinned_memory;
   int64_t persistence_threshold = -1;
   int threads = 0;
@@ -257,6 +258,7 @@ json candidate_json(const TuneCandidate& c) {
   j["prefetch_depth"] = c.prefetch_depth;
   j["buffer_count"] = c.buffer_count;
   j["pin_memory"] = c.pin_memory;
+  j["activation_checkpointing"] = c.recompute;
   j["fits"] = c.fits;
   if (!c.fits) j["why_not"] = c.why_not;
   j["memory"] = {{"gpu_per_device", c.needs.total(Tier::gpu)},
@@ -346,6 +348,7 @@ int run_tune(const TuneArgs& a) {
             "expresses)",
             d);
     space.prefetch_depths = a.prefetch_depths;
+    space.recompute = a.recompute;
     space.nvme_paths = a.nvme_paths;
     space.host_devices = host;
     budgets = local_budgets(ptrs.front()->memory().capacity, a.nvme_paths,
@@ -467,6 +470,7 @@ int run_tune(const TuneArgs& a) {
     if (!a.cpu_memory.empty()) train_cmd += " --cpu-memory " + a.cpu_memory;
     if (a.persistence_threshold >= 0)
       train_cmd += fmt::format(" --persistence-threshold {}", a.persistence_threshold);
+    if (!best->recompute) train_cmd += " --activation-checkpointing off";
     train_cmd += " --data FILE --steps N";
     if (!fs::is_directory(a.model)) train_cmd += " --init random";
   }
@@ -581,14 +585,14 @@ int run_tune(const TuneArgs& a) {
     const TuneCandidate& c = shown[i];
     const bool off = c.param != Tier::gpu || c.optimizer != Tier::gpu;
     fmt::print(
-        "  {:>3} {:<5} {:<5} {:>12} {:>5} {:>4} {:>10} {:>10.4g} {:>10} {:>10} {:>10}  {}{}\n",
+        "  {:>3} {:<5} {:<5} {:>12} {:>5} {:>4} {:>10} {:>10.4g} {:>10} {:>10} {:>10}  {}{}{}\n",
         i + 1, TuneCandidate::offload_name(c.param), TuneCandidate::offload_name(c.optimizer),
         fmt::format("{} x {}", c.micro_batch, c.grad_accum), c.prefetch_depth,
         off ? std::to_string(c.buffer_count) : std::string("-"),
         seconds(c.step_s) + (c.extrapolated ? "*" : ""), c.tokens_per_s,
         format_bytes(c.needs.total(Tier::gpu)), format_bytes(c.needs.total(Tier::cpu)),
         format_bytes(c.needs.total(Tier::nvme)), c.critical_lane,
-        c.pin_memory || !off ? "" : " (pin_memory false)");
+        c.pin_memory || !off ? "" : " (pin_memory false)", c.recompute ? "" : " (no recompute)");
   }
   if (!a.all && result.ranked.size() > shown.size())
     fmt::print("  (the best of each choice; {} candidates fit in all, --all lists them)\n",
@@ -647,6 +651,11 @@ Command add_tune(CLI::App& app) {
   cmd->add_option("--prefetch-depth", a->prefetch_depths, "prefetch depths to try (1..4)")
       ->delimiter(',')
       ->capture_default_str();
+  cmd->add_option("--activation-checkpointing", a->recompute,
+                  "activation checkpointing to try: on (recompute each block in backward), off "
+                  "(keep its activations on the GPU) (default on,off)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"on", "off", "true", "false"}));
   cmd->add_option("--cpu-memory", a->cpu_memory,
                   "host RAM a run may use (default: 80% of what is available)");
   cmd->add_option("--pinned-memory", a->pinned_memory,
