@@ -280,6 +280,28 @@ TEST(TrainCli, Fp16OnAGpuIsRefusedBeforeTraining) {
   }
 }
 
+// The same on a GPU in bf16, where the kept activations feed cuBLASLt and the tensor-core
+// attention (whose inputs must be 16-byte aligned inside the kept buffers).
+TEST(TrainCli, ActivationCheckpointingOffOnAGpuGivesTheSameBits) {
+  if (cuda_runtime().gpus.empty())
+    GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
+  const test::TempDir dir("strata-recompute-gpu");
+  const fs::path data = make_data(dir.path), a = dir.path / "on", b = dir.path / "off";
+  const std::string base = "train " + kTiny + "--data " + data.string() +
+                           " --steps 2 --grad-accum 2 --devices cuda:0 --dtype bf16 --threads 1";
+  test::CommandResult r = strata(base + " --run-dir " + a.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(base + " --activation-checkpointing off --run-dir " + b.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+    EXPECT_TRUE(slurp(a / "checkpoints/step-2" / file) == slurp(b / "checkpoints/step-2" / file))
+        << file << " differs";
+  const std::vector<json> ma = metrics(a), mb = metrics(b);
+  ASSERT_EQ(ma.size(), 2u);
+  ASSERT_EQ(mb.size(), 2u);
+  for (size_t i = 0; i < ma.size(); ++i) EXPECT_EQ(ma[i]["loss"], mb[i]["loss"]) << i;
+}
+
 // --eval-data: the held-out loss every --eval-every steps and after the last, from the
 // parameters wherever they live (here P on the host, O on NVMe, two ranks), equal to what
 // `strata eval` gives on the checkpoint of the same step.
