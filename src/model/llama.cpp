@@ -154,8 +154,8 @@ std::vector<float> rope_table(const LlamaConfig& c, int64_t seq_len) {
 void init_unit_random(const ModelLayout& layout, int u, uint64_t seed, DType dtype, void* host) {
   const UnitLayout& unit = layout.units.at(static_cast<size_t>(u));
   // Each tensor in pieces of kPiece elements, each piece from a generator of its own seeded by
-  // (seed, unit, tensor, piece): the same bits on any number of threads, and a 70B model's
-  // units made on every core (one core took minutes for an 8B model).
+  // (seed, unit, tensor, piece): the same bits on any number of threads, and a large model's
+  // units made on every core (one core draws the 8 billion normals of an 8B model in minutes).
   constexpr uint64_t kPiece = uint64_t{1} << 16;  // even: Box-Muller pairs stay inside a piece
   struct Piece {
     size_t slot;
