@@ -473,6 +473,10 @@ TEST(LlamaConfigPresets, PublishedParameterCounts) {
   EXPECT_EQ(parameter_count(*find_preset("llama3-70b")), 70'553'706'496u);
   EXPECT_EQ(parameter_count(*find_preset("llama3.1-8b")), 8'030'261'248u);
   EXPECT_EQ(parameter_count(*find_preset("llama3.1-70b")), 70'553'706'496u);
+  // Model FLOPs per token at 4096 positions: 6 per parameter, and attention 6 x 32 layers x 32
+  // heads x 128 x 4096 (QKᵀ and PV over half the keys, forward and backward).
+  EXPECT_EQ(model_flops_per_token(*find_preset("llama2-7b"), 4096),
+            6.0 * 6'738'415'616.0 + 6.0 * 32 * 32 * 128 * 4096);
   // tiny by hand: embeddings and head 512x64 each, per layer two norms, q and o 64x64, k and v
   // 32x64 (2 kv heads of 16), three 172x64 MLP matrices, and the final norm.
   const uint64_t tiny_layer = 2 * 64 + 2 * 64 * 64 + 2 * 32 * 64 + 3 * 172 * 64;

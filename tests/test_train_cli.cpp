@@ -98,6 +98,26 @@ TEST(TrainCli, ResumeIsBitIdenticalWithEveryPlacement) {
       6, 1);
 }
 
+// Trains `steps` with `args` in `dir`, with activation checkpointing on and off: the final
+// checkpoint's files and every step's loss must be the same bits.
+void expect_checkpointing_off_same_bits(const fs::path& dir, const std::string& args, int steps) {
+  const fs::path a = dir / "on", b = dir / "off";
+  fs::remove_all(a);
+  fs::remove_all(b);
+  const std::string base = args + " --steps " + std::to_string(steps);
+  test::CommandResult r = strata(base + " --run-dir " + a.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(base + " --activation-checkpointing off --run-dir " + b.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const std::string last = "checkpoints/step-" + std::to_string(steps);
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+    EXPECT_TRUE(slurp(a / last / file) == slurp(b / last / file)) << file << " differs";
+  const std::vector<json> ma = metrics(a), mb = metrics(b);
+  ASSERT_EQ(ma.size(), static_cast<size_t>(steps));
+  ASSERT_EQ(mb.size(), static_cast<size_t>(steps));
+  for (size_t i = 0; i < ma.size(); ++i) EXPECT_EQ(ma[i]["loss"], mb[i]["loss"]) << i;
+}
+
 // --activation-checkpointing off keeps each block's activations instead of recomputing them:
 // the same kernels on the same inputs, so the same files and losses bit for bit, on one device
 // and on two with the state offloaded.
@@ -108,22 +128,10 @@ TEST(TrainCli, ActivationCheckpointingOffGivesTheSameBits) {
        {std::string(""), std::string("--devices host:2 --persistence-threshold 0 "
                                      "--offload-param cpu --offload-optimizer nvme")}) {
     SCOPED_TRACE(placement);
-    const std::string base = "train " + kTiny + "--data " + data.string() +
-                             " --lr 2e-3 --grad-accum 2 --threads 1 --steps 3 " + placement;
-    const fs::path a = dir.path / "on", b = dir.path / "off";
-    fs::remove_all(a);
-    fs::remove_all(b);
-    test::CommandResult r = strata(base + " --run-dir " + a.string());
-    ASSERT_EQ(r.status, 0) << r.out;
-    r = strata(base + " --activation-checkpointing off --run-dir " + b.string());
-    ASSERT_EQ(r.status, 0) << r.out;
-    for (const char* file : {"model.safetensors", "optimizer.safetensors"})
-      EXPECT_TRUE(slurp(a / "checkpoints/step-3" / file) == slurp(b / "checkpoints/step-3" / file))
-          << file << " differs";
-    const std::vector<json> ma = metrics(a), mb = metrics(b);
-    ASSERT_EQ(ma.size(), 3u);
-    ASSERT_EQ(mb.size(), 3u);
-    for (size_t i = 0; i < ma.size(); ++i) EXPECT_EQ(ma[i]["loss"], mb[i]["loss"]) << i;
+    expect_checkpointing_off_same_bits(dir.path,
+                                       "train " + kTiny + "--data " + data.string() +
+                                           " --lr 2e-3 --grad-accum 2 --threads 1 " + placement,
+                                       3);
   }
   const test::CommandResult bad = strata(
       "train " + kTiny + "--data " + data.string() +
@@ -286,20 +294,12 @@ TEST(TrainCli, ActivationCheckpointingOffOnAGpuGivesTheSameBits) {
   if (cuda_runtime().gpus.empty())
     GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
   const test::TempDir dir("strata-recompute-gpu");
-  const fs::path data = make_data(dir.path), a = dir.path / "on", b = dir.path / "off";
-  const std::string base = "train " + kTiny + "--data " + data.string() +
-                           " --steps 2 --grad-accum 2 --devices cuda:0 --dtype bf16 --threads 1";
-  test::CommandResult r = strata(base + " --run-dir " + a.string());
-  ASSERT_EQ(r.status, 0) << r.out;
-  r = strata(base + " --activation-checkpointing off --run-dir " + b.string());
-  ASSERT_EQ(r.status, 0) << r.out;
-  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
-    EXPECT_TRUE(slurp(a / "checkpoints/step-2" / file) == slurp(b / "checkpoints/step-2" / file))
-        << file << " differs";
-  const std::vector<json> ma = metrics(a), mb = metrics(b);
-  ASSERT_EQ(ma.size(), 2u);
-  ASSERT_EQ(mb.size(), 2u);
-  for (size_t i = 0; i < ma.size(); ++i) EXPECT_EQ(ma[i]["loss"], mb[i]["loss"]) << i;
+  const fs::path data = make_data(dir.path);
+  expect_checkpointing_off_same_bits(
+      dir.path,
+      "train " + kTiny + "--data " + data.string() +
+          " --grad-accum 2 --devices cuda:0 --dtype bf16 --threads 1",
+      2);
 }
 
 // --eval-data: the held-out loss every --eval-every steps and after the last, from the

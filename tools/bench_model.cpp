@@ -146,13 +146,8 @@ int run_bench_model(const BenchModelArgs& a) {
   std::sort(step.begin(), step.end());
   const double f = fwd[fwd.size() / 2], t = step[step.size() / 2];
 
-  // Model FLOPs per token: 6 per parameter (forward 2, backward 4) and causal attention,
-  // QKᵀ and PV over on average T/2 keys: 6 · 2 · L · H · hd · T / 2 for a training step.
   const double params = static_cast<double>(parameter_count(config));
-  const double attention =
-      6.0 * static_cast<double>(config.num_hidden_layers * config.num_attention_heads *
-                                config.head_dim * a.seq_len);
-  const double flops = static_cast<double>(N) * (6.0 * params + attention);
+  const double flops = static_cast<double>(N) * model_flops_per_token(config, a.seq_len);
   const double tflops = flops / t / 1e12;
   const double tokens_per_s = static_cast<double>(N) / t;
   if (a.json) {

@@ -360,13 +360,8 @@ int run_bench_step(const BenchStepArgs& a) {
   const std::string busiest_name = drive ? "nvme (read + write)" : schedule.lanes[busiest].name();
   const double tokens =
       double(R) * double(a.micro_batch) * double(a.grad_accum) * double(a.seq_len);
-  // Model FLOPs per token: 6 per parameter and causal attention (QKᵀ and PV over T/2 keys on
-  // average, forward and backward), as bench model counts them.
-  const double model_flops =
-      tokens * (6.0 * double(parameter_count(model)) +
-                6.0 * double(model.num_hidden_layers * model.num_attention_heads * model.head_dim *
-                             a.seq_len));
-  const double tflops = step > 0 ? model_flops / step / 1e12 : 0;
+  const double tflops =
+      step > 0 ? tokens * model_flops_per_token(model, a.seq_len) / step / 1e12 : 0;
   std::string critical =
       steady.critical_lane >= 0 ? steady.lanes[size_t(steady.critical_lane)].lane : "-";
   if (steady.critical_lane >= 0 &&

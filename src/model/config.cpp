@@ -422,4 +422,10 @@ uint64_t parameter_count(const LlamaConfig& c) {
   return n;
 }
 
+double model_flops_per_token(const LlamaConfig& c, int64_t seq_len) {
+  return 6.0 * static_cast<double>(parameter_count(c)) +
+         6.0 * static_cast<double>(c.num_hidden_layers * c.num_attention_heads * c.head_dim *
+                                   seq_len);
+}
+
 }  // namespace strata

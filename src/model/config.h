@@ -85,5 +85,10 @@ struct HfTensor {
 std::vector<HfTensor> llama_hf_tensors(const LlamaConfig& config);
 // The number of parameters (the sum over llama_hf_tensors): llama2-7b has 6,738,415,616.
 uint64_t parameter_count(const LlamaConfig& config);
+// Model FLOPs of one training step per token at `seq_len` tokens a sequence: 6 per parameter
+// (forward 2, backward 4) and causal attention, QKᵀ and PV over on average T/2 keys:
+// 6 · 2 · L · H · hd · T / 2. Not the recomputation activation checkpointing adds: what MFU
+// counts.
+double model_flops_per_token(const LlamaConfig& config, int64_t seq_len);
 
 }  // namespace strata
