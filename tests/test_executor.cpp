@@ -72,7 +72,8 @@ LlamaConfig tiny(bool tied) {
 }
 
 Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std::string& dir,
-                         uint64_t threshold = 0, int depth = 1, bool recompute = true) {
+                         uint64_t threshold = 0, int depth = 1, bool recompute = true,
+                         GradHome grads = GradHome::automatic) {
   RunShape shape;
   shape.model = c;
   shape.ranks = N;
@@ -87,6 +88,7 @@ Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std:
   req.param = p;
   req.optimizer = o;
   req.buffer_count = 4;
+  req.grads = grads;
   if (p == Tier::nvme || o == Tier::nvme) req.nvme_paths = {dir};
   req.nvme_stripe = 64 * 1024;  // small: the tiny model's shards span several stripes
   TierBudgets budgets;
@@ -158,11 +160,15 @@ std::string kinds(const Placement& pl, Device& d) {
   return out;
 }
 
+// `grads`: automatic keeps the gradients of an offloaded optimizer on the (roomy) devices.
 RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t threshold = 0,
-                       int depth = 1, bool recompute = true) {
+                       int depth = 1, bool recompute = true, GradHome grads = GradHome::automatic) {
   const test::TempDir dir("strata-exec");
   Rig rig(N);
-  const Placement pl = make_placement(c, N, p, o, dir.path.string(), threshold, depth, recompute);
+  const Placement pl =
+      make_placement(c, N, p, o, dir.path.string(), threshold, depth, recompute, grads);
+  for (const UnitHomes& h : pl.homes)
+    EXPECT_EQ(h.grad, h.optimizer != Tier::gpu && grads == GradHome::cpu ? Tier::cpu : Tier::gpu);
   ScheduleOptions so;
   so.micro_batches = kMicro;
   so.prefetch_depth = depth;
@@ -391,13 +397,18 @@ TEST_P(ExecutorPlacements, EveryPlacementGivesTheAllGpuBits) {
   }
   expect_same(gpu, ref, "all-GPU executor vs reference loop:");
   for (Tier p : {Tier::gpu, Tier::cpu, Tier::nvme})
-    for (Tier o : {Tier::gpu, Tier::cpu, Tier::nvme}) {
-      if (p == Tier::gpu && o == Tier::gpu) continue;
-      SCOPED_TRACE(fmt::format("P {} O {}", tier_name(p), tier_name(o)));
-      const RunResult r = run_executor(c, N, p, o);
-      for (size_t s = 0; s < r.losses.size(); ++s) EXPECT_EQ(r.losses[s], gpu.losses[s]);
-      expect_same(r, gpu, fmt::format("P {} O {}:", tier_name(p), tier_name(o)));
-    }
+    for (Tier o : {Tier::gpu, Tier::cpu, Tier::nvme})
+      for (GradHome g : {GradHome::automatic, GradHome::cpu}) {
+        // Gradients of an offloaded optimizer summed on the device and brought down once per
+        // step (automatic, with room), or every micro-batch's added in host RAM (cpu).
+        if ((p == Tier::gpu && o == Tier::gpu) || (o == Tier::gpu && g == GradHome::cpu)) continue;
+        const std::string what =
+            fmt::format("P {} O {} G {}", tier_name(p), tier_name(o), grad_home_name(g));
+        SCOPED_TRACE(what);
+        const RunResult r = run_executor(c, N, p, o, 0, 1, true, g);
+        for (size_t s = 0; s < r.losses.size(); ++s) EXPECT_EQ(r.losses[s], gpu.losses[s]);
+        expect_same(r, gpu, what + ":");
+      }
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, ExecutorPlacements, ::testing::Values(1, 3));
@@ -423,10 +434,13 @@ TEST(Executor, ReplicatedUnits) {
   for (size_t s = 0; s < ref.losses.size(); ++s) EXPECT_EQ(gpu.losses[s], ref.losses[s]);
   expect_same(gpu, ref, "replicated all-GPU vs reference:");
   for (auto [p, o] : {std::pair{Tier::cpu, Tier::cpu}, std::pair{Tier::nvme, Tier::nvme},
-                      std::pair{Tier::gpu, Tier::cpu}}) {
-    const RunResult r = run_executor(c, 2, p, o, threshold);
-    expect_same(r, gpu, fmt::format("replicated P {} O {}:", tier_name(p), tier_name(o)));
-  }
+                      std::pair{Tier::gpu, Tier::cpu}})
+    for (GradHome g : {GradHome::automatic, GradHome::cpu}) {
+      const RunResult r = run_executor(c, 2, p, o, threshold, 1, true, g);
+      expect_same(
+          r, gpu,
+          fmt::format("replicated P {} O {} G {}:", tier_name(p), tier_name(o), grad_home_name(g)));
+    }
 }
 
 TEST(Executor, TiedEmbeddingsWithReplicatedUnits) {
@@ -588,7 +602,9 @@ TEST(Executor, ResolvesAStepOf170000TasksInLittleMemory) {
   c.num_hidden_layers = 80;
   const test::TempDir dir("strata-exec");
   Rig rig(8);
-  const Placement pl = make_placement(c, 8, Tier::cpu, Tier::cpu, dir.path.string());
+  // Gradients in host RAM: every micro-batch's come down, the most tasks a step has.
+  const Placement pl =
+      make_placement(c, 8, Tier::cpu, Tier::cpu, dir.path.string(), 0, 1, true, GradHome::cpu);
   ScheduleOptions so;
   so.micro_batches = 32;
   const Schedule sc = Schedule::build(pl, so);

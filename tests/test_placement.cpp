@@ -34,10 +34,11 @@ TierBudgets roomy() {
   return b;
 }
 
-OffloadRequest request(Tier param, Tier optimizer) {
+OffloadRequest request(Tier param, Tier optimizer, GradHome grads = GradHome::automatic) {
   OffloadRequest r;
   r.param = param;
   r.optimizer = optimizer;
+  r.grads = grads;
   r.nvme_paths = {"/nvme0", "/nvme1"};
   return r;
 }
@@ -58,30 +59,35 @@ TEST(Placement, TierAndKindNames) {
 
 TEST(Placement, HomesFollowTheRequest) {
   const RunShape s = tiny_shape(2, 40000);  // the embedding (32768) replicated, blocks sharded
-  for (Tier param : {Tier::gpu, Tier::cpu, Tier::nvme})
-    for (Tier opt : {Tier::gpu, Tier::cpu, Tier::nvme}) {
-      SCOPED_TRACE(fmt::format("param {} optimizer {}", tier_name(param), tier_name(opt)));
-      const Placement p = Placement::make(s, request(param, opt), roomy());
-      ASSERT_EQ(p.homes.size(), 4u);
-      for (size_t u = 0; u < p.homes.size(); ++u) {
-        const bool replicated = p.partition.units[u].replicated;
-        EXPECT_EQ(p.homes[u].param, replicated ? Tier::gpu : param) << u;
-        EXPECT_EQ(p.homes[u].optimizer, opt) << u;
-        EXPECT_EQ(p.homes[u].grad, opt == Tier::gpu ? Tier::gpu : Tier::cpu) << u;
+  for (GradHome grads : {GradHome::automatic, GradHome::gpu, GradHome::cpu})
+    for (Tier param : {Tier::gpu, Tier::cpu, Tier::nvme})
+      for (Tier opt : {Tier::gpu, Tier::cpu, Tier::nvme}) {
+        SCOPED_TRACE(fmt::format("param {} optimizer {} gradients {}", tier_name(param),
+                                 tier_name(opt), grad_home_name(grads)));
+        const Placement p = Placement::make(s, request(param, opt, grads), roomy());
+        ASSERT_EQ(p.homes.size(), 4u);
+        for (size_t u = 0; u < p.homes.size(); ++u) {
+          const bool replicated = p.partition.units[u].replicated;
+          EXPECT_EQ(p.homes[u].param, replicated ? Tier::gpu : param) << u;
+          EXPECT_EQ(p.homes[u].optimizer, opt) << u;
+          // With room on the GPU, gradients stay there unless host RAM is asked for.
+          EXPECT_EQ(p.homes[u].grad,
+                    opt != Tier::gpu && grads == GradHome::cpu ? Tier::cpu : Tier::gpu)
+              << u;
+        }
+        EXPECT_TRUE(p.partition.units[0].replicated);
+        EXPECT_FALSE(p.partition.units[1].replicated);
+        const bool off = param != Tier::gpu || opt != Tier::gpu;
+        EXPECT_EQ(p.offloaded(), off);
+        EXPECT_EQ(p.pinned_buffers, off ? 5 : 0);
+        EXPECT_EQ(p.pinned_bytes() > 0, off);
+        const TierBytes t = p.needs();
+        EXPECT_EQ(t.at(Tier::cpu, StateKind::buffers), p.pinned_bytes());
+        EXPECT_EQ(t.at(Tier::nvme, StateKind::optimizer) > 0, opt == Tier::nvme);
+        EXPECT_EQ(t.at(Tier::nvme, StateKind::parameters) > 0, param == Tier::nvme);
+        EXPECT_EQ(t.at(Tier::gpu, StateKind::optimizer) > 0, opt == Tier::gpu);
+        EXPECT_NE(p.str().find("embedding"), std::string::npos);
       }
-      EXPECT_TRUE(p.partition.units[0].replicated);
-      EXPECT_FALSE(p.partition.units[1].replicated);
-      const bool off = param != Tier::gpu || opt != Tier::gpu;
-      EXPECT_EQ(p.offloaded(), off);
-      EXPECT_EQ(p.pinned_buffers, off ? 5 : 0);
-      EXPECT_EQ(p.pinned_bytes() > 0, off);
-      const TierBytes t = p.needs();
-      EXPECT_EQ(t.at(Tier::cpu, StateKind::buffers), p.pinned_bytes());
-      EXPECT_EQ(t.at(Tier::nvme, StateKind::optimizer) > 0, opt == Tier::nvme);
-      EXPECT_EQ(t.at(Tier::nvme, StateKind::parameters) > 0, param == Tier::nvme);
-      EXPECT_EQ(t.at(Tier::gpu, StateKind::optimizer) > 0, opt == Tier::gpu);
-      EXPECT_NE(p.str().find("embedding"), std::string::npos);
-    }
 }
 
 TEST(Placement, ImpossibleRequestsNameTheSetting) {
@@ -274,7 +280,7 @@ TEST(Placement, ActivationsWithoutRecomputeAreWhatIsAllocated) {
 TEST(Placement, HostAndNvmeBytesByHand) {
   RunShape s = tiny_shape(3);  // every unit sharded
   s.param_dtype = DType::bf16;
-  OffloadRequest r = request(Tier::nvme, Tier::cpu);
+  OffloadRequest r = request(Tier::nvme, Tier::cpu, GradHome::cpu);
   r.nvme_stripe = 4096;
   const Placement p = Placement::make(s, r, roomy());
   const TierBytes t = p.needs();
@@ -303,13 +309,50 @@ TEST(Placement, HostAndNvmeBytesByHand) {
   // Optimizer on NVMe: a buffer carries a whole unit's master, m and v.
   const Placement o = Placement::make(s, request(Tier::gpu, Tier::nvme), roomy());
   EXPECT_EQ(o.pinned_buffer_bytes, 3 * page(p.partition.units[1].shard * 12));
+
+  // Gradients kept on the GPU: each device holds its f32 shards, host RAM none, and a buffer
+  // carries every rank's gradient shard down to CPU Adam.
+  r.pin_memory = true;
+  r.grads = GradHome::gpu;
+  const Placement g = Placement::make(s, r, roomy());
+  const TierBytes tg = g.needs();
+  uint64_t device_grads = 0, largest_g = 0;
+  for (const UnitPartition& up : g.partition.units) {
+    device_grads += round256(up.shard * 4);
+    largest_g = std::max({largest_g, 3 * page(up.shard * 2), 3 * page(up.shard * 4)});
+  }
+  for (const UnitHomes& h : g.homes) EXPECT_EQ(h.grad, Tier::gpu);
+  EXPECT_EQ(tg.at(Tier::gpu, StateKind::gradients), device_grads);
+  EXPECT_EQ(tg.at(Tier::cpu, StateKind::gradients), 0u);
+  EXPECT_EQ(tg.at(Tier::cpu, StateKind::optimizer), optimizer);
+  EXPECT_EQ(g.pinned_buffer_bytes, page(largest_g));
+  EXPECT_EQ(g.pinned_need(), g.pinned_bytes() + optimizer);
+  // Automatic: on the GPU while its budget allows, in forward order.
+  r.grads = GradHome::automatic;
+  TierBudgets b = roomy();
+  b.gpu_memory = p.needs().total(Tier::gpu) + round256(g.partition.units[0].shard * 4) +
+                 round256(g.partition.units[1].shard * 4) / 2;
+  const Placement part = Placement::make(s, r, b);
+  EXPECT_EQ(part.homes[0].grad, Tier::gpu);
+  for (size_t u = 1; u < part.homes.size(); ++u) EXPECT_EQ(part.homes[u].grad, Tier::cpu) << u;
+  EXPECT_NO_THROW(part.check(b));
+  // Asked for on the GPU where it does not fit: check() refuses it.
+  r.grads = GradHome::gpu;
+  expect_error([&] { Placement::make(s, r, b).check(b); }, {"gpu (per device)", "gradients"});
+  // Too few pinned buffers for the optimizer to hold the gradients beside the updated
+  // parameters: automatic keeps them in host RAM, gpu says which setting to change.
+  r.buffer_count = 1;
+  expect_error([&] { (void)Placement::make(s, r, roomy()); },
+               {"buffer_count is 1", "--offload-gradients cpu"});
+  r.grads = GradHome::automatic;
+  for (const UnitHomes& h : Placement::make(s, r, roomy()).homes) EXPECT_EQ(h.grad, Tier::cpu);
 }
 
 // Replicated units keep parameters and gradients on every GPU whatever the homes say, as
 // ZeroModel requires; their host copies are counted once.
 TEST(Placement, ReplicatedUnitsStayOnTheGpu) {
   const RunShape s = tiny_shape(2, 40000);  // the embedding replicated
-  const Placement p = Placement::make(s, request(Tier::cpu, Tier::cpu), roomy());
+  const Placement p = Placement::make(s, request(Tier::cpu, Tier::cpu, GradHome::cpu), roomy());
   ASSERT_TRUE(p.partition.units[0].replicated);
   const TierBytes t = p.needs();
   const auto page = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
@@ -327,6 +370,19 @@ TEST(Placement, ReplicatedUnitsStayOnTheGpu) {
   EXPECT_EQ(t.at(Tier::gpu, StateKind::parameters), gpu_params);
   EXPECT_EQ(t.at(Tier::gpu, StateKind::gradients), gpu_grads);
   EXPECT_EQ(t.at(Tier::cpu, StateKind::gradients), host_grads);
+  // Gradients kept on the GPU even with no room for them: a replicated unit's are there anyway.
+  TierBudgets b = roomy();
+  b.gpu_memory = 0;
+  const Placement g = Placement::make(s, request(Tier::cpu, Tier::cpu), b);
+  uint64_t sharded_host_grads = 0;
+  for (size_t u = 0; u < g.homes.size(); ++u) {
+    const UnitPartition& up = g.partition.units[u];
+    EXPECT_EQ(g.homes[u].grad, up.replicated ? Tier::gpu : Tier::cpu) << u;
+    if (!up.replicated) sharded_host_grads += 2 * page(up.shard * 4);
+  }
+  EXPECT_LT(sharded_host_grads, host_grads);
+  EXPECT_EQ(g.needs().at(Tier::gpu, StateKind::gradients), gpu_grads);
+  EXPECT_EQ(g.needs().at(Tier::cpu, StateKind::gradients), sharded_host_grads);
 }
 
 TEST(Placement, CheckRefusesWithATable) {
@@ -365,7 +421,8 @@ TEST(Placement, AutomaticSpillsInOrderAsBudgetsShrink) {
   OffloadRequest r = request(Tier::gpu, Tier::gpu);
   r.automatic = true;
   const Placement all_gpu = Placement::make(s, request(Tier::gpu, Tier::gpu), roomy());
-  const Placement fixed_only = Placement::make(s, request(Tier::cpu, Tier::nvme), roomy());
+  const Placement fixed_only =
+      Placement::make(s, request(Tier::cpu, Tier::nvme, GradHome::cpu), roomy());
   const uint64_t full = all_gpu.needs().total(Tier::gpu);
 
   // Everything fits: nothing leaves the GPU.
@@ -410,7 +467,7 @@ TEST(Placement, AutomaticSpillsInOrderAsBudgetsShrink) {
   // optimizer state and parameters go to NVMe, and that fits.
   TierBudgets b = roomy();
   b.gpu_memory = floor;
-  const Placement host = Placement::make(s, request(Tier::cpu, Tier::nvme), roomy());
+  const Placement host = Placement::make(s, request(Tier::cpu, Tier::nvme, GradHome::cpu), roomy());
   b.cpu_memory = host.needs().at(Tier::cpu, StateKind::gradients) + host.pinned_bytes() + 1024;
   const Placement p = Placement::make(s, r, b);
   EXPECT_NO_THROW(p.check(b)) << p.str();
@@ -448,7 +505,7 @@ TEST(Placement, Llama2_70bFiguresAreSane) {
   s.seq_len = 4096;
   const uint64_t n = parameter_count(s.model);
   ASSERT_GT(n, 68'000'000'000ull);
-  const Placement cpu = Placement::make(s, request(Tier::cpu, Tier::cpu), roomy());
+  const Placement cpu = Placement::make(s, request(Tier::cpu, Tier::cpu, GradHome::cpu), roomy());
   const TierBytes t = cpu.needs();
   // P in bf16 (2 B) and O as master+m+v (12 B) per element, padding within 0.1%.
   EXPECT_GE(t.at(Tier::cpu, StateKind::parameters), 2 * n);
@@ -472,6 +529,18 @@ TEST(Placement, Llama2_70bFiguresAreSane) {
   TierBudgets b = roomy();
   b.gpu_memory = 24ull << 30;
   expect_error([&] { none.check(b); }, {"gpu (per device)", "--offload-optimizer cpu"});
+
+  // Gradients kept on 24 GiB GPUs where they fit: some units' are, the rest in host RAM,
+  // and the placement fits.
+  b.cpu_memory = 2ull << 40;
+  const Placement some = Placement::make(s, request(Tier::cpu, Tier::cpu), b);
+  EXPECT_NO_THROW(some.check(b));
+  const TierBytes st = some.needs();
+  EXPECT_GT(st.at(Tier::gpu, StateKind::gradients), 4ull << 30);  // of 17.5 GiB per device
+  EXPECT_GT(st.at(Tier::cpu, StateKind::gradients), 0u);
+  EXPECT_LT(st.at(Tier::cpu, StateKind::gradients), 4 * n - (4ull << 30) * 4);
+  EXPECT_EQ(some.homes.front().grad, Tier::gpu);
+  EXPECT_EQ(some.homes[40].grad, Tier::cpu);
 }
 
 }  // namespace

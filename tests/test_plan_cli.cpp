@@ -56,11 +56,15 @@ TEST(PlanCli, Llama2_70bOnHardwareThisMachineLacksAnswersWithinASecond) {
   EXPECT_EQ(j["gpus"], 4);
   EXPECT_EQ(j["assumed"], true);
   EXPECT_EQ(j["budgets"]["nvme_free"].get<uint64_t>(), 7'000'000'000'000ull);
-  // 69B parameters: bf16 P and 12-byte O on NVMe, bf16 gradients in host RAM.
+  // 69B parameters: bf16 P and 12-byte O on NVMe; bf16 gradients on the GPUs for the units
+  // whose fit beside the rest, in host RAM for the others.
   const uint64_t n = 68'976'648'192ull;
   EXPECT_GE(j["memory"]["nvme"]["parameters"].get<uint64_t>(), 2 * n);
   EXPECT_GE(j["memory"]["nvme"]["optimizer"].get<uint64_t>(), 12 * n);
-  EXPECT_GE(j["memory"]["cpu"]["gradients"].get<uint64_t>(), 2 * n);
+  const uint64_t g_gpu = j["memory"]["gpu"]["gradients"].get<uint64_t>();
+  EXPECT_GT(g_gpu, 0u);
+  EXPECT_GE(j["memory"]["cpu"]["gradients"].get<uint64_t>() + 4 * g_gpu, 2 * n);
+  EXPECT_LT(4 * g_gpu, n);
   EXPECT_LE(j["memory"]["gpu"]["total"].get<uint64_t>(), 24ull << 30);
   EXPECT_GT(j["step_s"].get<double>(), 0.0);
   EXPECT_NEAR(j["tokens_per_s"].get<double>(), 4 * 4096 / j["step_s"].get<double>(), 1e-6);
@@ -120,6 +124,37 @@ TEST(PlanCli, ReadsADeepSpeedConfigAndFlagsOverrideIt) {
   fs::remove_all(dir);
 }
 
+// A 7B model on one 80 GB GPU with the optimizer in host RAM and 8 micro-batches a step: by
+// default the gradients sum on the GPU and cross PCIe once a step, where DeepSpeed's offload
+// (--offload-gradients cpu) brings every micro-batch's to host RAM, 8 times the d2h traffic and
+// 25 GB of f32 accumulators in RAM.
+TEST(PlanCli, AnOffloadedOptimizersGradientsSumOnTheGpu) {
+  const std::string args =
+      "plan --model llama2-7b --gpus 1 --gpu-memory 80GB --cpu-memory 112GiB --seq-len 2048 "
+      "--micro-batch 2 --grad-accum 8 --offload-optimizer cpu --activation-checkpointing off "
+      "--json";
+  const json gpu = parse_json(strata(args, "2>/dev/null"));
+  const json cpu = parse_json(strata(args + " --offload-gradients cpu", "2>/dev/null"));
+  for (const json& h : gpu["homes"]) EXPECT_EQ(h["grad"], "gpu") << h;
+  for (const json& h : cpu["homes"]) EXPECT_EQ(h["grad"], "cpu") << h;
+  const uint64_t n = 6'738'415'616ull;
+  EXPECT_EQ(gpu["memory"]["cpu"]["gradients"].get<uint64_t>(), 0u);
+  EXPECT_GE(gpu["memory"]["gpu"]["gradients"].get<uint64_t>(), 4 * n);
+  EXPECT_GE(cpu["memory"]["cpu"]["gradients"].get<uint64_t>(), 4 * n);
+  EXPECT_LE(gpu["memory"]["gpu"]["total"].get<uint64_t>(), 80'000'000'000ull);
+  auto busy = [](const json& j, const std::string& lane) {
+    for (const json& l : j["lanes"])
+      if (l["lane"] == lane) return l["busy_s"].get<double>();
+    ADD_FAILURE() << lane << " missing from " << j["lanes"];
+    return 0.0;
+  };
+  // One step's d2h: 8 x 27 GB with the accumulators in RAM, 27 GB with them on the GPU.
+  EXPECT_LT(busy(gpu, "gpu[0].d2h") * 6, busy(cpu, "gpu[0].d2h"));
+  EXPECT_EQ(cpu["critical_lane"], "gpu[0].d2h");
+  EXPECT_EQ(gpu["critical_lane"], "gpu[0].compute");
+  EXPECT_LT(gpu["step_s"].get<double>() * 1.5, cpu["step_s"].get<double>());
+}
+
 TEST(PlanCli, BadFlagsAreNamed) {
   Result r = strata("plan --model tiny --gpu-memory 1GiB --offload-param disk");
   EXPECT_EQ(r.status, 1);
@@ -130,6 +165,10 @@ TEST(PlanCli, BadFlagsAreNamed) {
   r = strata("plan --model tiny --gpu-memory 1GiB --offload-optimizer nvme");
   EXPECT_EQ(r.status, 1);
   EXPECT_NE(r.out.find("nvme_path"), std::string::npos) << r.out;
+  r = strata("plan --model tiny --gpu-memory 1GiB --offload-optimizer cpu --offload-gradients ssd");
+  EXPECT_EQ(r.status, 1);
+  for (const char* part : {"--offload-gradients ssd", "auto", "none", "cpu"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from " << r.out;
 }
 
 TEST(EstimateCli, JsonRowsInOrderWithEveryTier) {

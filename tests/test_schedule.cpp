@@ -30,9 +30,9 @@ LlamaConfig tiny(bool tied) {
 }
 
 // A placement written by hand: P home `p` for sharded units (replicated ones stay on the GPU),
-// O home `o`, G following O.
+// O home `o`, G on the GPU with O there or `g_gpu`, else in host RAM.
 Placement make_placement(const LlamaConfig& c, int ranks, Tier p, Tier o, uint64_t threshold,
-                         int working = 2, int pinned = 4) {
+                         int working = 2, int pinned = 4, bool g_gpu = false) {
   Placement pl;
   pl.shape.model = c;
   pl.shape.ranks = ranks;
@@ -44,8 +44,8 @@ Placement make_placement(const LlamaConfig& c, int ranks, Tier p, Tier o, uint64
   pl.shape.working_buffers = working;
   pl.partition = Partition::build(ModelLayout::build(c), ranks, ModelLayout::kAlign, threshold);
   for (const UnitPartition& up : pl.partition.units)
-    pl.homes.push_back(
-        UnitHomes{up.replicated ? Tier::gpu : p, o == Tier::gpu ? Tier::gpu : Tier::cpu, o});
+    pl.homes.push_back(UnitHomes{up.replicated ? Tier::gpu : p,
+                                 o == Tier::gpu || g_gpu ? Tier::gpu : Tier::cpu, o});
   pl.pinned_buffers = pinned;
   pl.pinned_buffer_bytes = pl.partition.max_unit_numel() * 12;
   return pl;
@@ -108,9 +108,14 @@ Expected expected_counts(const Placement& pl, int M) {
     k[TaskKind::reduce_scatter] += R * M;
     e.groups += M;
     if (o_host) {
-      k[TaskKind::grad_d2h] += M * (up.replicated ? 1 : R);
-      k[TaskKind::grad_accumulate] += M - 1;
-      k[TaskKind::grad_stats] += 1;
+      if (h.grad == Tier::gpu) {  // summed on the GPU, brought down once for CPU Adam
+        k[TaskKind::grad_offload] += up.replicated ? 1 : R;
+        k[TaskKind::grad_stats] += R;
+      } else {
+        k[TaskKind::grad_d2h] += M * (up.replicated ? 1 : R);
+        k[TaskKind::grad_accumulate] += M - 1;
+        k[TaskKind::grad_stats] += 1;
+      }
       k[TaskKind::adam] += 1;
       if (h.param == Tier::gpu) k[TaskKind::param_upload] += R;
       if (h.param == Tier::nvme) k[TaskKind::param_write] += 1;
@@ -182,10 +187,14 @@ std::string buffer_reuse_violation(const Schedule& s) {
       case TaskKind::optim_read:
       case TaskKind::optim_write:
         return 2;
+      case TaskKind::grad_offload:
+        return 4;
       default:
         return 3;
     }
   };
+  // grad_offload -> its holding: CPU Adam reads the gradients it brought, from that buffer.
+  std::map<int, std::pair<int, size_t>> offload_holding;
   std::map<int, std::tuple<int, int, int>> pinned_key;  // buffer -> (family, unit, m) held now
   for (const Task& t : s.tasks) {
     if (t.buffer >= 0) {
@@ -195,7 +204,14 @@ std::string buffer_reuse_violation(const Schedule& s) {
       if (it == pinned_key.end() || it->second != key) list.emplace_back();
       pinned_key[t.buffer] = key;
       list.back().push_back(t.id);
+      if (t.kind == TaskKind::grad_offload) offload_holding[t.id] = {t.buffer, list.size() - 1};
     }
+    if (t.kind == TaskKind::adam)
+      for (int d : t.deps)
+        if (auto h = offload_holding.find(d); h != offload_holding.end()) {
+          auto& held = holdings[{h->second.first, -1}][h->second.second];
+          if (held.back() != t.id) held.push_back(t.id);
+        }
     if (t.slot >= 0) {
       auto& list = holdings[{100 + t.slot, t.rank}];
       const bool joins =
@@ -284,7 +300,8 @@ int count_groups(const Schedule& s) {
 // Calls fn(placement, M, d) for each case the sweeps below cover, under a trace naming it: tied
 // embeddings or not, every unit sharded, the small ones replicated or every one replicated
 // (nothing on the comm lanes but all-reduces), P and O each in every tier, 1 or 3 ranks, 1 or
-// 2 micro-batches, prefetch depth 0..2 (3 working buffers).
+// 2 micro-batches, prefetch depth 0..2 (3 working buffers); with O off the GPU, G in host RAM
+// or on the GPU.
 template <typename Fn>
 int for_every_placement(Fn&& fn) {
   const std::array<Tier, 3> tiers = {Tier::gpu, Tier::cpu, Tier::nvme};
@@ -293,14 +310,16 @@ int for_every_placement(Fn&& fn) {
     for (uint64_t threshold : {uint64_t{0}, uint64_t{40000}, uint64_t{1} << 40})
       for (Tier p : tiers)
         for (Tier o : tiers)
-          for (int R : {1, 3})
-            for (int M : {1, 2})
-              for (int d = 0; d <= 2; ++d) {
-                SCOPED_TRACE(fmt::format("tied={} threshold={} P={} O={} R={} M={} d={}", tied,
-                                         threshold, int(p), int(o), R, M, d));
-                fn(make_placement(tiny(tied), R, p, o, threshold, 3), M, d);
-                ++cases;
-              }
+          for (bool g_gpu : {false, true})
+            for (int R : {1, 3})
+              for (int M : {1, 2})
+                for (int d = 0; d <= 2; ++d) {
+                  if (o == Tier::gpu && g_gpu) continue;  // the same placement
+                  SCOPED_TRACE(fmt::format("tied={} threshold={} P={} O={} G gpu={} R={} M={} d={}",
+                                           tied, threshold, int(p), int(o), g_gpu, R, M, d));
+                  fn(make_placement(tiny(tied), R, p, o, threshold, 3, 4, g_gpu), M, d);
+                  ++cases;
+                }
   return cases;
 }
 
@@ -379,7 +398,7 @@ TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
         EXPECT_LE(m.overlap, 1.0 + 1e-9) << mixed;
       }
   });
-  EXPECT_EQ(built, 2 * 3 * 9 * 2 * 2 * 3);
+  EXPECT_EQ(built, 2 * 3 * 3 * 5 * 2 * 2 * 3);  // O gpu with G gpu, O cpu or nvme with G either
 }
 
 // Evaluation's schedule: each micro-batch's forwards and what fetches and gathers them; every
@@ -578,7 +597,11 @@ TEST(Schedule, RejectsPlacementsItCannotSchedule) {
   pl = make_placement(tiny(false), 1, Tier::gpu, Tier::gpu, 0);
   expect_error([&] { Schedule::build(pl, {0, 1}); }, {"micro_batches = 0"});
   pl.homes[1].grad = Tier::cpu;
-  expect_error([&] { Schedule::build(pl, {1, 1}); }, {"unit layers.0", "gradients on cpu"});
+  expect_error(
+      [&] {
+        Schedule::build(pl, {1, 1});
+      },
+      {"unit layers.0", "gradients in host RAM", "optimizer on the GPU"});
   pl = make_placement(tiny(false), 1, Tier::gpu, Tier::gpu, 40000);
   pl.homes[0].param = Tier::nvme;
   expect_error([&] { Schedule::build(pl, {1, 1}); }, {"unit embedding is replicated", "nvme"});

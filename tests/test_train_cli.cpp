@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <array>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -100,15 +101,21 @@ TEST(TrainCli, ResumeIsBitIdenticalWithEveryPlacement) {
 
 // Trains `steps` with `args` in `dir`, with activation checkpointing on and off: the final
 // checkpoint's files and every step's loss must be the same bits.
-void expect_checkpointing_off_same_bits(const fs::path& dir, const std::string& args, int steps) {
-  const fs::path a = dir / "on", b = dir / "off";
+// Two runs of `args` for `steps` steps, the second with `flags` added: the same checkpoint files
+// and losses bit for bit. `outs`, when given, gets the two runs' output.
+void expect_flags_keep_the_bits(const fs::path& dir, const std::string& args,
+                                const std::string& flags, int steps,
+                                std::array<std::string, 2>* outs = nullptr) {
+  const fs::path a = dir / "without", b = dir / "with";
   fs::remove_all(a);
   fs::remove_all(b);
   const std::string base = args + " --steps " + std::to_string(steps);
   test::CommandResult r = strata(base + " --run-dir " + a.string());
   ASSERT_EQ(r.status, 0) << r.out;
-  r = strata(base + " --activation-checkpointing off --run-dir " + b.string());
+  if (outs) (*outs)[0] = r.out;
+  r = strata(base + " " + flags + " --run-dir " + b.string());
   ASSERT_EQ(r.status, 0) << r.out;
+  if (outs) (*outs)[1] = r.out;
   const std::string last = "checkpoints/step-" + std::to_string(steps);
   for (const char* file : {"model.safetensors", "optimizer.safetensors"})
     EXPECT_TRUE(slurp(a / last / file) == slurp(b / last / file)) << file << " differs";
@@ -128,10 +135,10 @@ TEST(TrainCli, ActivationCheckpointingOffGivesTheSameBits) {
        {std::string(""), std::string("--devices host:2 --persistence-threshold 0 "
                                      "--offload-param cpu --offload-optimizer nvme")}) {
     SCOPED_TRACE(placement);
-    expect_checkpointing_off_same_bits(dir.path,
-                                       "train " + kTiny + "--data " + data.string() +
-                                           " --lr 2e-3 --grad-accum 2 --threads 1 " + placement,
-                                       3);
+    expect_flags_keep_the_bits(dir.path,
+                               "train " + kTiny + "--data " + data.string() +
+                                   " --lr 2e-3 --grad-accum 2 --threads 1 " + placement,
+                               "--activation-checkpointing off", 3);
   }
   const test::CommandResult bad = strata(
       "train " + kTiny + "--data " + data.string() +
@@ -295,11 +302,50 @@ TEST(TrainCli, ActivationCheckpointingOffOnAGpuGivesTheSameBits) {
     GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
   const test::TempDir dir("strata-recompute-gpu");
   const fs::path data = make_data(dir.path);
-  expect_checkpointing_off_same_bits(
-      dir.path,
-      "train " + kTiny + "--data " + data.string() +
-          " --grad-accum 2 --devices cuda:0 --dtype bf16 --threads 1",
-      2);
+  expect_flags_keep_the_bits(dir.path,
+                             "train " + kTiny + "--data " + data.string() +
+                                 " --grad-accum 2 --devices cuda:0 --dtype bf16 --threads 1",
+                             "--activation-checkpointing off", 2);
+}
+
+// With the optimizer offloaded, the gradients summed on the devices and brought to CPU Adam
+// once a step (the default where they fit) give the bits of every micro-batch's gradients
+// added in host RAM (--offload-gradients cpu): on one device, on two with O on NVMe, and on a
+// GPU in bf16 when there is one.
+TEST(TrainCli, GradientsOnTheDeviceOrInHostRamGiveTheSameBits) {
+  const test::TempDir dir("strata-grads");
+  const fs::path data = make_data(dir.path);
+  std::vector<std::string> placements = {
+      "--offload-optimizer cpu",
+      "--devices host:2 --persistence-threshold 0 --offload-param cpu --offload-optimizer nvme"};
+  if (!cuda_runtime().gpus.empty())
+    placements.push_back("--devices cuda:0 --dtype bf16 --offload-optimizer cpu");
+  for (const std::string& placement : placements) {
+    SCOPED_TRACE(placement);
+    std::array<std::string, 2> out;
+    expect_flags_keep_the_bits(dir.path,
+                               "train " + kTiny + "--data " + data.string() +
+                                   " --lr 2e-3 --grad-accum 3 --threads 1 " + placement,
+                               "--offload-gradients cpu", 2, &out);
+    EXPECT_NE(out[0].find("gradients: 4 of 4 offloaded-optimizer unit(s) sum on the device(s)"),
+              std::string::npos)
+        << out[0];
+    EXPECT_NE(out[1].find("gradients: 0 of 4"), std::string::npos) << out[1];
+    // The checkpoints' settings say what was asked.
+    auto settings = [&](const char* run) {
+      return json::parse(
+          slurp(dir.path / run / "checkpoints/step-2/trainer_state.json"))["settings"];
+    };
+    EXPECT_EQ(settings("with")["offload_gradients"], "cpu");
+    EXPECT_EQ(settings("without")["offload_gradients"], "auto");
+  }
+  const test::CommandResult bad =
+      strata("train " + kTiny + "--data " + data.string() +
+             " --steps 1 --offload-optimizer cpu --offload-gradients disk --run-dir " +
+             (dir.path / "bad").string());
+  EXPECT_NE(bad.status, 0);
+  for (const char* part : {"--offload-gradients disk", "auto", "none", "cpu"})
+    EXPECT_NE(bad.out.find(part), std::string::npos) << part << " missing from " << bad.out;
 }
 
 // --eval-data: the held-out loss every --eval-every steps and after the last, from the

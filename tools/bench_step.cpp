@@ -49,7 +49,7 @@ struct BenchStepArgs {
   std::string model = "tiny";
   int64_t hidden = 0, intermediate = 0, layers = 0, vocab = 0;
   std::string devices = "host:1", device_memory;
-  std::string offload_param = "nvme", offload_optimizer = "nvme";
+  std::string offload_param = "nvme", offload_optimizer = "nvme", offload_gradients;
   std::vector<std::string> nvme_paths;
   int64_t micro_batch = 1, grad_accum = 1, seq_len = 64;
   int prefetch_depth = 1;
@@ -221,7 +221,7 @@ int run_bench_step(const BenchStepArgs& a) {
   } cleanup{made};
 
   OffloadRequest request;
-  apply_offload_flags(request, a.offload_param, a.offload_optimizer);
+  apply_offload_flags(request, a.offload_param, a.offload_optimizer, a.offload_gradients);
   request.buffer_count = a.buffer_count;
   request.nvme_paths = paths;
   const TierBudgets budgets = local_budgets(ptrs.front()->memory().capacity, paths);
@@ -290,7 +290,14 @@ int run_bench_step(const BenchStepArgs& a) {
           "bench step: {} does not fit on the devices all at once, nor does a two-layer copy of "
           "it, so nothing verifies the steps; give more --device-memory or a smaller model",
           model.name);
-    const Placement small_run = Placement::make(small, request, budgets);
+    // The copy's gradients where the full model's are (its own budget could keep more of
+    // them on the devices).
+    OffloadRequest small_request = request;
+    int g_gpu = 0, g_cpu = 0;
+    for (const UnitHomes& h : placement.homes)
+      if (h.optimizer != Tier::gpu) ++(h.grad == Tier::gpu ? g_gpu : g_cpu);
+    if (g_gpu == 0 || g_cpu == 0) small_request.grads = g_cpu > 0 ? GradHome::cpu : GradHome::gpu;
+    const Placement small_run = Placement::make(small, small_request, budgets);
     small_run.check(budgets);
     const Measured w = run_steps(small_ref, Schedule::build(small_ref, so), *comm, eo, a, "");
     const Measured g = run_steps(small_run, Schedule::build(small_run, so), *comm, eo, a, "");
@@ -387,6 +394,8 @@ int run_bench_step(const BenchStepArgs& a) {
         {"devices", R},
         {"offload_param", a.offload_param},
         {"offload_optimizer", a.offload_optimizer},
+        {"gradients_on_gpu", std::count_if(placement.homes.begin(), placement.homes.end(),
+                                           [](const UnitHomes& h) { return h.grad == Tier::gpu; })},
         {"verified", true},
         {"verified_on_two_layers", cut},
         {"activation_checkpointing", a.recompute},
@@ -411,10 +420,13 @@ int run_bench_step(const BenchStepArgs& a) {
     return 0;
   }
   fmt::print(
-      "bench step: {} ({:.3g}M parameters) on {} {} device(s), P {} O {}, micro-batch {} x {} "
-      "tokens x {} accumulation\n",
+      "bench step: {} ({:.3g}M parameters) on {} {} device(s), P {} O {}, G on the GPU for {} "
+      "of {} units, micro-batch {} x {} tokens x {} accumulation\n",
       model.name, double(parameter_count(model)) / 1e6, R, dtype_name(shape.param_dtype),
-      a.offload_param, a.offload_optimizer, a.micro_batch, a.seq_len, a.grad_accum);
+      a.offload_param, a.offload_optimizer,
+      std::count_if(placement.homes.begin(), placement.homes.end(),
+                    [](const UnitHomes& h) { return h.grad == Tier::gpu; }),
+      placement.homes.size(), a.micro_batch, a.seq_len, a.grad_accum);
   fmt::print("  verified: {}{}\n", verified,
              rounds.size() > 1 ? fmt::format(", in each of {} rounds", rounds.size()) : "");
   fmt::print("  profile: {}\n", profile.name);
@@ -467,6 +479,7 @@ Command add_bench_step(CLI::App& bench) {
   cmd->add_option("--offload-param", a->offload_param, "none, cpu or nvme")->capture_default_str();
   cmd->add_option("--offload-optimizer", a->offload_optimizer, "none, cpu or nvme")
       ->capture_default_str();
+  add_gradients_option(cmd, a->offload_gradients);
   cmd->add_option("--nvme-path", a->nvme_paths,
                   "swap directories (default: a temporary one here, removed at the end)")
       ->delimiter(',');

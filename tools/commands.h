@@ -43,6 +43,16 @@ inline CLI::Option* add_checkpointing_option(CLI::App* cmd, bool& recompute) {
       ->check(CLI::IsMember({"on", "off", "true", "false"}));
 }
 
+// --offload-gradients into `value` (apply_offload_flags reads it): where the gradients of an
+// offloaded optimizer accumulate.
+inline CLI::Option* add_gradients_option(CLI::App* cmd, std::string& value) {
+  return cmd->add_option(
+      "--offload-gradients", value,
+      "with the optimizer offloaded: auto (default; summed on the GPU where it has room, brought "
+      "to the host once a step), none (on the GPU) or cpu (every micro-batch's to host RAM, as "
+      "DeepSpeed does)");
+}
+
 }  // namespace strata::cli
 
 namespace strata {

@@ -76,7 +76,14 @@ std::optional<DsConfig> load_cli_config(const std::string& path) {
 }
 
 void apply_offload_flags(OffloadRequest& request, const std::string& param,
-                         const std::string& optimizer) {
+                         const std::string& optimizer, const std::string& gradients) {
+  if (!gradients.empty()) {
+    try {
+      request.grads = parse_grad_home(gradients);
+    } catch (const Error& e) {
+      fail("--offload-gradients {}: {}", gradients, e.what());
+    }
+  }
   for (const auto& [flag, value, tier] :
        {std::tuple{"--offload-param", &param, &request.param},
         std::tuple{"--offload-optimizer", &optimizer, &request.optimizer}}) {

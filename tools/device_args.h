@@ -43,9 +43,10 @@ std::optional<DsConfig> load_cli_config(const std::string& path);
 
 // --offload-param / --offload-optimizer over what the config asked for: none, cpu, nvme, or
 // auto (placement within the budgets); an empty flag leaves the config's choice. An unknown
-// tier is an Error naming the flag and the value.
+// tier is an Error naming the flag and the value. --offload-gradients (`gradients`): auto, none
+// (or gpu), cpu (OffloadRequest::grads); empty leaves the request's.
 void apply_offload_flags(OffloadRequest& request, const std::string& param,
-                         const std::string& optimizer);
+                         const std::string& optimizer, const std::string& gradients = "");
 
 // The value of a count flag that was not given (so that `--micro-batch 0` is not mistaken for
 // leaving it out).

@@ -37,7 +37,7 @@ using nlohmann::json;
 struct PlanArgs {
   std::string model;
   std::string config;
-  std::string offload_param, offload_optimizer;
+  std::string offload_param, offload_optimizer, offload_gradients;
   std::vector<std::string> nvme_paths;
   int64_t micro_batch = kUnsetFlag, grad_accum = kUnsetFlag, seq_len = kUnsetFlag;
   int prefetch_depth = -1;
@@ -144,7 +144,7 @@ int run_plan(const PlanArgs& a) {
   shape.recompute = a.recompute;
 
   OffloadRequest request = cfg.offload;
-  apply_offload_flags(request, a.offload_param, a.offload_optimizer);
+  apply_offload_flags(request, a.offload_param, a.offload_optimizer, a.offload_gradients);
   if (!a.nvme_paths.empty()) request.nvme_paths = a.nvme_paths;
 
   // ---- budgets ----
@@ -279,6 +279,7 @@ Command add_plan(CLI::App& app) {
                   "where parameter shards live: none, cpu, nvme or auto (overrides --config)");
   cmd->add_option("--offload-optimizer", a->offload_optimizer,
                   "where optimizer state lives: none, cpu, nvme or auto (overrides --config)");
+  add_gradients_option(cmd, a->offload_gradients);
   cmd->add_option("--nvme-path", a->nvme_paths, "NVMe directories, one per drive")->delimiter(',');
   cmd->add_option("--micro-batch", a->micro_batch, "sequences per GPU per micro-batch");
   cmd->add_option("--grad-accum", a->grad_accum, "micro-batches per optimizer step");

@@ -31,7 +31,7 @@ struct TrainArgs {
   double lr = NAN, weight_decay = NAN, clip = NAN, eps = NAN;  // NaN: not given
   std::string optimizer, lr_schedule;
   int64_t warmup_steps = kUnsetFlag;
-  std::string offload_param, offload_optimizer, cpu_memory, pinned_memory;
+  std::string offload_param, offload_optimizer, offload_gradients, cpu_memory, pinned_memory;
   int64_t prefetch_depth = kUnsetFlag;
   bool recompute = true;  // --activation-checkpointing
   int64_t persistence_threshold = -1;
@@ -139,7 +139,7 @@ int run_train(const TrainArgs& a) {
       a.steps_per_print > 0 ? a.steps_per_print : (ds ? ds->steps_per_print.value_or(10) : 10);
 
   s.offload = plan.offload;
-  apply_offload_flags(s.offload, a.offload_param, a.offload_optimizer);
+  apply_offload_flags(s.offload, a.offload_param, a.offload_optimizer, a.offload_gradients);
   if (!a.nvme_paths.empty()) s.offload.nvme_paths = a.nvme_paths;
   const bool nvme =
       s.offload.param == Tier::nvme || s.offload.optimizer == Tier::nvme || s.offload.automatic;
@@ -182,6 +182,7 @@ int run_train(const TrainArgs& a) {
             {"gradient_clipping", s.max_grad_norm},
             {"offload_param", tier_name(s.offload.param)},
             {"offload_optimizer", tier_name(s.offload.optimizer)},
+            {"offload_gradients", grad_home_name(s.offload.grads)},
             {"nvme_path", s.offload.nvme_paths},
             {"devices", world},
             {"config", a.config}};
@@ -237,6 +238,7 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--clip", a->clip, "gradient clipping by global norm (0: none)");
   cmd->add_option("--offload-param", a->offload_param, "none, cpu, nvme or auto");
   cmd->add_option("--offload-optimizer", a->offload_optimizer, "none, cpu, nvme or auto");
+  add_gradients_option(cmd, a->offload_gradients);
   cmd->add_option("--nvme-path", a->nvme_paths, "NVMe directories (default RUN/swap)")
       ->delimiter(',');
   cmd->add_option("--prefetch-depth", a->prefetch_depth, "units fetched ahead (default 1)");

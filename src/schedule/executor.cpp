@@ -498,6 +498,7 @@ void Executor::State::resolve(bool allocate_staging) {
   front.assign(T, 0);
   for (const Task& t : sc->tasks) {
     switch (t.kind) {
+      case TaskKind::grad_offload:
       case TaskKind::optim_read:
       case TaskKind::adam:
       case TaskKind::optim_write:
@@ -528,7 +529,7 @@ void Executor::State::resolve(bool allocate_staging) {
   // deep prefetch the gather for a unit's next run is emitted before this run's computes.
   auto key = [&](TaskKind k, int u) { return static_cast<size_t>(k) * U + static_cast<size_t>(u); };
   std::vector<std::vector<std::vector<int>>> seen(
-      (static_cast<size_t>(TaskKind::param_d2h) + 1) * static_cast<size_t>(U),
+      static_cast<size_t>(kTaskKinds) * static_cast<size_t>(U),
       std::vector<std::vector<int>>(static_cast<size_t>(N) + 1));
   // The latest task of kind k for unit u (rank r, or all ranks) that `consumer` depends on;
   // else the latest one at all (need() then names it), else -1.
@@ -546,6 +547,8 @@ void Executor::State::resolve(bool allocate_staging) {
   // buffers of rank r, 1 + N + r device gradient staging of rank r.
   std::vector<int> pool_of(T, -1);
   std::vector<std::vector<int>> consumers(T);
+  // grad_offload of ranks > 0: rank 0's, whose pinned buffer they write their parts of.
+  std::vector<int> offload_leader(T, -1);
   auto read = [&](int producer, int consumer) {
     consumers[static_cast<size_t>(producer)].push_back(consumer);
   };
@@ -623,11 +626,30 @@ void Executor::State::resolve(bool allocate_staging) {
           }
         }
         break;
+      case TaskKind::grad_offload:
+        if (t.rank == 0) {
+          pool_of[id] = 0;
+        } else {
+          const std::vector<int>& rank0 = seen[key(t.kind, u)][1];
+          if (rank0.empty())
+            fail("schedule: {} has no grad_offload of rank 0 before it to share a buffer with",
+                 task_label(*sc, t));
+          offload_leader[id] = rank0.back();
+        }
+        break;
       case TaskKind::adam: {
         if (h.optimizer == Tier::nvme) {
           const int p = latest_for(TaskKind::optim_read, u, -1, t);
           need(p, t, "optim_read");
           src[id] = {p};
+          read(p, t.id);
+        }
+        if (h.optimizer != Tier::gpu && h.grad == Tier::gpu) {
+          // The gradients come down into rank 0's grad_offload buffer (src's last entry).
+          for (int r : task_ranks(t, u))
+            need(latest_for(TaskKind::grad_offload, u, r, t), t, "grad_offload");
+          const int p = latest_for(TaskKind::grad_offload, u, 0, t);
+          src[id].push_back(p);
           read(p, t.id);
         }
         const bool out = (h.optimizer != Tier::gpu && h.param != Tier::cpu) ||
@@ -663,6 +685,10 @@ void Executor::State::resolve(bool allocate_staging) {
   SlotPool pinned_pool;
   std::vector<SlotPool> param_pools(static_cast<size_t>(N)), grad_pools(static_cast<size_t>(N));
   for (size_t t = 0; t < T; ++t) {
+    if (offload_leader[t] >= 0) {  // every rank's part in one buffer, freed after CPU Adam
+      slot[t] = slot[static_cast<size_t>(offload_leader[t])];
+      continue;
+    }
     const int p = pool_of[t];
     if (p < 0) continue;
     SlotPool& slots = p == 0   ? pinned_pool
@@ -679,6 +705,8 @@ void Executor::State::resolve(bool allocate_staging) {
     param_pools[static_cast<size_t>(r)].order_across_steps(xprev);
     grad_pools[static_cast<size_t>(r)].order_across_steps(xprev);
   }
+  for (size_t t = 0; t < T; ++t)  // the leader's first write of a buffer is theirs too
+    if (offload_leader[t] >= 0) xprev[t] = xprev[static_cast<size_t>(offload_leader[t])];
 
   if (!allocate_staging) {
     bool fits = pinned_pool.last.size() <= pinned.size();
@@ -720,7 +748,8 @@ void Executor::State::allocate() {
   for (int u = 0; u < U; ++u) max_shard = std::max(max_shard, shard(u));
   // A pinned staging buffer holds the largest transfer that goes through one (run_task): a
   // unit's P of every host rank (read from NVMe, or updated on the host or a GPU on its way
-  // out), one rank's G shard staged for accumulation, or a unit's O of every host rank (NVMe);
+  // out), one rank's G shard staged for accumulation, G of every host rank brought down from
+  // the GPU for CPU Adam, or a unit's O of every host rank (NVMe);
   // each rank's part page aligned (rank_part).
   // The same figure as Placement's pinned_buffer_bytes.
   uint64_t slot_bytes = 0;
@@ -729,6 +758,8 @@ void Executor::State::allocate() {
     if (home(u).param != Tier::gpu || home(u).optimizer != Tier::gpu)
       slot_bytes = std::max(slot_bytes, rank_part(hr, shard(u) * ps));
     if (home(u).grad != Tier::gpu) slot_bytes = std::max(slot_bytes, shard(u) * gs);
+    if (home(u).grad == Tier::gpu && home(u).optimizer != Tier::gpu)
+      slot_bytes = std::max(slot_bytes, rank_part(hr, shard(u) * gs));
     if (home(u).optimizer == Tier::nvme)
       slot_bytes = std::max(slot_bytes, rank_part(hr, shard(u) * 12));
   }
@@ -801,10 +832,10 @@ void Executor::State::allocate() {
   }
   o_dev.clear();
   o_dev.resize(static_cast<size_t>(U));
-  bool gpu_adam = false, gpu_adam_off = false;
+  bool gpu_stats = false, gpu_adam_off = false;  // gradients on a device: their statistics too
   for (int u = 0; u < U; ++u) {
+    gpu_stats = gpu_stats || home(u).grad == Tier::gpu;
     if (home(u).optimizer != Tier::gpu) continue;
-    gpu_adam = true;
     gpu_adam_off = gpu_adam_off || home(u).param != Tier::gpu;
     for (int r = 0; r < N; ++r)
       for (const char* part : {"master weights", "Adam m", "Adam v"})
@@ -813,7 +844,7 @@ void Executor::State::allocate() {
                                                    MemoryKind::optimizer);
   }
   for (int r = 0; r < N; ++r) {
-    if (gpu_adam)
+    if (gpu_stats)
       chunk_sums.emplace_back(dev(r), cpu_adam::chunk_count(max_shard, CpuAdam::kStatsChunk) * 8,
                               "gradient chunk sums", MemoryKind::other);
     if (gpu_adam_off)
@@ -1202,7 +1233,9 @@ void Executor::State::update(const Task& t, const StepSlot& sl) {
     const AdamShard sh{f, f + n, f + 2 * n, n};
     char* p = home(u).param == Tier::cpu ? host_p[static_cast<size_t>(u)][static_cast<size_t>(q)]
                                          : pin(t.id) + rank_part(q, n * ps);
-    const char* g = host_g[static_cast<size_t>(u)][static_cast<size_t>(q)];
+    const char* g = home(u).grad == Tier::gpu
+                        ? pin(src[static_cast<size_t>(t.id)].back()) + rank_part(q, n * gs)
+                        : host_g[static_cast<size_t>(u)][static_cast<size_t>(q)];
     AdamParams no_decay = params.adam;
     no_decay.weight_decay = 0.0f;
     for (const Piece& pc : pieces(u, q)) {
@@ -1388,6 +1421,15 @@ void Executor::State::run_task(const Task& t, int64_t k) {
         gsum.non_finite = !std::isfinite(gsum.sum_squares);
         slot_of(k).stats[static_cast<size_t>(u)][static_cast<size_t>(q)] = gsum;
       }
+      return;
+    }
+    case TaskKind::grad_offload: {
+      // The sum over the step's micro-batches, from the resident accumulator into this rank's
+      // part of the buffer CPU Adam reads.
+      Stream& st = *streams[static_cast<size_t>(r)].d2h;
+      dev(r).copy_to_host(pin(t.id) + rank_part(up(u).replicated ? 0 : r, n * gs),
+                          zero->grad_shard(u, r).data, n * gs, st);
+      st.synchronize();
       return;
     }
     case TaskKind::optim_read:

@@ -35,20 +35,23 @@
 // pinned buffer's first writers on all its last users. A pinned buffer holds one unit's shards
 // of every rank (or a replicated unit's one copy). Pinned buffers carry: P[u]
 // read from NVMe until every param_h2d has read it; a grad_d2h's shard for micro-batch m > 0
-// until grad_accumulate added it into G; O[u] (master, m, v: 12 bytes an element) from
-// optim_read to optim_write; the updated P[u] from adam (or param_d2h) to param_write or the
-// param_uploads. When both the fetches (and gradient staging) and the optimizer use pinned
-// buffers and there are enough, they take from two pools: buffers 0..F-1 for the fetches and
-// staging, F = min(d + 2, B - what the optimizer of one unit holds at once), the rest for the
-// optimizer. Steps overlap (the next step's first fetches run under this step's optimizer),
-// and a first take waits for the buffer's last users of the previous step: from one shared
-// pool, the next step's first fetch would get a buffer the optimizer used last, near its end.
+// until grad_accumulate added it into G; G[u] of every rank from its grad_offloads to adam;
+// O[u] (master, m, v: 12 bytes an element) from optim_read to optim_write; the updated P[u]
+// from adam (or param_d2h) to param_write or the param_uploads. When both the fetches (and gradient
+// staging) and the optimizer use pinned buffers and there are enough, they take from two pools:
+// buffers 0..F-1 for the fetches and staging, F = min(d + 2, B - what the optimizer of one unit
+// holds at once), the rest for the optimizer. Steps overlap (the next step's first fetches run
+// under this step's optimizer), and a first take waits for the buffer's last users of the previous
+// step: from one shared pool, the next step's first fetch would get a buffer the optimizer used
+// last, near its end.
 //
 // Gradients. After backward(u, m): a reduce_scatter group (replicated units: the group is an
 // all-reduce of the whole unit; their working gradients are one buffer per unit, so the first
 // backward of micro-batch m + 1 that adds into them, the head's for a tied unit 0, waits for
 // it; across steps, every task of a step but the optimizer's ends before the next step
-// starts). G home gpu: the group writes G on the GPU for m == 0 and adds into it for m > 0.
+// starts). G home gpu: the group writes G on the GPU for m == 0 and adds into it for m > 0
+// (with O on the host, the first of a step waits for the previous step's grad_offload of the
+// unit on its rank).
 // G home cpu: grad_d2h per rank (replicated units: rank 0 only, all ranks hold the same
 // sum); m == 0 writes G directly, m > 0 stages into a pinned buffer and a grad_accumulate on
 // cpu.adam adds it into G. A reduce_scatter on rank r waits for that rank's previous grad_d2h (the
@@ -59,11 +62,15 @@
 //
 // Optimizer, u = 0..U-1: O home nvme -> optim_read, then adam (cpu.adam over all ranks'
 // shards when O is on the host, else one per rank on gpu[r].compute) after every grad_stats,
-// optim_write (O home nvme). P[u]: O host and P cpu -> adam writes it in place; O host and P
-// gpu -> param_upload per rank; O host and P nvme -> param_write; O gpu and P cpu -> param_d2h
-// per rank; O gpu and P nvme -> param_d2h per rank into a pinned buffer, then param_write.
-// optim_reads run ahead, from the last micro-batch's backward once no param_read is left, while
-// at least two pinned buffers are free (one stays for the mandatory takes).
+// optim_write (O home nvme). O on the host with G home gpu: before adam, a grad_offload per
+// rank (a replicated unit: rank 0's) on gpu[r].d2h brings the step's sum into one pinned
+// buffer, which adam reads: one transfer a step where G home cpu moves one a micro-batch. P[u]: O
+// host and P cpu -> adam writes it in place; O host and P gpu -> param_upload per rank; O host and
+// P nvme -> param_write; O gpu and P cpu -> param_d2h per rank; O gpu and P nvme -> param_d2h per
+// rank into a pinned buffer, then param_write. optim_reads run ahead, from the last micro-batch's
+// backward once no param_read is left, while at least max(2, what one unit's optimizer holds)
+// pinned buffers are free (what stays covers the mandatory takes: the gradients and the updated
+// parameters).
 //
 // Forward only (evaluation): the uses are the forwards alone, fetched and gathered by the same
 // rules; nothing after them.
@@ -168,6 +175,8 @@ std::string_view task_kind_name(TaskKind k) {
       return "grad_accumulate";
     case TaskKind::grad_stats:
       return "grad_stats";
+    case TaskKind::grad_offload:
+      return "grad_offload";
     case TaskKind::optim_read:
       return "optim_read";
     case TaskKind::adam:
@@ -201,6 +210,7 @@ bool lane_fits(TaskKind kind, LaneKind lane) {
     case TaskKind::param_upload:
       return lane == LaneKind::h2d;
     case TaskKind::grad_d2h:
+    case TaskKind::grad_offload:
     case TaskKind::param_d2h:
       return lane == LaneKind::d2h;
     case TaskKind::gather:
@@ -287,7 +297,7 @@ struct Run {
 // A `prev` dependency that names the previous step's tasks, resolved once the step is built
 // (the same tasks of this step, as every step is the same).
 struct PrevFix {
-  enum class What { param_writer, optim_write, working_buffer, pinned_buffer };
+  enum class What { param_writer, optim_write, grad_offload, working_buffer, pinned_buffer };
   int task = 0;
   What what = What::param_writer;
   int index = 0;  // unit, or buffer
@@ -328,6 +338,7 @@ class Builder {
     optim_read_.assign(static_cast<size_t>(U_), -1);
     optim_write_.assign(static_cast<size_t>(U_), -1);
     o_buffer_.assign(static_cast<size_t>(U_), -1);
+    grad_offload_.resize(static_cast<size_t>(U_));
     first_use_done_.assign(static_cast<size_t>(U_), false);
     last_grad_d2h_.assign(static_cast<size_t>(R_), -1);
   }
@@ -402,13 +413,14 @@ class Builder {
             "schedule: unit {}'s gradients have their home on nvme; gradient accumulators live "
             "on the GPU or in host memory (they follow the optimizer)",
             name);
-      if ((h.grad == Tier::gpu) != (h.optimizer == Tier::gpu))
+      if (h.grad == Tier::cpu && h.optimizer == Tier::gpu)
         fail(
-            "schedule: unit {} has its gradients on {} and its optimizer on {}; gradients "
-            "follow the optimizer (GPU with GPU, host RAM with CPU or NVMe)",
-            name, tier_name(h.grad), tier_name(h.optimizer));
+            "schedule: unit {} has its gradients in host RAM but its optimizer on the GPU; "
+            "gradients in host RAM are for CPU Adam (an optimizer on the CPU or NVMe)",
+            name);
       const bool p_stage = h.param == Tier::nvme || (o_host(u) && h.param == Tier::gpu);
-      int n = (h.optimizer == Tier::nvme ? 1 : 0) + (p_stage ? 1 : 0);
+      const bool g_stage = o_host(u) && h.grad == Tier::gpu;
+      int n = (h.optimizer == Tier::nvme ? 1 : 0) + (p_stage ? 1 : 0) + (g_stage ? 1 : 0);
       optim_need_ = std::max(optim_need_, n);
       const bool front = h.param == Tier::nvme || (h.grad == Tier::cpu && M_ > 1);
       front_need_ = front_need_ || front;
@@ -418,8 +430,8 @@ class Builder {
     if (B_ < need)
       fail(
           "schedule: the placement has {} pinned buffers, but its homes need {} at once (an "
-          "optimizer shard from NVMe beside an updated parameter shard, or staged parameters "
-          "or gradients); raise buffer_count",
+          "optimizer shard from NVMe beside an updated parameter shard and the gradients CPU "
+          "Adam reads, or staged parameters or gradients); raise buffer_count",
           B_, need);
   }
 
@@ -692,6 +704,8 @@ class Builder {
         deps.push_back(last_grad_d2h_[static_cast<size_t>(r)]);
       const int id = add(TaskKind::reduce_scatter, LaneKind::comm, r, u, m, deps);
       task(id).group = group;
+      if (m == 0 && o_host(u) && homes(u).grad == Tier::gpu)
+        fixes_.push_back({id, PrevFix::What::grad_offload, u, up.replicated ? 0 : r});
       if (R_ > 1)
         task(id).bytes = up.replicated ? 2 * up.numel * gs_ * uint64_t(R_ - 1) / uint64_t(R_)
                                        : up.padded * gs_ * uint64_t(R_ - 1) / uint64_t(R_);
@@ -770,7 +784,8 @@ class Builder {
     while (next_optim_ < U_) {
       const int u = next_optim_;
       if (homes(u).optimizer == Tier::nvme && optim_read_[static_cast<size_t>(u)] < 0) {
-        if (optim_pool().free_count() < 2) return;
+        // Leave what the optimizer of one unit takes besides its O buffer.
+        if (optim_pool().free_count() < std::max(2, optim_need_)) return;
         emit_optim_read(u);
       }
       ++next_optim_;
@@ -787,11 +802,26 @@ class Builder {
       std::vector<int> deps = grad_stats_;
       if (optim_read_[static_cast<size_t>(u)] >= 0)
         deps.push_back(optim_read_[static_cast<size_t>(u)]);
+      int gbuf = -1;
+      if (h.grad == Tier::gpu) {  // the sums come down for CPU Adam, each rank's into its part
+        gbuf = take_pinned("the gradients", u, true);
+        const std::vector<int>& g_writer = g_writer_[static_cast<size_t>(u)];
+        std::vector<int>& off = grad_offload_[static_cast<size_t>(u)];
+        for (int r = 0; r < (up.replicated ? 1 : R_); ++r) {
+          const int id = add(TaskKind::grad_offload, LaneKind::d2h, r, u, -1,
+                             {g_writer[static_cast<size_t>(r)]});
+          task(id).bytes = up.shard * gs_;
+          wait_for_pinned(id, gbuf);
+          off.push_back(id);
+          deps.push_back(id);
+        }
+      }
       const bool p_stage = h.param != Tier::cpu;
       const int pbuf = p_stage ? take_pinned("the updated parameters", u, true) : -1;
       const int adam = add(TaskKind::adam, LaneKind::cpu_adam, -1, u, -1, deps);
       task(adam).elements = all_elements(u);
       if (p_stage) wait_for_pinned(adam, pbuf);
+      if (gbuf >= 0) optim_pool().give_back(gbuf, {adam});
       if (h.optimizer == Tier::nvme) {
         const int w = add(TaskKind::optim_write, LaneKind::nvme_write, -1, u, -1, {adam});
         task(w).bytes = all_elements(u) * kOptimizerBytesPerElement;
@@ -867,6 +897,12 @@ class Builder {
         case PrevFix::What::optim_write:
           ids.push_back(optim_write_[static_cast<size_t>(f.index)]);
           break;
+        case PrevFix::What::grad_offload: {
+          const std::vector<int>& off = grad_offload_[static_cast<size_t>(f.index)];
+          if (static_cast<size_t>(f.rank) < off.size())
+            ids.push_back(off[static_cast<size_t>(f.rank)]);
+          break;
+        }
         case PrevFix::What::working_buffer:
           if (slots_.used_this_step(f.index))
             ids.push_back(slots_.last_users(f.index)[static_cast<size_t>(f.rank)]);
@@ -928,6 +964,7 @@ class Builder {
   std::vector<std::vector<int>> rep_reduce_;
   std::vector<int> last_grad_d2h_;  // per rank
   std::vector<int> grad_stats_;
+  std::vector<std::vector<int>> grad_offload_;  // per unit: its grad_offload per rank
   std::vector<int> optim_read_, optim_write_, o_buffer_;
   std::vector<PrevFix> fixes_;
 };

@@ -51,6 +51,8 @@ enum class TaskKind {
   grad_accumulate,  // cpu.adam: G[u] += the shard brought by grad_d2h (micro-batches > 1)
   grad_stats,       // cpu.adam or gpu[r].compute: unit u's share of the global norm/overflow
   // optimizer, once the global norm is known, in forward order
+  grad_offload,  // gpu[r].d2h: G[u][r], summed on the GPU, into a pinned buffer for CPU Adam
+                 // (G home gpu, O on the host; replicated units: rank 0 only)
   optim_read,    // nvme.read: O[u] shards (master, m, v) from NVMe into pinned buffers
   adam,          // cpu.adam (or gpu[r].compute when O is on the GPU): update O[u], write P[u]
   optim_write,   // nvme.write: O[u] back to NVMe
@@ -59,6 +61,7 @@ enum class TaskKind {
   param_d2h,     // gpu[r].d2h: updated P[u][r] to its host home or a pinned buffer (P home cpu
                  // or nvme while O is on the GPU)
 };
+inline constexpr int kTaskKinds = static_cast<int>(TaskKind::param_d2h) + 1;
 std::string_view task_kind_name(TaskKind k);
 
 struct Task {

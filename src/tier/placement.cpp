@@ -103,6 +103,48 @@ FixedGpu fixed_gpu(const RunShape& s, const Partition& p) {
   return f;
 }
 
+// Pinned buffers the optimizer of a unit with these homes holds at once: its O read from NVMe,
+// its updated P on the way to the GPU or NVMe, and its gradients brought down from the GPU.
+// (Schedule::build counts the same.)
+int optimizer_buffers(const UnitHomes& h) {
+  if (h.optimizer == Tier::gpu) return 0;
+  return (h.optimizer == Tier::nvme ? 1 : 0) + (h.param != Tier::cpu ? 1 : 0) +
+         (h.grad == Tier::gpu ? 1 : 0);
+}
+
+// The homes of the gradient accumulators of units whose optimizer is off the GPU (GradHome):
+// on the GPU in forward order while the GPU's need stays within its budget (automatic), or
+// all of them (gpu), unless that would take more pinned buffers than there are.
+void place_gradients(Placement& p, const TierBudgets& budgets) {
+  const OffloadRequest& r = p.request;
+  const Sizes z = sizes_of(p.shape);
+  for (UnitHomes& h : p.homes) h.grad = h.optimizer == Tier::gpu ? Tier::gpu : Tier::cpu;
+  if (r.grads == GradHome::cpu) return;
+  uint64_t gpu = p.needs().total(Tier::gpu);
+  for (size_t u = 0; u < p.homes.size(); ++u) {
+    UnitHomes& h = p.homes[u];
+    const UnitPartition& up = p.partition.units[u];
+    if (h.optimizer == Tier::gpu) continue;
+    UnitHomes g = h;
+    g.grad = Tier::gpu;
+    if (optimizer_buffers(g) > r.buffer_count) {
+      if (r.grads == GradHome::gpu)
+        fail(
+            "gradients on the GPU (--offload-gradients none): the optimizer of unit {} then "
+            "holds {} pinned buffers at once (its gradients, updated parameters, optimizer state "
+            "from NVMe), but buffer_count is {}; raise buffer_count or keep the gradients in "
+            "host RAM (--offload-gradients cpu)",
+            up.name, optimizer_buffers(g), r.buffer_count);
+      continue;
+    }
+    // A replicated unit's gradients are resident on every GPU whatever their home.
+    const uint64_t more = up.replicated ? 0 : device_buffer(up.resident() * z.gs, z.align);
+    if (r.grads == GradHome::automatic && more > 0 && gpu + more > budgets.gpu_memory) continue;
+    gpu += more;
+    h.grad = Tier::gpu;
+  }
+}
+
 void check_shape(const RunShape& s, const OffloadRequest& r) {
   if (s.ranks < 1) fail("placement: {} ranks (GPUs); at least 1 is needed", s.ranks);
   if (s.micro_batch < 1)
@@ -148,6 +190,28 @@ Tier parse_tier(std::string_view text) {
   if (text == "cpu") return Tier::cpu;
   if (text == "nvme") return Tier::nvme;
   fail("offload device '{}' is not one of none (or gpu), cpu, nvme", text);
+}
+
+std::string_view grad_home_name(GradHome g) {
+  switch (g) {
+    case GradHome::automatic:
+      return "auto";
+    case GradHome::gpu:
+      return "gpu";
+    case GradHome::cpu:
+      return "cpu";
+  }
+  return "?";
+}
+
+GradHome parse_grad_home(std::string_view text) {
+  if (text == "auto") return GradHome::automatic;
+  if (text == "gpu" || text == "none") return GradHome::gpu;
+  if (text == "cpu") return GradHome::cpu;
+  fail(
+      "gradient home '{}' is not one of auto (on the GPU where it fits), gpu (or none), cpu (in "
+      "host RAM with the optimizer)",
+      text);
 }
 
 std::string_view state_kind_name(StateKind k) {
@@ -355,6 +419,8 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& request,
     }
   }
 
+  place_gradients(p, budgets);
+
   // Pinned buffers for every shard that moves between tiers (placement.h).
   uint64_t largest_moving = 0;
   for (int u = 0; u < U; ++u) {
@@ -363,6 +429,8 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& request,
     if (h.param != Tier::gpu || h.optimizer != Tier::gpu)
       largest_moving = std::max(largest_moving, host_bytes(up, shape.ranks, z.ps));
     if (h.grad != Tier::gpu) largest_moving = std::max(largest_moving, up.resident() * z.gs);
+    if (h.grad == Tier::gpu && h.optimizer != Tier::gpu)  // brought down for CPU Adam
+      largest_moving = std::max(largest_moving, host_bytes(up, shape.ranks, z.gs));
     if (h.optimizer == Tier::nvme)
       largest_moving =
           std::max(largest_moving, host_bytes(up, shape.ranks, kOptimizerBytesPerElement));

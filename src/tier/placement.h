@@ -4,9 +4,12 @@
 // gradient accumulator shards G[u][r] and the optimizer shards O[u][r] (fp32 master, m, v).
 // Homes come from DeepSpeed's semantics (offload_param.device / offload_optimizer.device:
 // none | cpu | nvme) or, with `auto`, from filling the fastest tier first within each tier's
-// budget, unit by unit in forward order. Gradient accumulators follow the optimizer: they live
-// on the GPU when the optimizer does, else in (pinned) host RAM, where CPU Adam reads them.
-// Replicated units (below the persistence threshold) keep their parameters on the GPU.
+// budget, unit by unit in forward order. Gradient accumulators live on the GPU when the
+// optimizer does. When it does not, they stay on the GPU too where there is room (GradHome):
+// the micro-batches accumulate there, and the optimizer brings each unit's sum to the host
+// once per step, instead of every micro-batch's gradients crossing PCIe into host RAM (as
+// DeepSpeed's offload does, and GradHome::cpu asks for). Replicated units (below the
+// persistence threshold) keep their parameters and gradients on the GPU.
 //
 // A placement also sizes what moving state needs: the pinned buffers that carry shards
 // between NVMe, host and GPU (one pool, allocated once) and the GPU working buffers. needs()
@@ -50,6 +53,19 @@ enum class StateKind {
 inline constexpr int kStateKinds = 7;
 std::string_view state_kind_name(StateKind k);
 
+// Where the gradient accumulators of a unit whose optimizer is off the GPU live.
+//   automatic: on the GPU while the GPU budget and the pinned buffers allow (units in forward
+//              order), else in host RAM;
+//   gpu:       on the GPU (check() refuses it when the GPU cannot hold them);
+//   cpu:       in host RAM, each micro-batch's gradients brought down and added there.
+// On the GPU the optimizer of a unit holds one more pinned buffer (its gradients, brought
+// down for CPU Adam); a unit whose optimizer would then need more pinned buffers than
+// buffer_count keeps them in host RAM (`gpu`: an Error).
+enum class GradHome { automatic, gpu, cpu };
+std::string_view grad_home_name(GradHome g);  // "auto", "gpu", "cpu"
+// "auto", "gpu" (or "none": not offloaded), "cpu"; an Error names the text and the choices.
+GradHome parse_grad_home(std::string_view text);
+
 // What the user asked for: DeepSpeed's zero_optimization keys, or flags.
 struct OffloadRequest {
   bool automatic = false;      // `auto`: fastest tier first within budgets
@@ -58,9 +74,10 @@ struct OffloadRequest {
   uint64_t max_in_cpu = 0;     // offload_param.max_in_cpu (elements); 0: no limit
   int buffer_count = 5;        // offload_param.buffer_count / offload_optimizer.buffer_count
   bool pin_memory = true;      // offload_*.pin_memory
-  std::vector<std::string> nvme_paths;  // offload_*.nvme_path, one per drive
-  uint64_t nvme_stripe = 1ull << 20;    // the swap store's stripe (aio.block_size)
-  unsigned nvme_queue_depth = 32;       // the swap store's requests in flight (aio.queue_depth)
+  std::vector<std::string> nvme_paths;   // offload_*.nvme_path, one per drive
+  uint64_t nvme_stripe = 1ull << 20;     // the swap store's stripe (aio.block_size)
+  unsigned nvme_queue_depth = 32;        // the swap store's requests in flight (aio.queue_depth)
+  GradHome grads = GradHome::automatic;  // gradients under an offloaded optimizer (above)
 };
 // max_in_cpu, as DeepSpeed means it: with offload_param.device nvme, units in forward order
 // keep their parameter shards in host RAM while the total stays within max_in_cpu elements
@@ -72,8 +89,10 @@ struct OffloadRequest {
 // (the schedule reads P[u] from NVMe and streams O[u] through CPU Adam for all ranks at
 // once), so each is the largest such transfer: P (param dtype) or O (master+m+v) over all
 // ranks (each rank's shard starting on a 4 KiB page, so the swap store moves it in place with
-// O_DIRECT), or one rank's G shard (grad dtype), rounded up to 4 KiB. DeepSpeed's
-// buffer_size is not acted on: the executor moves a unit's transfer whole, never in pieces.
+// O_DIRECT), G over all ranks (grad dtype; gradients kept on the GPU on their way to CPU
+// Adam), or one rank's G shard (staged for accumulation in host RAM), rounded up to 4 KiB.
+// DeepSpeed's buffer_size is not acted on: the executor moves a unit's transfer whole, never in
+// pieces.
 
 // One nvme path of this machine: the swap store stripes evenly over the paths, so each must
 // have room for its share (paths on one filesystem share its free space).
@@ -162,7 +181,8 @@ struct Placement {
 
   // Builds the homes and sizes the buffers. Throws Error for an impossible request (NVMe
   // without nvme_paths, buffer_count < 1, ...), naming the setting and its value. Does not
-  // check budgets (check() does) except that `automatic` reads them to choose.
+  // check budgets (check() does) except that `automatic` (and GradHome::automatic) read them
+  // to choose.
   static Placement make(const RunShape& shape, const OffloadRequest& request,
                         const TierBudgets& budgets);
 
