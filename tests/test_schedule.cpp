@@ -963,9 +963,10 @@ TEST(Simulator, DeviceGradStatsHaveTheirOwnRate) {
 
 // What a one-rank schedule's collectives copy within the device (schedule.h, Task::bytes).
 TEST(Schedule, OneRankCollectivesCountTheDeviceCopies) {
-  for (const Tier o : {Tier::gpu, Tier::cpu}) {
-    SCOPED_TRACE(tier_name(o));
-    const Placement pl = make_placement(tiny(false), 1, Tier::gpu, o, 0);
+  for (const auto& [o, g_gpu] :
+       {std::pair{Tier::gpu, true}, std::pair{Tier::cpu, false}, std::pair{Tier::cpu, true}}) {
+    SCOPED_TRACE(fmt::format("O {} G {}", tier_name(o), g_gpu ? "gpu" : "cpu"));
+    const Placement pl = make_placement(tiny(false), 1, Tier::gpu, o, 0, 2, 4, g_gpu);
     const uint64_t ps = dtype_size(pl.shape.param_dtype), gs = dtype_size(pl.shape.grad_dtype);
     const Schedule s = Schedule::build(pl, {1, 1});
     int for_backward = 0;
@@ -976,9 +977,9 @@ TEST(Schedule, OneRankCollectivesCountTheDeviceCopies) {
         EXPECT_TRUE(t.bytes == up.padded * ps || t.bytes == up.padded * (ps + gs)) << t.bytes;
         for_backward += t.bytes == up.padded * (ps + gs);
       } else if (t.kind == TaskKind::reduce_scatter) {
-        // Out to the host: one copy; into a resident shard: a copy into scratch, then an add
-        // (a copy and a half of traffic).
-        EXPECT_EQ(t.bytes, o == Tier::cpu ? up.padded * gs : up.padded * gs * 5 / 2) << up.name;
+        // Out to the host: one copy; into a resident shard: an add in place (a copy and a half
+        // of traffic).
+        EXPECT_EQ(t.bytes, g_gpu ? up.padded * gs * 3 / 2 : up.padded * gs) << up.name;
       }
     }
     EXPECT_EQ(for_backward, s.units);  // every unit is gathered once for its backward

@@ -464,7 +464,13 @@ void ZeroModel::reduce_scatter_grads(int u, const std::vector<Stream*>& streams,
     return;
   }
   std::vector<TensorView> partial;  // per rank, the sum this rank adds into its shard
-  if (up.replicated) {
+  if (N == 1) {
+    // One rank: the reduce-scatter would copy the working gradients unchanged; add them in place.
+    partial.push_back(TensorView{slot.grads[0].data(),
+                                 gt,
+                                 {static_cast<int64_t>(up.replicated ? up.numel : up.shard)},
+                                 &device(0)});
+  } else if (up.replicated) {
     for (int r = 0; r < N; ++r)
       partial.push_back(TensorView{slot.grads[static_cast<size_t>(r)].data(),
                                    gt,
@@ -491,7 +497,7 @@ void ZeroModel::reduce_scatter_grads(int u, const std::vector<Stream*>& streams,
     const TensorView shard{rank.grads[static_cast<size_t>(u)].data(), gt,
                            partial[static_cast<size_t>(r)].shape, &device(r)};
     device(r).kernels().add(shard, shard, partial[static_cast<size_t>(r)], s);
-    if (!up.replicated) s.record(*rank.scratch_used);
+    if (!up.replicated && N > 1) s.record(*rank.scratch_used);
     s.record(*slot.used[static_cast<size_t>(r)]);
   }
 }

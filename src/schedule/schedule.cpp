@@ -709,10 +709,10 @@ class Builder {
       if (R_ > 1)
         task(id).bytes = up.replicated ? 2 * up.numel * gs_ * uint64_t(R_ - 1) / uint64_t(R_)
                                        : up.padded * gs_ * uint64_t(R_ - 1) / uint64_t(R_);
-      else  // one rank: the add into the replicated shard; a copy out, or a copy into scratch
-        // and an add of it into the shard (two read, one written: a copy and a half)
+      else  // one rank: the add into the replicated shard; a copy out, or an add of the working
+        // gradients into the resident shard (two read, one written: a copy and a half)
         task(id).bytes =
-            up.replicated ? up.numel * gs_ : (g_host ? up.padded * gs_ : up.padded * gs_ * 5 / 2);
+            up.replicated ? up.numel * gs_ : (g_host ? up.padded * gs_ : up.padded * gs_ * 3 / 2);
       task(id).slot = slot;
       rs.push_back(id);
     }

@@ -80,8 +80,8 @@ struct Task {
   // The work, for the simulator: bytes moved (transfers; collectives: what one rank moves in
   // a ring, (R-1)/R of the unit; with one rank, what the device copies or clears in its own
   // memory: the unit into its working buffer, plus its working gradients cleared for a
-  // backward; the gradients into their shard, or, added to a resident shard through scratch,
-  // 2.5 times their bytes: a copy, then an add that reads two and writes one), FLOPs
+  // backward; the gradients into their shard, or, added to a resident shard in place, 1.5
+  // times their bytes: an add reads two and writes one), FLOPs
   // (compute), elements updated (Adam, grad stats).
   uint64_t bytes = 0;
   double flops = 0;
