@@ -227,6 +227,7 @@ int run_bench_step(const BenchStepArgs& a) {
   const TierBudgets budgets = local_budgets(ptrs.front()->memory().capacity, paths);
   const Placement placement = Placement::make(shape, request, budgets);
   placement.check(budgets);
+  const Placement::OffloadedGradients grads = placement.offloaded_gradients();
   ScheduleOptions so;
   so.micro_batches = static_cast<int>(a.grad_accum);
   so.prefetch_depth = a.prefetch_depth;
@@ -293,10 +294,8 @@ int run_bench_step(const BenchStepArgs& a) {
     // The copy's gradients where the full model's are (its own budget could keep more of
     // them on the devices).
     OffloadRequest small_request = request;
-    int g_gpu = 0, g_cpu = 0;
-    for (const UnitHomes& h : placement.homes)
-      if (h.optimizer != Tier::gpu) ++(h.grad == Tier::gpu ? g_gpu : g_cpu);
-    if (g_gpu == 0 || g_cpu == 0) small_request.grads = g_cpu > 0 ? GradHome::cpu : GradHome::gpu;
+    if (grads.units > 0 && (grads.on_gpu == 0 || grads.on_gpu == grads.units))
+      small_request.grads = grads.on_gpu == 0 ? GradHome::cpu : GradHome::gpu;
     const Placement small_run = Placement::make(small, small_request, budgets);
     small_run.check(budgets);
     const Measured w = run_steps(small_ref, Schedule::build(small_ref, so), *comm, eo, a, "");
@@ -394,8 +393,7 @@ int run_bench_step(const BenchStepArgs& a) {
         {"devices", R},
         {"offload_param", a.offload_param},
         {"offload_optimizer", a.offload_optimizer},
-        {"gradients_on_gpu", std::count_if(placement.homes.begin(), placement.homes.end(),
-                                           [](const UnitHomes& h) { return h.grad == Tier::gpu; })},
+        {"gradients_on_gpu", grads.on_gpu},
         {"verified", true},
         {"verified_on_two_layers", cut},
         {"activation_checkpointing", a.recompute},
@@ -421,12 +419,10 @@ int run_bench_step(const BenchStepArgs& a) {
   }
   fmt::print(
       "bench step: {} ({:.3g}M parameters) on {} {} device(s), P {} O {}, G on the GPU for {} "
-      "of {} units, micro-batch {} x {} tokens x {} accumulation\n",
+      "of {} offloaded-optimizer units, micro-batch {} x {} tokens x {} accumulation\n",
       model.name, double(parameter_count(model)) / 1e6, R, dtype_name(shape.param_dtype),
-      a.offload_param, a.offload_optimizer,
-      std::count_if(placement.homes.begin(), placement.homes.end(),
-                    [](const UnitHomes& h) { return h.grad == Tier::gpu; }),
-      placement.homes.size(), a.micro_batch, a.seq_len, a.grad_accum);
+      a.offload_param, a.offload_optimizer, grads.on_gpu, grads.units, a.micro_batch, a.seq_len,
+      a.grad_accum);
   fmt::print("  verified: {}{}\n", verified,
              rounds.size() > 1 ? fmt::format(", in each of {} rounds", rounds.size()) : "");
   fmt::print("  profile: {}\n", profile.name);

@@ -411,16 +411,14 @@ class Builder {
       if (h.grad == Tier::nvme)
         fail(
             "schedule: unit {}'s gradients have their home on nvme; gradient accumulators live "
-            "on the GPU or in host memory (they follow the optimizer)",
+            "on the GPU or, for CPU Adam, in host memory",
             name);
       if (h.grad == Tier::cpu && h.optimizer == Tier::gpu)
         fail(
             "schedule: unit {} has its gradients in host RAM but its optimizer on the GPU; "
             "gradients in host RAM are for CPU Adam (an optimizer on the CPU or NVMe)",
             name);
-      const bool p_stage = h.param == Tier::nvme || (o_host(u) && h.param == Tier::gpu);
-      const bool g_stage = o_host(u) && h.grad == Tier::gpu;
-      int n = (h.optimizer == Tier::nvme ? 1 : 0) + (p_stage ? 1 : 0) + (g_stage ? 1 : 0);
+      int n = optimizer_pinned_buffers(h);
       optim_need_ = std::max(optim_need_, n);
       const bool front = h.param == Tier::nvme || (h.grad == Tier::cpu && M_ > 1);
       front_need_ = front_need_ || front;

@@ -103,15 +103,6 @@ FixedGpu fixed_gpu(const RunShape& s, const Partition& p) {
   return f;
 }
 
-// Pinned buffers the optimizer of a unit with these homes holds at once: its O read from NVMe,
-// its updated P on the way to the GPU or NVMe, and its gradients brought down from the GPU.
-// (Schedule::build counts the same.)
-int optimizer_buffers(const UnitHomes& h) {
-  if (h.optimizer == Tier::gpu) return 0;
-  return (h.optimizer == Tier::nvme ? 1 : 0) + (h.param != Tier::cpu ? 1 : 0) +
-         (h.grad == Tier::gpu ? 1 : 0);
-}
-
 // The homes of the gradient accumulators of units whose optimizer is off the GPU (GradHome):
 // on the GPU in forward order while the GPU's need stays within its budget (automatic), or
 // all of them (gpu), unless that would take more pinned buffers than there are.
@@ -127,14 +118,14 @@ void place_gradients(Placement& p, const TierBudgets& budgets) {
     if (h.optimizer == Tier::gpu) continue;
     UnitHomes g = h;
     g.grad = Tier::gpu;
-    if (optimizer_buffers(g) > r.buffer_count) {
+    if (optimizer_pinned_buffers(g) > r.buffer_count) {
       if (r.grads == GradHome::gpu)
         fail(
             "gradients on the GPU (--offload-gradients none): the optimizer of unit {} then "
             "holds {} pinned buffers at once (its gradients, updated parameters, optimizer state "
             "from NVMe), but buffer_count is {}; raise buffer_count or keep the gradients in "
             "host RAM (--offload-gradients cpu)",
-            up.name, optimizer_buffers(g), r.buffer_count);
+            up.name, optimizer_pinned_buffers(g), r.buffer_count);
       continue;
     }
     // A replicated unit's gradients are resident on every GPU whatever their home.
@@ -190,6 +181,12 @@ Tier parse_tier(std::string_view text) {
   if (text == "cpu") return Tier::cpu;
   if (text == "nvme") return Tier::nvme;
   fail("offload device '{}' is not one of none (or gpu), cpu, nvme", text);
+}
+
+int optimizer_pinned_buffers(const UnitHomes& h) {
+  if (h.optimizer == Tier::gpu) return h.param == Tier::nvme ? 1 : 0;
+  return (h.optimizer == Tier::nvme ? 1 : 0) + (h.param != Tier::cpu ? 1 : 0) +
+         (h.grad == Tier::gpu ? 1 : 0);
 }
 
 std::string_view grad_home_name(GradHome g) {
@@ -248,6 +245,16 @@ nlohmann::json TierBytes::to_json(Tier t) const {
   return j;
 }
 
+Placement::OffloadedGradients Placement::offloaded_gradients() const {
+  OffloadedGradients g;
+  for (const UnitHomes& h : homes)
+    if (h.optimizer != Tier::gpu) {
+      ++g.units;
+      g.on_gpu += h.grad == Tier::gpu ? 1 : 0;
+    }
+  return g;
+}
+
 bool Placement::offloaded() const {
   return std::any_of(homes.begin(), homes.end(), [](const UnitHomes& h) {
     return h.param != Tier::gpu || h.grad != Tier::gpu || h.optimizer != Tier::gpu;
@@ -289,8 +296,7 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& request,
     uint64_t in_cpu = 0;
     for (int u = 0; u < U; ++u) {
       UnitHomes& h = p.homes[size_t(u)];
-      h.optimizer = request.optimizer;
-      h.grad = request.optimizer == Tier::gpu ? Tier::gpu : Tier::cpu;
+      h.optimizer = request.optimizer;  // h.grad: place_gradients
       h.param = unit(u).replicated ? Tier::gpu : request.param;
       if (h.param == Tier::gpu) continue;
       const uint64_t e = host_elements(unit(u));
@@ -412,8 +418,7 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& request,
       if (any_sharded) p_floor = std::max(p_floor, pt);
       for (int u : g) {
         UnitHomes& h = p.homes[size_t(u)];
-        h.optimizer = o;
-        h.grad = o == Tier::gpu ? Tier::gpu : Tier::cpu;
+        h.optimizer = o;  // h.grad: place_gradients
         h.param = unit(u).replicated ? Tier::gpu : pt;
       }
     }

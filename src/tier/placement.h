@@ -158,6 +158,11 @@ struct UnitHomes {
   Tier optimizer = Tier::gpu;
 };
 
+// Pinned buffers the optimizer of a unit with homes `h` holds at once (Schedule::build's
+// rule): O read from NVMe, the updated P on its way to the GPU or NVMe (to NVMe only, with O on
+// the GPU), and the gradients brought down from the GPU for CPU Adam.
+int optimizer_pinned_buffers(const UnitHomes& h);
+
 // Bytes per tier per kind; gpu figures are per device, cpu and nvme for the whole node.
 struct TierBytes {
   std::array<std::array<uint64_t, kStateKinds>, kTiers> bytes{};
@@ -201,6 +206,11 @@ struct Placement {
   // Bytes of the pinned buffers, and whether any state lives off the GPU.
   uint64_t pinned_bytes() const { return uint64_t(pinned_buffers) * pinned_buffer_bytes; }
   bool offloaded() const;
+  // The units whose optimizer is off the GPU, and how many of them keep their gradients there.
+  struct OffloadedGradients {
+    int units = 0, on_gpu = 0;
+  };
+  OffloadedGradients offloaded_gradients() const;
   // Page-locked bytes the run needs: the buffers, plus cpu-homed state when pin_memory.
   uint64_t pinned_need() const;
   // Throws Error when a tier's need exceeds its budget: the message holds the table of

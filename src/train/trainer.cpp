@@ -197,17 +197,11 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
       format_bytes(need.total(Tier::cpu)), format_bytes(need.total(Tier::nvme)),
       s.run_dir.string());
   // Where the gradients of an offloaded optimizer accumulate (OffloadRequest::grads).
-  int offloaded = 0, on_device = 0;
-  for (const UnitHomes& h : placement.homes)
-    if (h.optimizer != Tier::gpu) {
-      ++offloaded;
-      on_device += h.grad == Tier::gpu ? 1 : 0;
-    }
-  if (offloaded > 0)
+  if (const Placement::OffloadedGradients g = placement.offloaded_gradients(); g.units > 0)
     fmt::print(
         "gradients: {} of {} offloaded-optimizer unit(s) sum on the device(s) and go to the host "
         "once a step; {} go every micro-batch (--offload-gradients {})\n",
-        on_device, offloaded, offloaded - on_device, grad_home_name(s.offload.grads));
+        g.on_gpu, g.units, g.units - g.on_gpu, grad_home_name(s.offload.grads));
   const HostMemoryPlan host = plan_host_memory(placement, devices);
   const ExecutorMemory mem = ex.memory();
   fmt::print(
