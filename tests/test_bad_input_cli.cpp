@@ -36,7 +36,8 @@ std::string quote(const std::string& s) {
 }
 
 test::CommandResult strata(const std::string& args, const std::string& prefix = "") {
-  return test::run_command(prefix + quote(STRATA_BINARY) + " " + args + " 2>&1");
+  return test::run_command(prefix + quote(STRATA_BINARY) + " " + test::on_host_unless_named(args) +
+                           " 2>&1");
 }
 
 using test::slurp;

@@ -55,7 +55,7 @@ struct SpawnOptions {
 Child spawn(const std::string& args, const fs::path& log, const SpawnOptions& o = {}) {
   // Everything the child needs is built before fork: it only calls async-signal-safe functions.
   std::vector<std::string> words{STRATA_BINARY};
-  std::istringstream in(args);
+  std::istringstream in(test::on_host_unless_named(args));
   for (std::string w; in >> w;) words.push_back(w);
   std::vector<char*> argv;
   for (std::string& w : words) argv.push_back(w.data());

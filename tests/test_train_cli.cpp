@@ -282,9 +282,9 @@ TEST(TrainCli, Fp16OnAGpuIsRefusedBeforeTraining) {
   for (const std::string& how : {"--config " + cfg.string(), std::string("--dtype f16")}) {
     SCOPED_TRACE(how);
     const fs::path run = dir.path / ("run-" + std::to_string(how.size()));
-    const test::CommandResult r =
-        strata("train " + kTiny + "--data " + data.string() + " --steps 2 --devices cuda:0 " + how +
-               " --run-dir " + run.string());
+    const test::CommandResult r = strata("train " + kTiny + "--data " + data.string() +
+                                         " --steps 2 --devices cuda:0 --device-memory 4GiB " + how +
+                                         " --run-dir " + run.string());
     EXPECT_EQ(r.status, 1) << r.out;
     for (const char* want : {"f16 kernels", "bf16", "--devices host:N"})
       EXPECT_NE(r.out.find(want), std::string::npos) << want << "\n" << r.out;
@@ -302,10 +302,11 @@ TEST(TrainCli, ActivationCheckpointingOffOnAGpuGivesTheSameBits) {
     GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
   const test::TempDir dir("strata-recompute-gpu");
   const fs::path data = make_data(dir.path);
-  expect_flags_keep_the_bits(dir.path,
-                             "train " + kTiny + "--data " + data.string() +
-                                 " --grad-accum 2 --devices cuda:0 --dtype bf16 --threads 1",
-                             "--activation-checkpointing off", 2);
+  expect_flags_keep_the_bits(
+      dir.path,
+      "train " + kTiny + "--data " + data.string() +
+          " --grad-accum 2 --devices cuda:0 --device-memory 4GiB --dtype bf16 --threads 1",
+      "--activation-checkpointing off", 2);
 }
 
 // With the optimizer offloaded, the gradients summed on the devices and brought to CPU Adam
@@ -355,7 +356,8 @@ TEST(TrainCli, GradientsOnTheDeviceOrInHostRamGiveTheSameBits) {
 TEST(TrainCli, GradientsOnTheDeviceOnAGpuGiveTheSameBits) {
   if (cuda_runtime().gpus.empty())
     GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
-  expect_gradient_homes_same_bits({"--devices cuda:0 --dtype bf16 --offload-optimizer cpu"});
+  expect_gradient_homes_same_bits(
+      {"--devices cuda:0 --device-memory 4GiB --dtype bf16 --offload-optimizer cpu"});
 }
 
 // --eval-data: the held-out loss every --eval-every steps and after the last, from the

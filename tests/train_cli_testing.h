@@ -16,9 +16,21 @@
 
 namespace strata::test {
 
+// `args` with `--devices host` added when it runs a command on devices and names none: without
+// it strata takes cuda:0 on a machine with a GPU, an arena there takes the GPU's free memory,
+// and ctest -j runs many of these at once. These suites test the host backend, as CI does; their
+// *OnAGpu* tests name cuda:0 with a small --device-memory and carry the gpu label too.
+inline std::string on_host_unless_named(const std::string& args) {
+  const std::string verb = args.substr(0, args.find(' '));
+  const bool on_devices = verb == "train" || verb == "eval" || verb == "generate" || verb == "tune";
+  return on_devices && args.find("--devices") == std::string::npos ? args + " --devices host"
+                                                                   : args;
+}
+
 // `strata ARGS` through the shell, stdout and stderr together.
 inline CommandResult strata(const std::string& args) {
-  return run_command(std::string("'") + STRATA_BINARY + "' " + args + " 2>&1");
+  return run_command(std::string("'") + STRATA_BINARY + "' " + on_host_unless_named(args) +
+                     " 2>&1");
 }
 
 inline std::string slurp(const std::filesystem::path& p) {

@@ -37,7 +37,9 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -110,6 +112,10 @@ StepParams step_params(int64_t step) {
   return p;
 }
 
+std::string secs(double s) {
+  return s >= 1.0 ? fmt::format("{:.3f} s", s) : fmt::format("{:.2f} ms", s * 1e3);
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
@@ -122,10 +128,27 @@ struct Measured {
   std::vector<double> losses;
 };
 
+// Progress on stderr (stdout holds the report or the JSON): a large model's run takes minutes
+// before the report, spent in pinning host memory, initialising and the reference runs.
+using Clock = std::chrono::steady_clock;
+template <typename... Args>
+void progress(Clock::time_point since, fmt::format_string<Args...> format, Args&&... args) {
+  fmt::print(stderr, "bench step [{:7.1f} s] {}\n",
+             std::chrono::duration<double>(Clock::now() - since).count(),
+             fmt::format(format, std::forward<Args>(args)...));
+  std::fflush(stderr);
+}
+
+// `what` names the run in the progress lines; `keep_weights` copies every unit's weights out at
+// the end for a comparison (a model that does not fit on the devices has none: its copy would
+// take as much RAM again as its optimizer states).
 Measured run_steps(const Placement& placement, const Schedule& schedule, Communicator& comm,
-                   const ExecutorOptions& eo, const BenchStepArgs& a, const std::string& trace) {
+                   const ExecutorOptions& eo, const BenchStepArgs& a, const std::string& trace,
+                   const std::string& what, bool keep_weights = true) {
+  const Clock::time_point t0 = Clock::now();
   Executor ex(placement, schedule, comm, eo);
   ex.init_random(7);
+  progress(t0, "{}: state allocated and initialised", what);
   Measured out;
   out.lane_busy_s.resize(schedule.lanes.size());
   const int R = placement.shape.ranks;
@@ -138,6 +161,8 @@ Measured run_steps(const Placement& placement, const Schedule& schedule, Communi
       fail("bench step: step {} gave loss {} (skipped: {}); not reporting a speed", s + 1, r.loss,
            r.skipped);
     out.losses.push_back(r.loss);
+    progress(t0, "{}: step {} of {}, loss {:.4f}, {}", what, s + 1, a.steps + 1, r.loss,
+             secs(r.step_s));
     if (s == 0) continue;
     out.step_s.push_back(r.step_s);
     out.nvme_busy_s.push_back(r.nvme_busy_s);
@@ -149,7 +174,7 @@ Measured run_steps(const Placement& placement, const Schedule& schedule, Communi
     check_timeline(schedule, ex.timeline());
     if (!trace.empty()) ex.trace(trace);
   }
-  for (int u = 0; u < static_cast<int>(placement.homes.size()); ++u) {
+  for (int u = 0; keep_weights && u < static_cast<int>(placement.homes.size()); ++u) {
     out.master.push_back(ex.master(u));
     out.params.push_back(ex.parameters(u));
   }
@@ -169,10 +194,6 @@ void expect_same_bits(const Measured& got, const Measured& want, const Placement
           what, pl.partition.units[u].name, i, i < g->size() ? (*g)[i] : NAN,
           i < w->size() ? (*w)[i] : NAN);
     }
-}
-
-std::string secs(double s) {
-  return s >= 1.0 ? fmt::format("{:.3f} s", s) : fmt::format("{:.2f} ms", s * 1e3);
 }
 
 int run_bench_step(const BenchStepArgs& a) {
@@ -279,7 +300,8 @@ int run_bench_step(const BenchStepArgs& a) {
   Measured want;
   std::string verified;
   if (!cut) {
-    want = run_steps(ref_placement, Schedule::build(ref_placement, so), *comm, eo, a, "");
+    want = run_steps(ref_placement, Schedule::build(ref_placement, so), *comm, eo, a, "",
+                     "reference (every state on the devices)");
     verified = fmt::format("after {} steps every weight equals the all-device run's bit for bit",
                            a.steps + 1);
   } else {
@@ -298,8 +320,10 @@ int run_bench_step(const BenchStepArgs& a) {
       small_request.grads = grads.on_gpu == 0 ? GradHome::cpu : GradHome::gpu;
     const Placement small_run = Placement::make(small, small_request, budgets);
     small_run.check(budgets);
-    const Measured w = run_steps(small_ref, Schedule::build(small_ref, so), *comm, eo, a, "");
-    const Measured g = run_steps(small_run, Schedule::build(small_run, so), *comm, eo, a, "");
+    const Measured w = run_steps(small_ref, Schedule::build(small_ref, so), *comm, eo, a, "",
+                                 "two-layer copy, every state on the devices");
+    const Measured g = run_steps(small_run, Schedule::build(small_run, so), *comm, eo, a, "",
+                                 "two-layer copy, placed as asked");
     expect_same_bits(g, w, small_run);
     verified = fmt::format(
         "{} does not fit on the devices all at once, so a two-layer copy of it, placed the same "
@@ -320,9 +344,16 @@ int run_bench_step(const BenchStepArgs& a) {
   std::vector<Round> rounds;
   for (int r = 0; r < a.rounds; ++r) {
     Round rd;
-    rd.profile = a.hardware.empty() ? measure() : loaded;
+    if (a.hardware.empty()) {
+      const Clock::time_point t0 = Clock::now();
+      rd.profile = measure();
+      progress(t0, "round {} of {}: hardware profile measured", r + 1, a.rounds);
+    } else {
+      rd.profile = loaded;
+    }
     // The trace is the last round's (each round's executor writes over the one before).
-    const Measured got = run_steps(placement, schedule, *comm, timed, a, a.trace);
+    const Measured got = run_steps(placement, schedule, *comm, timed, a, a.trace,
+                                   fmt::format("round {} of {}", r + 1, a.rounds), !cut);
     if (!cut) {
       expect_same_bits(got, want, placement);
     } else {
