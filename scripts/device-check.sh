@@ -25,7 +25,7 @@ stage ctest-gpu.log 200 ctest --test-dir build -L gpu --output-on-failure --time
 # One benchmark command per line of $STRATA_BENCHES (default bench/device-benches.txt).
 while IFS= read -r cmd; do
   case "$cmd" in ''|'#'*) continue ;; esac
-  stage bench.log 240 bash -c "$cmd"
+  stage bench.log 330 bash -c "$cmd"
 done <"${STRATA_BENCHES:-bench/device-benches.txt}"
 stage ctest-rest.log 300 ctest --test-dir build -LE gpu -j"$(nproc)" --output-on-failure --timeout 240
 echo "done at $SECONDS s"
