@@ -220,6 +220,9 @@ RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t thr
       EXPECT_LE(d->memory().high_water, need) << name << " on " << d->name() << kinds(pl, *d);
   }
   EXPECT_LE(mem.pinned_peak, mem.pinned_capacity) << name;
+  // No more page-locked memory than the placement counts (pin_memory on: its buffers and the
+  // cpu-homed P and G, never CPU Adam's state, which no device copies).
+  EXPECT_LE(mem.pinned_capacity, pl.pinned_need()) << name;
   // Every buffer handed to the swap store (each rank's part of a pinned buffer, the loading
   // and read-back copies) is page aligned, so the store never makes its own pool of bounce
   // buffers, pinned memory outside the placement. With N = 3 and 128-element shards the ranks'

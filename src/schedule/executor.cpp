@@ -179,12 +179,20 @@ struct SlotPool {
   std::vector<Use> last;   // per slot, its latest use
   std::vector<int> first;  // per slot, its first producer
   // `preferred`: the schedule's own choice (Task::slot or Task::buffer), taken when the
-  // dependencies allow it; else the first free one, else a new one.
-  int take(int producer, const std::vector<int>& consumers, const Ancestry& anc, int preferred) {
+  // dependencies allow it; else the first free one, else a new one. `also`: the other ranks'
+  // tasks that write their parts of the same buffer; a slot is free only when its last users
+  // are done before each of them too.
+  int take(int producer, const std::vector<int>& consumers, const Ancestry& anc, int preferred,
+           const std::vector<int>& also = {}) {
+    auto done_before = [&](const Use& u, int w) {
+      bool free = anc.done(u.producer, w);
+      for (int c : u.consumers) free = free && anc.done(c, w);
+      return free;
+    };
     auto is_free = [&](const Use& u) {
       if (u.producer < 0) return true;
-      bool free = anc.done(u.producer, producer);
-      for (int c : u.consumers) free = free && anc.done(c, producer);
+      bool free = done_before(u, producer);
+      for (int w : also) free = free && done_before(u, w);
       return free;
     };
     if (preferred >= 0) {
@@ -548,7 +556,7 @@ void Executor::State::resolve(bool allocate_staging) {
   std::vector<int> pool_of(T, -1);
   std::vector<std::vector<int>> consumers(T);
   // grad_offload of ranks > 0: rank 0's, whose pinned buffer they write their parts of.
-  std::vector<int> offload_leader(T, -1);
+  std::vector<int> shared_leader(T, -1);
   auto read = [&](int producer, int consumer) {
     consumers[static_cast<size_t>(producer)].push_back(consumer);
   };
@@ -616,12 +624,17 @@ void Executor::State::resolve(bool allocate_staging) {
         if (!up(u).replicated) {
           // The shards it adds come through pinned buffers; the first micro-batch's d2h
           // (with no grad_accumulate) writes G directly.
+          // Like a grad_offload's, the staging buffer is the schedule's one pinned buffer of
+          // the unit: each rank writes its part of the first rank's (rank_part).
           for (int r : task_ranks(t, u)) {
             const int p = latest_for(TaskKind::grad_d2h, u, r, t);
             need(p, t, "grad_d2h");
+            if (src[id].empty())
+              pool_of[static_cast<size_t>(p)] = 0;
+            else
+              shared_leader[static_cast<size_t>(p)] = src[id].front();
             src[id].push_back(p);
             read(p, t.id);
-            pool_of[static_cast<size_t>(p)] = 0;
             d2h_staged[static_cast<size_t>(p)] = 1;
           }
         }
@@ -634,7 +647,7 @@ void Executor::State::resolve(bool allocate_staging) {
           if (rank0.empty())
             fail("schedule: {} has no grad_offload of rank 0 before it to share a buffer with",
                  task_label(*sc, t));
-          offload_leader[id] = rank0.back();
+          shared_leader[id] = rank0.back();
         }
         break;
       case TaskKind::adam: {
@@ -670,6 +683,10 @@ void Executor::State::resolve(bool allocate_staging) {
         for (int r : rs) {
           const int p = latest_for(TaskKind::adam, u, up(u).replicated ? 0 : r, t);
           need(p, t, "adam");
+          // The GPUs' adam tasks (O gpu, P nvme) each write their rank's part of the first
+          // one's buffer: the schedule's one pinned buffer of the unit.
+          if (!src[id].empty() && p != src[id].front())
+            shared_leader[static_cast<size_t>(p)] = src[id].front();
           src[id].push_back(p);
           read(p, t.id);
         }
@@ -684,9 +701,17 @@ void Executor::State::resolve(bool allocate_staging) {
   // Pass 2: buffers to producers, in task order, each freed by its readers.
   SlotPool pinned_pool;
   std::vector<SlotPool> param_pools(static_cast<size_t>(N)), grad_pools(static_cast<size_t>(N));
+  std::vector<std::vector<int>> followers(T);
+  for (size_t t = 0; t < T; ++t)
+    if (shared_leader[t] >= 0)
+      followers[static_cast<size_t>(shared_leader[t])].push_back(static_cast<int>(t));
   for (size_t t = 0; t < T; ++t) {
-    if (offload_leader[t] >= 0) {  // every rank's part in one buffer, freed after CPU Adam
-      slot[t] = slot[static_cast<size_t>(offload_leader[t])];
+    if (shared_leader[t] >= 0) {  // every rank's part in one buffer, freed after its readers
+      if (static_cast<size_t>(shared_leader[t]) >= t)
+        fail("schedule: {} shares the pinned buffer of {}, which comes after it",
+             task_label(*sc, sc->tasks[t]),
+             task_label(*sc, sc->tasks[static_cast<size_t>(shared_leader[t])]));
+      slot[t] = slot[static_cast<size_t>(shared_leader[t])];
       continue;
     }
     const int p = pool_of[t];
@@ -698,7 +723,8 @@ void Executor::State::resolve(bool allocate_staging) {
     slot[t] = slots.take(static_cast<int>(t), consumers[t], anc,
                          p == 0   ? task.buffer
                          : p <= N ? task.slot
-                                  : -1);
+                                  : -1,
+                         followers[t]);
   }
   pinned_pool.order_across_steps(xprev);
   for (int r = 0; r < N; ++r) {
@@ -706,7 +732,7 @@ void Executor::State::resolve(bool allocate_staging) {
     grad_pools[static_cast<size_t>(r)].order_across_steps(xprev);
   }
   for (size_t t = 0; t < T; ++t)  // the leader's first write of a buffer is theirs too
-    if (offload_leader[t] >= 0) xprev[t] = xprev[static_cast<size_t>(offload_leader[t])];
+    if (shared_leader[t] >= 0) xprev[t] = xprev[static_cast<size_t>(shared_leader[t])];
 
   if (!allocate_staging) {
     bool fits = pinned_pool.last.size() <= pinned.size();
@@ -748,7 +774,7 @@ void Executor::State::allocate() {
   for (int u = 0; u < U; ++u) max_shard = std::max(max_shard, shard(u));
   // A pinned staging buffer holds the largest transfer that goes through one (run_task): a
   // unit's P of every host rank (read from NVMe, or updated on the host or a GPU on its way
-  // out), one rank's G shard staged for accumulation, G of every host rank brought down from
+  // out), G of every host rank staged for accumulation or brought down from
   // the GPU for CPU Adam, or a unit's O of every host rank (NVMe);
   // each rank's part page aligned (rank_part).
   // The same figure as Placement's pinned_buffer_bytes.
@@ -757,20 +783,24 @@ void Executor::State::allocate() {
     const int hr = host_ranks(u);
     if (home(u).param != Tier::gpu || home(u).optimizer != Tier::gpu)
       slot_bytes = std::max(slot_bytes, rank_part(hr, shard(u) * ps));
-    if (home(u).grad != Tier::gpu) slot_bytes = std::max(slot_bytes, shard(u) * gs);
+    if (home(u).grad != Tier::gpu) slot_bytes = std::max(slot_bytes, rank_part(hr, shard(u) * gs));
     if (home(u).grad == Tier::gpu && home(u).optimizer != Tier::gpu)
       slot_bytes = std::max(slot_bytes, rank_part(hr, shard(u) * gs));
     if (home(u).optimizer == Tier::nvme)
       slot_bytes = std::max(slot_bytes, rank_part(hr, shard(u) * 12));
   }
   pinned_slot_bytes = round_up(slot_bytes, kPage);
+  // With pin_memory, the cpu-homed state a device copies to or from in place is page-locked
+  // too: parameters (param_h2d, the GPU's update coming back) and gradient accumulators (a
+  // one-rank d2h). Optimizer state is not: only CPU Adam and memcpy touch it, so locking it
+  // would buy no transfer speed, and it is the largest part (12 bytes a parameter): on one
+  // H100 machine, page-locking 73 GB for a 4.5B model took 88 s, about 54 GB of it Adam's.
   uint64_t capacity = pinned.size() * pinned_slot_bytes;
   for (int u = 0; u < U; ++u) {
     for (int r = 0; r < host_ranks(u); ++r) {
       if (!pin) break;
       if (home(u).param == Tier::cpu) capacity += round_up(shard(u) * ps, kPage);
       if (home(u).grad == Tier::cpu) capacity += round_up(shard(u) * gs, kPage);
-      if (home(u).optimizer == Tier::cpu) capacity += round_up(shard(u) * 12, kPage);
     }
   }
   bool cuda = false;
@@ -781,7 +811,7 @@ void Executor::State::allocate() {
         "limit is {}; raise it (--pinned-memory, ulimit -l), set pin_memory false, or lower the "
         "buffer count",
         format_bytes(capacity), pinned.size(), format_bytes(pinned_slot_bytes),
-        pin ? " and cpu-homed state" : "", format_bytes(opt.pinned_limit));
+        pin ? " and cpu-homed parameters and gradients" : "", format_bytes(opt.pinned_limit));
   if (capacity > 0) {
     PinnedPoolOptions po;
     po.capacity = capacity;
@@ -806,7 +836,7 @@ void Executor::State::allocate() {
       host_g[static_cast<size_t>(u)].push_back(
           home(u).grad == Tier::cpu ? host_alloc(n * gs, "gradients of " + what, pin) : nullptr);
       host_o[static_cast<size_t>(u)].push_back(
-          home(u).optimizer == Tier::cpu ? host_alloc(n * 12, "optimizer state of " + what, pin)
+          home(u).optimizer == Tier::cpu ? host_alloc(n * 12, "optimizer state of " + what, false)
                                          : nullptr);
       if (home(u).param == Tier::nvme) nvme_bytes += round_up(n * ps, pl.request.nvme_stripe);
       if (home(u).optimizer == Tier::nvme) nvme_bytes += round_up(n * 12, pl.request.nvme_stripe);
@@ -1369,7 +1399,7 @@ void Executor::State::run_task(const Task& t, int64_t k) {
         return;
       }
       char* to = d2h_staged[static_cast<size_t>(t.id)]
-                     ? pin(t.id)
+                     ? pin(t.id) + rank_part(r, n * gs)
                      : host_g[static_cast<size_t>(u)][static_cast<size_t>(r)];
       const int p = src[static_cast<size_t>(t.id)][0];
       Stream& st = *streams[static_cast<size_t>(r)].d2h;
@@ -1386,7 +1416,7 @@ void Executor::State::run_task(const Task& t, int64_t k) {
       const std::vector<int> rs = task_ranks(t, u);
       for (size_t i = 0; i < rs.size(); ++i) {
         char* g = host_g[static_cast<size_t>(u)][static_cast<size_t>(rs[i])];
-        const char* a = pin(src[static_cast<size_t>(t.id)][i]);
+        const char* a = pin(src[static_cast<size_t>(t.id)][i]) + rank_part(rs[i], n * gs);
         // On CPU Adam's threads, in its statistics chunks, as the simulator assumes (one thread
         // ran at an eighth of grad_stats' rate on 2 cores); each element's sum is the same
         // whatever the split.

@@ -112,7 +112,7 @@ std::string over_budget(const TuneSpace& s, const Placement& p, const TierBudget
   return "";
 }
 
-// Places candidate c and checks it: pinning the cpu-homed state when the pinned limit allows,
+// Places candidate c and checks it: pinning the cpu-homed P and G when the pinned limit allows,
 // else pinning only the buffers. Returns the placement when it fits.
 std::optional<Placement> place(const TuneSpace& s, const TierBudgets& b, TuneCandidate& c) {
   std::optional<Placement> p;

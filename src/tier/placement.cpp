@@ -265,8 +265,8 @@ uint64_t Placement::pinned_need() const {
   uint64_t n = pinned_bytes();
   if (request.pin_memory) {
     const TierBytes t = needs();
-    n += t.at(Tier::cpu, StateKind::parameters) + t.at(Tier::cpu, StateKind::gradients) +
-         t.at(Tier::cpu, StateKind::optimizer);
+    // Not the optimizer state: CPU Adam reads it in place and no device copies it (executor).
+    n += t.at(Tier::cpu, StateKind::parameters) + t.at(Tier::cpu, StateKind::gradients);
   }
   return n;
 }
@@ -433,7 +433,8 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& request,
     const UnitPartition& up = unit(u);
     if (h.param != Tier::gpu || h.optimizer != Tier::gpu)
       largest_moving = std::max(largest_moving, host_bytes(up, shape.ranks, z.ps));
-    if (h.grad != Tier::gpu) largest_moving = std::max(largest_moving, up.resident() * z.gs);
+    if (h.grad != Tier::gpu)  // staged for grad_accumulate, every rank's part in one buffer
+      largest_moving = std::max(largest_moving, host_bytes(up, shape.ranks, z.gs));
     if (h.grad == Tier::gpu && h.optimizer != Tier::gpu)  // brought down for CPU Adam
       largest_moving = std::max(largest_moving, host_bytes(up, shape.ranks, z.gs));
     if (h.optimizer == Tier::nvme)
@@ -614,8 +615,9 @@ void Placement::check(const TierBudgets& budgets) const {
     m += "  - keep more in host RAM (offload_param.device cpu, or a larger max_in_cpu)\n";
   }
   if (pinned_limited && rows[3].need > rows[3].have) {
-    m += fmt::format("pinned: {} of buffers{}\n", format_bytes(pinned_bytes()),
-                     request.pin_memory ? " plus the cpu-homed state (pin_memory true)" : "");
+    m += fmt::format(
+        "pinned: {} of buffers{}\n", format_bytes(pinned_bytes()),
+        request.pin_memory ? " plus the cpu-homed parameters and gradients (pin_memory true)" : "");
     m += "  - raise the pinned-memory limit (--pinned-memory, at most ulimit -l; memlock in "
          "/etc/security/limits.conf)\n";
     if (request.pin_memory) m += "  - set pin_memory false to pin only the buffers\n";
@@ -660,7 +662,7 @@ std::string Placement::str() const {
   if (pinned_buffers > 0)
     s += fmt::format("  pinned buffers: {} x {} = {} (one unit in flight each){}\n", pinned_buffers,
                      format_bytes(pinned_buffer_bytes), format_bytes(pinned_bytes()),
-                     request.pin_memory ? fmt::format("; {} page-locked with the cpu-homed state",
+                     request.pin_memory ? fmt::format("; {} page-locked with the cpu-homed P and G",
                                                       format_bytes(pinned_need()))
                                         : std::string());
   else

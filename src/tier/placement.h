@@ -90,7 +90,7 @@ struct OffloadRequest {
 // once), so each is the largest such transfer: P (param dtype) or O (master+m+v) over all
 // ranks (each rank's shard starting on a 4 KiB page, so the swap store moves it in place with
 // O_DIRECT), G over all ranks (grad dtype; gradients kept on the GPU on their way to CPU
-// Adam), or one rank's G shard (staged for accumulation in host RAM), rounded up to 4 KiB.
+// Adam, or staged for accumulation in host RAM), rounded up to 4 KiB.
 // DeepSpeed's buffer_size is not acted on: the executor moves a unit's transfer whole, never in
 // pieces.
 
@@ -211,7 +211,9 @@ struct Placement {
     int units = 0, on_gpu = 0;
   };
   OffloadedGradients offloaded_gradients() const;
-  // Page-locked bytes the run needs: the buffers, plus cpu-homed state when pin_memory.
+  // Page-locked bytes the run needs: the buffers, plus, when pin_memory, the cpu-homed
+  // parameters and gradient accumulators (devices copy them in place). Optimizer state is never
+  // page-locked: only CPU Adam reads it.
   uint64_t pinned_need() const;
   // Throws Error when a tier's need exceeds its budget: the message holds the table of
   // needed versus available bytes per tier (and per kind for the tiers that overflow) and
