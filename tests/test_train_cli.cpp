@@ -283,7 +283,7 @@ TEST(TrainCli, Fp16OnAGpuIsRefusedBeforeTraining) {
     SCOPED_TRACE(how);
     const fs::path run = dir.path / ("run-" + std::to_string(how.size()));
     const test::CommandResult r = strata("train " + kTiny + "--data " + data.string() +
-                                         " --steps 2 --devices cuda:0 --device-memory 4GiB " + how +
+                                         " --steps 2 --devices cuda:0 --device-memory 1GiB " + how +
                                          " --run-dir " + run.string());
     EXPECT_EQ(r.status, 1) << r.out;
     for (const char* want : {"f16 kernels", "bf16", "--devices host:N"})
@@ -305,7 +305,7 @@ TEST(TrainCli, ActivationCheckpointingOffOnAGpuGivesTheSameBits) {
   expect_flags_keep_the_bits(
       dir.path,
       "train " + kTiny + "--data " + data.string() +
-          " --grad-accum 2 --devices cuda:0 --device-memory 4GiB --dtype bf16 --threads 1",
+          " --grad-accum 2 --devices cuda:0 --device-memory 1GiB --dtype bf16 --threads 1",
       "--activation-checkpointing off", 2);
 }
 
@@ -357,7 +357,7 @@ TEST(TrainCli, GradientsOnTheDeviceOnAGpuGiveTheSameBits) {
   if (cuda_runtime().gpus.empty())
     GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
   expect_gradient_homes_same_bits(
-      {"--devices cuda:0 --device-memory 4GiB --dtype bf16 --offload-optimizer cpu"});
+      {"--devices cuda:0 --device-memory 1GiB --dtype bf16 --offload-optimizer cpu"});
 }
 
 // --eval-data: the held-out loss every --eval-every steps and after the last, from the

@@ -19,7 +19,7 @@ namespace strata::test {
 // `args` with `--devices host` added when it runs a command on devices and names none: without
 // it strata takes cuda:0 on a machine with a GPU, an arena there takes the GPU's free memory,
 // and ctest -j runs many of these at once. These suites test the host backend, as CI does; their
-// *OnAGpu* tests name cuda:0 with a small --device-memory and carry the gpu label too.
+// *OnAGpu* tests name cuda:0 with a 1 GiB --device-memory and carry the gpu label too.
 inline std::string on_host_unless_named(const std::string& args) {
   const std::string verb = args.substr(0, args.find(' '));
   const bool on_devices = verb == "train" || verb == "eval" || verb == "generate" || verb == "tune";
