@@ -783,8 +783,7 @@ void Executor::State::allocate() {
     const int hr = host_ranks(u);
     if (home(u).param != Tier::gpu || home(u).optimizer != Tier::gpu)
       slot_bytes = std::max(slot_bytes, rank_part(hr, shard(u) * ps));
-    if (home(u).grad != Tier::gpu) slot_bytes = std::max(slot_bytes, rank_part(hr, shard(u) * gs));
-    if (home(u).grad == Tier::gpu && home(u).optimizer != Tier::gpu)
+    if (home(u).grad != Tier::gpu || home(u).optimizer != Tier::gpu)  // staged, or for CPU Adam
       slot_bytes = std::max(slot_bytes, rank_part(hr, shard(u) * gs));
     if (home(u).optimizer == Tier::nvme)
       slot_bytes = std::max(slot_bytes, rank_part(hr, shard(u) * 12));

@@ -433,9 +433,8 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& request,
     const UnitPartition& up = unit(u);
     if (h.param != Tier::gpu || h.optimizer != Tier::gpu)
       largest_moving = std::max(largest_moving, host_bytes(up, shape.ranks, z.ps));
-    if (h.grad != Tier::gpu)  // staged for grad_accumulate, every rank's part in one buffer
-      largest_moving = std::max(largest_moving, host_bytes(up, shape.ranks, z.gs));
-    if (h.grad == Tier::gpu && h.optimizer != Tier::gpu)  // brought down for CPU Adam
+    // G of every rank in one buffer: staged for grad_accumulate, or brought down for CPU Adam.
+    if (h.grad != Tier::gpu || h.optimizer != Tier::gpu)
       largest_moving = std::max(largest_moving, host_bytes(up, shape.ranks, z.gs));
     if (h.optimizer == Tier::nvme)
       largest_moving =
