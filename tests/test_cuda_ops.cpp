@@ -463,41 +463,34 @@ std::vector<AttentionCase> attention_cases() {
   return cases;
 }
 
-// Whether the CUDA backend's tensor-core attention (attention_tc.cu) takes a case.
+// Whether the CUDA backend's tensor-core attention (attention_mma.cu, attention_tc.cu) takes a
+// case.
 bool on_tensor_cores(const AttentionCase& c) {
   return c.dtype == bf16 && c.head_dim % 16 == 0 && c.head_dim <= 128;
 }
 
-// Whether this GPU's shared memory per block holds the tensor-core backward at head_dim.
-bool tensor_core_backward_fits(int64_t head_dim) {
 #if STRATA_HAVE_CUDA
+// Whether this GPU's shared memory per block holds a tensor-core backward needing `bytes`.
+bool backward_fits(uint64_t bytes) {
   int device = 0, optin = 0;
   return cudaGetDevice(&device) == cudaSuccess &&
          cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) ==
              cudaSuccess &&
-         attention_tc_backward_shared_bytes(head_dim) <= static_cast<uint64_t>(optin);
-#else
-  (void)head_dim;
-  return false;
-#endif
+         bytes <= static_cast<uint64_t>(optin);
 }
 
-// attention_tensor_cores(false) for a scope: every call to the SIMT kernels.
-struct SimtAttention {
-  SimtAttention() {
-#if STRATA_HAVE_CUDA
-    attention_tensor_cores(false);
-#endif
-  }
-  ~SimtAttention() {
-#if STRATA_HAVE_CUDA
-    attention_tensor_cores(true);
-#endif
-  }
+// attention_kernels(k) for a scope.
+struct AttentionPath {
+  explicit AttentionPath(AttentionKernels k) { attention_kernels(k); }
+  ~AttentionPath() { attention_kernels(AttentionKernels::kMma); }
+  AttentionPath(const AttentionPath&) = delete;
+  AttentionPath& operator=(const AttentionPath&) = delete;
 };
+#endif
 
-// Each case against the host backend; bf16 cases the tensor cores take run a second time on the
-// SIMT kernels, which must pass too, and give other bits (or the tensor cores never ran).
+// Each case against the host backend; bf16 cases the tensor cores take run on each path in turn
+// (mma.sync, wmma, SIMT), which must all pass, and the path asked for must be the one that ran
+// (a backward whose shared memory this GPU lacks takes the next path).
 TEST_F(CudaOpsTest, AttentionForwardAndBackward) {
   Rng rng(7);
   for (const AttentionCase& c : attention_cases()) {
@@ -515,20 +508,41 @@ TEST_F(CudaOpsTest, AttentionForwardAndBackward) {
                              v.view(), out.view(), lse.view());
     DeviceTensor q_dev = upload(q), k_dev = upload(k), v_dev = upload(v);
     DeviceTensor dout_dev = upload(dout), out_in = upload(out), lse_in = upload(lse);
-    std::vector<HostTensor> runs;  // out and dq of each run
-    const bool both = on_cuda() && on_tensor_cores(c);
-    for (const bool tensor_cores : {true, false}) {
-      if (!tensor_cores && !both) break;
-      std::optional<SimtAttention> simt;
-      if (!tensor_cores) simt.emplace();
+    const bool all_paths = on_cuda() && on_tensor_cores(c);
+    const int paths = all_paths ? 3 : 1;
+    for (int path = 0; path < paths; ++path) {
+#if STRATA_HAVE_CUDA
+      std::optional<AttentionPath> scope;
+      if (all_paths) scope.emplace(static_cast<AttentionKernels>(path));
+#endif
+      static constexpr const char* kNames[] = {" mma.sync", " wmma", " SIMT"};
       SCOPED_TRACE(fmt::format("{} batch {} seq {} heads {} kv_heads {} head_dim {}{}",
                                dtype_name(c.dtype), c.batch, c.seq, c.heads, c.kv_heads, c.head_dim,
-                               both ? (tensor_cores ? " tensor cores" : " SIMT") : ""));
+                               all_paths ? kNames[path] : ""));
+#if STRATA_HAVE_CUDA
+      // The paths the forward and the backward must take.
+      AttentionKernels forward_path = AttentionKernels::kSimt, backward_path = forward_path;
+      if (all_paths) {
+        forward_path = static_cast<AttentionKernels>(path);
+        backward_path = AttentionKernels::kSimt;
+        if (path == 0 && backward_fits(attention_mma_backward_shared_bytes(c.head_dim)))
+          backward_path = AttentionKernels::kMma;
+        else if (path <= 1 && backward_fits(attention_tc_backward_shared_bytes(c.head_dim)))
+          backward_path = AttentionKernels::kWmma;
+      }
+      const uint64_t forward_calls = attention_calls(forward_path);
+#endif
       DeviceTensor out_dev = empty(c.dtype, qs), lse_dev = empty(f32, ls);
       gpu().attention_forward(out_dev.view(), lse_dev.view(), q_dev.view(), k_dev.view(),
                               v_dev.view(), stream());
-      runs.push_back(out_dev.fetch("out"));
-      expect_close("out", runs.back(), out, tolerance(c.dtype, c.dtype));
+#if STRATA_HAVE_CUDA
+      if (on_cuda()) {
+        EXPECT_EQ(attention_calls(forward_path), forward_calls + 1)
+            << "the forward did not take path " << static_cast<int>(forward_path);
+      }
+      const uint64_t backward_calls = attention_calls(backward_path);
+#endif
+      expect_close("out", out_dev.fetch("out"), out, tolerance(c.dtype, c.dtype));
       expect_close("lse", lse_dev.fetch("lse"), lse, tolerance(f32, c.dtype));
 
       // Backward from the host's out and lse on both sides.
@@ -541,18 +555,15 @@ TEST_F(CudaOpsTest, AttentionForwardAndBackward) {
       // ~1e-6 of rounding noise on either backend (different noise: the GPU sums in another
       // order), so they are measured against elements of 0.1, the size of real gradients here.
       const double tol = tolerance(c.dtype, c.dtype), floor = 0.1;
-      runs.push_back(dq_dev.fetch("dq"));
-      expect_close("dq", runs.back(), dq, tol, floor);
+#if STRATA_HAVE_CUDA
+      if (on_cuda()) {
+        EXPECT_EQ(attention_calls(backward_path), backward_calls + 1)
+            << "the backward did not take path " << static_cast<int>(backward_path);
+      }
+#endif
+      expect_close("dq", dq_dev.fetch("dq"), dq, tol, floor);
       expect_close("dk", dk_dev.fetch("dk"), dk, tol, floor);
       expect_close("dv", dv_dev.fetch("dv"), dv, tol, floor);
-    }
-    if (both && c.seq > 1) {
-      EXPECT_TRUE(runs[0].bytes != runs[2].bytes)
-          << "out: the tensor cores gave the SIMT kernels' bits; did they run?";
-      if (tensor_core_backward_fits(c.head_dim)) {
-        EXPECT_TRUE(runs[1].bytes != runs[3].bytes)
-            << "dq: the tensor cores gave the SIMT kernels' bits; did they run?";
-      }
     }
   }
 }
@@ -578,6 +589,7 @@ TEST(CudaCheck, NamesTheCallTheGpuTheErrorAndTheLine) {
 // forced by telling the launcher that only that tile's memory is available.
 TEST_F(CudaOpsTest, AttentionBackwardWithSmallerQueryTiles) {
   if (!on_cuda()) GTEST_SKIP() << "the query tile is the CUDA backward's; nothing to force here";
+  const AttentionPath simt(AttentionKernels::kSimt);  // the tiles are the SIMT backward's
   Rng rng(11);
   const std::vector<AttentionCase> cases = {{2, 129, 8, 2, 64, f32},
                                             {1, 65, 4, 2, 128, bf16},

@@ -205,7 +205,7 @@ TEST(BenchAttentionCli, BadShapesAreNamed) {
   EXPECT_NE(r.out.find("--seq-len 0"), std::string::npos) << r.out;
 }
 
-// On a GPU in bf16: the tensor-core kernels and the SIMT kernels, each verified, side by side.
+// On a GPU in bf16: both tensor-core paths and the SIMT kernels, each verified, side by side.
 TEST(BenchAttentionCli, OnAGpuTensorCoresBesideSimt) {
   if (cuda_runtime().gpus.empty())
     GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
@@ -215,9 +215,10 @@ TEST(BenchAttentionCli, OnAGpuTensorCoresBesideSimt) {
   const auto j = nlohmann::json::parse(r.out, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << r.out;
   EXPECT_EQ(j["dtype"], "bf16");
-  ASSERT_EQ(j["runs"].size(), 2u) << r.out;
-  EXPECT_EQ(j["runs"][0]["kernels"], "tensor cores");
-  EXPECT_EQ(j["runs"][1]["kernels"], "SIMT");
+  ASSERT_EQ(j["runs"].size(), 3u) << r.out;
+  EXPECT_EQ(j["runs"][0]["kernels"], "mma.sync");
+  EXPECT_EQ(j["runs"][1]["kernels"], "wmma");
+  EXPECT_EQ(j["runs"][2]["kernels"], "SIMT");
 }
 
 }  // namespace

@@ -1,7 +1,7 @@
 // bench_attention.cpp: `strata bench attention`, the causal grouped-query attention kernels
 // forward and backward at one shape on one device: time and model TFLOP/s, and on a GPU in bf16
-// the tensor-core kernels (attention_tc.cu) beside the SIMT kernels (attention.cu), the same
-// calls in one run.
+// the two tensor-core paths (attention_mma.cu's mma.sync, attention_tc.cu's wmma) beside the
+// SIMT kernels (attention.cu), the same calls in one run.
 //
 // Before it reports a speed it verifies each kernel against the host backend in f32 on the same
 // heads over at most 192 positions (three of the tensor cores' 64-row tiles, so the diagonal and
@@ -44,12 +44,14 @@ struct Dims {
   Shape lse() const { return {batch, heads, seq}; }
 };
 
-// Which kernels run: the device's default, or on CUDA the SIMT kernels only.
-enum class Path { kDefault, kSimt };
+// Which kernels run: the device's default, or on CUDA wmma's (then SIMT's), or SIMT's only.
+enum class Path { kDefault, kWmma, kSimt };
 
 void select(Path p) {
 #if STRATA_HAVE_CUDA
-  attention_tensor_cores(p == Path::kDefault);
+  attention_kernels(p == Path::kDefault ? AttentionKernels::kMma
+                    : p == Path::kWmma  ? AttentionKernels::kWmma
+                                        : AttentionKernels::kSimt);
 #else
   (void)p;
 #endif
@@ -227,14 +229,13 @@ int run_bench_attention(const BenchAttentionArgs& a) {
   const DType dtype = model_dtype(device, a.dtype);
   const Dims d{a.batch, a.seq_len, a.heads, a.kv_heads, a.head_dim};
 
-  // On a GPU in bf16 both kernel families, else the device's one.
-  // The host backend's one kernel; on a GPU the SIMT kernels, and first the tensor-core ones
-  // where they apply (bf16, head_dim a multiple of 16 up to 128: attention_tc.cu).
+  // The host backend's one kernel; on a GPU the SIMT kernels, and first the two tensor-core
+  // paths where they apply (bf16, head_dim a multiple of 16 up to 128).
   std::vector<std::pair<Path, std::string>> paths = {{Path::kDefault, "host"}};
   if (device.backend() == Backend::cuda) {
     paths = {{Path::kSimt, "SIMT"}};
     if (dtype == DType::bf16 && a.head_dim % 16 == 0 && a.head_dim <= 128)
-      paths.insert(paths.begin(), {Path::kDefault, "tensor cores"});
+      paths.insert(paths.begin(), {{Path::kDefault, "mma.sync"}, {Path::kWmma, "wmma"}});
   }
   for (const auto& [path, label] : paths) verify(device, dtype, d, path, label.c_str());
 
@@ -278,10 +279,10 @@ int run_bench_attention(const BenchAttentionArgs& a) {
         "  {:<13} forward {:8.3f} ms {:7.2f} TFLOP/s   backward {:8.3f} ms {:7.2f} TFLOP/s\n",
         t.kernels, t.forward_s * 1e3, fwd_flops / t.forward_s / 1e12, t.backward_s * 1e3,
         bwd_flops / t.backward_s / 1e12);
-  if (timings.size() == 2)
+  for (size_t i = 1; i < timings.size(); ++i)
     fmt::print("  {} / {}: forward {:.2f}x, backward {:.2f}x faster\n", timings[0].kernels,
-               timings[1].kernels, timings[1].forward_s / timings[0].forward_s,
-               timings[1].backward_s / timings[0].backward_s);
+               timings[i].kernels, timings[i].forward_s / timings[0].forward_s,
+               timings[i].backward_s / timings[0].backward_s);
   fmt::print("  (median of {}; model FLOPs: forward {:.3g}, backward {:.3g})\n", a.steps, fwd_flops,
              bwd_flops);
   return 0;

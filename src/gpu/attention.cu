@@ -1,6 +1,7 @@
 // attention.cu: causal grouped-query attention, forward and backward, tiled so that the T x T
 // score matrix never exists (the flash-attention algorithm, in plain f32 SIMT code). bf16 calls
-// with head_dim a multiple of 16 up to 128 go to attention_tc.cu's tensor-core kernels first.
+// with head_dim a multiple of 16 up to 128 go to the tensor-core kernels first (attention_mma.cu,
+// then attention_tc.cu).
 //
 // Layouts (core/kernels.h): q, out [B,T,H,hd]; k, v [B,T,Hkv,hd]; lse [B,H,T] f32; query head h
 // reads kv head h / (H / Hkv). Scores are scale * q.k with scale = 1/sqrt(hd).
@@ -22,6 +23,8 @@
 // cannot see does not turn its output into NaN (0 * Inf).
 #include "gpu/kernel_common.cuh"
 #include "gpu/ops.h"
+
+#include <atomic>
 
 namespace strata {
 namespace {
@@ -377,6 +380,26 @@ void dispatch_slots(int64_t head_dim, F&& f) {
 
 }  // namespace
 
+namespace {
+std::atomic<AttentionKernels> g_kernels{AttentionKernels::kMma};
+std::atomic<uint64_t> g_calls[3];
+
+void count(AttentionKernels k) {
+  g_calls[static_cast<int>(k)].fetch_add(1, std::memory_order_relaxed);
+}
+}  // namespace
+
+uint64_t attention_calls(AttentionKernels k) {
+  return g_calls[static_cast<int>(k)].load(std::memory_order_relaxed);
+}
+
+void attention_kernels(AttentionKernels k) {
+  g_kernels.store(k, std::memory_order_relaxed);
+}
+AttentionKernels attention_kernels() {
+  return g_kernels.load(std::memory_order_relaxed);
+}
+
 uint64_t attention_shared_bytes_min(int64_t head_dim) {
   return std::max({forward_bytes(head_dim), dq_bytes(head_dim), dkdv_bytes(head_dim, kWarps)});
 }
@@ -389,7 +412,11 @@ void launch_attention_forward(void* out, float* lse, const void* q, const void* 
                               DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
                               cudaStream_t stream) {
   if (dims.batch * dims.seq * dims.heads == 0) return;
-  if (attention_tc_forward(out, lse, q, k, v, t, dims, max_shared_bytes, stream)) return;
+  if (attention_mma_forward(out, lse, q, k, v, t, dims, max_shared_bytes, stream))
+    return count(AttentionKernels::kMma);
+  if (attention_tc_forward(out, lse, q, k, v, t, dims, max_shared_bytes, stream))
+    return count(AttentionKernels::kWmma);
+  count(AttentionKernels::kSimt);
   const Geometry g = geometry(dims);
   gpu::dispatch(t, [&]<typename T>() {
     dispatch_slots(dims.head_dim, [&]<int NR>() {
@@ -412,8 +439,12 @@ void launch_attention_backward(void* dq, void* dk, void* dv, const void* dout, c
                                DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
                                cudaStream_t stream) {
   if (dims.batch * dims.seq * dims.heads == 0) return;
+  if (attention_mma_backward(dq, dk, dv, dout, q, k, v, out, lse, t, dims, max_shared_bytes,
+                             stream))
+    return count(AttentionKernels::kMma);
   if (attention_tc_backward(dq, dk, dv, dout, q, k, v, out, lse, t, dims, max_shared_bytes, stream))
-    return;
+    return count(AttentionKernels::kWmma);
+  count(AttentionKernels::kSimt);
   const Geometry g = geometry(dims);
   // The largest query tile whose shared memory fits (32 rows: 8 warps x 4 in phase 1).
   int brq = 32;

@@ -27,7 +27,6 @@
 
 #include <mma.h>
 
-#include <atomic>
 #include <cstring>
 
 namespace strata {
@@ -52,8 +51,6 @@ using FragA = wmma::fragment<wmma::matrix_a, kSub, kSub, kSub, bf16, wmma::row_m
 using FragBRow = wmma::fragment<wmma::matrix_b, kSub, kSub, kSub, bf16, wmma::row_major>;
 using FragBCol = wmma::fragment<wmma::matrix_b, kSub, kSub, kSub, bf16, wmma::col_major>;
 using FragC = wmma::fragment<wmma::accumulator, kSub, kSub, kSub, float>;
-
-std::atomic<bool> g_enabled{true};
 
 // head_dim is each kernel's template parameter (16 NS), not a field.
 struct Geometry {
@@ -475,7 +472,7 @@ Geometry geometry(const AttentionDims& d) {
 // Whether the tensor-core kernels take a call of dtype t that needs `bytes` of shared memory.
 bool applies(DType t, const AttentionDims& d, uint64_t bytes, uint64_t max_shared_bytes,
              std::initializer_list<const void*> pointers) {
-  if (!g_enabled.load(std::memory_order_relaxed) || t != DType::bf16) return false;
+  if (attention_kernels() == AttentionKernels::kSimt || t != DType::bf16) return false;
   if (d.head_dim % kSub != 0 || d.head_dim > kMaxHeadDim || bytes > max_shared_bytes) return false;
   for (const void* p : pointers)
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
@@ -501,10 +498,6 @@ dim3 grid_of(int64_t seq, int64_t heads, int64_t batch) {
 
 uint64_t attention_tc_backward_shared_bytes(int64_t head_dim) {
   return std::max(dq_bytes(static_cast<int>(head_dim)), dkdv_bytes(static_cast<int>(head_dim)));
-}
-
-void attention_tensor_cores(bool enabled) {
-  g_enabled.store(enabled, std::memory_order_relaxed);
 }
 
 bool attention_tc_forward(void* out, float* lse, const void* q, const void* k, const void* v,

@@ -69,10 +69,18 @@ void launch_attention_backward(void* dq, void* dk, void* dv, const void* dout, c
                                DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
                                cudaStream_t stream);
 
-// ---- attention_tc.cu: the same on tensor cores (wmma), for bf16 with head_dim a multiple of
-// 16 up to 128, where the device's shared memory allows and every pointer is 16-byte aligned.
-// The launchers above call these first; each launches nothing and returns false where it does
-// not apply.
+// ---- attention_mma.cu and attention_tc.cu: the same on tensor cores, for bf16 with head_dim a
+// multiple of 16 up to 128, where the device's shared memory allows and every pointer is 16-byte
+// aligned. attention_mma.cu keeps the scores in registers (mma.sync, sm_80+); attention_tc.cu
+// passes them through shared memory (wmma). The launchers above call the mma kernels first,
+// then the wmma ones; each launches nothing and returns false where it does not apply.
+bool attention_mma_forward(void* out, float* lse, const void* q, const void* k, const void* v,
+                           DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
+                           cudaStream_t stream);
+bool attention_mma_backward(void* dq, void* dk, void* dv, const void* dout, const void* q,
+                            const void* k, const void* v, const void* out, const float* lse,
+                            DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
+                            cudaStream_t stream);
 bool attention_tc_forward(void* out, float* lse, const void* q, const void* k, const void* v,
                           DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
                           cudaStream_t stream);
@@ -80,12 +88,19 @@ bool attention_tc_backward(void* dq, void* dk, void* dv, const void* dout, const
                            const void* k, const void* v, const void* out, const float* lse, DType t,
                            const AttentionDims& dims, uint64_t max_shared_bytes,
                            cudaStream_t stream);
-// The dynamic shared memory the tensor-core backward needs per block at `head_dim` (a GPU
-// allowing less takes the SIMT backward; the forward needs less than every sm_80+ GPU allows).
+// The dynamic shared memory each tensor-core backward needs per block at `head_dim` (a GPU
+// allowing less takes the next path; every forward needs less than every sm_80+ GPU allows).
+uint64_t attention_mma_backward_shared_bytes(int64_t head_dim);
 uint64_t attention_tc_backward_shared_bytes(int64_t head_dim);
-// Whether the tensor-core kernels take the calls they apply to (the default) or leave every
-// call to the SIMT kernels; process-wide, for tests and benchmarks that compare the two.
-void attention_tensor_cores(bool enabled);
+// Which attention kernels take the calls they apply to: all three in turn (kMma, the default),
+// wmma then SIMT (kWmma), or SIMT only (kSimt). Process-wide, for tests and benchmarks that
+// compare them.
+enum class AttentionKernels { kMma, kWmma, kSimt };
+void attention_kernels(AttentionKernels k);
+AttentionKernels attention_kernels();
+// How many forward and backward calls each path has taken in this process (tests check that
+// the path they asked for ran).
+uint64_t attention_calls(AttentionKernels k);
 
 // ---- swiglu.cu ----
 void launch_swiglu_forward(void* h, DType h_t, const void* gate, DType gate_t, const void* up,

@@ -1,6 +1,8 @@
 // emu_test.cu: the emulator's own checks, written as CUDA and run through rewrite.cpp like
 // strata's kernels: that a block's threads meet at barriers and exchange values in shuffles,
 // and that what would hang, fault or race on a GPU shows up here instead of passing.
+#include "gpu/mma_sync.cuh"
+
 #include <cuda_bf16.h>
 #include <gtest/gtest.h>
 #include <mma.h>
@@ -121,6 +123,49 @@ __global__ void wmma_misuse(float* c, const __nv_bfloat16* a, int kind) {
   wmma::load_matrix_sync(fb, a, 16);
   if (kind != 1 || lane < 16) wmma::mma_sync(acc, fa, fb, acc);
   wmma::store_matrix_sync(c, acc, 16, wmma::mem_row_major);
+}
+
+// mma_sync.cuh's fragment loaders and product against the PTX ISA's layouts, written out here
+// once more from its tables: a (16 x 16) and b (16 x 16, k x n), both row-major in global
+// memory, staged in shared memory with a padded stride; b also transposed (n x k). d (16 x 16)
+// = a . b from two m16n8k16 products, stored by the C layout. bad[lane] counts the registers
+// that differ from the tables' (ldmatrix of a, of b, and of b^T).
+__global__ void ptx_product(float* d, int* bad, const __nv_bfloat16* a, const __nv_bfloat16* b) {
+  constexpr int ld = 24;
+  extern __shared__ __nv_bfloat16 tiles[];  // 3 x 16 x ld, 16-byte aligned rows
+  __nv_bfloat16* sa = tiles;
+  __nv_bfloat16* sb = sa + 16 * ld;
+  __nv_bfloat16* sbt = sb + 16 * ld;
+  const int lane = static_cast<int>(threadIdx.x), g = lane / 4, t = lane % 4;
+  for (int i = lane; i < 256; i += 32) {
+    sa[(i / 16) * ld + i % 16] = a[i];
+    sb[(i / 16) * ld + i % 16] = b[i];
+    sbt[(i % 16) * ld + i / 16] = b[i];
+  }
+  __syncwarp();
+  auto bits = [](__nv_bfloat16 lo, __nv_bfloat16 hi) {
+    return static_cast<uint32_t>(lo.x) | static_cast<uint32_t>(hi.x) << 16;
+  };
+  uint32_t fa[4], fb[4], fbt[4];
+  strata::gpu::load_a(fa, sa, ld, 0, 0, lane);
+  strata::gpu::load_b(fb, sb, ld, 0, 0, lane);
+  strata::gpu::load_b_transposed(fbt, sbt, ld, 0, 0, lane);
+  int wrong = 0;
+  for (int r = 0; r < 4; ++r) {
+    // A: register r holds row g + 8 (r % 2), columns 2t + 8 (r / 2) and the next.
+    const int row = g + 8 * (r % 2), col = 2 * t + 8 * (r / 2);
+    wrong += fa[r] != bits(a[row * 16 + col], a[row * 16 + col + 1]);
+    // B of n-tile r / 2: register r % 2 holds rows k = 2t + 8 (r % 2) and the next, column g.
+    const int k = 2 * t + 8 * (r % 2), n = g + 8 * (r / 2);
+    const uint32_t want_b = bits(b[k * 16 + n], b[(k + 1) * 16 + n]);
+    wrong += (fb[r] != want_b) + (fbt[r] != want_b);
+  }
+  bad[lane] = wrong;
+  float acc[2][4] = {};
+  strata::gpu::mma_16816(acc[0], fa, fb[0], fb[1]);
+  strata::gpu::mma_16816(acc[1], fa, fb[2], fb[3]);
+  for (int n = 0; n < 2; ++n)
+    for (int r = 0; r < 4; ++r) d[(g + 8 * (r / 2)) * 16 + 8 * n + 2 * t + r % 2] = acc[n][r];
 }
 
 class CudaEmu : public ::testing::Test {
@@ -269,6 +314,42 @@ TEST_F(CudaEmu, WmmaProductsMatchALoopInAnyLayout) {
   }
   (void)cudaFree(da);
   (void)cudaFree(db);
+}
+
+TEST_F(CudaEmu, PtxFragmentsFollowTheDocumentedLayouts) {
+  // Integer-valued inputs: every product and sum is exact in f32, whatever the order.
+  std::vector<__nv_bfloat16> a(256), b(256);
+  for (size_t i = 0; i < 256; ++i) {
+    a[i] = __float2bfloat16_rn(static_cast<float>(static_cast<int>(i * 7 % 11) - 5));
+    b[i] = __float2bfloat16_rn(static_cast<float>(static_cast<int>(i * 5 % 13) - 6));
+  }
+  __nv_bfloat16 *da = nullptr, *db = nullptr;
+  int* bad = nullptr;
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&da), 512), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&db), 512), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(reinterpret_cast<void**>(&bad), 32 * sizeof(int)), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(da, a.data(), 512, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(db, b.data(), 512, cudaMemcpyHostToDevice), cudaSuccess);
+  float* d = device_floats(256);
+  ptx_product<<<1, 32, 3 * 16 * 24 * 2, stream_>>>(d, bad, da, db);
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  const std::vector<float> got = fetch(d, 256);
+  std::vector<int> wrong_registers(32);
+  ASSERT_EQ(cudaMemcpy(wrong_registers.data(), bad, 32 * sizeof(int), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  for (int l = 0; l < 32; ++l) EXPECT_EQ(wrong_registers[size_t(l)], 0) << "lane " << l;
+  int wrong = 0;
+  for (int r = 0; r < 16; ++r)
+    for (int n = 0; n < 16; ++n) {
+      float want = 0.0f;
+      for (int k = 0; k < 16; ++k)
+        want += __bfloat162float(a[size_t(r * 16 + k)]) * __bfloat162float(b[size_t(k * 16 + n)]);
+      wrong += got[size_t(r * 16 + n)] != want;
+    }
+  EXPECT_EQ(wrong, 0);
+  (void)cudaFree(da);
+  (void)cudaFree(db);
+  (void)cudaFree(bad);
 }
 
 // Each misuse in a child process: the fault is sticky for the rest of the process.
