@@ -221,5 +221,85 @@ TEST(BenchAttentionCli, OnAGpuTensorCoresBesideSimt) {
   EXPECT_EQ(j["runs"][2]["kernels"], "SIMT");
 }
 
+test::CommandResult bench_ops(const std::string& args) {
+  return test::run_command(std::string("'") + STRATA_BINARY + "' bench ops " + args + " 2>&1");
+}
+
+// The figures of `strata bench ops --json` for the tiny model at 2 x 40 tokens: every op of the
+// block listed once, each rate what its FLOPs and time give, the block the sum of its ops.
+void expect_ops_report(const nlohmann::json& j) {
+  EXPECT_TRUE(j["verified"].get<bool>());
+  EXPECT_EQ(j["model"], "tiny");
+  const auto& ops = j["ops"];
+  ASSERT_EQ(ops.size(), 25u) << j.dump();  // square, 5 x 3 matmuls, 2 attention, 7 memory-bound
+  EXPECT_EQ(ops[0]["op"], "square matmul (peak)");
+  EXPECT_DOUBLE_EQ(ops[0]["of_peak"].get<double>(), 1.0);
+  double block = 0, flops = 0;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const auto& o = ops[i];
+    SCOPED_TRACE(o.dump());
+    const double s = o["seconds"].get<double>();
+    ASSERT_GT(s, 0.0);
+    if (o["op"] == "q_proj forward") {  // 2 m n k at m 80, n = k = 64
+      EXPECT_NEAR(o["tflops"].get<double>() * 1e12 * s, 2.0 * 80 * 64 * 64, 1e-3);
+      EXPECT_EQ(o["shape"], "m 80 n 64 k 64");
+    }
+    if (o["op"] == "attention backward") {
+      EXPECT_NEAR(o["tflops"].get<double>() * 1e12 * s, 2 * 2.0 * 2 * 4 * 16 * 40 * 40, 1e-3);
+    }
+    if (i == 0) continue;
+    block += o["count"].get<int>() * s;
+    if (o.contains("tflops")) flops += o["count"].get<int>() * o["tflops"].get<double>() * s;
+  }
+  EXPECT_NEAR(j["block_s"].get<double>(), block, 1e-9 * block);
+  EXPECT_NEAR(
+      j["matmul_s"].get<double>() + j["attention_s"].get<double>() + j["memory_s"].get<double>(),
+      block, 1e-9 * block);
+  EXPECT_NEAR(j["block_tflops"].get<double>(), flops / block, 1e-6 * flops / block);
+}
+
+// `strata bench ops` runs every op of a block on the host backend, verified, and reports each.
+TEST(BenchOpsCli, VerifiesThenReportsEveryOp) {
+  const test::CommandResult r =
+      bench_ops("--devices host --model tiny --seq-len 40 --batch 2 --square 64 --steps 1 --json");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  expect_ops_report(j);
+  EXPECT_EQ(j["dtype"], "f32");
+
+  const test::CommandResult text =
+      bench_ops("--devices host --model tiny --seq-len 40 --square 64 --steps 1");
+  ASSERT_EQ(text.status, 0) << text.out;
+  EXPECT_NE(text.out.find("every op verified against the host backend"), std::string::npos)
+      << text.out;
+  EXPECT_NE(text.out.find("block forward+backward:"), std::string::npos) << text.out;
+}
+
+TEST(BenchOpsCli, BadInputIsNamed) {
+  test::CommandResult r = bench_ops("--devices host --seq-len 0");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("--seq-len 0"), std::string::npos) << r.out;
+  r = bench_ops("--devices host --steps 0");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("--steps 0 must be at least 1"), std::string::npos) << r.out;
+  r = bench_ops("--devices host --model llama5-9b");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("llama5-9b"), std::string::npos) << r.out;
+}
+
+// On a GPU in bf16: every CUDA op verified against the host backend in f32, then timed.
+TEST(BenchOpsCli, OnAGpuEveryOpVerified) {
+  if (cuda_runtime().gpus.empty())
+    GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
+  const test::CommandResult r = bench_ops(
+      "--devices cuda:0 --model tiny --seq-len 40 --batch 2 --square 256 --steps 1 --json");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_EQ(j["dtype"], "bf16");
+  expect_ops_report(j);
+}
+
 }  // namespace
 }  // namespace strata

@@ -13,7 +13,7 @@ Command add_bench(CLI::App& app) {
   std::vector<Command> subs = {
       // one line per benchmark: add_bench_<what>(*bench),
       add_bench_adam(*bench),  add_bench_attention(*bench), add_bench_io(*bench),
-      add_bench_model(*bench), add_bench_step(*bench),
+      add_bench_model(*bench), add_bench_ops(*bench),       add_bench_step(*bench),
   };
   return {bench, [subs] {
             for (const Command& c : subs)

@@ -31,6 +31,7 @@ Command add_bench_adam(CLI::App& bench);       // strata bench adam
 Command add_bench_attention(CLI::App& bench);  // strata bench attention
 Command add_bench_io(CLI::App& bench);         // strata bench io
 Command add_bench_model(CLI::App& bench);      // strata bench model
+Command add_bench_ops(CLI::App& bench);        // strata bench ops
 Command add_bench_step(CLI::App& bench);       // strata bench step
 
 // --activation-checkpointing on|off into `recompute` (RunShape::recompute), the same words and
