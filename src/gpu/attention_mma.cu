@@ -27,6 +27,7 @@
 // As attention_tc.cu: P and dS are rounded to bf16 before their products; the softmax
 // denominator sums P in f32. Scores are scaled by scale / ln 2 and exponentiated with exp2.
 // A masked key is skipped or multiplied by zero, never read as a score.
+#include "gpu/attention_tiles.cuh"
 #include "gpu/kernel_common.cuh"
 #include "gpu/mma_sync.cuh"
 #include "gpu/ops.h"
@@ -43,11 +44,8 @@ using gpu::load_b;
 using gpu::load_b_transposed;
 using gpu::mma_16816;
 using gpu::pack_bf16;
+using namespace gpu::attention_tiles;
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kTile = 64;  // rows (queries or keys) of a block and of the tiles it walks
-constexpr int kMaxHeadDim = 128;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
@@ -73,20 +71,6 @@ uint64_t dkdv_bytes(int hd) {
   return tiles_bytes(hd, 4) + 2 * kTile * sizeof(float);
 }
 
-__device__ __forceinline__ void copy16(void* dst, const void* src) {
-#if defined(STRATA_CUDA_EMU)
-  std::memcpy(dst, src, 16);
-#else
-  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
-#endif
-}
-__device__ __forceinline__ void zero16(void* dst) {
-#if defined(STRATA_CUDA_EMU)
-  std::memset(dst, 0, 16);
-#else
-  *static_cast<uint4*>(dst) = uint4{0, 0, 0, 0};
-#endif
-}
 // Two bf16 (a packed pair) to global memory, 4-byte aligned.
 __device__ __forceinline__ void store_pair(bf16* dst, uint32_t pair) {
 #if defined(STRATA_CUDA_EMU)
@@ -94,21 +78,6 @@ __device__ __forceinline__ void store_pair(bf16* dst, uint32_t pair) {
 #else
   *reinterpret_cast<uint32_t*>(dst) = pair;
 #endif
-}
-
-// Rows [t0, t0 + 64) of one head into shared memory, 16 bytes per thread and step; rows at or
-// past `seq` are zero. `src` points at the head's first element of token 0.
-__device__ void load_tile(bf16* dst, int ld, const bf16* __restrict__ src, int64_t token_stride,
-                          int64_t t0, int64_t seq, int hd) {
-  const int pieces = hd / 8;
-  for (int e = static_cast<int>(threadIdx.x); e < kTile * pieces; e += kThreads) {
-    const int r = e / pieces, c = (e - r * pieces) * 8;
-    const int64_t t = t0 + r;
-    if (t < seq)
-      copy16(dst + r * ld + c, src + t * token_stride + c);
-    else
-      zero16(dst + r * ld + c);
-  }
 }
 
 // s[j] (j < 2 * NT2) = A . X^T over head_dim for 16 rows of A and the n-tiles of 8 rows of X
@@ -480,29 +449,6 @@ Geometry geometry(const AttentionDims& d) {
   return Geometry{d.seq, d.heads, d.kv_heads, scale, scale * kLog2e};
 }
 
-bool applies(DType t, const AttentionDims& d, uint64_t bytes, uint64_t max_shared_bytes,
-             std::initializer_list<const void*> pointers) {
-  if (attention_kernels() != AttentionKernels::kMma || t != DType::bf16) return false;
-  if (d.head_dim % 16 != 0 || d.head_dim > kMaxHeadDim || bytes > max_shared_bytes) return false;
-  for (const void* p : pointers)
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  return true;
-}
-
-// Calls f.template operator()<NS>() with NS = head_dim / 16 (1 to 8).
-template <int NS = 1, typename F>
-void dispatch_slices(int64_t head_dim, F&& f) {
-  if constexpr (NS < kMaxHeadDim / 16) {
-    if (head_dim / 16 != NS) return dispatch_slices<NS + 1>(head_dim, f);
-  }
-  f.template operator()<NS>();
-}
-
-dim3 grid_of(int64_t seq, int64_t heads, int64_t batch) {
-  return dim3(static_cast<unsigned>((seq + kTile - 1) / kTile), static_cast<unsigned>(heads),
-              static_cast<unsigned>(batch));
-}
-
 }  // namespace
 
 uint64_t attention_mma_backward_shared_bytes(int64_t head_dim) {
@@ -513,7 +459,9 @@ bool attention_mma_forward(void* out, float* lse, const void* q, const void* k, 
                            DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
                            cudaStream_t stream) {
   const uint64_t bytes = dims.head_dim > 0 ? forward_bytes(static_cast<int>(dims.head_dim)) : 0;
-  if (!applies(t, dims, bytes, max_shared_bytes, {out, q, k, v})) return false;
+  if (!applies(attention_kernels() == AttentionKernels::kMma, t, dims, bytes, max_shared_bytes,
+               {out, q, k, v}))
+    return false;
   dispatch_slices(dims.head_dim, [&]<int NS>() {
     auto* kernel = attention_mma_forward_kernel<NS>;
     gpu::allow_dynamic_shared(kernel, bytes);
@@ -531,7 +479,9 @@ bool attention_mma_backward(void* dq, void* dk, void* dv, const void* dout, cons
                             cudaStream_t stream) {
   const int hd = static_cast<int>(dims.head_dim);
   const uint64_t bytes = hd > 0 ? attention_mma_backward_shared_bytes(hd) : 0;
-  if (!applies(t, dims, bytes, max_shared_bytes, {dq, dk, dv, dout, q, k, v, out})) return false;
+  if (!applies(attention_kernels() == AttentionKernels::kMma, t, dims, bytes, max_shared_bytes,
+               {dq, dk, dv, dout, q, k, v, out}))
+    return false;
   const Geometry g = geometry(dims);
   dispatch_slices(dims.head_dim, [&]<int NS>() {
     auto* dq_kernel = attention_mma_dq_kernel<NS>;

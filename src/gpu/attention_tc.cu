@@ -22,12 +22,11 @@
 // flash-attention's kernels do); the softmax denominator and lse sum P in f32. A masked (future)
 // key is multiplied by zero, not skipped: an Inf or NaN in a key or value row reaches the earlier
 // query rows of its tile as NaN. Sub-tiles of 16 keys that a warp's rows cannot see are skipped.
+#include "gpu/attention_tiles.cuh"
 #include "gpu/kernel_common.cuh"
 #include "gpu/ops.h"
 
 #include <mma.h>
-
-#include <cstring>
 
 namespace strata {
 namespace {
@@ -37,15 +36,12 @@ using gpu::bf16;
 using gpu::from_f32;
 using gpu::kFullMask;
 using gpu::to_f32;
+using namespace gpu::attention_tiles;
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * 32;
-constexpr int kTile = 64;            // query rows or keys of a block, and of the tiles it walks
 constexpr int kSub = 16;             // wmma's edge: the rows (or keys) each warp owns
 constexpr int kSubs = kTile / kSub;  // sub-tiles of 16 in a tile
 constexpr int kScoreLd = kTile + 4;  // f32 scratch [16][kScoreLd]
 constexpr int kProbLd = kTile + 8;   // bf16 scratch [16][kProbLd]
-constexpr int kMaxHeadDim = 128;
 
 using FragA = wmma::fragment<wmma::matrix_a, kSub, kSub, kSub, bf16, wmma::row_major>;
 using FragBRow = wmma::fragment<wmma::matrix_b, kSub, kSub, kSub, bf16, wmma::row_major>;
@@ -83,37 +79,6 @@ uint64_t dq_bytes(int hd) {
 }
 uint64_t dkdv_bytes(int hd) {
   return tiles_bytes(hd, 4) + kWarps * kDkdvWarpBytes + kDkdvBlockStatBytes;
-}
-
-// 16 bytes from src to dst, both 16-byte aligned (the emulator copies bytes, which C++ allows).
-__device__ __forceinline__ void copy16(void* dst, const void* src) {
-#if defined(STRATA_CUDA_EMU)
-  std::memcpy(dst, src, 16);
-#else
-  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
-#endif
-}
-__device__ __forceinline__ void zero16(void* dst) {
-#if defined(STRATA_CUDA_EMU)
-  std::memset(dst, 0, 16);
-#else
-  *static_cast<uint4*>(dst) = uint4{0, 0, 0, 0};
-#endif
-}
-
-// Rows [t0, t0 + 64) of one head into shared memory with row stride `ld`, 16 bytes at a time;
-// rows at or past `seq` are zero. `src` points at the head's first element of token 0.
-__device__ void load_tile(bf16* dst, int ld, const bf16* __restrict__ src, int64_t token_stride,
-                          int64_t t0, int64_t seq, int hd) {
-  const int pieces = hd / 8;
-  for (int e = static_cast<int>(threadIdx.x); e < kTile * pieces; e += kThreads) {
-    const int r = e / pieces, c = (e - r * pieces) * 8;
-    const int64_t t = t0 + r;
-    if (t < seq)
-      copy16(dst + r * ld + c, src + t * token_stride + c);
-    else
-      zero16(dst + r * ld + c);
-  }
 }
 
 // An accumulator whose every element holds its own row number (0-15), from `scratch` (16 x 16
@@ -469,31 +434,6 @@ Geometry geometry(const AttentionDims& d) {
   return Geometry{d.seq, d.heads, d.kv_heads, 1.0f / sqrtf(static_cast<float>(d.head_dim))};
 }
 
-// Whether the tensor-core kernels take a call of dtype t that needs `bytes` of shared memory.
-bool applies(DType t, const AttentionDims& d, uint64_t bytes, uint64_t max_shared_bytes,
-             std::initializer_list<const void*> pointers) {
-  if (attention_kernels() == AttentionKernels::kSimt || t != DType::bf16) return false;
-  if (d.head_dim % kSub != 0 || d.head_dim > kMaxHeadDim || bytes > max_shared_bytes) return false;
-  for (const void* p : pointers)
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  return true;
-}
-
-// Calls f.template operator()<NS>() with NS = head_dim / 16 (1 to 8): the accumulators are
-// arrays of NS fragments, which stay in registers only with NS known at compile time.
-template <int NS = 1, typename F>
-void dispatch_slices(int64_t head_dim, F&& f) {
-  if constexpr (NS < kMaxHeadDim / kSub) {
-    if (head_dim / kSub != NS) return dispatch_slices<NS + 1>(head_dim, f);
-  }
-  f.template operator()<NS>();
-}
-
-dim3 grid_of(int64_t seq, int64_t heads, int64_t batch) {
-  return dim3(static_cast<unsigned>((seq + kTile - 1) / kTile), static_cast<unsigned>(heads),
-              static_cast<unsigned>(batch));
-}
-
 }  // namespace
 
 uint64_t attention_tc_backward_shared_bytes(int64_t head_dim) {
@@ -504,7 +444,9 @@ bool attention_tc_forward(void* out, float* lse, const void* q, const void* k, c
                           DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
                           cudaStream_t stream) {
   const uint64_t bytes = dims.head_dim > 0 ? forward_bytes(static_cast<int>(dims.head_dim)) : 0;
-  if (!applies(t, dims, bytes, max_shared_bytes, {out, q, k, v})) return false;
+  if (!applies(attention_kernels() != AttentionKernels::kSimt, t, dims, bytes, max_shared_bytes,
+               {out, q, k, v}))
+    return false;
   dispatch_slices(dims.head_dim, [&]<int NS>() {
     auto* kernel = attention_tc_forward_kernel<NS>;
     gpu::allow_dynamic_shared(kernel, bytes);
@@ -522,7 +464,9 @@ bool attention_tc_backward(void* dq, void* dk, void* dv, const void* dout, const
                            cudaStream_t stream) {
   const int hd = static_cast<int>(dims.head_dim);
   const uint64_t bytes = hd > 0 ? attention_tc_backward_shared_bytes(hd) : 0;
-  if (!applies(t, dims, bytes, max_shared_bytes, {dq, dk, dv, dout, q, k, v, out})) return false;
+  if (!applies(attention_kernels() != AttentionKernels::kSimt, t, dims, bytes, max_shared_bytes,
+               {dq, dk, dv, dout, q, k, v, out}))
+    return false;
   const Geometry g = geometry(dims);
   dispatch_slices(dims.head_dim, [&]<int NS>() {
     auto* dq_kernel = attention_tc_dq_kernel<NS>;
