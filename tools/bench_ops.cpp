@@ -262,19 +262,27 @@ float random_value(uint64_t which, uint64_t i) {
   return static_cast<float>(z >> 40) / static_cast<float>(1ull << 23) - 1.0f;
 }
 
-// An op's tensors on one device: filled, and the values it was given kept as f32 (for the
-// host reference) when `keep`.
+// v as `t` holds it, back in f32.
+float round_to(DType t, float v) {
+  uint8_t raw[4];
+  store_f32(raw, t, 0, v);
+  return load_f32(raw, t, 0);
+}
+
+// An op's tensors on one device, filled: in `dtype`, but f32 for the specs that say so. The
+// random values are first rounded to `values_in` (the device's dtype), so the host reference in
+// f32 starts from the values the device was given.
 class Tensors {
  public:
-  Tensors(Device& device, const Op& op, DType dtype, const LlamaConfig& config, int64_t T,
-          Stream& s) {
+  Tensors(Device& device, const Op& op, DType dtype, DType values_in, const LlamaConfig& config,
+          int64_t T, Stream& s) {
     for (size_t i = 0; i < op.tensors.size(); ++i) {
       const Spec& spec = op.tensors[i];
       const DType t = spec.f32 ? DType::f32 : dtype;
       const auto n = static_cast<size_t>(spec.shape.numel());
       std::vector<float> values(n, 0.0f);
       if (spec.fill == Fill::kRandom)
-        for (size_t e = 0; e < n; ++e) values[e] = random_value(i + 1, e);
+        for (size_t e = 0; e < n; ++e) values[e] = round_to(values_in, random_value(i + 1, e));
       if (spec.fill == Fill::kRope) values = rope_table(config, T);
       std::vector<uint8_t> raw(n * dtype_size(t));
       for (size_t e = 0; e < n; ++e) store_f32(raw.data(), t, e, values[e]);
@@ -332,7 +340,8 @@ void verify(const std::vector<Op>& cut, Device& device, DType dtype, const Llama
   auto hs = host->create_stream("bench ops verify");
   const double tol = dtype == DType::f32 ? 1e-3 : 3e-2;
   for (const Op& op : cut) {
-    Tensors got(device, op, dtype, config, T, *ds), want(*host, op, DType::f32, config, T, *hs);
+    Tensors got(device, op, dtype, dtype, config, T, *ds);
+    Tensors want(*host, op, DType::f32, dtype, config, T, *hs);
     for (Tensors* t : {&got, &want}) {
       Device& d = t == &got ? device : *host;
       Stream& s = t == &got ? *ds : *hs;
@@ -356,7 +365,7 @@ void verify(const std::vector<Op>& cut, Device& device, DType dtype, const Llama
 double time_op(const Op& op, Device& device, DType dtype, const LlamaConfig& config, int64_t T,
                int steps) {
   auto s = device.create_stream("bench ops");
-  Tensors t(device, op, dtype, config, T, *s);
+  Tensors t(device, op, dtype, dtype, config, T, *s);
   Kernels& k = device.kernels();
   if (op.setup) op.setup(k, t.views(), *s);
   op.run(k, t.views(), *s);  // warm-up
