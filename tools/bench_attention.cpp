@@ -8,6 +8,7 @@
 // the tiles before it are covered): out, lse, dq, dk and dv within a normalised error of 1e-4 in
 // f32 or 2e-2 in bf16. Model FLOPs: forward 4·B·H·T²·hd/2 (QKᵀ and PV over the causal half),
 // backward twice that (dP, dV, dQ, dK), not the recomputation the backward does.
+#include "bench_check.h"
 #include "commands.h"
 #include "core/error.h"
 #include "core/kernels.h"
@@ -100,14 +101,7 @@ class Problem {
   // out, lse, dq, dk, dv as f32 on the host.
   std::vector<std::vector<float>> results(Stream& s) {
     std::vector<std::vector<float>> r;
-    for (const TensorView& v : out_views_) {
-      std::vector<uint8_t> raw(v.bytes());
-      device_.copy_to_host(raw.data(), v.data, raw.size(), s);
-      s.synchronize();
-      std::vector<float> f(static_cast<size_t>(v.numel()));
-      for (size_t i = 0; i < f.size(); ++i) f[i] = load_f32(raw.data(), v.dtype, i);
-      r.push_back(std::move(f));
-    }
+    for (const TensorView& v : out_views_) r.push_back(fetch_f32(device_, v, s));
     return r;
   }
   // Input i (q, k, v, dout) as f32, for the host reference (keep_inputs only).
@@ -143,18 +137,6 @@ std::vector<std::vector<float>> reference(const Problem& p, const Dims& d) {
                            view(in[3], d.q()), view(in[0], d.q()), view(in[1], d.kv()),
                            view(in[2], d.kv()), view(r[0], d.q()), view(r[1], d.lse()));
   return r;
-}
-
-// sqrt(sum (got - want)^2 / sum want^2), with want's elements counted as at least 0.1 (the
-// size of the gradients here; a row with one key has dq = dk = 0 up to rounding).
-double normalised_error(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double dlt = static_cast<double>(got[i]) - want[i];
-    num += dlt * dlt;
-    den += std::max(static_cast<double>(want[i]) * want[i], 0.01);
-  }
-  return std::isfinite(num) ? std::sqrt(num / den) : INFINITY;
 }
 
 void verify(Device& device, DType dtype, const Dims& full, Path path, const char* label) {

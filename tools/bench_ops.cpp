@@ -17,6 +17,7 @@
 // f32, from the same random inputs, and checks each output: a normalised error within 1e-3
 // (f32) or 3e-2 (bf16). Times are the median over 3 windows of --steps calls each, after a
 // warm-up call.
+#include "bench_check.h"
 #include "commands.h"
 #include "core/error.h"
 #include "core/kernels.h"
@@ -293,15 +294,6 @@ class Tensors {
     }
   }
   const std::vector<TensorView>& views() const { return views_; }
-  std::vector<float> fetch(size_t i, Device& device, Stream& s) const {
-    const TensorView& v = views_[i];
-    std::vector<uint8_t> raw(v.bytes());
-    device.copy_to_host(raw.data(), v.data, raw.size(), s);
-    s.synchronize();
-    std::vector<float> f(static_cast<size_t>(v.numel()));
-    for (size_t e = 0; e < f.size(); ++e) f[e] = load_f32(raw.data(), v.dtype, e);
-    return f;
-  }
 
  private:
   std::vector<DeviceBuffer> buffers_;
@@ -312,17 +304,6 @@ class Tensors {
 std::string flop_rate(double per_s) {
   return per_s >= 1e12 ? fmt::format("{:.1f} TF/s", per_s / 1e12)
                        : fmt::format("{:.1f} GF/s", per_s / 1e9);
-}
-
-// sqrt(sum (got - want)^2 / sum max(want^2, 0.01)).
-double normalised_error(const std::vector<float>& got, const std::vector<float>& want) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double d = static_cast<double>(got[i]) - want[i];
-    num += d * d;
-    den += std::max(static_cast<double>(want[i]) * want[i], 0.01);
-  }
-  return std::isfinite(num) ? std::sqrt(num / den) : INFINITY;
 }
 
 uint64_t f32_bytes(const Op& op) {
@@ -351,7 +332,8 @@ void verify(const std::vector<Op>& cut, Device& device, DType dtype, const Llama
     }
     for (size_t i = 0; i < op.tensors.size(); ++i) {
       if (!op.tensors[i].checked) continue;
-      const double err = normalised_error(got.fetch(i, device, *ds), want.fetch(i, *host, *hs));
+      const double err = normalised_error(fetch_f32(device, got.views()[i], *ds),
+                                          fetch_f32(*host, want.views()[i], *hs));
       if (!(err <= tol))
         fail(
             "bench ops: verification failed: {} ({}) on {} gives output {} with a normalised "
