@@ -73,7 +73,7 @@ LlamaConfig tiny(bool tied) {
 
 Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std::string& dir,
                          uint64_t threshold = 0, int depth = 1, bool recompute = true,
-                         GradHome grads = GradHome::automatic) {
+                         GradHome grads = GradHome::automatic, int group = 1) {
   RunShape shape;
   shape.model = c;
   shape.ranks = N;
@@ -84,6 +84,7 @@ Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std:
   shape.persistence_threshold = threshold;
   shape.working_buffers = std::max(2, depth + 1);
   shape.recompute = recompute;
+  shape.micro_batch_group = group;
   OffloadRequest req;
   req.param = p;
   req.optimizer = o;
@@ -98,17 +99,20 @@ Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std:
   return Placement::make(shape, req, budgets);
 }
 
-// batches[step][m][r], deterministic, with a few ignored targets.
-std::vector<std::vector<std::vector<HostBatch>>> make_batches(int N, int vocab) {
+// batches[step][m][r], deterministic, with a few ignored targets. With more than kMicro
+// micro-batches, rank 0's last one is a single sequence (a short batch).
+std::vector<std::vector<std::vector<HostBatch>>> make_batches(int N, int vocab,
+                                                              int micro = kMicro) {
   std::mt19937 rng(1234);
   std::vector<std::vector<std::vector<HostBatch>>> out(kSteps);
   for (auto& step : out) {
-    step.resize(kMicro);
-    for (auto& mb : step)
+    step.resize(static_cast<size_t>(micro));
+    for (int m = 0; m < micro; ++m)
       for (int r = 0; r < N; ++r) {
+        auto& mb = step[static_cast<size_t>(m)];
         HostBatch b;
-        b.batch = kBatch;
-        for (int64_t i = 0; i < kBatch * kSeq; ++i) {
+        b.batch = micro > kMicro && m == micro - 1 && r == 0 ? 1 : kBatch;
+        for (int64_t i = 0; i < b.batch * kSeq; ++i) {
           b.ids.push_back(static_cast<int32_t>(rng() % static_cast<uint32_t>(vocab)));
           b.targets.push_back(rng() % 11 == 0
                                   ? kIgnoreIndex
@@ -160,25 +164,33 @@ std::string kinds(const Placement& pl, Device& d) {
   return out;
 }
 
+// Micro-batches per step and how many run unit by unit at once (RunShape::micro_batch_group).
+struct Micro {
+  int batches = kMicro;
+  int group = 1;
+};
+
 // `grads`: automatic keeps the gradients of an offloaded optimizer on the (roomy) devices.
 RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t threshold = 0,
-                       int depth = 1, bool recompute = true, GradHome grads = GradHome::automatic) {
+                       int depth = 1, bool recompute = true, GradHome grads = GradHome::automatic,
+                       Micro micro = {}) {
   const test::TempDir dir("strata-exec");
   Rig rig(N);
-  const Placement pl =
-      make_placement(c, N, p, o, dir.path.string(), threshold, depth, recompute, grads);
+  const Placement pl = make_placement(c, N, p, o, dir.path.string(), threshold, depth, recompute,
+                                      grads, micro.group);
   for (const UnitHomes& h : pl.homes)
     EXPECT_EQ(h.grad, h.optimizer != Tier::gpu && grads == GradHome::cpu ? Tier::cpu : Tier::gpu);
   ScheduleOptions so;
-  so.micro_batches = kMicro;
+  so.micro_batches = micro.batches;
   so.prefetch_depth = depth;
   const Schedule sc = Schedule::build(pl, so);
+  EXPECT_EQ(sc.micro_batch_group, std::min(micro.group, micro.batches));
   ExecutorOptions eo;
   eo.record = true;
   eo.cpu_adam_threads = 2;
   Executor ex(pl, sc, *rig.comm, eo);
   ex.init_random(42);
-  const auto batches = make_batches(N, c.vocab_size);
+  const auto batches = make_batches(N, c.vocab_size, micro.batches);
   RunResult out;
   for (int s = 0; s < kSteps; ++s) {
     // A forward-only pass over the step's batches sees the parameters the step's forward does,
@@ -489,6 +501,45 @@ TEST(Executor, WithoutRecomputeGivesTheSameBits) {
   for (auto [p, o] : {std::pair{Tier::gpu, Tier::gpu}, std::pair{Tier::nvme, Tier::cpu}}) {
     const RunResult r = run_executor(c, 2, p, o, 0, 1, false);
     expect_same(r, gpu, fmt::format("no recompute, P {} O {}:", tier_name(p), tier_name(o)));
+  }
+}
+
+TEST(Executor, MicroBatchGroupsGiveTheSameBits) {
+  REQUIRE_DEVICES(3);
+  // Three micro-batches (rank 0's last a single sequence) run unit by unit in groups of 2 (a
+  // short last group) and 3: each unit is fetched once per group, and each backward of a group
+  // waits for the previous one's reduce-scatter, so every micro-batch's gradients reach the
+  // accumulators as without groups: the same bits for every placement.
+  const LlamaConfig c = tiny(false);
+  for (const int N : {1, 3}) {
+    const RunResult base =
+        run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic, {3, 1});
+    for (const int group : {2, 3})
+      for (Tier p : {Tier::gpu, Tier::cpu, Tier::nvme})
+        for (Tier o : {Tier::gpu, Tier::cpu, Tier::nvme})
+          for (GradHome g : {GradHome::automatic, GradHome::cpu}) {
+            if (o == Tier::gpu && g == GradHome::cpu) continue;
+            const std::string what = fmt::format("N {} group {} P {} O {} G {}", N, group,
+                                                 tier_name(p), tier_name(o), grad_home_name(g));
+            SCOPED_TRACE(what);
+            const RunResult r = run_executor(c, N, p, o, 0, 1, true, g, {3, group});
+            for (size_t s = 0; s < r.losses.size(); ++s) EXPECT_EQ(r.losses[s], base.losses[s]);
+            expect_same(r, base, what + ":");
+          }
+  }
+  // Replicated units (all-reduced per micro-batch), no recompute (a stash per micro-batch of
+  // the group) and a deeper prefetch.
+  const RunResult base2 =
+      run_executor(c, 2, Tier::gpu, Tier::gpu, 40000, 1, true, GradHome::automatic, {3, 1});
+  const RunResult rep =
+      run_executor(c, 2, Tier::nvme, Tier::cpu, 40000, 1, true, GradHome::automatic, {3, 3});
+  expect_same(rep, base2, "replicated units, group 3:");
+  const RunResult base3 =
+      run_executor(c, 2, Tier::gpu, Tier::gpu, 0, 1, false, GradHome::automatic, {3, 1});
+  for (const int depth : {1, 3}) {
+    const RunResult r =
+        run_executor(c, 2, Tier::cpu, Tier::nvme, 0, depth, false, GradHome::automatic, {3, 2});
+    expect_same(r, base3, fmt::format("no recompute, group 2, depth {}:", depth));
   }
 }
 

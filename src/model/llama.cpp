@@ -208,6 +208,10 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
         T, config.max_position_embeddings, config.name);
   if (B <= 0) fail("batch size {} must be at least 1", B);
   if (options.vocab_chunk <= 0) fail("vocab chunk {} must be at least 1", options.vocab_chunk);
+  if (options.activation_sets < 1)
+    fail("activation sets {}: a model keeps at least one micro-batch's activations",
+         options.activation_sets);
+  const auto sets = static_cast<uint64_t>(options.activation_sets);
   const int64_t N = B * T, D = config.hidden_size, F = config.intermediate_size;
   const int64_t Hq = config.num_attention_heads * config.head_dim;
   const int64_t Hk = config.num_key_value_heads * config.head_dim;
@@ -218,7 +222,7 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
   const auto units = static_cast<uint64_t>(config.num_hidden_layers) + 2;
   std::vector<WorkspaceBuffer> w = {
       {&LlamaModel::rope_, static_cast<uint64_t>(T * config.head_dim) * f4, "rotary table"},
-      {&LlamaModel::checkpoints_, std::max<uint64_t>(units - 1, 2) * n * D * a,
+      {&LlamaModel::checkpoints_, sets * std::max<uint64_t>(units - 1, 2) * n * D * a,
        "activation checkpoints"},
       {&LlamaModel::grad_a_, n * D * a, "activation gradient"},
       {&LlamaModel::grad_b_, n * D * a, "activation gradient"},
@@ -243,7 +247,7 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
   } else {
     w.push_back(
         {&LlamaModel::stash_,
-         static_cast<uint64_t>(config.num_hidden_layers) * stash_offsets(config, options)[8],
+         sets * static_cast<uint64_t>(config.num_hidden_layers) * stash_offsets(config, options)[8],
          "activations kept for backward (no recompute)"});
   }
   w.insert(w.end(), {
@@ -261,7 +265,8 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
   if (options.param_dtype != DType::f32)
     w.push_back(
         {&LlamaModel::chunk_act_, n * static_cast<uint64_t>(C) * a, "logits gradient chunk"});
-  w.push_back({&LlamaModel::row_max_, n * f4, "cross-entropy state"});
+  // The log-sum-exp per token, from the head's forward to its backward: one per set.
+  w.push_back({&LlamaModel::row_max_, sets * n * f4, "cross-entropy state"});
   w.push_back({&LlamaModel::row_sum_, n * f4, "cross-entropy state"});
   w.push_back({&LlamaModel::target_logit_, n * f4, "cross-entropy state"});
   w.push_back({&LlamaModel::losses_, n * f4, "per-token losses"});
@@ -311,10 +316,18 @@ TensorView LlamaModel::slot(int index, int64_t batch) const {
   return TensorView{base, options_.param_dtype, {N, D}, &device_};
 }
 
-TensorView LlamaModel::checkpoint(int u, int64_t batch) const {
+void LlamaModel::check_set(int set) const {
+  if (set < 0 || set >= options_.activation_sets)
+    fail("activation set {} is outside 0..{}; this is a bug in strata", set,
+         options_.activation_sets - 1);
+}
+
+TensorView LlamaModel::checkpoint(int u, int64_t batch, int set) const {
   if (u < 1 || u >= layout_.num_units())
     fail("unit {} has no activation checkpoint (units 1..{} do)", u, layout_.num_units() - 1);
-  return slot(u - 1, batch);
+  check_set(set);
+  const int per_set = std::max(layout_.num_units() - 1, 2);
+  return slot(set * per_set + u - 1, batch);
 }
 
 TensorView LlamaModel::losses(int64_t batch) const {
@@ -334,7 +347,7 @@ TensorView LlamaModel::param(const std::vector<UnitBuffers>& units, int u, std::
   return TensorView{static_cast<char*>(base) + p.offset * dtype_size(t), t, p.shape, &device_};
 }
 
-LlamaModel::BlockActs LlamaModel::acts(int u, int64_t batch) const {
+LlamaModel::BlockActs LlamaModel::acts(int u, int64_t batch, int set) const {
   const LlamaConfig& c = config_;
   const DType t = options_.param_dtype;
   const int64_t T = options_.seq_len, N = batch * T, D = c.hidden_size, F = c.intermediate_size;
@@ -349,11 +362,16 @@ LlamaModel::BlockActs LlamaModel::acts(int u, int64_t batch) const {
             rows(h_, t, N, D),
             rows(gate_, t, N, F),
             rows(up_, t, N, F)};
-  if (u < 1 || u > c.num_hidden_layers || batch < 1 || batch > options_.max_batch)
-    fail("block activations of unit {} for {} sequences: none kept; this is a bug in strata", u,
-         batch);
+  if (u < 1 || u > c.num_hidden_layers || batch < 1 || batch > options_.max_batch || set < 0 ||
+      set >= options_.activation_sets)
+    fail(
+        "block activations of unit {} for {} sequences in set {}: none kept; this is a bug in "
+        "strata",
+        u, batch, set);
   const std::array<uint64_t, 9> off = stash_offsets(c, options_);
-  char* base = static_cast<char*>(stash_.data()) + static_cast<uint64_t>(u - 1) * off[8];
+  const auto index = static_cast<uint64_t>(set) * static_cast<uint64_t>(c.num_hidden_layers) +
+                     static_cast<uint64_t>(u - 1);
+  char* base = static_cast<char*>(stash_.data()) + index * off[8];
   auto at = [&](int i, DType dt, Shape shape) {
     return TensorView{base + off[static_cast<size_t>(i)], dt, shape, &device_};
   };
@@ -368,13 +386,13 @@ LlamaModel::BlockActs LlamaModel::acts(int u, int64_t batch) const {
 }
 
 void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
-                               const TensorView& out, int64_t batch, Stream& s) {
+                               const TensorView& out, int64_t batch, int set, Stream& s) {
   const LlamaConfig& c = config_;
   const DType t = options_.param_dtype;
   const int64_t T = options_.seq_len, N = batch * T, D = c.hidden_size, F = c.intermediate_size;
   const int64_t H = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
   auto w = [&](std::string_view n) { return param(units, u, n, false); };
-  const BlockActs a = acts(u, batch);
+  const BlockActs a = acts(u, batch, set);
   const TensorView &q = a.q, &kk = a.k, &v = a.v, &att = a.att, &h = a.h, &gate = a.gate;
   const TensorView& up = a.up;
   const TensorView xn = rows(xn_, t, N, D), hn = rows(hn_, t, N, D), act = rows(act_, t, N, F);
@@ -406,20 +424,20 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
 
 void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
                                 const TensorView& dout, const TensorView& din, int64_t batch,
-                                Stream& s) {
+                                int set, Stream& s) {
   const LlamaConfig& c = config_;
   const DType t = options_.param_dtype;
   const int64_t T = options_.seq_len, N = batch * T, D = c.hidden_size, F = c.intermediate_size;
   const int64_t H = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
   auto w = [&](std::string_view n) { return param(units, u, n, false); };
   auto g = [&](std::string_view n) { return param(units, u, n, true); };
-  const BlockActs a = acts(u, batch);
+  const BlockActs a = acts(u, batch, set);
   const TensorView &q = a.q, &kk = a.k, &v = a.v, &att = a.att, &h = a.h, &gate = a.gate;
   const TensorView& up = a.up;
   const TensorView xn = rows(xn_, t, N, D), hn = rows(hn_, t, N, D), act = rows(act_, t, N, F);
   const TensorView rstd1 = rows(rstd1_, DType::f32, N, 0), rstd2 = rows(rstd2_, DType::f32, N, 0);
   if (options_.recompute) {
-    block_forward(u, units, x, TensorView{}, batch, s);
+    block_forward(u, units, x, TensorView{}, batch, set, s);
   } else {
     // The forward kept the rest; these three are the same kernels on the same inputs, so the
     // same bits as the forward's.
@@ -473,7 +491,7 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
 
 void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x,
                       const int32_t* targets, int64_t batch, bool backward, float loss_scale,
-                      const TensorView& dx, Stream& s) {
+                      const TensorView& dx, int set, Stream& s) {
   const LlamaConfig& c = config_;
   const DType t = options_.param_dtype;
   const int64_t N = batch * options_.seq_len, D = c.hidden_size, V = c.vocab_size;
@@ -482,7 +500,12 @@ void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x
   const char* w_name = c.tie_word_embeddings ? "embed_tokens" : "lm_head";
   const TensorView w = param(units, w_unit, w_name, false);
   const TensorView xf = rows(xn_, t, N, D), rstd = rows(rstd1_, DType::f32, N, 0);
-  const TensorView row_max = rows(row_max_, DType::f32, N, 0);
+  const TensorView row_max{
+      static_cast<char*>(row_max_.data()) +
+          static_cast<uint64_t>(set * options_.max_batch * options_.seq_len) * sizeof(float),
+      DType::f32,
+      {N},
+      &device_};
   k_.rmsnorm_forward(xf, rstd, x, param(units, head_unit, "norm", false),
                      static_cast<float>(c.rms_norm_eps), s);
   if (!backward) {
@@ -533,17 +556,18 @@ void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x
 
 void LlamaModel::forward_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids,
                               const int32_t* targets, const TensorView& in, const TensorView& out,
-                              int64_t batch, Stream& s) {
+                              int64_t batch, Stream& s, int set) {
+  check_set(set);
   const UnitLayout& unit = layout_.units.at(static_cast<size_t>(u));
   switch (unit.kind) {
     case UnitKind::embedding:
       k_.embedding_forward(out, param(units, u, "embed_tokens", false), ids, s);
       break;
     case UnitKind::block:
-      block_forward(u, units, in, out, batch, s);
+      block_forward(u, units, in, out, batch, set, s);
       break;
     case UnitKind::head:
-      head(units, in, targets, batch, false, 0.0f, TensorView{}, s);
+      head(units, in, targets, batch, false, 0.0f, TensorView{}, set, s);
       break;
   }
 }
@@ -551,17 +575,18 @@ void LlamaModel::forward_unit(int u, const std::vector<UnitBuffers>& units, cons
 void LlamaModel::backward_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids,
                                const int32_t* targets, float loss_scale, const TensorView& in,
                                const TensorView& dout, const TensorView& din, int64_t batch,
-                               Stream& s) {
+                               Stream& s, int set) {
+  check_set(set);
   const UnitLayout& unit = layout_.units.at(static_cast<size_t>(u));
   switch (unit.kind) {
     case UnitKind::embedding:
       k_.embedding_backward(param(units, u, "embed_tokens", true), dout, ids, s);
       break;
     case UnitKind::block:
-      block_backward(u, units, in, dout, din, batch, s);
+      block_backward(u, units, in, dout, din, batch, set, s);
       break;
     case UnitKind::head:
-      head(units, in, targets, batch, true, loss_scale, din, s);
+      head(units, in, targets, batch, true, loss_scale, din, set, s);
       break;
   }
 }

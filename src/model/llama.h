@@ -75,6 +75,11 @@ struct ModelOptions {
   // Activation checkpointing (Hugging Face's gradient_checkpointing): backward recomputes each
   // block's forward. Off: every block keeps its activations for one batch (see above).
   bool recompute = true;
+  // Micro-batches whose activations are kept at once (each unit's input, and without recompute
+  // each block's stash), indexed by the `set` argument of forward_unit, backward_unit and
+  // checkpoint: a schedule that runs a group of micro-batches unit by unit needs one set per
+  // micro-batch of the group. The scratch a unit's forward or backward works in is shared.
+  int activation_sets = 1;
 };
 
 // Cosines then sines of every position's rotary angles, [seq_len, head_dim] f32, with the
@@ -123,16 +128,19 @@ class LlamaModel {
   // The unit-level pieces forward/backward are made of (the step schedule calls these).
   // `in` and `out` are [batch*seq_len, hidden] activations (unused by the embedding's input and
   // the head's output: the embedding reads ids, the head writes losses()).
+  // `set` (0..activation_sets-1) picks the block's stash when recompute is off.
   void forward_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids,
                     const int32_t* targets, const TensorView& in, const TensorView& out,
-                    int64_t batch, Stream& stream);
+                    int64_t batch, Stream& stream, int set = 0);
   // Recomputes unit u's forward from `in`, then din = ∂/∂in given dout (the head starts from
   // its loss, scaled by loss_scale, and ignores dout; the embedding has no din).
   void backward_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids,
                      const int32_t* targets, float loss_scale, const TensorView& in,
-                     const TensorView& dout, const TensorView& din, int64_t batch, Stream& stream);
-  // The activation slot holding unit u's input (u ≥ 1) after forward(keep_checkpoints).
-  TensorView checkpoint(int u, int64_t batch) const;
+                     const TensorView& dout, const TensorView& din, int64_t batch, Stream& stream,
+                     int set = 0);
+  // The activation slot holding unit u's input (u ≥ 1) after forward(keep_checkpoints), in
+  // activation set `set`.
+  TensorView checkpoint(int u, int64_t batch, int set = 0) const;
 
  private:
   // One workspace buffer: the member it goes to, its size and what it holds. The constructor
@@ -149,18 +157,21 @@ class LlamaModel {
   struct BlockActs {
     TensorView q, k, v, att, lse, h, gate, up;
   };
-  BlockActs acts(int u, int64_t batch) const;
+  BlockActs acts(int u, int64_t batch, int set) const;
+  void check_set(int set) const;  // throws unless 0 <= set < activation_sets
 
   TensorView param(const std::vector<UnitBuffers>& units, int u, std::string_view name,
                    bool grad) const;
   TensorView rows(const DeviceBuffer& buf, DType dtype, int64_t n, int64_t cols) const;
   TensorView slot(int index, int64_t batch) const;
   void head(const std::vector<UnitBuffers>& units, const TensorView& x, const int32_t* targets,
-            int64_t batch, bool backward, float loss_scale, const TensorView& dx, Stream& stream);
+            int64_t batch, bool backward, float loss_scale, const TensorView& dx, int set,
+            Stream& stream);
   void block_forward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
-                     const TensorView& out, int64_t batch, Stream& stream);
+                     const TensorView& out, int64_t batch, int set, Stream& stream);
   void block_backward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
-                      const TensorView& dout, const TensorView& din, int64_t batch, Stream& stream);
+                      const TensorView& dout, const TensorView& din, int64_t batch, int set,
+                      Stream& stream);
 
   LlamaConfig config_;
   ModelLayout layout_;
@@ -170,12 +181,13 @@ class LlamaModel {
   uint64_t workspace_bytes_ = 0;
 
   DeviceBuffer rope_;             // [T, hd] f32
-  DeviceBuffer checkpoints_;      // inputs of units 1..U-1: (U-1) × [B*T, D]
+  DeviceBuffer checkpoints_;      // inputs of units 1..U-1: sets × (U-1) × [B*T, D]
   DeviceBuffer grad_a_, grad_b_;  // the gradient flowing between units, [B*T, D]
   // Block scratch, [B*T, ·]: normed input, q, k, v, attention out, lse, residual, normed
   // residual, gate, up, swiglu out, rstd × 2, and gradients of the same.
   DeviceBuffer xn_, q_, k_buf_, v_, att_, lse_, h_, hn_, gate_, up_, act_, rstd1_, rstd2_;
-  // Without recompute: per block, the BlockActs of one batch (q_ .. up_ above stay empty).
+  // Without recompute: per set and block, the BlockActs of one batch (q_ .. up_ above stay
+  // empty).
   DeviceBuffer stash_;
   DeviceBuffer d_big_, d_gate_, d_up_, dq_, dk_, dv_, d_att_, d_h_, d_small_;
   // Head: logits chunk [B*T, C], online-softmax state and per-token losses, [B*T] f32 each.

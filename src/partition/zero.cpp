@@ -419,6 +419,23 @@ std::vector<UnitBuffers> ZeroModel::gather(int u, const std::vector<Stream*>& st
   return out;
 }
 
+void ZeroModel::clear_working_grads(int u, const std::vector<Stream*>& streams) {
+  check_unit(u, "clear_working_grads");
+  check_streams(streams, "clear_working_grads");
+  const UnitPartition& up = partition_.units[static_cast<size_t>(u)];
+  const UnitState& st = state_[static_cast<size_t>(u)];
+  if (!st.gathered || !st.for_backward)
+    fail(
+        "clearing unit {}'s working gradients: the unit is not gathered for backward; this is a "
+        "bug in strata",
+        up.name);
+  Slot& slot = *slots_[static_cast<size_t>(st.slot)];
+  for (int r = 0; r < ranks(); ++r)
+    device(r).fill_zero(slot.grads[static_cast<size_t>(r)].data(),
+                        up.padded * dtype_size(options_.grad_dtype),
+                        *streams[static_cast<size_t>(r)]);
+}
+
 void ZeroModel::release(int u, const std::vector<Stream*>& streams) {
   check_unit(u, "release");
   check_streams(streams, "release");

@@ -118,6 +118,9 @@ class ZeroModel {
   // rank's device) receives chunk r of the sum instead (overwritten); else it must be empty.
   void reduce_scatter_grads(int u, const std::vector<Stream*>& streams,
                             const std::vector<TensorView>& out = {});
+  // Zeroes unit u's working gradients on every rank (queued on streams[r]), for the next
+  // backward of a unit that stays gathered; queue it after the reduce-scatter that read them.
+  void clear_working_grads(int u, const std::vector<Stream*>& streams);
   bool gathered(int u) const;
   int free_working_buffers() const;  // of the pool
 

@@ -272,6 +272,9 @@ struct Executor::State {
   std::vector<std::vector<int>> src;   // consumers: the producing task per rank
   std::vector<std::vector<int>> uses;  // compute tasks: the gather leaders they read
   std::vector<char> gather_bwd;        // gather leaders: for backward
+  // Reduce-scatter leaders: a later backward of the still-gathered unit waits for them (a
+  // micro-batch group), so the working gradients are cleared once they are read.
+  std::vector<char> rs_clear;
   // Gather leaders: the compute tasks and reduce-scatters that use the gathered unit; the
   // last of them to finish releases it.
   std::vector<int> holders;
@@ -291,7 +294,7 @@ struct Executor::State {
     const Schedule* sc = nullptr;
     std::vector<int> slot, holders, rs_gather;
     std::vector<std::vector<int>> src, uses, lanes;
-    std::vector<char> gather_bwd, d2h_staged, front;
+    std::vector<char> gather_bwd, rs_clear, d2h_staged, front;
     std::vector<std::pair<int, int>> group_of;
     std::vector<std::vector<int>> xprev;
     std::vector<int64_t> done_at;
@@ -308,6 +311,7 @@ struct Executor::State {
     uses.swap(r.uses);
     lanes.swap(r.lanes);
     gather_bwd.swap(r.gather_bwd);
+    rs_clear.swap(r.rs_clear);
     d2h_staged.swap(r.d2h_staged);
     group_of.swap(r.group_of);
     front.swap(r.front);
@@ -495,6 +499,7 @@ void Executor::State::resolve(bool allocate_staging) {
   src.assign(T, {});
   uses.assign(T, {});
   gather_bwd.assign(T, 0);
+  rs_clear.assign(T, 0);
   holders.assign(T, 0);
   rs_gather.assign(T, -1);
   d2h_staged.assign(T, 0);
@@ -599,6 +604,12 @@ void Executor::State::resolve(bool allocate_staging) {
           if (t.kind == TaskKind::backward) gather_bwd[static_cast<size_t>(leader)] = 1;
           ++holders[static_cast<size_t>(leader)];
         }
+        if (t.kind == TaskKind::backward)
+          for (int d : t.deps) {
+            const Task& p = sc->tasks[static_cast<size_t>(d)];
+            if (p.kind == TaskKind::reduce_scatter && p.unit == u && !up(u).replicated)
+              rs_clear[static_cast<size_t>(group_of[static_cast<size_t>(d)].first)] = 1;
+          }
         break;
       }
       case TaskKind::reduce_scatter:
@@ -928,11 +939,18 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
   mo.max_batch = shape.micro_batch;
   mo.seq_len = shape.seq_len;
   mo.recompute = shape.recompute;
+  mo.activation_sets = shape.micro_batch_group;  // as the placement counts them
+  if (schedule_.micro_batch_group > shape.micro_batch_group)
+    fail(
+        "executor: the schedule runs micro-batches in groups of {} but the placement keeps the "
+        "activations of {}; build both from the same run shape",
+        schedule_.micro_batch_group, shape.micro_batch_group);
   const uint64_t rows = static_cast<uint64_t>(shape.micro_batch * shape.seq_len);
   for (int r = 0; r < s.N; ++r) {
     Device& d = s.dev(r);
     s.models.push_back(std::make_unique<LlamaModel>(shape.model, mo, d));
-    const uint64_t act = rows * static_cast<uint64_t>(shape.model.hidden_size) * s.ps;
+    const uint64_t act = static_cast<uint64_t>(shape.micro_batch_group) * rows *
+                         static_cast<uint64_t>(shape.model.hidden_size) * s.ps;
     s.act_a.emplace_back(d, act, "activation gradient", MemoryKind::activations);
     s.act_b.emplace_back(d, act, "activation gradient", MemoryKind::activations);
     s.ids_dev.emplace_back(d, rows * 4 * static_cast<uint64_t>(s.M), "token ids",
@@ -1190,6 +1208,7 @@ void Executor::State::run_group(int first, int end) {
       }
     std::lock_guard lock(mu);
     zero->reduce_scatter_grads(u, cs, out);
+    if (rs_clear[static_cast<size_t>(first)] != 0) zero->clear_working_grads(u, cs);
     if (rs_gather[static_cast<size_t>(first)] >= 0) let_go(rs_gather[static_cast<size_t>(first)]);
     if (up(u).replicated) {
       zero->release(u, cs);
@@ -1363,11 +1382,13 @@ void Executor::State::run_task(const Task& t, int64_t k) {
           static_cast<const int32_t*>(ids_dev[static_cast<size_t>(r)].data()) + m * rows;
       const int32_t* tg =
           static_cast<const int32_t*>(tgt_dev[static_cast<size_t>(r)].data()) + m * rows;
+      // Micro-batch m's activations (and the gradients flowing between its units): set m % G.
+      const int set = m % sc->micro_batch_group;
       if (b > 0) {
-        const TensorView in = u == 0 ? TensorView{} : model.checkpoint(u, b);
+        const TensorView in = u == 0 ? TensorView{} : model.checkpoint(u, b, set);
         if (t.kind == TaskKind::forward) {
-          const TensorView out = u + 1 < U ? model.checkpoint(u + 1, b) : TensorView{};
-          model.forward_unit(u, v, ids, tg, in, out, b, st);
+          const TensorView out = u + 1 < U ? model.checkpoint(u + 1, b, set) : TensorView{};
+          model.forward_unit(u, v, ids, tg, in, out, b, st, set);
           if (u == U - 1) {
             auto& l = losses[static_cast<size_t>(m)][static_cast<size_t>(r)];
             l.resize(static_cast<size_t>(b * T));
@@ -1376,10 +1397,17 @@ void Executor::State::run_task(const Task& t, int64_t k) {
         } else {
           const int j = U - 1 - u;  // the activation gradients alternate, as in ZeroRunner
           const int64_t D = model.config().hidden_size;
-          const TensorView a = act_a[static_cast<size_t>(r)].view(pt, {b * T, D});
-          const TensorView c = act_b[static_cast<size_t>(r)].view(pt, {b * T, D});
+          const uint64_t at = static_cast<uint64_t>(set * rows * D) * ps;
+          const TensorView a{static_cast<char*>(act_a[static_cast<size_t>(r)].data()) + at,
+                             pt,
+                             {b * T, D},
+                             &dev(r)};
+          const TensorView c{static_cast<char*>(act_b[static_cast<size_t>(r)].data()) + at,
+                             pt,
+                             {b * T, D},
+                             &dev(r)};
           model.backward_unit(u, v, ids, tg, backward_scale, in, j % 2 == 0 ? a : c,
-                              j % 2 == 0 ? c : a, b, st);
+                              j % 2 == 0 ? c : a, b, st, set);
         }
       }
       st.synchronize();

@@ -7,7 +7,17 @@
 // nvme.read, nvme.write, in that order, keeping only the lanes that get tasks.
 //
 // Uses. The compute of a step is a list of uses: for each micro-batch m, forward(u) for
-// u = 0..U-1, then backward(u) for u = U-1..0, one task per rank on gpu[r].compute. A sharded
+// u = 0..U-1, then backward(u) for u = U-1..0, one task per rank on gpu[r].compute. With
+// micro-batch groups of G > 1 (RunShape::micro_batch_group), each group of G consecutive
+// micro-batches runs unit by unit instead: forward(u, m) for every m of the group, u = 0..U-1,
+// then backward(u, m) likewise, u = U-1..0, so each unit's uses by the group are consecutive and
+// it is fetched and gathered once for them (once per group where G = 1 fetches it per
+// micro-batch). A unit step is a unit's uses in one direction by one group (one use when
+// G = 1). In a run of several backwards, each backward waits for every rank's reduce-scatter
+// of the previous one, which has read its working gradients (the executor then clears them),
+// so each micro-batch's gradients reach G[u] as they do with G = 1: the same bits. Tied
+// embeddings are refused with G > 1 (the head's gradients of a whole group would reach unit
+// 0's working gradients before the embedding's of its first micro-batch). A sharded
 // unit is gathered into a working buffer for a run of consecutive uses that need it, and that
 // buffer is released after the run's last compute: the head is gathered once for its forward
 // and backward of the same micro-batch, and unit 0 once for backward(0, m) and forward(0, m+1).
@@ -20,11 +30,12 @@
 // ranks' shards into one pinned buffer) then param_h2d per rank; P home cpu -> param_h2d per
 // rank; P home gpu -> nothing. param_h2d lands in the rank's part of the working buffer; then
 // the gather group, one task per rank on gpu[r].comm, emitted consecutively. These tasks are
-// emitted before the compute of use i for every run starting at a use <= i + d (prefetch), as
-// long as a working buffer is free; they always are for the runs use i needs. The first of them
-// (param_read, else param_h2d, else the gather) waits for the compute of use j - d - 1, j being
-// the run's first use, so at most d + 1 units are fetched ahead of the compute lane: d = 0
-// fetches each unit after the previous compute, as without prefetch.
+// emitted before the compute of use i for every run starting at a unit step <= i's + d
+// (prefetch), as long as a working buffer is free; they always are for the runs use i needs.
+// The first of them (param_read, else param_h2d, else the gather) waits for the last compute of
+// unit step p - d - 1, p being the step of the run's first use, so at most d + 1 units are
+// fetched ahead of the compute lane: d = 0 fetches each unit after the previous compute, as
+// without prefetch.
 //
 // Buffers. Working buffers and pinned buffers are pools handed out first-released-first
 // (round-robin while every holder gives its buffer back before the next take). A task that
@@ -281,6 +292,8 @@ struct Use {
   bool backward = false;
   int unit = 0;
   int m = 0;
+  int pos = 0;               // the unit step it belongs to: uses of one unit and direction in a
+                             // micro-batch group share it (with groups of 1, the use's index)
   std::vector<int> needs;    // gathered units it reads, in gather order
   std::vector<int> compute;  // its task per rank, once emitted
 };
@@ -313,6 +326,7 @@ class Builder {
         U_(part_.num_units()),
         R_(part_.ranks),
         M_(options.micro_batches),
+        G_(std::clamp(placement.shape.micro_batch_group, 1, std::max(options.micro_batches, 1))),
         W_(placement.shape.working_buffers),
         B_(placement.pinned_buffers),
         tied_(placement.shape.model.tie_word_embeddings && part_.num_units() >= 2),
@@ -341,7 +355,11 @@ class Builder {
     grad_offload_.resize(static_cast<size_t>(U_));
     first_use_done_.assign(static_cast<size_t>(U_), false);
     last_grad_d2h_.assign(static_cast<size_t>(R_), -1);
+    run_rs_.resize(static_cast<size_t>(U_));
+    run_rs_first_.assign(static_cast<size_t>(U_), -1);
   }
+
+  int pos_of(int use) const { return uses_[static_cast<size_t>(use)].pos; }
 
   Schedule build() {
     plan_uses();
@@ -384,6 +402,17 @@ class Builder {
       fail("schedule: the placement has homes for {} units, the partition has {} units",
            pl_.homes.size(), U_);
     if (M_ < 1) fail("schedule: micro_batches = {}; it must be at least 1", M_);
+    if (s.micro_batch_group < 1)
+      fail(
+          "schedule: micro_batch_group = {}; it must be at least 1 (1 runs each micro-batch "
+          "through every unit before the next)",
+          s.micro_batch_group);
+    if (G_ > 1 && tied_ && !opt_.forward_only)
+      fail(
+          "schedule: model {} ties its embeddings, and micro-batch groups ({} micro-batches unit "
+          "by unit) do not support that yet: the head's gradients would reach unit 0's before "
+          "the embedding's of the same micro-batch; use a micro-batch group of 1",
+          s.model.name, G_);
     if (opt_.prefetch_depth < 0)
       fail("schedule: prefetch_depth = {}; it must be 0 (no prefetch) or more",
            opt_.prefetch_depth);
@@ -522,21 +551,27 @@ class Builder {
   // ---- uses and runs ----
   void plan_uses() {
     const int head = U_ - 1;
-    for (int m = 0; m < M_; ++m) {
-      for (int u = 0; u < U_; ++u) {
-        Use use{false, u, m, {}, {}};
-        if (tied_ && u == head && gathered(0)) use.needs.push_back(0);
-        if (gathered(u)) use.needs.push_back(u);
-        uses_.push_back(use);
-      }
-      for (int u = head; u >= 0 && !opt_.forward_only; --u) {
-        Use use{true, u, m, {}, {}};
-        if (gathered(u)) use.needs.push_back(u);
-        // Unit 0's working gradients hold the head's share until backward(0).
-        if (tied_ && u != 0 && gathered(0)) use.needs.push_back(0);
-        uses_.push_back(use);
-      }
+    int pos = 0;
+    for (int g0 = 0; g0 < M_; g0 += G_) {
+      const int g1 = std::min(M_, g0 + G_);
+      for (int u = 0; u < U_; ++u, ++pos)
+        for (int m = g0; m < g1; ++m) {
+          Use use{false, u, m, pos, {}, {}};
+          if (tied_ && u == head && gathered(0)) use.needs.push_back(0);
+          if (gathered(u)) use.needs.push_back(u);
+          uses_.push_back(use);
+        }
+      for (int u = head; u >= 0 && !opt_.forward_only; --u, ++pos)
+        for (int m = g0; m < g1; ++m) {
+          Use use{true, u, m, pos, {}, {}};
+          if (gathered(u)) use.needs.push_back(u);
+          // Unit 0's working gradients hold the head's share until backward(0).
+          if (tied_ && u != 0 && gathered(0)) use.needs.push_back(0);
+          uses_.push_back(use);
+        }
     }
+    for (int i = 0; i < static_cast<int>(uses_.size()); ++i)
+      last_at_pos_.resize(static_cast<size_t>(uses_[static_cast<size_t>(i)].pos) + 1, i);
     std::vector<int> open(static_cast<size_t>(U_), -1);
     for (int i = 0; i < static_cast<int>(uses_.size()); ++i)
       for (int u : uses_[static_cast<size_t>(i)].needs) {
@@ -556,7 +591,7 @@ class Builder {
   void prefetch(int i) {
     while (next_run_ < runs_.size()) {
       Run& run = runs_[next_run_];
-      if (run.first_use > i + d_) break;
+      if (pos_of(run.first_use) > pos_of(i) + d_) break;
       // One gathered copy of a unit at a time: a deep prefetch must not gather a unit's next
       // run before its previous run's last compute (and reduce-scatter) is emitted, or the
       // gather would wait on the comm lane for a release queued behind it.
@@ -580,8 +615,10 @@ class Builder {
     const bool first = !first_use_done_[static_cast<size_t>(u)];
     first_use_done_[static_cast<size_t>(u)] = true;
     run.slot = slots_.take();
-    // The prefetch depth: the fetch for use j starts once use j - d - 1 has been computed.
-    const int gate_use = run.first_use - d_ - 1;
+    // The prefetch depth: the fetch for a run starting at unit step p (a use, with groups of 1)
+    // starts once step p - d - 1 has been computed.
+    const int gate_pos = pos_of(run.first_use) - d_ - 1;
+    const int gate_use = gate_pos < 0 ? -1 : last_at_pos_[static_cast<size_t>(gate_pos)];
     auto gate = [&](int rank) {
       if (gate_use < 0) return std::vector<int>{};
       const std::vector<int>& c = uses_[static_cast<size_t>(gate_use)].compute;
@@ -662,6 +699,14 @@ class Builder {
         for (int x : added_into(u))
           if (!rep_reduce_[static_cast<size_t>(x)].empty())
             deps.push_back(rep_reduce_[static_cast<size_t>(x)][static_cast<size_t>(r)]);
+      // A sharded unit's working gradients, in a run of several backwards (a micro-batch
+      // group), hold one micro-batch at a time: the next backward waits until every rank's
+      // reduce-scatter of the previous one has read them (and cleared them: the executor clears
+      // the working gradients after a reduce-scatter a backward waits for).
+      if (use.backward)
+        for (const Run* run : runs)
+          if (run->unit == u && run_rs_first_[static_cast<size_t>(u)] == run->first_use)
+            for (int x : run_rs_[static_cast<size_t>(u)]) deps.push_back(x);
       const int id = add(use.backward ? TaskKind::backward : TaskKind::forward, LaneKind::compute,
                          r, u, use.m, deps);
       task(id).flops = flops;
@@ -691,8 +736,14 @@ class Builder {
     // into it before this reduce-scatter has read the working gradients: the next gather is
     // emitted later on the same comm lanes.
     int slot = -1;
+    bool more = false;  // whether a later backward of the run adds into the working gradients
     for (const Run* run : runs_at(i))
-      if (run->unit == u) slot = run->slot;
+      if (run->unit == u) {
+        slot = run->slot;
+        for (int j = i + 1; j <= run->last_use; ++j)
+          more = more || uses_[static_cast<size_t>(j)].backward;
+        if (more) run_rs_first_[static_cast<size_t>(u)] = run->first_use;
+      }
     const bool g_host = homes(u).grad == Tier::cpu;
     const int group = next_group_++;
     std::vector<int> rs;
@@ -711,10 +762,13 @@ class Builder {
         // gradients into the resident shard (two read, one written: a copy and a half)
         task(id).bytes =
             up.replicated ? up.numel * gs_ : (g_host ? up.padded * gs_ : up.padded * gs_ * 3 / 2);
+      if (more) task(id).bytes += up.padded * gs_;  // the working gradients cleared
       task(id).slot = slot;
       rs.push_back(id);
     }
     if (up.replicated) rep_reduce_[static_cast<size_t>(u)] = rs;
+    run_rs_[static_cast<size_t>(u)] = more ? rs : std::vector<int>{};
+    if (!more) run_rs_first_[static_cast<size_t>(u)] = -1;
     std::vector<int>& g_writer = g_writer_[static_cast<size_t>(u)];
     if (!g_host) {
       g_writer = rs;
@@ -924,6 +978,7 @@ class Builder {
     s.working_buffers = W_;
     s.pinned_buffers = B_;
     s.prefetch_depth = d_;
+    s.micro_batch_group = G_;
     std::vector<int> used(static_cast<size_t>(R_ * 4 + 3), -1);
     for (const Task& t : tasks_) used[static_cast<size_t>(t.lane)] = 0;
     for (size_t k = 0; k < used.size(); ++k)
@@ -939,7 +994,7 @@ class Builder {
   const Placement& pl_;
   const Partition& part_;
   ScheduleOptions opt_;
-  int U_, R_, M_, W_, B_, d_ = 0;
+  int U_, R_, M_, G_, W_, B_, d_ = 0;  // G_: micro-batches per group, at most M_
   bool tied_;
   uint64_t ps_, gs_;
   BufferPool slots_, pinned_, optim_pinned_;  // optim_pinned_: empty unless split_
@@ -961,6 +1016,11 @@ class Builder {
   // working gradients has waited for it.
   std::vector<std::vector<int>> rep_reduce_;
   std::vector<int> last_grad_d2h_;  // per rank
+  // Per sharded unit: the reduce-scatter of the last backward of a run that has more
+  // backwards, and that run's first use (-1: none pending), for the next backward to wait on.
+  std::vector<std::vector<int>> run_rs_;
+  std::vector<int> run_rs_first_;
+  std::vector<int> last_at_pos_;  // per unit step: its last use
   std::vector<int> grad_stats_;
   std::vector<std::vector<int>> grad_offload_;  // per unit: its grad_offload per rank
   std::vector<int> optim_read_, optim_write_, o_buffer_;
@@ -1087,10 +1147,11 @@ std::string Schedule::str() const {
 
 std::string Schedule::summary() const {
   std::string out = fmt::format(
-      "schedule: {} tasks on {} lanes; {} units, {} ranks, {} micro-batches, prefetch depth {} "
+      "schedule: {} tasks on {} lanes; {} units, {} ranks, {} micro-batches{}, prefetch depth {} "
       "(asked {}), {} working buffers, {} pinned buffers\n",
-      tasks.size(), lanes.size(), units, ranks, options.micro_batches, prefetch_depth,
-      options.prefetch_depth, working_buffers, pinned_buffers);
+      tasks.size(), lanes.size(), units, ranks, options.micro_batches,
+      micro_batch_group > 1 ? fmt::format(" in groups of {}", micro_batch_group) : "",
+      prefetch_depth, options.prefetch_depth, working_buffers, pinned_buffers);
   out += fmt::format("  {:<16} {:>7} {:>12} {:>12} {:>14}\n", "lane", "tasks", "bytes", "TFLOP",
                      "elements");
   uint64_t bytes = 0, elements = 0;

@@ -118,6 +118,11 @@ struct Schedule {
   int working_buffers = 0;  // the placement's, that `slot` indexes
   int pinned_buffers = 0;   // the placement's, that `buffer` indexes
   int prefetch_depth = 0;   // effective: min(options.prefetch_depth, working_buffers - 1)
+  // Effective: min(the placement's RunShape::micro_batch_group, options.micro_batches).
+  // Micro-batches g*G .. g*G+G-1 run unit by unit: forward(u, m) for every m of the group
+  // before forward(u + 1, ·), then the backwards likewise; micro-batch m's activations are
+  // in set m % G of the model's (ModelOptions::activation_sets).
+  int micro_batch_group = 1;
 
   // The rules are in schedule.cpp's header comment. Throws Error, naming the setting and its
   // value, when the placement cannot be scheduled (too few pinned or working buffers, homes

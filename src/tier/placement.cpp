@@ -95,8 +95,10 @@ FixedGpu fixed_gpu(const RunShape& s, const Partition& p) {
   mo.max_batch = s.micro_batch;
   mo.seq_len = s.seq_len;
   mo.recompute = s.recompute;
-  const uint64_t flow =
-      static_cast<uint64_t>(s.micro_batch * s.seq_len * s.model.hidden_size) * z.ps;
+  mo.activation_sets = s.micro_batch_group;
+  const uint64_t flow = static_cast<uint64_t>(s.micro_batch_group) *
+                        static_cast<uint64_t>(s.micro_batch * s.seq_len * s.model.hidden_size) *
+                        z.ps;
   f.activations =
       LlamaModel::workspace_bytes_for(s.model, mo, z.align) + 2 * device_buffer(flow, z.align);
   f.other = device_buffer(p.max_shard_numel() * z.gs, z.align);

@@ -144,6 +144,10 @@ struct RunShape {
   // Activation checkpointing: backward recomputes each block (ModelOptions::recompute). Off,
   // every block keeps its activations on the GPU, a third fewer FLOPs for more memory.
   bool recompute = true;
+  // Micro-batches run unit by unit (Schedule's micro-batch groups): each unit is fetched and
+  // gathered once for the group's forwards and once for its backwards, and the GPU keeps the
+  // activations (and the gradients flowing between units) of every micro-batch of the group.
+  int micro_batch_group = 1;
 };
 
 // Gathered working buffers per GPU for a prefetch depth: the unit in use and `depth` ahead, and
