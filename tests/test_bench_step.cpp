@@ -125,6 +125,24 @@ TEST(BenchStepCli, AModelTooBigForTheDevicesIsVerifiedOnTwoLayers) {
   EXPECT_EQ(json::parse(roomy.out, nullptr, false)["verified_on_two_layers"], false);
 }
 
+// Micro-batches in a group run unit by unit are verified against the all-device run without
+// groups, and the report says so.
+TEST(BenchStepCli, MicroBatchGroupsAreVerifiedAgainstNoGroups) {
+  const test::TempDir dir("strata-bench-step");
+  const test::CommandResult r = strata(
+      "bench step --devices host:1 --grad-accum 3 --micro-batch-group 3 --steps 1 "
+      "--threads 1 --nvme-path " +
+      dir.path.string() + " --json");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const json j = json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_EQ(j["verified"], true);
+  EXPECT_EQ(j["micro_batch_group"], 3);
+  const test::CommandResult bad = strata("bench step --grad-accum 2 --micro-batch-group 3", "2>&1");
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.out.find("--micro-batch-group 3"), std::string::npos) << bad.out;
+}
+
 TEST(BenchStepCli, BadSettingsAreNamed) {
   const test::CommandResult tier = strata("bench step --offload-param disk", "2>&1");
   EXPECT_NE(tier.status, 0);

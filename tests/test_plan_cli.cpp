@@ -155,6 +155,53 @@ TEST(PlanCli, AnOffloadedOptimizersGradientsSumOnTheGpu) {
   EXPECT_LT(gpu["step_s"].get<double>() * 1.5, cpu["step_s"].get<double>());
 }
 
+// Parameters on NVMe and 8 micro-batches: in one group of 8 each unit is read once for the
+// forwards and once for the backwards instead of 8 times each, for 8 micro-batches'
+// activations on the GPU, which the plan counts.
+TEST(PlanCli, MicroBatchGroupsReadEachUnitOncePerGroup) {
+  const std::string args =
+      "plan --model llama2-13b --gpus 1 --gpu-memory 80GB --cpu-memory 128GiB --nvme 1x3.5TB "
+      "--seq-len 2048 --micro-batch 2 --grad-accum 8 --offload-param nvme --offload-optimizer "
+      "nvme --json";
+  const json one = parse_json(strata(args, "2>/dev/null"));
+  const json eight = parse_json(strata(args + " --micro-batch-group 8", "2>/dev/null"));
+  EXPECT_EQ(one["micro_batch_group"], 1);
+  EXPECT_EQ(eight["micro_batch_group"], 8);
+  auto busy = [](const json& j, const std::string& lane) {
+    for (const json& l : j["lanes"])
+      if (l["lane"] == lane) return l["busy_s"].get<double>();
+    ADD_FAILURE() << lane << " missing from " << j["lanes"];
+    return 0.0;
+  };
+  EXPECT_LT(busy(eight, "gpu[0].h2d") * 6, busy(one, "gpu[0].h2d"));
+  EXPECT_LT(busy(eight, "nvme.read"), busy(one, "nvme.read"));
+  EXPECT_LT(eight["step_s"].get<double>() * 1.3, one["step_s"].get<double>());
+  const uint64_t act1 = one["memory"]["gpu"]["activations"].get<uint64_t>();
+  const uint64_t act8 = eight["memory"]["gpu"]["activations"].get<uint64_t>();
+  // 41 checkpoints (40 blocks and the head's input) of 2 x 2048 x 5120 bf16 per micro-batch.
+  EXPECT_GE(act8 - act1, 7ull * 41 * 2 * 2048 * 5120 * 2);
+  // A group larger than the step, or of none, is refused naming the flag.
+  Result r = strata(args + " --micro-batch-group 9");
+  EXPECT_EQ(r.status, 1);
+  for (const char* part : {"--micro-batch-group 9", "8 micro-batch", "--grad-accum"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from " << r.out;
+  r = strata(args + " --micro-batch-group 0");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find("--micro-batch-group 0"), std::string::npos) << r.out;
+  // estimate counts the group's activations too.
+  const json e1 =
+      parse_json(strata("estimate --model llama2-13b --seq-len 2048 --micro-batch 2 "
+                        "--json",
+                        "2>/dev/null"));
+  const json e8 =
+      parse_json(strata("estimate --model llama2-13b --seq-len 2048 --micro-batch 2 "
+                        "--micro-batch-group 8 --json",
+                        "2>/dev/null"));
+  EXPECT_EQ(e8[0]["gpu_per_device"]["activations"].get<uint64_t>() -
+                e1[0]["gpu_per_device"]["activations"].get<uint64_t>(),
+            act8 - act1);
+}
+
 TEST(PlanCli, BadFlagsAreNamed) {
   Result r = strata("plan --model tiny --gpu-memory 1GiB --offload-param disk");
   EXPECT_EQ(r.status, 1);

@@ -147,6 +147,30 @@ TEST(TrainCli, ActivationCheckpointingOffGivesTheSameBits) {
   EXPECT_NE(bad.out.find("--activation-checkpointing"), std::string::npos) << bad.out;
 }
 
+// --micro-batch-group runs a step's micro-batches unit by unit: each unit fetched once per
+// group, every micro-batch's gradients added as before, so the same files and losses bit for
+// bit, on one device and on two with the state offloaded; a group beyond --grad-accum is refused.
+TEST(TrainCli, MicroBatchGroupsGiveTheSameBits) {
+  const test::TempDir dir("strata-groups");
+  const fs::path data = make_data(dir.path);
+  for (const std::string& placement :
+       {std::string(""), std::string("--devices host:2 --persistence-threshold 0 "
+                                     "--offload-param nvme --offload-optimizer cpu")}) {
+    SCOPED_TRACE(placement);
+    std::array<std::string, 2> out;
+    expect_flags_keep_the_bits(dir.path,
+                               "train " + kTiny + "--data " + data.string() +
+                                   " --lr 2e-3 --grad-accum 3 --threads 1 " + placement,
+                               "--micro-batch-group 2", 2, &out);
+    EXPECT_NE(out[1].find("in groups of 2 run unit by unit"), std::string::npos) << out[1];
+  }
+  const test::CommandResult bad = strata(
+      "train " + kTiny + "--data " + data.string() +
+      " --steps 1 --grad-accum 2 --micro-batch-group 4 --run-dir " + (dir.path / "bad").string());
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.out.find("--micro-batch-group 4"), std::string::npos) << bad.out;
+}
+
 TEST(TrainCli, ExportWritesAHuggingFaceDirectory) {
   const test::TempDir dir("strata-export");
   const fs::path data = make_data(dir.path), run = dir.path / "run";

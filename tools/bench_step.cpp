@@ -56,6 +56,7 @@ struct BenchStepArgs {
   int64_t micro_batch = 1, grad_accum = 1, seq_len = 64;
   int prefetch_depth = 1;
   bool recompute = true;  // --activation-checkpointing
+  int64_t micro_batch_group = kUnsetFlag;
   int buffer_count = 4;
   int64_t persistence_threshold = 100000;
   int steps = 5;
@@ -220,6 +221,7 @@ int run_bench_step(const BenchStepArgs& a) {
       static_cast<uint64_t>(std::max<int64_t>(a.persistence_threshold, 0));
   shape.working_buffers = working_buffers_for(a.prefetch_depth, model.tie_word_embeddings);
   shape.recompute = a.recompute;
+  shape.micro_batch_group = micro_batch_group_flag(a.micro_batch_group, a.grad_accum);
 
   // Swap space: the given paths, else a directory made here and removed at the end.
   std::vector<std::string> paths = a.nvme_paths;
@@ -295,7 +297,11 @@ int run_bench_step(const BenchStepArgs& a) {
       return false;
     }
   };
-  const Placement ref_placement = Placement::make(shape, all_device, budgets);
+  // The reference runs every micro-batch through the model before the next (no groups): a
+  // grouped run must give its bits too.
+  RunShape ref_shape = shape;
+  ref_shape.micro_batch_group = 1;
+  const Placement ref_placement = Placement::make(ref_shape, all_device, budgets);
   const bool cut = !fits(ref_placement);
   Measured want;
   std::string verified;
@@ -305,7 +311,7 @@ int run_bench_step(const BenchStepArgs& a) {
     verified = fmt::format("after {} steps every weight equals the all-device run's bit for bit",
                            a.steps + 1);
   } else {
-    RunShape small = shape;
+    RunShape small = ref_shape;
     small.model.num_hidden_layers = std::min<int64_t>(shape.model.num_hidden_layers, 2);
     const Placement small_ref = Placement::make(small, all_device, budgets);
     if (!fits(small_ref))
@@ -318,7 +324,9 @@ int run_bench_step(const BenchStepArgs& a) {
     OffloadRequest small_request = request;
     if (grads.units > 0 && (grads.on_gpu == 0 || grads.on_gpu == grads.units))
       small_request.grads = grads.on_gpu == 0 ? GradHome::cpu : GradHome::gpu;
-    const Placement small_run = Placement::make(small, small_request, budgets);
+    RunShape small_shape = small;
+    small_shape.micro_batch_group = shape.micro_batch_group;
+    const Placement small_run = Placement::make(small_shape, small_request, budgets);
     small_run.check(budgets);
     const Measured w = run_steps(small_ref, Schedule::build(small_ref, so), *comm, eo, a, "",
                                  "two-layer copy, every state on the devices");
@@ -428,6 +436,7 @@ int run_bench_step(const BenchStepArgs& a) {
         {"verified", true},
         {"verified_on_two_layers", cut},
         {"activation_checkpointing", a.recompute},
+        {"micro_batch_group", shape.micro_batch_group},
         {"steps", a.steps},
         {"step_s", step},
         {"tokens_per_s", step > 0 ? tokens / step : 0},
@@ -450,10 +459,13 @@ int run_bench_step(const BenchStepArgs& a) {
   }
   fmt::print(
       "bench step: {} ({:.3g}M parameters) on {} {} device(s), P {} O {}, G on the GPU for {} "
-      "of {} offloaded-optimizer units, micro-batch {} x {} tokens x {} accumulation\n",
+      "of {} offloaded-optimizer units, micro-batch {} x {} tokens x {} accumulation{}\n",
       model.name, double(parameter_count(model)) / 1e6, R, dtype_name(shape.param_dtype),
       a.offload_param, a.offload_optimizer, grads.on_gpu, grads.units, a.micro_batch, a.seq_len,
-      a.grad_accum);
+      a.grad_accum,
+      shape.micro_batch_group > 1
+          ? fmt::format(" (groups of {} run unit by unit)", shape.micro_batch_group)
+          : std::string());
   fmt::print("  verified: {}{}\n", verified,
              rounds.size() > 1 ? fmt::format(", in each of {} rounds", rounds.size()) : "");
   fmt::print("  profile: {}\n", profile.name);
@@ -518,6 +530,7 @@ Command add_bench_step(CLI::App& bench) {
   cmd->add_option("--peak-tflops", a->peak_tflops,
                   "the device's peak (e.g. a large matmul's rate) to report MFU against");
   add_checkpointing_option(cmd, a->recompute);
+  add_micro_batch_group_option(cmd, a->micro_batch_group);
   cmd->add_option("--buffer-count", a->buffer_count,
                   "pinned buffers carrying units between NVMe, host and device")
       ->capture_default_str();

@@ -44,6 +44,15 @@ inline CLI::Option* add_checkpointing_option(CLI::App* cmd, bool& recompute) {
       ->check(CLI::IsMember({"on", "off", "true", "false"}));
 }
 
+// --micro-batch-group G into `group` (micro_batch_group_flag checks it against the step).
+inline CLI::Option* add_micro_batch_group_option(CLI::App* cmd, int64_t& group) {
+  return cmd->add_option(
+      "--micro-batch-group", group,
+      "run G of the step's micro-batches unit by unit (default 1): each unit is fetched and "
+      "gathered once for the G forwards and once for the G backwards, for G micro-batches' "
+      "activations on the GPU");
+}
+
 // --offload-gradients into `value` (apply_offload_flags reads it): where the gradients of an
 // offloaded optimizer accumulate.
 inline CLI::Option* add_gradients_option(CLI::App* cmd, std::string& value) {

@@ -106,6 +106,17 @@ int64_t count_flag(const char* flag, int64_t value, int64_t fallback, const char
   return value;
 }
 
+int micro_batch_group_flag(int64_t value, int64_t micro_batches) {
+  const int64_t g =
+      count_flag("--micro-batch-group", value, 1, "micro-batches run unit by unit at once");
+  if (g > micro_batches)
+    fail(
+        "--micro-batch-group {}: the step has only {} micro-batch(es) (--grad-accum); a group is "
+        "at most the step's micro-batches, so give --micro-batch-group {} or raise --grad-accum",
+        g, micro_batches, micro_batches);
+  return static_cast<int>(g);
+}
+
 std::pair<int64_t, int64_t> resolve_batch(const std::optional<DsConfig>& config,
                                           const DsBatch& from_config, int world, int64_t micro_flag,
                                           int64_t accum_flag) {

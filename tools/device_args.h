@@ -56,6 +56,10 @@ inline constexpr int64_t kUnsetFlag = std::numeric_limits<int64_t>::min();
 // least 1: an Error names the flag, the value and what it counts.
 int64_t count_flag(const char* flag, int64_t value, int64_t fallback, const char* counts);
 
+// --micro-batch-group (kUnsetFlag: not given, 1): micro-batches run unit by unit, at least 1 and
+// at most the step's `micro_batches`; an Error names the flag, its value and the limit.
+int micro_batch_group_flag(int64_t value, int64_t micro_batches);
+
 // The micro-batch and gradient accumulation steps of a run on `world` devices: --micro-batch
 // and --grad-accum (kUnsetFlag: not given) over what the DeepSpeed config resolves to
 // (`from_config`), else 1. When the config fixes train_batch_size, DeepSpeed refuses a run

@@ -8,6 +8,7 @@
 // Also home of run_shape_for(), the model/GPUs/batch/dtype part of a run that `strata plan`
 // reads from the same flags.
 #include "commands.h"
+#include "device_args.h"
 #include "core/bytes.h"
 #include "core/error.h"
 #include "tier/placement.h"
@@ -46,6 +47,7 @@ struct EstimateArgs {
   int64_t seq_len = 0;
   std::string dtype = "bf16";
   bool recompute = true;  // --activation-checkpointing
+  int64_t micro_batch_group = kUnsetFlag;
   bool json = false;
 };
 
@@ -71,6 +73,8 @@ std::string offload_name(Tier t) {
 int run_estimate(const EstimateArgs& a) {
   RunShape shape = run_shape_for(a.model, a.gpus, a.micro_batch, a.seq_len, a.dtype);
   shape.recompute = a.recompute;
+  shape.micro_batch_group = static_cast<int>(count_flag(
+      "--micro-batch-group", a.micro_batch_group, 1, "micro-batches run unit by unit at once"));
   json rows = json::array();
   std::vector<std::vector<std::string>> table;
   for (const Option& o : kOptions) {
@@ -101,10 +105,14 @@ int run_estimate(const EstimateArgs& a) {
     return 0;
   }
   fmt::print(
-      "memory per tier: {} ({:.2f}B parameters), {} GPU(s), micro-batch {} x {} tokens, {} "
+      "memory per tier: {} ({:.2f}B parameters), {} GPU(s), micro-batch {} x {} tokens{}, {} "
       "parameters, f32 gradient accumulators, fp32 Adam (12 B per parameter)\n",
       shape.model.name, double(parameter_count(shape.model)) / 1e9, shape.ranks, shape.micro_batch,
-      shape.seq_len, dtype_name(shape.param_dtype));
+      shape.seq_len,
+      shape.micro_batch_group > 1
+          ? fmt::format(" (activations of {} run unit by unit)", shape.micro_batch_group)
+          : std::string(),
+      dtype_name(shape.param_dtype));
   const char* header[] = {"offload",    "gpu/device", "activations", "gpu (node)",
                           "cpu (node)", "pinned",     "nvme (node)"};
   fmt::print("  {:<24}", header[0]);
@@ -139,6 +147,7 @@ Command add_estimate(CLI::App& app) {
                   "tokens per sequence (default: the model's context, at most 4096)");
   cmd->add_option("--dtype", a->dtype, "parameter dtype: bf16 (default), f16 or f32");
   add_checkpointing_option(cmd, a->recompute);
+  add_micro_batch_group_option(cmd, a->micro_batch_group);
   cmd->add_flag("--json", a->json, "print an array of objects, one per offload option");
   return {cmd, [a] { return run_estimate(*a); }};
 }

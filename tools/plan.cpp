@@ -42,6 +42,7 @@ struct PlanArgs {
   int64_t micro_batch = kUnsetFlag, grad_accum = kUnsetFlag, seq_len = kUnsetFlag;
   int prefetch_depth = -1;
   bool recompute = true;  // --activation-checkpointing
+  int64_t micro_batch_group = kUnsetFlag;
   std::string dtype, grad_dtype = "f32";
   int64_t persistence_threshold = -1;
   std::string hardware;
@@ -142,6 +143,7 @@ int run_plan(const PlanArgs& a) {
   if (depth < 0 || depth > 64) fail("--prefetch-depth {}: expected 0..64", depth);
   shape.working_buffers = working_buffers_for(depth, shape.model.tie_word_embeddings);
   shape.recompute = a.recompute;
+  shape.micro_batch_group = micro_batch_group_flag(a.micro_batch_group, accum);
 
   OffloadRequest request = cfg.offload;
   apply_offload_flags(request, a.offload_param, a.offload_optimizer, a.offload_gradients);
@@ -218,6 +220,7 @@ int run_plan(const PlanArgs& a) {
         {"grad_dtype", a.grad_dtype},
         {"prefetch_depth", schedule.prefetch_depth},
         {"activation_checkpointing", shape.recompute},
+        {"micro_batch_group", shape.micro_batch_group},
         {"budgets",
          {{"gpu_memory", budgets.gpu_memory},
           {"cpu_memory", budgets.cpu_memory},
@@ -286,6 +289,7 @@ Command add_plan(CLI::App& app) {
   cmd->add_option("--seq-len", a->seq_len, "tokens per sequence");
   cmd->add_option("--prefetch-depth", a->prefetch_depth, "units fetched ahead of use (default 1)");
   add_checkpointing_option(cmd, a->recompute);
+  add_micro_batch_group_option(cmd, a->micro_batch_group);
   cmd->add_option("--dtype", a->dtype, "parameter dtype: bf16, f16 or f32");
   cmd->add_option("--grad-dtype", a->grad_dtype,
                   "gradient accumulators: f32 (default), or bf16/f16 (half the host RAM; for "

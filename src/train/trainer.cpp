@@ -81,6 +81,7 @@ Placement place(const TrainSettings& s, const std::vector<Device*>& devices, Tie
   shape.persistence_threshold = s.persistence_threshold;
   shape.working_buffers = working_buffers_for(s.prefetch_depth, model.tie_word_embeddings);
   shape.recompute = s.recompute;
+  shape.micro_batch_group = s.micro_batch_group;
   for (const std::string& p : s.offload.nvme_paths) {
     std::error_code ec;
     if (fs::exists(p, ec) && !fs::is_directory(p, ec))
@@ -191,11 +192,14 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
 
   const TierBytes need = placement.needs();
   fmt::print(
-      "strata train: {} on {} device(s), {} micro-batch(es) of {} x {} tokens per step; state: "
+      "strata train: {} on {} device(s), {} micro-batch(es) of {} x {} tokens per step{}; state: "
       "gpu {} per device, cpu {}, nvme {}; run directory {}\n",
-      model.name, R, s.grad_accum, s.micro_batch, s.seq_len, format_bytes(need.total(Tier::gpu)),
-      format_bytes(need.total(Tier::cpu)), format_bytes(need.total(Tier::nvme)),
-      s.run_dir.string());
+      model.name, R, s.grad_accum, s.micro_batch, s.seq_len,
+      s.micro_batch_group > 1
+          ? fmt::format(", in groups of {} run unit by unit", s.micro_batch_group)
+          : std::string(),
+      format_bytes(need.total(Tier::gpu)), format_bytes(need.total(Tier::cpu)),
+      format_bytes(need.total(Tier::nvme)), s.run_dir.string());
   // Where the gradients of an offloaded optimizer accumulate (OffloadRequest::grads).
   if (const Placement::OffloadedGradients g = placement.offloaded_gradients(); g.units > 0)
     fmt::print(

@@ -50,7 +50,8 @@ struct TrainSettings {
   double max_grad_norm = 0;  // 0: no clipping
   OffloadRequest offload;
   int prefetch_depth = 1;
-  bool recompute = true;  // activation checkpointing (RunShape::recompute)
+  bool recompute = true;      // activation checkpointing (RunShape::recompute)
+  int micro_batch_group = 1;  // RunShape::micro_batch_group
   uint64_t persistence_threshold = 100000;
   uint64_t cpu_memory = 0;     // budget of host RAM (0: 80% of what is available)
   uint64_t pinned_memory = 0;  // page-locked bytes allowed (0: `ulimit -l`); never above it
