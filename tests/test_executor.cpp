@@ -507,7 +507,8 @@ TEST(Executor, WithoutRecomputeGivesTheSameBits) {
 TEST(Executor, MicroBatchGroupsGiveTheSameBits) {
   REQUIRE_DEVICES(3);
   // Three micro-batches (rank 0's last a single sequence) run unit by unit in groups of 2 (a
-  // short last group) and 3: each unit is fetched once per group, and each backward of a group
+  // short last group; every placement) and 3 (P and O in the same tier): each unit is fetched
+  // once per group, and each backward of a group
   // waits for the previous one's reduce-scatter, so every micro-batch's gradients reach the
   // accumulators as without groups: the same bits for every placement.
   const LlamaConfig c = tiny(false);
@@ -519,6 +520,8 @@ TEST(Executor, MicroBatchGroupsGiveTheSameBits) {
         for (Tier o : {Tier::gpu, Tier::cpu, Tier::nvme})
           for (GradHome g : {GradHome::automatic, GradHome::cpu}) {
             if (o == Tier::gpu && g == GradHome::cpu) continue;
+            // A group of the whole step: one placement per parameter home is enough.
+            if (group == 3 && (o != p || g != GradHome::automatic)) continue;
             const std::string what = fmt::format("N {} group {} P {} O {} G {}", N, group,
                                                  tier_name(p), tier_name(o), grad_home_name(g));
             SCOPED_TRACE(what);
