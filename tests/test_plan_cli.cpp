@@ -29,6 +29,14 @@ json parse_json(const Result& r) {
   return j;
 }
 
+// A lane's predicted busy time in a plan's --json output.
+double busy(const json& plan, const std::string& lane) {
+  for (const json& l : plan["lanes"])
+    if (l["lane"] == lane) return l["busy_s"].get<double>();
+  ADD_FAILURE() << lane << " missing from " << plan["lanes"];
+  return 0.0;
+}
+
 const std::string k70b =
     "plan --model llama2-70b --gpus 4 --gpu-memory 24GiB --cpu-memory 256GiB --nvme 2x3.5TB ";
 
@@ -142,12 +150,6 @@ TEST(PlanCli, AnOffloadedOptimizersGradientsSumOnTheGpu) {
   EXPECT_GE(gpu["memory"]["gpu"]["gradients"].get<uint64_t>(), 4 * n);
   EXPECT_GE(cpu["memory"]["cpu"]["gradients"].get<uint64_t>(), 4 * n);
   EXPECT_LE(gpu["memory"]["gpu"]["total"].get<uint64_t>(), 80'000'000'000ull);
-  auto busy = [](const json& j, const std::string& lane) {
-    for (const json& l : j["lanes"])
-      if (l["lane"] == lane) return l["busy_s"].get<double>();
-    ADD_FAILURE() << lane << " missing from " << j["lanes"];
-    return 0.0;
-  };
   // One step's d2h: 8 x 27 GB with the accumulators in RAM, 27 GB with them on the GPU.
   EXPECT_LT(busy(gpu, "gpu[0].d2h") * 6, busy(cpu, "gpu[0].d2h"));
   EXPECT_EQ(cpu["critical_lane"], "gpu[0].d2h");
@@ -167,12 +169,6 @@ TEST(PlanCli, MicroBatchGroupsReadEachUnitOncePerGroup) {
   const json eight = parse_json(strata(args + " --micro-batch-group 8", "2>/dev/null"));
   EXPECT_EQ(one["micro_batch_group"], 1);
   EXPECT_EQ(eight["micro_batch_group"], 8);
-  auto busy = [](const json& j, const std::string& lane) {
-    for (const json& l : j["lanes"])
-      if (l["lane"] == lane) return l["busy_s"].get<double>();
-    ADD_FAILURE() << lane << " missing from " << j["lanes"];
-    return 0.0;
-  };
   EXPECT_LT(busy(eight, "gpu[0].h2d") * 6, busy(one, "gpu[0].h2d"));
   EXPECT_LT(busy(eight, "nvme.read"), busy(one, "nvme.read"));
   EXPECT_LT(eight["step_s"].get<double>() * 1.3, one["step_s"].get<double>());

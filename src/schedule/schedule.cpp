@@ -411,7 +411,8 @@ class Builder {
       fail(
           "schedule: model {} ties its embeddings, and micro-batch groups ({} micro-batches unit "
           "by unit) do not support that yet: the head's gradients would reach unit 0's before "
-          "the embedding's of the same micro-batch; use a micro-batch group of 1",
+          "the embedding's of the same micro-batch; use a micro-batch group of 1 "
+          "(--micro-batch-group 1)",
           s.model.name, G_);
     if (opt_.prefetch_depth < 0)
       fail("schedule: prefetch_depth = {}; it must be 0 (no prefetch) or more",
