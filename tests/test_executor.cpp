@@ -124,14 +124,15 @@ std::vector<std::vector<std::vector<HostBatch>>> make_batches(int N, int vocab,
   return out;
 }
 
-StepParams step_params(int64_t step) {
+// `clip`: a clip small enough that every step clips; else none.
+StepParams step_params(int64_t step, bool clip = true) {
   StepParams p;
   p.step = step;
   p.adam.lr = 1e-2f;
   p.adam.weight_decay = 0.1f;
   p.adam.adamw = true;
   p.loss_scale = 8.0f;
-  p.max_grad_norm = 0.05f;  // small: every step clips
+  p.max_grad_norm = clip ? 0.05f : 0.0f;  // small: every step clips
   return p;
 }
 
@@ -164,10 +165,14 @@ std::string kinds(const Placement& pl, Device& d) {
   return out;
 }
 
-// Micro-batches per step and how many run unit by unit at once (RunShape::micro_batch_group).
+// Micro-batches per step and how many run unit by unit at once (RunShape::micro_batch_group);
+// whether the steps clip (step_params) and whether CPU Adam updates each unit during the
+// backward (ScheduleOptions::update_during_backward, which needs no clipping).
 struct Micro {
   int batches = kMicro;
   int group = 1;
+  bool clip = true;
+  bool early = false;
 };
 
 // `grads`: automatic keeps the gradients of an offloaded optimizer on the (roomy) devices.
@@ -183,6 +188,7 @@ RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t thr
   ScheduleOptions so;
   so.micro_batches = micro.batches;
   so.prefetch_depth = depth;
+  so.update_during_backward = micro.early;
   const Schedule sc = Schedule::build(pl, so);
   EXPECT_EQ(sc.micro_batch_group, std::min(micro.group, micro.batches));
   ExecutorOptions eo;
@@ -197,11 +203,13 @@ RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t thr
     // so it gives the step's loss bit for bit; and it writes nothing, which the final weights
     // (equal to the reference loop's, which never evaluates) show.
     const EvalResult e = ex.evaluate(batches[static_cast<size_t>(s)]);
-    const StepResult r = ex.step(batches[static_cast<size_t>(s)], step_params(s + 1));
+    const StepResult r = ex.step(batches[static_cast<size_t>(s)], step_params(s + 1, micro.clip));
     EXPECT_EQ(e.loss(), r.loss) << "step " << s;
     EXPECT_GT(e.targets, 0);
     EXPECT_FALSE(r.skipped);
-    EXPECT_GT(r.grad_norm, 0.05) << "the test wants clipping active";
+    if (micro.clip) {
+      EXPECT_GT(r.grad_norm, 0.05) << "the test wants clipping active";
+    }
     EXPECT_EQ(r.lane_busy_s.size(), sc.lanes.size());
     out.losses.push_back(r.loss);
     out.norms.push_back(r.grad_norm);
@@ -544,6 +552,72 @@ TEST(Executor, MicroBatchGroupsGiveTheSameBits) {
         run_executor(c, 2, Tier::cpu, Tier::nvme, 0, depth, false, GradHome::automatic, {3, 2});
     expect_same(r, base3, fmt::format("no recompute, group 2, depth {}:", depth));
   }
+}
+
+TEST(Executor, UpdatingDuringTheBackwardGivesTheSameBits) {
+  REQUIRE_DEVICES(3);
+  // Without clipping, CPU Adam updates each unit as soon as its gradients are final, under the
+  // rest of the backward: the same updates as after the whole backward, so the same bits, for
+  // every P x O x gradient home on 1 and 3 ranks, with three micro-batches (a short last one)
+  // one by one and in groups of 2.
+  const LlamaConfig c = tiny(false);
+  for (const int N : {1, 3}) {
+    const RunResult base = run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic,
+                                        {3, 1, false, false});
+    for (const int group : {1, 2})
+      for (Tier p : {Tier::gpu, Tier::cpu, Tier::nvme})
+        for (Tier o : {Tier::gpu, Tier::cpu, Tier::nvme})
+          for (GradHome g : {GradHome::automatic, GradHome::cpu}) {
+            if (o == Tier::gpu && g == GradHome::cpu) continue;
+            // Groups: one placement per optimizer home is enough.
+            if (group == 2 && (o != p || g != GradHome::automatic)) continue;
+            const std::string what = fmt::format("N {} group {} P {} O {} G {}", N, group,
+                                                 tier_name(p), tier_name(o), grad_home_name(g));
+            SCOPED_TRACE(what);
+            const RunResult r = run_executor(c, N, p, o, 0, 1, true, g, {3, group, false, true});
+            for (size_t s = 0; s < r.losses.size(); ++s) {
+              EXPECT_EQ(r.losses[s], base.losses[s]);
+              EXPECT_EQ(r.norms[s], base.norms[s]);
+            }
+            expect_same(r, base, what + ":");
+          }
+  }
+  // Replicated units and a deeper prefetch.
+  const RunResult base2 = run_executor(c, 2, Tier::gpu, Tier::gpu, 40000, 1, true,
+                                       GradHome::automatic, {3, 1, false, false});
+  const RunResult rep = run_executor(c, 2, Tier::nvme, Tier::cpu, 40000, 3, true,
+                                     GradHome::automatic, {3, 1, false, true});
+  expect_same(rep, base2, "replicated units, depth 3:");
+}
+
+TEST(Executor, UpdatingDuringTheBackwardRefusesAClipAndStopsOnNonFiniteGradients) {
+  REQUIRE_DEVICES(2);
+  const LlamaConfig c = tiny(false);
+  const test::TempDir dir("strata-exec");
+  Rig rig(2);
+  const Placement pl = make_placement(c, 2, Tier::cpu, Tier::nvme, dir.path.string());
+  ScheduleOptions so;
+  so.micro_batches = kMicro;
+  so.update_during_backward = true;
+  const Schedule sc = Schedule::build(pl, so);
+  EXPECT_NE(sc.summary().find("updating each unit during the backward"), std::string::npos);
+  Executor ex(pl, sc, *rig.comm);
+  ex.init_random(3);
+  const auto batches = make_batches(2, c.vocab_size);
+  // A clip needs the global norm before any update: refused before the step starts, and the
+  // executor stays usable.
+  test::expect_error([&] { ex.step(batches[0], step_params(1, true)); },
+                     {"gradient clipping at 0.05", "--update-during-backward off", "--clip 0"});
+  EXPECT_FALSE(ex.step(batches[0], step_params(1, false)).skipped);
+  // A non-finite gradient cannot skip a step whose units are being updated: the run stops,
+  // naming a unit and what to do, and the executor refuses to go on.
+  StepParams p = step_params(2, false);
+  p.loss_scale = std::nanf("");
+  test::expect_error(
+      [&] { ex.step(batches[1], p); },
+      {"gradients hold NaN or Inf", "cannot be skipped", "--update-during-backward off"});
+  test::expect_error([&] { ex.step(batches[2], step_params(3, false)); },
+                     {"start again from a checkpoint"});
 }
 
 TEST(Executor, NonFiniteGradientsSkipTheStep) {

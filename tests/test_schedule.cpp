@@ -709,6 +709,93 @@ TEST(Schedule, MicroBatchGroupsShortenAnNvmeBoundStep) {
   expect_error([&] { Schedule::build(tied, {2, 1}); }, {"micro_batch_group = 0"});
 }
 
+TEST(Schedule, UpdatingDuringTheBackwardForEveryPlacement) {
+  // Each unit whose optimizer is on the host is updated as soon as its gradients are final:
+  // the same tasks as updating after the backward, every rule kept, and the update of every
+  // unit but the last two in backward order emitted (so able to run) before the backward of
+  // unit 0 ends, waiting for no other unit's gradient statistics.
+  int early_adams = 0;
+  const int built = for_every_placement([&](const Placement& base, int M, int d) {
+    for (const int G : {1, 2}) {
+      if (G > 1 && base.shape.model.tie_word_embeddings) continue;  // refused with groups
+      SCOPED_TRACE(fmt::format("G={}", G));
+      Placement pl = base;
+      pl.shape.micro_batch_group = G;
+      ScheduleOptions so{M, d};
+      so.update_during_backward = true;
+      const Schedule s = Schedule::build(pl, so);
+      ASSERT_NO_THROW(s.validate());
+      EXPECT_EQ(buffer_reuse_violation(s), "") << s.str();
+      EXPECT_EQ(replicated_gradient_violation(s, pl), "") << s.str();
+      const Expected e = expected_counts(pl, M, std::min(M, G));
+      EXPECT_EQ(count_kinds(s), e.kinds);
+      EXPECT_EQ(count_groups(s), e.groups);
+      int last_backward0 = -1;
+      for (const Task& t : s.tasks)
+        if (t.kind == TaskKind::backward && t.unit == 0) last_backward0 = t.id;
+      for (const Task& t : s.tasks) {
+        if (t.kind != TaskKind::adam) continue;
+        for (int x : t.deps)
+          if (s.tasks[size_t(x)].kind == TaskKind::grad_stats) {
+            EXPECT_EQ(s.tasks[size_t(x)].unit, t.unit) << "adam " << t.id;
+          }
+        if (pl.homes[size_t(t.unit)].optimizer != Tier::gpu && t.unit >= 2) {
+          EXPECT_LT(t.id, last_backward0) << s.str();
+          ++early_adams;
+        }
+      }
+      const Prediction pred = simulate(s, test_profile(), 3);
+      ASSERT_NO_THROW(check_timeline(s, pred.timeline));
+      HardwareProfile hw = test_profile();
+      hw.host_cpu_mixed = 1.0;
+      const Prediction m = simulate(s, hw, 3);
+      ASSERT_NO_THROW(check_timeline(s, m.timeline));
+      EXPECT_EQ(cores_overlap(s, m.timeline), "") << s.str();
+      // Evaluation has no optimizer: the setting changes nothing.
+      ScheduleOptions eval = so;
+      eval.forward_only = true;
+      ScheduleOptions eval0 = eval;
+      eval0.update_during_backward = false;
+      EXPECT_EQ(Schedule::build(pl, eval).str(), Schedule::build(pl, eval0).str());
+    }
+  });
+  EXPECT_EQ(built, 2 * 3 * 3 * 5 * 2 * 2 * 3);
+  EXPECT_GT(early_adams, 0);
+}
+
+TEST(Schedule, UpdatingDuringTheBackwardHidesCpuAdamUnderIt) {
+  // Parameters on the GPU, CPU Adam as long as the compute: updating after the backward, the
+  // next step's forward overlaps the Adam but the backward does not (about Adam + backward a
+  // step); during it, the backward overlaps the Adam of every unit but the embedding (about
+  // forward + Adam). Eight blocks and a small vocabulary, so the blocks are most of the state.
+  LlamaConfig c = tiny(false);
+  c.num_hidden_layers = 8;
+  c.vocab_size = 64;
+  // Two micro-batches in one group: the backwards of both run after both forwards, so
+  // updating during them overlaps Adam with the whole backward (without the group, only with
+  // the last micro-batch's).
+  Placement pl = make_placement(c, 1, Tier::gpu, Tier::cpu, 0, 3, 4, true);
+  pl.shape.micro_batch_group = 2;
+  HardwareProfile hw = test_profile();
+  const Schedule late = Schedule::build(pl, {2, 1});
+  ScheduleOptions so{2, 1};
+  so.update_during_backward = true;
+  const Schedule early = Schedule::build(pl, so);
+  // Adam as long as the compute of a step: elements / rate = FLOPs / rate.
+  double flops = 0;
+  uint64_t elements = 0;
+  for (const Task& t : late.tasks) {
+    flops += t.flops;
+    if (t.kind == TaskKind::adam) elements += t.elements;
+  }
+  hw.adam_elements_per_s = static_cast<double>(elements) / (flops / hw.gpu_flops);
+  const Prediction a = simulate(late, hw, 3);
+  const Prediction b = simulate(early, hw, 3);
+  EXPECT_LT(b.step_s, 0.8 * a.step_s) << a.step_s << " vs " << b.step_s;
+  EXPECT_NE(early.summary().find("updating each unit during the backward"), std::string::npos);
+  EXPECT_EQ(late.summary().find("during the backward"), std::string::npos);
+}
+
 // ---- validate() ----
 
 Schedule tiny_schedule() {

@@ -445,7 +445,14 @@ struct Executor::State {
   void ensure_global(StepSlot& sl) const;
   double loss_sum() const;
   void run_task(const Task& t, int64_t k);
-  void update(const Task& t, const StepSlot& sl);
+  // Adam on unit u's shards with gradient statistics `stats` (the step's global ones, or the
+  // unit's when updating during the backward) and the combined scale.
+  void update(const Task& t, const StepSlot& sl, const GradStats& stats, float grad_scale);
+  // Whether the optimizer runs during the backward (ScheduleOptions::update_during_backward).
+  bool early() const { return sc->options.update_during_backward; }
+  // Whether slot k's step is skipped (non-finite gradients); never while updating during the
+  // backward, where a non-finite gradient stops the run instead.
+  bool skipped(int64_t k) { return !early() && slot_of(k).global.non_finite; }
   void zero_unit_grads(const Task& t);
   void run_group(int first, int end);
   // A replicated unit's view: its resident parameters, no gradient buffer.
@@ -1222,15 +1229,14 @@ void Executor::State::run_group(int first, int end) {
 }
 
 // Unit u's Adam update of step slot `sl` (the adam task), wherever its optimizer state lives.
-void Executor::State::update(const Task& t, const StepSlot& sl) {
+void Executor::State::update(const Task& t, const StepSlot& sl, const GradStats& global,
+                             float grad_scale) {
   const int u = t.unit, r = t.rank;
   const uint64_t n = shard(u);
   auto pin = [&](int producer) {
     return pinned[static_cast<size_t>(slot[static_cast<size_t>(producer)])];
   };
   const StepParams& params = sl.params;
-  const GradStats& global = sl.global;
-  const float grad_scale = sl.grad_scale;
   if (global.non_finite) return;
   if (home(u).optimizer == Tier::gpu) {
     const std::vector<int> rs = r >= 0 ? std::vector<int>{r} : task_ranks(t, u);
@@ -1501,17 +1507,32 @@ void Executor::State::run_task(const Task& t, int64_t k) {
     }
     case TaskKind::adam: {
       StepSlot& sl = slot_of(k);
-      {
-        std::lock_guard lock(mu);
-        ensure_global(sl);
+      if (early()) {
+        // The unit's own statistics: the clip coefficient is 1 (step() refused a clip), so the
+        // scale is the one the global statistics give.
+        GradStats own;
+        for (int q = 0; q < N; ++q) own += sl.stats[static_cast<size_t>(u)][static_cast<size_t>(q)];
+        if (own.non_finite)
+          fail(
+              "unit {}'s gradients hold NaN or Inf; the optimizer updates each unit during the "
+              "backward (--update-during-backward on), so other units of this step are updated "
+              "already and the step cannot be skipped: resume from the last checkpoint with "
+              "--update-during-backward off, which skips such steps",
+              up(u).name);
+        update(t, sl, own, combined_grad_scale(own, sl.params.loss_scale, 0.0f));
+      } else {
+        {
+          std::lock_guard lock(mu);
+          ensure_global(sl);
+        }
+        update(t, sl, sl.global, sl.grad_scale);
       }
-      update(t, sl);
       // The update has read the gradients: zero them for the next step (a skipped step's too).
       zero_unit_grads(t);
       return;
     }
     case TaskKind::param_write: {
-      if (slot_of(k).global.non_finite) return;
+      if (skipped(k)) return;
       const std::vector<int> rs = task_ranks(t, u);
       for (size_t i = 0; i < rs.size(); ++i)
         store->write(shard_name('P', u, rs[i]),
@@ -1520,7 +1541,7 @@ void Executor::State::run_task(const Task& t, int64_t k) {
       return;
     }
     case TaskKind::param_upload: {
-      if (slot_of(k).global.non_finite) return;
+      if (skipped(k)) return;
       const int hr = up(u).replicated ? 0 : r;
       Stream& st = *streams[static_cast<size_t>(r)].h2d;
       dev(r).copy_to_device(zero->param_shard(u, r).data,
@@ -1765,6 +1786,13 @@ StepResult Executor::step(const std::vector<std::vector<HostBatch>>& batches,
   State& s = *s_;
   const int64_t k = s.instances;
   s.check_usable();
+  if (s.early() && params.max_grad_norm > 0)
+    fail(
+        "executor: gradient clipping at {} needs the whole step's gradient norm before any "
+        "update, but this schedule updates each unit during the backward "
+        "(--update-during-backward on); turn clipping off (--clip 0, gradient_clipping 0) or "
+        "--update-during-backward off",
+        params.max_grad_norm);
   s.start_workers();
   // Two steps may be in flight: the slot this step takes was the one before the previous's.
   s.wait_lanes(k - 2);
@@ -1788,6 +1816,12 @@ StepResult Executor::step(const std::vector<std::vector<HostBatch>>& batches,
     s.cv.wait(lock, [&] { return s.stop || s.front_left == 0; });
     if (s.stop) s.fail_stopped();
     s.ensure_global(sl);
+    // Updating during the backward, a non-finite unit's update fails the run (see run_task):
+    // report that failure rather than a skipped step.
+    if (s.early() && sl.global.non_finite) {
+      s.cv.wait(lock, [&] { return s.stop; });
+      s.fail_stopped();
+    }
     t1 = s.now();
     s.last_return = t1;
     // The period's busy times: spans clipped to [t0, t1], and the tasks still running.

@@ -83,6 +83,16 @@
 // pinned buffers are free (what stays covers the mandatory takes: the gradients and the updated
 // parameters).
 //
+// Update during the backward (ScheduleOptions::update_during_backward): the optimizer of a unit
+// whose optimizer is on the host is emitted as soon as its gradients are final, in backward
+// order, and its adam waits only for that unit's grad_stats; with G home cpu right after the
+// grad_stats on cpu.adam, with G home gpu after the next backward's compute (the grad_stats
+// per rank on gpu[r].compute follow it there, so the compute lane does not wait for the
+// reduce-scatter). The optim_reads run ahead from the last micro-batch's backward of a unit
+// for that unit and the next in backward order (param_reads may be left: they go first on the
+// read lane). Units with their optimizer on the GPU are updated after the backward as before,
+// each after its own grad_stats. No clipping is possible: the executor refuses a clip.
+//
 // Forward only (evaluation): the uses are the forwards alone, fetched and gathered by the same
 // rules; nothing after them.
 //
@@ -330,6 +340,7 @@ class Builder {
         W_(placement.shape.working_buffers),
         B_(placement.pinned_buffers),
         tied_(placement.shape.model.tie_word_embeddings && part_.num_units() >= 2),
+        early_(options.update_during_backward && !options.forward_only),
         ps_(dtype_size(placement.shape.param_dtype)),
         gs_(dtype_size(placement.shape.grad_dtype)),
         slots_(std::max(W_, 0)) {
@@ -357,6 +368,11 @@ class Builder {
     last_grad_d2h_.assign(static_cast<size_t>(R_), -1);
     run_rs_.resize(static_cast<size_t>(U_));
     run_rs_first_.assign(static_cast<size_t>(U_), -1);
+    unit_stats_.resize(static_cast<size_t>(U_));
+    optim_done_.assign(static_cast<size_t>(U_), false);
+    for (int k = 0; k < U_; ++k) optim_order_.push_back(early_ ? U_ - 1 - k : k);
+    optim_pos_.resize(static_cast<size_t>(U_));
+    for (int k = 0; k < U_; ++k) optim_pos_[static_cast<size_t>(optim_order_[size_t(k)])] = k;
   }
 
   int pos_of(int use) const { return uses_[static_cast<size_t>(use)].pos; }
@@ -366,13 +382,18 @@ class Builder {
     for (int i = 0; i < static_cast<int>(uses_.size()); ++i) {
       prefetch(i);
       emit_compute(i);
+      if (early_) emit_pending_updates();
       if (uses_[static_cast<size_t>(i)].backward) emit_gradients(i);
       open_optim_lookahead(i);
       optim_lookahead();
     }
     if (!opt_.forward_only) {
-      emit_gpu_grad_stats();
+      if (early_)
+        emit_pending_updates();
+      else
+        emit_gpu_grad_stats();
       for (int u = 0; u < U_; ++u) {
+        if (optim_done_[static_cast<size_t>(u)]) continue;
         emit_optimizer(u);
         optim_lookahead();
       }
@@ -773,6 +794,7 @@ class Builder {
     std::vector<int>& g_writer = g_writer_[static_cast<size_t>(u)];
     if (!g_host) {
       g_writer = rs;
+      if (early_ && m == M_ - 1) pending_.push_back(u);
       return;
     }
     const int copies = up.replicated ? 1 : R_;
@@ -801,25 +823,53 @@ class Builder {
       const int stats = add(TaskKind::grad_stats, LaneKind::cpu_adam, -1, u, -1, g_writer);
       task(stats).elements = all_elements(u);
       grad_stats_.push_back(stats);
+      unit_stats_[static_cast<size_t>(u)] = {stats};
+      if (early_ && o_host(u)) emit_optimizer(u);
     }
   }
 
-  void emit_gpu_grad_stats() {
-    for (int u = U_ - 1; u >= 0; --u) {
-      if (homes(u).grad != Tier::gpu) continue;
-      for (int r = 0; r < R_; ++r) {
-        const int id = add(TaskKind::grad_stats, LaneKind::compute, r, u, -1,
-                           {g_writer_[static_cast<size_t>(u)][static_cast<size_t>(r)]});
-        task(id).elements = unit(u).shard;
-        grad_stats_.push_back(id);
-      }
+  // Update during the backward: the grad_stats per rank of the units whose gradients (home
+  // gpu) became final at an earlier use, then the optimizer of those whose optimizer is on the
+  // host.
+  void emit_pending_updates() {
+    for (int u : pending_) {
+      emit_gpu_grad_stats_of(u);
+      if (o_host(u)) emit_optimizer(u);
     }
+    pending_.clear();
+  }
+
+  void emit_gpu_grad_stats() {
+    for (int u = U_ - 1; u >= 0; --u)
+      if (homes(u).grad == Tier::gpu) emit_gpu_grad_stats_of(u);
+  }
+
+  void emit_gpu_grad_stats_of(int u) {
+    for (int r = 0; r < R_; ++r) {
+      const int id = add(TaskKind::grad_stats, LaneKind::compute, r, u, -1,
+                         {g_writer_[static_cast<size_t>(u)][static_cast<size_t>(r)]});
+      task(id).elements = unit(u).shard;
+      grad_stats_.push_back(id);
+      unit_stats_[static_cast<size_t>(u)].push_back(id);
+    }
+  }
+
+  // What unit u's update waits for: every grad_stats (the global norm), or, updating during the
+  // backward, the unit's own.
+  const std::vector<int>& stats_for(int u) const {
+    return early_ ? unit_stats_[static_cast<size_t>(u)] : grad_stats_;
   }
 
   // ---- optimizer ----
   void open_optim_lookahead(int i) {
     const Use& use = uses_[static_cast<size_t>(i)];
-    if (use.m == M_ - 1 && use.backward && param_reads_left_ == 0) lookahead_open_ = true;
+    if (use.m != M_ - 1 || !use.backward) return;
+    if (early_) {
+      lookahead_open_ = true;
+      optim_limit_ = optim_pos_[static_cast<size_t>(use.unit)] + 1;
+    } else if (param_reads_left_ == 0) {
+      lookahead_open_ = true;
+    }
   }
 
   void emit_optim_read(int u) {
@@ -835,7 +885,8 @@ class Builder {
   void optim_lookahead() {
     if (!lookahead_open_) return;
     while (next_optim_ < U_) {
-      const int u = next_optim_;
+      if (early_ && next_optim_ > optim_limit_) return;
+      const int u = optim_order_[static_cast<size_t>(next_optim_)];
       if (homes(u).optimizer == Tier::nvme && optim_read_[static_cast<size_t>(u)] < 0) {
         // Leave what the optimizer of one unit takes besides its O buffer.
         if (optim_pool().free_count() < std::max(2, optim_need_)) return;
@@ -850,9 +901,11 @@ class Builder {
     const UnitPartition& up = unit(u);
     std::vector<int>& writer = writer_[static_cast<size_t>(u)];
     if (h.optimizer == Tier::nvme && optim_read_[static_cast<size_t>(u)] < 0) emit_optim_read(u);
-    if (next_optim_ <= u) next_optim_ = u + 1;
+    const int pos = optim_pos_[static_cast<size_t>(u)];
+    if (next_optim_ <= pos) next_optim_ = pos + 1;
+    optim_done_[static_cast<size_t>(u)] = true;
     if (o_host(u)) {
-      std::vector<int> deps = grad_stats_;
+      std::vector<int> deps = stats_for(u);
       if (optim_read_[static_cast<size_t>(u)] >= 0)
         deps.push_back(optim_read_[static_cast<size_t>(u)]);
       int gbuf = -1;
@@ -905,7 +958,7 @@ class Builder {
     }
     std::vector<int> adams;
     for (int r = 0; r < R_; ++r) {
-      const int id = add(TaskKind::adam, LaneKind::compute, r, u, -1, grad_stats_);
+      const int id = add(TaskKind::adam, LaneKind::compute, r, u, -1, stats_for(u));
       task(id).elements = up.shard;
       adams.push_back(id);
     }
@@ -997,6 +1050,7 @@ class Builder {
   ScheduleOptions opt_;
   int U_, R_, M_, G_, W_, B_, d_ = 0;  // G_: micro-batches per group, at most M_
   bool tied_;
+  bool early_;  // update during the backward
   uint64_t ps_, gs_;
   BufferPool slots_, pinned_, optim_pinned_;  // optim_pinned_: empty unless split_
   bool split_ = false;
@@ -1023,6 +1077,14 @@ class Builder {
   std::vector<int> run_rs_first_;
   std::vector<int> last_at_pos_;  // per unit step: its last use
   std::vector<int> grad_stats_;
+  std::vector<std::vector<int>> unit_stats_;  // per unit: its grad_stats
+  std::vector<int> pending_;  // units (G home gpu) whose gradients are final, stats not emitted
+  std::vector<bool> optim_done_;
+  // The order the optimizer visits units (forward; backward when updating during it), each
+  // unit's position in it, and how far optim_reads may run ahead in it while updating during
+  // the backward.
+  std::vector<int> optim_order_, optim_pos_;
+  int optim_limit_ = -1;
   std::vector<std::vector<int>> grad_offload_;  // per unit: its grad_offload per rank
   std::vector<int> optim_read_, optim_write_, o_buffer_;
   std::vector<PrevFix> fixes_;
@@ -1148,10 +1210,13 @@ std::string Schedule::str() const {
 
 std::string Schedule::summary() const {
   std::string out = fmt::format(
-      "schedule: {} tasks on {} lanes; {} units, {} ranks, {} micro-batches{}, prefetch depth {} "
-      "(asked {}), {} working buffers, {} pinned buffers\n",
+      "schedule: {} tasks on {} lanes; {} units, {} ranks, {} micro-batches{}{}, prefetch depth "
+      "{} (asked {}), {} working buffers, {} pinned buffers\n",
       tasks.size(), lanes.size(), units, ranks, options.micro_batches,
       micro_batch_group > 1 ? fmt::format(" in groups of {}", micro_batch_group) : "",
+      options.update_during_backward && !options.forward_only
+          ? ", CPU Adam updating each unit during the backward"
+          : "",
       prefetch_depth, options.prefetch_depth, working_buffers, pinned_buffers);
   out += fmt::format("  {:<16} {:>7} {:>12} {:>12} {:>14}\n", "lane", "tasks", "bytes", "TFLOP",
                      "elements");

@@ -50,7 +50,8 @@ enum class TaskKind {
   grad_d2h,         // gpu[r].d2h: the reduce-scattered shard to its host home (G home cpu)
   grad_accumulate,  // cpu.adam: G[u] += the shard brought by grad_d2h (micro-batches > 1)
   grad_stats,       // cpu.adam or gpu[r].compute: unit u's share of the global norm/overflow
-  // optimizer, once the global norm is known, in forward order
+  // optimizer, once the global norm is known, in forward order (or, with
+  // ScheduleOptions::update_during_backward, each unit once its gradients are final)
   grad_offload,  // gpu[r].d2h: G[u][r], summed on the GPU, into a pinned buffer for CPU Adam
                  // (G home gpu, O on the host; replicated units: rank 0 only)
   optim_read,    // nvme.read: O[u] shards (master, m, v) from NVMe into pinned buffers
@@ -107,6 +108,12 @@ struct ScheduleOptions {
   // Evaluation: each micro-batch's forwards and the fetches and gathers that feed them; no
   // backward, gradients or optimizer, so the model state is read and never written.
   bool forward_only = false;
+  // Each unit whose optimizer is on the host (CPU Adam) is updated as soon as its gradients are
+  // final, in backward order under the rest of the backward, instead of after the whole
+  // backward in forward order. Only without gradient clipping, which needs the global norm
+  // before any update: the executor refuses a step with max_grad_norm > 0, and a non-finite
+  // gradient stops the run instead of skipping the step (units are updated already).
+  bool update_during_backward = false;
 };
 
 struct Schedule {
