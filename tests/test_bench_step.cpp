@@ -143,6 +143,19 @@ TEST(BenchStepCli, MicroBatchGroupsAreVerifiedAgainstNoGroups) {
   EXPECT_NE(bad.out.find("--micro-batch-group 3"), std::string::npos) << bad.out;
 }
 
+TEST(BenchStepCli, UpdatingDuringTheBackwardIsVerifiedAgainstUpdatingAfterIt) {
+  const test::TempDir dir("strata-bench-step");
+  const test::CommandResult r = strata(
+      "bench step --devices host:1 --grad-accum 2 --micro-batch-group 2 "
+      "--update-during-backward on --steps 1 --threads 1 --nvme-path " +
+      dir.path.string() + " --json");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const json j = json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_EQ(j["verified"], true);
+  EXPECT_EQ(j["update_during_backward"], true);
+}
+
 TEST(BenchStepCli, BadSettingsAreNamed) {
   const test::CommandResult tier = strata("bench step --offload-param disk", "2>&1");
   EXPECT_NE(tier.status, 0);

@@ -198,6 +198,35 @@ TEST(PlanCli, MicroBatchGroupsReadEachUnitOncePerGroup) {
             act8 - act1);
 }
 
+TEST(PlanCli, UpdatingDuringTheBackwardHidesCpuAdam) {
+  // llama2-7b in bf16, optimizer on the CPU, one group of 4 micro-batches: updating during the
+  // backward overlaps CPU Adam with it, the same work in a shorter step.
+  const std::string args =
+      "plan --model llama2-7b --dtype bf16 --gpus 1 --gpu-memory 80GB --cpu-memory 256GiB "
+      "--seq-len 2048 --micro-batch 2 --grad-accum 4 --micro-batch-group 4 --offload-optimizer "
+      "cpu --json";
+  const json after = parse_json(strata(args, "2>/dev/null"));
+  const json during = parse_json(strata(args + " --update-during-backward on", "2>/dev/null"));
+  EXPECT_EQ(after["update_during_backward"], false);
+  EXPECT_EQ(during["update_during_backward"], true);
+  for (const char* lane : {"cpu.adam", "gpu[0].compute"})  // summed in another order
+    EXPECT_NEAR(busy(during, lane), busy(after, lane), 1e-9 * busy(after, lane)) << lane;
+  EXPECT_LT(during["step_s"].get<double>() * 1.2, after["step_s"].get<double>());
+  // Clipping (from the config) and fp16 need every gradient before any update: refused.
+  const test::TempDir dir("strata-plan-udb");
+  const fs::path config = dir.path / "ds_config.json";
+  std::ofstream(config) << R"({"gradient_clipping": 1.0})";
+  Result r = strata(args + " --update-during-backward on --config '" + config.string() + "'");
+  EXPECT_EQ(r.status, 1);
+  for (const char* part : {"gradient_clipping", "--update-during-backward off"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from " << r.out;
+  r = strata(
+      "plan --model llama2-7b --dtype f16 --gpus 1 --gpu-memory 80GB --cpu-memory 256GiB "
+      "--offload-optimizer cpu --update-during-backward on");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find("fp16"), std::string::npos) << r.out;
+}
+
 TEST(PlanCli, BadFlagsAreNamed) {
   Result r = strata("plan --model tiny --gpu-memory 1GiB --offload-param disk");
   EXPECT_EQ(r.status, 1);

@@ -171,6 +171,44 @@ TEST(TrainCli, MicroBatchGroupsGiveTheSameBits) {
   EXPECT_NE(bad.out.find("--micro-batch-group 4"), std::string::npos) << bad.out;
 }
 
+// Without clipping, CPU Adam updating each unit during the backward gives the same files and
+// losses bit for bit: on one device with the optimizer on the CPU (bf16, a group of the whole
+// step) and on two with P and O on NVMe.
+TEST(TrainCli, UpdatingDuringTheBackwardGivesTheSameBits) {
+  const test::TempDir dir("strata-udb");
+  const fs::path data = make_data(dir.path);
+  for (const std::string& placement :
+       {std::string("--offload-optimizer cpu --dtype bf16 --micro-batch-group 3"),
+        std::string("--devices host:2 --persistence-threshold 0 --offload-param nvme "
+                    "--offload-optimizer nvme")}) {
+    SCOPED_TRACE(placement);
+    std::array<std::string, 2> out;
+    expect_flags_keep_the_bits(dir.path,
+                               "train " + kTiny + "--data " + data.string() +
+                                   " --lr 2e-3 --grad-accum 3 --threads 1 " + placement,
+                               "--update-during-backward on", 2, &out);
+    EXPECT_NE(out[1].find("CPU Adam updates each of"), std::string::npos) << out[1];
+    EXPECT_EQ(out[0].find("CPU Adam updates each of"), std::string::npos) << out[0];
+  }
+  // Clipping and fp16 loss scaling need every gradient before any update: refused, naming the
+  // settings, before anything runs.
+  for (const auto& [flags, words] :
+       {std::pair{std::string("--clip 1.0"),
+                  std::vector<std::string>{"gradient clipping at 1", "--clip 0",
+                                           "--update-during-backward off"}},
+        std::pair{
+            std::string("--dtype f16"),
+            std::vector<std::string>{"--dtype f16", "bf16", "--update-during-backward off"}}}) {
+    const test::CommandResult bad =
+        strata("train " + kTiny + "--data " + data.string() +
+               " --steps 1 --offload-optimizer cpu --update-during-backward on " + flags +
+               " --run-dir " + (dir.path / "bad").string());
+    EXPECT_NE(bad.status, 0) << flags;
+    for (const std::string& w : words) EXPECT_NE(bad.out.find(w), std::string::npos) << bad.out;
+    EXPECT_FALSE(fs::exists(dir.path / "bad" / "checkpoints")) << flags;
+  }
+}
+
 TEST(TrainCli, ExportWritesAHuggingFaceDirectory) {
   const test::TempDir dir("strata-export");
   const fs::path data = make_data(dir.path), run = dir.path / "run";

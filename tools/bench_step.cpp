@@ -57,6 +57,7 @@ struct BenchStepArgs {
   int prefetch_depth = 1;
   bool recompute = true;  // --activation-checkpointing
   int64_t micro_batch_group = kUnsetFlag;
+  bool update_during_backward = false;
   int buffer_count = 4;
   int64_t persistence_threshold = 100000;
   int steps = 5;
@@ -104,12 +105,14 @@ std::vector<std::vector<HostBatch>> make_step_batches(int step, int micro, int r
   return out;
 }
 
-StepParams step_params(int64_t step) {
+// Clipping at 1 as Hugging Face's Trainer does, unless CPU Adam updates during the backward,
+// which cannot clip (the reference runs then do not clip either).
+StepParams step_params(int64_t step, bool clip) {
   StepParams p;
   p.step = step;
   p.adam.lr = 1e-3f;
   p.adam.weight_decay = 0.01f;
-  p.max_grad_norm = 1.0f;
+  p.max_grad_norm = clip ? 1.0f : 0.0f;
   return p;
 }
 
@@ -157,7 +160,7 @@ Measured run_steps(const Placement& placement, const Schedule& schedule, Communi
     const StepResult r =
         ex.step(make_step_batches(s, static_cast<int>(a.grad_accum), R, a.micro_batch, a.seq_len,
                                   placement.shape.model.vocab_size),
-                step_params(s + 1));
+                step_params(s + 1, !a.update_during_backward));
     if (r.skipped || !std::isfinite(r.loss))
       fail("bench step: step {} gave loss {} (skipped: {}); not reporting a speed", s + 1, r.loss,
            r.skipped);
@@ -254,7 +257,11 @@ int run_bench_step(const BenchStepArgs& a) {
   ScheduleOptions so;
   so.micro_batches = static_cast<int>(a.grad_accum);
   so.prefetch_depth = a.prefetch_depth;
+  so.update_during_backward = a.update_during_backward;
   const Schedule schedule = Schedule::build(placement, so);
+  // The references update after the whole backward.
+  ScheduleOptions ref_so = so;
+  ref_so.update_during_backward = false;
   schedule.validate();
 
   ExecutorOptions eo;
@@ -306,7 +313,7 @@ int run_bench_step(const BenchStepArgs& a) {
   Measured want;
   std::string verified;
   if (!cut) {
-    want = run_steps(ref_placement, Schedule::build(ref_placement, so), *comm, eo, a, "",
+    want = run_steps(ref_placement, Schedule::build(ref_placement, ref_so), *comm, eo, a, "",
                      "reference (every state on the devices)");
     verified = fmt::format("after {} steps every weight equals the all-device run's bit for bit",
                            a.steps + 1);
@@ -328,7 +335,7 @@ int run_bench_step(const BenchStepArgs& a) {
     small_shape.micro_batch_group = shape.micro_batch_group;
     const Placement small_run = Placement::make(small_shape, small_request, budgets);
     small_run.check(budgets);
-    const Measured w = run_steps(small_ref, Schedule::build(small_ref, so), *comm, eo, a, "",
+    const Measured w = run_steps(small_ref, Schedule::build(small_ref, ref_so), *comm, eo, a, "",
                                  "two-layer copy, every state on the devices");
     const Measured g = run_steps(small_run, Schedule::build(small_run, so), *comm, eo, a, "",
                                  "two-layer copy, placed as asked");
@@ -437,6 +444,7 @@ int run_bench_step(const BenchStepArgs& a) {
         {"verified_on_two_layers", cut},
         {"activation_checkpointing", a.recompute},
         {"micro_batch_group", shape.micro_batch_group},
+        {"update_during_backward", a.update_during_backward},
         {"steps", a.steps},
         {"step_s", step},
         {"tokens_per_s", step > 0 ? tokens / step : 0},
@@ -459,13 +467,14 @@ int run_bench_step(const BenchStepArgs& a) {
   }
   fmt::print(
       "bench step: {} ({:.3g}M parameters) on {} {} device(s), P {} O {}, G on the GPU for {} "
-      "of {} offloaded-optimizer units, micro-batch {} x {} tokens x {} accumulation{}\n",
+      "of {} offloaded-optimizer units, micro-batch {} x {} tokens x {} accumulation{}{}\n",
       model.name, double(parameter_count(model)) / 1e6, R, dtype_name(shape.param_dtype),
       a.offload_param, a.offload_optimizer, grads.on_gpu, grads.units, a.micro_batch, a.seq_len,
       a.grad_accum,
       shape.micro_batch_group > 1
           ? fmt::format(" (groups of {} run unit by unit)", shape.micro_batch_group)
-          : std::string());
+          : std::string(),
+      a.update_during_backward ? ", CPU Adam updating during the backward (no clipping)" : "");
   fmt::print("  verified: {}{}\n", verified,
              rounds.size() > 1 ? fmt::format(", in each of {} rounds", rounds.size()) : "");
   fmt::print("  profile: {}\n", profile.name);
@@ -531,6 +540,7 @@ Command add_bench_step(CLI::App& bench) {
                   "the device's peak (e.g. a large matmul's rate) to report MFU against");
   add_checkpointing_option(cmd, a->recompute);
   add_micro_batch_group_option(cmd, a->micro_batch_group);
+  add_update_during_backward_option(cmd, a->update_during_backward);
   cmd->add_option("--buffer-count", a->buffer_count,
                   "pinned buffers carrying units between NVMe, host and device")
       ->capture_default_str();

@@ -53,6 +53,17 @@ inline CLI::Option* add_micro_batch_group_option(CLI::App* cmd, int64_t& group) 
       "activations on the GPU");
 }
 
+// --update-during-backward on|off into `on` (ScheduleOptions::update_during_backward).
+inline CLI::Option* add_update_during_backward_option(CLI::App* cmd, bool& on) {
+  return cmd
+      ->add_option("--update-during-backward", on,
+                   "on: CPU Adam updates each unit as soon as its gradients are final, under the "
+                   "rest of the backward (needs gradient clipping off and no fp16; a NaN or Inf "
+                   "gradient then stops the run instead of skipping the step); off (default): "
+                   "after the whole backward")
+      ->check(CLI::IsMember({"on", "off", "true", "false"}));
+}
+
 // --offload-gradients into `value` (apply_offload_flags reads it): where the gradients of an
 // offloaded optimizer accumulate.
 inline CLI::Option* add_gradients_option(CLI::App* cmd, std::string& value) {

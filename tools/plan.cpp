@@ -43,6 +43,7 @@ struct PlanArgs {
   int prefetch_depth = -1;
   bool recompute = true;  // --activation-checkpointing
   int64_t micro_batch_group = kUnsetFlag;
+  bool update_during_backward = false;
   std::string dtype, grad_dtype = "f32";
   int64_t persistence_threshold = -1;
   std::string hardware;
@@ -135,6 +136,20 @@ int run_plan(const PlanArgs& a) {
   if (a.grad_dtype != "f32" && a.grad_dtype != "bf16" && a.grad_dtype != "f16")
     fail("--grad-dtype '{}' is not one of f32, bf16, f16", a.grad_dtype);
   shape.grad_dtype = parse_dtype(a.grad_dtype);
+  if (a.update_during_backward) {
+    const double clip = ds ? ds->gradient_clipping.value_or(0.0) : 0.0;
+    if (clip > 0)
+      fail(
+          "--update-during-backward on: {} clips gradients at {} (gradient_clipping), which "
+          "needs the whole step's gradient norm before any unit is updated; set "
+          "gradient_clipping to 0 or plan with --update-during-backward off",
+          a.config, clip);
+    if (dtype == "f16")
+      fail(
+          "--update-during-backward on with fp16: loss scaling skips a step whose gradients "
+          "overflow, which needs every gradient before any unit is updated; plan with --dtype "
+          "bf16 or --update-during-backward off");
+  }
   if (a.persistence_threshold >= 0)
     shape.persistence_threshold = static_cast<uint64_t>(a.persistence_threshold);
   else if (cfg.persistence_threshold)
@@ -190,6 +205,7 @@ int run_plan(const PlanArgs& a) {
   ScheduleOptions so;
   so.micro_batches = static_cast<int>(accum);
   so.prefetch_depth = depth;
+  so.update_during_backward = a.update_during_backward;
   const Schedule schedule = Schedule::build(placement, so);
   schedule.validate();
   const HardwareProfile profile = file_profile ? *file_profile : assumed_profile(drives);
@@ -221,6 +237,7 @@ int run_plan(const PlanArgs& a) {
         {"prefetch_depth", schedule.prefetch_depth},
         {"activation_checkpointing", shape.recompute},
         {"micro_batch_group", shape.micro_batch_group},
+        {"update_during_backward", a.update_during_backward},
         {"budgets",
          {{"gpu_memory", budgets.gpu_memory},
           {"cpu_memory", budgets.cpu_memory},
@@ -290,6 +307,7 @@ Command add_plan(CLI::App& app) {
   cmd->add_option("--prefetch-depth", a->prefetch_depth, "units fetched ahead of use (default 1)");
   add_checkpointing_option(cmd, a->recompute);
   add_micro_batch_group_option(cmd, a->micro_batch_group);
+  add_update_during_backward_option(cmd, a->update_during_backward);
   cmd->add_option("--dtype", a->dtype, "parameter dtype: bf16, f16 or f32");
   cmd->add_option("--grad-dtype", a->grad_dtype,
                   "gradient accumulators: f32 (default), or bf16/f16 (half the host RAM; for "

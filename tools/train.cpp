@@ -35,6 +35,7 @@ struct TrainArgs {
   int64_t prefetch_depth = kUnsetFlag;
   bool recompute = true;  // --activation-checkpointing
   int64_t micro_batch_group = kUnsetFlag;
+  bool update_during_backward = false;
   int64_t persistence_threshold = -1;
   int threads = 0;
   int64_t save_every = 0, steps_per_print = 0;
@@ -151,6 +152,7 @@ int run_train(const TrainArgs& a) {
                                                     : plan.prefetch_depth.value_or(1);
   s.recompute = a.recompute;
   s.micro_batch_group = micro_batch_group_flag(a.micro_batch_group, s.grad_accum);
+  s.update_during_backward = a.update_during_backward;
   s.persistence_threshold = a.persistence_threshold >= 0
                                 ? static_cast<uint64_t>(a.persistence_threshold)
                                 : plan.persistence_threshold.value_or(100000);
@@ -174,6 +176,7 @@ int run_train(const TrainArgs& a) {
             {"micro_batch", s.micro_batch},
             {"grad_accum", s.grad_accum},
             {"micro_batch_group", s.micro_batch_group},
+            {"update_during_backward", s.update_during_backward},
             {"seq_len", s.seq_len},
             {"dtype", dtype_name(s.dtype)},
             {"optimizer", adamw ? "adamw" : "adam"},
@@ -247,6 +250,7 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--prefetch-depth", a->prefetch_depth, "units fetched ahead (default 1)");
   add_checkpointing_option(cmd, a->recompute);
   add_micro_batch_group_option(cmd, a->micro_batch_group);
+  add_update_during_backward_option(cmd, a->update_during_backward);
   cmd->add_option("--persistence-threshold", a->persistence_threshold,
                   "units of at most this many elements stay whole on every device (100000)");
   cmd->add_option("--cpu-memory", a->cpu_memory, "host RAM the run may use");

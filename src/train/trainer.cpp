@@ -132,6 +132,17 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   if (devices.empty()) fail("train: no devices; name them with --devices");
   if (s.steps < 1) fail("--steps {}: train at least one step", s.steps);
   if (s.data.empty()) fail("train: no training data; give --data FILE (strata tokenize makes one)");
+  if (s.update_during_backward && s.max_grad_norm > 0)
+    fail(
+        "--update-during-backward on with gradient clipping at {}: clipping needs the whole "
+        "step's gradient norm before any unit is updated; turn clipping off (--clip 0, "
+        "gradient_clipping 0) or --update-during-backward off",
+        s.max_grad_norm);
+  if (s.update_during_backward && s.dtype == DType::f16)
+    fail(
+        "--update-during-backward on with --dtype f16: fp16 loss scaling skips a step whose "
+        "gradients overflow, which needs every gradient before any unit is updated; use --dtype "
+        "bf16 or --update-during-backward off");
   const int R = static_cast<int>(devices.size());
   TierBudgets budgets;
   const Placement placement = place(s, devices, budgets);
@@ -139,6 +150,7 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   ScheduleOptions so;
   so.micro_batches = static_cast<int>(s.grad_accum);
   so.prefetch_depth = s.prefetch_depth;
+  so.update_during_backward = s.update_during_backward;
   const Schedule schedule = Schedule::build(placement, so);
   schedule.validate();
 
@@ -206,6 +218,19 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
         "gradients: {} of {} offloaded-optimizer unit(s) sum on the device(s) and go to the host "
         "once a step; {} go every micro-batch (--offload-gradients {})\n",
         g.on_gpu, g.units, g.units - g.on_gpu, grad_home_name(s.offload.grads));
+  if (s.update_during_backward) {
+    int host_optimizer = 0;
+    for (const UnitHomes& h : placement.homes) host_optimizer += h.optimizer != Tier::gpu;
+    if (host_optimizer > 0)
+      fmt::print(
+          "optimizer: CPU Adam updates each of {} unit(s) as soon as its gradients are final, "
+          "under the rest of the backward (--update-during-backward on)\n",
+          host_optimizer);
+    else
+      fmt::print(
+          "optimizer: every unit's optimizer is on the device(s), so --update-during-backward "
+          "on changes nothing\n");
+  }
   const HostMemoryPlan host = plan_host_memory(placement, devices);
   const ExecutorMemory mem = ex.memory();
   fmt::print(
