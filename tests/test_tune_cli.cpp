@@ -253,6 +253,39 @@ TEST(TuneCli, SearchesEveryChoiceFromASavedProfileAndPrintsTheTable) {
       << same.out;
 }
 
+TEST(TuneCli, TriesTheWholeStepAsOneMicroBatchGroup) {
+  // A step of several micro-batches is tried one micro-batch at a time and as one group. With
+  // the parameters on a drive far slower than the rest, a group reads each unit once for the
+  // step's forwards and once for its backwards instead of per micro-batch: it wins, and the
+  // train command carries it.
+  const test::TempDir dir("strata-tune");
+  const fs::path swap = dir.path / "swap", measured = dir.path / "measured.json";
+  const fs::path slow = dir.path / "slow.json", config = dir.path / "ds.json";
+  fs::create_directories(swap);
+  ASSERT_EQ(strata_stdout("tune --quick --devices host:1 --threads 1 --nvme-path " + swap.string() +
+                          " --out-profile " + measured.string())
+                .status,
+            0);
+  json profile = json::parse(test::slurp(measured));
+  profile["nvme_read_bytes_per_s"] = 5e6;
+  profile["nvme_write_bytes_per_s"] = 5e6;
+  std::ofstream(slow) << profile.dump();
+  const json j = parse(strata_stdout(
+      "tune --hardware " + slow.string() +
+      " --devices host:1 --model tiny --seq-len 32 --global-batch 4 --max-micro-batch 1 "
+      "--persistence-threshold 0 --offload-param nvme --offload-optimizer none --nvme-path " +
+      swap.string() + " --out-config " + config.string() + " --all --json"));
+  std::set<int> groups;
+  for (const json& c : j["candidates"]) {
+    EXPECT_EQ(c["grad_accum"], 4) << c.dump();
+    groups.insert(c["micro_batch_group"].get<int>());
+  }
+  EXPECT_EQ(groups, (std::set<int>{1, 4})) << j["candidates"].dump();
+  EXPECT_EQ(j["recommended"]["micro_batch_group"], 4) << j["candidates"].dump();
+  EXPECT_NE(j["train_command"].get<std::string>().find("--micro-batch-group 4"), std::string::npos)
+      << j["train_command"];
+}
+
 TEST(TuneCli, AModelThatFitsNowhereIsRefusedWithTheNumbers) {
   const test::TempDir dir("strata-tune");
   const fs::path profile = dir.path / "profile.json";

@@ -259,6 +259,7 @@ json candidate_json(const TuneCandidate& c) {
   j["buffer_count"] = c.buffer_count;
   j["pin_memory"] = c.pin_memory;
   j["activation_checkpointing"] = c.recompute;
+  j["micro_batch_group"] = c.micro_batch_group;
   j["fits"] = c.fits;
   if (!c.fits) j["why_not"] = c.why_not;
   j["memory"] = {{"gpu_per_device", c.needs.total(Tier::gpu)},
@@ -471,6 +472,8 @@ int run_tune(const TuneArgs& a) {
     if (a.persistence_threshold >= 0)
       train_cmd += fmt::format(" --persistence-threshold {}", a.persistence_threshold);
     if (!best->recompute) train_cmd += " --activation-checkpointing off";
+    if (best->micro_batch_group > 1)
+      train_cmd += fmt::format(" --micro-batch-group {}", best->micro_batch_group);
     train_cmd += " --data FILE --steps N";
     if (!fs::is_directory(a.model)) train_cmd += " --init random";
   }
@@ -585,14 +588,15 @@ int run_tune(const TuneArgs& a) {
     const TuneCandidate& c = shown[i];
     const bool off = c.param != Tier::gpu || c.optimizer != Tier::gpu;
     fmt::print(
-        "  {:>3} {:<5} {:<5} {:>12} {:>5} {:>4} {:>10} {:>10.4g} {:>10} {:>10} {:>10}  {}{}{}\n",
+        "  {:>3} {:<5} {:<5} {:>12} {:>5} {:>4} {:>10} {:>10.4g} {:>10} {:>10} {:>10}  {}{}{}{}\n",
         i + 1, TuneCandidate::offload_name(c.param), TuneCandidate::offload_name(c.optimizer),
         fmt::format("{} x {}", c.micro_batch, c.grad_accum), c.prefetch_depth,
         off ? std::to_string(c.buffer_count) : std::string("-"),
         seconds(c.step_s) + (c.extrapolated ? "*" : ""), c.tokens_per_s,
         format_bytes(c.needs.total(Tier::gpu)), format_bytes(c.needs.total(Tier::cpu)),
         format_bytes(c.needs.total(Tier::nvme)), c.critical_lane,
-        c.pin_memory || !off ? "" : " (pin_memory false)", c.recompute ? "" : " (no recompute)");
+        c.pin_memory || !off ? "" : " (pin_memory false)", c.recompute ? "" : " (no recompute)",
+        c.micro_batch_group > 1 ? fmt::format(" (groups of {})", c.micro_batch_group) : "");
   }
   if (!a.all && result.ranked.size() > shown.size())
     fmt::print("  (the best of each choice; {} candidates fit in all, --all lists them)\n",

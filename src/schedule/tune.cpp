@@ -28,6 +28,7 @@ std::string TuneCandidate::label() const {
                               offload_name(optimizer), micro_batch, grad_accum, prefetch_depth);
   if (param != Tier::gpu || optimizer != Tier::gpu) s += fmt::format(", {} buffers", buffer_count);
   if (!recompute) s += ", no recompute";
+  if (micro_batch_group > 1) s += fmt::format(", groups of {}", micro_batch_group);
   return s;
 }
 
@@ -37,7 +38,7 @@ int offload_rank(Tier t) {
   return t == Tier::gpu ? 0 : t == Tier::cpu ? 1 : 2;
 }
 
-RunShape shape_for(const TuneSpace& s, int64_t micro, int depth, bool recompute) {
+RunShape shape_for(const TuneSpace& s, int64_t micro, int depth, bool recompute, int group) {
   RunShape r;
   r.model = s.model;
   r.ranks = s.ranks;
@@ -48,6 +49,7 @@ RunShape shape_for(const TuneSpace& s, int64_t micro, int depth, bool recompute)
   r.persistence_threshold = s.persistence_threshold;
   r.working_buffers = working_buffers_for(depth, s.model.tie_word_embeddings);
   r.recompute = recompute;
+  r.micro_batch_group = group;
   return r;
 }
 
@@ -118,8 +120,9 @@ std::optional<Placement> place(const TuneSpace& s, const TierBudgets& b, TuneCan
   std::optional<Placement> p;
   for (bool pin : {true, false}) {
     c.pin_memory = pin;
-    p = Placement::make(shape_for(s, c.micro_batch, c.prefetch_depth, c.recompute),
-                        request_for(s, c), b);
+    p = Placement::make(
+        shape_for(s, c.micro_batch, c.prefetch_depth, c.recompute, c.micro_batch_group),
+        request_for(s, c), b);
     c.why_not = over_budget(s, *p, b, c);
     c.fits = c.why_not.empty();
     // Pinning only the buffers helps when the pinned limit is all that is over.
@@ -242,9 +245,9 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
   // micro-batch, accumulation, depth and checkpointing.
   std::map<std::string, std::string> first_with;  // signature -> the choice that had it first
   auto signature = [](const Placement& p, const TuneCandidate& c) {
-    std::string sig = fmt::format("{} {} {} {} {} {} {}|", c.micro_batch, c.grad_accum,
+    std::string sig = fmt::format("{} {} {} {} {} {} {} {}|", c.micro_batch, c.grad_accum,
                                   c.prefetch_depth, p.pinned_buffers, p.pinned_buffer_bytes,
-                                  p.offloaded() && c.pin_memory, c.recompute);
+                                  p.offloaded() && c.pin_memory, c.recompute, c.micro_batch_group);
     for (const UnitHomes& h : p.homes)
       sig += fmt::format("{}{}{}", int(h.param), int(h.grad), int(h.optimizer));
     return sig;
@@ -266,48 +269,54 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
       // Without a profile only whether the choice fits: its smallest setting.
       const size_t nd = profile ? depths.size() : 1, nc = profile ? counts.size() : 1;
       const size_t nb = profile ? batches.size() : 1, nr = profile ? recomputes.size() : 1;
+      // Groups: with a profile, each accumulating step also as one group (tied embeddings
+      // cannot be grouped yet).
+      const size_t ng = profile && s.whole_step_groups && !s.model.tie_word_embeddings ? 2 : 1;
       for (size_t di = 0; di < nd; ++di)
         for (size_t ci = 0; ci < nc; ++ci)
           for (size_t ri = 0; ri < nr; ++ri)
-            for (size_t bi = 0; bi < nb; ++bi) {
-              const int depth = depths[di], count = counts[ci];
-              const auto [micro, accum] = batches[bi];
-              TuneCandidate c;
-              c.param = pt;
-              c.optimizer = ot;
-              c.micro_batch = micro;
-              c.grad_accum = accum;
-              c.prefetch_depth = depth;
-              c.buffer_count = count;
-              c.recompute = recomputes[ri];
-              const std::optional<Placement> p = place(s, b, c);
-              ++r.placements;
-              if (!smallest) smallest = c;
-              // Larger micro-batches need more of every tier: none of them fits either.
-              if (!p) break;
-              any = true;
-              const auto [it, fresh] = first_with.emplace(signature(*p, c), choice(pt, ot));
-              if (!fresh) {
-                if (it->second != choice(pt, ot)) duplicate_of = it->second;
-                continue;
-              }
-              ++distinct;
-              if (profile != nullptr) {
-                try {
-                  simulate_candidate(*p, *profile, s, c, r.simulations);
-                } catch (const Error& e) {
-                  // A rate this candidate needs is not in the profile: say so once per rate
-                  // (the messages differ only in the task named), rank the rest.
-                  const std::string m = e.what();
-                  const std::string key = m.substr(0, m.find(", but task"));
-                  if (std::none_of(r.unsimulated.begin(), r.unsimulated.end(),
-                                   [&](const std::string& x) { return x.starts_with(key); }))
-                    r.unsimulated.push_back(m);
+            for (size_t gi = 0; gi < ng; ++gi)
+              for (size_t bi = 0; bi < nb; ++bi) {
+                const int depth = depths[di], count = counts[ci];
+                const auto [micro, accum] = batches[bi];
+                if (gi == 1 && accum == 1) continue;  // one micro-batch: nothing to group
+                TuneCandidate c;
+                c.micro_batch_group = gi == 1 ? static_cast<int>(accum) : 1;
+                c.param = pt;
+                c.optimizer = ot;
+                c.micro_batch = micro;
+                c.grad_accum = accum;
+                c.prefetch_depth = depth;
+                c.buffer_count = count;
+                c.recompute = recomputes[ri];
+                const std::optional<Placement> p = place(s, b, c);
+                ++r.placements;
+                if (!smallest) smallest = c;
+                // Larger micro-batches need more of every tier: none of them fits either.
+                if (!p) break;
+                any = true;
+                const auto [it, fresh] = first_with.emplace(signature(*p, c), choice(pt, ot));
+                if (!fresh) {
+                  if (it->second != choice(pt, ot)) duplicate_of = it->second;
                   continue;
                 }
+                ++distinct;
+                if (profile != nullptr) {
+                  try {
+                    simulate_candidate(*p, *profile, s, c, r.simulations);
+                  } catch (const Error& e) {
+                    // A rate this candidate needs is not in the profile: say so once per rate
+                    // (the messages differ only in the task named), rank the rest.
+                    const std::string m = e.what();
+                    const std::string key = m.substr(0, m.find(", but task"));
+                    if (std::none_of(r.unsimulated.begin(), r.unsimulated.end(),
+                                     [&](const std::string& x) { return x.starts_with(key); }))
+                      r.unsimulated.push_back(m);
+                    continue;
+                  }
+                }
+                r.ranked.push_back(c);
               }
-              r.ranked.push_back(c);
-            }
       if (!any && smallest) r.refused.push_back(*smallest);
       if (any && distinct == 0 && !duplicate_of.empty())
         r.same_as.push_back(
@@ -321,7 +330,7 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
   auto preference = [](const TuneCandidate& c) {
     return std::make_tuple(offload_rank(c.param) + offload_rank(c.optimizer),
                            offload_rank(c.optimizer), c.prefetch_depth, c.buffer_count,
-                           -c.micro_batch, !c.recompute);
+                           -c.micro_batch, !c.recompute, c.micro_batch_group);
   };
   std::vector<TuneCandidate> left = std::move(r.ranked), out;
   while (!left.empty()) {

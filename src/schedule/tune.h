@@ -43,6 +43,11 @@ struct TuneSpace {
   // Activation checkpointing choices (RunShape::recompute): on needs less GPU memory, off a
   // third fewer FLOPs per block.
   std::vector<bool> recompute{true, false};
+  // Micro-batch groups (RunShape::micro_batch_group) where a step accumulates: each micro-batch
+  // on its own (1) and, with `whole_step_groups`, the whole step as one group, each unit then
+  // fetched once for the step's forwards and once for its backwards for that many
+  // micro-batches' activations on the GPU.
+  bool whole_step_groups = true;
   std::vector<std::string> nvme_paths;  // none: the nvme tier is not tried
   uint64_t nvme_stripe = 1ull << 20;    // the swap store's stripe (aio.block_size)
   // The devices are host devices, whose memory is host RAM: the cpu tier and every device's
@@ -61,6 +66,7 @@ struct TuneCandidate {
   int buffer_count = 5;
   bool pin_memory = true;
   bool recompute = true;  // activation checkpointing
+  int micro_batch_group = 1;
 
   bool fits = false;
   std::string why_not;  // every tier over its budget: needed and available bytes
@@ -76,7 +82,8 @@ struct TuneCandidate {
   double overlap = 0;         // the critical lane's busy time / the step
   bool extrapolated = false;  // grad_accum > kMaxSimulatedAccum
 
-  // "P nvme, O cpu, micro 4 x 2, depth 2, 8 buffers[, no recompute]" for tables and messages.
+  // "P nvme, O cpu, micro 4 x 2, depth 2, 8 buffers[, no recompute][, groups of 2]" for tables
+  // and messages.
   std::string label() const;
   // DeepSpeed's word for a tier: "none" (not offloaded), "cpu", "nvme".
   static std::string offload_name(Tier t);
