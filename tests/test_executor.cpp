@@ -512,32 +512,42 @@ TEST(Executor, WithoutRecomputeGivesTheSameBits) {
   }
 }
 
-TEST(Executor, MicroBatchGroupsGiveTheSameBits) {
-  REQUIRE_DEVICES(3);
-  // Three micro-batches (rank 0's last a single sequence) run unit by unit in groups of 2 (a
-  // short last group; every placement) and 3 (P and O in the same tier): each unit is fetched
-  // once per group, and each backward of a group
-  // waits for the previous one's reduce-scatter, so every micro-batch's gradients reach the
-  // accumulators as without groups: the same bits for every placement.
+// Every P x O x gradient home on 1 and 3 ranks, three micro-batches (rank 0's last a single
+// sequence) in each group size of `groups` (the last of several: one placement per optimizer
+// home, P and O in the same tier), with `clip` and `early` (Micro), against the all-GPU run of
+// each micro-batch alone updating after the backward: the same losses, norms and bits.
+void expect_every_placement_gives_the_bits(const std::vector<int>& groups, bool clip, bool early) {
   const LlamaConfig c = tiny(false);
   for (const int N : {1, 3}) {
-    const RunResult base =
-        run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic, {3, 1});
-    for (const int group : {2, 3})
+    const RunResult base = run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic,
+                                        {3, 1, clip, false});
+    for (const int group : groups)
       for (Tier p : {Tier::gpu, Tier::cpu, Tier::nvme})
         for (Tier o : {Tier::gpu, Tier::cpu, Tier::nvme})
           for (GradHome g : {GradHome::automatic, GradHome::cpu}) {
             if (o == Tier::gpu && g == GradHome::cpu) continue;
-            // A group of the whole step: one placement per parameter home is enough.
-            if (group == 3 && (o != p || g != GradHome::automatic)) continue;
+            if (groups.size() > 1 && group == groups.back() && (o != p || g != GradHome::automatic))
+              continue;
             const std::string what = fmt::format("N {} group {} P {} O {} G {}", N, group,
                                                  tier_name(p), tier_name(o), grad_home_name(g));
             SCOPED_TRACE(what);
-            const RunResult r = run_executor(c, N, p, o, 0, 1, true, g, {3, group});
-            for (size_t s = 0; s < r.losses.size(); ++s) EXPECT_EQ(r.losses[s], base.losses[s]);
+            const RunResult r = run_executor(c, N, p, o, 0, 1, true, g, {3, group, clip, early});
+            for (size_t s = 0; s < r.losses.size(); ++s) {
+              EXPECT_EQ(r.losses[s], base.losses[s]);
+              EXPECT_EQ(r.norms[s], base.norms[s]);
+            }
             expect_same(r, base, what + ":");
           }
   }
+}
+
+TEST(Executor, MicroBatchGroupsGiveTheSameBits) {
+  REQUIRE_DEVICES(3);
+  // Groups of 2 (a short last group; every placement) and 3: each unit is fetched once per
+  // group, and each backward of a group waits for the previous one's reduce-scatter, so every
+  // micro-batch's gradients reach the accumulators as without groups: the same bits.
+  expect_every_placement_gives_the_bits({2, 3}, true, false);
+  const LlamaConfig c = tiny(false);
   // Replicated units (all-reduced per micro-batch), no recompute (a stash per micro-batch of
   // the group) and a deeper prefetch.
   const RunResult base2 =
@@ -557,31 +567,10 @@ TEST(Executor, MicroBatchGroupsGiveTheSameBits) {
 TEST(Executor, UpdatingDuringTheBackwardGivesTheSameBits) {
   REQUIRE_DEVICES(3);
   // Without clipping, CPU Adam updates each unit as soon as its gradients are final, under the
-  // rest of the backward: the same updates as after the whole backward, so the same bits, for
-  // every P x O x gradient home on 1 and 3 ranks, with three micro-batches (a short last one)
-  // one by one and in groups of 2.
+  // rest of the backward: the same updates as after the whole backward, so the same bits, one
+  // micro-batch at a time and in groups of 2.
+  expect_every_placement_gives_the_bits({1, 2}, false, true);
   const LlamaConfig c = tiny(false);
-  for (const int N : {1, 3}) {
-    const RunResult base = run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic,
-                                        {3, 1, false, false});
-    for (const int group : {1, 2})
-      for (Tier p : {Tier::gpu, Tier::cpu, Tier::nvme})
-        for (Tier o : {Tier::gpu, Tier::cpu, Tier::nvme})
-          for (GradHome g : {GradHome::automatic, GradHome::cpu}) {
-            if (o == Tier::gpu && g == GradHome::cpu) continue;
-            // Groups: one placement per optimizer home is enough.
-            if (group == 2 && (o != p || g != GradHome::automatic)) continue;
-            const std::string what = fmt::format("N {} group {} P {} O {} G {}", N, group,
-                                                 tier_name(p), tier_name(o), grad_home_name(g));
-            SCOPED_TRACE(what);
-            const RunResult r = run_executor(c, N, p, o, 0, 1, true, g, {3, group, false, true});
-            for (size_t s = 0; s < r.losses.size(); ++s) {
-              EXPECT_EQ(r.losses[s], base.losses[s]);
-              EXPECT_EQ(r.norms[s], base.norms[s]);
-            }
-            expect_same(r, base, what + ":");
-          }
-  }
   // Replicated units and a deeper prefetch.
   const RunResult base2 = run_executor(c, 2, Tier::gpu, Tier::gpu, 40000, 1, true,
                                        GradHome::automatic, {3, 1, false, false});
