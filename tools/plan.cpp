@@ -22,6 +22,7 @@
 #include "schedule/simulator.h"
 #include "tier/placement.h"
 #include "train/ds_config.h"
+#include "train/trainer.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -136,20 +137,9 @@ int run_plan(const PlanArgs& a) {
   if (a.grad_dtype != "f32" && a.grad_dtype != "bf16" && a.grad_dtype != "f16")
     fail("--grad-dtype '{}' is not one of f32, bf16, f16", a.grad_dtype);
   shape.grad_dtype = parse_dtype(a.grad_dtype);
-  if (a.update_during_backward) {
-    const double clip = ds ? ds->gradient_clipping.value_or(0.0) : 0.0;
-    if (clip > 0)
-      fail(
-          "--update-during-backward on: {} clips gradients at {} (gradient_clipping), which "
-          "needs the whole step's gradient norm before any unit is updated; set "
-          "gradient_clipping to 0 or plan with --update-during-backward off",
-          a.config, clip);
-    if (dtype == "f16")
-      fail(
-          "--update-during-backward on with fp16: loss scaling skips a step whose gradients "
-          "overflow, which needs every gradient before any unit is updated; plan with --dtype "
-          "bf16 or --update-during-backward off");
-  }
+  if (a.update_during_backward)
+    check_update_during_backward(ds ? ds->gradient_clipping.value_or(0.0) : 0.0, shape.param_dtype,
+                                 "gradient_clipping in " + a.config);
   if (a.persistence_threshold >= 0)
     shape.persistence_threshold = static_cast<uint64_t>(a.persistence_threshold);
   else if (cfg.persistence_threshold)

@@ -369,10 +369,6 @@ class Builder {
     run_rs_.resize(static_cast<size_t>(U_));
     run_rs_first_.assign(static_cast<size_t>(U_), -1);
     unit_stats_.resize(static_cast<size_t>(U_));
-    optim_done_.assign(static_cast<size_t>(U_), false);
-    for (int k = 0; k < U_; ++k) optim_order_.push_back(early_ ? U_ - 1 - k : k);
-    optim_pos_.resize(static_cast<size_t>(U_));
-    for (int k = 0; k < U_; ++k) optim_pos_[static_cast<size_t>(optim_order_[size_t(k)])] = k;
   }
 
   int pos_of(int use) const { return uses_[static_cast<size_t>(use)].pos; }
@@ -393,7 +389,7 @@ class Builder {
       else
         emit_gpu_grad_stats();
       for (int u = 0; u < U_; ++u) {
-        if (optim_done_[static_cast<size_t>(u)]) continue;
+        if (early_ && o_host(u)) continue;  // updated during the backward
         emit_optimizer(u);
         optim_lookahead();
       }
@@ -854,6 +850,10 @@ class Builder {
     }
   }
 
+  // The optimizer visits units in forward order, or in backward order while updating during the
+  // backward: the unit at position k, which is also the position of unit k.
+  int optim_order(int k) const { return early_ ? U_ - 1 - k : k; }
+
   // What unit u's update waits for: every grad_stats (the global norm), or, updating during the
   // backward, the unit's own.
   const std::vector<int>& stats_for(int u) const {
@@ -866,7 +866,7 @@ class Builder {
     if (use.m != M_ - 1 || !use.backward) return;
     if (early_) {
       lookahead_open_ = true;
-      optim_limit_ = optim_pos_[static_cast<size_t>(use.unit)] + 1;
+      optim_limit_ = optim_order(use.unit) + 1;
     } else if (param_reads_left_ == 0) {
       lookahead_open_ = true;
     }
@@ -886,7 +886,7 @@ class Builder {
     if (!lookahead_open_) return;
     while (next_optim_ < U_) {
       if (early_ && next_optim_ > optim_limit_) return;
-      const int u = optim_order_[static_cast<size_t>(next_optim_)];
+      const int u = optim_order(next_optim_);
       if (homes(u).optimizer == Tier::nvme && optim_read_[static_cast<size_t>(u)] < 0) {
         // Leave what the optimizer of one unit takes besides its O buffer.
         if (optim_pool().free_count() < std::max(2, optim_need_)) return;
@@ -901,9 +901,8 @@ class Builder {
     const UnitPartition& up = unit(u);
     std::vector<int>& writer = writer_[static_cast<size_t>(u)];
     if (h.optimizer == Tier::nvme && optim_read_[static_cast<size_t>(u)] < 0) emit_optim_read(u);
-    const int pos = optim_pos_[static_cast<size_t>(u)];
+    const int pos = optim_order(u);
     if (next_optim_ <= pos) next_optim_ = pos + 1;
-    optim_done_[static_cast<size_t>(u)] = true;
     if (o_host(u)) {
       std::vector<int> deps = stats_for(u);
       if (optim_read_[static_cast<size_t>(u)] >= 0)
@@ -1079,11 +1078,8 @@ class Builder {
   std::vector<int> grad_stats_;
   std::vector<std::vector<int>> unit_stats_;  // per unit: its grad_stats
   std::vector<int> pending_;  // units (G home gpu) whose gradients are final, stats not emitted
-  std::vector<bool> optim_done_;
-  // The order the optimizer visits units (forward; backward when updating during it), each
-  // unit's position in it, and how far optim_reads may run ahead in it while updating during
-  // the backward.
-  std::vector<int> optim_order_, optim_pos_;
+  // How far optim_reads may run ahead in the optimizer's order while updating during the
+  // backward (a position, see optim_order).
   int optim_limit_ = -1;
   std::vector<std::vector<int>> grad_offload_;  // per unit: its grad_offload per rank
   std::vector<int> optim_read_, optim_write_, o_buffer_;

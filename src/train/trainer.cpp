@@ -128,21 +128,26 @@ HostMemoryPlan plan_host_memory(const Placement& placement, const std::vector<De
 
 }  // namespace
 
+void check_update_during_backward(double max_grad_norm, DType dtype, const std::string& clip_from) {
+  if (max_grad_norm > 0)
+    fail(
+        "--update-during-backward on with gradient clipping at {} ({}): clipping needs the whole "
+        "step's gradient norm before any unit is updated; turn clipping off (--clip 0, "
+        "gradient_clipping 0) or --update-during-backward off",
+        max_grad_norm, clip_from);
+  if (dtype == DType::f16)
+    fail(
+        "--update-during-backward on with fp16 (--dtype f16): loss scaling skips a step whose "
+        "gradients overflow, which needs every gradient before any unit is updated; use --dtype "
+        "bf16 or --update-during-backward off");
+}
+
 double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   if (devices.empty()) fail("train: no devices; name them with --devices");
   if (s.steps < 1) fail("--steps {}: train at least one step", s.steps);
   if (s.data.empty()) fail("train: no training data; give --data FILE (strata tokenize makes one)");
-  if (s.update_during_backward && s.max_grad_norm > 0)
-    fail(
-        "--update-during-backward on with gradient clipping at {}: clipping needs the whole "
-        "step's gradient norm before any unit is updated; turn clipping off (--clip 0, "
-        "gradient_clipping 0) or --update-during-backward off",
-        s.max_grad_norm);
-  if (s.update_during_backward && s.dtype == DType::f16)
-    fail(
-        "--update-during-backward on with --dtype f16: fp16 loss scaling skips a step whose "
-        "gradients overflow, which needs every gradient before any unit is updated; use --dtype "
-        "bf16 or --update-during-backward off");
+  if (s.update_during_backward)
+    check_update_during_backward(s.max_grad_norm, s.dtype, "--clip or gradient_clipping");
   const int R = static_cast<int>(devices.size());
   TierBudgets budgets;
   const Placement placement = place(s, devices, budgets);

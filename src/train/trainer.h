@@ -68,6 +68,12 @@ struct TrainSettings {
   nlohmann::json echo;  // the resolved settings, saved in every checkpoint
 };
 
+// Refuses CPU Adam updating during the backward (TrainSettings::update_during_backward) with
+// gradient clipping (`max_grad_norm` > 0, set by `clip_from`) or fp16 loss scaling, both of
+// which need every gradient before any unit is updated: an Error names the setting and what to
+// change. `strata train` and `strata plan` check the same way.
+void check_update_during_backward(double max_grad_norm, DType dtype, const std::string& clip_from);
+
 // Trains on `devices` (the ranks). Returns the last step's mean loss. Throws Error naming
 // what failed; a placement that does not fit is refused before anything is allocated.
 double train(const TrainSettings& settings, const std::vector<Device*>& devices);
