@@ -156,6 +156,21 @@ TEST(BenchStepCli, UpdatingDuringTheBackwardIsVerifiedAgainstUpdatingAfterIt) {
   EXPECT_EQ(j["update_during_backward"], true);
 }
 
+TEST(BenchStepCli, ReducingOncePerGroupIsVerifiedAgainstTheSameGroups) {
+  // Two devices, parameters on NVMe: reducing once per group sums in another order than the
+  // run without groups, so the all-device reference runs the same groups, and every weight must
+  // equal its weights bit for bit.
+  const test::TempDir dir("strata-bench-step");
+  const test::CommandResult r = strata(
+      "bench step --devices host:2 --grad-accum 2 --micro-batch-group 2 --reduce-per-group on "
+      "--offload-param nvme --offload-optimizer cpu --steps 1 --threads 1 --nvme-path " +
+      dir.path.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("gradients reduced once per group"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("all-device run's (groups of 2 too) bit for bit"), std::string::npos)
+      << r.out;
+}
+
 TEST(BenchStepCli, BadSettingsAreNamed) {
   const test::CommandResult tier = strata("bench step --offload-param disk", "2>&1");
   EXPECT_NE(tier.status, 0);

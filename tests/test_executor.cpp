@@ -124,11 +124,13 @@ std::vector<std::vector<std::vector<HostBatch>>> make_batches(int N, int vocab,
   return out;
 }
 
+constexpr float kLr = 1e-2f;
+
 // `clip`: a clip small enough that every step clips; else none.
 StepParams step_params(int64_t step, bool clip = true) {
   StepParams p;
   p.step = step;
-  p.adam.lr = 1e-2f;
+  p.adam.lr = kLr;
   p.adam.weight_decay = 0.1f;
   p.adam.adamw = true;
   p.loss_scale = 8.0f;
@@ -173,6 +175,7 @@ struct Micro {
   int group = 1;
   bool clip = true;
   bool early = false;
+  bool per_group = false;  // ScheduleOptions::reduce_per_group
 };
 
 // `grads`: automatic keeps the gradients of an offloaded optimizer on the (roomy) devices.
@@ -189,6 +192,7 @@ RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t thr
   so.micro_batches = micro.batches;
   so.prefetch_depth = depth;
   so.update_during_backward = micro.early;
+  so.reduce_per_group = micro.per_group;
   const Schedule sc = Schedule::build(pl, so);
   EXPECT_EQ(sc.micro_batch_group, std::min(micro.group, micro.batches));
   ExecutorOptions eo;
@@ -516,12 +520,18 @@ TEST(Executor, WithoutRecomputeGivesTheSameBits) {
 // sequence) in each group size of `groups` (the last of several: one placement per optimizer
 // home, P and O in the same tier), with `clip` and `early` (Micro), against the all-GPU run of
 // each micro-batch alone updating after the backward: the same losses, norms and bits.
-void expect_every_placement_gives_the_bits(const std::vector<int>& groups, bool clip, bool early) {
+// `per_group`: gradients reduced once per group, against the all-device run with the same
+// groups (which sums in the same order); otherwise against the all-device run without groups.
+void expect_every_placement_gives_the_bits(const std::vector<int>& groups, bool clip, bool early,
+                                           bool per_group = false) {
   const LlamaConfig c = tiny(false);
   for (const int N : {1, 3}) {
-    const RunResult base = run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic,
-                                        {3, 1, clip, false});
-    for (const int group : groups)
+    RunResult base = run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic,
+                                  {3, 1, clip, false});
+    for (const int group : groups) {
+      if (per_group)
+        base = run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic,
+                            {3, group, clip, false, true});
       for (Tier p : {Tier::gpu, Tier::cpu, Tier::nvme})
         for (Tier o : {Tier::gpu, Tier::cpu, Tier::nvme})
           for (GradHome g : {GradHome::automatic, GradHome::cpu}) {
@@ -531,13 +541,15 @@ void expect_every_placement_gives_the_bits(const std::vector<int>& groups, bool 
             const std::string what = fmt::format("N {} group {} P {} O {} G {}", N, group,
                                                  tier_name(p), tier_name(o), grad_home_name(g));
             SCOPED_TRACE(what);
-            const RunResult r = run_executor(c, N, p, o, 0, 1, true, g, {3, group, clip, early});
+            const RunResult r =
+                run_executor(c, N, p, o, 0, 1, true, g, {3, group, clip, early, per_group});
             for (size_t s = 0; s < r.losses.size(); ++s) {
               EXPECT_EQ(r.losses[s], base.losses[s]);
               EXPECT_EQ(r.norms[s], base.norms[s]);
             }
             expect_same(r, base, what + ":");
           }
+    }
   }
 }
 
@@ -577,6 +589,49 @@ TEST(Executor, UpdatingDuringTheBackwardGivesTheSameBits) {
   const RunResult rep = run_executor(c, 2, Tier::nvme, Tier::cpu, 40000, 3, true,
                                      GradHome::automatic, {3, 1, false, true});
   expect_same(rep, base2, "replicated units, depth 3:");
+}
+
+TEST(Executor, ReducingOncePerGroupGivesOneBitsForEveryPlacement) {
+  REQUIRE_DEVICES(3);
+  // Gradients reduced once per group: every placement gives the all-device run's bits with the
+  // same groups, in groups of 2 (a short last group; every placement) and 3, with clipping and,
+  // without it, updating during the backward.
+  expect_every_placement_gives_the_bits({2, 3}, true, false, true);
+  expect_every_placement_gives_the_bits({3}, false, true, true);
+  // Replicated units (all-reduced once per group) and a deeper prefetch.
+  const LlamaConfig c = tiny(false);
+  const RunResult base = run_executor(c, 2, Tier::gpu, Tier::gpu, 40000, 1, true,
+                                      GradHome::automatic, {3, 3, true, false, true});
+  const RunResult rep = run_executor(c, 2, Tier::nvme, Tier::cpu, 40000, 3, true,
+                                     GradHome::automatic, {3, 3, true, false, true});
+  expect_same(rep, base, "replicated units, group 3, depth 3:");
+}
+
+TEST(Executor, ReducingOncePerGroupAgreesWithEachMicroBatchToRounding) {
+  REQUIRE_DEVICES(3);
+  // The same sums in another order: losses and gradient norms to f32 rounding, and weights
+  // within a small fraction of the learning rate of the run reducing every micro-batch (a
+  // micro-batch's gradients lost or counted twice moves the norm by tens of percent).
+  const LlamaConfig c = tiny(false);
+  for (const int N : {1, 3})
+    for (const uint64_t threshold : {uint64_t{0}, uint64_t{40000}}) {
+      const std::string what = fmt::format("N {} threshold {}", N, threshold);
+      SCOPED_TRACE(what);
+      const RunResult each = run_executor(c, N, Tier::cpu, Tier::cpu, threshold, 1, true,
+                                          GradHome::automatic, {3, 3, true, false, false});
+      const RunResult once = run_executor(c, N, Tier::cpu, Tier::cpu, threshold, 1, true,
+                                          GradHome::automatic, {3, 3, true, false, true});
+      ASSERT_EQ(each.losses.size(), once.losses.size());
+      for (size_t s = 0; s < each.losses.size(); ++s) {
+        EXPECT_NEAR(once.losses[s], each.losses[s], 1e-5 * std::abs(each.losses[s])) << s;
+        EXPECT_NEAR(once.norms[s], each.norms[s], 1e-5 * each.norms[s]) << s;
+      }
+      float worst = 0;
+      for (size_t u = 0; u < each.master.size(); ++u)
+        for (size_t i = 0; i < each.master[u].size(); ++i)
+          worst = std::max(worst, std::abs(once.master[u][i] - each.master[u][i]));
+      EXPECT_LT(worst, 1e-2f * kLr) << what;
+    }
 }
 
 TEST(Executor, UpdatingDuringTheBackwardRefusesAClipAndStopsOnNonFiniteGradients) {

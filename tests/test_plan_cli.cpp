@@ -227,6 +227,26 @@ TEST(PlanCli, UpdatingDuringTheBackwardHidesCpuAdam) {
   EXPECT_NE(r.out.find("fp16"), std::string::npos) << r.out;
 }
 
+TEST(PlanCli, ReducingOncePerGroupUnloadsTheLinksBetweenGpus) {
+  // llama2-13b on 4 GPUs with P and O on the CPU, 4 micro-batches in one group: the comm lanes,
+  // the busiest, reduce-scatter the f32 gradients once per group instead of once per
+  // micro-batch, and the step gets shorter.
+  const std::string args =
+      "plan --model llama2-13b --dtype bf16 --gpus 4 --gpu-memory 48GiB --cpu-memory 512GiB "
+      "--seq-len 4096 --micro-batch 1 --grad-accum 4 --micro-batch-group 4 --offload-param cpu "
+      "--offload-optimizer cpu --json";
+  const json each = parse_json(strata(args, "2>/dev/null"));
+  const json once = parse_json(strata(args + " --reduce-per-group on", "2>/dev/null"));
+  EXPECT_EQ(each["reduce_per_group"], false);
+  EXPECT_EQ(once["reduce_per_group"], true);
+  EXPECT_EQ(each["critical_lane"], "gpu[0].comm");
+  EXPECT_LT(busy(once, "gpu[0].comm") * 2, busy(each, "gpu[0].comm"));
+  EXPECT_LT(once["step_s"].get<double>() * 1.5, each["step_s"].get<double>());
+  const Result r = strata(args.substr(0, args.size() - 7) + " --reduce-per-group sometimes");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("sometimes"), std::string::npos) << r.out;
+}
+
 TEST(PlanCli, BadFlagsAreNamed) {
   Result r = strata("plan --model tiny --gpu-memory 1GiB --offload-param disk");
   EXPECT_EQ(r.status, 1);

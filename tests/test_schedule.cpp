@@ -92,9 +92,11 @@ struct Expected {
   int groups = 0;
 };
 
-Expected expected_counts(const Placement& pl, int M, int G = 1) {
+// `per_group`: gradients reduced once per group (ScheduleOptions::reduce_per_group).
+Expected expected_counts(const Placement& pl, int M, int G = 1, bool per_group = false) {
   const Partition& part = pl.partition;
   const int U = part.num_units(), R = part.ranks;
+  const int reductions = per_group ? (M + G - 1) / G : M;  // per unit and step
   Expected e;
   auto& k = e.kinds;
   for (int u = 0; u < U; ++u) {
@@ -110,15 +112,15 @@ Expected expected_counts(const Placement& pl, int M, int G = 1) {
     }
     k[TaskKind::forward] += R * M;
     k[TaskKind::backward] += R * M;
-    k[TaskKind::reduce_scatter] += R * M;
-    e.groups += M;
+    k[TaskKind::reduce_scatter] += R * reductions;
+    e.groups += reductions;
     if (o_host) {
       if (h.grad == Tier::gpu) {  // summed on the GPU, brought down once for CPU Adam
         k[TaskKind::grad_offload] += up.replicated ? 1 : R;
         k[TaskKind::grad_stats] += R;
       } else {
-        k[TaskKind::grad_d2h] += M * (up.replicated ? 1 : R);
-        k[TaskKind::grad_accumulate] += M - 1;
+        k[TaskKind::grad_d2h] += reductions * (up.replicated ? 1 : R);
+        k[TaskKind::grad_accumulate] += reductions - 1;
         k[TaskKind::grad_stats] += 1;
       }
       k[TaskKind::adam] += 1;
@@ -707,6 +709,103 @@ TEST(Schedule, MicroBatchGroupsShortenAnNvmeBoundStep) {
       {"ties its embeddings", "micro-batch group of 1"});
   tied.shape.micro_batch_group = 0;
   expect_error([&] { Schedule::build(tied, {2, 1}); }, {"micro_batch_group = 0"});
+}
+
+TEST(Schedule, ReducingOncePerGroupForEveryPlacement) {
+  // Gradients reduced once per group: one reduce-scatter (all-reduce) per unit and group, after
+  // the unit's last backward of the group; no backward waits for a reduction of its own unit
+  // within a group; every rule kept, with and without updating during the backward. With
+  // groups of 1 the option changes nothing.
+  const std::array<Tier, 3> tiers = {Tier::gpu, Tier::cpu, Tier::nvme};
+  int cases = 0;
+  for (uint64_t threshold : {uint64_t{0}, uint64_t{40000}})
+    for (Tier p : tiers)
+      for (Tier o : tiers)
+        for (bool g_gpu : {false, true})
+          for (int R : {1, 3})
+            for (const auto& [M, G] : {std::pair{4, 2}, std::pair{5, 3}, std::pair{3, 1}})
+              for (bool early : {false, true}) {
+                if (o == Tier::gpu && g_gpu) continue;  // the same placement
+                SCOPED_TRACE(fmt::format("threshold={} P={} O={} G gpu={} R={} M={} G={} early={}",
+                                         threshold, int(p), int(o), g_gpu, R, M, G, early));
+                Placement pl = make_placement(tiny(false), R, p, o, threshold, 3, 4, g_gpu);
+                pl.shape.micro_batch_group = G;
+                ScheduleOptions so{M, 1};
+                so.update_during_backward = early;
+                so.reduce_per_group = true;
+                const Schedule s = Schedule::build(pl, so);
+                ++cases;
+                ASSERT_NO_THROW(s.validate());
+                EXPECT_EQ(buffer_reuse_violation(s), "") << s.str();
+                EXPECT_EQ(replicated_gradient_violation(s, pl), "") << s.str();
+                const Expected e = expected_counts(pl, M, G, true);
+                EXPECT_EQ(count_kinds(s), e.kinds);
+                EXPECT_EQ(count_groups(s), e.groups);
+                // Each reduction follows the last backward of its group; nothing of the group
+                // waits for it.
+                std::map<std::pair<int, int>, int> last_backward;  // (unit, group): task id
+                for (const Task& t : s.tasks)
+                  if (t.kind == TaskKind::backward)
+                    last_backward[{t.unit, t.micro_batch / G}] = t.id;
+                for (const Task& t : s.tasks) {
+                  if (t.kind == TaskKind::reduce_scatter) {
+                    EXPECT_EQ((t.micro_batch + 1) % G == 0 || t.micro_batch == M - 1, true)
+                        << "reduction " << t.id << " at m=" << t.micro_batch;
+                    const int after = last_backward[{t.unit, t.micro_batch / G}];
+                    EXPECT_GT(t.id, after);
+                  }
+                  if (t.kind != TaskKind::backward) continue;
+                  for (int x : t.deps) {
+                    const Task& d = s.tasks[size_t(x)];
+                    if (d.kind == TaskKind::reduce_scatter && d.unit == t.unit) {
+                      EXPECT_LT(d.micro_batch / G, t.micro_batch / G)
+                          << "backward " << t.id << " waits for reduction " << x;
+                    }
+                  }
+                }
+                const Prediction pred = simulate(s, test_profile(), 3);
+                ASSERT_NO_THROW(check_timeline(s, pred.timeline));
+                if (G == 1) {
+                  ScheduleOptions each = so;
+                  each.reduce_per_group = false;
+                  EXPECT_EQ(s.str(), Schedule::build(pl, each).str());
+                }
+              }
+  EXPECT_EQ(cases, 2 * 3 * (3 * 2 - 1) * 2 * 3 * 2);
+}
+
+TEST(Schedule, ReducingOncePerGroupCutsTheGradientTraffic) {
+  // Three ranks on a slow link, 4 micro-batches in one group, P on the GPU: reducing once per
+  // group sends a quarter of the reduce-scatter bytes, and the step, bound by the comm lanes,
+  // gets shorter. With the gradients in host RAM, a quarter of the gradient copies too.
+  for (bool g_gpu : {true, false}) {
+    SCOPED_TRACE(fmt::format("G gpu={}", g_gpu));
+    Placement pl = make_placement(tiny(false), 3, Tier::gpu, Tier::cpu, 0, 3, 4, g_gpu);
+    pl.shape.micro_batch_group = 4;
+    HardwareProfile hw = test_profile();
+    hw.comm_bytes_per_s = 2e8;
+    const Schedule each = Schedule::build(pl, {4, 1});
+    ScheduleOptions so{4, 1};
+    so.reduce_per_group = true;
+    const Schedule once = Schedule::build(pl, so);
+    auto bytes = [](const Schedule& s, TaskKind k) {
+      uint64_t b = 0;
+      for (const Task& t : s.tasks)
+        if (t.kind == k) b += t.bytes;
+      return b;
+    };
+    // The per-micro-batch reductions also count each clearing of the working gradients.
+    EXPECT_LT(4 * bytes(once, TaskKind::reduce_scatter), bytes(each, TaskKind::reduce_scatter));
+    EXPECT_EQ(4 * bytes(once, TaskKind::grad_d2h), bytes(each, TaskKind::grad_d2h));
+    const Prediction a = simulate(each, hw, 3);
+    const Prediction b = simulate(once, hw, 3);
+    const int comm = each.lane_index(Lane{LaneKind::comm, 0});
+    ASSERT_GE(comm, 0);
+    EXPECT_EQ(a.critical_lane, comm);
+    EXPECT_LT(b.step_s, 0.75 * a.step_s) << a.step_s << " vs " << b.step_s;
+    EXPECT_NE(once.summary().find("gradients reduced once per group"), std::string::npos);
+    EXPECT_EQ(each.summary().find("once per group"), std::string::npos);
+  }
 }
 
 TEST(Schedule, UpdatingDuringTheBackwardForEveryPlacement) {

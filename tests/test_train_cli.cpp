@@ -209,6 +209,39 @@ TEST(TrainCli, UpdatingDuringTheBackwardGivesTheSameBits) {
   }
 }
 
+// --reduce-per-group on sums each group's gradients on every device before one reduce-scatter:
+// placements still agree bit for bit (two devices, state on the devices or P on NVMe and O on
+// the CPU), and the losses stay those of reducing every micro-batch to rounding.
+TEST(TrainCli, ReducingOncePerGroupKeepsPlacementsBitIdentical) {
+  const test::TempDir dir("strata-rpg");
+  const fs::path data = make_data(dir.path);
+  const std::string args = "train " + kTiny + "--data " + data.string() +
+                           " --lr 2e-3 --grad-accum 3 --threads 1 --devices host:2 "
+                           "--persistence-threshold 0 --micro-batch-group 3";
+  std::array<std::string, 2> out;
+  expect_flags_keep_the_bits(dir.path, args + " --reduce-per-group on",
+                             "--offload-param nvme --offload-optimizer cpu", 2, &out);
+  for (const std::string& o : out)
+    EXPECT_NE(o.find("in groups of 3 run unit by unit, gradients reduced once per group"),
+              std::string::npos)
+        << o;
+  const fs::path each = dir.path / "each";
+  const test::CommandResult r = strata(args + " --steps 2 --run-dir " + each.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const std::vector<json> once = metrics(dir.path / "without"), per = metrics(each);
+  ASSERT_EQ(once.size(), per.size());
+  for (size_t i = 0; i < once.size(); ++i)
+    EXPECT_NEAR(once[i]["loss"].get<double>(), per[i]["loss"].get<double>(),
+                1e-5 * per[i]["loss"].get<double>())
+        << i;
+  // With groups of one it changes nothing, and says so.
+  const test::CommandResult one =
+      strata("train " + kTiny + "--data " + data.string() + " --steps 1 --reduce-per-group on " +
+             "--run-dir " + (dir.path / "one").string());
+  ASSERT_EQ(one.status, 0) << one.out;
+  EXPECT_NE(one.out.find("--reduce-per-group on changes nothing"), std::string::npos) << one.out;
+}
+
 TEST(TrainCli, ExportWritesAHuggingFaceDirectory) {
   const test::TempDir dir("strata-export");
   const fs::path data = make_data(dir.path), run = dir.path / "run";

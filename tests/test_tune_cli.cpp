@@ -282,7 +282,10 @@ TEST(TuneCli, TriesTheWholeStepAsOneMicroBatchGroup) {
   }
   EXPECT_EQ(groups, (std::set<int>{1, 4})) << j["candidates"].dump();
   EXPECT_EQ(j["recommended"]["micro_batch_group"], 4) << j["candidates"].dump();
-  EXPECT_NE(j["train_command"].get<std::string>().find("--micro-batch-group 4"), std::string::npos)
+  EXPECT_EQ(j["recommended"]["reduce_per_group"], true);
+  EXPECT_NE(
+      j["train_command"].get<std::string>().find("--micro-batch-group 4 --reduce-per-group on"),
+      std::string::npos)
       << j["train_command"];
 }
 

@@ -58,6 +58,7 @@ struct BenchStepArgs {
   bool recompute = true;  // --activation-checkpointing
   int64_t micro_batch_group = kUnsetFlag;
   bool update_during_backward = false;
+  bool reduce_per_group = false;
   int buffer_count = 4;
   int64_t persistence_threshold = 100000;
   int steps = 5;
@@ -258,6 +259,7 @@ int run_bench_step(const BenchStepArgs& a) {
   so.micro_batches = static_cast<int>(a.grad_accum);
   so.prefetch_depth = a.prefetch_depth;
   so.update_during_backward = a.update_during_backward;
+  so.reduce_per_group = a.reduce_per_group;
   const Schedule schedule = Schedule::build(placement, so);
   // The references update after the whole backward.
   ScheduleOptions ref_so = so;
@@ -305,9 +307,11 @@ int run_bench_step(const BenchStepArgs& a) {
     }
   };
   // The reference runs every micro-batch through the model before the next (no groups): a
-  // grouped run must give its bits too.
+  // grouped run must give its bits too. Reducing once per group sums in another order, so its
+  // reference runs the same groups.
+  const bool per_group = a.reduce_per_group && shape.micro_batch_group > 1;
   RunShape ref_shape = shape;
-  ref_shape.micro_batch_group = 1;
+  if (!per_group) ref_shape.micro_batch_group = 1;
   const Placement ref_placement = Placement::make(ref_shape, all_device, budgets);
   const bool cut = !fits(ref_placement);
   Measured want;
@@ -315,8 +319,9 @@ int run_bench_step(const BenchStepArgs& a) {
   if (!cut) {
     want = run_steps(ref_placement, Schedule::build(ref_placement, ref_so), *comm, eo, a, "",
                      "reference (every state on the devices)");
-    verified = fmt::format("after {} steps every weight equals the all-device run's bit for bit",
-                           a.steps + 1);
+    verified = fmt::format(
+        "after {} steps every weight equals the all-device run's{} bit for bit", a.steps + 1,
+        per_group ? fmt::format(" (groups of {} too)", shape.micro_batch_group) : "");
   } else {
     RunShape small = ref_shape;
     small.model.num_hidden_layers = std::min<int64_t>(shape.model.num_hidden_layers, 2);
@@ -445,6 +450,7 @@ int run_bench_step(const BenchStepArgs& a) {
         {"activation_checkpointing", a.recompute},
         {"micro_batch_group", shape.micro_batch_group},
         {"update_during_backward", a.update_during_backward},
+        {"reduce_per_group", per_group},
         {"steps", a.steps},
         {"step_s", step},
         {"tokens_per_s", step > 0 ? tokens / step : 0},
@@ -472,7 +478,8 @@ int run_bench_step(const BenchStepArgs& a) {
       a.offload_param, a.offload_optimizer, grads.on_gpu, grads.units, a.micro_batch, a.seq_len,
       a.grad_accum,
       shape.micro_batch_group > 1
-          ? fmt::format(" (groups of {} run unit by unit)", shape.micro_batch_group)
+          ? fmt::format(" (groups of {} run unit by unit{})", shape.micro_batch_group,
+                        per_group ? ", gradients reduced once per group" : "")
           : std::string(),
       a.update_during_backward ? ", CPU Adam updating during the backward (no clipping)" : "");
   fmt::print("  verified: {}{}\n", verified,
@@ -541,6 +548,7 @@ Command add_bench_step(CLI::App& bench) {
   add_checkpointing_option(cmd, a->recompute);
   add_micro_batch_group_option(cmd, a->micro_batch_group);
   add_update_during_backward_option(cmd, a->update_during_backward);
+  add_reduce_per_group_option(cmd, a->reduce_per_group);
   cmd->add_option("--buffer-count", a->buffer_count,
                   "pinned buffers carrying units between NVMe, host and device")
       ->capture_default_str();

@@ -64,6 +64,17 @@ inline CLI::Option* add_update_during_backward_option(CLI::App* cmd, bool& on) {
       ->check(CLI::IsMember({"on", "off", "true", "false"}));
 }
 
+// --reduce-per-group on|off into `on` (ScheduleOptions::reduce_per_group).
+inline CLI::Option* add_reduce_per_group_option(CLI::App* cmd, bool& on) {
+  return cmd
+      ->add_option("--reduce-per-group", on,
+                   "with --micro-batch-group G > 1, on: each GPU sums the group's gradients and "
+                   "each unit is reduce-scattered once per group, 1/G of the gradient traffic "
+                   "between the GPUs and to host RAM (the same sums in another order: rounding "
+                   "differs from G = 1); off (default): once per micro-batch, the bits of G = 1")
+      ->check(CLI::IsMember({"on", "off", "true", "false"}));
+}
+
 // --offload-gradients into `value` (apply_offload_flags reads it): where the gradients of an
 // offloaded optimizer accumulate.
 inline CLI::Option* add_gradients_option(CLI::App* cmd, std::string& value) {

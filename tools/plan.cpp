@@ -45,6 +45,7 @@ struct PlanArgs {
   bool recompute = true;  // --activation-checkpointing
   int64_t micro_batch_group = kUnsetFlag;
   bool update_during_backward = false;
+  bool reduce_per_group = false;
   std::string dtype, grad_dtype = "f32";
   int64_t persistence_threshold = -1;
   std::string hardware;
@@ -196,6 +197,7 @@ int run_plan(const PlanArgs& a) {
   so.micro_batches = static_cast<int>(accum);
   so.prefetch_depth = depth;
   so.update_during_backward = a.update_during_backward;
+  so.reduce_per_group = a.reduce_per_group;
   const Schedule schedule = Schedule::build(placement, so);
   schedule.validate();
   const HardwareProfile profile = file_profile ? *file_profile : assumed_profile(drives);
@@ -228,6 +230,7 @@ int run_plan(const PlanArgs& a) {
         {"activation_checkpointing", shape.recompute},
         {"micro_batch_group", shape.micro_batch_group},
         {"update_during_backward", a.update_during_backward},
+        {"reduce_per_group", a.reduce_per_group},
         {"budgets",
          {{"gpu_memory", budgets.gpu_memory},
           {"cpu_memory", budgets.cpu_memory},
@@ -298,6 +301,7 @@ Command add_plan(CLI::App& app) {
   add_checkpointing_option(cmd, a->recompute);
   add_micro_batch_group_option(cmd, a->micro_batch_group);
   add_update_during_backward_option(cmd, a->update_during_backward);
+  add_reduce_per_group_option(cmd, a->reduce_per_group);
   cmd->add_option("--dtype", a->dtype, "parameter dtype: bf16, f16 or f32");
   cmd->add_option("--grad-dtype", a->grad_dtype,
                   "gradient accumulators: f32 (default), or bf16/f16 (half the host RAM; for "

@@ -36,6 +36,7 @@ struct TrainArgs {
   bool recompute = true;  // --activation-checkpointing
   int64_t micro_batch_group = kUnsetFlag;
   bool update_during_backward = false;
+  bool reduce_per_group = false;
   int64_t persistence_threshold = -1;
   int threads = 0;
   int64_t save_every = 0, steps_per_print = 0;
@@ -153,6 +154,7 @@ int run_train(const TrainArgs& a) {
   s.recompute = a.recompute;
   s.micro_batch_group = micro_batch_group_flag(a.micro_batch_group, s.grad_accum);
   s.update_during_backward = a.update_during_backward;
+  s.reduce_per_group = a.reduce_per_group;
   s.persistence_threshold = a.persistence_threshold >= 0
                                 ? static_cast<uint64_t>(a.persistence_threshold)
                                 : plan.persistence_threshold.value_or(100000);
@@ -177,6 +179,7 @@ int run_train(const TrainArgs& a) {
             {"grad_accum", s.grad_accum},
             {"micro_batch_group", s.micro_batch_group},
             {"update_during_backward", s.update_during_backward},
+            {"reduce_per_group", s.reduce_per_group},
             {"seq_len", s.seq_len},
             {"dtype", dtype_name(s.dtype)},
             {"optimizer", adamw ? "adamw" : "adam"},
@@ -251,6 +254,7 @@ Command add_train(CLI::App& app) {
   add_checkpointing_option(cmd, a->recompute);
   add_micro_batch_group_option(cmd, a->micro_batch_group);
   add_update_during_backward_option(cmd, a->update_during_backward);
+  add_reduce_per_group_option(cmd, a->reduce_per_group);
   cmd->add_option("--persistence-threshold", a->persistence_threshold,
                   "units of at most this many elements stay whole on every device (100000)");
   cmd->add_option("--cpu-memory", a->cpu_memory, "host RAM the run may use");

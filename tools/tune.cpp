@@ -260,6 +260,7 @@ json candidate_json(const TuneCandidate& c) {
   j["pin_memory"] = c.pin_memory;
   j["activation_checkpointing"] = c.recompute;
   j["micro_batch_group"] = c.micro_batch_group;
+  j["reduce_per_group"] = c.micro_batch_group > 1;
   j["fits"] = c.fits;
   if (!c.fits) j["why_not"] = c.why_not;
   j["memory"] = {{"gpu_per_device", c.needs.total(Tier::gpu)},
@@ -473,7 +474,8 @@ int run_tune(const TuneArgs& a) {
       train_cmd += fmt::format(" --persistence-threshold {}", a.persistence_threshold);
     if (!best->recompute) train_cmd += " --activation-checkpointing off";
     if (best->micro_batch_group > 1)
-      train_cmd += fmt::format(" --micro-batch-group {}", best->micro_batch_group);
+      train_cmd +=
+          fmt::format(" --micro-batch-group {} --reduce-per-group on", best->micro_batch_group);
     train_cmd += " --data FILE --steps N";
     if (!fs::is_directory(a.model)) train_cmd += " --init random";
   }
@@ -596,7 +598,8 @@ int run_tune(const TuneArgs& a) {
         format_bytes(c.needs.total(Tier::gpu)), format_bytes(c.needs.total(Tier::cpu)),
         format_bytes(c.needs.total(Tier::nvme)), c.critical_lane,
         c.pin_memory || !off ? "" : " (pin_memory false)", c.recompute ? "" : " (no recompute)",
-        c.micro_batch_group > 1 ? fmt::format(" (groups of {})", c.micro_batch_group) : "");
+        c.micro_batch_group > 1 ? fmt::format(" (groups of {}, reduced once)", c.micro_batch_group)
+                                : "");
   }
   if (!a.all && result.ranked.size() > shown.size())
     fmt::print("  (the best of each choice; {} candidates fit in all, --all lists them)\n",

@@ -450,6 +450,8 @@ struct Executor::State {
   void update(const Task& t, const StepSlot& sl, const GradStats& stats, float grad_scale);
   // Whether the optimizer runs during the backward (ScheduleOptions::update_during_backward).
   bool early() const { return sc->options.update_during_backward; }
+  // Micro-batches whose gradients one reduction sums (ScheduleOptions::reduce_per_group).
+  int reduce_span() const { return sc->options.reduce_per_group ? sc->micro_batch_group : 1; }
   // Whether slot k's step is skipped (non-finite gradients); never while updating during the
   // backward, where a non-finite gradient stops the run instead.
   bool skipped(int64_t k) { return !early() && slot_of(k).global.non_finite; }
@@ -1361,13 +1363,14 @@ void Executor::State::run_task(const Task& t, int64_t k) {
         for (int x : xs) {
           if (t.kind != TaskKind::backward || !up(x).replicated) continue;
           auto& owner = rep_owner[static_cast<size_t>(x)];
-          const std::pair<int64_t, int> now{k, t.micro_batch};
+          // Reducing once per group, the group's micro-batches share the working gradients.
+          const std::pair<int64_t, int> now{k, t.micro_batch / reduce_span()};
           if (zero->gathered(x)) {
             if (owner != now)
               fail(
                   "unit {}'s working gradients still hold micro-batch {} of step {} when "
                   "micro-batch {} adds into them; this is a bug in strata's schedule",
-                  up(x).name, owner.second, owner.first + 1, t.micro_batch);
+                  up(x).name, owner.second * reduce_span(), owner.first + 1, t.micro_batch);
             continue;
           }
           const std::vector<Stream*> cs = comm_streams();

@@ -93,6 +93,12 @@
 // read lane). Units with their optimizer on the GPU are updated after the backward as before,
 // each after its own grad_stats. No clipping is possible: the executor refuses a clip.
 //
+// Reduced once per group (ScheduleOptions::reduce_per_group): the reduce_scatter group (and what
+// follows it: grad_d2h, grad_accumulate, grad_stats) comes after a unit's last backward of a
+// micro-batch group only, so the group's backwards add into the same working gradients with no
+// wait between them and no clearing; "m == 0" above reads "the first group" (m < G): its
+// reduction writes G, the later groups' add into it.
+//
 // Forward only (evaluation): the uses are the forwards alone, fetched and gathered by the same
 // rules; nothing after them.
 //
@@ -341,6 +347,7 @@ class Builder {
         B_(placement.pinned_buffers),
         tied_(placement.shape.model.tie_word_embeddings && part_.num_units() >= 2),
         early_(options.update_during_backward && !options.forward_only),
+        per_group_(options.reduce_per_group && !options.forward_only),
         ps_(dtype_size(placement.shape.param_dtype)),
         gs_(dtype_size(placement.shape.grad_dtype)),
         slots_(std::max(W_, 0)) {
@@ -379,7 +386,7 @@ class Builder {
       prefetch(i);
       emit_compute(i);
       if (early_) emit_pending_updates();
-      if (uses_[static_cast<size_t>(i)].backward) emit_gradients(i);
+      if (reduces_after(i)) emit_gradients(i);
       open_optim_lookahead(i);
       optim_lookahead();
     }
@@ -746,6 +753,20 @@ class Builder {
     return out;
   }
 
+  // Whether the gradients of use i are reduced after it: after every backward, or, reducing
+  // once per group, after a unit's last backward of the group (its next use is not one).
+  bool reduces_after(int i) const {
+    const Use& use = uses_[static_cast<size_t>(i)];
+    if (!use.backward) return false;
+    if (!per_group_) return true;
+    const size_t next = static_cast<size_t>(i) + 1;
+    return next == uses_.size() || !uses_[next].backward || uses_[next].unit != use.unit;
+  }
+
+  // Whether the reduction at micro-batch m is the step's first of its unit: it writes G (or
+  // G's first holding on the host) where the later ones add into it.
+  bool first_reduction(int m) const { return per_group_ ? m < G_ : m == 0; }
+
   void emit_gradients(int i) {
     const Use& use = uses_[static_cast<size_t>(i)];
     const int u = use.unit, m = use.m;
@@ -771,7 +792,7 @@ class Builder {
         deps.push_back(last_grad_d2h_[static_cast<size_t>(r)]);
       const int id = add(TaskKind::reduce_scatter, LaneKind::comm, r, u, m, deps);
       task(id).group = group;
-      if (m == 0 && o_host(u) && homes(u).grad == Tier::gpu)
+      if (first_reduction(m) && o_host(u) && homes(u).grad == Tier::gpu)
         fixes_.push_back({id, PrevFix::What::grad_offload, u, up.replicated ? 0 : r});
       if (R_ > 1)
         task(id).bytes = up.replicated ? 2 * up.numel * gs_ * uint64_t(R_ - 1) / uint64_t(R_)
@@ -794,7 +815,7 @@ class Builder {
       return;
     }
     const int copies = up.replicated ? 1 : R_;
-    const bool staged = m > 0;
+    const bool staged = !first_reduction(m);
     const int buf = staged ? take_pinned("grad_d2h staging", u) : -1;
     std::vector<int> d2h;
     for (int r = 0; r < copies; ++r) {
@@ -1049,7 +1070,8 @@ class Builder {
   ScheduleOptions opt_;
   int U_, R_, M_, G_, W_, B_, d_ = 0;  // G_: micro-batches per group, at most M_
   bool tied_;
-  bool early_;  // update during the backward
+  bool early_;      // update during the backward
+  bool per_group_;  // one reduce-scatter per unit and group (ScheduleOptions::reduce_per_group)
   uint64_t ps_, gs_;
   BufferPool slots_, pinned_, optim_pinned_;  // optim_pinned_: empty unless split_
   bool split_ = false;
@@ -1206,12 +1228,15 @@ std::string Schedule::str() const {
 
 std::string Schedule::summary() const {
   std::string out = fmt::format(
-      "schedule: {} tasks on {} lanes; {} units, {} ranks, {} micro-batches{}{}, prefetch depth "
+      "schedule: {} tasks on {} lanes; {} units, {} ranks, {} micro-batches{}{}{}, prefetch depth "
       "{} (asked {}), {} working buffers, {} pinned buffers\n",
       tasks.size(), lanes.size(), units, ranks, options.micro_batches,
       micro_batch_group > 1 ? fmt::format(" in groups of {}", micro_batch_group) : "",
       options.update_during_backward && !options.forward_only
           ? ", CPU Adam updating each unit during the backward"
+          : "",
+      options.reduce_per_group && !options.forward_only && micro_batch_group > 1
+          ? ", gradients reduced once per group"
           : "",
       prefetch_depth, options.prefetch_depth, working_buffers, pinned_buffers);
   out += fmt::format("  {:<16} {:>7} {:>12} {:>12} {:>14}\n", "lane", "tasks", "bytes", "TFLOP",

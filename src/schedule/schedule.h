@@ -114,6 +114,14 @@ struct ScheduleOptions {
   // before any update: the executor refuses a step with max_grad_norm > 0, and a non-finite
   // gradient stops the run instead of skipping the step (units are updated already).
   bool update_during_backward = false;
+  // With micro-batch groups (RunShape::micro_batch_group > 1): each unit's working gradients
+  // sum the group's micro-batches on every GPU, and are reduce-scattered (all-reduced for a
+  // replicated unit) once per group, after its last backward, instead of once per micro-batch.
+  // A group of G sends 1/G of the gradient traffic over the GPUs' links (and, with gradients
+  // on the host, over PCIe), at the cost of the bits: each element sums the micro-batches
+  // before the ranks, so the result differs from G = 1 in rounding (placements still agree
+  // with each other bit for bit).
+  bool reduce_per_group = false;
 };
 
 struct Schedule {

@@ -28,7 +28,7 @@ std::string TuneCandidate::label() const {
                               offload_name(optimizer), micro_batch, grad_accum, prefetch_depth);
   if (param != Tier::gpu || optimizer != Tier::gpu) s += fmt::format(", {} buffers", buffer_count);
   if (!recompute) s += ", no recompute";
-  if (micro_batch_group > 1) s += fmt::format(", groups of {}", micro_batch_group);
+  if (micro_batch_group > 1) s += fmt::format(", groups of {} reduced once", micro_batch_group);
   return s;
 }
 
@@ -139,11 +139,15 @@ struct Simulated {
   std::vector<std::string> lanes;
 };
 
+// A grouped candidate reduces its gradients once per group (ScheduleOptions::reduce_per_group),
+// never slower than once per micro-batch: fewer tasks and bytes, no waits between a group's
+// backwards.
 Simulated simulate_once(const Placement& p, int64_t accum, int depth,
                         const HardwareProfile& profile) {
   ScheduleOptions so;
   so.micro_batches = static_cast<int>(accum);
   so.prefetch_depth = depth;
+  so.reduce_per_group = p.shape.micro_batch_group > 1;
   const Schedule schedule = Schedule::build(p, so);
   const Prediction pred = simulate(schedule, profile, 1);
   Simulated r;

@@ -46,7 +46,8 @@ struct TuneSpace {
   // Micro-batch groups (RunShape::micro_batch_group) where a step accumulates: each micro-batch
   // on its own (1) and, with `whole_step_groups`, the whole step as one group, each unit then
   // fetched once for the step's forwards and once for its backwards for that many
-  // micro-batches' activations on the GPU.
+  // micro-batches' activations on the GPU, and its gradients reduced once per group
+  // (ScheduleOptions::reduce_per_group).
   bool whole_step_groups = true;
   std::vector<std::string> nvme_paths;  // none: the nvme tier is not tried
   uint64_t nvme_stripe = 1ull << 20;    // the swap store's stripe (aio.block_size)

@@ -156,6 +156,7 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   so.micro_batches = static_cast<int>(s.grad_accum);
   so.prefetch_depth = s.prefetch_depth;
   so.update_during_backward = s.update_during_backward;
+  so.reduce_per_group = s.reduce_per_group;
   const Schedule schedule = Schedule::build(placement, so);
   schedule.validate();
 
@@ -213,7 +214,8 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
       "gpu {} per device, cpu {}, nvme {}; run directory {}\n",
       model.name, R, s.grad_accum, s.micro_batch, s.seq_len,
       s.micro_batch_group > 1
-          ? fmt::format(", in groups of {} run unit by unit", s.micro_batch_group)
+          ? fmt::format(", in groups of {} run unit by unit{}", s.micro_batch_group,
+                        s.reduce_per_group ? ", gradients reduced once per group" : "")
           : std::string(),
       format_bytes(need.total(Tier::gpu)), format_bytes(need.total(Tier::cpu)),
       format_bytes(need.total(Tier::nvme)), s.run_dir.string());
@@ -223,6 +225,10 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
         "gradients: {} of {} offloaded-optimizer unit(s) sum on the device(s) and go to the host "
         "once a step; {} go every micro-batch (--offload-gradients {})\n",
         g.on_gpu, g.units, g.units - g.on_gpu, grad_home_name(s.offload.grads));
+  if (s.reduce_per_group && s.micro_batch_group <= 1)
+    fmt::print(
+        "gradients: each micro-batch is its own group (--micro-batch-group 1), so "
+        "--reduce-per-group on changes nothing\n");
   if (s.update_during_backward) {
     int host_optimizer = 0;
     for (const UnitHomes& h : placement.homes) host_optimizer += h.optimizer != Tier::gpu;

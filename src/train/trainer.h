@@ -55,6 +55,8 @@ struct TrainSettings {
   // CPU Adam updates each unit once its gradients are final (ScheduleOptions::
   // update_during_backward); needs max_grad_norm 0 and no fp16 loss scaling.
   bool update_during_backward = false;
+  // Gradients reduced once per micro-batch group (ScheduleOptions::reduce_per_group).
+  bool reduce_per_group = false;
   uint64_t persistence_threshold = 100000;
   uint64_t cpu_memory = 0;     // budget of host RAM (0: 80% of what is available)
   uint64_t pinned_memory = 0;  // page-locked bytes allowed (0: `ulimit -l`); never above it
