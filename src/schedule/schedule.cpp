@@ -112,7 +112,9 @@
 // over all ranks sum their shards; optim_read/optim_write 12 bytes an element. Collectives count
 // what one rank moves in a ring, which is what a bus bandwidth (NCCL's busbw) is the rate of:
 // gather (R-1)/R of the padded unit in param dtype, reduce_scatter (R-1)/R of it in grad dtype,
-// the all-reduce of a replicated unit 2(R-1)/R of it; with one rank they move nothing. Forward
+// the all-reduce of a replicated unit 2(R-1)/R of it; with one rank they move nothing over a
+// link (bytes: what the device copies). Their local_bytes, the working gradients zeroed in the
+// device's own memory, go at its copy rate, not the link's. Forward
 // FLOPs per rank, with t = micro_batch x seq_len tokens: a block 2 x (its q, k, v, o, gate, up,
 // down weights) x t + causal attention 2 x micro_batch x seq_len^2 x heads x head_dim (QK^T and
 // PV are 2 x T^2 x head_dim each per head and sequence, halved by causality); the head
@@ -683,8 +685,8 @@ class Builder {
                                   : gate(r);
       const int g = add(TaskKind::gather, LaneKind::comm, r, u, m, deps);
       task(g).group = group;
-      task(g).bytes = R_ > 1 ? up.padded * ps_ * uint64_t(R_ - 1) / uint64_t(R_)
-                             : up.padded * (ps_ + (backward ? gs_ : 0));
+      task(g).bytes = R_ > 1 ? up.padded * ps_ * uint64_t(R_ - 1) / uint64_t(R_) : up.padded * ps_;
+      if (backward) task(g).local_bytes = up.padded * gs_;  // the working gradients zeroed
       wait_for_slot(g, run.slot, r);
       if (first && home == Tier::gpu) wait_for_param_writer(g, u, r);
       run.gather.push_back(g);
@@ -801,7 +803,7 @@ class Builder {
         // gradients into the resident shard (two read, one written: a copy and a half)
         task(id).bytes =
             up.replicated ? up.numel * gs_ : (g_host ? up.padded * gs_ : up.padded * gs_ * 3 / 2);
-      if (more) task(id).bytes += up.padded * gs_;  // the working gradients cleared
+      if (more) task(id).local_bytes = up.padded * gs_;  // the working gradients cleared
       task(id).slot = slot;
       rs.push_back(id);
     }
@@ -1141,6 +1143,7 @@ std::string task_line(const Schedule& s, const Task& t) {
   if (t.slot >= 0) line += fmt::format(" slot={}", t.slot);
   if (t.buffer >= 0) line += fmt::format(" buf={}", t.buffer);
   if (t.bytes > 0) line += fmt::format(" bytes={}", t.bytes);
+  if (t.local_bytes > 0) line += fmt::format(" local_bytes={}", t.local_bytes);
   if (t.flops > 0) line += fmt::format(" flops={:.0f}", t.flops);
   if (t.elements > 0) line += fmt::format(" elements={}", t.elements);
   line += fmt::format(" deps={}", id_list(t.deps));

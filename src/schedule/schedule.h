@@ -79,12 +79,15 @@ struct Task {
   // The pinned host buffer (0..pinned_buffers-1) the task writes or reads; -1 when none.
   int buffer = -1;
   // The work, for the simulator: bytes moved (transfers; collectives: what one rank moves in
-  // a ring, (R-1)/R of the unit; with one rank, what the device copies or clears in its own
-  // memory: the unit into its working buffer, plus its working gradients cleared for a
-  // backward; the gradients into their shard, or, added to a resident shard in place, 1.5
-  // times their bytes: an add reads two and writes one), FLOPs
+  // a ring, (R-1)/R of the unit; with one rank, what the device copies in its own memory: the
+  // unit into its working buffer; the gradients into their shard, or, added to a resident
+  // shard in place, 1.5 times their bytes: an add reads two and writes one), FLOPs
   // (compute), elements updated (Adam, grad stats).
   uint64_t bytes = 0;
+  // Collectives: bytes the rank also writes in its own memory, at the device's copy rate, not
+  // the link's: the unit's working gradients zeroed (by a gather for a backward, or after a
+  // reduce-scatter that the next backward of the same group waits for).
+  uint64_t local_bytes = 0;
   double flops = 0;
   uint64_t elements = 0;
   std::vector<int> deps;  // ids of tasks of this step, each < id

@@ -379,7 +379,7 @@ std::string HardwareProfile::to_json() const {
 
 double task_seconds(const Task& task, const Lane& lane, int ranks, const HardwareProfile& profile) {
   const HardwareProfile& p = profile;
-  double work = 0, rate = 0;
+  double work = 0, rate = 0, local = 0;
   const char* field = "";
   auto use = [&](double w, double r, const char* f) {
     work = w;
@@ -409,9 +409,13 @@ double task_seconds(const Task& task, const Lane& lane, int ranks, const Hardwar
       break;
     case TaskKind::gather:
     case TaskKind::reduce_scatter:
+      // What the rank writes in its own memory besides (clearing working gradients) goes at
+      // the device's copy rate, or free where the profile has none (simulator.h).
+      if (p.device_copy_bytes_per_s > 0)
+        local = static_cast<double>(task.local_bytes) / p.device_copy_bytes_per_s;
       if (ranks > 1)
         use(bytes, p.comm_bytes_per_s, "comm_bytes_per_s");
-      else if (p.device_copy_bytes_per_s > 0)  // 0: counted free (simulator.h)
+      else if (p.device_copy_bytes_per_s > 0)
         use(bytes, p.device_copy_bytes_per_s, "device_copy_bytes_per_s");
       break;
     case TaskKind::forward:
@@ -444,7 +448,7 @@ double task_seconds(const Task& task, const Lane& lane, int ranks, const Hardwar
         "hardware profile '{}': {} is {}, but task {} ({} {} unit {}) needs it; measure it "
         "(strata tune) or set it in the profile",
         p.name, field, rate, task.id, lane.name(), task_kind_name(task.kind), task.unit);
-  return (work > 0 ? work / rate : 0.0) + p.task_latency_s;
+  return (work > 0 ? work / rate : 0.0) + local + p.task_latency_s;
 }
 
 Prediction simulate(const Schedule& schedule, const HardwareProfile& profile, int steps) {

@@ -161,6 +161,7 @@ std::string trace_json(const Schedule& schedule, const Timeline& timeline) {
                         {"micro_batch", t.micro_batch},
                         {"step", sp.step},
                         {"bytes", t.bytes},
+                        {"local_bytes", t.local_bytes},
                         {"flops", t.flops},
                         {"elements", t.elements}}}});
   }
