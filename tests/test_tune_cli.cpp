@@ -84,6 +84,9 @@ TEST(TuneCli, MeasuresThisMachineIntoAProfileTheSimulatorReads) {
   EXPECT_GE(p.host_cpu_mixed, 1.0);
   EXPECT_LE(p.host_cpu_mixed, 2.0);
   EXPECT_NE(p.notes.at("host_cpu_mixed").find("CPU Adam"), std::string::npos);
+  // Two host devices compute at once as well, which shares the cores worse: measured too.
+  EXPECT_NE(p.notes.at("host_cpu_mixed").find("on both devices at once"), std::string::npos)
+      << p.notes.at("host_cpu_mixed");
   // ... and a task's fixed cost is timed where the lanes' threads wait for busy cores.
   EXPECT_NE(p.notes.at("task_latency_s").find("beside the model's forward"), std::string::npos)
       << p.notes.at("task_latency_s");

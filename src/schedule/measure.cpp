@@ -96,8 +96,9 @@ std::string repeats_note(const MeasureSetup& s) {
 // The model's forward and backward (recompute included unless the run turns it off) on the
 // first device, as the executor runs them: what gpu_flops is timed on.
 struct ComputeRun {
-  explicit ComputeRun(const MeasureSetup& s)
-      : d(*s.devices.front()),
+  // On the setup's device `device` (the first by default).
+  explicit ComputeRun(const MeasureSetup& s, size_t device = 0)
+      : d(*s.devices.at(device)),
         c(cut(s)),
         model(c, options(s), d),
         w(model.layout(), d, s.param_dtype, s.grad_dtype, true),
@@ -597,6 +598,26 @@ void measure_host_cores(const MeasureSetup& s, HardwareProfile& h) {
       "over {} elements ({:.2f} of its rate alone) at once for {:.2g} s; sum {:.2f}, kept within "
       "[1, 2]",
       compute.d.name(), fc, n, fa, kSeconds, fc + fa);
+  if (s.devices.size() < 2) return;
+  // With several host devices their compute lanes run at once too, each over every core (BLAS
+  // on oneTBB), and they share the cores worse than compute and Adam do: two computes, each
+  // timed against its rate alone. The simulator has one factor for every pair of lanes, so it
+  // takes the lesser: most of such a step's overlap is between the ranks' computes.
+  ComputeRun other(s, 1);
+  const double other_alone = median_seconds(s.repeats, [&] { other(); });
+  const auto [c0, c1] = side_by_side(
+      kSeconds, 2, [&] { compute(); }, [&] { other(); });
+  compute.checked_loss("compute beside another device's");
+  other.checked_loss("compute beside another device's");
+  const double f0 = c0.seconds > 0 ? double(c0.calls) / c0.seconds * compute_alone : 0;
+  const double f1 = c1.seconds > 0 ? double(c1.calls) / c1.seconds * other_alone : 0;
+  h.host_cpu_mixed = std::clamp(std::min(f0 + f1, fc + fa), 1.0, 2.0);
+  h.notes["host_cpu_mixed"] = fmt::format(
+      "measured on {} and {}: the lesser of two sums, kept within [1, 2]: the model's forward "
+      "and backward with CPU Adam over {} elements at once ({:.2f} and {:.2f} of their rates "
+      "alone, sum {:.2f}), and the model's forward and backward on both devices at once ({:.2f} "
+      "and {:.2f}, sum {:.2f}), each for {:.2g} s",
+      compute.d.name(), other.d.name(), n, fc, fa, fc + fa, f0, f1, f0 + f1, kSeconds);
 }
 
 void measure_device_adam(const MeasureSetup& s, HardwareProfile& h) {
