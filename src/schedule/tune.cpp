@@ -139,9 +139,8 @@ struct Simulated {
   std::vector<std::string> lanes;
 };
 
-// A grouped candidate reduces its gradients once per group (ScheduleOptions::reduce_per_group),
-// never slower than once per micro-batch: fewer tasks and bytes, no waits between a group's
-// backwards.
+// A grouped candidate reduces its gradients once per group (ScheduleOptions::reduce_per_group):
+// fewer tasks and bytes and no waits between a group's backwards, in the same memory.
 Simulated simulate_once(const Placement& p, int64_t accum, int depth,
                         const HardwareProfile& profile) {
   ScheduleOptions so;
