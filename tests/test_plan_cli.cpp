@@ -198,6 +198,16 @@ TEST(PlanCli, MicroBatchGroupsReadEachUnitOncePerGroup) {
             act8 - act1);
 }
 
+// `strata plan args --json` without and with `flag`, whose JSON field `key` must say which.
+std::pair<json, json> plan_without_and_with(const std::string& args, const std::string& flag,
+                                            const char* key) {
+  std::pair<json, json> out{parse_json(strata(args, "2>/dev/null")),
+                            parse_json(strata(args + " " + flag, "2>/dev/null"))};
+  EXPECT_EQ(out.first[key], false);
+  EXPECT_EQ(out.second[key], true);
+  return out;
+}
+
 TEST(PlanCli, UpdatingDuringTheBackwardHidesCpuAdam) {
   // llama2-7b in bf16, optimizer on the CPU, one group of 4 micro-batches: updating during the
   // backward overlaps CPU Adam with it, the same work in a shorter step.
@@ -205,10 +215,8 @@ TEST(PlanCli, UpdatingDuringTheBackwardHidesCpuAdam) {
       "plan --model llama2-7b --dtype bf16 --gpus 1 --gpu-memory 80GB --cpu-memory 256GiB "
       "--seq-len 2048 --micro-batch 2 --grad-accum 4 --micro-batch-group 4 --offload-optimizer "
       "cpu --json";
-  const json after = parse_json(strata(args, "2>/dev/null"));
-  const json during = parse_json(strata(args + " --update-during-backward on", "2>/dev/null"));
-  EXPECT_EQ(after["update_during_backward"], false);
-  EXPECT_EQ(during["update_during_backward"], true);
+  const auto [after, during] =
+      plan_without_and_with(args, "--update-during-backward on", "update_during_backward");
   for (const char* lane : {"cpu.adam", "gpu[0].compute"})  // summed in another order
     EXPECT_NEAR(busy(during, lane), busy(after, lane), 1e-9 * busy(after, lane)) << lane;
   EXPECT_LT(during["step_s"].get<double>() * 1.2, after["step_s"].get<double>());
@@ -235,10 +243,8 @@ TEST(PlanCli, ReducingOncePerGroupUnloadsTheLinksBetweenGpus) {
       "plan --model llama2-13b --dtype bf16 --gpus 4 --gpu-memory 48GiB --cpu-memory 512GiB "
       "--seq-len 4096 --micro-batch 1 --grad-accum 4 --micro-batch-group 4 --offload-param cpu "
       "--offload-optimizer cpu --json";
-  const json each = parse_json(strata(args, "2>/dev/null"));
-  const json once = parse_json(strata(args + " --reduce-per-group on", "2>/dev/null"));
-  EXPECT_EQ(each["reduce_per_group"], false);
-  EXPECT_EQ(once["reduce_per_group"], true);
+  const auto [each, once] =
+      plan_without_and_with(args, "--reduce-per-group on", "reduce_per_group");
   EXPECT_EQ(each["critical_lane"], "gpu[0].comm");
   EXPECT_LT(busy(once, "gpu[0].comm") * 2, busy(each, "gpu[0].comm"));
   EXPECT_LT(once["step_s"].get<double>() * 1.5, each["step_s"].get<double>());

@@ -34,14 +34,19 @@ Command add_bench_model(CLI::App& bench);      // strata bench model
 Command add_bench_ops(CLI::App& bench);        // strata bench ops
 Command add_bench_step(CLI::App& bench);       // strata bench step
 
+// A flag taking on|off (or true|false) into `on`; anything else is refused naming the flag,
+// the value and the choices.
+inline CLI::Option* add_switch_option(CLI::App* cmd, const char* name, bool& on, const char* help) {
+  return cmd->add_option(name, on, help)->check(CLI::IsMember({"on", "off", "true", "false"}));
+}
+
 // --activation-checkpointing on|off into `recompute` (RunShape::recompute), the same words and
-// help in every command; anything else is refused naming the flag, the value and the choices.
+// help in every command.
 inline CLI::Option* add_checkpointing_option(CLI::App* cmd, bool& recompute) {
-  return cmd
-      ->add_option("--activation-checkpointing", recompute,
-                   "on (default): backward recomputes each block from its input, the least GPU "
-                   "memory; off: blocks keep their activations on the GPU, a third fewer FLOPs")
-      ->check(CLI::IsMember({"on", "off", "true", "false"}));
+  return add_switch_option(
+      cmd, "--activation-checkpointing", recompute,
+      "on (default): backward recomputes each block from its input, the least GPU memory; off: "
+      "blocks keep their activations on the GPU, a third fewer FLOPs");
 }
 
 // --micro-batch-group G into `group` (micro_batch_group_flag checks it against the step).
@@ -55,24 +60,21 @@ inline CLI::Option* add_micro_batch_group_option(CLI::App* cmd, int64_t& group) 
 
 // --update-during-backward on|off into `on` (ScheduleOptions::update_during_backward).
 inline CLI::Option* add_update_during_backward_option(CLI::App* cmd, bool& on) {
-  return cmd
-      ->add_option("--update-during-backward", on,
-                   "on: CPU Adam updates each unit as soon as its gradients are final, under the "
-                   "rest of the backward (needs gradient clipping off and no fp16; a NaN or Inf "
-                   "gradient then stops the run instead of skipping the step); off (default): "
-                   "after the whole backward")
-      ->check(CLI::IsMember({"on", "off", "true", "false"}));
+  return add_switch_option(
+      cmd, "--update-during-backward", on,
+      "on: CPU Adam updates each unit as soon as its gradients are final, under the rest of the "
+      "backward (needs gradient clipping off and no fp16; a NaN or Inf gradient then stops the "
+      "run instead of skipping the step); off (default): after the whole backward");
 }
 
 // --reduce-per-group on|off into `on` (ScheduleOptions::reduce_per_group).
 inline CLI::Option* add_reduce_per_group_option(CLI::App* cmd, bool& on) {
-  return cmd
-      ->add_option("--reduce-per-group", on,
-                   "with --micro-batch-group G > 1, on: each GPU sums the group's gradients and "
-                   "each unit is reduce-scattered once per group, 1/G of the gradient traffic "
-                   "between the GPUs and to host RAM (the same sums in another order: rounding "
-                   "differs from G = 1); off (default): once per micro-batch, the bits of G = 1")
-      ->check(CLI::IsMember({"on", "off", "true", "false"}));
+  return add_switch_option(
+      cmd, "--reduce-per-group", on,
+      "with --micro-batch-group G > 1, on: each GPU sums the group's gradients and each unit is "
+      "reduce-scattered once per group, 1/G of the gradient traffic between the GPUs and to host "
+      "RAM (the same sums in another order: rounding differs from G = 1); off (default): once "
+      "per micro-batch, the bits of G = 1");
 }
 
 // --offload-gradients into `value` (apply_offload_flags reads it): where the gradients of an
