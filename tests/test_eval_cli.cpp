@@ -105,6 +105,80 @@ TEST_F(EvalCli, SeveralDevicesGiveTheOneDeviceLoss) {
   EXPECT_EQ(three["device"], "host:0,host:1,host:2");
 }
 
+// The parameters in host RAM or on NVMe (the executor fetching each unit ahead of its use) give
+// the loss of parameters on the devices bit for bit, on one device and on three.
+TEST_F(EvalCli, OffloadedParametersGiveTheSameLoss) {
+  const std::string args = "--seed 1 --seq-len 16 --batch 2 --persistence-threshold 0 " + data();
+  const std::string nvme = " --nvme-path '" + (dir_ / "swap").string() + "'";
+  for (const char* devices : {"host", "host:3"}) {
+    SCOPED_TRACE(devices);
+    const auto base = eval_json(args, devices);
+    const int units = base["parameter_homes"]["gpu"].get<int>();
+    EXPECT_GE(units, 4) << base;  // embedding, two blocks, final norm + head
+    for (const std::string tier : {"cpu", "nvme"}) {
+      SCOPED_TRACE(tier);
+      const auto j =
+          eval_json(args + " --offload-param " + tier + (tier == "nvme" ? nvme : ""), devices);
+      EXPECT_EQ(j["loss"].get<double>(), base["loss"].get<double>());
+      EXPECT_EQ(j["tokens"], base["tokens"]);
+      EXPECT_EQ(j["parameter_homes"][tier].get<int>(), units) << j;
+      EXPECT_EQ(j["parameter_homes"]["gpu"].get<int>(), 0) << j;
+      // Only parameters: no gradients or optimizer state in any tier.
+      for (const char* t : {"gpu_per_device", "cpu", "nvme"}) {
+        EXPECT_EQ(j["memory"][t]["gradients"].get<uint64_t>(), 0u) << t;
+        EXPECT_EQ(j["memory"][t]["optimizer"].get<uint64_t>(), 0u) << t;
+      }
+      EXPECT_GT(j["memory"][tier]["parameters"].get<uint64_t>(), 0u) << j;
+      EXPECT_LT(j["memory"]["gpu_per_device"]["total"].get<uint64_t>(),
+                base["memory"]["gpu_per_device"]["total"].get<uint64_t>());
+    }
+  }
+  // The swap files (and their lock) go with the run.
+  ASSERT_TRUE(fs::is_directory(dir_ / "swap"));
+  EXPECT_TRUE(fs::is_empty(dir_ / "swap"));
+
+  // The DeepSpeed config's offload_param is read as `strata train` reads it; the flag wins.
+  {
+    std::ofstream f(dir_ / "ds.json");
+    f << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})";
+  }
+  const std::string cfg = " --config '" + (dir_ / "ds.json").string() + "'";
+  const auto from_config = eval_json(args + cfg);
+  EXPECT_GE(from_config["parameter_homes"]["cpu"].get<int>(), 4) << from_config;
+  EXPECT_EQ(eval_json(args + cfg + " --offload-param none")["parameter_homes"]["cpu"], 0);
+}
+
+// A model whose parameters do not fit is refused before anything is allocated, with the table
+// of bytes and what to change; offloading makes the same evaluation fit.
+TEST_F(EvalCli, AModelThatDoesNotFitIsRefusedBeforeItStarts) {
+  const std::string run = std::string("'") + STRATA_BINARY +
+                          "' eval --model llama2-7b --init random --devices host --seq-len 16 " +
+                          data() + " --device-memory 4GiB";
+  Result r = test::run_command(run + " 2>&1");
+  EXPECT_EQ(r.status, 1) << r.out;
+  for (const char* what : {"placement does not fit", "llama2-7b", "gpu (per device)", "4 GiB",
+                           "nothing was allocated", "--offload-param cpu or nvme"})
+    EXPECT_NE(r.out.find(what), std::string::npos) << what << "\n" << r.out;
+  EXPECT_EQ(r.out.find("offload the optimizer"), std::string::npos) << r.out;
+
+  // Parameters in host RAM, but not enough of it: the cpu row, and NVMe as the way out.
+  r = test::run_command(run + " --offload-param cpu --cpu-memory 2GiB 2>&1");
+  EXPECT_EQ(r.status, 1) << r.out;
+  for (const char* what : {"placement does not fit", "cpu", "--offload-param nvme"})
+    EXPECT_NE(r.out.find(what), std::string::npos) << what << "\n" << r.out;
+
+  // A bad tier or prefetch depth is named.
+  r = eval("--seq-len 16 " + data() + " --offload-param disk");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("disk"), std::string::npos) << r.out;
+  r = eval("--seq-len 16 " + data() + " --prefetch-depth 99");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--prefetch-depth 99"), std::string::npos) << r.out;
+  r = eval("--seq-len 16 " + data() + " --offload-param nvme");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--nvme-path"), std::string::npos) << r.out;
+}
+
 TEST_F(EvalCli, BadInputsAreNamed) {
   // A token id past the vocabulary names its position.
   std::vector<uint32_t> bad = tokens_;

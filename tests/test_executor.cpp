@@ -71,6 +71,14 @@ LlamaConfig tiny(bool tied) {
   return c;
 }
 
+TierBudgets test_budgets() {
+  TierBudgets budgets;
+  budgets.gpu_memory = kDeviceMemory;
+  budgets.cpu_memory = 8ull << 30;
+  budgets.nvme_free = 8ull << 30;
+  return budgets;
+}
+
 Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std::string& dir,
                          uint64_t threshold = 0, int depth = 1, bool recompute = true,
                          GradHome grads = GradHome::automatic, int group = 1) {
@@ -92,11 +100,7 @@ Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std:
   req.grads = grads;
   if (p == Tier::nvme || o == Tier::nvme) req.nvme_paths = {dir};
   req.nvme_stripe = 64 * 1024;  // small: the tiny model's shards span several stripes
-  TierBudgets budgets;
-  budgets.gpu_memory = kDeviceMemory;
-  budgets.cpu_memory = 8ull << 30;
-  budgets.nvme_free = 8ull << 30;
-  return Placement::make(shape, req, budgets);
+  return Placement::make(shape, req, test_budgets());
 }
 
 // batches[step][m][r], deterministic, with a few ignored targets. With more than kMicro
@@ -439,6 +443,90 @@ TEST_P(ExecutorPlacements, EveryPlacementGivesTheAllGpuBits) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, ExecutorPlacements, ::testing::Values(1, 3));
+
+// A placement of the parameters alone (RunShape::training off, as `strata eval` places them):
+// the executor allocates no gradients, optimizer state or activation gradients, and its
+// forward-only pass gives the training executor's evaluation bit for bit wherever the
+// parameters live, within the placement's smaller GPU figure. What needs training state is
+// refused.
+TEST(Executor, ParametersOnlyEvaluateToTheTrainingExecutorsBits) {
+  for (int N : {1, 3}) {
+    REQUIRE_DEVICES(N);
+    for (bool tied : {false, true}) {
+      const LlamaConfig c = tiny(tied);
+      const auto batches = make_batches(N, c.vocab_size);
+      ScheduleOptions so;
+      so.micro_batches = kMicro;
+      double reference = 0;
+      uint64_t training_high_water = 0;
+      std::vector<std::vector<float>> params;
+      {
+        Rig rig(N);
+        const Placement pl = make_placement(c, N, Tier::gpu, Tier::gpu, "");
+        Executor ex(pl, Schedule::build(pl, so), *rig.comm);
+        ex.init_random(42);
+        reference = ex.evaluate(batches[0]).loss();
+        for (int u = 0; u < static_cast<int>(pl.homes.size()); ++u)
+          params.push_back(ex.parameters(u));
+        training_high_water = rig.devices[0]->memory().high_water;
+      }
+      for (Tier p : {Tier::gpu, Tier::cpu, Tier::nvme}) {
+        const std::string name = fmt::format("N {} tied {} P {}", N, tied, tier_name(p));
+        SCOPED_TRACE(name);
+        const test::TempDir dir("strata-exec-eval");
+        // The optimizer asked for NVMe: ignored (there is none), so it needs no nvme path.
+        const Placement training = make_placement(c, N, p, Tier::gpu, dir.path.string());
+        RunShape shape = training.shape;
+        shape.training = false;
+        OffloadRequest req = training.request;
+        req.optimizer = Tier::nvme;
+        if (p != Tier::nvme) req.nvme_paths.clear();
+        const Placement pl = Placement::make(shape, req, test_budgets());
+        const TierBytes need = pl.needs();
+        for (Tier t : {Tier::gpu, Tier::cpu, Tier::nvme}) {
+          EXPECT_EQ(need.at(t, StateKind::gradients), 0u) << tier_name(t);
+          EXPECT_EQ(need.at(t, StateKind::optimizer), 0u) << tier_name(t);
+        }
+        for (const UnitHomes& h : pl.homes) EXPECT_EQ(h.optimizer, Tier::gpu);
+        EXPECT_LT(need.total(Tier::gpu), training.needs().total(Tier::gpu));
+        EXPECT_EQ(pl.pinned_buffers > 0, p != Tier::gpu);
+        EXPECT_THROW(Schedule::build(pl, so), Error);  // a training schedule needs training state
+
+        ScheduleOptions fo = so;
+        fo.forward_only = true;
+        const Schedule sc = Schedule::build(pl, fo);
+        Rig rig(N);
+        Executor ex(pl, sc, *rig.comm);
+        ex.init_random(42);
+        EXPECT_EQ(ex.evaluate(batches[0]).loss(), reference);
+        EXPECT_EQ(ex.evaluate(batches[0]).loss(), reference) << "a second pass";
+        for (int u = 0; u < static_cast<int>(pl.homes.size()); ++u)
+          expect_bits(ex.parameters(u), params[static_cast<size_t>(u)],
+                      fmt::format("{} unit {}", name, u));
+        const ExecutorMemory mem = ex.memory();
+        for (auto& d : rig.devices) {
+          const ArenaStats st = d->memory();
+          EXPECT_EQ(st.high_water_by_kind[size_t(MemoryKind::gradients)], 0u) << d->name();
+          EXPECT_EQ(st.high_water_by_kind[size_t(MemoryKind::optimizer)], 0u) << d->name();
+          EXPECT_EQ(st.high_water_by_kind[size_t(MemoryKind::communication)], 0u) << d->name();
+          EXPECT_LE(st.high_water, need.total(Tier::gpu) + mem.device_extra_bytes)
+              << d->name() << kinds(pl, *d);
+          EXPECT_LT(st.high_water, training_high_water) << d->name();
+        }
+        EXPECT_LE(mem.pinned_capacity, pl.pinned_need());
+        EXPECT_EQ(mem.swap_bounce_bytes, 0u);
+        try {
+          ex.step(batches[0], step_params(1));
+          ADD_FAILURE() << "a training step on a parameters-only executor ran";
+        } catch (const Error& e) {
+          EXPECT_NE(std::string(e.what()).find("parameters only"), std::string::npos) << e.what();
+        }
+        EXPECT_THROW(ex.master(0), Error);
+        EXPECT_THROW(ex.set_optimizer_state(0, {}), Error);
+      }
+    }
+  }
+}
 
 TEST(Executor, TiedEmbeddings) {
   REQUIRE_DEVICES(2);

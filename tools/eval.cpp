@@ -4,22 +4,28 @@
 // tokens shifted by one, so a file of exactly T+1 tokens is one sequence. The loss is the mean
 // over every target token.
 //
-// Every device of --devices takes part, with the model's state ZeRO-3 partitioned across them
-// (src/partition/zero.h): sequences are dealt to ranks (rank r gets sequences r, r+N, ...,
-// up to `--batch` per rank at a time), each rank runs the forward on its own device with the
-// gathered units, and the per-token losses are summed in sequence order, so the loss is the
-// one device's to rounding.
+// The model runs through the executor, as training's held-out evaluation does: a placement of
+// the parameters alone (RunShape::training off: no gradients, no optimizer state) puts each
+// unit's shards on the devices, in host RAM or on NVMe (--offload-param, or offload_param of a
+// DeepSpeed --config), checked against this machine's budgets before anything is allocated, and
+// a forward-only schedule fetches and gathers each unit ahead of its use. Every device of
+// --devices takes part, the state ZeRO-3 partitioned across them: sequences are dealt to ranks
+// (rank r gets sequences r, r+N, ..., up to `--batch` per rank at a time), and the per-token
+// losses are summed, so the loss is the one device's to rounding, and the same bits wherever
+// the parameters live.
 #include "commands.h"
 #include "device_args.h"
+#include "core/bytes.h"
 #include "core/device.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "model/config.h"
-#include "model/llama.h"
 #include "model/safetensors.h"
 #include "model/tokens.h"
 #include "partition/communicator.h"
-#include "partition/zero.h"
+#include "schedule/executor.h"
+#include "schedule/schedule.h"
+#include "tier/placement.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -45,11 +51,36 @@ struct EvalArgs {
   std::string devices;
   std::string device_memory;
   std::string dtype;
-  uint64_t persistence_threshold = ZeroOptions{}.persistence_threshold;
+  int64_t persistence_threshold = -1;  // -1: the config's, else DeepSpeed's default
+  std::string config;
+  std::string offload_param;
+  std::vector<std::string> nvme_paths;
+  int64_t prefetch_depth = kUnsetFlag;
+  std::string cpu_memory, pinned_memory;
   bool json = false;
 };
 
+// How many units' parameters each tier holds: {"gpu": 2, "cpu": 4, "nvme": 0}.
+nlohmann::json homes_json(const Placement& pl) {
+  nlohmann::json j = nlohmann::json::object();
+  for (Tier t : {Tier::gpu, Tier::cpu, Tier::nvme})
+    j[std::string(tier_name(t))] = std::count_if(pl.homes.begin(), pl.homes.end(),
+                                                 [t](const UnitHomes& h) { return h.param == t; });
+  return j;
+}
+
+// The same as text, the tiers that hold any: "gpu 2, cpu 4".
+std::string homes_text(const Placement& pl) {
+  const nlohmann::json counts = homes_json(pl);
+  std::string out;
+  for (Tier t : {Tier::gpu, Tier::cpu, Tier::nvme})
+    if (const int64_t n = counts[std::string(tier_name(t))]; n > 0)
+      out += fmt::format("{}{} {}", out.empty() ? "" : ", ", tier_name(t), n);
+  return out;
+}
+
 int run_eval(const EvalArgs& a) {
+  const std::optional<DsConfig> ds = load_cli_config(a.config);
   const LlamaConfig config = resolve_model(a.model);
   const bool load = weights_from_model_dir(a.model, a.init, "evaluate");
 
@@ -69,95 +100,95 @@ int run_eval(const EvalArgs& a) {
         "plus the shifted target); give more data or a shorter --seq-len",
         a.data, tokens.size(), T, T + 1);
   if (a.max_sequences > 0) sequences = std::min(sequences, a.max_sequences);
+  if (a.prefetch_depth != kUnsetFlag && (a.prefetch_depth < 0 || a.prefetch_depth > 64))
+    fail("--prefetch-depth {}: units fetched ahead of use, 0..64", a.prefetch_depth);
+  uint64_t cpu_memory = 0, pinned_memory = 0;
+  if (!a.cpu_memory.empty() && (cpu_memory = parse_bytes(a.cpu_memory)) == 0)
+    fail("--cpu-memory {}: no host RAM at all; give a size such as 64GiB", a.cpu_memory);
+  if (!a.pinned_memory.empty() && (pinned_memory = parse_bytes(a.pinned_memory)) == 0)
+    fail("--pinned-memory {}: no page-locked memory at all; give a size such as 2GiB",
+         a.pinned_memory);
 
   auto devices = open_cli_devices(a.devices, a.device_memory, 0);
   const auto N = static_cast<int64_t>(devices.size());
   std::vector<Device*> ranks;
   for (auto& d : devices) ranks.push_back(d.get());
-  const DType dtype = model_dtype(*ranks[0], a.dtype);
+  DsPlanSettings plan;
+  if (ds) plan = ds_plan_settings(*ds, static_cast<int>(N), config);
+  DType dtype = model_dtype(*ranks[0], a.dtype);
+  if (a.dtype.empty() && plan.param_dtype) {
+    dtype = *plan.param_dtype;
+    check_model_dtype(*ranks[0], dtype, fmt::format("{}: fp16.enabled", a.config));
+  }
+
+  RunShape shape;
+  shape.model = config;
+  shape.ranks = static_cast<int>(N);
+  shape.param_dtype = dtype;
+  shape.grad_dtype = dtype;
+  shape.micro_batch = std::min<int64_t>(a.batch, (sequences + N - 1) / N);
+  shape.seq_len = T;
+  shape.persistence_threshold = a.persistence_threshold >= 0
+                                    ? static_cast<uint64_t>(a.persistence_threshold)
+                                    : plan.persistence_threshold.value_or(100000);
+  const int depth = a.prefetch_depth != kUnsetFlag ? static_cast<int>(a.prefetch_depth)
+                                                   : plan.prefetch_depth.value_or(1);
+  shape.working_buffers = working_buffers_for(depth, config.tie_word_embeddings);
+  shape.training = false;
+  OffloadRequest request = plan.offload;
+  apply_offload_flags(request, a.offload_param, "");
+  if (!a.nvme_paths.empty()) request.nvme_paths = a.nvme_paths;
+  const Placement placement =
+      place_locally(shape, request, ranks[0]->memory().capacity, cpu_memory, pinned_memory);
+  log_debug("eval: {}", placement.str());
+  ScheduleOptions so;
+  so.prefetch_depth = depth;
+  so.forward_only = true;
+  const Schedule schedule = Schedule::build(placement, so);
   const auto comm = make_communicator(ranks);
-  ModelOptions options;
-  options.param_dtype = dtype;
-  options.grad_dtype = dtype;
-  options.max_batch = std::min<int64_t>(a.batch, (sequences + N - 1) / N);
-  options.seq_len = T;
-  ZeroOptions zero_options;
-  zero_options.param_dtype = dtype;
-  zero_options.grad_dtype = dtype;
-  zero_options.with_grads = false;
-  zero_options.persistence_threshold = a.persistence_threshold;
-  ZeroModel zero(ModelLayout::build(config), *comm, zero_options);
+  Executor executor(placement, schedule, *comm);
   if (load) {
-    const SafetensorsReader reader = SafetensorsReader::open(a.model);
-    zero.load(reader);
+    executor.load(SafetensorsReader::open(a.model));
   } else {
-    zero.init_random(a.seed);
+    executor.init_random(a.seed);
   }
-  log_debug("eval: {}", zero.partition().str());
 
-  // Per rank: its model (activations), stream, and token buffers.
-  const int64_t B = options.max_batch;
-  std::vector<std::unique_ptr<LlamaModel>> models;
-  std::vector<LlamaModel*> model_ptrs;
-  std::vector<std::unique_ptr<Stream>> owned_streams;
-  std::vector<Stream*> streams;
-  std::vector<DeviceBuffer> d_ids, d_targets;
-  for (Device* d : ranks) {
-    models.push_back(std::make_unique<LlamaModel>(config, options, *d));
-    model_ptrs.push_back(models.back().get());
-    owned_streams.push_back(d->create_stream("eval"));
-    d->kernels().prepare(*owned_streams.back());
-    streams.push_back(owned_streams.back().get());
-    d_ids.emplace_back(*d, static_cast<uint64_t>(B * T) * 4, "token ids", MemoryKind::activations);
-    d_targets.emplace_back(*d, static_cast<uint64_t>(B * T) * 4, "targets",
-                           MemoryKind::activations);
-  }
-  ZeroRunner runner(zero, model_ptrs);
-
-  const auto n = static_cast<size_t>(N);
-  std::vector<std::vector<int32_t>> ids(n, std::vector<int32_t>(static_cast<size_t>(B * T)));
-  std::vector<std::vector<int32_t>> targets = ids;
-  std::vector<std::vector<float>> losses(n, std::vector<float>(static_cast<size_t>(B * T)));
+  // Rounds of N·B sequences, one forward-only pass each: rank r takes the round's sequences
+  // r, r+N, ... (its batch may be short, or empty, in the last round).
+  const int64_t B = shape.micro_batch;
   double sum = 0;
+  int64_t count = 0;
   const auto t0 = std::chrono::steady_clock::now();
   for (int64_t first = 0; first < sequences; first += N * B) {
-    const int64_t last = std::min(sequences, first + N * B);  // this round: [first, last)
-    std::vector<RankBatch> batches(n);
+    const int64_t last = std::min(sequences, first + N * B);
+    std::vector<std::vector<HostBatch>> batches(1, std::vector<HostBatch>(static_cast<size_t>(N)));
+    for (HostBatch& b : batches[0]) {
+      b.ids.resize(static_cast<size_t>(B * T));
+      b.targets.resize(b.ids.size());
+    }
     for (int64_t s = first; s < last; ++s) {
-      const auto r = static_cast<size_t>((s - first) % N);
-      const int64_t i = batches[r].batch++;
-      tokens.sequence(s, T, ids[r].data() + i * T, targets[r].data() + i * T);
+      HostBatch& b = batches[0][static_cast<size_t>((s - first) % N)];
+      tokens.sequence(s, T, b.ids.data() + b.batch * T, b.targets.data() + b.batch * T);
+      ++b.batch;
     }
-    for (size_t r = 0; r < n; ++r) {
-      const uint64_t bytes = static_cast<uint64_t>(batches[r].batch * T) * 4;
-      ranks[r]->copy_to_device(d_ids[r].data(), ids[r].data(), bytes, *streams[r]);
-      ranks[r]->copy_to_device(d_targets[r].data(), targets[r].data(), bytes, *streams[r]);
-      batches[r].ids = static_cast<const int32_t*>(d_ids[r].data());
-      batches[r].targets = static_cast<const int32_t*>(d_targets[r].data());
+    for (HostBatch& b : batches[0]) {
+      b.ids.resize(static_cast<size_t>(b.batch * T));
+      b.targets.resize(b.ids.size());
     }
-    runner.forward(batches, streams);
-    for (size_t r = 0; r < n; ++r)
-      if (batches[r].batch > 0)
-        ranks[r]->copy_to_host(losses[r].data(), model_ptrs[r]->losses(batches[r].batch).data,
-                               static_cast<uint64_t>(batches[r].batch * T) * 4, *streams[r]);
-    for (Stream* st : streams) st->synchronize();
-    // In sequence order, whichever rank computed it: the sum of one device.
-    for (int64_t s = first; s < last; ++s) {
-      const auto r = static_cast<size_t>((s - first) % N);
-      const int64_t i = (s - first) / N;
-      for (int64_t t = 0; t < T; ++t) sum += losses[r][static_cast<size_t>(i * T + t)];
-    }
+    const EvalResult e = executor.evaluate(batches);
+    sum += e.loss_sum;
+    count += e.targets;
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  const int64_t count = sequences * T;
-  const double loss = sum / static_cast<double>(count);
+  const double loss = sum / static_cast<double>(std::max<int64_t>(count, 1));
   if (!std::isfinite(loss))
     fail("eval of {} on {}: the loss is {}; the weights or the data hold non-finite values",
          a.model, a.data, loss);
   const double tokens_per_s = static_cast<double>(count) / seconds;
   std::vector<std::string> device_names;
   for (Device* d : ranks) device_names.push_back(d->name());
+  const TierBytes need = placement.needs();
   if (a.json) {
     nlohmann::json j = {{"loss", loss},
                         {"perplexity", std::exp(loss)},
@@ -167,16 +198,25 @@ int run_eval(const EvalArgs& a) {
                         {"model", config.name},
                         {"device", fmt::format("{}", fmt::join(device_names, ","))},
                         {"devices", device_names},
-                        {"persistence_threshold", a.persistence_threshold},
+                        {"persistence_threshold", shape.persistence_threshold},
                         {"dtype", dtype_name(dtype)},
+                        {"prefetch_depth", depth},
+                        {"parameter_homes", homes_json(placement)},
+                        {"memory",
+                         {{"gpu_per_device", need.to_json(Tier::gpu)},
+                          {"cpu", need.to_json(Tier::cpu)},
+                          {"nvme", need.to_json(Tier::nvme)}}},
                         {"tokens_per_s", tokens_per_s}};
     fmt::print("{}\n", j.dump());
   } else {
     fmt::print(
         "eval: {} ({} parameters, {}) on {}: {} sequences x {} tokens\n"
+        "  parameters of {} units: {} (gpu {} per device, cpu {}, nvme {})\n"
         "  loss {:.6f}  perplexity {:.4f}  ({:.0f} tokens/s)\n",
         config.name, parameter_count(config), dtype_name(dtype), fmt::join(device_names, ","),
-        sequences, T, loss, std::exp(loss), tokens_per_s);
+        sequences, T, placement.homes.size(), homes_text(placement),
+        format_bytes(need.total(Tier::gpu)), format_bytes(need.total(Tier::cpu)),
+        format_bytes(need.total(Tier::nvme)), loss, std::exp(loss), tokens_per_s);
   }
   return 0;
 }
@@ -210,8 +250,21 @@ Command add_eval(CLI::App& app) {
   cmd->add_option("--dtype", args->dtype, "f32 or bf16 (default: f32 on host, bf16 on cuda)");
   cmd->add_option("--persistence-threshold", args->persistence_threshold,
                   "units of at most this many parameters stay whole on every device instead of "
-                  "sharded (DeepSpeed's stage3_param_persistence_threshold; 0 shards all)")
-      ->capture_default_str();
+                  "sharded (DeepSpeed's stage3_param_persistence_threshold, default 100000; 0 "
+                  "shards all)");
+  cmd->add_option("--config", args->config,
+                  "DeepSpeed JSON config: its offload_param (device, nvme_path, buffer_count, "
+                  "pin_memory), aio, bf16/fp16 and stage3 settings");
+  cmd->add_option("--offload-param", args->offload_param,
+                  "where the parameter shards live: none (default), cpu, nvme or auto (the "
+                  "fastest tier with room; overrides --config)");
+  cmd->add_option("--nvme-path", args->nvme_paths, "NVMe directories for --offload-param nvme")
+      ->delimiter(',');
+  cmd->add_option("--prefetch-depth", args->prefetch_depth, "units fetched ahead (default 1)");
+  cmd->add_option("--cpu-memory", args->cpu_memory,
+                  "host RAM the parameters may use (default 80% of what is available)");
+  cmd->add_option("--pinned-memory", args->pinned_memory,
+                  "page-locked memory allowed (default and at most ulimit -l)");
   cmd->add_flag("--json", args->json, "one JSON object: loss, perplexity, tokens, ...");
   return {cmd, [args] { return run_eval(*args); }};
 }

@@ -457,6 +457,14 @@ struct Executor::State {
   bool skipped(int64_t k) { return !early() && slot_of(k).global.non_finite; }
   void zero_unit_grads(const Task& t);
   void run_group(int first, int end);
+  // An Error unless the placement holds training state (RunShape::training): `what` needs it.
+  void check_training(const char* what) const {
+    if (!pl.shape.training)
+      fail(
+          "executor: {} needs gradients and optimizer state, but this executor holds "
+          "parameters only (built for evaluation); build it from a placement with training state",
+          what);
+  }
   // A replicated unit's view: its resident parameters, no gradient buffer.
   void reset_replicated(int x) {
     for (int q = 0; q < N; ++q)
@@ -882,7 +890,7 @@ void Executor::State::allocate() {
   o_dev.clear();
   o_dev.resize(static_cast<size_t>(U));
   bool gpu_stats = false, gpu_adam_off = false;  // gradients on a device: their statistics too
-  for (int u = 0; u < U; ++u) {
+  for (int u = 0; u < U && pl.shape.training; ++u) {
     gpu_stats = gpu_stats || home(u).grad == Tier::gpu;
     if (home(u).optimizer != Tier::gpu) continue;
     gpu_adam_off = gpu_adam_off || home(u).param != Tier::gpu;
@@ -927,9 +935,14 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
         "shape",
         shape.ranks, placement_.homes.size(), schedule_.ranks, schedule_.units, s.N, s.U);
 
+  if (!shape.training && !schedule_.options.forward_only)
+    fail(
+        "executor: the placement holds parameters only (built for evaluation), but the schedule "
+        "trains; build the schedule with forward_only, or the placement with training state");
   ZeroOptions zo;
   zo.param_dtype = s.pt;
   zo.grad_dtype = s.gt;
+  zo.with_grads = shape.training;
   zo.persistence_threshold = shape.persistence_threshold;
   zo.working_buffers = shape.working_buffers;
   for (int u = 0; u < s.U; ++u) {
@@ -958,10 +971,12 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
   for (int r = 0; r < s.N; ++r) {
     Device& d = s.dev(r);
     s.models.push_back(std::make_unique<LlamaModel>(shape.model, mo, d));
-    const uint64_t act = static_cast<uint64_t>(shape.micro_batch_group) * rows *
-                         static_cast<uint64_t>(shape.model.hidden_size) * s.ps;
-    s.act_a.emplace_back(d, act, "activation gradient", MemoryKind::activations);
-    s.act_b.emplace_back(d, act, "activation gradient", MemoryKind::activations);
+    if (shape.training) {  // the gradients flowing between units in the backward
+      const uint64_t act = static_cast<uint64_t>(shape.micro_batch_group) * rows *
+                           static_cast<uint64_t>(shape.model.hidden_size) * s.ps;
+      s.act_a.emplace_back(d, act, "activation gradient", MemoryKind::activations);
+      s.act_b.emplace_back(d, act, "activation gradient", MemoryKind::activations);
+    }
     s.ids_dev.emplace_back(d, rows * 4 * static_cast<uint64_t>(s.M), "token ids",
                            MemoryKind::activations);
     s.tgt_dev.emplace_back(d, rows * 4 * static_cast<uint64_t>(s.M), "targets",
@@ -978,9 +993,11 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
   }
   s.resolve(true);
   s.allocate();
-  CpuAdamOptions ao;
-  ao.threads = options.cpu_adam_threads;
-  s.adam = std::make_unique<CpuAdam>(ao);
+  if (shape.training) {
+    CpuAdamOptions ao;
+    ao.threads = options.cpu_adam_threads;
+    s.adam = std::make_unique<CpuAdam>(ao);
+  }
   s.views.assign(static_cast<size_t>(s.N), std::vector<UnitBuffers>(static_cast<size_t>(s.U)));
   s.rep_owner.assign(static_cast<size_t>(s.U), {-1, -1});
   for (int u = 0; u < s.U; ++u)
@@ -1017,18 +1034,21 @@ Executor::~Executor() {
 // the parameters in f32 and zeroed moments.
 void Executor::State::write_unit(int u, const std::vector<char>& staged, const float* mmv) {
   const uint64_t n = shard(u), padded = up(u).padded;
+  const bool training = pl.shape.training;
   for (int r = 0; r < N; ++r) {
     const uint64_t off = up(u).shard_offset(r);
     const char* p = staged.data() + off * ps;
-    const AlignedBlock o_block = page_block(n * 12, "a shard's optimizer state");
+    const AlignedBlock o_block = page_block(training ? n * 12 : 0, "a shard's optimizer state");
     float* const o = reinterpret_cast<float*>(o_block.get());
-    if (mmv != nullptr) {
+    if (!training) {
+      // Parameters only: nothing else to write.
+    } else if (mmv != nullptr) {
       for (int k = 0; k < 3; ++k) std::memcpy(o + k * n, mmv + k * padded + off, n * 4);
     } else {
       convert(o, DType::f32, p, pt, n);
       std::fill(o + n, o + 3 * n, 0.0f);
     }
-    if (home(u).optimizer == Tier::gpu) {
+    if (training && home(u).optimizer == Tier::gpu) {
       Stream& st = *streams[static_cast<size_t>(r)].setup;
       auto& b = o_dev[static_cast<size_t>(u)];
       for (int k = 0; k < 3; ++k)
@@ -1108,6 +1128,7 @@ std::vector<float> Executor::parameters(int u) const {
 UnitOptimizerState Executor::optimizer_state(int u) const {
   State& s = *s_;
   s.drain();
+  s.check_training("the optimizer state");
   if (u < 0 || u >= s.U) fail("optimizer state of unit {}: the model has units 0..{}", u, s.U - 1);
   const uint64_t n = s.shard(u);
   std::vector<float> all(s.up(u).padded * 3);
@@ -1159,6 +1180,7 @@ std::vector<float> Executor::master(int u) const {
 void Executor::set_optimizer_state(int u, const UnitOptimizerState& state) {
   State& s = *s_;
   s.drain();
+  s.check_training("the optimizer state");
   if (u < 0 || u >= s.U) fail("optimizer state of unit {}: the model has units 0..{}", u, s.U - 1);
   const uint64_t numel = s.up(u).numel, padded = s.up(u).padded;
   for (const auto& [what, v] : {std::pair{"master weights", &state.master},
@@ -1787,6 +1809,7 @@ double Executor::State::loss_sum() const {
 StepResult Executor::step(const std::vector<std::vector<HostBatch>>& batches,
                           const StepParams& params) {
   State& s = *s_;
+  s.check_training("a training step");
   const int64_t k = s.instances;
   s.check_usable();
   if (s.early() && params.max_grad_norm > 0)

@@ -139,6 +139,10 @@ class Executor {
  public:
   // `comm` spans placement.shape.ranks devices. Throws Error when the schedule does not
   // belong to the placement, or when anything does not fit (naming the device or tier).
+  // A placement without training state (RunShape::training off) takes a forward-only
+  // schedule and allocates the parameters alone: no gradients, optimizer state or CPU Adam.
+  // Such an executor loads, evaluates and reads parameters; step(), master() and the
+  // optimizer state are refused with an Error.
   Executor(const Placement& placement, const Schedule& schedule, Communicator& comm,
            const ExecutorOptions& options = {});
   ~Executor();

@@ -1113,6 +1113,10 @@ class Builder {
 }  // namespace
 
 Schedule Schedule::build(const Placement& placement, const ScheduleOptions& options) {
+  if (!placement.shape.training && !options.forward_only)
+    fail(
+        "schedule: the placement holds parameters only (RunShape::training off, for "
+        "evaluation), so only a forward-only schedule can be built from it");
   return Builder(placement, options).build();
 }
 

@@ -144,7 +144,8 @@ struct Schedule {
 
   // The rules are in schedule.cpp's header comment. Throws Error, naming the setting and its
   // value, when the placement cannot be scheduled (too few pinned or working buffers, homes
-  // that contradict each other, micro_batches < 1, ...).
+  // that contradict each other, micro_batches < 1, a training schedule from a placement that
+  // holds parameters only, ...).
   static Schedule build(const Placement& placement, const ScheduleOptions& options);
 
   // Throws Error naming the first task that breaks a rule: a dependency not earlier, an

@@ -81,13 +81,16 @@ FixedGpu fixed_gpu(const RunShape& s, const Partition& p) {
   const Sizes z = sizes_of(s);
   // The pool gathers sharded units (parameters and working gradients); a replicated unit is
   // used in place, with working gradients of its own (as ZeroModel allocates them).
+  // Without training there are no gradients: ZeroModel allocates no working gradients and no
+  // reduce-scatter staging, and the executor no activation gradients.
   const uint64_t gather_numel = p.max_gathered_numel();
+  const uint64_t grads = s.training ? 1 : 0;
   FixedGpu f;
   const auto wb = static_cast<uint64_t>(s.working_buffers);
   f.working = wb * (device_buffer(gather_numel * z.ps, z.align) +
-                    device_buffer(gather_numel * z.gs, z.align));
+                    grads * device_buffer(gather_numel * z.gs, z.align));
   for (const UnitPartition& up : p.units)
-    if (up.replicated) f.working += device_buffer(up.numel * z.gs, z.align);
+    if (up.replicated) f.working += grads * device_buffer(up.numel * z.gs, z.align);
   f.landing = wb * device_buffer(p.max_shard_numel() * z.ps, z.align);
   ModelOptions mo;
   mo.param_dtype = s.param_dtype;
@@ -99,9 +102,9 @@ FixedGpu fixed_gpu(const RunShape& s, const Partition& p) {
   const uint64_t flow = static_cast<uint64_t>(s.micro_batch_group) *
                         static_cast<uint64_t>(s.micro_batch * s.seq_len * s.model.hidden_size) *
                         z.ps;
-  f.activations =
-      LlamaModel::workspace_bytes_for(s.model, mo, z.align) + 2 * device_buffer(flow, z.align);
-  f.other = device_buffer(p.max_shard_numel() * z.gs, z.align);
+  f.activations = LlamaModel::workspace_bytes_for(s.model, mo, z.align) +
+                  grads * 2 * device_buffer(flow, z.align);
+  f.other = grads * device_buffer(p.max_shard_numel() * z.gs, z.align);
   return f;
 }
 
@@ -273,8 +276,12 @@ uint64_t Placement::pinned_need() const {
   return n;
 }
 
-Placement Placement::make(const RunShape& shape, const OffloadRequest& request,
+Placement Placement::make(const RunShape& shape, const OffloadRequest& asked,
                           const TierBudgets& budgets) {
+  // Without training there is no optimizer state to offload: whatever the config says of it,
+  // it stays "gpu" (no bytes), so only the parameters' request matters.
+  OffloadRequest request = asked;
+  if (!shape.training) request.optimizer = Tier::gpu;
   check_shape(shape, request);
   Placement p;
   p.shape = shape;
@@ -326,10 +333,12 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& request,
     // the homes decide whether they exist) the pinned buffers in host RAM.
     const FixedGpu f = fixed_gpu(shape, p.partition);
     uint64_t gpu = f.working + f.landing + f.activations + f.other;
+    // Without training only the parameters have homes: the optimizer counts nothing below
+    // (it stays "gpu", holding no bytes) and only parameters move through the buffers.
+    const uint64_t moving_bytes = shape.training ? kOptimizerBytesPerElement : z.ps;
     uint64_t largest_moving = 0;
     for (const UnitPartition& up : p.partition.units)
-      largest_moving =
-          std::max(largest_moving, host_bytes(up, shape.ranks, kOptimizerBytesPerElement));
+      largest_moving = std::max(largest_moving, host_bytes(up, shape.ranks, moving_bytes));
     const uint64_t buffer_bytes = round_up(largest_moving, kPinnedAlignment);
     uint64_t cpu = uint64_t(request.buffer_count) * buffer_bytes;
     uint64_t stripes = 0, param_in_cpu = 0;
@@ -340,7 +349,8 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& request,
     };
     for (const UnitPartition& up : p.partition.units)
       if (up.replicated)  // resident on every GPU: parameters and gradients
-        gpu += device_buffer(up.numel * z.ps, z.align) + device_buffer(up.numel * z.gs, z.align);
+        gpu += device_buffer(up.numel * z.ps, z.align) +
+               (shape.training ? device_buffer(up.numel * z.gs, z.align) : 0);
 
     // With tied embeddings the head reads the embedding's table: the two are placed together
     // (the head takes unit 0's homes) so the pair is fetched from one tier.
@@ -366,10 +376,12 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& request,
       bool any_sharded = false;
       for (int u : g) {
         const UnitPartition& up = unit(u);
-        o_gpu += gpu_optimizer_bytes(up, z);
-        if (!up.replicated) o_gpu += device_buffer(up.resident() * z.gs, z.align);
-        o_cpu += host_bytes(up, shape.ranks, kOptimizerBytesPerElement);
-        o_stripes += nvme_stripes(up, shape.ranks, kOptimizerBytesPerElement, stripe);
+        if (shape.training) {
+          o_gpu += gpu_optimizer_bytes(up, z);
+          if (!up.replicated) o_gpu += device_buffer(up.resident() * z.gs, z.align);
+          o_cpu += host_bytes(up, shape.ranks, kOptimizerBytesPerElement);
+          o_stripes += nvme_stripes(up, shape.ranks, kOptimizerBytesPerElement, stripe);
+        }
         if (up.replicated) continue;
         any_sharded = true;
         p_gpu += device_buffer(up.resident() * z.ps, z.align);
@@ -380,7 +392,8 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& request,
       // Once one unit's optimizer leaves the GPU every later one does (the prefix rule), and
       // their gradient accumulators all come to host RAM: reserve them then, before choosing
       // between host RAM and NVMe for the optimizer.
-      const bool gpu_ok = o_floor == Tier::gpu && gpu + o_gpu <= budgets.gpu_memory;
+      const bool gpu_ok =
+          !shape.training || (o_floor == Tier::gpu && gpu + o_gpu <= budgets.gpu_memory);
       const uint64_t g_new = !gpu_ok && o_floor == Tier::gpu ? grads_from(gi) : 0;
       Tier o;
       if (gpu_ok) {
@@ -474,6 +487,7 @@ TierBytes Placement::needs() const {
         stripes += nvme_stripes(up, shape.ranks, z.ps, stripe);
         break;
     }
+    if (!shape.training) continue;  // parameters only
     // A replicated unit's gradients are all-reduced in place on every GPU, so they stay
     // there even when the optimizer (and a host copy of them) lives on the host.
     if (h.grad == Tier::gpu || up.replicated)
@@ -583,7 +597,7 @@ void Placement::check(const TierBudgets& budgets) const {
     if (shape.micro_batch > 1 || t.at(Tier::gpu, StateKind::activations) > rows[0].have / 4)
       m += fmt::format("  - a smaller micro-batch or sequence length (activations take {})\n",
                        format_bytes(t.at(Tier::gpu, StateKind::activations)));
-    if (opt_on(Tier::gpu))
+    if (shape.training && opt_on(Tier::gpu))
       m += fmt::format(
           "  - offload the optimizer to the CPU (--offload-optimizer cpu, or "
           "offload_optimizer.device \"cpu\"): frees {} per device with its gradients\n",
@@ -593,8 +607,8 @@ void Placement::check(const TierBudgets& budgets) const {
       m += "  - offload the parameters (--offload-param cpu or nvme)\n";
     if (shape.working_buffers > 2)
       m += "  - a smaller --prefetch-depth (each level is a working buffer)\n";
-    m += "  - more GPUs (--gpus in plan, --devices in train), or a larger --gpu-memory / "
-         "--device-memory if the GPUs have it\n";
+    m += "  - more GPUs (--gpus in plan, --devices in train and eval), or a larger "
+         "--gpu-memory / --device-memory if the GPUs have it\n";
   }
   if (rows[1].need > rows[1].have) {
     m += fmt::format("cpu: {}\n", split(Tier::cpu));
@@ -718,6 +732,30 @@ TierBudgets local_budgets(uint64_t device_memory, const std::vector<std::string>
   for (const NvmePathSpace& p : b.nvme_paths)
     if (seen.insert(p.filesystem).second) b.nvme_free += p.free;
   return b;
+}
+
+Placement place_locally(const RunShape& shape, const OffloadRequest& request,
+                        uint64_t device_memory, uint64_t cpu_memory, uint64_t pinned_memory,
+                        TierBudgets* budgets_out) {
+  for (const std::string& p : request.nvme_paths) {
+    std::error_code ec;
+    if (std::filesystem::exists(p, ec) && !std::filesystem::is_directory(p, ec))
+      fail(
+          "nvme path {}: is a {}, not a directory; name a directory for the swap files with "
+          "--nvme-path (a missing one is created)",
+          p, std::filesystem::is_regular_file(p, ec) ? "file" : "special file");
+    std::filesystem::create_directories(p, ec);
+    if (ec)
+      fail("nvme path {}: cannot create it: {}; name a writable directory with --nvme-path", p,
+           ec.message());
+  }
+  TierBudgets budgets = local_budgets(device_memory, request.nvme_paths, cpu_memory);
+  if (pinned_memory > 0 && (budgets.pinned_limit == 0 || pinned_memory < budgets.pinned_limit))
+    budgets.pinned_limit = pinned_memory;
+  const Placement placement = Placement::make(shape, request, budgets);
+  placement.check(budgets);
+  if (budgets_out != nullptr) *budgets_out = std::move(budgets);
+  return placement;
 }
 
 }  // namespace strata

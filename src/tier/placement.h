@@ -148,6 +148,11 @@ struct RunShape {
   // gathered once for the group's forwards and once for its backwards, and the GPU keeps the
   // activations (and the gradients flowing between units) of every micro-batch of the group.
   int micro_batch_group = 1;
+  // False: parameters only, for evaluation (`strata eval`, forward-only schedules): no gradient
+  // accumulators, no optimizer state, no working gradients or reduce-scatter staging, and no
+  // activation gradients. The homes' grad and optimizer are then meaningless (left gpu) and
+  // count no bytes; only the parameters are placed, and the pinned buffers carry them alone.
+  bool training = true;
 };
 
 // Gathered working buffers per GPU for a prefetch depth: the unit in use and `depth` ahead, and
@@ -227,5 +232,16 @@ struct Placement {
   // The homes per unit and the memory table, for logs and `strata plan`.
   std::string str() const;
 };
+
+// A run of `shape` on this machine's devices of `device_memory` each, placed and checked
+// before anything is allocated: the nvme paths are created (an Error names one that is not a
+// directory or cannot be made), the budgets are local_budgets' (`cpu_memory` 0: the default
+// share of RAM; `pinned_memory` > 0 lowers the pinned limit to it), and Placement::make's
+// result is check()ed, so a run that does not fit is refused with the table of bytes.
+// `budgets`, when given, receives the budgets used. `strata train` and `strata eval` place
+// their runs this way.
+Placement place_locally(const RunShape& shape, const OffloadRequest& request,
+                        uint64_t device_memory, uint64_t cpu_memory, uint64_t pinned_memory,
+                        TierBudgets* budgets = nullptr);
 
 }  // namespace strata

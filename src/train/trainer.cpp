@@ -82,24 +82,8 @@ Placement place(const TrainSettings& s, const std::vector<Device*>& devices, Tie
   shape.working_buffers = working_buffers_for(s.prefetch_depth, model.tie_word_embeddings);
   shape.recompute = s.recompute;
   shape.micro_batch_group = s.micro_batch_group;
-  for (const std::string& p : s.offload.nvme_paths) {
-    std::error_code ec;
-    if (fs::exists(p, ec) && !fs::is_directory(p, ec))
-      fail(
-          "nvme path {}: is a {}, not a directory; name a directory for the swap files with "
-          "--nvme-path (a missing one is created)",
-          p, fs::is_regular_file(p, ec) ? "file" : "special file");
-    fs::create_directories(p, ec);
-    if (ec)
-      fail("nvme path {}: cannot create it: {}; name a writable directory with --nvme-path", p,
-           ec.message());
-  }
-  budgets = local_budgets(devices.front()->memory().capacity, s.offload.nvme_paths, s.cpu_memory);
-  if (s.pinned_memory > 0 && (budgets.pinned_limit == 0 || s.pinned_memory < budgets.pinned_limit))
-    budgets.pinned_limit = s.pinned_memory;
-  const Placement placement = Placement::make(shape, s.offload, budgets);
-  placement.check(budgets);
-  return placement;
+  return place_locally(shape, s.offload, devices.front()->memory().capacity, s.cpu_memory,
+                       s.pinned_memory, &budgets);
 }
 
 // Host RAM the run is planned to hold at its peak (the figure `strata train` prints as "host
