@@ -483,6 +483,71 @@ TEST(Placement, AutomaticSpillsInOrderAsBudgetsShrink) {
   EXPECT_THROW(none.check(b), Error);
 }
 
+// Without training (strata eval) only the parameters are placed: no tier counts gradients or
+// optimizer state, whatever the request says of the optimizer, the pinned buffers carry
+// parameters, and `auto` spills the parameters to host RAM, then NVMe, as budgets shrink.
+TEST(Placement, ParametersOnlyPlaceTheParametersAlone) {
+  RunShape s = tiny_shape(3);
+  s.training = false;
+  const auto no_training_state = [](const Placement& p) {
+    const TierBytes t = p.needs();
+    for (Tier tier : {Tier::gpu, Tier::cpu, Tier::nvme})
+      for (StateKind k : {StateKind::gradients, StateKind::optimizer})
+        EXPECT_EQ(t.at(tier, k), 0u) << tier_name(tier) << " " << state_kind_name(k) << p.str();
+    for (const UnitHomes& h : p.homes) EXPECT_EQ(h.optimizer, Tier::gpu);
+  };
+  // The optimizer asked for NVMe without a path: no optimizer, so no path is needed.
+  OffloadRequest cpu_params = request(Tier::cpu, Tier::nvme);
+  cpu_params.nvme_paths.clear();
+  const Placement off = Placement::make(s, cpu_params, roomy());
+  no_training_state(off);
+  const Placement on = Placement::make(s, request(Tier::gpu, Tier::gpu), roomy());
+  no_training_state(on);
+  EXPECT_EQ(on.pinned_buffers, 0);
+  // The GPU keeps its working buffers and activations, not the training extras: less than a
+  // training placement of the same homes by the working gradients, staging and optimizer.
+  RunShape trained = s;
+  trained.training = true;
+  // The buffers carry what they carry in training with only the parameters moving: a unit's
+  // parameters of every rank.
+  const Placement t_off = Placement::make(trained, request(Tier::cpu, Tier::gpu), roomy());
+  EXPECT_EQ(off.pinned_buffers, t_off.pinned_buffers);
+  EXPECT_EQ(off.pinned_buffer_bytes, t_off.pinned_buffer_bytes);
+  EXPECT_EQ(off.needs().at(Tier::cpu, StateKind::parameters),
+            t_off.needs().at(Tier::cpu, StateKind::parameters));
+  const TierBytes t_on = Placement::make(trained, request(Tier::gpu, Tier::gpu), roomy()).needs();
+  EXPECT_LT(on.needs().at(Tier::gpu, StateKind::working), t_on.at(Tier::gpu, StateKind::working));
+  EXPECT_LT(on.needs().at(Tier::gpu, StateKind::activations),
+            t_on.at(Tier::gpu, StateKind::activations));
+  EXPECT_EQ(on.needs().at(Tier::gpu, StateKind::other), 0u);
+  EXPECT_EQ(on.needs().at(Tier::gpu, StateKind::parameters),
+            t_on.at(Tier::gpu, StateKind::parameters));
+
+  // auto: the GPU at the floor (every sharded unit's parameters off it) sends them to host
+  // RAM; host RAM for the buffers alone sends them to NVMe. Each fits its budgets.
+  OffloadRequest r = request(Tier::gpu, Tier::gpu);
+  r.automatic = true;
+  TierBudgets b = roomy();
+  b.gpu_memory = off.needs().total(Tier::gpu);
+  const Placement to_cpu = Placement::make(s, r, b);
+  no_training_state(to_cpu);
+  EXPECT_NO_THROW(to_cpu.check(b)) << to_cpu.str();
+  for (size_t u = 0; u < to_cpu.homes.size(); ++u)
+    EXPECT_EQ(to_cpu.homes[u].param, to_cpu.partition.units[u].replicated ? Tier::gpu : Tier::cpu);
+  b.cpu_memory = to_cpu.pinned_bytes() + 1024;
+  const Placement to_nvme = Placement::make(s, r, b);
+  no_training_state(to_nvme);
+  EXPECT_NO_THROW(to_nvme.check(b)) << to_nvme.str();
+  EXPECT_GT(to_nvme.needs().at(Tier::nvme, StateKind::parameters), 0u);
+  for (size_t u = 0; u < to_nvme.homes.size(); ++u)
+    EXPECT_EQ(to_nvme.homes[u].param,
+              to_nvme.partition.units[u].replicated ? Tier::gpu : Tier::nvme);
+  // Nothing from the optimizer request: the same placement when it asks for NVMe.
+  OffloadRequest r_nvme = r;
+  r_nvme.optimizer = Tier::nvme;
+  EXPECT_EQ(Placement::make(s, r_nvme, b).str(), to_nvme.str());
+}
+
 TEST(Placement, TiedEmbeddingsKeepTheHeadWithUnitZero) {
   RunShape s = tiny_shape(1);
   s.model.tie_word_embeddings = true;
