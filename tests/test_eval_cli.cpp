@@ -148,6 +148,26 @@ TEST_F(EvalCli, OffloadedParametersGiveTheSameLoss) {
   EXPECT_EQ(eval_json(args + cfg + " --offload-param none")["parameter_homes"]["cpu"], 0);
 }
 
+// The same on a GPU (bf16): parameters on the device, in pinned host RAM and on NVMe give one
+// loss bit for bit, near the host backend's f32 loss.
+TEST_F(EvalCli, OnAGpuOffloadedParametersGiveTheSameLoss) {
+  if (cuda_runtime().gpus.empty())
+    GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
+  const std::string args = "--seed 1 --seq-len 16 --batch 2 --persistence-threshold 0 " + data();
+  const double host = eval_json(args)["loss"].get<double>();
+  const auto base = eval_json(args, "cuda:0");
+  EXPECT_EQ(base["dtype"], "bf16");
+  EXPECT_NEAR(base["loss"].get<double>(), host, 2e-2 * host);
+  const std::string nvme = " --nvme-path '" + (dir_ / "swap").string() + "'";
+  for (const std::string tier : {"cpu", "nvme"}) {
+    SCOPED_TRACE(tier);
+    const auto j =
+        eval_json(args + " --offload-param " + tier + (tier == "nvme" ? nvme : ""), "cuda:0");
+    EXPECT_EQ(j["loss"].get<double>(), base["loss"].get<double>());
+    EXPECT_EQ(j["parameter_homes"]["gpu"].get<int>(), 0) << j;
+  }
+}
+
 // A model whose parameters do not fit is refused before anything is allocated, with the table
 // of bytes and what to change; offloading makes the same evaluation fit.
 TEST_F(EvalCli, AModelThatDoesNotFitIsRefusedBeforeItStarts) {
