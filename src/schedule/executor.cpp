@@ -1038,15 +1038,19 @@ void Executor::State::write_unit(int u, const std::vector<char>& staged, const f
   for (int r = 0; r < N; ++r) {
     const uint64_t off = up(u).shard_offset(r);
     const char* p = staged.data() + off * ps;
-    const AlignedBlock o_block = page_block(training ? n * 12 : 0, "a shard's optimizer state");
-    float* const o = reinterpret_cast<float*>(o_block.get());
-    if (!training) {
-      // Parameters only: nothing else to write.
-    } else if (mmv != nullptr) {
-      for (int k = 0; k < 3; ++k) std::memcpy(o + k * n, mmv + k * padded + off, n * 4);
-    } else {
-      convert(o, DType::f32, p, pt, n);
-      std::fill(o + n, o + 3 * n, 0.0f);
+    // The shard's optimizer state (a placement without training has none: its homes keep the
+    // optimizer "gpu", so only the branch below needs the check).
+    AlignedBlock o_block;
+    float* o = nullptr;
+    if (training) {
+      o_block = page_block(n * 12, "a shard's optimizer state");
+      o = reinterpret_cast<float*>(o_block.get());
+      if (mmv != nullptr) {
+        for (int k = 0; k < 3; ++k) std::memcpy(o + k * n, mmv + k * padded + off, n * 4);
+      } else {
+        convert(o, DType::f32, p, pt, n);
+        std::fill(o + n, o + 3 * n, 0.0f);
+      }
     }
     if (training && home(u).optimizer == Tier::gpu) {
       Stream& st = *streams[static_cast<size_t>(r)].setup;
