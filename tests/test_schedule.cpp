@@ -1233,6 +1233,38 @@ TEST(Simulator, OneRankCollectivesAreDeviceCopies) {
                       {nlohmann::json(-2)}, "not a rate");
 }
 
+// A reduce-scatter of several ranks goes at reduce_bytes_per_s where the profile has it (it adds
+// as well as moves, and runs slower than the all-gather), else at the all-gather's rate; the
+// all-gather never takes it; one rank's is still a device copy. Optional in the JSON.
+TEST(Simulator, ReduceScattersHaveTheirOwnRate) {
+  Task rs = make_task(0, TaskKind::reduce_scatter, 0);
+  rs.bytes = 12;
+  rs.local_bytes = 4;
+  Task g = rs;
+  g.kind = TaskKind::gather;
+  const Lane comm{LaneKind::comm, 0};
+  HardwareProfile p;
+  p.comm_bytes_per_s = 4;
+  p.device_copy_bytes_per_s = 2;
+  p.task_latency_s = 0.25;
+  EXPECT_DOUBLE_EQ(task_seconds(rs, comm, 2, p), 3 + 2 + 0.25);  // none of its own
+  p.reduce_bytes_per_s = 1;
+  EXPECT_DOUBLE_EQ(task_seconds(rs, comm, 2, p), 12 + 2 + 0.25);
+  EXPECT_DOUBLE_EQ(task_seconds(rs, comm, 3, p), 12 + 2 + 0.25);
+  EXPECT_DOUBLE_EQ(task_seconds(g, comm, 2, p), 3 + 2 + 0.25);
+  EXPECT_DOUBLE_EQ(task_seconds(rs, comm, 1, p), 6 + 2 + 0.25);  // a copy within the device
+  // With its own rate the all-gather's is not needed for it, and without either it is named.
+  p.comm_bytes_per_s = 0;
+  EXPECT_DOUBLE_EQ(task_seconds(rs, comm, 2, p), 12 + 2 + 0.25);
+  expect_error([&] { task_seconds(g, comm, 2, p); }, {"comm_bytes_per_s is 0", "gather"});
+  p.reduce_bytes_per_s = 0;
+  expect_error([&] { task_seconds(rs, comm, 2, p); }, {"comm_bytes_per_s is 0", "reduce_scatter"});
+  p.comm_bytes_per_s = 4;
+  p.reduce_bytes_per_s = 1;
+  expect_optional_key(p, "reduce_bytes_per_s", &HardwareProfile::reduce_bytes_per_s, 0.0,
+                      {nlohmann::json(-1)}, "not a rate");
+}
+
 // The statistics pass on a device: gpu_stats_elements_per_s where the profile has it, else
 // bounded by gpu_adam_elements_per_s; on the CPU, stats_elements_per_s. Optional in the JSON.
 TEST(Simulator, DeviceGradStatsHaveTheirOwnRate) {

@@ -66,6 +66,7 @@ TEST(TuneCli, MeasuresThisMachineIntoAProfileTheSimulatorReads) {
                                 {"h2d_bytes_per_s", p.h2d_bytes_per_s},
                                 {"d2h_bytes_per_s", p.d2h_bytes_per_s},
                                 {"comm_bytes_per_s", p.comm_bytes_per_s},
+                                {"reduce_bytes_per_s", p.reduce_bytes_per_s},
                                 {"adam_elements_per_s", p.adam_elements_per_s},
                                 {"stats_elements_per_s", p.stats_elements_per_s},
                                 {"gpu_adam_elements_per_s", p.gpu_adam_elements_per_s},
@@ -96,6 +97,8 @@ TEST(TuneCli, MeasuresThisMachineIntoAProfileTheSimulatorReads) {
   EXPECT_NE(p.notes.at("gpu_stats_elements_per_s").find("grad_stats bit for bit"),
             std::string::npos);
   EXPECT_NE(p.notes.at("nvme_read_bytes_per_s").find("every byte"), std::string::npos);
+  EXPECT_NE(p.notes.at("reduce_bytes_per_s").find("verified: every rank's shard"),
+            std::string::npos);
   // NVMe per path, read and write separately, and the settings measured with.
   ASSERT_EQ(p.nvme_paths.size(), 2u);
   EXPECT_EQ(p.nvme_paths[0].path, a.string());
@@ -147,6 +150,8 @@ TEST(TuneCli, RecommendsAConfigStrataTrainAccepts) {
   const HardwareProfile p = HardwareProfile::load(profile.string());
   EXPECT_EQ(p.comm_bytes_per_s, 0.0);
   EXPECT_NE(p.notes.at("comm_bytes_per_s").find("absent"), std::string::npos);
+  EXPECT_EQ(p.reduce_bytes_per_s, 0.0);
+  EXPECT_NE(p.notes.at("reduce_bytes_per_s").find("absent"), std::string::npos);
   // Ranked: the first is the fastest (within the 1% ties are broken in).
   ASSERT_GE(j["candidates"].size(), 2u);
   for (const json& c : j["candidates"]) {

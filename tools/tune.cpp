@@ -549,6 +549,10 @@ int run_tune(const TuneArgs& a) {
              absent(profile.d2h_bytes_per_s, "d2h_bytes_per_s"));
   fmt::print("  {:<22} {:>16}{}\n", "all-gather", per_second(profile.comm_bytes_per_s, "B"),
              absent(profile.comm_bytes_per_s, "comm_bytes_per_s"));
+  fmt::print("  {:<22} {:>16}{}\n", "reduce-scatter", per_second(profile.reduce_bytes_per_s, "B"),
+             profile.reduce_bytes_per_s > 0 || profile.comm_bytes_per_s == 0
+                 ? absent(profile.reduce_bytes_per_s, "reduce_bytes_per_s")
+                 : std::string("  (none of its own: at the all-gather's rate)"));
   fmt::print("  {:<22} {:>16}  (grad stats {})\n", "CPU Adam",
              per_second(profile.adam_elements_per_s, "elements"),
              per_second(profile.stats_elements_per_s, "elements"));

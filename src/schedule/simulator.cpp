@@ -13,10 +13,12 @@
 // shard) elements / stats_elements_per_s on the CPU; on a GPU, grad_stats at
 // gpu_stats_elements_per_s where the profile has it, and otherwise, like grad_accumulate, at
 // gpu_adam_elements_per_s (an upper bound). Every task adds task_latency_s.
-// One-rank collectives are device copies: bytes / device_copy_bytes_per_s (free when it is
-// 0). The NVMe lanes share the drives: each task takes a gap of its length / nvme_mixed in the
-// drives' busy intervals, within its own span (simulator.h); on the host backend the device
-// lanes and cpu.adam share the cores in the same way, with host_cpu_mixed.
+// Reduce-scatters (and all-reduces) go at reduce_bytes_per_s where the profile has it, else at
+// comm_bytes_per_s, the all-gather's rate. One-rank collectives are device copies: bytes /
+// device_copy_bytes_per_s (free when it is 0). The NVMe lanes share the drives: each task takes a
+// gap of its length / nvme_mixed in the drives' busy intervals, within its own span (simulator.h);
+// on the host backend the device lanes and cpu.adam share the cores in the same way, with
+// host_cpu_mixed.
 #include "schedule/simulator.h"
 
 #include "core/error.h"
@@ -64,8 +66,9 @@ bool is_rate_key(const std::string& key) {
 }
 
 // The keys a profile may leave out.
-constexpr std::array<const char*, 4> kOptional = {"nvme_mixed", "device_copy_bytes_per_s",
-                                                  "host_cpu_mixed", "gpu_stats_elements_per_s"};
+constexpr std::array<const char*, 5> kOptional = {"nvme_mixed", "device_copy_bytes_per_s",
+                                                  "host_cpu_mixed", "gpu_stats_elements_per_s",
+                                                  "reduce_bytes_per_s"};
 bool is_optional_key(const std::string& key) {
   return std::find(kOptional.begin(), kOptional.end(), key) != kOptional.end();
 }
@@ -308,6 +311,10 @@ HardwareProfile HardwareProfile::from_json_text(const std::string& text, const s
       p.device_copy_bytes_per_s = read_rate(value, where, "/" + key);
       continue;
     }
+    if (key == "reduce_bytes_per_s") {
+      p.reduce_bytes_per_s = read_rate(value, where, "/" + key);
+      continue;
+    }
     if (key == "gpu_stats_elements_per_s") {
       p.gpu_stats_elements_per_s = read_rate(value, where, "/" + key);
       continue;
@@ -354,6 +361,7 @@ std::string HardwareProfile::to_json() const {
   j["device_copy_bytes_per_s"] = device_copy_bytes_per_s;
   j["host_cpu_mixed"] = host_cpu_mixed;
   j["gpu_stats_elements_per_s"] = gpu_stats_elements_per_s;
+  j["reduce_bytes_per_s"] = reduce_bytes_per_s;
   if (!notes.empty()) {
     nlohmann::ordered_json n = nlohmann::ordered_json::object();
     for (const RateField& f : kFields)  // in the rates' order, not the map's
@@ -413,7 +421,9 @@ double task_seconds(const Task& task, const Lane& lane, int ranks, const Hardwar
       // the device's copy rate, or free where the profile has none (simulator.h).
       if (p.device_copy_bytes_per_s > 0)
         local = static_cast<double>(task.local_bytes) / p.device_copy_bytes_per_s;
-      if (ranks > 1)
+      if (ranks > 1 && task.kind == TaskKind::reduce_scatter && p.reduce_bytes_per_s > 0)
+        use(bytes, p.reduce_bytes_per_s, "reduce_bytes_per_s");
+      else if (ranks > 1)  // and a reduce-scatter where the profile has no rate of its own
         use(bytes, p.comm_bytes_per_s, "comm_bytes_per_s");
       else if (p.device_copy_bytes_per_s > 0)
         use(bytes, p.device_copy_bytes_per_s, "device_copy_bytes_per_s");

@@ -75,6 +75,13 @@ struct HardwareProfile {
   // ("gpu_stats_elements_per_s"); 0, or a profile without the key, times it at
   // gpu_adam_elements_per_s, an upper bound.
   double gpu_stats_elements_per_s = 0;
+  // A reduce-scatter's per-rank bandwidth, in the same unit as comm_bytes_per_s (the
+  // all-gather's): (R-1)/R of each rank's input bytes per second. It moves what an all-gather
+  // moves and adds it too: on the host backend, where a peer's chunk is staged and then added,
+  // two host devices on the 2-core dev VM reduce-scatter at 1.5 GB/s and all-gather at 5.7.
+  // The schedule's all-reduces of replicated units go at it as well. Optional in the JSON
+  // ("reduce_bytes_per_s"); 0, or a profile without the key, times them at comm_bytes_per_s.
+  double reduce_bytes_per_s = 0;
 
   // Optional, what `strata tune` records beside the rates (the simulator reads none of it):
   // per rate, how it was obtained ("measured: ...", "assumed: ...") or why it is 0
