@@ -188,7 +188,7 @@ TEST(LlamaModel, WorkspaceBytesForIsWhatTheConstructorAllocates) {
   for (bool tied : {false, true})
     for (DType t : {DType::f32, DType::bf16})
       for (int64_t batch : {1, 3})
-        for (bool recompute : {true, false}) {
+        for (int mode : {0, 1, 2}) {  // recompute, keep the activations, forward only
           const LlamaConfig c = small_config(tied);
           auto device = open_host_device(0, 64ull << 20);
           ModelOptions o;
@@ -196,7 +196,8 @@ TEST(LlamaModel, WorkspaceBytesForIsWhatTheConstructorAllocates) {
           o.max_batch = batch;
           o.seq_len = 13;
           o.vocab_chunk = 8;
-          o.recompute = recompute;
+          o.recompute = mode != 1;
+          o.forward_only = mode == 2;
           const uint64_t before = device->memory().in_use;
           LlamaModel model(c, o, *device);
           EXPECT_EQ(LlamaModel::workspace_bytes_for(c, o), model.workspace_bytes());
@@ -242,6 +243,82 @@ TEST(LlamaModel, CheckpointingDoesNotChangeTheLossAndBackwardNeedsIt) {
   ModelOptions too_long = o;
   too_long.seq_len = 65;
   test::expect_error([&] { LlamaModel m(c, too_long, *device); }, {"max_position_embeddings"});
+}
+
+// Evaluation's model (ModelOptions::forward_only): the same losses bit for bit as a training
+// model's forward, in two activation slots and no backward scratch; with activation sets, each
+// set's slots apart. Backward and kept checkpoints are refused.
+TEST(LlamaModel, ForwardOnlyGivesTheSameLossesInLessMemory) {
+  for (DType dt : {DType::f32, DType::bf16})
+    for (bool recompute : {true, false}) {
+      SCOPED_TRACE(fmt::format("{} recompute {}", dtype_name(dt), recompute));
+      LlamaConfig c = small_config(false);
+      c.num_hidden_layers = 5;  // more units than two slots
+      auto device = open_host_device(0, 64ull << 20);
+      auto stream = device->create_stream("test");
+      ModelOptions o;
+      o.param_dtype = dt;
+      o.max_batch = 2;
+      o.seq_len = 7;
+      o.vocab_chunk = 8;
+      o.recompute = recompute;
+      o.activation_sets = 2;
+      ModelOptions f = o;
+      f.forward_only = true;
+      LlamaModel train(c, o, *device), eval(c, f, *device);
+      EXPECT_LT(eval.workspace_bytes(), train.workspace_bytes());
+      // The slots: two per set instead of one per unit (5 blocks + head = 6), and no backward
+      // scratch: at least the activation gradients and the nine gradient buffers of a block.
+      const uint64_t row = 2 * 7 * 16 * dtype_size(dt);
+      EXPECT_GE(train.workspace_bytes() - eval.workspace_bytes(), 2 * (6 - 2) * row + 2 * row);
+      ResidentWeights w(train.layout(), *device, dt, DType::f32, false);
+      w.init_random(5, *stream);
+      std::vector<int32_t> host_ids(14), host_targets(14);
+      for (int i = 0; i < 14; ++i) {
+        host_ids[size_t(i)] = (i * 7 + 3) % 29;
+        host_targets[size_t(i)] = (i * 11 + 1) % 29;
+      }
+      DeviceBuffer ids(*device, 56, "ids"), targets(*device, 56, "targets");
+      device->copy_to_device(ids.data(), host_ids.data(), 56, *stream);
+      device->copy_to_device(targets.data(), host_targets.data(), 56, *stream);
+      auto* i = static_cast<int32_t*>(ids.data());
+      auto* t = static_cast<int32_t*>(targets.data());
+      std::vector<float> want(14), got(14);
+      train.forward(w.units(), i, t, 2, false, *stream);
+      device->copy_to_host(want.data(), train.losses(2).data, 56, *stream);
+      eval.forward(w.units(), i, t, 2, false, *stream);
+      device->copy_to_host(got.data(), eval.losses(2).data, 56, *stream);
+      stream->synchronize();
+      EXPECT_EQ(got, want);
+      // Unit by unit, as the executor runs it, in set 1: each unit's input from checkpoint(u),
+      // its output to checkpoint(u + 1), distinct slots.
+      const int U = eval.layout().num_units();
+      for (int u = 0; u < U; ++u) {
+        const TensorView in = u == 0 ? TensorView{} : eval.checkpoint(u, 2, 1);
+        const TensorView out = u + 1 < U ? eval.checkpoint(u + 1, 2, 1) : TensorView{};
+        if (in.data != nullptr && out.data != nullptr) {
+          EXPECT_NE(in.data, out.data);
+        }
+        if (u > 0) {
+          EXPECT_NE(eval.checkpoint(u, 2, 1).data, eval.checkpoint(u, 2, 0).data);
+        }
+        eval.forward_unit(u, w.units(), i, t, in, out, 2, *stream, 1);
+      }
+      std::fill(got.begin(), got.end(), 0.0f);
+      device->copy_to_host(got.data(), eval.losses(2).data, 56, *stream);
+      stream->synchronize();
+      EXPECT_EQ(got, want);
+      test::expect_error([&] { eval.forward(w.units(), i, t, 2, true, *stream); },
+                         {"forward keeping the activation checkpoints", "forward_only"});
+      test::expect_error([&] { eval.backward(w.units(), i, t, 2, 1.0f, *stream); },
+                         {"backward", "evaluation"});
+      test::expect_error(
+          [&] {
+            eval.backward_unit(U - 1, w.units(), i, t, 1.0f, eval.checkpoint(U - 1, 2, 0),
+                               TensorView{}, TensorView{}, 2, *stream, 0);
+          },
+          {"backward_unit", "evaluation"});
+    }
 }
 
 // The bf16 path (what the CUDA backend runs): bf16 parameters and activations, f32 gradient

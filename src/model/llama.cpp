@@ -220,19 +220,25 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
   const auto n = static_cast<uint64_t>(N);
   // Units: embedding, blocks, head (ModelLayout::build), without building the layout.
   const auto units = static_cast<uint64_t>(config.num_hidden_layers) + 2;
+  const bool fwd = options.forward_only;
+  // Evaluation keeps no unit's input past the next unit's forward: two slots per set.
+  const uint64_t slots = fwd ? 2 : std::max<uint64_t>(units - 1, 2);
   std::vector<WorkspaceBuffer> w = {
       {&LlamaModel::rope_, static_cast<uint64_t>(T * config.head_dim) * f4, "rotary table"},
-      {&LlamaModel::checkpoints_, sets * std::max<uint64_t>(units - 1, 2) * n * D * a,
-       "activation checkpoints"},
-      {&LlamaModel::grad_a_, n * D * a, "activation gradient"},
-      {&LlamaModel::grad_b_, n * D * a, "activation gradient"},
-      {&LlamaModel::xn_, n * D * a, "normed activations"},
-      {&LlamaModel::hn_, n * D * a, "normed residual"},
-      {&LlamaModel::act_, n * F * a, "SwiGLU output"},
-      {&LlamaModel::rstd1_, n * f4, "RMSNorm statistics"},
-      {&LlamaModel::rstd2_, n * f4, "RMSNorm statistics"},
+      {&LlamaModel::checkpoints_, sets * slots * n * D * a, "activation checkpoints"},
   };
-  if (options.recompute) {
+  if (!fwd) {
+    w.push_back({&LlamaModel::grad_a_, n * D * a, "activation gradient"});
+    w.push_back({&LlamaModel::grad_b_, n * D * a, "activation gradient"});
+  }
+  w.insert(w.end(), {
+                        {&LlamaModel::xn_, n * D * a, "normed activations"},
+                        {&LlamaModel::hn_, n * D * a, "normed residual"},
+                        {&LlamaModel::act_, n * F * a, "SwiGLU output"},
+                        {&LlamaModel::rstd1_, n * f4, "RMSNorm statistics"},
+                        {&LlamaModel::rstd2_, n * f4, "RMSNorm statistics"},
+                    });
+  if (options.recompute || fwd) {
     w.insert(w.end(),
              {
                  {&LlamaModel::q_, n * Hq * a, "queries"},
@@ -250,19 +256,20 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
          sets * static_cast<uint64_t>(config.num_hidden_layers) * stash_offsets(config, options)[8],
          "activations kept for backward (no recompute)"});
   }
-  w.insert(w.end(), {
-                        {&LlamaModel::d_big_, n * F * a, "SwiGLU gradient"},
-                        {&LlamaModel::d_gate_, n * F * a, "gate gradient"},
-                        {&LlamaModel::d_up_, n * F * a, "up gradient"},
-                        {&LlamaModel::dq_, n * Hq * a, "query gradient"},
-                        {&LlamaModel::dk_, n * Hk * a, "key gradient"},
-                        {&LlamaModel::dv_, n * Hk * a, "value gradient"},
-                        {&LlamaModel::d_att_, n * Hq * a, "attention gradient"},
-                        {&LlamaModel::d_h_, n * D * a, "residual gradient"},
-                        {&LlamaModel::d_small_, n * D * a, "normed-input gradient"},
-                        {&LlamaModel::chunk_, n * static_cast<uint64_t>(C) * f4, "logits chunk"},
-                    });
-  if (options.param_dtype != DType::f32)
+  if (!fwd)
+    w.insert(w.end(), {
+                          {&LlamaModel::d_big_, n * F * a, "SwiGLU gradient"},
+                          {&LlamaModel::d_gate_, n * F * a, "gate gradient"},
+                          {&LlamaModel::d_up_, n * F * a, "up gradient"},
+                          {&LlamaModel::dq_, n * Hq * a, "query gradient"},
+                          {&LlamaModel::dk_, n * Hk * a, "key gradient"},
+                          {&LlamaModel::dv_, n * Hk * a, "value gradient"},
+                          {&LlamaModel::d_att_, n * Hq * a, "attention gradient"},
+                          {&LlamaModel::d_h_, n * D * a, "residual gradient"},
+                          {&LlamaModel::d_small_, n * D * a, "normed-input gradient"},
+                      });
+  w.push_back({&LlamaModel::chunk_, n * static_cast<uint64_t>(C) * f4, "logits chunk"});
+  if (options.param_dtype != DType::f32 && !fwd)
     w.push_back(
         {&LlamaModel::chunk_act_, n * static_cast<uint64_t>(C) * a, "logits gradient chunk"});
   // The log-sum-exp per token, from the head's forward to its backward: one per set.
@@ -287,6 +294,9 @@ LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options, D
       options_(options),
       device_(device),
       k_(device.kernels()) {
+  // A forward-only model keeps no block's activations: its blocks work in the scratch, as
+  // recomputation's do.
+  if (options_.forward_only) options_.recompute = true;
   const int64_t T = options.seq_len;
   for (const WorkspaceBuffer& b : workspace(config, options)) {
     // The model's workspace: activations and scratch.
@@ -316,6 +326,14 @@ TensorView LlamaModel::slot(int index, int64_t batch) const {
   return TensorView{base, options_.param_dtype, {N, D}, &device_};
 }
 
+void LlamaModel::refuse_if_forward_only(const char* what) const {
+  if (options_.forward_only)
+    fail(
+        "{}: model {} was built for evaluation (ModelOptions::forward_only) and has no room for "
+        "a backward; build it without forward_only to train; this is a bug in strata",
+        what, config_.name);
+}
+
 void LlamaModel::check_set(int set) const {
   if (set < 0 || set >= options_.activation_sets)
     fail("activation set {} is outside 0..{}; this is a bug in strata", set,
@@ -326,6 +344,7 @@ TensorView LlamaModel::checkpoint(int u, int64_t batch, int set) const {
   if (u < 1 || u >= layout_.num_units())
     fail("unit {} has no activation checkpoint (units 1..{} do)", u, layout_.num_units() - 1);
   check_set(set);
+  if (options_.forward_only) return slot(set * 2 + (u - 1) % 2, batch);  // alternating
   const int per_set = std::max(layout_.num_units() - 1, 2);
   return slot(set * per_set + u - 1, batch);
 }
@@ -513,7 +532,7 @@ void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x
     k_.fill(rows(row_sum_, DType::f32, N, 0), 0.0f, s);
     k_.fill(rows(target_logit_, DType::f32, N, 0), 0.0f, s);
   }
-  const TensorView dxf = rows(d_small_, t, N, D);
+  const TensorView dxf = backward ? rows(d_small_, t, N, D) : TensorView{};
   const int64_t chunk = std::min(options_.vocab_chunk, V);
   for (int64_t v0 = 0; v0 < V; v0 += chunk) {
     const int64_t C = std::min(chunk, V - v0);
@@ -577,6 +596,7 @@ void LlamaModel::backward_unit(int u, const std::vector<UnitBuffers>& units, con
                                const TensorView& dout, const TensorView& din, int64_t batch,
                                Stream& s, int set) {
   check_set(set);
+  refuse_if_forward_only("backward_unit");
   const UnitLayout& unit = layout_.units.at(static_cast<size_t>(u));
   switch (unit.kind) {
     case UnitKind::embedding:
@@ -599,6 +619,7 @@ void LlamaModel::forward(const std::vector<UnitBuffers>& units, const int32_t* i
   if (units.size() != layout_.units.size())
     fail("forward: {} unit buffers given for a model of {} units", units.size(),
          layout_.units.size());
+  if (keep_checkpoints) refuse_if_forward_only("forward keeping the activation checkpoints");
   const int U = layout_.num_units();
   // The input of unit u (u ≥ 1) goes to slot u-1, or alternates between two slots when the
   // inputs need not be kept.
@@ -614,6 +635,7 @@ void LlamaModel::forward(const std::vector<UnitBuffers>& units, const int32_t* i
 
 void LlamaModel::backward(const std::vector<UnitBuffers>& units, const int32_t* ids,
                           const int32_t* targets, int64_t batch, float loss_scale, Stream& s) {
+  refuse_if_forward_only("backward");
   const int U = layout_.num_units();
   if (!kept_)
     fail(

@@ -962,6 +962,7 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
   mo.seq_len = shape.seq_len;
   mo.recompute = shape.recompute;
   mo.activation_sets = shape.micro_batch_group;  // as the placement counts them
+  mo.forward_only = !shape.training;
   if (schedule_.micro_batch_group > shape.micro_batch_group)
     fail(
         "executor: the schedule runs micro-batches in groups of {} but the placement keeps the "

@@ -99,6 +99,7 @@ FixedGpu fixed_gpu(const RunShape& s, const Partition& p) {
   mo.seq_len = s.seq_len;
   mo.recompute = s.recompute;
   mo.activation_sets = s.micro_batch_group;
+  mo.forward_only = !s.training;  // evaluation: no room for a backward (LlamaModel)
   const uint64_t flow = static_cast<uint64_t>(s.micro_batch_group) *
                         static_cast<uint64_t>(s.micro_batch * s.seq_len * s.model.hidden_size) *
                         z.ps;

@@ -150,8 +150,10 @@ struct RunShape {
   int micro_batch_group = 1;
   // False: parameters only, for evaluation (`strata eval`, forward-only schedules): no gradient
   // accumulators, no optimizer state, no working gradients or reduce-scatter staging, and no
-  // activation gradients. The homes' grad and optimizer are then meaningless (left gpu) and
-  // count no bytes; only the parameters are placed, and the pinned buffers carry them alone.
+  // activation gradients, and the model's activations are a forward-only model's
+  // (ModelOptions::forward_only: two activation slots, no backward scratch). The homes' grad
+  // and optimizer are then meaningless (left gpu) and count no bytes; only the parameters are
+  // placed, and the pinned buffers carry them alone.
   bool training = true;
 };
 
