@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -297,6 +298,77 @@ TEST(TuneCli, TriesTheWholeStepAsOneMicroBatchGroup) {
       << j["train_command"];
 }
 
+TEST(TuneCli, TriesCpuAdamDuringTheBackwardWhenAsked) {
+  // Only when asked (it means no clipping, and a non-finite gradient stops the run), and only
+  // where the optimizer is on the host. With CPU Adam far slower than the rest, updating each
+  // unit under the rest of the backward wins, and the train command carries it; strata train
+  // runs the config written for it.
+  const test::TempDir dir("strata-tune");
+  const fs::path measured = dir.path / "measured.json", slow = dir.path / "slow.json";
+  const fs::path config = dir.path / "ds.json", run = dir.path / "run";
+  ASSERT_EQ(
+      strata_stdout("tune --quick --devices host:1 --threads 1 --out-profile " + measured.string())
+          .status,
+      0);
+  json profile = json::parse(test::slurp(measured));
+  profile["adam_elements_per_s"] = 2e7;
+  std::ofstream(slow) << profile.dump();
+  const std::string common = "tune --hardware " + slow.string() +
+                             " --devices host:1 --model tiny --seq-len 32 --global-batch 2 "
+                             "--max-micro-batch 1 --persistence-threshold 0 --out-config " +
+                             config.string() + " --all --json";
+  const json off = parse(strata_stdout(common));
+  for (const json& c : off["candidates"]) EXPECT_EQ(c["update_during_backward"], false) << c;
+  EXPECT_EQ(off["train_command"].get<std::string>().find("--update-during-backward"),
+            std::string::npos);
+
+  const json j = parse(strata_stdout(common + " --update-during-backward on,off"));
+  std::set<std::pair<std::string, bool>> tried;
+  for (const json& c : j["candidates"])
+    tried.insert({c["offload_optimizer"].get<std::string>(), c["update_during_backward"]});
+  EXPECT_EQ(tried, (std::set<std::pair<std::string, bool>>{
+                       {"none", false}, {"cpu", false}, {"cpu", true}}))
+      << j["candidates"].dump();
+  EXPECT_EQ(j["candidates"].size(),
+            off["candidates"].size() * 2 -
+                static_cast<size_t>(
+                    std::count_if(off["candidates"].begin(), off["candidates"].end(),
+                                  [](const json& c) { return c["offload_optimizer"] == "none"; })));
+  // The fastest with CPU Adam updates during the backward, ahead of any that does not.
+  auto first_on_cpu = [](const json& r) {
+    for (const json& c : r["candidates"])
+      if (c["offload_optimizer"] == "cpu") return c;
+    return json();
+  };
+  EXPECT_EQ(first_on_cpu(j)["update_during_backward"], true) << j["candidates"].dump();
+  EXPECT_LT(first_on_cpu(j)["step_s"].get<double>(), first_on_cpu(off)["step_s"].get<double>());
+
+  // With the optimizer on the CPU, it is recommended and the train command carries it.
+  const json cpu = parse(strata_stdout(common + " --offload-optimizer cpu --offload-param none " +
+                                       "--update-during-backward on,off"));
+  const json& best = cpu["recommended"];
+  EXPECT_EQ(best["update_during_backward"], true) << best;
+  const std::string cmd = cpu["train_command"];
+  EXPECT_NE(cmd.find("--update-during-backward on"), std::string::npos) << cmd;
+  const DsConfig ds = load_ds_config(config);
+  EXPECT_FALSE(ds.gradient_clipping.has_value() && *ds.gradient_clipping > 0);
+
+  const fs::path data = test::make_data(dir.path);
+  const CommandResult t = test::strata(
+      "train --model tiny --init random --data " + data.string() + " --steps 2 --config " +
+      config.string() + " --seq-len 32 --devices host:1 --threads 1 --persistence-threshold 0 " +
+      "--update-during-backward on --run-dir " + run.string() +
+      (best["activation_checkpointing"] == true ? "" : " --activation-checkpointing off") +
+      (best["micro_batch_group"].get<int>() > 1
+           ? fmt::format(" --micro-batch-group {} --reduce-per-group on",
+                         best["micro_batch_group"].get<int>())
+           : std::string()));
+  ASSERT_EQ(t.status, 0) << t.out;
+  const std::vector<json> m = test::metrics(run);
+  ASSERT_EQ(m.size(), 2u);
+  for (const json& line : m) EXPECT_TRUE(std::isfinite(line["loss"].get<double>())) << line;
+}
+
 TEST(TuneCli, AModelThatFitsNowhereIsRefusedWithTheNumbers) {
   const test::TempDir dir("strata-tune");
   const fs::path profile = dir.path / "profile.json";
@@ -331,6 +403,10 @@ TEST(TuneCli, BadInputIsNamed) {
       {"tune --devices host:1 --model tiny --offload-param disk",
        {"--offload-param 'disk'", "none, cpu or nvme"}},
       {"tune --devices host:1 --model tiny --prefetch-depth 0", {"--prefetch-depth 0", "1..4"}},
+      {"tune --devices host:1 --model tiny --dtype f16 --update-during-backward on",
+       {"--update-during-backward on", "fp16", "--dtype bf16"}},
+      {"tune --devices host:1 --model tiny --update-during-backward maybe",
+       {"--update-during-backward", "maybe"}},
       {"tune --devices host:1 --model tiny --seq-len 100000",
        {"--seq-len 100000", "max_position_embeddings"}},
       {"tune --devices host:1 --model no-such-model", {"no-such-model"}},

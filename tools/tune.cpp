@@ -31,6 +31,7 @@
 #include "schedule/tune.h"
 #include "tier/placement.h"
 #include "train/ds_config.h"
+#include "train/trainer.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -61,7 +62,8 @@ struct TuneArgs {
   std::string dtype;
   std::vector<std::string> offload_param, offload_optimizer;
   std::vector<int> prefetch_depths{1, 2, 3};
-  std::vector<bool> recompute{true, false};  // --activation-checkpointing choices
+  std::vector<bool> recompute{true, false};         // --activation-checkpointing choices
+  std::vector<bool> update_during_backward{false};  // --update-during-backward choices
   std::string cpu_memory, pinned_memory;
   int64_t persistence_threshold = -1;
   int threads = 0;
@@ -261,6 +263,7 @@ json candidate_json(const TuneCandidate& c) {
   j["activation_checkpointing"] = c.recompute;
   j["micro_batch_group"] = c.micro_batch_group;
   j["reduce_per_group"] = c.micro_batch_group > 1;
+  j["update_during_backward"] = c.update_during_backward;
   j["fits"] = c.fits;
   if (!c.fits) j["why_not"] = c.why_not;
   j["memory"] = {{"gpu_per_device", c.needs.total(Tier::gpu)},
@@ -351,6 +354,10 @@ int run_tune(const TuneArgs& a) {
             d);
     space.prefetch_depths = a.prefetch_depths;
     space.recompute = a.recompute;
+    space.update_during_backward = a.update_during_backward;
+    if (std::find(a.update_during_backward.begin(), a.update_during_backward.end(), true) !=
+        a.update_during_backward.end())
+      check_update_during_backward(0.0, space.param_dtype, "");  // fp16 is refused
     space.nvme_paths = a.nvme_paths;
     space.host_devices = host;
     budgets = local_budgets(ptrs.front()->memory().capacity, a.nvme_paths,
@@ -476,6 +483,7 @@ int run_tune(const TuneArgs& a) {
     if (best->micro_batch_group > 1)
       train_cmd +=
           fmt::format(" --micro-batch-group {} --reduce-per-group on", best->micro_batch_group);
+    if (best->update_during_backward) train_cmd += " --update-during-backward on";
     train_cmd += " --data FILE --steps N";
     if (!fs::is_directory(a.model)) train_cmd += " --init random";
   }
@@ -594,7 +602,8 @@ int run_tune(const TuneArgs& a) {
     const TuneCandidate& c = shown[i];
     const bool off = c.param != Tier::gpu || c.optimizer != Tier::gpu;
     fmt::print(
-        "  {:>3} {:<5} {:<5} {:>12} {:>5} {:>4} {:>10} {:>10.4g} {:>10} {:>10} {:>10}  {}{}{}{}\n",
+        "  {:>3} {:<5} {:<5} {:>12} {:>5} {:>4} {:>10} {:>10.4g} {:>10} {:>10} {:>10}  "
+        "{}{}{}{}{}\n",
         i + 1, TuneCandidate::offload_name(c.param), TuneCandidate::offload_name(c.optimizer),
         fmt::format("{} x {}", c.micro_batch, c.grad_accum), c.prefetch_depth,
         off ? std::to_string(c.buffer_count) : std::string("-"),
@@ -603,7 +612,8 @@ int run_tune(const TuneArgs& a) {
         format_bytes(c.needs.total(Tier::nvme)), c.critical_lane,
         c.pin_memory || !off ? "" : " (pin_memory false)", c.recompute ? "" : " (no recompute)",
         c.micro_batch_group > 1 ? fmt::format(" (groups of {}, reduced once)", c.micro_batch_group)
-                                : "");
+                                : "",
+        c.update_during_backward ? " (Adam during the backward)" : "");
   }
   if (!a.all && result.ranked.size() > shown.size())
     fmt::print("  (the best of each choice; {} candidates fit in all, --all lists them)\n",
@@ -665,6 +675,12 @@ Command add_tune(CLI::App& app) {
   cmd->add_option("--activation-checkpointing", a->recompute,
                   "activation checkpointing to try: on (recompute each block in backward), off "
                   "(keep its activations on the GPU) (default on,off)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"on", "off", "true", "false"}));
+  cmd->add_option("--update-during-backward", a->update_during_backward,
+                  "CPU Adam updating each unit during the backward, to try: off, on, or on,off "
+                  "(default off; on means no gradient clipping, and a non-finite gradient stops "
+                  "the run instead of skipping the step)")
       ->delimiter(',')
       ->check(CLI::IsMember({"on", "off", "true", "false"}));
   cmd->add_option("--cpu-memory", a->cpu_memory,

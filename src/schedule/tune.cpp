@@ -29,6 +29,7 @@ std::string TuneCandidate::label() const {
   if (param != Tier::gpu || optimizer != Tier::gpu) s += fmt::format(", {} buffers", buffer_count);
   if (!recompute) s += ", no recompute";
   if (micro_batch_group > 1) s += fmt::format(", groups of {} reduced once", micro_batch_group);
+  if (update_during_backward) s += ", Adam during the backward";
   return s;
 }
 
@@ -141,12 +142,13 @@ struct Simulated {
 
 // A grouped candidate reduces its gradients once per group (ScheduleOptions::reduce_per_group):
 // fewer tasks and bytes and no waits between a group's backwards, in the same memory.
-Simulated simulate_once(const Placement& p, int64_t accum, int depth,
+Simulated simulate_once(const Placement& p, int64_t accum, int depth, bool early,
                         const HardwareProfile& profile) {
   ScheduleOptions so;
   so.micro_batches = static_cast<int>(accum);
   so.prefetch_depth = depth;
   so.reduce_per_group = p.shape.micro_batch_group > 1;
+  so.update_during_backward = early;
   const Schedule schedule = Schedule::build(p, so);
   const Prediction pred = simulate(schedule, profile, 1);
   Simulated r;
@@ -161,14 +163,14 @@ void simulate_candidate(const Placement& p, const HardwareProfile& profile, cons
                         TuneCandidate& c, int& simulations) {
   Simulated at;
   if (c.grad_accum <= kMaxSimulatedAccum) {
-    at = simulate_once(p, c.grad_accum, c.prefetch_depth, profile);
+    at = simulate_once(p, c.grad_accum, c.prefetch_depth, c.update_during_backward, profile);
     ++simulations;
     c.step_s = at.step_s;
   } else {
     // The cost of one more micro-batch, from half of kMaxSimulatedAccum to all of it.
     const int64_t lo = kMaxSimulatedAccum / 2, hi = kMaxSimulatedAccum;
-    const Simulated a = simulate_once(p, lo, c.prefetch_depth, profile);
-    at = simulate_once(p, hi, c.prefetch_depth, profile);
+    const Simulated a = simulate_once(p, lo, c.prefetch_depth, c.update_during_backward, profile);
+    at = simulate_once(p, hi, c.prefetch_depth, c.update_during_backward, profile);
     simulations += 2;
     const double per = (at.step_s - a.step_s) / double(hi - lo);
     c.step_s = at.step_s + per * double(c.grad_accum - hi);
@@ -243,14 +245,20 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
   std::vector<bool> recomputes = s.recompute;
   std::sort(recomputes.begin(), recomputes.end(), std::greater<>());
   recomputes.erase(std::unique(recomputes.begin(), recomputes.end()), recomputes.end());
+  // Updating after the backward first (the default's behaviour on a non-finite gradient).
+  std::vector<bool> updates = s.update_during_backward;
+  std::sort(updates.begin(), updates.end());
+  updates.erase(std::unique(updates.begin(), updates.end()), updates.end());
+  if (updates.empty()) fail("tune: no --update-during-backward choice to try");
 
   // What makes two candidates the same run: every unit's homes, the pinned buffers, pinning,
   // micro-batch, accumulation, depth and checkpointing.
   std::map<std::string, std::string> first_with;  // signature -> the choice that had it first
   auto signature = [](const Placement& p, const TuneCandidate& c) {
-    std::string sig = fmt::format("{} {} {} {} {} {} {} {}|", c.micro_batch, c.grad_accum,
-                                  c.prefetch_depth, p.pinned_buffers, p.pinned_buffer_bytes,
-                                  p.offloaded() && c.pin_memory, c.recompute, c.micro_batch_group);
+    std::string sig =
+        fmt::format("{} {} {} {} {} {} {} {} {}|", c.micro_batch, c.grad_accum, c.prefetch_depth,
+                    p.pinned_buffers, p.pinned_buffer_bytes, p.offloaded() && c.pin_memory,
+                    c.recompute, c.micro_batch_group, c.update_during_backward);
     for (const UnitHomes& h : p.homes)
       sig += fmt::format("{}{}{}", int(h.param), int(h.grad), int(h.optimizer));
     return sig;
@@ -275,51 +283,56 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
       // Groups: with a profile, each accumulating step also as one group (tied embeddings
       // cannot be grouped yet).
       const size_t ng = profile && s.whole_step_groups && !s.model.tie_word_embeddings ? 2 : 1;
+      // CPU Adam during the backward: with a profile, where the optimizer is on the host.
+      std::vector<bool> early{false};
+      if (profile && ot != Tier::gpu) early = updates;
       for (size_t di = 0; di < nd; ++di)
         for (size_t ci = 0; ci < nc; ++ci)
           for (size_t ri = 0; ri < nr; ++ri)
             for (size_t gi = 0; gi < ng; ++gi)
-              for (size_t bi = 0; bi < nb; ++bi) {
-                const int depth = depths[di], count = counts[ci];
-                const auto [micro, accum] = batches[bi];
-                if (gi == 1 && accum == 1) continue;  // one micro-batch: nothing to group
-                TuneCandidate c;
-                c.micro_batch_group = gi == 1 ? static_cast<int>(accum) : 1;
-                c.param = pt;
-                c.optimizer = ot;
-                c.micro_batch = micro;
-                c.grad_accum = accum;
-                c.prefetch_depth = depth;
-                c.buffer_count = count;
-                c.recompute = recomputes[ri];
-                const std::optional<Placement> p = place(s, b, c);
-                ++r.placements;
-                if (!smallest) smallest = c;
-                // Larger micro-batches need more of every tier: none of them fits either.
-                if (!p) break;
-                any = true;
-                const auto [it, fresh] = first_with.emplace(signature(*p, c), choice(pt, ot));
-                if (!fresh) {
-                  if (it->second != choice(pt, ot)) duplicate_of = it->second;
-                  continue;
-                }
-                ++distinct;
-                if (profile != nullptr) {
-                  try {
-                    simulate_candidate(*p, *profile, s, c, r.simulations);
-                  } catch (const Error& e) {
-                    // A rate this candidate needs is not in the profile: say so once per rate
-                    // (the messages differ only in the task named), rank the rest.
-                    const std::string m = e.what();
-                    const std::string key = m.substr(0, m.find(", but task"));
-                    if (std::none_of(r.unsimulated.begin(), r.unsimulated.end(),
-                                     [&](const std::string& x) { return x.starts_with(key); }))
-                      r.unsimulated.push_back(m);
+              for (size_t ui = 0; ui < early.size(); ++ui)
+                for (size_t bi = 0; bi < nb; ++bi) {
+                  const int depth = depths[di], count = counts[ci];
+                  const auto [micro, accum] = batches[bi];
+                  if (gi == 1 && accum == 1) continue;  // one micro-batch: nothing to group
+                  TuneCandidate c;
+                  c.micro_batch_group = gi == 1 ? static_cast<int>(accum) : 1;
+                  c.update_during_backward = early[ui];
+                  c.param = pt;
+                  c.optimizer = ot;
+                  c.micro_batch = micro;
+                  c.grad_accum = accum;
+                  c.prefetch_depth = depth;
+                  c.buffer_count = count;
+                  c.recompute = recomputes[ri];
+                  const std::optional<Placement> p = place(s, b, c);
+                  ++r.placements;
+                  if (!smallest) smallest = c;
+                  // Larger micro-batches need more of every tier: none of them fits either.
+                  if (!p) break;
+                  any = true;
+                  const auto [it, fresh] = first_with.emplace(signature(*p, c), choice(pt, ot));
+                  if (!fresh) {
+                    if (it->second != choice(pt, ot)) duplicate_of = it->second;
                     continue;
                   }
+                  ++distinct;
+                  if (profile != nullptr) {
+                    try {
+                      simulate_candidate(*p, *profile, s, c, r.simulations);
+                    } catch (const Error& e) {
+                      // A rate this candidate needs is not in the profile: say so once per rate
+                      // (the messages differ only in the task named), rank the rest.
+                      const std::string m = e.what();
+                      const std::string key = m.substr(0, m.find(", but task"));
+                      if (std::none_of(r.unsimulated.begin(), r.unsimulated.end(),
+                                       [&](const std::string& x) { return x.starts_with(key); }))
+                        r.unsimulated.push_back(m);
+                      continue;
+                    }
+                  }
+                  r.ranked.push_back(c);
                 }
-                r.ranked.push_back(c);
-              }
       if (!any && smallest) r.refused.push_back(*smallest);
       if (any && distinct == 0 && !duplicate_of.empty())
         r.same_as.push_back(
@@ -328,12 +341,13 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
   if (profile == nullptr) return r;
   // Best first: of those left, the preferred among the ones within 1% of the fastest (fewer
   // tiers off the devices, the optimizer nearer, a shallower prefetch, fewer buffers, a larger
-  // micro-batch, checkpointing kept), then again. A selection, not a sort: "within 1%" is not
+  // micro-batch, checkpointing kept, no groups, CPU Adam after the backward), then again. A selection, not a sort: "within 1%" is not
   // transitive.
   auto preference = [](const TuneCandidate& c) {
     return std::make_tuple(offload_rank(c.param) + offload_rank(c.optimizer),
                            offload_rank(c.optimizer), c.prefetch_depth, c.buffer_count,
-                           -c.micro_batch, !c.recompute, c.micro_batch_group);
+                           -c.micro_batch, !c.recompute, c.micro_batch_group,
+                           c.update_during_backward);
   };
   std::vector<TuneCandidate> left = std::move(r.ranked), out;
   while (!left.empty()) {

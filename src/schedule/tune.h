@@ -49,6 +49,13 @@ struct TuneSpace {
   // micro-batches' activations on the GPU, and its gradients reduced once per group
   // (ScheduleOptions::reduce_per_group).
   bool whole_step_groups = true;
+  // CPU Adam during the backward (ScheduleOptions::update_during_backward): each unit whose
+  // optimizer is on the host updated as soon as its gradients are final. Only without
+  // gradient clipping or fp16 loss scaling (the caller checks), and a non-finite gradient then
+  // stops the run instead of skipping the step, so it is tried only when asked ({false} by
+  // default; {false, true} tries both). Candidates whose optimizer is on the GPU do not
+  // change with it and are not tried twice.
+  std::vector<bool> update_during_backward{false};
   std::vector<std::string> nvme_paths;  // none: the nvme tier is not tried
   uint64_t nvme_stripe = 1ull << 20;    // the swap store's stripe (aio.block_size)
   // The devices are host devices, whose memory is host RAM: the cpu tier and every device's
@@ -68,6 +75,7 @@ struct TuneCandidate {
   bool pin_memory = true;
   bool recompute = true;  // activation checkpointing
   int micro_batch_group = 1;
+  bool update_during_backward = false;  // CPU Adam under the backward (TuneSpace)
 
   bool fits = false;
   std::string why_not;  // every tier over its budget: needed and available bytes
@@ -83,8 +91,8 @@ struct TuneCandidate {
   double overlap = 0;         // the critical lane's busy time / the step
   bool extrapolated = false;  // grad_accum > kMaxSimulatedAccum
 
-  // "P nvme, O cpu, micro 4 x 2, depth 2, 8 buffers[, no recompute][, groups of 2]" for tables
-  // and messages.
+  // "P nvme, O cpu, micro 4 x 2, depth 2, 8 buffers[, no recompute][, groups of 2 reduced
+  // once][, Adam during the backward]" for tables and messages.
   std::string label() const;
   // DeepSpeed's word for a tier: "none" (not offloaded), "cpu", "nvme".
   static std::string offload_name(Tier t);
