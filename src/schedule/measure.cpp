@@ -381,62 +381,6 @@ void measure_copies(const MeasureSetup& s, HardwareProfile& h) {
       d.name(), std::max(s.repeats, 50) * 2);
 }
 
-// A reduce-scatter over every device of `s`, `count` f32 elements out per rank, as the
-// schedule's reduce-scatters run (each rank's input its working gradients, N chunks). Rank r
-// sends (r + 1) * (i & 0xff) at element i: every sum is an integer under 2^24, exact in f32
-// in any order, so check() compares bit for bit.
-struct ReduceScatterRun {
-  const MeasureSetup& s;
-  uint64_t count;
-  std::vector<DeviceBuffer> in, out;
-  std::vector<std::unique_ptr<Stream>> streams;
-  std::vector<Stream*> sp;
-  std::vector<TensorView> iv, ov;
-
-  static float term(int r, uint64_t i) { return static_cast<float>(uint64_t(r + 1) * (i & 0xff)); }
-
-  ReduceScatterRun(const MeasureSetup& setup, uint64_t per_rank) : s(setup), count(per_rank) {
-    const int R = static_cast<int>(s.devices.size());
-    std::vector<float> host(count * uint64_t(R));
-    for (int r = 0; r < R; ++r) {
-      Device* d = s.devices[size_t(r)];
-      in.emplace_back(*d, host.size() * 4, "measure reduce-scatter");
-      out.emplace_back(*d, count * 4, "measure reduce-scatter");
-      streams.push_back(d->create_stream("measure reduce-scatter"));
-      sp.push_back(streams.back().get());
-      for (uint64_t i = 0; i < host.size(); ++i) host[i] = term(r, i);
-      d->copy_to_device(in.back().data(), host.data(), host.size() * 4, *sp.back());
-      sp.back()->synchronize();
-      iv.push_back(in.back().view(DType::f32, {static_cast<int64_t>(host.size())}));
-      ov.push_back(out.back().view(DType::f32, {static_cast<int64_t>(count)}));
-    }
-  }
-  void operator()() {
-    s.comm->reduce_scatter(iv, ov, sp);
-    for (Stream* x : sp) x->synchronize();
-  }
-  // Every rank's shard is the ranks' sum of its chunk, or Error naming where it is not.
-  void check(const char* when) {
-    const int R = static_cast<int>(s.devices.size());
-    std::vector<float> got(count);
-    for (int r = 0; r < R; ++r) {
-      s.devices[size_t(r)]->copy_to_host(got.data(), out[size_t(r)].data(), count * 4,
-                                         *sp[size_t(r)]);
-      sp[size_t(r)]->synchronize();
-      for (uint64_t i = 0; i < count; ++i) {
-        const uint64_t e = uint64_t(r) * count + i;  // rank r's shard: its chunk of the inputs
-        float want = 0;
-        for (int q = 0; q < R; ++q) want += term(q, e);
-        if (got[i] != want)
-          fail(
-              "the reduce-scatter ({}) left {} at element {} of rank {}'s shard where the "
-              "ranks' sum {} belongs; the collective is broken, so no rate is reported",
-              when, got[i], i, r, want);
-      }
-    }
-  }
-};
-
 void measure_comm(const MeasureSetup& s, HardwareProfile& h) {
   const int R = static_cast<int>(s.devices.size());
   if (R < 2 || s.comm == nullptr) {
@@ -495,10 +439,37 @@ void measure_comm(const MeasureSetup& s, HardwareProfile& h) {
       "second), {}; verified: every rank's output",
       format_bytes(count * 4), R, repeats_note(s));
 
-  // The reduce-scatter moves what the all-gather moves and adds it too (simulator.h).
-  ReduceScatterRun rs(s, count);
-  h.reduce_bytes_per_s = rate(bytes, median_seconds(s.repeats, [&] { rs(); }));
-  rs.check("alone");
+  // The reduce-scatter moves what the all-gather moves and adds it too (simulator.h): the
+  // gathered buffers are each rank's input now, the shards its output. Rank r sends
+  // (r + 1) * (i & 0xff) at element i, so every sum is an integer under 2^24, exact in f32 in
+  // any order, and checked bit for bit.
+  auto term = [](int r, uint64_t i) { return static_cast<float>(uint64_t(r + 1) * (i & 0xff)); };
+  std::vector<float> input(count * uint64_t(R));
+  for (int r = 0; r < R; ++r) {
+    for (uint64_t i = 0; i < input.size(); ++i) input[i] = term(r, i);
+    s.devices[size_t(r)]->copy_to_device(recv[size_t(r)].data(), input.data(), input.size() * 4,
+                                         *sp[size_t(r)]);
+    sp[size_t(r)]->synchronize();
+  }
+  h.reduce_bytes_per_s = rate(bytes, median_seconds(s.repeats, [&] {
+                                s.comm->reduce_scatter(rv, sv, sp);
+                                for (Stream* x : sp) x->synchronize();
+                              }));
+  for (int r = 0; r < R; ++r) {
+    s.devices[size_t(r)]->copy_to_host(host.data(), send[size_t(r)].data(), count * 4,
+                                       *sp[size_t(r)]);
+    sp[size_t(r)]->synchronize();
+    for (uint64_t i = 0; i < count; ++i) {
+      const uint64_t e = uint64_t(r) * count + i;  // rank r's shard: its chunk of the inputs
+      float want = 0;
+      for (int q = 0; q < R; ++q) want += term(q, e);
+      if (host[i] != want)
+        fail(
+            "the reduce-scatter left {} at element {} of rank {}'s shard where the ranks' sum "
+            "{} belongs; the collective is broken, so no rate is reported",
+            host[i], i, r, want);
+    }
+  }
   h.notes["reduce_bytes_per_s"] = fmt::format(
       "measured: reduce-scatter of {} per rank over {} ranks, f32 ((R-1)/R of the input bytes "
       "per second), {}; verified: every rank's shard",
