@@ -341,8 +341,8 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
   if (profile == nullptr) return r;
   // Best first: of those left, the preferred among the ones within 1% of the fastest (fewer
   // tiers off the devices, the optimizer nearer, a shallower prefetch, fewer buffers, a larger
-  // micro-batch, checkpointing kept, no groups, CPU Adam after the backward), then again. A selection, not a sort: "within 1%" is not
-  // transitive.
+  // micro-batch, checkpointing kept, no groups, CPU Adam after the backward), then again. A
+  // selection, not a sort: "within 1%" is not transitive.
   auto preference = [](const TuneCandidate& c) {
     return std::make_tuple(offload_rank(c.param) + offload_rank(c.optimizer),
                            offload_rank(c.optimizer), c.prefetch_depth, c.buffer_count,
