@@ -10,6 +10,9 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace strata {
 namespace {
@@ -267,6 +270,18 @@ TEST(PlanCli, BadFlagsAreNamed) {
   EXPECT_EQ(r.status, 1);
   for (const char* part : {"--offload-gradients ssd", "auto", "none", "cpu"})
     EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from " << r.out;
+  // A negative depth is named, not taken for "not given"; no budget of 0 bytes.
+  for (const auto& [args, parts] :
+       {std::pair{"--prefetch-depth -5", std::vector<std::string>{"--prefetch-depth -5", "0..64"}},
+        std::pair{"--prefetch-depth 65", std::vector<std::string>{"--prefetch-depth 65", "0..64"}},
+        std::pair{"--cpu-memory 0", std::vector<std::string>{"--cpu-memory 0", "give a size"}},
+        std::pair{"--pinned-memory 0",
+                  std::vector<std::string>{"--pinned-memory 0", "give a size"}}}) {
+    r = strata(std::string("plan --model tiny --gpu-memory 1GiB ") + args);
+    EXPECT_EQ(r.status, 1) << args;
+    for (const std::string& part : parts)
+      EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from " << r.out;
+  }
 }
 
 TEST(EstimateCli, JsonRowsInOrderWithEveryTier) {

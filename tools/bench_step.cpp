@@ -205,8 +205,7 @@ int run_bench_step(const BenchStepArgs& a) {
   if (a.steps < 1) fail("--steps {}: at least 1", a.steps);
   if (a.rounds < 1 || a.rounds > 1000)
     fail("--rounds {}: expected 1..1000 (profile-then-steps rounds; 1 for a single run)", a.rounds);
-  if (a.prefetch_depth < 0 || a.prefetch_depth > 64)
-    fail("--prefetch-depth {}: expected 0..64", a.prefetch_depth);
+  prefetch_depth_flag(a.prefetch_depth, 1);
   const LlamaConfig model = bench_model(a);
   auto devices = open_cli_devices(a.devices, a.device_memory, 0);
   std::vector<Device*> ptrs;

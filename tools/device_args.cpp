@@ -106,6 +106,21 @@ int64_t count_flag(const char* flag, int64_t value, int64_t fallback, const char
   return value;
 }
 
+int prefetch_depth_flag(int64_t value, int fallback) {
+  if (value == kUnsetFlag) return fallback;
+  if (value < 0 || value > 64)
+    fail("--prefetch-depth {}: units fetched ahead of their use, expected 0..64", value);
+  return static_cast<int>(value);
+}
+
+uint64_t budget_flag(const char* flag, const std::string& text, const char* what,
+                     const char* example) {
+  if (text.empty()) return 0;
+  const uint64_t bytes = parse_bytes(text);
+  if (bytes == 0) fail("{} {}: no {} at all; give a size such as {}", flag, text, what, example);
+  return bytes;
+}
+
 int micro_batch_group_flag(int64_t value, int64_t micro_batches) {
   const int64_t g =
       count_flag("--micro-batch-group", value, 1, "micro-batches run unit by unit at once");

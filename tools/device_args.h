@@ -56,6 +56,16 @@ inline constexpr int64_t kUnsetFlag = std::numeric_limits<int64_t>::min();
 // least 1: an Error names the flag, the value and what it counts.
 int64_t count_flag(const char* flag, int64_t value, int64_t fallback, const char* counts);
 
+// --prefetch-depth: `fallback` when it was not given (kUnsetFlag), else its value, units
+// fetched ahead of their use, 0..64; an Error names the flag and the value.
+int prefetch_depth_flag(int64_t value, int fallback);
+
+// A memory budget flag (--cpu-memory, --pinned-memory): 0 when not given (empty), else its
+// bytes (parse_bytes), which must be more than 0: an Error names the flag, the value, `what`
+// it budgets and an `example` size.
+uint64_t budget_flag(const char* flag, const std::string& text, const char* what,
+                     const char* example);
+
 // --micro-batch-group (kUnsetFlag: not given, 1): micro-batches run unit by unit, at least 1 and
 // at most the step's `micro_batches`; an Error names the flag, its value and the limit.
 int micro_batch_group_flag(int64_t value, int64_t micro_batches);

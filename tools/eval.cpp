@@ -100,14 +100,9 @@ int run_eval(const EvalArgs& a) {
         "plus the shifted target); give more data or a shorter --seq-len",
         a.data, tokens.size(), T, T + 1);
   if (a.max_sequences > 0) sequences = std::min(sequences, a.max_sequences);
-  if (a.prefetch_depth != kUnsetFlag && (a.prefetch_depth < 0 || a.prefetch_depth > 64))
-    fail("--prefetch-depth {}: units fetched ahead of use, 0..64", a.prefetch_depth);
-  uint64_t cpu_memory = 0, pinned_memory = 0;
-  if (!a.cpu_memory.empty() && (cpu_memory = parse_bytes(a.cpu_memory)) == 0)
-    fail("--cpu-memory {}: no host RAM at all; give a size such as 64GiB", a.cpu_memory);
-  if (!a.pinned_memory.empty() && (pinned_memory = parse_bytes(a.pinned_memory)) == 0)
-    fail("--pinned-memory {}: no page-locked memory at all; give a size such as 2GiB",
-         a.pinned_memory);
+  const uint64_t cpu_memory = budget_flag("--cpu-memory", a.cpu_memory, "host RAM", "64GiB");
+  const uint64_t pinned_memory =
+      budget_flag("--pinned-memory", a.pinned_memory, "page-locked memory", "2GiB");
 
   auto devices = open_cli_devices(a.devices, a.device_memory, 0);
   const auto N = static_cast<int64_t>(devices.size());
@@ -131,8 +126,7 @@ int run_eval(const EvalArgs& a) {
   shape.persistence_threshold = a.persistence_threshold >= 0
                                     ? static_cast<uint64_t>(a.persistence_threshold)
                                     : plan.persistence_threshold.value_or(100000);
-  const int depth = a.prefetch_depth != kUnsetFlag ? static_cast<int>(a.prefetch_depth)
-                                                   : plan.prefetch_depth.value_or(1);
+  const int depth = prefetch_depth_flag(a.prefetch_depth, plan.prefetch_depth.value_or(1));
   shape.working_buffers = working_buffers_for(depth, config.tie_word_embeddings);
   shape.training = false;
   OffloadRequest request = plan.offload;

@@ -41,7 +41,7 @@ struct PlanArgs {
   std::string offload_param, offload_optimizer, offload_gradients;
   std::vector<std::string> nvme_paths;
   int64_t micro_batch = kUnsetFlag, grad_accum = kUnsetFlag, seq_len = kUnsetFlag;
-  int prefetch_depth = -1;
+  int64_t prefetch_depth = kUnsetFlag;
   bool recompute = true;  // --activation-checkpointing
   int64_t micro_batch_group = kUnsetFlag;
   bool update_during_backward = false;
@@ -145,8 +145,7 @@ int run_plan(const PlanArgs& a) {
     shape.persistence_threshold = static_cast<uint64_t>(a.persistence_threshold);
   else if (cfg.persistence_threshold)
     shape.persistence_threshold = *cfg.persistence_threshold;
-  const int depth = a.prefetch_depth >= 0 ? a.prefetch_depth : cfg.prefetch_depth.value_or(1);
-  if (depth < 0 || depth > 64) fail("--prefetch-depth {}: expected 0..64", depth);
+  const int depth = prefetch_depth_flag(a.prefetch_depth, cfg.prefetch_depth.value_or(1));
   shape.working_buffers = working_buffers_for(depth, shape.model.tie_word_embeddings);
   shape.recompute = a.recompute;
   shape.micro_batch_group = micro_batch_group_flag(a.micro_batch_group, accum);
@@ -168,10 +167,11 @@ int run_plan(const PlanArgs& a) {
         cuda.status);
   }
   budgets.cpu_memory = !a.cpu_memory.empty()
-                           ? parse_bytes(a.cpu_memory)
+                           ? budget_flag("--cpu-memory", a.cpu_memory, "host RAM", "256GiB")
                            : uint64_t(double(memory_info().available) * kSafeRamFraction);
   if (!a.pinned_memory.empty())
-    budgets.pinned_limit = parse_bytes(a.pinned_memory);
+    budgets.pinned_limit =
+        budget_flag("--pinned-memory", a.pinned_memory, "page-locked memory", "64GiB");
   else
     budgets.pinned_limit = can_lock_past_limit() ? kUnlimited : memlock_limit();
   int drives = static_cast<int>(request.nvme_paths.size());

@@ -61,11 +61,6 @@ void check_train_numbers(const TrainArgs& a) {
         std::pair{"--steps-per-print", a.steps_per_print}, std::pair{"--eval-every", a.eval_every},
         std::pair{"--eval-sequences", a.eval_sequences}})
     if (v < 0) fail("{} {}: it counts steps or checkpoints, so it must be 0 or more", flag, v);
-  if (!a.cpu_memory.empty() && parse_bytes(a.cpu_memory) == 0)
-    fail(
-        "--cpu-memory {}: no host RAM at all; give a size such as 64GiB (default: 80% of what "
-        "is available)",
-        a.cpu_memory);
 }
 
 int run_train(const TrainArgs& a) {
@@ -147,10 +142,7 @@ int run_train(const TrainArgs& a) {
   const bool nvme =
       s.offload.param == Tier::nvme || s.offload.optimizer == Tier::nvme || s.offload.automatic;
   if (nvme && s.offload.nvme_paths.empty()) s.offload.nvme_paths = {(s.run_dir / "swap").string()};
-  if (a.prefetch_depth != kUnsetFlag && (a.prefetch_depth < 0 || a.prefetch_depth > 64))
-    fail("--prefetch-depth {}: units fetched ahead of use, 0..64", a.prefetch_depth);
-  s.prefetch_depth = a.prefetch_depth != kUnsetFlag ? static_cast<int>(a.prefetch_depth)
-                                                    : plan.prefetch_depth.value_or(1);
+  s.prefetch_depth = prefetch_depth_flag(a.prefetch_depth, plan.prefetch_depth.value_or(1));
   s.recompute = a.recompute;
   s.micro_batch_group = micro_batch_group_flag(a.micro_batch_group, s.grad_accum);
   s.update_during_backward = a.update_during_backward;
@@ -158,13 +150,8 @@ int run_train(const TrainArgs& a) {
   s.persistence_threshold = a.persistence_threshold >= 0
                                 ? static_cast<uint64_t>(a.persistence_threshold)
                                 : plan.persistence_threshold.value_or(100000);
-  if (!a.cpu_memory.empty()) s.cpu_memory = parse_bytes(a.cpu_memory);
-  if (!a.pinned_memory.empty()) {
-    s.pinned_memory = parse_bytes(a.pinned_memory);
-    if (s.pinned_memory == 0)
-      fail("--pinned-memory {}: no page-locked memory at all; give a size such as 2GiB",
-           a.pinned_memory);
-  }
+  s.cpu_memory = budget_flag("--cpu-memory", a.cpu_memory, "host RAM", "64GiB");
+  s.pinned_memory = budget_flag("--pinned-memory", a.pinned_memory, "page-locked memory", "2GiB");
   s.cpu_adam_threads = a.threads;
   s.save_every = a.save_every;
   s.keep = a.keep;

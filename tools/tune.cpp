@@ -361,9 +361,10 @@ int run_tune(const TuneArgs& a) {
     space.nvme_paths = a.nvme_paths;
     space.host_devices = host;
     budgets = local_budgets(ptrs.front()->memory().capacity, a.nvme_paths,
-                            a.cpu_memory.empty() ? 0 : parse_bytes(a.cpu_memory));
+                            budget_flag("--cpu-memory", a.cpu_memory, "host RAM", "64GiB"));
     if (!a.pinned_memory.empty()) {
-      const uint64_t cap = parse_bytes(a.pinned_memory);
+      const uint64_t cap =
+          budget_flag("--pinned-memory", a.pinned_memory, "page-locked memory", "2GiB");
       if (budgets.pinned_limit == 0 || budgets.pinned_limit == kUnlimited ||
           cap < budgets.pinned_limit)
         budgets.pinned_limit = cap;
