@@ -138,14 +138,18 @@ TEST_F(EvalCli, OffloadedParametersGiveTheSameLoss) {
   EXPECT_TRUE(fs::is_empty(dir_ / "swap"));
 
   // The DeepSpeed config's offload_param is read as `strata train` reads it; the flag wins.
+  // The optimizer's section is a training run's business: its swap directory is not made.
   {
     std::ofstream f(dir_ / "ds.json");
-    f << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})";
+    f << R"({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},)"
+      << R"( "offload_optimizer": {"device": "nvme", "nvme_path": ")"
+      << (dir_ / "optimizer-swap").string() << R"("}}})";
   }
   const std::string cfg = " --config '" + (dir_ / "ds.json").string() + "'";
   const auto from_config = eval_json(args + cfg);
   EXPECT_GE(from_config["parameter_homes"]["cpu"].get<int>(), 4) << from_config;
   EXPECT_EQ(eval_json(args + cfg + " --offload-param none")["parameter_homes"]["cpu"], 0);
+  EXPECT_FALSE(fs::exists(dir_ / "optimizer-swap"));
 }
 
 // The same on a GPU (bf16): parameters on the device, in pinned host RAM and on NVMe give one

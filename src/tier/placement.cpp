@@ -738,7 +738,13 @@ TierBudgets local_budgets(uint64_t device_memory, const std::vector<std::string>
 Placement place_locally(const RunShape& shape, const OffloadRequest& request,
                         uint64_t device_memory, uint64_t cpu_memory, uint64_t pinned_memory,
                         TierBudgets* budgets_out) {
-  for (const std::string& p : request.nvme_paths) {
+  // Only a request that can put something on NVMe needs its paths: a DeepSpeed config may name
+  // one for a tier this run keeps elsewhere (the optimizer's, say, for an evaluation), and that
+  // directory is then neither created nor budgeted.
+  const bool nvme = request.automatic || request.param == Tier::nvme ||
+                    (shape.training && request.optimizer == Tier::nvme);
+  const std::vector<std::string> paths = nvme ? request.nvme_paths : std::vector<std::string>{};
+  for (const std::string& p : paths) {
     std::error_code ec;
     if (std::filesystem::exists(p, ec) && !std::filesystem::is_directory(p, ec))
       fail(
@@ -750,7 +756,7 @@ Placement place_locally(const RunShape& shape, const OffloadRequest& request,
       fail("nvme path {}: cannot create it: {}; name a writable directory with --nvme-path", p,
            ec.message());
   }
-  TierBudgets budgets = local_budgets(device_memory, request.nvme_paths, cpu_memory);
+  TierBudgets budgets = local_budgets(device_memory, paths, cpu_memory);
   if (pinned_memory > 0 && (budgets.pinned_limit == 0 || pinned_memory < budgets.pinned_limit))
     budgets.pinned_limit = pinned_memory;
   const Placement placement = Placement::make(shape, request, budgets);

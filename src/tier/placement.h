@@ -236,12 +236,12 @@ struct Placement {
 };
 
 // A run of `shape` on this machine's devices of `device_memory` each, placed and checked
-// before anything is allocated: the nvme paths are created (an Error names one that is not a
-// directory or cannot be made), the budgets are local_budgets' (`cpu_memory` 0: the default
-// share of RAM; `pinned_memory` > 0 lowers the pinned limit to it), and Placement::make's
-// result is check()ed, so a run that does not fit is refused with the table of bytes.
-// `budgets`, when given, receives the budgets used. `strata train` and `strata eval` place
-// their runs this way.
+// before anything is allocated: the nvme paths are created when the request can place
+// something on NVMe (an Error names one that is not a directory or cannot be made), the budgets are
+// local_budgets' (`cpu_memory` 0: the default share of RAM; `pinned_memory` > 0 lowers the pinned
+// limit to it), and Placement::make's result is check()ed, so a run that does not fit is refused
+// with the table of bytes. `budgets`, when given, receives the budgets used. `strata train` and
+// `strata eval` place their runs this way.
 Placement place_locally(const RunShape& shape, const OffloadRequest& request,
                         uint64_t device_memory, uint64_t cpu_memory, uint64_t pinned_memory,
                         TierBudgets* budgets = nullptr);
