@@ -205,7 +205,7 @@ int run_bench_step(const BenchStepArgs& a) {
   if (a.steps < 1) fail("--steps {}: at least 1", a.steps);
   if (a.rounds < 1 || a.rounds > 1000)
     fail("--rounds {}: expected 1..1000 (profile-then-steps rounds; 1 for a single run)", a.rounds);
-  prefetch_depth_flag(a.prefetch_depth, 1);
+  const int depth = prefetch_depth_flag(a.prefetch_depth, 1);
   const LlamaConfig model = bench_model(a);
   auto devices = open_cli_devices(a.devices, a.device_memory, 0);
   std::vector<Device*> ptrs;
@@ -222,7 +222,7 @@ int run_bench_step(const BenchStepArgs& a) {
   shape.seq_len = a.seq_len;
   shape.persistence_threshold =
       static_cast<uint64_t>(std::max<int64_t>(a.persistence_threshold, 0));
-  shape.working_buffers = working_buffers_for(a.prefetch_depth, model.tie_word_embeddings);
+  shape.working_buffers = working_buffers_for(depth, model.tie_word_embeddings);
   shape.recompute = a.recompute;
   shape.micro_batch_group = micro_batch_group_flag(a.micro_batch_group, a.grad_accum);
 
@@ -256,7 +256,7 @@ int run_bench_step(const BenchStepArgs& a) {
   const Placement::OffloadedGradients grads = placement.offloaded_gradients();
   ScheduleOptions so;
   so.micro_batches = static_cast<int>(a.grad_accum);
-  so.prefetch_depth = a.prefetch_depth;
+  so.prefetch_depth = depth;
   so.update_during_backward = a.update_during_backward;
   so.reduce_per_group = a.reduce_per_group;
   const Schedule schedule = Schedule::build(placement, so);
