@@ -48,8 +48,8 @@ constexpr size_t kStackColour = 9 * 64;  // see start_fiber; 16-byte aligned, 63
 #if defined(__x86_64__)
 // switch_stack(&save, next): pushes the callee-saved registers, stores the stack pointer in
 // *save, loads `next` and pops the same from there. The SSE and x87 control words are not
-// switched: every fiber runs in its worker thread's floating-point environment (no kernel
-// changes a rounding mode), and saving and loading them took 85% of a switch's time.
+// switched: every fiber runs in its worker thread's floating-point environment, since no kernel
+// changes a rounding mode.
 extern "C" void cuda_emu_switch_stack(void** save, void* next);
 asm(R"(
   .text
