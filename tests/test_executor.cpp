@@ -604,6 +604,22 @@ TEST(Executor, WithoutRecomputeGivesTheSameBits) {
   }
 }
 
+// The same sums in another order: losses and gradient norms to f32 rounding, and weights within
+// a small fraction of the learning rate.
+void expect_close(const RunResult& r, const RunResult& base, const std::string& what) {
+  ASSERT_EQ(r.losses.size(), base.losses.size()) << what;
+  for (size_t s = 0; s < base.losses.size(); ++s) {
+    EXPECT_NEAR(r.losses[s], base.losses[s], 1e-5 * std::abs(base.losses[s])) << what << " " << s;
+    EXPECT_NEAR(r.norms[s], base.norms[s], 1e-5 * base.norms[s]) << what << " " << s;
+  }
+  ASSERT_EQ(r.master.size(), base.master.size()) << what;
+  float worst = 0;
+  for (size_t u = 0; u < base.master.size(); ++u)
+    for (size_t i = 0; i < base.master[u].size(); ++i)
+      worst = std::max(worst, std::abs(r.master[u][i] - base.master[u][i]));
+  EXPECT_LT(worst, 1e-2f * kLr) << what;
+}
+
 // Every P x O x gradient home on 1 and 3 ranks, three micro-batches (rank 0's last a single
 // sequence) in each group size of `groups` (the last of several: one placement per optimizer
 // home, P and O in the same tier), with `clip` and `early` (Micro), against the all-GPU run of
@@ -611,8 +627,8 @@ TEST(Executor, WithoutRecomputeGivesTheSameBits) {
 // `per_group`: gradients reduced once per group, against the all-device run with the same
 // groups (which sums in the same order); otherwise against the all-device run without groups.
 void expect_every_placement_gives_the_bits(const std::vector<int>& groups, bool clip, bool early,
-                                           bool per_group = false) {
-  const LlamaConfig c = tiny(false);
+                                           bool per_group = false, bool tied = false) {
+  const LlamaConfig c = tiny(tied);
   for (const int N : {1, 3}) {
     RunResult base = run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic,
                                   {3, 1, clip, false});
@@ -695,6 +711,28 @@ TEST(Executor, ReducingOncePerGroupGivesOneBitsForEveryPlacement) {
   expect_same(rep, base, "replicated units, group 3, depth 3:");
 }
 
+TEST(Executor, TiedEmbeddingsInGroupsGiveOneBitsForEveryPlacement) {
+  REQUIRE_DEVICES(3);
+  // The head adds the whole group's share into unit 0's working gradients before the
+  // embedding's backwards, so tied embeddings run in groups with the gradients reduced once
+  // per group: every placement gives the all-device run's bits with the same groups, in groups
+  // of 2 (a short last group; every placement) and 3.
+  expect_every_placement_gives_the_bits({2, 3}, true, false, true, true);
+  // Against each micro-batch alone: the same sums in another order. A share of the head's
+  // lost or counted twice moves the norm by far more than rounding.
+  const LlamaConfig c = tiny(true);
+  for (const int N : {1, 3})
+    for (const uint64_t threshold : {uint64_t{0}, uint64_t{40000}}) {
+      const std::string what = fmt::format("N {} threshold {}", N, threshold);
+      SCOPED_TRACE(what);
+      const RunResult each = run_executor(c, N, Tier::cpu, Tier::cpu, threshold, 1, true,
+                                          GradHome::automatic, {3, 1, true, false, false});
+      const RunResult once = run_executor(c, N, Tier::cpu, Tier::cpu, threshold, 1, true,
+                                          GradHome::automatic, {3, 3, true, false, true});
+      expect_close(once, each, what);
+    }
+}
+
 TEST(Executor, ReducingOncePerGroupAgreesWithEachMicroBatchToRounding) {
   REQUIRE_DEVICES(3);
   // The same sums in another order: losses and gradient norms to f32 rounding, and weights
@@ -709,16 +747,7 @@ TEST(Executor, ReducingOncePerGroupAgreesWithEachMicroBatchToRounding) {
                                           GradHome::automatic, {3, 3, true, false, false});
       const RunResult once = run_executor(c, N, Tier::cpu, Tier::cpu, threshold, 1, true,
                                           GradHome::automatic, {3, 3, true, false, true});
-      ASSERT_EQ(each.losses.size(), once.losses.size());
-      for (size_t s = 0; s < each.losses.size(); ++s) {
-        EXPECT_NEAR(once.losses[s], each.losses[s], 1e-5 * std::abs(each.losses[s])) << s;
-        EXPECT_NEAR(once.norms[s], each.norms[s], 1e-5 * each.norms[s]) << s;
-      }
-      float worst = 0;
-      for (size_t u = 0; u < each.master.size(); ++u)
-        for (size_t i = 0; i < each.master[u].size(); ++i)
-          worst = std::max(worst, std::abs(once.master[u][i] - each.master[u][i]));
-      EXPECT_LT(worst, 1e-2f * kLr) << what;
+      expect_close(once, each, what);
     }
 }
 

@@ -699,14 +699,18 @@ TEST(Schedule, MicroBatchGroupsShortenAnNvmeBoundStep) {
   EXPECT_LT(eight.step_s, 0.75 * one.step_s)
       << one.step_s << lanes(s1, one) << " vs " << eight.step_s << lanes(s, eight);
   EXPECT_NE(s.summary().find("8 micro-batches in groups of 8"), std::string::npos) << s.summary();
-  // Tied embeddings are refused with groups, naming the setting.
+  // Tied embeddings in groups need the gradients reduced once per group: refused without,
+  // naming both ways out.
   Placement tied = make_placement(tiny(true), 1, Tier::cpu, Tier::cpu, 0, 3, 4);
   tied.shape.micro_batch_group = 2;
   expect_error(
       [&] {
         Schedule::build(tied, {2, 1});
       },
-      {"ties its embeddings", "micro-batch group of 1"});
+      {"ties its embeddings", "--reduce-per-group on", "micro-batch group of 1"});
+  ScheduleOptions per_group{2, 1};
+  per_group.reduce_per_group = true;
+  EXPECT_NO_THROW(Schedule::build(tied, per_group).validate());
   tied.shape.micro_batch_group = 0;
   expect_error([&] { Schedule::build(tied, {2, 1}); }, {"micro_batch_group = 0"});
 }
@@ -716,62 +720,66 @@ TEST(Schedule, ReducingOncePerGroupForEveryPlacement) {
   // the unit's last backward of the group; no backward waits for a reduction of its own unit
   // within a group; every rule kept, with and without updating during the backward. With
   // groups of 1 the option changes nothing.
+  // Tied embeddings too, which groups need this for: the head adds the whole group's share
+  // into unit 0's working gradients before the embedding's backwards.
   const std::array<Tier, 3> tiers = {Tier::gpu, Tier::cpu, Tier::nvme};
   int cases = 0;
-  for (uint64_t threshold : {uint64_t{0}, uint64_t{40000}})
-    for (Tier p : tiers)
-      for (Tier o : tiers)
-        for (bool g_gpu : {false, true})
-          for (int R : {1, 3})
-            for (const auto& [M, G] : {std::pair{4, 2}, std::pair{5, 3}, std::pair{3, 1}})
-              for (bool early : {false, true}) {
-                if (o == Tier::gpu && g_gpu) continue;  // the same placement
-                SCOPED_TRACE(fmt::format("threshold={} P={} O={} G gpu={} R={} M={} G={} early={}",
-                                         threshold, int(p), int(o), g_gpu, R, M, G, early));
-                Placement pl = make_placement(tiny(false), R, p, o, threshold, 3, 4, g_gpu);
-                pl.shape.micro_batch_group = G;
-                ScheduleOptions so{M, 1};
-                so.update_during_backward = early;
-                so.reduce_per_group = true;
-                const Schedule s = Schedule::build(pl, so);
-                ++cases;
-                ASSERT_NO_THROW(s.validate());
-                EXPECT_EQ(buffer_reuse_violation(s), "") << s.str();
-                EXPECT_EQ(replicated_gradient_violation(s, pl), "") << s.str();
-                const Expected e = expected_counts(pl, M, G, true);
-                EXPECT_EQ(count_kinds(s), e.kinds);
-                EXPECT_EQ(count_groups(s), e.groups);
-                // Each reduction follows the last backward of its group; nothing of the group
-                // waits for it.
-                std::map<std::pair<int, int>, int> last_backward;  // (unit, group): task id
-                for (const Task& t : s.tasks)
-                  if (t.kind == TaskKind::backward)
-                    last_backward[{t.unit, t.micro_batch / G}] = t.id;
-                for (const Task& t : s.tasks) {
-                  if (t.kind == TaskKind::reduce_scatter) {
-                    EXPECT_EQ((t.micro_batch + 1) % G == 0 || t.micro_batch == M - 1, true)
-                        << "reduction " << t.id << " at m=" << t.micro_batch;
-                    const int after = last_backward[{t.unit, t.micro_batch / G}];
-                    EXPECT_GT(t.id, after);
-                  }
-                  if (t.kind != TaskKind::backward) continue;
-                  for (int x : t.deps) {
-                    const Task& d = s.tasks[size_t(x)];
-                    if (d.kind == TaskKind::reduce_scatter && d.unit == t.unit) {
-                      EXPECT_LT(d.micro_batch / G, t.micro_batch / G)
-                          << "backward " << t.id << " waits for reduction " << x;
+  for (bool tied : {false, true})
+    for (uint64_t threshold : {uint64_t{0}, uint64_t{40000}})
+      for (Tier p : tiers)
+        for (Tier o : tiers)
+          for (bool g_gpu : {false, true})
+            for (int R : {1, 3})
+              for (const auto& [M, G] : {std::pair{4, 2}, std::pair{5, 3}, std::pair{3, 1}})
+                for (bool early : {false, true}) {
+                  if (o == Tier::gpu && g_gpu) continue;  // the same placement
+                  SCOPED_TRACE(
+                      fmt::format("tied={} threshold={} P={} O={} G gpu={} R={} M={} G={} early={}",
+                                  tied, threshold, int(p), int(o), g_gpu, R, M, G, early));
+                  Placement pl = make_placement(tiny(tied), R, p, o, threshold, 3, 4, g_gpu);
+                  pl.shape.micro_batch_group = G;
+                  ScheduleOptions so{M, 1};
+                  so.update_during_backward = early;
+                  so.reduce_per_group = true;
+                  const Schedule s = Schedule::build(pl, so);
+                  ++cases;
+                  ASSERT_NO_THROW(s.validate());
+                  EXPECT_EQ(buffer_reuse_violation(s), "") << s.str();
+                  EXPECT_EQ(replicated_gradient_violation(s, pl), "") << s.str();
+                  const Expected e = expected_counts(pl, M, G, true);
+                  EXPECT_EQ(count_kinds(s), e.kinds);
+                  EXPECT_EQ(count_groups(s), e.groups);
+                  // Each reduction follows the last backward of its group; nothing of the group
+                  // waits for it.
+                  std::map<std::pair<int, int>, int> last_backward;  // (unit, group): task id
+                  for (const Task& t : s.tasks)
+                    if (t.kind == TaskKind::backward)
+                      last_backward[{t.unit, t.micro_batch / G}] = t.id;
+                  for (const Task& t : s.tasks) {
+                    if (t.kind == TaskKind::reduce_scatter) {
+                      EXPECT_EQ((t.micro_batch + 1) % G == 0 || t.micro_batch == M - 1, true)
+                          << "reduction " << t.id << " at m=" << t.micro_batch;
+                      const int after = last_backward[{t.unit, t.micro_batch / G}];
+                      EXPECT_GT(t.id, after);
+                    }
+                    if (t.kind != TaskKind::backward) continue;
+                    for (int x : t.deps) {
+                      const Task& d = s.tasks[size_t(x)];
+                      if (d.kind == TaskKind::reduce_scatter && d.unit == t.unit) {
+                        EXPECT_LT(d.micro_batch / G, t.micro_batch / G)
+                            << "backward " << t.id << " waits for reduction " << x;
+                      }
                     }
                   }
+                  const Prediction pred = simulate(s, test_profile(), 3);
+                  ASSERT_NO_THROW(check_timeline(s, pred.timeline));
+                  if (G == 1) {
+                    ScheduleOptions each = so;
+                    each.reduce_per_group = false;
+                    EXPECT_EQ(s.str(), Schedule::build(pl, each).str());
+                  }
                 }
-                const Prediction pred = simulate(s, test_profile(), 3);
-                ASSERT_NO_THROW(check_timeline(s, pred.timeline));
-                if (G == 1) {
-                  ScheduleOptions each = so;
-                  each.reduce_per_group = false;
-                  EXPECT_EQ(s.str(), Schedule::build(pl, each).str());
-                }
-              }
-  EXPECT_EQ(cases, 2 * 3 * (3 * 2 - 1) * 2 * 3 * 2);
+  EXPECT_EQ(cases, 2 * 2 * 3 * (3 * 2 - 1) * 2 * 3 * 2);
 }
 
 TEST(Schedule, ReducingOncePerGroupCutsTheGradientTraffic) {

@@ -4,6 +4,7 @@
 // tried, the export loads back (f32 from the master weights, bf16 equal to the run's
 // parameters), a DeepSpeed config as Hugging Face writes it is accepted, and bad input is named.
 #include "gpu/runtime.h"
+#include "model/config.h"
 #include "model/safetensors.h"
 #include "train_cli_testing.h"
 
@@ -240,6 +241,36 @@ TEST(TrainCli, ReducingOncePerGroupKeepsPlacementsBitIdentical) {
              "--run-dir " + (dir.path / "one").string());
   ASSERT_EQ(one.status, 0) << one.out;
   EXPECT_NE(one.out.find("--reduce-per-group on changes nothing"), std::string::npos) << one.out;
+}
+
+// Tied embeddings in micro-batch groups: the head adds the whole group's gradients into the
+// embedding's before the embedding's own, so the run needs them reduced once per group. With
+// --reduce-per-group on, placements agree bit for bit (two devices, P on NVMe and O on the CPU);
+// without it the run is refused before it starts, naming the flag.
+TEST(TrainCli, TiedEmbeddingsTrainInGroupsReducedOncePerGroup) {
+  const test::TempDir dir("strata-tied-groups");
+  const fs::path data = make_data(dir.path), model = dir.path / "tied";
+  LlamaConfig tied = *find_preset("tiny");
+  tied.tie_word_embeddings = true;
+  fs::create_directories(model);
+  std::ofstream(model / "config.json") << to_hf_config_json(tied).dump(2);
+  const std::string args = "train --model " + model.string() +
+                           " --init random --seed 5 --seq-len 32 --micro-batch 2 --data " +
+                           data.string() +
+                           " --lr 2e-3 --grad-accum 3 --threads 1 --devices host:2 "
+                           "--persistence-threshold 0 --micro-batch-group 3";
+  std::array<std::string, 2> out;
+  expect_flags_keep_the_bits(dir.path, args + " --reduce-per-group on",
+                             "--offload-param nvme --offload-optimizer cpu", 2, &out);
+  EXPECT_NE(out[1].find("in groups of 3 run unit by unit, gradients reduced once per group"),
+            std::string::npos)
+      << out[1];
+  const fs::path bad = dir.path / "bad";
+  const test::CommandResult r = strata(args + " --steps 1 --run-dir " + bad.string());
+  EXPECT_NE(r.status, 0) << r.out;
+  for (const char* part : {"ties its embeddings", "--reduce-per-group on", "--micro-batch-group 1"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " in " << r.out;
+  EXPECT_FALSE(fs::exists(bad / "checkpoints"));
 }
 
 TEST(TrainCli, ExportWritesAHuggingFaceDirectory) {

@@ -4,6 +4,7 @@
 // as a DeepSpeed config that the ds_config reader maps back to the configuration chosen and
 // that `strata train` runs; a model that fits nowhere refused with the numbers before anything
 // is measured; bad input named.
+#include "model/config.h"
 #include "schedule/schedule.h"
 #include "schedule/simulator.h"
 #include "tier/placement.h"
@@ -279,23 +280,33 @@ TEST(TuneCli, TriesTheWholeStepAsOneMicroBatchGroup) {
   profile["nvme_read_bytes_per_s"] = 5e6;
   profile["nvme_write_bytes_per_s"] = 5e6;
   std::ofstream(slow) << profile.dump();
-  const json j = parse(strata_stdout(
-      "tune --hardware " + slow.string() +
-      " --devices host:1 --model tiny --seq-len 32 --global-batch 4 --max-micro-batch 1 "
-      "--persistence-threshold 0 --offload-param nvme --offload-optimizer none --nvme-path " +
-      swap.string() + " --out-config " + config.string() + " --all --json"));
-  std::set<int> groups;
-  for (const json& c : j["candidates"]) {
-    EXPECT_EQ(c["grad_accum"], 4) << c.dump();
-    groups.insert(c["micro_batch_group"].get<int>());
+  // A model with tied embeddings too, which groups only with its gradients reduced once per
+  // group, as tune's grouped candidates are.
+  const fs::path tied = dir.path / "tied";
+  LlamaConfig c = *find_preset("tiny");
+  c.tie_word_embeddings = true;
+  fs::create_directories(tied);
+  std::ofstream(tied / "config.json") << to_hf_config_json(c).dump(2);
+  for (const std::string& model : {std::string("tiny"), tied.string()}) {
+    SCOPED_TRACE(model);
+    const json j = parse(strata_stdout(
+        "tune --hardware " + slow.string() + " --devices host:1 --model " + model +
+        " --seq-len 32 --global-batch 4 --max-micro-batch 1 --persistence-threshold 0 "
+        "--offload-param nvme --offload-optimizer none --nvme-path " +
+        swap.string() + " --out-config " + config.string() + " --all --json"));
+    std::set<int> groups;
+    for (const json& cand : j["candidates"]) {
+      EXPECT_EQ(cand["grad_accum"], 4) << cand.dump();
+      groups.insert(cand["micro_batch_group"].get<int>());
+    }
+    EXPECT_EQ(groups, (std::set<int>{1, 4})) << j["candidates"].dump();
+    EXPECT_EQ(j["recommended"]["micro_batch_group"], 4) << j["candidates"].dump();
+    EXPECT_EQ(j["recommended"]["reduce_per_group"], true);
+    EXPECT_NE(
+        j["train_command"].get<std::string>().find("--micro-batch-group 4 --reduce-per-group on"),
+        std::string::npos)
+        << j["train_command"];
   }
-  EXPECT_EQ(groups, (std::set<int>{1, 4})) << j["candidates"].dump();
-  EXPECT_EQ(j["recommended"]["micro_batch_group"], 4) << j["candidates"].dump();
-  EXPECT_EQ(j["recommended"]["reduce_per_group"], true);
-  EXPECT_NE(
-      j["train_command"].get<std::string>().find("--micro-batch-group 4 --reduce-per-group on"),
-      std::string::npos)
-      << j["train_command"];
 }
 
 TEST(TuneCli, TriesCpuAdamDuringTheBackwardWhenAsked) {

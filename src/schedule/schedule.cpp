@@ -16,8 +16,9 @@
 // G = 1). In a run of several backwards, each backward waits for every rank's reduce-scatter
 // of the previous one, which has read its working gradients (the executor then clears them),
 // so each micro-batch's gradients reach G[u] as they do with G = 1: the same bits. Tied
-// embeddings are refused with G > 1 (the head's gradients of a whole group would reach unit
-// 0's working gradients before the embedding's of its first micro-batch). A sharded
+// embeddings with G > 1 need the gradients reduced once per group (below): the head's
+// gradients of the whole group reach unit 0's working gradients before the embedding's of its
+// first micro-batch, which only a reduction of the group's sum allows. A sharded
 // unit is gathered into a working buffer for a run of consecutive uses that need it, and that
 // buffer is released after the run's last compute: the head is gathered once for its forward
 // and backward of the same micro-batch, and unit 0 once for backward(0, m) and forward(0, m+1).
@@ -433,12 +434,12 @@ class Builder {
           "schedule: micro_batch_group = {}; it must be at least 1 (1 runs each micro-batch "
           "through every unit before the next)",
           s.micro_batch_group);
-    if (G_ > 1 && tied_ && !opt_.forward_only)
+    if (G_ > 1 && tied_ && !opt_.forward_only && !opt_.reduce_per_group)
       fail(
-          "schedule: model {} ties its embeddings, and micro-batch groups ({} micro-batches unit "
-          "by unit) do not support that yet: the head's gradients would reach unit 0's before "
-          "the embedding's of the same micro-batch; use a micro-batch group of 1 "
-          "(--micro-batch-group 1)",
+          "schedule: model {} ties its embeddings, so in micro-batch groups ({} micro-batches "
+          "unit by unit) the head's gradients of the whole group reach unit 0's before the "
+          "embedding's of the first micro-batch; reduce the gradients once per group "
+          "(--reduce-per-group on) or use a micro-batch group of 1 (--micro-batch-group 1)",
           s.model.name, G_);
     if (opt_.prefetch_depth < 0)
       fail("schedule: prefetch_depth = {}; it must be 0 (no prefetch) or more",

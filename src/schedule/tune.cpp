@@ -280,9 +280,9 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
       // Without a profile only whether the choice fits: its smallest setting.
       const size_t nd = profile ? depths.size() : 1, nc = profile ? counts.size() : 1;
       const size_t nb = profile ? batches.size() : 1, nr = profile ? recomputes.size() : 1;
-      // Groups: with a profile, each accumulating step also as one group (tied embeddings
-      // cannot be grouped yet).
-      const size_t ng = profile && s.whole_step_groups && !s.model.tie_word_embeddings ? 2 : 1;
+      // Groups: with a profile, each accumulating step also as one group, its gradients
+      // reduced once per group (which tied embeddings need in a group).
+      const size_t ng = profile && s.whole_step_groups ? 2 : 1;
       // CPU Adam during the backward: with a profile, where the optimizer is on the host.
       std::vector<bool> early{false};
       if (profile && ot != Tier::gpu) early = updates;
