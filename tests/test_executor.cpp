@@ -51,12 +51,15 @@ std::string missing_devices(int n) {
     if (const std::string why = missing_devices(n); !why.empty()) GTEST_SKIP() << why; \
   } while (0)
 
-// On the CPU emulator of CUDA (CI's gpu stage, where a run costs about 20 runs on host devices)
-// the every-placement sweeps run each placement on one of their two rank counts, alternating,
-// so every placement and both counts still run through the CUDA code; host devices (every CI
-// build) and a real GPU run every pair.
+// Where a run costs many runs on plain host devices, the every-placement sweeps run each
+// placement on one of their two rank counts, alternating, so every placement and both counts
+// still run: on the CPU emulator of CUDA (CI's gpu stage, about 20 times the cost) and under
+// TSan (whose purpose is the lanes' synchronisation, which every placement still exercises).
+// The Release and ASan builds on host devices, and a real GPU, run every pair.
 bool halve_sweeps() {
-#ifdef STRATA_CUDA_EMU
+#if defined(__SANITIZE_THREAD__)
+  return true;
+#elif defined(STRATA_CUDA_EMU)
   return test_backend() == Backend::cuda;
 #else
   return false;
@@ -632,6 +635,22 @@ void expect_close(const RunResult& r, const RunResult& base, const std::string& 
   EXPECT_LT(worst, 1e-2f * kLr) << what;
 }
 
+// P and O on the CPU, 3 micro-batches with clipping, on 1 and 3 ranks, sharded and replicated:
+// reduced once in a group of 3 against reduced every micro-batch in groups of `each_group`,
+// within rounding (expect_close).
+void expect_once_per_group_close(const LlamaConfig& c, int each_group) {
+  for (const int N : {1, 3})
+    for (const uint64_t threshold : {uint64_t{0}, uint64_t{40000}}) {
+      const std::string what = fmt::format("N {} threshold {}", N, threshold);
+      SCOPED_TRACE(what);
+      const RunResult each = run_executor(c, N, Tier::cpu, Tier::cpu, threshold, 1, true,
+                                          GradHome::automatic, {3, each_group, true, false});
+      const RunResult once = run_executor(c, N, Tier::cpu, Tier::cpu, threshold, 1, true,
+                                          GradHome::automatic, {3, 3, true, false, true});
+      expect_close(once, each, what);
+    }
+}
+
 // Every P x O x gradient home on 1 and 3 ranks, three micro-batches (rank 0's last a single
 // sequence) in each group size of `groups` (the last of several: one placement per optimizer
 // home, P and O in the same tier), with `clip` and `early` (Micro), against the all-GPU run of
@@ -734,17 +753,7 @@ TEST(Executor, TiedEmbeddingsInGroupsGiveOneBitsForEveryPlacement) {
   expect_every_placement_gives_the_bits({2, 3}, true, false, true, true);
   // Against each micro-batch alone: the same sums in another order. A share of the head's
   // lost or counted twice moves the norm by far more than rounding.
-  const LlamaConfig c = tiny(true);
-  for (const int N : {1, 3})
-    for (const uint64_t threshold : {uint64_t{0}, uint64_t{40000}}) {
-      const std::string what = fmt::format("N {} threshold {}", N, threshold);
-      SCOPED_TRACE(what);
-      const RunResult each = run_executor(c, N, Tier::cpu, Tier::cpu, threshold, 1, true,
-                                          GradHome::automatic, {3, 1, true, false, false});
-      const RunResult once = run_executor(c, N, Tier::cpu, Tier::cpu, threshold, 1, true,
-                                          GradHome::automatic, {3, 3, true, false, true});
-      expect_close(once, each, what);
-    }
+  expect_once_per_group_close(tiny(true), 1);
 }
 
 TEST(Executor, ReducingOncePerGroupAgreesWithEachMicroBatchToRounding) {
@@ -752,17 +761,7 @@ TEST(Executor, ReducingOncePerGroupAgreesWithEachMicroBatchToRounding) {
   // The same sums in another order: losses and gradient norms to f32 rounding, and weights
   // within a small fraction of the learning rate of the run reducing every micro-batch (a
   // micro-batch's gradients lost or counted twice moves the norm by tens of percent).
-  const LlamaConfig c = tiny(false);
-  for (const int N : {1, 3})
-    for (const uint64_t threshold : {uint64_t{0}, uint64_t{40000}}) {
-      const std::string what = fmt::format("N {} threshold {}", N, threshold);
-      SCOPED_TRACE(what);
-      const RunResult each = run_executor(c, N, Tier::cpu, Tier::cpu, threshold, 1, true,
-                                          GradHome::automatic, {3, 3, true, false, false});
-      const RunResult once = run_executor(c, N, Tier::cpu, Tier::cpu, threshold, 1, true,
-                                          GradHome::automatic, {3, 3, true, false, true});
-      expect_close(once, each, what);
-    }
+  expect_once_per_group_close(tiny(false), 3);
 }
 
 TEST(Executor, UpdatingDuringTheBackwardRefusesAClipAndStopsOnNonFiniteGradients) {
