@@ -43,7 +43,13 @@ namespace {
 constexpr size_t kStackBytes = size_t{128} << 10;
 constexpr unsigned kMaxThreads = 1024;
 constexpr size_t kDefaultSharedLimit = 48 << 10;
-constexpr size_t kStackColour = 9 * 64;  // see start_fiber; 16-byte aligned, 63 of them < 36 KiB
+// How far below its stack's end thread `t`'s stack starts: a multiple of 9 cache lines that
+// differs between neighbouring threads (16-byte aligned; at most 35 KiB). Stacks 128 KiB apart
+// would otherwise put every thread's hot frames in the same set of each cache, and every switch
+// missed them (80% of the switch's time, which was a third of the emulator's).
+constexpr size_t stack_colour(size_t t) {
+  return (t % 64) * 9 * 64;
+}
 
 #if defined(__x86_64__)
 // switch_stack(&save, next): pushes the callee-saved registers, stores the stack pointer in
@@ -201,12 +207,9 @@ void fiber_entry_ucontext() {
 void start_fiber(Block& b, Fiber& f) {
 #if defined(__x86_64__)
   // The new stack, from its top: a slot keeping the ABI's alignment at fiber_main's entry, the
-  // address `ret` jumps to, then six zeroed registers. The top is coloured: moved down by a
-  // multiple of 9 cache lines that differs between neighbouring threads. Stacks 128 KiB apart
-  // would otherwise put every thread's hot frames in the same set of each cache, and every
-  // switch missed them (80% of the switch's time, which was a third of the emulator's).
+  // address `ret` jumps to, then six zeroed registers; the top moved down by stack_colour.
   const size_t thread = size_t{f.warp} * 32 + f.lane;
-  auto* top = reinterpret_cast<uint64_t*>(f.stack + kStackBytes - (thread % 64) * kStackColour);
+  auto* top = reinterpret_cast<uint64_t*>(f.stack + kStackBytes - stack_colour(thread));
   uint64_t* sp = top - 1;
   *--sp = reinterpret_cast<uint64_t>(&fiber_main);
   for (int i = 0; i < 6; ++i) *--sp = 0;
@@ -248,20 +251,20 @@ bool complete_shuffles(Block& b) {
   const auto n = static_cast<unsigned>(b.fibers.size());
   for (unsigned w = 0; w * 32 < n; ++w) {
     const unsigned first = w * 32, last = std::min(n, first + 32);
-    unsigned at_shuffle = 0, done = 0;
+    unsigned at_shuffle = 0, done = 0, named = 0;  // named: the lanes the waiters' masks name
     for (unsigned i = first; i < last; ++i) {
-      const State s = b.fibers[i].state;
-      if (s == State::kAtShuffle) at_shuffle |= 1u << (i - first);
-      if (s == State::kDone) done |= 1u << (i - first);
+      const Fiber& f = b.fibers[i];
+      if (f.state == State::kAtShuffle) {
+        at_shuffle |= 1u << (i - first);
+        named |= f.mask;
+      }
+      if (f.state == State::kDone) done |= 1u << (i - first);
     }
     if (at_shuffle == 0) continue;
     // Whether every live lane the waiting lanes' masks name waits too (CUDA asks that of the
     // non-exited lanes of the mask; a lane that has returned, or that the block does not have,
     // is only an error if some lane reads from it).
     const unsigned present = last - first == 32 ? ~0u : (1u << (last - first)) - 1;
-    unsigned named = 0;
-    for (unsigned i = first; i < last; ++i)
-      if (at_shuffle >> (i - first) & 1u) named |= b.fibers[i].mask;
     const bool complete = (named & present & ~(at_shuffle | done)) == 0;
     if (!complete) continue;
     for (unsigned i = first; i < last; ++i) {
@@ -518,7 +521,7 @@ void launch_grid(const char* name, const void* kernel, const LaunchConfig& c,
           for (unsigned t = 0; t < b.fibers.size(); ++t)
             if (!stacks.intact(t))
               throw Fault(where(b, b.fibers[t]) + " overflowed its " +
-                          std::to_string((kStackBytes - (t % 64) * kStackColour) >> 10) +
+                          std::to_string((kStackBytes - stack_colour(t)) >> 10) +
                           " KiB fiber stack");
         }
   });
