@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # test.sh: every check CI runs. Installs what is missing, then:
 #   1. clang-format: every C++/CUDA source must be formatted;
-#   2. Release build with warnings as errors (CUDA compiled where a toolkit exists), full ctest
-#      (GPU tests skip with a message when there is no GPU);
+#   2. Release build with warnings as errors (CUDA compiled where a toolkit exists) and, sharing
+#      its objects, the CUDA backend on the CPU emulator (tests/cuda_emu); the full ctest: gpu
+#      tests skip with a message when there is no GPU, and run again on 3 emulated GPUs (label
+#      emu: every CUDA kernel against the host's, NCCL, the executor on CUDA);
 #   3. ASan+UBSan build, unit tests;
-#   4. TSan build, the concurrent tests (label tsan);
-#   5. the CUDA backend built against the CPU emulator (tests/cuda_emu) on 3 emulated GPUs,
-#      the gpu tests (every CUDA kernel against the host's, NCCL, the executor on CUDA).
+#   4. TSan build, the concurrent tests (label tsan).
 cd "$(dirname "$0")"
 source scripts/common.sh
 install_packages "${STRATA_PACKAGES[@]}" clang-format
@@ -24,8 +24,8 @@ ctest_args=(--output-on-failure -j"$JOBS" --timeout 600)
 # for symbolised reports, take about two thirds of that.
 sanitizer_flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG")
 
-echo "== release build and full test suite"
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_WERROR=ON
+echo "== release build, the CUDA backend also on the emulator, full test suite"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_WERROR=ON -DSTRATA_CUDA_EMU=ON
 cmake --build build -j"$JOBS"
 (cd build && ctest "${ctest_args[@]}")
 
@@ -41,10 +41,5 @@ cmake -S . -B build-tsan -G Ninja "${sanitizer_flags[@]}" -DSTRATA_WERROR=ON \
 cmake --build build-tsan -j"$JOBS" --target tests_tsan  # only what -L tsan runs
 # TSan needs a narrower address-space randomisation than recent kernels use by default.
 (cd build-tsan && setarch "$(uname -m)" -R ctest "${ctest_args[@]}" -L tsan)
-
-echo "== CUDA backend on the CPU emulator, gpu tests"
-cmake -S . -B build-emu -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_WERROR=ON -DSTRATA_CUDA=EMU
-cmake --build build-emu -j"$JOBS" --target tests_gpu  # only what -L gpu runs
-(cd build-emu && STRATA_EMU_GPUS=3 ctest "${ctest_args[@]}" -L gpu)
 
 echo "== all checks passed"

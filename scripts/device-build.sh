@@ -14,7 +14,7 @@ arch=${STRATA_DEVICE_ARCH:-90}
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   nvcc --version | tail -1; cmake --version | head -1; c++ --version | head -1; nproc; free -g
 } 2>&1 | tee "$out/device.txt"
-cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_CUDA=ON -DSTRATA_WERROR=OFF \
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DSTRATA_CUDA=ON -DSTRATA_CUDA_EMU=OFF -DSTRATA_WERROR=OFF \
   -DCMAKE_CUDA_ARCHITECTURES="$arch" -DCMAKE_PREFIX_PATH="$STRATA_DEPS/usr" \
   -DPKG_CONFIG_EXECUTABLE="${PKG_CONFIG:-$(command -v pkg-config)}" >"$out/build.log" 2>&1 ||
   { tail -40 "$out/build.log"; exit 1; }

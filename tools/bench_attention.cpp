@@ -14,10 +14,8 @@
 #include "core/kernels.h"
 #include "core/tensor.h"
 #include "device_args.h"
+#include "gpu/attention_kernels.h"
 #include "host/ops.h"
-#if STRATA_HAVE_CUDA
-#include "gpu/ops.h"
-#endif
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -49,13 +47,9 @@ struct Dims {
 enum class Path { kDefault, kWmma, kSimt };
 
 void select(Path p) {
-#if STRATA_HAVE_CUDA
   attention_kernels(p == Path::kDefault ? AttentionKernels::kMma
                     : p == Path::kWmma  ? AttentionKernels::kWmma
                                         : AttentionKernels::kSimt);
-#else
-  (void)p;
-#endif
 }
 
 // One attention problem's tensors on a device, filled from random values of `dtype`; with
@@ -169,11 +163,6 @@ struct Timing {
   std::string kernels;
   double forward_s = 0, backward_s = 0;
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 Timing time_kernels(Problem& p, Stream& s, Path path, int steps, const std::string& label) {
   select(path);

@@ -10,6 +10,7 @@
 
 #include "core/dtype.h"
 #include "core/kernels.h"
+#include "gpu/attention_kernels.h"
 
 #include <cuda_runtime_api.h>
 
@@ -92,15 +93,7 @@ bool attention_tc_backward(void* dq, void* dk, void* dv, const void* dout, const
 // allowing less takes the next path; every forward needs less than every sm_80+ GPU allows).
 uint64_t attention_mma_backward_shared_bytes(int64_t head_dim);
 uint64_t attention_tc_backward_shared_bytes(int64_t head_dim);
-// Which attention kernels take the calls they apply to: all three in turn (kMma, the default),
-// wmma then SIMT (kWmma), or SIMT only (kSimt). Process-wide, for tests and benchmarks that
-// compare them.
-enum class AttentionKernels { kMma, kWmma, kSimt };
-void attention_kernels(AttentionKernels k);
-AttentionKernels attention_kernels();
-// How many forward and backward calls each path has taken in this process (tests check that
-// the path they asked for ran).
-uint64_t attention_calls(AttentionKernels k);
+// Which attention kernels take the calls they apply to: attention_kernels.h.
 
 // ---- swiglu.cu ----
 void launch_swiglu_forward(void* h, DType h_t, const void* gate, DType gate_t, const void* up,

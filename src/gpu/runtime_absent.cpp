@@ -4,7 +4,10 @@
 // falls back to the caller's page-aligned allocation, and opening a GPU explains how to get
 // a binary that can.
 #include "core/error.h"
+#include "gpu/attention_kernels.h"
 #include "gpu/runtime.h"
+
+#include <atomic>
 
 namespace strata {
 
@@ -33,6 +36,22 @@ std::unique_ptr<Device> open_cuda_device(int index, uint64_t /*arena_bytes*/) {
       "cuda:{}: this strata was built without the CUDA backend; rebuild with -DSTRATA_CUDA=ON "
       "on a machine with the CUDA toolkit and NCCL, or use --devices host:N",
       index);
+}
+
+namespace {
+std::atomic<AttentionKernels> g_attention_kernels{AttentionKernels::kMma};
+}  // namespace
+
+void attention_kernels(AttentionKernels k) {
+  g_attention_kernels = k;
+}
+
+AttentionKernels attention_kernels() {
+  return g_attention_kernels;
+}
+
+uint64_t attention_calls(AttentionKernels /*k*/) {
+  return 0;
 }
 
 }  // namespace strata
