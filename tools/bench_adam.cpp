@@ -11,6 +11,7 @@
 // arena of the same size over the same fixed chunks. Its master after step 1 must agree with the
 // fused path's within 1e-6 relative, and its copy must equal its master rounded, before the ratio
 // (grad_stats + update) / separate passes is reported.
+#include "bench_check.h"
 #include "commands.h"
 #include "core/dtype.h"
 #include "core/error.h"
@@ -57,11 +58,6 @@ float hashed(size_t i, uint64_t salt) {
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 // Plain loops for the baseline, written for the compiler's vectoriser (eight partial sums for

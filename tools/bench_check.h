@@ -1,5 +1,5 @@
 // bench_check.h: what the benchmarks that verify a device against the host backend share:
-// reading a tensor back as f32, and the normalised error they bound.
+// reading a tensor back as f32, the normalised error they bound, and the median timing.
 #pragma once
 
 #include "core/device.h"
@@ -34,6 +34,12 @@ inline double normalised_error(const std::vector<float>& got, const std::vector<
     den += std::max(static_cast<double>(want[i]) * want[i], 0.01);
   }
   return std::isfinite(num) ? std::sqrt(num / den) : INFINITY;
+}
+
+// The middle of a benchmark's repeated timings (the upper one of an even count), 0 for none.
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
 }  // namespace strata::cli

@@ -20,6 +20,7 @@
 // and the full model's steps must give finite losses, the first within half of ln(vocab) (a
 // random model's). With --peak-tflops the report adds model FLOPs utilisation: 6 FLOPs per
 // parameter and token plus causal attention, not the recomputation checkpointing adds.
+#include "bench_check.h"
 #include "commands.h"
 #include "core/bytes.h"
 #include "core/error.h"
@@ -119,11 +120,6 @@ StepParams step_params(int64_t step, bool clip) {
 
 std::string secs(double s) {
   return s >= 1.0 ? fmt::format("{:.3f} s", s) : fmt::format("{:.2f} ms", s * 1e3);
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
 struct Measured {

@@ -22,10 +22,10 @@
 namespace strata::cli {
 namespace {
 
-using json = nlohmann::ordered_json;  // keys print in the order they are gathered
+using ojson = nlohmann::ordered_json;  // keys print in the order they are gathered
 
-json version_or_null(std::string text) {
-  return text.empty() ? json() : json(std::move(text));
+ojson version_or_null(std::string text) {
+  return text.empty() ? ojson() : ojson(std::move(text));
 }
 
 // 13000 -> "13.0", 12040 -> "12.4".
@@ -39,8 +39,8 @@ std::string nccl_version_text(int v) {
   return fmt::format("{}.{}.{}", v / 1000, (v % 1000) / 100, v % 100);
 }
 
-json cpu_facts() {
-  json cpu;
+ojson cpu_facts() {
+  ojson cpu;
   cpu["model"] = cpu_model();
   cpu["arch"] = machine_arch();
   const SimdInfo simd = cpu_simd();
@@ -51,7 +51,7 @@ json cpu_facts() {
     cpu["logical_cpus"] = t.processing_units;
     cpu["physical_cores"] = t.cores;
     cpu["packages"] = t.packages;
-    json nodes = json::array();
+    ojson nodes = ojson::array();
     for (const NumaNode& n : t.numa_nodes)
       nodes.push_back({{"os_index", n.os_index},
                        {"memory_bytes", n.memory_bytes},
@@ -61,23 +61,23 @@ json cpu_facts() {
     cpu["logical_cpus"] = sysconf(_SC_NPROCESSORS_ONLN);
     cpu["physical_cores"] = nullptr;
     cpu["packages"] = nullptr;
-    cpu["numa_nodes"] = json::array();
+    cpu["numa_nodes"] = ojson::array();
     cpu["topology_error"] = e.what();
   }
   return cpu;
 }
 
-json memory_facts() {
+ojson memory_facts() {
   const MemoryInfo m = memory_info();
   const uint64_t limit = memlock_limit();
   return {{"total_bytes", m.total},
           {"available_bytes", m.available},
-          {"memlock_limit_bytes", limit == kUnlimited ? json("unlimited") : json(limit)},
+          {"memlock_limit_bytes", limit == kUnlimited ? ojson("unlimited") : ojson(limit)},
           {"memlock_limit_applies", !can_lock_past_limit()}};
 }
 
-json gpu_facts(const CudaRuntime& rt) {
-  json gpus = json::array();
+ojson gpu_facts(const CudaRuntime& rt) {
+  ojson gpus = ojson::array();
   for (const CudaGpu& g : rt.gpus) {
     int node = -1;
     try {
@@ -93,12 +93,12 @@ json gpu_facts(const CudaRuntime& rt) {
                      fmt::format("{}.{}", g.compute_capability / 10, g.compute_capability % 10)},
                     {"multiprocessors", g.multiprocessors},
                     {"pci_bus_id", g.pci_bus_id},
-                    {"numa_node", node < 0 ? json() : json(node)}});
+                    {"numa_node", node < 0 ? ojson() : ojson(node)}});
   }
   return gpus;
 }
 
-json cuda_facts(const CudaRuntime& rt) {
+ojson cuda_facts(const CudaRuntime& rt) {
   return {{"status", rt.status},
           {"detail", rt.detail},
           {"compiled", rt.compiled},
@@ -108,17 +108,17 @@ json cuda_facts(const CudaRuntime& rt) {
           {"nccl_runtime_version", version_or_null(nccl_version_text(rt.nccl_runtime_version))}};
 }
 
-json io_uring_facts() {
+ojson io_uring_facts() {
   const IoUringProbe p = probe_io_uring();
   return {{"works", p.works}, {"detail", p.detail}, {"read", p.read}, {"write", p.write}};
 }
 
-json filesystem_facts() {
-  json out = json::array();
+ojson filesystem_facts() {
+  ojson out = ojson::array();
   for (const Filesystem& fs : swap_filesystems()) {
-    json o_direct = fs.o_direct.result == ODirect::yes  ? json(true)
-                    : fs.o_direct.result == ODirect::no ? json(false)
-                                                        : json("not writable");
+    ojson o_direct = fs.o_direct.result == ODirect::yes  ? ojson(true)
+                     : fs.o_direct.result == ODirect::no ? ojson(false)
+                                                         : ojson("not writable");
     out.push_back({{"mount_point", fs.mount_point},
                    {"type", fs.type},
                    {"device", fs.device},
@@ -131,26 +131,26 @@ json filesystem_facts() {
   return out;
 }
 
-json gather() {
+ojson gather() {
   const CudaRuntime& rt = cuda_runtime();
   return {{"cpu", cpu_facts()},           {"memory", memory_facts()},
           {"gpus", gpu_facts(rt)},        {"cuda", cuda_facts(rt)},
           {"io_uring", io_uring_facts()}, {"filesystems", filesystem_facts()}};
 }
 
-std::string bytes_of(const json& v) {
+std::string bytes_of(const ojson& v) {
   return format_bytes(v.get<uint64_t>());
 }
-std::string text_of(const json& v) {
+std::string text_of(const ojson& v) {
   return v.is_null() ? "?" : v.dump();
 }
 
-void print_text(const json& f) {
-  const json& cpu = f["cpu"];
+void print_text(const ojson& f) {
+  const ojson& cpu = f["cpu"];
   fmt::print("CPU          {} ({}), SIMD {}\n", cpu["model"].get<std::string>(),
              cpu["arch"].get<std::string>(), cpu["simd"].get<std::string>());
   std::string levels;
-  for (const json& l : cpu["simd_available"])
+  for (const ojson& l : cpu["simd_available"])
     levels += (levels.empty() ? "" : " ") + l.get<std::string>();
   fmt::print("             SIMD available: {}\n", levels.empty() ? "none" : levels);
   fmt::print("             {} package(s), {} physical cores, {} logical CPUs\n",
@@ -158,34 +158,34 @@ void print_text(const json& f) {
              text_of(cpu["logical_cpus"]));
   if (cpu.contains("topology_error"))
     fmt::print("             topology unknown: {}\n", cpu["topology_error"].get<std::string>());
-  for (const json& n : cpu["numa_nodes"])
+  for (const ojson& n : cpu["numa_nodes"])
     fmt::print("NUMA node {:<2} {}, CPUs {}\n", n["os_index"].get<int>(),
                bytes_of(n["memory_bytes"]), n["cpus"].get<std::string>());
 
-  const json& mem = f["memory"];
+  const ojson& mem = f["memory"];
   fmt::print("Memory       {} total, {} available\n", bytes_of(mem["total_bytes"]),
              bytes_of(mem["available_bytes"]));
-  const json& limit = mem["memlock_limit_bytes"];
+  const ojson& limit = mem["memlock_limit_bytes"];
   fmt::print("Pinned limit ulimit -l {}{}\n",
              limit.is_string() ? limit.get<std::string>() : bytes_of(limit),
              mem["memlock_limit_applies"].get<bool>()
                  ? ""
                  : " (does not apply: this process has CAP_IPC_LOCK)");
 
-  const json& cuda = f["cuda"];
+  const ojson& cuda = f["cuda"];
   const std::string status = cuda["status"].get<std::string>();
   const std::string detail = cuda["detail"].get<std::string>();
   if (f["gpus"].empty()) {
     const std::string why = status == "not compiled" ? "CUDA not compiled" : "CUDA " + status;
     fmt::print("GPUs         none ({}{}{})\n", why, detail.empty() ? "" : ": ", detail);
   }
-  for (const json& g : f["gpus"])
+  for (const ojson& g : f["gpus"])
     fmt::print("GPU {:<8} {}, {} ({} free), compute {}, PCI {}, NUMA node {}\n",
                g["index"].get<int>(), g["name"].get<std::string>(), bytes_of(g["memory_bytes"]),
                bytes_of(g["free_bytes"]), g["compute_capability"].get<std::string>(),
                g["pci_bus_id"].get<std::string>(),
                g["numa_node"].is_null() ? "unknown" : g["numa_node"].dump());
-  auto version = [](const json& v) {
+  auto version = [](const ojson& v) {
     return v.is_null() ? std::string("none") : v.get<std::string>();
   };
   if (cuda["compiled"].get<bool>()) {
@@ -197,26 +197,26 @@ void print_text(const json& f) {
     fmt::print("CUDA         not compiled (rebuild where the CUDA toolkit is installed)\n");
   }
 
-  const json& uring = f["io_uring"];
+  const ojson& uring = f["io_uring"];
   if (uring["works"].get<bool>())
     fmt::print("io_uring     works ({}); READ {}, WRITE {}\n", uring["detail"].get<std::string>(),
                uring["read"].get<bool>() ? "yes" : "no", uring["write"].get<bool>() ? "yes" : "no");
   else
     fmt::print("io_uring     does not work: {}\n", uring["detail"].get<std::string>());
 
-  const json& fss = f["filesystems"];
+  const ojson& fss = f["filesystems"];
   fmt::print("Filesystems that could hold swap:{}\n", fss.empty() ? " none" : "");
   if (fss.empty()) return;
   size_t wm = 5, wt = 4, wd = 6;
-  for (const json& fs : fss) {
+  for (const ojson& fs : fss) {
     wm = std::max(wm, fs["mount_point"].get<std::string>().size());
     wt = std::max(wt, fs["type"].get<std::string>().size());
     wd = std::max(wd, fs["device"].get<std::string>().size());
   }
   fmt::print("  {:<{}}  {:<{}}  {:<{}}  {:>10}  {:>10}  {}\n", "MOUNT", wm, "TYPE", wt, "DEVICE",
              wd, "FREE", "TOTAL", "O_DIRECT");
-  for (const json& fs : fss) {
-    const json& od = fs["o_direct"];
+  for (const ojson& fs : fss) {
+    const ojson& od = fs["o_direct"];
     std::string o = od.is_string() ? od.get<std::string>() : od.get<bool>() ? "yes" : "no";
     const std::string why = fs["o_direct_detail"].get<std::string>();
     if (od.is_boolean() && !od.get<bool>() && !why.empty()) o += " (" + why + ")";
@@ -237,7 +237,7 @@ Command add_info(CLI::App& app) {
   auto json_out = std::make_shared<bool>(false);
   cmd->add_flag("--json", *json_out, "print the report as JSON");
   return {cmd, [json_out] {
-            const json facts = gather();
+            const ojson facts = gather();
             if (*json_out)
               fmt::print("{}\n", facts.dump(2));
             else

@@ -49,7 +49,7 @@ namespace strata::cli {
 namespace {
 
 namespace fs = std::filesystem;
-using json = nlohmann::ordered_json;
+using ojson = nlohmann::ordered_json;
 
 struct TuneArgs {
   std::vector<std::string> nvme_paths;
@@ -78,7 +78,7 @@ double since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
 }
 
-std::string seconds(double s) {
+std::string duration_text(double s) {
   if (s >= 86400.0) return fmt::format("{:.1f} days", s / 86400.0);
   if (s >= 3600.0) return fmt::format("{:.2f} h", s / 3600.0);
   if (s >= 1.0) return fmt::format("{:.3f} s", s);
@@ -251,8 +251,8 @@ std::string quote(const std::string& s) {
   return q + "'";
 }
 
-json candidate_json(const TuneCandidate& c) {
-  json j;
+ojson candidate_json(const TuneCandidate& c) {
+  ojson j;
   j["offload_param"] = TuneCandidate::offload_name(c.param);
   j["offload_optimizer"] = TuneCandidate::offload_name(c.optimizer);
   j["micro_batch"] = c.micro_batch;
@@ -442,7 +442,7 @@ int run_tune(const TuneArgs& a) {
   // ---- search ----
   TuneResult result;
   std::optional<TuneCandidate> best;
-  json config;
+  ojson config;
   double search_s = 0;
   if (tuning) {
     if (profile.nvme_block_size > 0) space.nvme_stripe = profile.nvme_block_size;
@@ -491,17 +491,17 @@ int run_tune(const TuneArgs& a) {
 
   // ---- report ----
   if (a.json) {
-    json j;
+    ojson j;
     j["devices"] = {{"spec", device_text},
                     {"count", R},
                     {"backend", host ? "host" : "cuda"},
                     {"name", ptrs.front()->name()}};
-    j["gpu"] = host ? json{{"present", false}, {"why", no_gpu_reason()}}
-                    : json{{"present", true}, {"name", cuda_runtime().gpus.front().name}};
+    j["gpu"] = host ? ojson{{"present", false}, {"why", no_gpu_reason()}}
+                    : ojson{{"present", true}, {"name", cuda_runtime().gpus.front().name}};
     j["profile_file"] = write_profile ? a.out_profile : a.hardware;
     j["measured"] = a.hardware.empty();
     j["measure_s"] = measure_s;
-    j["profile"] = json::parse(profile.to_json());
+    j["profile"] = ojson::parse(profile.to_json());
     if (tuning) {
       j["model"] = space.model.name;
       j["seq_len"] = space.seq_len;
@@ -511,12 +511,12 @@ int run_tune(const TuneArgs& a) {
       j["simulated"] = result.simulations;
       j["search_s"] = search_s;
       j["fitting"] = result.ranked.size();
-      json cands = json::array();
+      ojson cands = ojson::array();
       for (const TuneCandidate& c : shown) cands.push_back(candidate_json(c));
       j["candidates"] = cands;
       j["same_as"] = result.same_as;
       j["unsimulated"] = result.unsimulated;
-      json refused = json::array();
+      ojson refused = ojson::array();
       for (const TuneCandidate& c : result.refused) refused.push_back(candidate_json(c));
       j["refused"] = refused;
       j["skipped"] = result.skipped;
@@ -581,7 +581,7 @@ int run_tune(const TuneArgs& a) {
   } else {
     fmt::print("  {:<22} {:>16}{}\n", "nvme", "absent", absent(0, "nvme_read_bytes_per_s"));
   }
-  fmt::print("  {:<22} {:>16}\n", "task latency", seconds(profile.task_latency_s));
+  fmt::print("  {:<22} {:>16}\n", "task latency", duration_text(profile.task_latency_s));
   if (write_profile)
     fmt::print("profile written to {} (notes say how each figure was measured)\n", a.out_profile);
   if (!tuning) {
@@ -608,7 +608,7 @@ int run_tune(const TuneArgs& a) {
         i + 1, TuneCandidate::offload_name(c.param), TuneCandidate::offload_name(c.optimizer),
         fmt::format("{} x {}", c.micro_batch, c.grad_accum), c.prefetch_depth,
         off ? std::to_string(c.buffer_count) : std::string("-"),
-        seconds(c.step_s) + (c.extrapolated ? "*" : ""), c.tokens_per_s,
+        duration_text(c.step_s) + (c.extrapolated ? "*" : ""), c.tokens_per_s,
         format_bytes(c.needs.total(Tier::gpu)), format_bytes(c.needs.total(Tier::cpu)),
         format_bytes(c.needs.total(Tier::nvme)), c.critical_lane,
         c.pin_memory || !off ? "" : " (pin_memory false)", c.recompute ? "" : " (no recompute)",
@@ -630,7 +630,7 @@ int run_tune(const TuneArgs& a) {
   for (const std::string& x : result.skipped) fmt::print("  not tried: {}\n", x);
   for (const std::string& x : result.unsimulated) fmt::print("  not predicted: {}\n", x);
   fmt::print("recommended: {}: predicted {} per step, {:.4g} tokens/s, critical lane {}\n",
-             best->label(), seconds(best->step_s), best->tokens_per_s, best->critical_lane);
+             best->label(), duration_text(best->step_s), best->tokens_per_s, best->critical_lane);
   fmt::print(
       "DeepSpeed config written to {} (read back as strata train reads it); train with:\n  {}\n",
       a.out_config, train_cmd);
