@@ -11,9 +11,10 @@ STRATA_PACKAGES=(
   python3-numpy python3-torch  # the CPU Adam parity test and bench/adam_vs_torch.py
 )
 
-# fuzz/run.sh only (not CI): Debian's clang with libFuzzer and the sanitizer runtimes
-# (libclang-rt-14-dev ships libclang_rt.fuzzer-x86_64.a), llvm-symbolizer for readable reports.
-STRATA_FUZZ_PACKAGES=(clang libclang-rt-14-dev llvm-14)
+# test.sh's sanitizer builds and fuzz/run.sh: Debian's clang with the sanitizer runtimes and
+# libFuzzer (libclang-rt-14-dev), llvm-symbolizer for readable reports.
+STRATA_CLANG_PACKAGES=(clang libclang-rt-14-dev llvm-14)
+STRATA_FUZZ_PACKAGES=("${STRATA_CLANG_PACKAGES[@]}")
 
 # install_packages PKG...: apt-get installs whichever of PKG are not installed yet.
 install_packages() {

@@ -869,7 +869,9 @@ TEST(Safetensors, SourcesAreAskedInFileOrderAndStreamThroughOneBuffer) {
   std::vector<SafetensorsTensor> tensors;
   const std::vector<std::pair<std::string, int>> given = {{"c", 5}, {"a", 3}, {"b", 8}, {"d", 1}};
   for (int t = 0; t < static_cast<int>(given.size()); ++t) {
-    const auto& [name, n] = given[static_cast<size_t>(t)];
+    // Not a structured binding: clang 14 cannot capture one.
+    const std::string name = given[static_cast<size_t>(t)].first;
+    const int n = given[static_cast<size_t>(t)].second;
     tensors.push_back({name, DType::f32, {n}, nullptr, [&, t, name, n]() -> const void* {
                          asked.push_back(name);
                          scratch = tensor_values(t, n);
