@@ -128,8 +128,8 @@ struct Block {
   size_t static_used = 0, shared_limit = 0;
   std::exception_ptr error;
   std::string kernel_name;
-  // The scheduler's pass over the fibers in flight: its order and the position of the fiber
-  // running now (see next_in_pass).
+  // The scheduler's pass over the fibers: its order, and the position in it from which
+  // next_in_pass looks for the next runnable fiber.
   bool pass_reverse = false;
   size_t pass_pos = 0;
 };
@@ -179,15 +179,15 @@ class StackPool {
 
 thread_local StackPool stacks;
 
-// The next runnable fiber of the scheduler's pass after the one at b.pass_pos (moving
-// pass_pos to it), or null at the end of the pass or once a fiber has failed.
+// The next runnable fiber of the scheduler's pass from position b.pass_pos on (moving pass_pos
+// past it), or null at the end of the pass or once a fiber has failed.
 Fiber* next_in_pass(Block& b) {
   if (b.error) return nullptr;
   const size_t n = b.fibers.size();
-  for (size_t k = b.pass_pos + 1; k < n; ++k) {
+  for (size_t k = b.pass_pos; k < n; ++k) {
     Fiber& f = b.fibers[b.pass_reverse ? n - 1 - k : k];
     if (f.state == State::kRunnable) {
-      b.pass_pos = k;
+      b.pass_pos = k + 1;
       return &f;
     }
   }
@@ -249,12 +249,14 @@ void start_fiber(Block& b, Fiber& f) {
   (void)b;
 }
 
-// Runs one pass from the fiber at position `k` of the pass order: it and every runnable fiber
-// after it, each until it blocks or returns, chained by leave_fiber.
-void run_pass(Block& b, size_t k) {
-  const size_t n = b.fibers.size();
-  Fiber& f = b.fibers[b.pass_reverse ? n - 1 - k : k];
-  b.pass_pos = k;
+// Runs one pass over the block's fibers in the order `reverse` says: every runnable fiber, each
+// until it blocks or returns, chained by leave_fiber. False when none was runnable.
+bool run_pass(Block& b, bool reverse) {
+  b.pass_reverse = reverse;
+  b.pass_pos = 0;
+  Fiber* first = next_in_pass(b);
+  if (first == nullptr) return false;
+  Fiber& f = *first;
   b.running = &f;
   current_coords = &f.coords;
 #if defined(__x86_64__)
@@ -263,6 +265,7 @@ void run_pass(Block& b, size_t k) {
   swapcontext(&b.scheduler, &f.context);
 #endif
   current_coords = nullptr;
+  return true;
 }
 
 std::string where(const Block& b, const Fiber& f) {
@@ -381,17 +384,9 @@ bool complete_collectives(Block& b) {
 // a barrier (a thread reading shared memory another has yet to write) gets the wrong answer
 // here in some block instead of the right one by luck.
 void run_block(Block& b, bool reverse) {
-  const size_t n = b.fibers.size();
   for (;;) {
-    bool ran = false;
-    b.pass_reverse = reverse;
-    for (size_t k = 0; k < n; ++k) {
-      if (b.fibers[reverse ? n - 1 - k : k].state != State::kRunnable) continue;
-      run_pass(b, k);
-      ran = true;
-      if (b.error) std::rethrow_exception(b.error);
-      break;
-    }
+    const bool ran = run_pass(b, reverse);
+    if (b.error) std::rethrow_exception(b.error);
     reverse = !reverse;
     const bool shuffled = complete_shuffles(b);
     if (complete_collectives(b) || shuffled) continue;
