@@ -53,7 +53,7 @@ std::string missing_devices(int n) {
 
 // Where a run costs many runs on plain host devices, the every-placement sweeps run each
 // placement on one of their two rank counts, alternating, so every placement and both counts
-// still run: on the CPU emulator of CUDA (CI's gpu stage, about 20 times the cost) and under
+// still run: on the CPU emulator of CUDA (CI's emu tests, about 20 times the cost) and under
 // TSan (whose purpose is the lanes' synchronisation, which every placement still exercises).
 // The Release and ASan builds on host devices, and a real GPU, run every pair.
 bool halve_sweeps() {
