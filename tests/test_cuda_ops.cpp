@@ -568,6 +568,49 @@ TEST_F(CudaOpsTest, AttentionForwardAndBackward) {
   }
 }
 
+// Decoding: the last few queries against more keys (a KV cache), against the host backend. The
+// tensor-core paths take whole sequences only, so every case must run the SIMT kernel, whichever
+// path is asked for; blocks whose rows see different key counts and key tiles past a row's last
+// key are both covered.
+TEST_F(CudaOpsTest, AttentionForwardOfTheLastQueriesAgainstMoreKeys) {
+  Rng rng(12);
+  struct Case {
+    int64_t batch, seq, kv_seq, heads, kv_heads, head_dim;
+    DType dtype;
+  };
+  const std::vector<Case> cases = {{2, 1, 37, 8, 2, 64, f32},   {1, 1, 300, 8, 2, 128, bf16},
+                                   {1, 5, 70, 4, 1, 16, bf16},  {2, 40, 100, 4, 2, 32, f32},
+                                   {1, 33, 34, 2, 2, 40, bf16}, {1, 1, 1, 4, 4, 64, f32},
+                                   {1, 17, 129, 4, 2, 256, f32}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("{} batch {} seq {} kv_seq {} heads {} kv_heads {} head_dim {}",
+                             dtype_name(c.dtype), c.batch, c.seq, c.kv_seq, c.heads, c.kv_heads,
+                             c.head_dim));
+    const Shape qs{c.batch, c.seq, c.heads, c.head_dim};
+    const Shape ks{c.batch, c.kv_seq, c.kv_heads, c.head_dim};
+    const Shape ls{c.batch, c.heads, c.seq};
+    HostTensor q = random_tensor(c.dtype, qs, rng, -3.0f, 3.0f);
+    HostTensor k = random_tensor(c.dtype, ks, rng), v = random_tensor(c.dtype, ks, rng);
+    HostTensor out(c.dtype, qs), lse(f32, ls);
+    host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view());
+    DeviceTensor q_dev = upload(q), k_dev = upload(k), v_dev = upload(v);
+    DeviceTensor out_dev = empty(c.dtype, qs), lse_dev = empty(f32, ls);
+#if STRATA_HAVE_CUDA
+    const uint64_t simt_calls = attention_calls(AttentionKernels::kSimt);
+#endif
+    gpu().attention_forward(out_dev.view(), lse_dev.view(), q_dev.view(), k_dev.view(),
+                            v_dev.view(), stream());
+#if STRATA_HAVE_CUDA
+    if (on_cuda() && c.seq != c.kv_seq) {
+      EXPECT_EQ(attention_calls(AttentionKernels::kSimt), simt_calls + 1)
+          << "decoding's shapes did not take the SIMT kernel";
+    }
+#endif
+    expect_close("out", out_dev.fetch("out"), out, tolerance(c.dtype, c.dtype));
+    expect_close("lse", lse_dev.fetch("lse"), lse, tolerance(f32, c.dtype));
+  }
+}
+
 #if STRATA_HAVE_CUDA
 // A failed CUDA call's message names the call, the GPU that was current (where there is one),
 // the error and the line. Runs without a GPU too.

@@ -16,6 +16,7 @@
 #include <tbb/global_control.h>
 #include "testing.h"
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -483,6 +484,60 @@ TEST(HostOps, AttentionMatchesNaiveCausalSoftmax) {
       expect_close(out, want_out, 1e-5, "attention out " + what);
       expect_close(lse, want_lse, 1e-5, "attention lse " + what);
     }
+}
+
+// Decoding: the last Tq queries against all Tk keys give the whole sequence's last Tq rows bit
+// for bit (out and lse), which is what lets a KV cache reproduce a full forward.
+TEST(HostOps, AttentionOfTheLastQueriesEqualsTheWholeSequencesRows) {
+  Random rng(12);
+  struct Case {
+    AttnShape s;
+    int64_t tq;
+  };
+  for (const Case c :
+       {Case{{2, 9, 4, 2, 8}, 1}, Case{{1, 7, 2, 2, 6}, 3}, Case{{2, 5, 4, 1, 4}, 5}})
+    for (DType t : {DType::f32, DType::bf16}) {
+      const AttnShape& s = c.s;
+      const std::string what = fmt::format("{} last {} queries {}", str(s), c.tq, dtype_name(t));
+      Tensor q = rng.tensor(t, {s.B, s.T, s.H, s.hd}, -2.0f, 2.0f);
+      Tensor k = rng.tensor(t, {s.B, s.T, s.Hkv, s.hd}, -2.0f, 2.0f);
+      Tensor v = rng.tensor(t, {s.B, s.T, s.Hkv, s.hd});
+      Tensor out(t, q.shape), lse(DType::f32, {s.B, s.H, s.T});
+      host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view());
+      // The last tq positions of each sequence's queries.
+      Tensor ql(t, {s.B, c.tq, s.H, s.hd});
+      const int64_t row = s.H * s.hd, skip = s.T - c.tq;
+      for (int64_t b = 0; b < s.B; ++b)
+        for (int64_t i = 0; i < c.tq * row; ++i)
+          ql.set(b * c.tq * row + i, q.at((b * s.T + skip) * row + i));
+      Tensor outl(t, ql.shape, kNaN), lsel(DType::f32, {s.B, s.H, c.tq}, kNaN);
+      host::attention_forward(outl.view(), lsel.view(), ql.view(), k.view(), v.view());
+      for (int64_t b = 0; b < s.B; ++b) {
+        for (int64_t i = 0; i < c.tq * row; ++i)
+          ASSERT_EQ(std::bit_cast<uint32_t>(outl.at(b * c.tq * row + i)),
+                    std::bit_cast<uint32_t>(out.at((b * s.T + skip) * row + i)))
+              << what << ": out of sequence " << b << ", element " << i;
+        for (int64_t h = 0; h < s.H; ++h)
+          for (int64_t i = 0; i < c.tq; ++i)
+            ASSERT_EQ(std::bit_cast<uint32_t>(lsel.at((b * s.H + h) * c.tq + i)),
+                      std::bit_cast<uint32_t>(lse.at((b * s.H + h) * s.T + skip + i)))
+                << what << ": lse of sequence " << b << ", head " << h << ", query " << i;
+      }
+    }
+  // More queries than keys, and a backward of decoding's shapes, are refused by name.
+  Tensor q(DType::f32, {1, 4, 2, 4}), k(DType::f32, {1, 3, 2, 4}), v(DType::f32, {1, 3, 2, 4});
+  Tensor out(DType::f32, q.shape), lse(DType::f32, {1, 2, 4});
+  expect_error(
+      [&] { host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view()); },
+      {"attention_forward", "3 positions", "at least as many"});
+  Tensor q1(DType::f32, {1, 2, 2, 4}), out1(DType::f32, q1.shape), lse1(DType::f32, {1, 2, 2});
+  Tensor dq(DType::f32, q1.shape), dk(DType::f32, k.shape), dv(DType::f32, v.shape);
+  expect_error(
+      [&] {
+        host::attention_backward(dq.view(), dk.view(), dv.view(), out1.view(), q1.view(), k.view(),
+                                 v.view(), out1.view(), lse1.view());
+      },
+      {"attention_backward", "3 positions", "whole sequences"});
 }
 
 TEST(HostOps, AttentionGradientsMatchFiniteDifferences) {

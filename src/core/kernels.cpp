@@ -137,10 +137,15 @@ AttentionDims check_attention(const char* op, const TensorView& out, const Tenso
                               const TensorView& q, const TensorView& k, const TensorView& v) {
   check_rank(op, "q", q, 4, "[batch, seq, heads, head_dim]");
   check_rank(op, "k", k, 4, "[batch, seq, kv_heads, head_dim]");
-  AttentionDims d{q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3]};
+  AttentionDims d{q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], k.shape[1]};
   const std::string kv_meaning =
       fmt::format("[batch, seq, kv_heads, head_dim] matching q {}", q.str());
-  check_shape(op, "k", k, Shape{d.batch, d.seq, d.kv_heads, d.head_dim}, kv_meaning);
+  if (d.kv_seq < d.seq)
+    fail(
+        "{}: k is {} with {} positions but q is {} with {}; the queries are the last of the "
+        "keys' positions, so k and v need at least as many",
+        op, k.str(), d.kv_seq, q.str(), d.seq);
+  check_shape(op, "k", k, Shape{d.batch, d.kv_seq, d.kv_heads, d.head_dim}, kv_meaning);
   check_shape(op, "v", v, k.shape, kv_meaning);
   check_shape(op, "out", out, q.shape, fmt::format("the shape of q {}", q.str()));
   if (d.kv_heads == 0 || d.heads % d.kv_heads != 0)

@@ -76,16 +76,18 @@ class Kernels {
   virtual void rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len, bool inverse,
                     Stream& s) = 0;
 
-  // Causal attention with grouped-query heads: q [B,T,H,hd], k and v [B,T,Hkv,hd], out
-  // [B,T,H,hd], H a multiple of Hkv, all four of one dtype; query head h reads kv head
-  // h / (H / Hkv). Scores scale 1/sqrt(hd); position t attends to positions 0..t of its own
-  // sequence. lse_stats [B,H,T] holds each row's log-sum-exp of the scaled scores (kept for
-  // backward).
+  // Causal attention with grouped-query heads: q [B,T,H,hd], k and v [B,Tk,Hkv,hd] with
+  // Tk >= T, out [B,T,H,hd], H a multiple of Hkv, all four of one dtype; query head h reads kv
+  // head h / (H / Hkv). Scores scale 1/sqrt(hd). The queries are the last T of the Tk
+  // positions: query t sits at position t + Tk - T and attends to keys 0..t + Tk - T of its
+  // own sequence (Tk = T in training; Tk > T when decoding new tokens against cached keys and
+  // values). Each query row's output is the same function of its visible keys whatever T is.
+  // lse_stats [B,H,T] holds each row's log-sum-exp of the scaled scores (kept for backward).
   virtual void attention_forward(const TensorView& out, const TensorView& lse_stats,
                                  const TensorView& q, const TensorView& k, const TensorView& v,
                                  Stream& s) = 0;
   // dq, dk, dv (shapes of q, k, v) = the gradients, from dout and the forward's q, k, v, out,
-  // lse_stats.
+  // lse_stats. Training's shapes only: Tk = T.
   virtual void attention_backward(const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                   const TensorView& dout, const TensorView& q, const TensorView& k,
                                   const TensorView& v, const TensorView& out,
@@ -161,6 +163,8 @@ RopeDims check_rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_
 
 struct AttentionDims {
   int64_t batch = 0, seq = 0, heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t kv_seq = -1;  // Tk, the keys' positions; -1 means seq (every backward)
+  int64_t keys() const { return kv_seq < 0 ? seq : kv_seq; }
 };
 AttentionDims check_attention(const char* op, const TensorView& out, const TensorView& lse_stats,
                               const TensorView& q, const TensorView& k, const TensorView& v);

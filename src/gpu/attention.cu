@@ -3,8 +3,10 @@
 // with head_dim a multiple of 16 up to 128 go to the tensor-core kernels first (attention_mma.cu,
 // then attention_tc.cu).
 //
-// Layouts (core/kernels.h): q, out [B,T,H,hd]; k, v [B,T,Hkv,hd]; lse [B,H,T] f32; query head h
-// reads kv head h / (H / Hkv). Scores are scale * q.k with scale = 1/sqrt(hd).
+// Layouts (core/kernels.h): q, out [B,T,H,hd]; k, v [B,Tk,Hkv,hd]; lse [B,H,T] f32; query head h
+// reads kv head h / (H / Hkv). Scores are scale * q.k with scale = 1/sqrt(hd). Query t sits at
+// position t + Tk - T; only the forward takes Tk > T (decoding against cached keys), the
+// backward has Tk = T.
 //
 // Every kernel runs 8 warps and works on tiles of 32 keys, one key per lane, staged in shared
 // memory as f32 with a row stride of hd + 1 (odd), so the 32 lanes reading 32 different key rows
@@ -54,6 +56,7 @@ struct Geometry {
   int64_t seq, heads, kv_heads;
   int hd;
   float scale;
+  int64_t kv_seq;  // Tk >= seq: the keys' positions (the forward's); the backward's equal seq
 };
 
 uint64_t forward_bytes(int64_t hd) {
@@ -146,8 +149,9 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int64_t q0 = int64_t{blockIdx.x} * Br;
   const int64_t qs = g.heads * hd, kvs = g.kv_heads * hd;  // token strides
   const T* qh = q + b * g.seq * qs + h * hd;
-  const T* kh = k + b * g.seq * kvs + hk * hd;
-  const T* vh = v + b * g.seq * kvs + hk * hd;
+  const T* kh = k + b * g.kv_seq * kvs + hk * hd;
+  const T* vh = v + b * g.kv_seq * kvs + hk * hd;
+  const int64_t shift = g.kv_seq - g.seq;  // query t sits at position t + shift
   load_tile(sq, hd, qh, qs, q0, Br, g.seq, hd);
 
   float m[R], l[R], acc[R][NR];
@@ -160,19 +164,22 @@ __global__ void __launch_bounds__(kBlockThreads)
   }
 
   const int64_t q_end = gpu::min64(q0 + Br, g.seq);
-  for (int64_t k0 = 0; k0 < q_end; k0 += kKeys) {
+  for (int64_t k0 = 0; k0 < q_end + shift; k0 += kKeys) {
     __syncthreads();  // the previous tile is consumed (and the first time: sq is written)
-    load_tile(sk, ks, kh, kvs, k0, kKeys, g.seq, hd);
-    load_tile(sv, ks, vh, kvs, k0, kKeys, g.seq, hd);
+    load_tile(sk, ks, kh, kvs, k0, kKeys, g.kv_seq, hd);
+    load_tile(sv, ks, vh, kvs, k0, kKeys, g.kv_seq, hd);
     __syncthreads();
 #pragma unroll
     for (int rr = 0; rr < R; ++rr) {
       const int row = warp * R + rr;
-      const int64_t t = q0 + row;
-      if (t >= g.seq) continue;  // the same for the whole warp
+      const int64_t t = q0 + row, last = t + shift;  // the last key row t sees
+      if (t >= g.seq) continue;                      // the same for the whole warp
+      // A tile past `last` (with shift > 0, the block's later rows see further) changes
+      // nothing: its scores are -inf, corr is 1, nothing accumulates.
+      if (k0 > last) continue;
       float s = dot(sq + row * hd, sk + lane * ks, hd);
-      // Every tile walked holds a key <= t (k0 <= q0 <= t), so m_new is finite for finite input.
-      const bool visible = k0 + lane <= t;
+      // Every tile that gets here holds a key <= last, so m_new is finite for finite input.
+      const bool visible = k0 + lane <= last;
       s = visible ? s * g.scale : -INFINITY;
       const float m_new = fmaxf(m[rr], warp_max(s));
       const float corr = m[rr] == -INFINITY ? 0.0f : expf(m[rr] - m_new);
@@ -181,7 +188,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       m[rr] = m_new;
 #pragma unroll
       for (int r = 0; r < NR; ++r) acc[rr][r] *= corr;
-      const int visible_keys = static_cast<int>(gpu::min64(kKeys, t - k0 + 1));
+      const int visible_keys = static_cast<int>(gpu::min64(kKeys, last - k0 + 1));
       accumulate(acc[rr], p, sv, ks, visible_keys, lane, hd);
     }
   }
@@ -355,8 +362,12 @@ __global__ void __launch_bounds__(kBlockThreads)
 }
 
 Geometry geometry(const AttentionDims& dims) {
-  return Geometry{dims.seq, dims.heads, dims.kv_heads, static_cast<int>(dims.head_dim),
-                  1.0f / sqrtf(static_cast<float>(dims.head_dim))};
+  return Geometry{dims.seq,
+                  dims.heads,
+                  dims.kv_heads,
+                  static_cast<int>(dims.head_dim),
+                  1.0f / sqrtf(static_cast<float>(dims.head_dim)),
+                  dims.keys()};
 }
 
 // Calls f.template operator()<NR>() with NR = slots_for(head_dim).

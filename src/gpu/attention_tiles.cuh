@@ -60,10 +60,11 @@ void dispatch_slices(int64_t head_dim, F&& f) {
 
 // Whether a tensor-core path that is switched on (`enabled`) takes a call of dtype t needing
 // `bytes` of shared memory per block: bf16, head_dim a multiple of 16 up to 128, the device
-// allowing the memory, every pointer 16-byte aligned.
+// allowing the memory, every pointer 16-byte aligned, and as many queries as keys (their tiles
+// walk whole sequences; decoding's few queries against cached keys go to the SIMT kernel).
 inline bool applies(bool enabled, DType t, const AttentionDims& d, uint64_t bytes,
                     uint64_t max_shared_bytes, std::initializer_list<const void*> pointers) {
-  if (!enabled || t != DType::bf16) return false;
+  if (!enabled || t != DType::bf16 || d.keys() != d.seq) return false;
   if (d.head_dim % 16 != 0 || d.head_dim > kMaxHeadDim || bytes > max_shared_bytes) return false;
   for (const void* p : pointers)
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;

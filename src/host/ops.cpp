@@ -311,38 +311,43 @@ void attention_forward(const TensorView& out, const TensorView& lse_stats, const
   const AttentionDims d = check_attention("attention_forward", out, lse_stats, q, k, v);
   const F32Input qf(q), kf(k), vf(v);
   const int64_t B = d.batch, T = d.seq, H = d.heads, Hkv = d.kv_heads, hd = d.head_dim;
+  const int64_t Tk = d.keys(), shift = Tk - T;  // query t sits at position t + shift
   const int64_t group = H / Hkv;
   const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
   float* lse = f32(lse_stats);
-  // One task row per (b, h, t), in lse_stats' [B, H, T] order.
-  parallel_ranges(B * H * T, std::max<int64_t>(1, rows_grain(T * hd)), [&](int64_t i0, int64_t i1) {
-    std::vector<double> scores(static_cast<size_t>(T)), acc(static_cast<size_t>(hd));
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i % T, h = (i / T) % H, b = i / (T * H), g = h / group;
-      const float* qrow = qf.data() + ((b * T + t) * H + h) * hd;
-      double m = -std::numeric_limits<double>::infinity();
-      for (int64_t j = 0; j <= t; ++j) {
-        const float* krow = kf.data() + ((b * T + j) * Hkv + g) * hd;
-        double dot = 0.0;
-        for (int64_t e = 0; e < hd; ++e) dot += static_cast<double>(qrow[e]) * krow[e];
-        scores[static_cast<size_t>(j)] = dot * scale;
-        m = std::max(m, dot * scale);
-      }
-      double sum = 0.0;
-      for (int64_t j = 0; j <= t; ++j) sum += std::exp(scores[static_cast<size_t>(j)] - m);
-      const double l = m + std::log(sum);
-      lse[i] = static_cast<float>(l);
-      std::fill(acc.begin(), acc.end(), 0.0);
-      for (int64_t j = 0; j <= t; ++j) {
-        const double p = std::exp(scores[static_cast<size_t>(j)] - l);
-        const float* vrow = vf.data() + ((b * T + j) * Hkv + g) * hd;
-        for (int64_t e = 0; e < hd; ++e) acc[static_cast<size_t>(e)] += p * vrow[e];
-      }
-      const int64_t o = ((b * T + t) * H + h) * hd;
-      for (int64_t e = 0; e < hd; ++e)
-        put(out, o + e, static_cast<float>(acc[static_cast<size_t>(e)]));
-    }
-  });
+  // One task row per (b, h, t), in lse_stats' [B, H, T] order. A row's arithmetic depends only
+  // on its query and the keys it sees, so decoding's rows equal the whole sequence's bit for
+  // bit.
+  parallel_ranges(
+      B * H * T, std::max<int64_t>(1, rows_grain(Tk * hd)), [&](int64_t i0, int64_t i1) {
+        std::vector<double> scores(static_cast<size_t>(Tk)), acc(static_cast<size_t>(hd));
+        for (int64_t i = i0; i < i1; ++i) {
+          const int64_t t = i % T, h = (i / T) % H, b = i / (T * H), g = h / group;
+          const int64_t last = t + shift;  // the last key this query sees
+          const float* qrow = qf.data() + ((b * T + t) * H + h) * hd;
+          double m = -std::numeric_limits<double>::infinity();
+          for (int64_t j = 0; j <= last; ++j) {
+            const float* krow = kf.data() + ((b * Tk + j) * Hkv + g) * hd;
+            double dot = 0.0;
+            for (int64_t e = 0; e < hd; ++e) dot += static_cast<double>(qrow[e]) * krow[e];
+            scores[static_cast<size_t>(j)] = dot * scale;
+            m = std::max(m, dot * scale);
+          }
+          double sum = 0.0;
+          for (int64_t j = 0; j <= last; ++j) sum += std::exp(scores[static_cast<size_t>(j)] - m);
+          const double l = m + std::log(sum);
+          lse[i] = static_cast<float>(l);
+          std::fill(acc.begin(), acc.end(), 0.0);
+          for (int64_t j = 0; j <= last; ++j) {
+            const double p = std::exp(scores[static_cast<size_t>(j)] - l);
+            const float* vrow = vf.data() + ((b * Tk + j) * Hkv + g) * hd;
+            for (int64_t e = 0; e < hd; ++e) acc[static_cast<size_t>(e)] += p * vrow[e];
+          }
+          const int64_t o = ((b * T + t) * H + h) * hd;
+          for (int64_t e = 0; e < hd; ++e)
+            put(out, o + e, static_cast<float>(acc[static_cast<size_t>(e)]));
+        }
+      });
 }
 
 AttentionDims check_attention_backward(const TensorView& dq, const TensorView& dk,
@@ -352,6 +357,11 @@ AttentionDims check_attention_backward(const TensorView& dq, const TensorView& d
                                        const TensorView& lse_stats) {
   const char* op = "attention_backward";
   const AttentionDims d = check_attention(op, out, lse_stats, q, k, v);
+  if (d.keys() != d.seq)
+    fail(
+        "{}: k is {} with {} positions but q is {} with {}; the backward takes whole sequences "
+        "(as many keys as queries), not decoding's cached keys",
+        op, k.str(), d.keys(), q.str(), d.seq);
   check_like(op, "dq", dq, "q", q);
   check_like(op, "dk", dk, "k", k);
   check_like(op, "dv", dv, "v", v);
