@@ -2,6 +2,7 @@
 // against a greedy decoder built in the test from LlamaModel::logits on the host backend (the
 // model rebuilt at each exact length, so the tool's padding of the sequence is checked too);
 // plus newest_checkpoint() on run directories with complete and incomplete checkpoints.
+#include "gpu/runtime.h"
 #include "host/host_device.h"
 #include "model/config.h"
 #include "model/llama.h"
@@ -35,9 +36,10 @@ Result strata(const std::string& args, const std::string& redirect = "2>&1") {
   return test::run_command(std::string("'") + STRATA_BINARY + "' " + args + " " + redirect);
 }
 
-json generate_json(const std::string& args) {
-  const Result r = strata("generate --devices host --json " + args, "2>/dev/null");
-  EXPECT_EQ(r.status, 0) << strata("generate --devices host --json " + args).out;
+json generate_json(const std::string& args, const std::string& devices = "host") {
+  const std::string cmd = "generate --devices " + devices + " --json " + args;
+  const Result r = strata(cmd, "2>/dev/null");
+  EXPECT_EQ(r.status, 0) << strata(cmd).out;
   const json j = json::parse(r.out, nullptr, false);
   EXPECT_FALSE(j.is_discarded()) << r.out;
   return j;
@@ -166,6 +168,24 @@ TEST_F(GenerateCli, GreedyIsTheArgmaxOfTheModelsLogits) {
   for (uint32_t t : expected)
     if (t != kByteEos) text.push_back(static_cast<char>(t));
   EXPECT_EQ(plain.out, text + "\n");
+}
+
+// On a GPU the KV cache's decoding (the attention of one query against the cached keys, the
+// SIMT kernel) gives the host reference's greedy tokens in f32, and runs in bf16.
+TEST_F(GenerateCli, OnAGpuGreedyIsTheHostsArgmax) {
+  if (cuda_runtime().gpus.empty())
+    GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
+  const std::string prompt = "Once upon a time";
+  Reference ref(tiny(), model_dir());
+  const std::vector<uint32_t> expected = ref.greedy(bytes_of(prompt), 20, kByteVocab, kByteEos);
+  const std::string args = model_arg() + " --prompt '" + prompt +
+                           "' --temperature 0 --max-new-tokens 20 --device-memory 1GiB ";
+  const json f32 = generate_json(args + "--dtype f32", "cuda:0");
+  EXPECT_EQ(f32["device"], "cuda:0");
+  EXPECT_EQ(tokens_of(f32), expected);
+  const json bf16 = generate_json(args + "--dtype bf16", "cuda:0");
+  EXPECT_EQ(bf16["dtype"], "bf16");
+  EXPECT_TRUE(bf16["new_tokens"] == 20 || bf16["stop"] == "eos") << bf16;
 }
 
 TEST_F(GenerateCli, JsonFieldsAndMaxNewTokens) {

@@ -188,7 +188,8 @@ TEST(LlamaModel, WorkspaceBytesForIsWhatTheConstructorAllocates) {
   for (bool tied : {false, true})
     for (DType t : {DType::f32, DType::bf16})
       for (int64_t batch : {1, 3})
-        for (int mode : {0, 1, 2}) {  // recompute, keep the activations, forward only
+        for (int mode : {0, 1, 2, 3}) {  // recompute, keep the activations, forward only, KV
+          if (mode == 3 && batch != 1) continue;  // a KV cache holds one sequence
           const LlamaConfig c = small_config(tied);
           auto device = open_host_device(0, 64ull << 20);
           ModelOptions o;
@@ -197,7 +198,8 @@ TEST(LlamaModel, WorkspaceBytesForIsWhatTheConstructorAllocates) {
           o.seq_len = 13;
           o.vocab_chunk = 8;
           o.recompute = mode != 1;
-          o.forward_only = mode == 2;
+          o.forward_only = mode >= 2;
+          o.kv_cache = mode == 3;
           const uint64_t before = device->memory().in_use;
           LlamaModel model(c, o, *device);
           EXPECT_EQ(LlamaModel::workspace_bytes_for(c, o), model.workspace_bytes());
@@ -210,6 +212,91 @@ TEST(LlamaModel, WorkspaceBytesForIsWhatTheConstructorAllocates) {
   ModelOptions bad;
   bad.seq_len = 65;  // past max_position_embeddings
   EXPECT_THROW(LlamaModel::workspace_bytes_for(small_config(false), bad), Error);
+  // The KV cache: layers x keys and values x positions x kv heads x head_dim, on top of the
+  // forward-only model's workspace; only for forward-only models of one sequence.
+  ModelOptions f;
+  f.seq_len = 13;
+  f.forward_only = true;
+  ModelOptions kv = f;
+  kv.kv_cache = true;
+  EXPECT_EQ(LlamaModel::workspace_bytes_for(small_config(false), kv) -
+                LlamaModel::workspace_bytes_for(small_config(false), f),
+            2u * 2 * 13 * 2 * 6 * 4);
+  kv.forward_only = false;
+  test::expect_error([&] { LlamaModel::workspace_bytes_for(small_config(false), kv); },
+                     {"KV cache", "forward_only false"});
+  kv.forward_only = true;
+  kv.max_batch = 2;
+  test::expect_error([&] { LlamaModel::workspace_bytes_for(small_config(false), kv); },
+                     {"KV cache", "batch 2"});
+}
+
+// Decoding with a KV cache (ModelOptions::kv_cache): a prompt in one call, then one token per
+// call, gives the logits of a forward over the whole sequence at every position; a call may
+// start again from an earlier position; positions never run, and past the sequence length,
+// are refused.
+TEST(LlamaModel, DecodingWithAKvCacheGivesTheWholeSequencesLogits) {
+  for (bool tied : {false, true})
+    for (DType dt : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE(fmt::format("{} tied {}", dtype_name(dt), tied));
+      LlamaConfig c = small_config(tied);
+      c.num_hidden_layers = 3;
+      const int64_t T = 11, V = c.vocab_size, prompt = 4;
+      auto device = open_host_device(0, 64ull << 20);
+      auto stream = device->create_stream("test");
+      ModelOptions o;
+      o.param_dtype = dt;
+      o.seq_len = T;
+      o.forward_only = true;
+      ModelOptions kv = o;
+      kv.kv_cache = true;
+      LlamaModel whole(c, o, *device), decoder(c, kv, *device);
+      ResidentWeights w(whole.layout(), *device, dt, DType::f32, false);
+      w.init_random(7, *stream);
+      std::vector<int32_t> host_ids(static_cast<size_t>(T));
+      for (int64_t i = 0; i < T; ++i) host_ids[static_cast<size_t>(i)] = (i * 13 + 5) % 29;
+      const std::vector<int32_t> host_targets(static_cast<size_t>(T), kIgnoreIndex);
+      DeviceBuffer ids(*device, T * 4, "ids"), targets(*device, T * 4, "targets");
+      DeviceBuffer all(*device, T * V * 4, "logits"), one(*device, V * 4, "last logits");
+      device->copy_to_device(ids.data(), host_ids.data(), T * 4, *stream);
+      device->copy_to_device(targets.data(), host_targets.data(), T * 4, *stream);
+      auto* i = static_cast<int32_t*>(ids.data());
+      whole.forward(w.units(), i, static_cast<int32_t*>(targets.data()), 1, false, *stream);
+      whole.logits(w.units(), all.view(DType::f32, {T, V}), 1, *stream);
+      std::vector<float> want(static_cast<size_t>(T * V)), got(static_cast<size_t>(V));
+      device->copy_to_host(want.data(), all.data(), want.size() * 4, *stream);
+      stream->synchronize();
+      // Position p's logits from decode(), against row p of the whole forward.
+      auto check = [&](int64_t pos, int64_t n) {
+        decoder.decode(w.units(), i + pos, pos, n, one.view(DType::f32, {1, V}), *stream);
+        device->copy_to_host(got.data(), one.data(), got.size() * 4, *stream);
+        stream->synchronize();
+        const int64_t p = pos + n - 1;
+        double worst = 0, scale = 0;
+        for (int64_t v = 0; v < V; ++v) {
+          const float x = want[static_cast<size_t>(p * V + v)];
+          worst = std::max(worst, std::abs(double(got[static_cast<size_t>(v)]) - x));
+          scale = std::max(scale, std::abs(double(x)));
+        }
+        // The attention rows are the same bits; a matmul of one row may sum in another order
+        // than one of many, and in bf16 the activations round after each op.
+        EXPECT_LE(worst, (dt == DType::f32 ? 1e-5 : 2e-2) * scale)
+            << "position " << p << " decoded from " << pos;
+        EXPECT_EQ(decoder.cached_positions(), pos + n);
+      };
+      check(0, prompt);
+      for (int64_t p = prompt; p < T; ++p) check(p, 1);
+      check(2, 3);  // start again from position 2: positions 2..4 rerun, their cache rewritten
+      check(5, 6);  // and on to the end in one call
+      const TensorView out = one.view(DType::f32, {1, V});
+      test::expect_error([&] { decoder.decode(w.units(), i, 10, 2, out, *stream); },
+                         {"positions [10, 12)", "sequence length 11"});
+      check(0, 2);
+      test::expect_error([&] { decoder.decode(w.units(), i, 4, 1, out, *stream); },
+                         {"position 4 follows only 2 cached positions", "[2, 4)"});
+      test::expect_error([&] { whole.decode(w.units(), i, 0, 1, out, *stream); },
+                         {"without a KV cache"});
+    }
 }
 
 TEST(LlamaModel, CheckpointingDoesNotChangeTheLossAndBackwardNeedsIt) {

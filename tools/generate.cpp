@@ -1,11 +1,11 @@
 // generate.cpp: `strata generate`, text sampled from a model one token at a time, so a user can
 // see what training did.
 //
-// The model is resident on one device (ResidentWeights + LlamaModel, batch 1) and every new
-// token recomputes the whole sequence: the model's sequence length is fixed at
-// min(prompt + --max-new-tokens, max_position_embeddings), positions past the current end are
-// padding, and causal attention keeps them out of the last real position's logits. Targets are
-// all kIgnoreIndex (the loss the forward computes is unused).
+// The model is resident on one device (ResidentWeights + LlamaModel, batch 1) with a KV cache
+// (ModelOptions::kv_cache) of min(prompt + --max-new-tokens, max_position_embeddings)
+// positions: the prompt runs once, then each new token alone against the cached keys and values
+// of the ones before it (LlamaModel::decode), and only the last position's logits are computed.
+// Each token costs one position's forward, not the whole sequence's.
 //
 // Sampling is fully specified, so a seed gives the same tokens on every machine whose logits
 // agree: only ids below both the model's and the tokenizer's vocabulary are candidates (a model's
@@ -60,6 +60,7 @@ struct GenerateArgs {
   int64_t top_k = 40;
   uint64_t seed = 1;
   std::string devices;
+  std::string device_memory;
   std::string dtype;
   bool json = false;
 };
@@ -141,7 +142,7 @@ int run_generate(const GenerateArgs& a) {
     log_warn("generate: the context of {} positions stops generation after {} new tokens", context,
              context - prompt_len);
 
-  auto devices = open_cli_devices(a.devices, "", 1);
+  auto devices = open_cli_devices(a.devices, a.device_memory, 1);
   Device& device = *devices[0];
   const DType dtype = model_dtype(device, a.dtype);
   ModelOptions options;
@@ -149,6 +150,8 @@ int run_generate(const GenerateArgs& a) {
   options.grad_dtype = dtype;
   options.max_batch = 1;
   options.seq_len = T;
+  options.forward_only = true;
+  options.kv_cache = true;
   LlamaModel model(config, options, device);
   ResidentWeights weights(model.layout(), device, dtype, dtype, false);
   auto stream = device.create_stream("generate");
@@ -160,15 +163,12 @@ int run_generate(const GenerateArgs& a) {
 
   const int64_t V = config.vocab_size;
   const int64_t candidates = std::min(V, tokenizer->vocab_size());
-  const auto t_bytes = static_cast<uint64_t>(T) * 4;
-  DeviceBuffer d_ids(device, t_bytes, "token ids", MemoryKind::activations);
-  DeviceBuffer d_targets(device, t_bytes, "targets", MemoryKind::activations);
-  DeviceBuffer d_logits(device, static_cast<uint64_t>(T * V) * 4, "logits",
-                        MemoryKind::activations);
-  const std::vector<int32_t> targets(static_cast<size_t>(T), kIgnoreIndex);
-  device.copy_to_device(d_targets.data(), targets.data(), t_bytes, *stream);
-  std::vector<int32_t> ids(static_cast<size_t>(T), 0);  // positions past the end: padding
-  std::copy(prompt_ids.begin(), prompt_ids.end(), ids.begin());
+  DeviceBuffer d_ids(device, static_cast<uint64_t>(T) * 4, "token ids", MemoryKind::activations);
+  DeviceBuffer d_logits(device, static_cast<uint64_t>(V) * 4, "logits", MemoryKind::activations);
+  std::vector<int32_t> ids(prompt_ids.begin(), prompt_ids.end());
+  ids.resize(static_cast<size_t>(T));
+  auto* dev_ids = static_cast<int32_t*>(d_ids.data());
+  device.copy_to_device(dev_ids, ids.data(), static_cast<uint64_t>(prompt_len) * 4, *stream);
 
   Xoshiro256 rng(a.seed);
   const std::optional<uint32_t> eos = tokenizer->eos_id();
@@ -176,20 +176,15 @@ int run_generate(const GenerateArgs& a) {
   std::vector<float> logits(static_cast<size_t>(V));
   std::string stop = "max_new_tokens";
   const auto t0 = std::chrono::steady_clock::now();
-  for (int64_t len = prompt_len;; ++len) {
+  // Positions [pos, len) are new to the cache: the prompt, then each sampled token.
+  for (int64_t pos = 0, len = prompt_len;; pos = len++) {
     if (static_cast<int64_t>(generated.size()) == a.max_new_tokens) break;
     if (len == T) {
       stop = "context";
       break;
     }
-    device.copy_to_device(d_ids.data(), ids.data(), t_bytes, *stream);
-    model.forward(units, static_cast<const int32_t*>(d_ids.data()),
-                  static_cast<const int32_t*>(d_targets.data()), 1, false, *stream);
-    model.logits(units, d_logits.view(DType::f32, {T, V}), 1, *stream);
-    device.copy_to_host(
-        logits.data(),
-        static_cast<const char*>(d_logits.data()) + static_cast<uint64_t>((len - 1) * V) * 4,
-        static_cast<uint64_t>(V) * 4, *stream);
+    model.decode(units, dev_ids + pos, pos, len - pos, d_logits.view(DType::f32, {1, V}), *stream);
+    device.copy_to_host(logits.data(), d_logits.data(), static_cast<uint64_t>(V) * 4, *stream);
     stream->synchronize();
     for (int64_t i = 0; i < candidates; ++i)
       if (!std::isfinite(logits[static_cast<size_t>(i)]))
@@ -199,11 +194,13 @@ int run_generate(const GenerateArgs& a) {
             logits[static_cast<size_t>(i)], i, len - 1, a.model, dtype_name(dtype));
     const uint32_t next = sample_token(logits, candidates, a.temperature, a.top_k, rng);
     generated.push_back(next);
-    ids[static_cast<size_t>(len)] = static_cast<int32_t>(next);
     if (eos && next == *eos) {
       stop = "eos";
       break;
     }
+    ids[static_cast<size_t>(len)] = static_cast<int32_t>(next);
+    if (len + 1 < T)  // the next call's input (the synchronize above keeps ids[len] in place)
+      device.copy_to_device(dev_ids + len, &ids[static_cast<size_t>(len)], 4, *stream);
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -267,6 +264,8 @@ Command add_generate(CLI::App& app) {
   cmd->add_option("--devices", a->devices,
                   "host or cuda:0: the one device the model runs on (default: cuda:0 if a GPU "
                   "is usable, else host)");
+  cmd->add_option("--device-memory", a->device_memory,
+                  "cap of the device's memory (default: all that is free, less a reserve)");
   cmd->add_option("--dtype", a->dtype, "f32 or bf16 (default: f32 on host, bf16 on cuda)");
   cmd->add_flag("--json", a->json,
                 "one JSON object: prompt, text, tokens (the new ids), new_tokens, stop, ...");

@@ -211,6 +211,11 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
   if (options.activation_sets < 1)
     fail("activation sets {}: a model keeps at least one micro-batch's activations",
          options.activation_sets);
+  if (options.kv_cache && (!options.forward_only || B != 1))
+    fail(
+        "a KV cache is for generation: it needs a forward-only model of batch 1 (asked: "
+        "forward_only {}, batch {}); this is a bug in strata",
+        options.forward_only, B);
   const auto sets = static_cast<uint64_t>(options.activation_sets);
   const int64_t N = B * T, D = config.hidden_size, F = config.intermediate_size;
   const int64_t Hq = config.num_attention_heads * config.head_dim;
@@ -277,6 +282,9 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
   w.push_back({&LlamaModel::row_sum_, n * f4, "cross-entropy state"});
   w.push_back({&LlamaModel::target_logit_, n * f4, "cross-entropy state"});
   w.push_back({&LlamaModel::losses_, n * f4, "per-token losses"});
+  if (options.kv_cache)
+    w.push_back({&LlamaModel::kv_, static_cast<uint64_t>(config.num_hidden_layers) * 2 * n * Hk * a,
+                 "KV cache"});
   return w;
 }
 
@@ -405,18 +413,51 @@ LlamaModel::BlockActs LlamaModel::acts(int u, int64_t batch, int set) const {
 }
 
 void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
-                               const TensorView& out, int64_t batch, int set, Stream& s) {
+                               const TensorView& out, int64_t batch, int set, Stream& s,
+                               const Span* span) {
   const LlamaConfig& c = config_;
   const DType t = options_.param_dtype;
-  const int64_t T = options_.seq_len, N = batch * T, D = c.hidden_size, F = c.intermediate_size;
+  const int64_t D = c.hidden_size, F = c.intermediate_size;
   const int64_t H = c.num_attention_heads, Hkv = c.num_key_value_heads, hd = c.head_dim;
+  // Tokens per sequence in this call, the first one's position and the keys' positions.
+  const int64_t T = span ? span->tokens : options_.seq_len, N = batch * T;
+  const int64_t pos = span ? span->pos : 0, Tk = pos + T;
   auto w = [&](std::string_view n) { return param(units, u, n, false); };
-  const BlockActs a = acts(u, batch, set);
+  BlockActs a = acts(u, batch, set);
+  // The keys and values attention reads: the block's own T positions, or with a span the
+  // cache's first pos + T, whose last T this call's projections write.
+  TensorView keys{a.k.data, t, {batch, T, Hkv, hd}, &device_};
+  TensorView values{a.v.data, t, {batch, T, Hkv, hd}, &device_};
+  if (span) {
+    const int64_t Hq = H * hd, Hk = Hkv * hd;
+    const uint64_t plane = static_cast<uint64_t>(options_.seq_len * Hk) * dtype_size(t);
+    char* k_cache = static_cast<char*>(kv_.data()) + static_cast<uint64_t>(u - 1) * 2 * plane;
+    char* v_cache = k_cache + plane;
+    const uint64_t at_pos = static_cast<uint64_t>(pos * Hk) * dtype_size(t);
+    keys = TensorView{k_cache, t, {1, Tk, Hkv, hd}, &device_};
+    values = TensorView{v_cache, t, {1, Tk, Hkv, hd}, &device_};
+    // The scratch's first N rows.
+    auto first = [&](const TensorView& v, Shape shape) {
+      return TensorView{v.data, v.dtype, shape, &device_};
+    };
+    a = {first(a.q, {N, Hq}),
+         TensorView{k_cache + at_pos, t, {N, Hk}, &device_},
+         TensorView{v_cache + at_pos, t, {N, Hk}, &device_},
+         first(a.att, {N, Hq}),
+         first(a.lse, {batch, H, T}),
+         first(a.h, {N, D}),
+         first(a.gate, {N, F}),
+         first(a.up, {N, F})};
+  }
   const TensorView &q = a.q, &kk = a.k, &v = a.v, &att = a.att, &h = a.h, &gate = a.gate;
   const TensorView& up = a.up;
   const TensorView xn = rows(xn_, t, N, D), hn = rows(hn_, t, N, D), act = rows(act_, t, N, F);
   const TensorView rstd1 = rows(rstd1_, DType::f32, N, 0), rstd2 = rows(rstd2_, DType::f32, N, 0);
-  const TensorView rope = rope_.view(DType::f32, {T, hd});
+  // Rows pos.. of the rotary table: token n of a sequence takes row n % T of this view.
+  const TensorView rope{static_cast<char*>(rope_.data()) + static_cast<uint64_t>(pos * hd) * 4,
+                        DType::f32,
+                        {T, hd},
+                        &device_};
 
   k_.rmsnorm_forward(xn, rstd1, x, w("input_layernorm"), static_cast<float>(c.rms_norm_eps), s);
   k_.matmul(q, xn, false, w("q_proj"), true, 1.0f, 0.0f, s);
@@ -426,9 +467,7 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
   k_.rope(q3, rope, T, false, s);
   k_.rope(k3, rope, T, false, s);
   k_.attention_forward(TensorView{att.data, t, {batch, T, H, hd}, &device_}, a.lse,
-                       TensorView{q.data, t, {batch, T, H, hd}, &device_},
-                       TensorView{kk.data, t, {batch, T, Hkv, hd}, &device_},
-                       TensorView{v.data, t, {batch, T, Hkv, hd}, &device_}, s);
+                       TensorView{q.data, t, {batch, T, H, hd}, &device_}, keys, values, s);
   k_.matmul(h, att, false, w("o_proj"), true, 1.0f, 0.0f, s);
   k_.add(h, h, x, s);
   k_.rmsnorm_forward(hn, rstd2, h, w("post_attention_layernorm"),
@@ -653,17 +692,59 @@ void LlamaModel::backward(const std::vector<UnitBuffers>& units, const int32_t* 
 
 void LlamaModel::logits(const std::vector<UnitBuffers>& units, const TensorView& out, int64_t batch,
                         Stream& s) {
+  head_logits(units, slot(last_slot_, batch), out, s);
+}
+
+void LlamaModel::head_logits(const std::vector<UnitBuffers>& units, const TensorView& x,
+                             const TensorView& out, Stream& s) {
   const LlamaConfig& c = config_;
   const DType t = options_.param_dtype;
-  const int64_t N = batch * options_.seq_len, D = c.hidden_size;
+  const int64_t N = x.shape[0], D = c.hidden_size;
   const int head_unit = layout_.num_units() - 1;
-  const TensorView x = slot(last_slot_, batch);
   const TensorView xf = rows(xn_, t, N, D), rstd = rows(rstd1_, DType::f32, N, 0);
   k_.rmsnorm_forward(xf, rstd, x, param(units, head_unit, "norm", false),
                      static_cast<float>(c.rms_norm_eps), s);
   const TensorView w = c.tie_word_embeddings ? param(units, 0, "embed_tokens", false)
                                              : param(units, head_unit, "lm_head", false);
   k_.matmul(out, xf, false, w, true, 1.0f, 0.0f, s);
+}
+
+void LlamaModel::decode(const std::vector<UnitBuffers>& units, const int32_t* ids, int64_t pos,
+                        int64_t n, const TensorView& logits_out, Stream& s) {
+  if (!options_.kv_cache)
+    fail(
+        "decode: the model was built without a KV cache (ModelOptions::kv_cache); this is a bug "
+        "in strata");
+  if (units.size() != layout_.units.size())
+    fail("decode: {} unit buffers given for a model of {} units", units.size(),
+         layout_.units.size());
+  const int64_t T = options_.seq_len;
+  if (n < 1 || pos < 0 || pos + n > T)
+    fail(
+        "decode: positions [{}, {}) do not fit the model's sequence length {}; start a new "
+        "sequence, or build the model with a longer one",
+        pos, pos + n, T);
+  if (pos > cached_)
+    fail("decode: position {} follows only {} cached positions; run positions [{}, {}) first", pos,
+         cached_, cached_, pos);
+  const DType t = options_.param_dtype;
+  const int64_t D = config_.hidden_size;
+  const uint64_t row_bytes = static_cast<uint64_t>(D) * dtype_size(t);
+  // Unit u's input in slot (u - 1) % 2, as a forward that keeps nothing alternates them; n rows.
+  auto input_of = [&](int u) { return TensorView{slot((u - 1) % 2, 1).data, t, {n, D}, &device_}; };
+  const int U = layout_.num_units();
+  const Span span{pos, n};
+  k_.embedding_forward(input_of(1), param(units, 0, "embed_tokens", false), ids, s);
+  for (int u = 1; u + 1 < U; ++u)
+    block_forward(u, units, input_of(u), input_of(u + 1), 1, 0, s, &span);
+  // The head, for the last token only.
+  const TensorView last{
+      static_cast<char*>(input_of(U - 1).data) + static_cast<uint64_t>(n - 1) * row_bytes,
+      t,
+      {1, D},
+      &device_};
+  head_logits(units, last, logits_out, s);
+  cached_ = pos + n;
 }
 
 }  // namespace strata

@@ -86,6 +86,10 @@ struct ModelOptions {
   // does not apply). For llama2-70b at 4096 tokens in bf16 that is 6 GiB less of the GPU.
   // backward(), backward_unit() and forward(keep_checkpoints) refuse.
   bool forward_only = false;
+  // Generation: each block keeps the keys and values of every position up to seq_len
+  // (num_hidden_layers × 2 × seq_len × kv_heads × head_dim in param_dtype), and decode() runs
+  // only the new tokens against them. Needs forward_only and max_batch 1.
+  bool kv_cache = false;
 };
 
 // Cosines then sines of every position's rotary angles, [seq_len, head_dim] f32, with the
@@ -131,6 +135,20 @@ class LlamaModel {
 
   TensorView losses(int64_t batch) const;
 
+  // ---- decoding, with ModelOptions::kv_cache ----
+  // Runs the n tokens `ids` (int32 in device memory) of one sequence at positions
+  // [pos, pos + n) against the cached keys and values of positions [0, pos), which earlier calls
+  // left (pos ≤ cached_positions(); a smaller pos starts again from there), and adds theirs to
+  // the cache. The logits of the last of them go to `logits_out` [1, vocab] f32 in device
+  // memory. pos + n ≤ seq_len. A prompt goes in as one call (or several), each new token as a
+  // call of n = 1: the same logits as a forward over the whole sequence, to rounding (on the
+  // host the attention rows are the same bits; the matmuls of one row may sum in another order
+  // than those of many).
+  void decode(const std::vector<UnitBuffers>& units, const int32_t* ids, int64_t pos, int64_t n,
+              const TensorView& logits_out, Stream& stream);
+  // Positions whose keys and values the cache holds.
+  int64_t cached_positions() const { return cached_; }
+
   // The unit-level pieces forward/backward are made of (the step schedule calls these).
   // `in` and `out` are [batch*seq_len, hidden] activations (unused by the embedding's input and
   // the head's output: the embedding reads ids, the head writes losses()).
@@ -171,11 +189,22 @@ class LlamaModel {
                    bool grad) const;
   TensorView rows(const DeviceBuffer& buf, DType dtype, int64_t n, int64_t cols) const;
   TensorView slot(int index, int64_t batch) const;
+  // Logits [rows of x, vocab] f32 into `out` from the head's input x: the final norm, then the
+  // LM head (the embedding's table when tied).
+  void head_logits(const std::vector<UnitBuffers>& units, const TensorView& x,
+                   const TensorView& out, Stream& stream);
   void head(const std::vector<UnitBuffers>& units, const TensorView& x, const int32_t* targets,
             int64_t batch, bool backward, float loss_scale, const TensorView& dx, int set,
             Stream& stream);
+  // The tokens of a decode() call: `tokens` new positions from `pos` on, one sequence.
+  struct Span {
+    int64_t pos = 0, tokens = 0;
+  };
+  // With `span`, x and out are [span->tokens, hidden], the keys and values go into the block's
+  // cache and the queries attend to every cached position up to their own.
   void block_forward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
-                     const TensorView& out, int64_t batch, int set, Stream& stream);
+                     const TensorView& out, int64_t batch, int set, Stream& stream,
+                     const Span* span = nullptr);
   void block_backward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
                       const TensorView& dout, const TensorView& din, int64_t batch, int set,
                       Stream& stream);
@@ -199,8 +228,10 @@ class LlamaModel {
   DeviceBuffer d_big_, d_gate_, d_up_, dq_, dk_, dv_, d_att_, d_h_, d_small_;
   // Head: logits chunk [B*T, C], online-softmax state and per-token losses, [B*T] f32 each.
   DeviceBuffer chunk_, chunk_act_, row_max_, row_sum_, target_logit_, losses_;
-  int last_slot_ = 0;  // the slot holding the head's input after the last forward
-  bool kept_ = false;  // whether the last forward kept every unit's input
+  DeviceBuffer kv_;     // decoding: per block, keys then values, [seq_len, kv_heads * head_dim]
+  int64_t cached_ = 0;  // positions in kv_
+  int last_slot_ = 0;   // the slot holding the head's input after the last forward
+  bool kept_ = false;   // whether the last forward kept every unit's input
 };
 
 // Deterministic random initialisation (Hugging Face's: normal(0, 0.02) weights, norm weights
