@@ -261,6 +261,62 @@ TEST_F(GenerateCli, SamplingFollowsTheSeedAndTopK) {
 
 // A checkpoint whose blocks add nothing and whose head makes end-of-text win by far: generation
 // stops after one token.
+// --top-p (the nucleus, as Hugging Face's top_p): each sampled token lies among the most likely
+// tokens whose probabilities before it sum to less than p; a tiny p is greedy; p = 1 changes
+// nothing; the seed still decides. Probabilities from the test's own full-sequence logits.
+TEST_F(GenerateCli, TopPSamplesFromTheNucleus) {
+  const std::string prompt = "Once upon a time";
+  const std::string args = model_arg() + " --prompt '" + prompt +
+                           "' --temperature 0.05 --top-k 0 --max-new-tokens 32 --seed 5 ";
+  const std::vector<uint32_t> all = tokens_of(generate_json(args));
+  EXPECT_EQ(tokens_of(generate_json(args + "--top-p 1")), all);
+  const std::vector<uint32_t> greedy = tokens_of(generate_json(
+      model_arg() + " --prompt '" + prompt + "' --temperature 0 --max-new-tokens 32"));
+  EXPECT_EQ(tokens_of(generate_json(args + "--top-p 1e-9")), greedy);
+
+  const double p = 0.6;
+  const json j = generate_json(args + "--top-p 0.6");
+  EXPECT_EQ(j["top_p"].get<double>(), p);
+  const std::vector<uint32_t> nucleus = tokens_of(j);
+  ASSERT_FALSE(nucleus.empty());
+  EXPECT_EQ(tokens_of(generate_json(args + "--top-p 0.6")), nucleus);
+  Reference ref(tiny(), model_dir());
+  std::vector<uint32_t> seq = bytes_of(prompt);
+  int not_top = 0, sizes = 0;
+  for (uint32_t id : nucleus) {
+    const std::vector<float> l = ref.last_logits(seq);
+    std::vector<uint32_t> order(static_cast<size_t>(kByteVocab));
+    std::iota(order.begin(), order.end(), 0u);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](uint32_t x, uint32_t y) { return l[x] > l[y]; });
+    std::vector<double> w(order.size());
+    double total = 0;
+    for (size_t i = 0; i < order.size(); ++i)
+      total += w[i] = std::exp((double(l[order[i]]) - l[order[0]]) / 0.05);
+    // The nucleus's size, with a little room for the tool's logits rounding differently.
+    size_t size = 0;
+    for (double before = 0; size < order.size() && before < (p + 1e-3) * total;)
+      before += w[size++];
+    const auto rank = std::find(order.begin(), order.end(), id) - order.begin();
+    EXPECT_LT(static_cast<size_t>(rank), std::max<size_t>(size, 1))
+        << "token " << id << " after " << seq.size() << " tokens";
+    not_top += rank > 0;
+    sizes += size > 1;
+    seq.push_back(id);
+    if (id == kByteEos) break;
+  }
+  // The test says something only where the nucleus held more than one token.
+  EXPECT_GT(sizes, 0);
+  EXPECT_GT(not_top, 0);
+
+  for (const char* bad : {"0", "-0.5", "1.5", "nan"}) {
+    const Result r =
+        strata("generate --devices host " + model_arg() + " --prompt x --top-p " + bad);
+    EXPECT_NE(r.status, 0) << bad;
+    EXPECT_NE(r.out.find("--top-p"), std::string::npos) << r.out;
+  }
+}
+
 TEST_F(GenerateCli, StopsAtEndOfText) {
   const LlamaConfig c = tiny();
   ASSERT_FALSE(c.tie_word_embeddings);

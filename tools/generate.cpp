@@ -11,7 +11,9 @@
 // agree: only ids below both the model's and the tokenizer's vocabulary are candidates (a model's
 // vocabulary is often padded past its tokenizer's). Temperature 0 takes the argmax (lowest id on
 // ties). Otherwise candidates are ordered by logit, highest first (lower id first on ties), the
-// first --top-k kept (0 keeps all), weighted by exp((logit - max) / temperature) in double, and
+// first --top-k kept (0 keeps all), weighted by exp((logit - max) / temperature) in double;
+// with --top-p below 1, only the first of those whose weights before them sum to less than
+// top_p times their total stay (the nucleus, as Hugging Face's top_p: at least one), and
 // one xoshiro256** draw (train/data_loader.h, seeded by --seed) u = (next >> 11) * 2^-53 picks
 // the first candidate whose running weight sum exceeds u * total. (--seed also seeds --init
 // random.) Generation stops at the tokenizer's end-of-text id (kept in "tokens", not in the
@@ -58,6 +60,7 @@ struct GenerateArgs {
   int64_t max_new_tokens = 64;
   double temperature = 0.8;
   int64_t top_k = 40;
+  double top_p = 1.0;
   uint64_t seed = 1;
   std::string devices;
   std::string device_memory;
@@ -67,7 +70,7 @@ struct GenerateArgs {
 
 // The next token from the logits of the last position (see the note above).
 uint32_t sample_token(const std::vector<float>& logits, int64_t candidates, double temperature,
-                      int64_t top_k, Xoshiro256& rng) {
+                      int64_t top_k, double top_p, Xoshiro256& rng) {
   const auto n = static_cast<size_t>(candidates);
   if (temperature == 0) {
     size_t best = 0;
@@ -77,7 +80,7 @@ uint32_t sample_token(const std::vector<float>& logits, int64_t candidates, doub
   }
   std::vector<uint32_t> order(n);
   std::iota(order.begin(), order.end(), 0u);
-  const size_t keep = top_k > 0 ? std::min(n, static_cast<size_t>(top_k)) : n;
+  size_t keep = top_k > 0 ? std::min(n, static_cast<size_t>(top_k)) : n;
   std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(keep), order.end(),
                     [&](uint32_t a, uint32_t b) {
                       return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
@@ -88,6 +91,14 @@ uint32_t sample_token(const std::vector<float>& logits, int64_t candidates, doub
   for (size_t i = 0; i < keep; ++i) {
     weights[i] = std::exp((static_cast<double>(logits[order[i]]) - top) / temperature);
     total += weights[i];
+  }
+  if (top_p < 1) {  // the nucleus: the most likely tokens until their share reaches top_p
+    const double limit = top_p * total;
+    double before = 0;
+    size_t nucleus = 0;
+    while (nucleus < keep && (nucleus == 0 || before < limit)) before += weights[nucleus++];
+    keep = nucleus;
+    total = before;
   }
   const double target = static_cast<double>(rng.next() >> 11) * 0x1.0p-53 * total;
   double sum = 0;
@@ -118,6 +129,8 @@ int run_generate(const GenerateArgs& a) {
   if (!std::isfinite(a.temperature) || a.temperature < 0)
     fail("--temperature {} must be a finite number >= 0 (0 is greedy)", a.temperature);
   if (a.top_k < 0) fail("--top-k {} must be >= 0 (0 keeps every token)", a.top_k);
+  if (!(a.top_p > 0 && a.top_p <= 1))
+    fail("--top-p {} must be in (0, 1] (1 keeps every token; 0.9 is a common choice)", a.top_p);
 
   // The prompt's tokens before any memory is reserved.
   const std::unique_ptr<Tokenizer> tokenizer = open_tokenizer(a.tokenizer);
@@ -192,7 +205,7 @@ int run_generate(const GenerateArgs& a) {
             "generate: logit {} of token id {} at position {} is not finite; the weights of {} "
             "hold non-finite values (or overflow in {})",
             logits[static_cast<size_t>(i)], i, len - 1, a.model, dtype_name(dtype));
-    const uint32_t next = sample_token(logits, candidates, a.temperature, a.top_k, rng);
+    const uint32_t next = sample_token(logits, candidates, a.temperature, a.top_k, a.top_p, rng);
     generated.push_back(next);
     if (eos && next == *eos) {
       stop = "eos";
@@ -228,6 +241,7 @@ int run_generate(const GenerateArgs& a) {
                               {"seed", a.seed},
                               {"temperature", a.temperature},
                               {"top_k", a.top_k},
+                              {"top_p", a.top_p},
                               {"tokens_per_s", static_cast<double>(n_new) / seconds}};
     fmt::print("{}\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
   } else {
@@ -257,6 +271,9 @@ Command add_generate(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--temperature", a->temperature, "softmax temperature; 0 is greedy (argmax)")
       ->capture_default_str();
+  cmd->add_option("--top-p", a->top_p,
+                  "sample among the most likely tokens whose probabilities sum to p (nucleus); 1 "
+                  "keeps all");
   cmd->add_option("--top-k", a->top_k, "sample among the k most likely tokens; 0 keeps all")
       ->capture_default_str();
   cmd->add_option("--seed", a->seed, "seed of the sampling (and of --init random)")
