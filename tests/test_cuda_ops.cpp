@@ -439,7 +439,29 @@ TEST_F(CudaOpsTest, RopeForwardAndInverse) {
 struct AttentionCase {
   int64_t batch, seq, heads, kv_heads, head_dim;
   DType dtype;
+  int64_t kv_seq = -1;  // the keys' positions; -1: seq (decoding's calls have more)
+  int64_t keys() const { return kv_seq < 0 ? seq : kv_seq; }
 };
+
+// Random inputs of a case and the host's forward of them.
+struct AttentionForward {
+  Shape qs, ks, ls;
+  HostTensor q, k, v, out, lse;
+};
+AttentionForward host_attention_forward(const AttentionCase& c, Rng& rng) {
+  AttentionForward f;
+  f.qs = Shape{c.batch, c.seq, c.heads, c.head_dim};
+  f.ks = Shape{c.batch, c.keys(), c.kv_heads, c.head_dim};
+  f.ls = Shape{c.batch, c.heads, c.seq};
+  // q spans a wider range than k so that some rows' softmax is sharp.
+  f.q = random_tensor(c.dtype, f.qs, rng, -3.0f, 3.0f);
+  f.k = random_tensor(c.dtype, f.ks, rng);
+  f.v = random_tensor(c.dtype, f.ks, rng);
+  f.out = HostTensor(c.dtype, f.qs);
+  f.lse = HostTensor(f32, f.ls);
+  host::attention_forward(f.out.view(), f.lse.view(), f.q.view(), f.k.view(), f.v.view());
+  return f;
+}
 
 std::vector<AttentionCase> attention_cases() {
   std::vector<AttentionCase> cases;
@@ -494,14 +516,9 @@ struct AttentionPath {
 TEST_F(CudaOpsTest, AttentionForwardAndBackward) {
   Rng rng(7);
   for (const AttentionCase& c : attention_cases()) {
-    const Shape qs{c.batch, c.seq, c.heads, c.head_dim};
-    const Shape ks{c.batch, c.seq, c.kv_heads, c.head_dim};
-    const Shape ls{c.batch, c.heads, c.seq};
-    // q spans a wider range than k so that some rows' softmax is sharp.
-    HostTensor q = random_tensor(c.dtype, qs, rng, -3.0f, 3.0f);
-    HostTensor k = random_tensor(c.dtype, ks, rng), v = random_tensor(c.dtype, ks, rng);
-    HostTensor out(c.dtype, qs), lse(f32, ls);
-    host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view());
+    AttentionForward f = host_attention_forward(c, rng);
+    const Shape &qs = f.qs, &ks = f.ks, &ls = f.ls;
+    HostTensor &q = f.q, &k = f.k, &v = f.v, &out = f.out, &lse = f.lse;
     HostTensor dout = random_tensor(c.dtype, qs, rng);
     HostTensor dq(c.dtype, qs), dk(c.dtype, ks), dv(c.dtype, ks);
     host::attention_backward(dq.view(), dk.view(), dv.view(), dout.view(), q.view(), k.view(),
@@ -574,40 +591,31 @@ TEST_F(CudaOpsTest, AttentionForwardAndBackward) {
 // key are both covered.
 TEST_F(CudaOpsTest, AttentionForwardOfTheLastQueriesAgainstMoreKeys) {
   Rng rng(12);
-  struct Case {
-    int64_t batch, seq, kv_seq, heads, kv_heads, head_dim;
-    DType dtype;
-  };
-  const std::vector<Case> cases = {{2, 1, 37, 8, 2, 64, f32},   {1, 1, 300, 8, 2, 128, bf16},
-                                   {1, 5, 70, 4, 1, 16, bf16},  {2, 40, 100, 4, 2, 32, f32},
-                                   {1, 33, 34, 2, 2, 40, bf16}, {1, 1, 1, 4, 4, 64, f32},
-                                   {1, 17, 129, 4, 2, 256, f32}};
-  for (const Case& c : cases) {
+  // batch, queries, heads, kv heads, head_dim, dtype, keys
+  const std::vector<AttentionCase> cases = {
+      {2, 1, 8, 2, 64, f32, 37},   {1, 1, 8, 2, 128, bf16, 300}, {1, 5, 4, 1, 16, bf16, 70},
+      {2, 40, 4, 2, 32, f32, 100}, {1, 33, 2, 2, 40, bf16, 34},  {1, 1, 4, 4, 64, f32, 1},
+      {1, 17, 4, 2, 256, f32, 129}};
+  for (const AttentionCase& c : cases) {
     SCOPED_TRACE(fmt::format("{} batch {} seq {} kv_seq {} heads {} kv_heads {} head_dim {}",
-                             dtype_name(c.dtype), c.batch, c.seq, c.kv_seq, c.heads, c.kv_heads,
+                             dtype_name(c.dtype), c.batch, c.seq, c.keys(), c.heads, c.kv_heads,
                              c.head_dim));
-    const Shape qs{c.batch, c.seq, c.heads, c.head_dim};
-    const Shape ks{c.batch, c.kv_seq, c.kv_heads, c.head_dim};
-    const Shape ls{c.batch, c.heads, c.seq};
-    HostTensor q = random_tensor(c.dtype, qs, rng, -3.0f, 3.0f);
-    HostTensor k = random_tensor(c.dtype, ks, rng), v = random_tensor(c.dtype, ks, rng);
-    HostTensor out(c.dtype, qs), lse(f32, ls);
-    host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view());
-    DeviceTensor q_dev = upload(q), k_dev = upload(k), v_dev = upload(v);
-    DeviceTensor out_dev = empty(c.dtype, qs), lse_dev = empty(f32, ls);
+    const AttentionForward f = host_attention_forward(c, rng);
+    DeviceTensor q_dev = upload(f.q), k_dev = upload(f.k), v_dev = upload(f.v);
+    DeviceTensor out_dev = empty(c.dtype, f.qs), lse_dev = empty(f32, f.ls);
 #if STRATA_HAVE_CUDA
     const uint64_t simt_calls = attention_calls(AttentionKernels::kSimt);
 #endif
     gpu().attention_forward(out_dev.view(), lse_dev.view(), q_dev.view(), k_dev.view(),
                             v_dev.view(), stream());
 #if STRATA_HAVE_CUDA
-    if (on_cuda() && c.seq != c.kv_seq) {
+    if (on_cuda() && c.seq != c.keys()) {
       EXPECT_EQ(attention_calls(AttentionKernels::kSimt), simt_calls + 1)
           << "decoding's shapes did not take the SIMT kernel";
     }
 #endif
-    expect_close("out", out_dev.fetch("out"), out, tolerance(c.dtype, c.dtype));
-    expect_close("lse", lse_dev.fetch("lse"), lse, tolerance(f32, c.dtype));
+    expect_close("out", out_dev.fetch("out"), f.out, tolerance(c.dtype, c.dtype));
+    expect_close("lse", lse_dev.fetch("lse"), f.lse, tolerance(f32, c.dtype));
   }
 }
 

@@ -132,6 +132,16 @@ class Reference {
   ResidentWeights weights_;
 };
 
+// The ids below `candidates` (the tokenizer's vocabulary, which may be smaller than the
+// model's) by logit, largest first (a stable sort: lower id first on ties).
+std::vector<uint32_t> ranked(const std::vector<float>& logits, int64_t candidates) {
+  std::vector<uint32_t> order(static_cast<size_t>(candidates));
+  std::iota(order.begin(), order.end(), 0u);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](uint32_t x, uint32_t y) { return logits[x] > logits[y]; });
+  return order;
+}
+
 std::vector<uint32_t> bytes_of(std::string_view s) {
   return std::vector<uint32_t>(reinterpret_cast<const unsigned char*>(s.data()),
                                reinterpret_cast<const unsigned char*>(s.data()) + s.size());
@@ -247,10 +257,7 @@ TEST_F(GenerateCli, SamplingFollowsTheSeedAndTopK) {
   int not_top = 0;
   for (uint32_t id : k3) {
     const std::vector<float> l = ref.last_logits(seq);
-    std::vector<uint32_t> order(static_cast<size_t>(kByteVocab));
-    std::iota(order.begin(), order.end(), 0u);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](uint32_t x, uint32_t y) { return l[x] > l[y]; });
+    const std::vector<uint32_t> order = ranked(l, kByteVocab);
     const auto rank = std::find(order.begin(), order.end(), id) - order.begin();
     EXPECT_LT(rank, 3) << "token " << id << " after " << seq.size() << " tokens";
     not_top += rank > 0;
@@ -285,10 +292,7 @@ TEST_F(GenerateCli, TopPSamplesFromTheNucleus) {
   int not_top = 0, sizes = 0;
   for (uint32_t id : nucleus) {
     const std::vector<float> l = ref.last_logits(seq);
-    std::vector<uint32_t> order(static_cast<size_t>(kByteVocab));
-    std::iota(order.begin(), order.end(), 0u);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](uint32_t x, uint32_t y) { return l[x] > l[y]; });
+    const std::vector<uint32_t> order = ranked(l, kByteVocab);
     std::vector<double> w(order.size());
     double total = 0;
     for (size_t i = 0; i < order.size(); ++i)
