@@ -123,10 +123,19 @@ TEST(PlanCli, ReadsADeepSpeedConfigAndFlagsOverrideIt) {
   // The ignored keys are listed once, on stderr.
   const Result err = strata(base, "2>&1 >/dev/null");
   EXPECT_NE(err.out.find("zero_optimization.reduce_bucket_size"), std::string::npos) << err.out;
+  EXPECT_EQ(err.out.find("as stage 3"), std::string::npos) << err.out;
 
   j = parse_json(strata(base + " --offload-optimizer cpu --micro-batch 1", "2>/dev/null"));
   EXPECT_EQ(j["homes"][1]["optimizer"], "cpu");
   EXPECT_EQ(j["micro_batch"], 1);
+  // Another ZeRO stage runs as stage 3, and says so.
+  std::ofstream(config) << R"({"zero_optimization": {"stage": 2,
+    "offload_optimizer": {"device": "cpu"}}})";
+  const Result stage2 = strata(base, "2>&1 >/dev/null");
+  EXPECT_EQ(stage2.status, 0) << stage2.out;
+  EXPECT_NE(stage2.out.find("zero_optimization.stage is 2; strata runs every stage as stage 3"),
+            std::string::npos)
+      << stage2.out;
   // A wrong value in the config names its path.
   std::ofstream(config) << R"({"zero_optimization": {"offload_param": {"device": "tape"}}})";
   const Result bad = strata(base);

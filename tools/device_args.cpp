@@ -72,6 +72,12 @@ std::optional<DsConfig> load_cli_config(const std::string& path) {
     for (const std::string& k : ds.ignored) keys += (keys.empty() ? "" : ", ") + k;
     log_warn("config {}: not acted on by strata: {}", path, keys);
   }
+  if (ds.zero.stage && *ds.zero.stage != 3)
+    log_warn(
+        "config {}: zero_optimization.stage is {}; strata runs every stage as stage 3: the "
+        "parameters are partitioned across the GPUs too (the same updates, 1/N of the model "
+        "state on each GPU, each unit gathered before use)",
+        path, *ds.zero.stage);
   return ds;
 }
 
