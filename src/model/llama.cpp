@@ -709,8 +709,15 @@ void LlamaModel::head_logits(const std::vector<UnitBuffers>& units, const Tensor
   k_.matmul(out, xf, false, w, true, 1.0f, 0.0f, s);
 }
 
-void LlamaModel::decode(const std::vector<UnitBuffers>& units, const int32_t* ids, int64_t pos,
-                        int64_t n, const TensorView& logits_out, Stream& s) {
+TensorView LlamaModel::decode_slot(int u, int64_t n) const {
+  // Unit u's input in slot (u - 1) % 2, as a forward that keeps nothing alternates them.
+  return TensorView{
+      slot((u - 1) % 2, 1).data, options_.param_dtype, {n, config_.hidden_size}, &device_};
+}
+
+void LlamaModel::decode_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids,
+                             int64_t pos, int64_t n, const TensorView& in, const TensorView& out,
+                             const TensorView& logits_out, Stream& s) {
   if (!options_.kv_cache)
     fail(
         "decode: the model was built without a KV cache (ModelOptions::kv_cache); this is a bug "
@@ -727,24 +734,35 @@ void LlamaModel::decode(const std::vector<UnitBuffers>& units, const int32_t* id
   if (pos > cached_)
     fail("decode: position {} follows only {} cached positions; run positions [{}, {}) first", pos,
          cached_, cached_, pos);
-  const DType t = options_.param_dtype;
-  const int64_t D = config_.hidden_size;
-  const uint64_t row_bytes = static_cast<uint64_t>(D) * dtype_size(t);
-  // Unit u's input in slot (u - 1) % 2, as a forward that keeps nothing alternates them; n rows.
-  auto input_of = [&](int u) { return TensorView{slot((u - 1) % 2, 1).data, t, {n, D}, &device_}; };
-  const int U = layout_.num_units();
+  const UnitLayout& unit = layout_.units.at(static_cast<size_t>(u));
   const Span span{pos, n};
-  k_.embedding_forward(input_of(1), param(units, 0, "embed_tokens", false), ids, s);
-  for (int u = 1; u + 1 < U; ++u)
-    block_forward(u, units, input_of(u), input_of(u + 1), 1, 0, s, &span);
-  // The head, for the last token only.
-  const TensorView last{
-      static_cast<char*>(input_of(U - 1).data) + static_cast<uint64_t>(n - 1) * row_bytes,
-      t,
-      {1, D},
-      &device_};
-  head_logits(units, last, logits_out, s);
-  cached_ = pos + n;
+  switch (unit.kind) {
+    case UnitKind::embedding:
+      k_.embedding_forward(out, param(units, u, "embed_tokens", false), ids, s);
+      break;
+    case UnitKind::block:
+      block_forward(u, units, in, out, 1, 0, s, &span);
+      break;
+    case UnitKind::head: {  // the last token only
+      const int64_t D = config_.hidden_size;
+      const uint64_t row = static_cast<uint64_t>(D) * dtype_size(options_.param_dtype);
+      const TensorView last{static_cast<char*>(in.data) + static_cast<uint64_t>(n - 1) * row,
+                            options_.param_dtype,
+                            {1, D},
+                            &device_};
+      head_logits(units, last, logits_out, s);
+      cached_ = pos + n;  // every block has written its keys and values by now
+      break;
+    }
+  }
+}
+
+void LlamaModel::decode(const std::vector<UnitBuffers>& units, const int32_t* ids, int64_t pos,
+                        int64_t n, const TensorView& logits_out, Stream& s) {
+  const int U = layout_.num_units();
+  for (int u = 0; u < U; ++u)
+    decode_unit(u, units, ids, pos, n, u == 0 ? TensorView{} : decode_slot(u, n),
+                u + 1 < U ? decode_slot(u + 1, n) : TensorView{}, logits_out, s);
 }
 
 }  // namespace strata

@@ -148,6 +148,15 @@ class LlamaModel {
               const TensorView& logits_out, Stream& stream);
   // Positions whose keys and values the cache holds.
   int64_t cached_positions() const { return cached_; }
+  // decode() unit by unit (the executor's way, with each unit's parameters gathered in turn):
+  // the embedding writes `out`, a block reads `in` and writes `out` (both [n, hidden]), the head
+  // reads the last row of `in` and writes `logits_out`. The cache holds the new positions once
+  // the head has run.
+  void decode_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids, int64_t pos,
+                   int64_t n, const TensorView& in, const TensorView& out,
+                   const TensorView& logits_out, Stream& stream);
+  // The activation slot holding unit u's input (u >= 1) in a decode call of n tokens.
+  TensorView decode_slot(int u, int64_t n) const;
 
   // The unit-level pieces forward/backward are made of (the step schedule calls these).
   // `in` and `out` are [batch*seq_len, hidden] activations (unused by the embedding's input and
