@@ -10,6 +10,8 @@
 #include "gpu/runtime.h"
 #include "cpu_adam/cpu_adam.h"
 #include "model/config.h"
+#include "model/llama.h"
+#include "model/weights.h"
 #include "partition/communicator.h"
 #include "partition/zero.h"
 #include "schedule/executor.h"
@@ -458,6 +460,96 @@ TEST_P(ExecutorPlacements, EveryPlacementGivesTheAllGpuBits) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, ExecutorPlacements, ::testing::Values(1, 3));
+
+// Generation through the executor (RunShape::kv_cache, as `strata generate --offload-param`
+// places it): a prompt, single tokens and a restart from an earlier position give the logits of
+// a resident model decoding on one device, wherever the parameters live and over 1 or 3 ranks
+// (rank 0 decodes, the others take part in the gathers). Bit for bit on host devices. Bad
+// positions and ids are refused by name.
+TEST(Executor, DecodesWithAKvCacheToTheResidentModelsLogits) {
+  constexpr int64_t T = 12;
+  // (ids, pos) of each call: a prompt, three tokens one by one, a restart at position 2.
+  const std::vector<std::pair<std::vector<int32_t>, int64_t>> calls = {
+      {{5, 17, 3, 200, 9}, 0}, {{41}, 5}, {{7}, 6}, {{250}, 7}, {{1, 2, 3}, 2}, {{99}, 5}};
+  for (int N : {1, 3}) {
+    REQUIRE_DEVICES(N);
+    for (bool tied : {false, true}) {
+      const LlamaConfig c = tiny(tied);
+      std::vector<std::vector<float>> want;
+      {
+        Rig rig(1);
+        Device& d = *rig.devices[0];
+        ModelOptions mo;
+        mo.seq_len = T;
+        mo.forward_only = true;
+        mo.kv_cache = true;
+        LlamaModel model(c, mo, d);
+        ResidentWeights w(model.layout(), d, DType::f32, DType::f32, false);
+        auto st = d.create_stream("reference");
+        w.init_random(42, *st);
+        DeviceBuffer ids(d, T * 4, "ids"), logits(d, c.vocab_size * 4, "logits");
+        for (const auto& [tokens, pos] : calls) {
+          d.copy_to_device(ids.data(), tokens.data(), tokens.size() * 4, *st);
+          model.decode(w.units(), static_cast<int32_t*>(ids.data()), pos,
+                       static_cast<int64_t>(tokens.size()),
+                       logits.view(DType::f32, {1, c.vocab_size}), *st);
+          std::vector<float> l(static_cast<size_t>(c.vocab_size));
+          d.copy_to_host(l.data(), logits.data(), l.size() * 4, *st);
+          st->synchronize();
+          want.push_back(std::move(l));
+        }
+      }
+      for (Tier p : {Tier::gpu, Tier::cpu, Tier::nvme}) {
+        const std::string name = fmt::format("N {} tied {} P {}", N, tied, tier_name(p));
+        SCOPED_TRACE(name);
+        const test::TempDir dir("strata-exec-decode");
+        RunShape shape;
+        shape.model = c;
+        shape.ranks = N;
+        shape.param_dtype = DType::f32;
+        shape.grad_dtype = DType::f32;
+        shape.micro_batch = 1;
+        shape.seq_len = T;
+        shape.persistence_threshold = 0;
+        shape.working_buffers = 2;
+        shape.training = false;
+        shape.kv_cache = true;
+        OffloadRequest req;
+        req.param = p;
+        req.buffer_count = 4;
+        if (p == Tier::nvme) req.nvme_paths = {dir.path.string()};
+        req.nvme_stripe = 64 * 1024;
+        const Placement pl = Placement::make(shape, req, test_budgets());
+        ScheduleOptions fo;
+        fo.forward_only = true;
+        Rig rig(N);
+        Executor ex(pl, Schedule::build(pl, fo), *rig.comm);
+        ex.init_random(42);
+        for (size_t i = 0; i < calls.size(); ++i) {
+          const std::vector<float>& got = ex.decode(calls[i].first, calls[i].second);
+          if (test_backend() == Backend::host) {
+            expect_bits(got, want[i], fmt::format("{} call {}", name, i));
+          } else {  // cuBLASLt may pick another algorithm for other pointers
+            double worst = 0, scale = 0;
+            for (size_t v = 0; v < got.size(); ++v) {
+              worst = std::max(worst, std::abs(double(got[v]) - want[i][v]));
+              scale = std::max(scale, std::abs(double(want[i][v])));
+            }
+            EXPECT_LE(worst, 1e-5 * scale) << "call " << i;
+          }
+        }
+        for (auto& dv : rig.devices)
+          EXPECT_LE(dv->memory().high_water,
+                    pl.needs().total(Tier::gpu) + ex.memory().device_extra_bytes)
+              << dv->name() << kinds(pl, *dv);
+        test::expect_error([&] { ex.decode({1, 2}, 11); }, {"positions [11, 13)", "12 positions"});
+        test::expect_error([&] { ex.decode({static_cast<int32_t>(c.vocab_size)}, 0); },
+                           {"outside the vocabulary"});
+        test::expect_error([&] { ex.decode({1}, 9); }, {"position 9 follows only 6 cached"});
+      }
+    }
+  }
+}
 
 // A placement of the parameters alone (RunShape::training off, as `strata eval` places them):
 // the executor allocates no gradients, optimizer state or activation gradients, and its

@@ -245,6 +245,11 @@ struct Executor::State {
   std::unique_ptr<ZeroModel> zero;
   std::vector<std::unique_ptr<LlamaModel>> models;
   std::vector<DeviceBuffer> act_a, act_b, ids_dev, tgt_dev, chunk_sums, param_tmp;
+  // Decoding (RunShape::kv_cache): the positions of the Executor::decode() call in flight
+  // (n = 0: none), each rank's last-position logits [vocab] f32, and rank 0's on the host.
+  int64_t decode_pos = 0, decode_n = 0;
+  std::vector<DeviceBuffer> logits_dev;
+  std::vector<float> logits;
   std::vector<std::vector<DeviceBuffer>> o_dev;  // [u][r*3 + {master, m, v}]
   struct RankStreams {
     // tail: the cpu.adam lane's work on the device (zeroing resident gradients)
@@ -963,6 +968,7 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
   mo.recompute = shape.recompute;
   mo.activation_sets = shape.micro_batch_group;  // as the placement counts them
   mo.forward_only = !shape.training;
+  mo.kv_cache = shape.kv_cache;
   if (schedule_.micro_batch_group > shape.micro_batch_group)
     fail(
         "executor: the schedule runs micro-batches in groups of {} but the placement keeps the "
@@ -982,6 +988,9 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
                            MemoryKind::activations);
     s.tgt_dev.emplace_back(d, rows * 4 * static_cast<uint64_t>(s.M), "targets",
                            MemoryKind::activations);
+    if (shape.kv_cache)
+      s.logits_dev.emplace_back(d, static_cast<uint64_t>(shape.model.vocab_size) * 4, "logits",
+                                MemoryKind::activations);
     State::RankStreams rs;
     rs.compute = d.create_stream(fmt::format("gpu[{}].compute", r));
     d.kernels().prepare(*rs.compute);  // no allocation once the lanes run
@@ -1420,7 +1429,14 @@ void Executor::State::run_task(const Task& t, int64_t k) {
           static_cast<const int32_t*>(tgt_dev[static_cast<size_t>(r)].data()) + m * rows;
       // Micro-batch m's activations (and the gradients flowing between its units): set m % G.
       const int set = m % sc->micro_batch_group;
-      if (b > 0) {
+      if (b > 0 && decode_n > 0) {  // Executor::decode(): forwards only, one sequence
+        const TensorView in = u == 0 ? TensorView{} : model.decode_slot(u, decode_n);
+        const TensorView out = u + 1 < U ? model.decode_slot(u + 1, decode_n) : TensorView{};
+        const TensorView lg =
+            logits_dev[static_cast<size_t>(r)].view(DType::f32, {1, model.config().vocab_size});
+        model.decode_unit(u, v, ids, decode_pos, decode_n, in, out, lg, st);
+        if (u == U - 1) dev(r).copy_to_host(logits.data(), lg.data, logits.size() * 4, st);
+      } else if (b > 0) {
         const TensorView in = u == 0 ? TensorView{} : model.checkpoint(u, b, set);
         if (t.kind == TaskKind::forward) {
           const TensorView out = u + 1 < U ? model.checkpoint(u + 1, b, set) : TensorView{};
@@ -1896,9 +1912,8 @@ const Timeline& Executor::timeline() const {
   return timeline_;
 }
 
-EvalResult Executor::evaluate(const std::vector<std::vector<HostBatch>>& batches) {
+void Executor::resolve_forward_only() {
   State& s = *s_;
-  s.drain();
   if (!s.eval) {
     ScheduleOptions so = schedule_.options;
     so.forward_only = true;
@@ -1916,6 +1931,12 @@ EvalResult Executor::evaluate(const std::vector<std::vector<HostBatch>>& batches
     s.swap(*e);
     s.eval = std::move(e);
   }
+}
+
+EvalResult Executor::evaluate(const std::vector<std::vector<HostBatch>>& batches) {
+  State& s = *s_;
+  s.drain();
+  resolve_forward_only();
   const int64_t count = s.upload(batches, "evaluation");
   const double t0 = s.now();
   s.swap(*s.eval);
@@ -1931,6 +1952,50 @@ EvalResult Executor::evaluate(const std::vector<std::vector<HostBatch>>& batches
   out.targets = count;
   out.seconds = s.now() - t0;
   return out;
+}
+
+const std::vector<float>& Executor::decode(const std::vector<int32_t>& ids, int64_t pos) {
+  State& s = *s_;
+  s.drain();
+  const RunShape& shape = placement_.shape;
+  if (!shape.kv_cache)
+    fail(
+        "executor: decode() needs a placement with a KV cache (RunShape::kv_cache); this is a "
+        "bug in strata");
+  s.check_usable();
+  const auto n = static_cast<int64_t>(ids.size());
+  if (n < 1 || pos < 0 || pos + n > shape.seq_len)
+    fail(
+        "executor decode: positions [{}, {}) do not fit the placement's {} positions; start a "
+        "new sequence, or place the run with a longer one",
+        pos, pos + n, shape.seq_len);
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (ids[i] < 0 || ids[i] >= shape.model.vocab_size)
+      fail("executor decode: token {} (position {}) is id {}, outside the vocabulary [0, {})", i,
+           pos + static_cast<int64_t>(i), ids[i], shape.model.vocab_size);
+  resolve_forward_only();
+  // Rank 0 decodes; the other ranks take part in the gathers only (batch 0).
+  s.batch_sizes.assign(static_cast<size_t>(s.M), std::vector<int64_t>(static_cast<size_t>(s.N)));
+  s.batch_sizes[0][0] = 1;
+  s.losses.assign(static_cast<size_t>(s.M),
+                  std::vector<std::vector<float>>(static_cast<size_t>(s.N)));
+  Stream& st = *s.streams[0].setup;
+  s.dev(0).copy_to_device(s.ids_dev[0].data(), ids.data(), ids.size() * 4, st);
+  st.synchronize();
+  s.logits.assign(static_cast<size_t>(shape.model.vocab_size), 0.0f);
+  s.decode_pos = pos;
+  s.decode_n = n;
+  s.swap(*s.eval);
+  try {
+    s.run_lanes();
+  } catch (...) {
+    s.swap(*s.eval);
+    s.decode_n = 0;
+    throw;
+  }
+  s.swap(*s.eval);
+  s.decode_n = 0;
+  return s.logits;
 }
 
 void Executor::trace(const std::string& path) const {

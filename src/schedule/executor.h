@@ -163,6 +163,14 @@ class Executor {
   // written. Throws Error (naming the task) when a task fails.
   EvalResult evaluate(const std::vector<std::vector<HostBatch>>& batches);
 
+  // Generation, with a placement of RunShape::kv_cache: runs `ids`, the tokens at positions
+  // [pos, pos + ids.size()) of one sequence, through the forward-only schedule against the
+  // keys and values cached by earlier calls (positions [0, pos); a smaller pos starts again
+  // from there), and returns the logits of the last of them ([vocab], valid until the next
+  // call). Rank 0 computes; every rank takes part in the gathers. Throws Error naming a bad
+  // position or token id.
+  const std::vector<float>& decode(const std::vector<int32_t>& ids, int64_t pos);
+
   // Unit u's parameters (or fp32 master weights) assembled from every rank's shard, as f32.
   std::vector<float> parameters(int u) const;
   std::vector<float> master(int u) const;
@@ -183,6 +191,7 @@ class Executor {
 
  private:
   struct State;
+  void resolve_forward_only();  // the forward-only schedule evaluate() and decode() run
   Placement placement_;
   Schedule schedule_;
   mutable Timeline timeline_;

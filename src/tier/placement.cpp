@@ -100,11 +100,14 @@ FixedGpu fixed_gpu(const RunShape& s, const Partition& p) {
   mo.recompute = s.recompute;
   mo.activation_sets = s.micro_batch_group;
   mo.forward_only = !s.training;  // evaluation: no room for a backward (LlamaModel)
+  mo.kv_cache = s.kv_cache;
   const uint64_t flow = static_cast<uint64_t>(s.micro_batch_group) *
                         static_cast<uint64_t>(s.micro_batch * s.seq_len * s.model.hidden_size) *
                         z.ps;
   f.activations = LlamaModel::workspace_bytes_for(s.model, mo, z.align) +
                   grads * 2 * device_buffer(flow, z.align);
+  if (s.kv_cache)  // the executor's buffer of the last position's logits
+    f.activations += device_buffer(static_cast<uint64_t>(s.model.vocab_size) * 4, z.align);
   f.other = grads * device_buffer(p.max_shard_numel() * z.gs, z.align);
   return f;
 }

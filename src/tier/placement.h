@@ -155,6 +155,9 @@ struct RunShape {
   // and optimizer are then meaningless (left gpu) and count no bytes; only the parameters are
   // placed, and the pinned buffers carry them alone.
   bool training = true;
+  // Generation (training off, one sequence of micro_batch 1): each rank's model keeps a KV
+  // cache of seq_len positions (ModelOptions::kv_cache), counted with the activations.
+  bool kv_cache = false;
 };
 
 // Gathered working buffers per GPU for a prefetch depth: the unit in use and `depth` ahead, and
