@@ -321,6 +321,40 @@ TEST_F(GenerateCli, TopPSamplesFromTheNucleus) {
   }
 }
 
+// Parameters in host RAM or on NVMe, or ZeRO-3 partitioned over several devices: the executor's
+// forward-only schedule decodes (Executor::decode) and samples the resident model's tokens; a
+// placement that does not fit is refused with the table before anything starts.
+TEST_F(GenerateCli, OffloadedOrPartitionedParametersGiveTheResidentTokens) {
+  const std::string args = model_arg() +
+                           " --prompt 'Once upon a time' --temperature 1 --top-k 0 --seed 7 "
+                           "--max-new-tokens 24 ";
+  const json resident = generate_json(args);
+  EXPECT_EQ(resident["parameters"], "resident");
+  const std::string swap = (tmp_.path / "swap").string();
+  fs::create_directories(swap);
+  struct Run {
+    std::string devices, flags, parameters;
+  };
+  for (const Run& r :
+       {Run{"host", "--offload-param cpu --persistence-threshold 0", "cpu 4"},
+        Run{"host", "--offload-param nvme --persistence-threshold 0 --nvme-path '" + swap + "'",
+            "nvme 4"},
+        Run{"host:2", "", "gpu 4"},
+        Run{"host:3", "--persistence-threshold 0 --offload-param auto --prefetch-depth 2",
+            "gpu 4"}}) {
+    SCOPED_TRACE(r.devices + " " + r.flags);
+    const json j = generate_json(args + r.flags, r.devices);
+    EXPECT_EQ(j["parameters"], r.parameters);
+    EXPECT_EQ(j["devices"].size(), r.devices == "host" ? 1u : r.devices.back() - '0');
+    EXPECT_EQ(tokens_of(j), tokens_of(resident));
+  }
+  const Result refused = strata("generate --devices host:2 --device-memory 512KiB " + args);
+  EXPECT_EQ(refused.status, 1) << refused.out;
+  for (const char* what :
+       {"placement does not fit", "nothing was allocated", "--offload-param cpu or nvme"})
+    EXPECT_NE(refused.out.find(what), std::string::npos) << what << "\n" << refused.out;
+}
+
 TEST_F(GenerateCli, StopsAtEndOfText) {
   const LlamaConfig c = tiny();
   ASSERT_FALSE(c.tie_word_embeddings);

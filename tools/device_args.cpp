@@ -193,4 +193,75 @@ std::pair<int64_t, int64_t> resolve_batch(const std::optional<DsConfig>& config,
       m, g, w, got, src, want, fix);
 }
 
+DType run_dtype(const Device& device, const std::string& dtype, const DsPlanSettings& plan,
+                const std::string& config_path) {
+  if (!dtype.empty() || !plan.param_dtype) return model_dtype(device, dtype);
+  check_model_dtype(device, *plan.param_dtype, fmt::format("{}: fp16.enabled", config_path));
+  return *plan.param_dtype;
+}
+
+void add_param_placement_options(CLI::App* cmd, ParamPlacementArgs& a) {
+  cmd->add_option("--persistence-threshold", a.persistence_threshold,
+                  "units of at most this many parameters stay whole on every device instead of "
+                  "sharded (DeepSpeed's stage3_param_persistence_threshold, default 100000; 0 "
+                  "shards all)");
+  cmd->add_option("--config", a.config,
+                  "DeepSpeed JSON config: its offload_param (device, nvme_path, buffer_count, "
+                  "pin_memory), aio, bf16/fp16 and stage3 settings");
+  cmd->add_option("--offload-param", a.offload_param,
+                  "where the parameter shards live: none (default), cpu, nvme or auto (the "
+                  "fastest tier with room; overrides --config)");
+  cmd->add_option("--nvme-path", a.nvme_paths, "NVMe directories for --offload-param nvme")
+      ->delimiter(',');
+  cmd->add_option("--prefetch-depth", a.prefetch_depth, "units fetched ahead (default 1)");
+  cmd->add_option("--cpu-memory", a.cpu_memory,
+                  "host RAM the parameters may use (default 80% of what is available)");
+  cmd->add_option("--pinned-memory", a.pinned_memory,
+                  "page-locked memory allowed (default and at most ulimit -l)");
+}
+
+ForwardRun place_forward_run(RunShape shape, const ParamPlacementArgs& a,
+                             const DsPlanSettings& plan, const std::vector<Device*>& ranks) {
+  const uint64_t cpu_memory = budget_flag("--cpu-memory", a.cpu_memory, "host RAM", "64GiB");
+  const uint64_t pinned_memory =
+      budget_flag("--pinned-memory", a.pinned_memory, "page-locked memory", "2GiB");
+  ForwardRun run;
+  shape.persistence_threshold = a.persistence_threshold >= 0
+                                    ? static_cast<uint64_t>(a.persistence_threshold)
+                                    : plan.persistence_threshold.value_or(100000);
+  run.prefetch_depth = prefetch_depth_flag(a.prefetch_depth, plan.prefetch_depth.value_or(1));
+  shape.working_buffers = working_buffers_for(run.prefetch_depth, shape.model.tie_word_embeddings);
+  shape.training = false;
+  OffloadRequest request = plan.offload;
+  apply_offload_flags(request, a.offload_param, "");
+  if (!a.nvme_paths.empty()) request.nvme_paths = a.nvme_paths;
+  run.placement =
+      place_locally(shape, request, ranks[0]->memory().capacity, cpu_memory, pinned_memory);
+  log_debug("{}", run.placement.str());
+  ScheduleOptions so;
+  so.prefetch_depth = run.prefetch_depth;
+  so.forward_only = true;
+  run.comm = make_communicator(ranks);
+  run.executor =
+      std::make_unique<Executor>(run.placement, Schedule::build(run.placement, so), *run.comm);
+  return run;
+}
+
+nlohmann::json homes_json(const Placement& pl) {
+  nlohmann::json j = nlohmann::json::object();
+  for (Tier t : {Tier::gpu, Tier::cpu, Tier::nvme})
+    j[std::string(tier_name(t))] = std::count_if(pl.homes.begin(), pl.homes.end(),
+                                                 [t](const UnitHomes& h) { return h.param == t; });
+  return j;
+}
+
+std::string homes_text(const Placement& pl) {
+  const nlohmann::json counts = homes_json(pl);
+  std::string out;
+  for (Tier t : {Tier::gpu, Tier::cpu, Tier::nvme})
+    if (const int64_t n = counts[std::string(tier_name(t))]; n > 0)
+      out += fmt::format("{}{} {}", out.empty() ? "" : ", ", tier_name(t), n);
+  return out;
+}
+
 }  // namespace strata::cli

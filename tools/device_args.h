@@ -3,8 +3,13 @@
 #pragma once
 
 #include "core/device.h"
+#include "partition/communicator.h"
+#include "schedule/executor.h"
 #include "tier/placement.h"
 #include "train/ds_config.h"
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <limits>
@@ -30,6 +35,11 @@ DType model_dtype(const Device& device, const std::string& dtype);
 // An Error unless `device`'s kernels compute in `dtype`: the CUDA backend has no f16 kernels
 // (f32 and bf16 only). `source` names where the dtype came from ("--dtype f16").
 void check_model_dtype(const Device& device, DType dtype, std::string_view source);
+
+// --dtype, else the DeepSpeed config's bf16/fp16 (`plan.param_dtype`, from `config_path`), else
+// the device's default; checked against the device's kernels.
+DType run_dtype(const Device& device, const std::string& dtype, const DsPlanSettings& plan,
+                const std::string& config_path);
 
 // Whether the weights come from the directory --model names (true) or from --init random
 // (false). An Error for an --init other than 'random', and for a preset (no weights) without
@@ -78,5 +88,38 @@ int micro_batch_group_flag(int64_t value, int64_t micro_batches);
 std::pair<int64_t, int64_t> resolve_batch(const std::optional<DsConfig>& config,
                                           const DsBatch& from_config, int world, int64_t micro_flag,
                                           int64_t accum_flag);
+
+// ---- the parameters of a forward-only run (eval, generate) in whichever tier has room ----
+
+struct ParamPlacementArgs {
+  int64_t persistence_threshold = -1;  // -1: the config's, else DeepSpeed's default
+  std::string config;                  // --config ds_config.json
+  std::string offload_param;
+  std::vector<std::string> nvme_paths;
+  int64_t prefetch_depth = kUnsetFlag;
+  std::string cpu_memory, pinned_memory;
+};
+// --persistence-threshold, --config, --offload-param, --nvme-path, --prefetch-depth,
+// --cpu-memory and --pinned-memory.
+void add_param_placement_options(CLI::App* cmd, ParamPlacementArgs& args);
+
+// A forward-only run: the parameters of `shape` (its model, ranks, dtype, micro-batch, sequence
+// length and kv_cache; the rest is set here, training off) homed as the flags ask over the
+// DeepSpeed config's offload_param (`plan`), placed and checked against this machine's budgets
+// (an Error with the table when they do not fit, before anything is allocated), with its
+// forward-only schedule and executor over `ranks`.
+struct ForwardRun {
+  Placement placement;
+  int prefetch_depth = 1;
+  std::unique_ptr<Communicator> comm;
+  std::unique_ptr<Executor> executor;
+};
+ForwardRun place_forward_run(RunShape shape, const ParamPlacementArgs& args,
+                             const DsPlanSettings& plan, const std::vector<Device*>& ranks);
+
+// Units per tier of the parameters' homes: {"gpu": n, "cpu": n, "nvme": n}, and as text
+// ("gpu 2, nvme 3").
+nlohmann::json homes_json(const Placement& placement);
+std::string homes_text(const Placement& placement);
 
 }  // namespace strata::cli

@@ -51,36 +51,13 @@ struct EvalArgs {
   std::string devices;
   std::string device_memory;
   std::string dtype;
-  int64_t persistence_threshold = -1;  // -1: the config's, else DeepSpeed's default
-  std::string config;
-  std::string offload_param;
-  std::vector<std::string> nvme_paths;
-  int64_t prefetch_depth = kUnsetFlag;
-  std::string cpu_memory, pinned_memory;
+  ParamPlacementArgs placement;
   bool json = false;
 };
 
 // How many units' parameters each tier holds: {"gpu": 2, "cpu": 4, "nvme": 0}.
-nlohmann::json homes_json(const Placement& pl) {
-  nlohmann::json j = nlohmann::json::object();
-  for (Tier t : {Tier::gpu, Tier::cpu, Tier::nvme})
-    j[std::string(tier_name(t))] = std::count_if(pl.homes.begin(), pl.homes.end(),
-                                                 [t](const UnitHomes& h) { return h.param == t; });
-  return j;
-}
-
-// The same as text, the tiers that hold any: "gpu 2, cpu 4".
-std::string homes_text(const Placement& pl) {
-  const nlohmann::json counts = homes_json(pl);
-  std::string out;
-  for (Tier t : {Tier::gpu, Tier::cpu, Tier::nvme})
-    if (const int64_t n = counts[std::string(tier_name(t))]; n > 0)
-      out += fmt::format("{}{} {}", out.empty() ? "" : ", ", tier_name(t), n);
-  return out;
-}
-
 int run_eval(const EvalArgs& a) {
-  const std::optional<DsConfig> ds = load_cli_config(a.config);
+  const std::optional<DsConfig> ds = load_cli_config(a.placement.config);
   const LlamaConfig config = resolve_model(a.model);
   const bool load = weights_from_model_dir(a.model, a.init, "evaluate");
 
@@ -100,9 +77,6 @@ int run_eval(const EvalArgs& a) {
         "plus the shifted target); give more data or a shorter --seq-len",
         a.data, tokens.size(), T, T + 1);
   if (a.max_sequences > 0) sequences = std::min(sequences, a.max_sequences);
-  const uint64_t cpu_memory = budget_flag("--cpu-memory", a.cpu_memory, "host RAM", "64GiB");
-  const uint64_t pinned_memory =
-      budget_flag("--pinned-memory", a.pinned_memory, "page-locked memory", "2GiB");
 
   auto devices = open_cli_devices(a.devices, a.device_memory, 0);
   const auto N = static_cast<int64_t>(devices.size());
@@ -110,11 +84,7 @@ int run_eval(const EvalArgs& a) {
   for (auto& d : devices) ranks.push_back(d.get());
   DsPlanSettings plan;
   if (ds) plan = ds_plan_settings(*ds, static_cast<int>(N), config);
-  DType dtype = model_dtype(*ranks[0], a.dtype);
-  if (a.dtype.empty() && plan.param_dtype) {
-    dtype = *plan.param_dtype;
-    check_model_dtype(*ranks[0], dtype, fmt::format("{}: fp16.enabled", a.config));
-  }
+  const DType dtype = run_dtype(*ranks[0], a.dtype, plan, a.placement.config);
 
   RunShape shape;
   shape.model = config;
@@ -123,24 +93,10 @@ int run_eval(const EvalArgs& a) {
   shape.grad_dtype = dtype;
   shape.micro_batch = std::min<int64_t>(a.batch, (sequences + N - 1) / N);
   shape.seq_len = T;
-  shape.persistence_threshold = a.persistence_threshold >= 0
-                                    ? static_cast<uint64_t>(a.persistence_threshold)
-                                    : plan.persistence_threshold.value_or(100000);
-  const int depth = prefetch_depth_flag(a.prefetch_depth, plan.prefetch_depth.value_or(1));
-  shape.working_buffers = working_buffers_for(depth, config.tie_word_embeddings);
-  shape.training = false;
-  OffloadRequest request = plan.offload;
-  apply_offload_flags(request, a.offload_param, "");
-  if (!a.nvme_paths.empty()) request.nvme_paths = a.nvme_paths;
-  const Placement placement =
-      place_locally(shape, request, ranks[0]->memory().capacity, cpu_memory, pinned_memory);
-  log_debug("eval: {}", placement.str());
-  ScheduleOptions so;
-  so.prefetch_depth = depth;
-  so.forward_only = true;
-  const Schedule schedule = Schedule::build(placement, so);
-  const auto comm = make_communicator(ranks);
-  Executor executor(placement, schedule, *comm);
+  ForwardRun run = place_forward_run(shape, a.placement, plan, ranks);
+  const Placement& placement = run.placement;
+  const int depth = run.prefetch_depth;
+  Executor& executor = *run.executor;
   if (load) {
     executor.load(SafetensorsReader::open(a.model));
   } else {
@@ -192,7 +148,7 @@ int run_eval(const EvalArgs& a) {
                         {"model", config.name},
                         {"device", fmt::format("{}", fmt::join(device_names, ","))},
                         {"devices", device_names},
-                        {"persistence_threshold", shape.persistence_threshold},
+                        {"persistence_threshold", placement.shape.persistence_threshold},
                         {"dtype", dtype_name(dtype)},
                         {"prefetch_depth", depth},
                         {"parameter_homes", homes_json(placement)},
@@ -242,23 +198,7 @@ Command add_eval(CLI::App& app) {
                   "cap of the device's memory, e.g. 2GiB (default: host 80% of available RAM, "
                   "cuda all free memory)");
   cmd->add_option("--dtype", args->dtype, "f32 or bf16 (default: f32 on host, bf16 on cuda)");
-  cmd->add_option("--persistence-threshold", args->persistence_threshold,
-                  "units of at most this many parameters stay whole on every device instead of "
-                  "sharded (DeepSpeed's stage3_param_persistence_threshold, default 100000; 0 "
-                  "shards all)");
-  cmd->add_option("--config", args->config,
-                  "DeepSpeed JSON config: its offload_param (device, nvme_path, buffer_count, "
-                  "pin_memory), aio, bf16/fp16 and stage3 settings");
-  cmd->add_option("--offload-param", args->offload_param,
-                  "where the parameter shards live: none (default), cpu, nvme or auto (the "
-                  "fastest tier with room; overrides --config)");
-  cmd->add_option("--nvme-path", args->nvme_paths, "NVMe directories for --offload-param nvme")
-      ->delimiter(',');
-  cmd->add_option("--prefetch-depth", args->prefetch_depth, "units fetched ahead (default 1)");
-  cmd->add_option("--cpu-memory", args->cpu_memory,
-                  "host RAM the parameters may use (default 80% of what is available)");
-  cmd->add_option("--pinned-memory", args->pinned_memory,
-                  "page-locked memory allowed (default and at most ulimit -l)");
+  add_param_placement_options(cmd, args->placement);
   cmd->add_flag("--json", args->json, "one JSON object: loss, perplexity, tokens, ...");
   return {cmd, [args] { return run_eval(*args); }};
 }

@@ -37,9 +37,11 @@
 #include "train/tokenizer.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <functional>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -65,6 +67,7 @@ struct GenerateArgs {
   std::string devices;
   std::string device_memory;
   std::string dtype;
+  ParamPlacementArgs placement;
   bool json = false;
 };
 
@@ -155,38 +158,80 @@ int run_generate(const GenerateArgs& a) {
     log_warn("generate: the context of {} positions stops generation after {} new tokens", context,
              context - prompt_len);
 
-  auto devices = open_cli_devices(a.devices, a.device_memory, 1);
-  Device& device = *devices[0];
-  const DType dtype = model_dtype(device, a.dtype);
-  ModelOptions options;
-  options.param_dtype = dtype;
-  options.grad_dtype = dtype;
-  options.max_batch = 1;
-  options.seq_len = T;
-  options.forward_only = true;
-  options.kv_cache = true;
-  LlamaModel model(config, options, device);
-  ResidentWeights weights(model.layout(), device, dtype, dtype, false);
-  auto stream = device.create_stream("generate");
-  if (load)
-    weights.load(SafetensorsReader::open(checkpoint), *stream);
-  else
-    weights.init_random(a.seed, *stream);
-  const std::vector<UnitBuffers> units = weights.units();
-
+  const std::optional<DsConfig> ds = load_cli_config(a.placement.config);
+  auto devices = open_cli_devices(a.devices, a.device_memory, 0);
+  std::vector<Device*> ranks;
+  for (auto& d : devices) ranks.push_back(d.get());
+  DsPlanSettings plan;
+  if (ds) plan = ds_plan_settings(*ds, static_cast<int>(ranks.size()), config);
+  const DType dtype = run_dtype(*ranks[0], a.dtype, plan, a.placement.config);
   const int64_t V = config.vocab_size;
+  // decode(ids, pos): the tokens at positions [pos, pos + ids.size()) through the model, against
+  // the cached positions before them; the last one's logits.
+  std::function<const std::vector<float>&(const std::vector<int32_t>&, int64_t)> decode;
+  std::vector<float> logits(static_cast<size_t>(V));
+  std::string placed = "resident";
+  // One device with the parameters on it: a resident model. Several devices, or parameters
+  // asked to live off the device: the executor's forward-only schedule, as `strata eval` runs
+  // it, each unit fetched and gathered for every token.
+  std::unique_ptr<LlamaModel> model;
+  std::unique_ptr<ResidentWeights> weights;
+  std::unique_ptr<Stream> stream;
+  std::optional<DeviceBuffer> d_ids, d_logits;
+  ForwardRun run;
+  const bool resident = ranks.size() == 1 && a.placement.config.empty() &&
+                        (a.placement.offload_param.empty() || a.placement.offload_param == "none");
+  if (resident) {
+    Device& device = *ranks[0];
+    ModelOptions options;
+    options.param_dtype = dtype;
+    options.grad_dtype = dtype;
+    options.max_batch = 1;
+    options.seq_len = T;
+    options.forward_only = true;
+    options.kv_cache = true;
+    model = std::make_unique<LlamaModel>(config, options, device);
+    weights = std::make_unique<ResidentWeights>(model->layout(), device, dtype, dtype, false);
+    stream = device.create_stream("generate");
+    if (load)
+      weights->load(SafetensorsReader::open(checkpoint), *stream);
+    else
+      weights->init_random(a.seed, *stream);
+    d_ids.emplace(device, static_cast<uint64_t>(T) * 4, "token ids", MemoryKind::activations);
+    d_logits.emplace(device, static_cast<uint64_t>(V) * 4, "logits", MemoryKind::activations);
+    decode = [&](const std::vector<int32_t>& ids, int64_t pos) -> const std::vector<float>& {
+      device.copy_to_device(d_ids->data(), ids.data(), ids.size() * 4, *stream);
+      model->decode(weights->units(), static_cast<const int32_t*>(d_ids->data()), pos,
+                    static_cast<int64_t>(ids.size()), d_logits->view(DType::f32, {1, V}), *stream);
+      device.copy_to_host(logits.data(), d_logits->data(), logits.size() * 4, *stream);
+      stream->synchronize();  // also keeps `ids` alive until its copy is done
+      return logits;
+    };
+  } else {
+    RunShape shape;
+    shape.model = config;
+    shape.ranks = static_cast<int>(ranks.size());
+    shape.param_dtype = dtype;
+    shape.grad_dtype = dtype;
+    shape.micro_batch = 1;
+    shape.seq_len = T;
+    shape.kv_cache = true;
+    run = place_forward_run(shape, a.placement, plan, ranks);
+    if (load)
+      run.executor->load(SafetensorsReader::open(checkpoint));
+    else
+      run.executor->init_random(a.seed);
+    placed = homes_text(run.placement);
+    decode = [&](const std::vector<int32_t>& ids, int64_t pos) -> const std::vector<float>& {
+      return run.executor->decode(ids, pos);
+    };
+  }
   const int64_t candidates = std::min(V, tokenizer->vocab_size());
-  DeviceBuffer d_ids(device, static_cast<uint64_t>(T) * 4, "token ids", MemoryKind::activations);
-  DeviceBuffer d_logits(device, static_cast<uint64_t>(V) * 4, "logits", MemoryKind::activations);
   std::vector<int32_t> ids(prompt_ids.begin(), prompt_ids.end());
-  ids.resize(static_cast<size_t>(T));
-  auto* dev_ids = static_cast<int32_t*>(d_ids.data());
-  device.copy_to_device(dev_ids, ids.data(), static_cast<uint64_t>(prompt_len) * 4, *stream);
 
   Xoshiro256 rng(a.seed);
   const std::optional<uint32_t> eos = tokenizer->eos_id();
   std::vector<uint32_t> generated;
-  std::vector<float> logits(static_cast<size_t>(V));
   std::string stop = "max_new_tokens";
   const auto t0 = std::chrono::steady_clock::now();
   // Positions [pos, len) are new to the cache: the prompt, then each sampled token.
@@ -196,24 +241,21 @@ int run_generate(const GenerateArgs& a) {
       stop = "context";
       break;
     }
-    model.decode(units, dev_ids + pos, pos, len - pos, d_logits.view(DType::f32, {1, V}), *stream);
-    device.copy_to_host(logits.data(), d_logits.data(), static_cast<uint64_t>(V) * 4, *stream);
-    stream->synchronize();
+    const std::vector<float>& last =
+        decode(std::vector<int32_t>(ids.begin() + pos, ids.begin() + len), pos);
     for (int64_t i = 0; i < candidates; ++i)
-      if (!std::isfinite(logits[static_cast<size_t>(i)]))
+      if (!std::isfinite(last[static_cast<size_t>(i)]))
         fail(
             "generate: logit {} of token id {} at position {} is not finite; the weights of {} "
             "hold non-finite values (or overflow in {})",
-            logits[static_cast<size_t>(i)], i, len - 1, a.model, dtype_name(dtype));
-    const uint32_t next = sample_token(logits, candidates, a.temperature, a.top_k, a.top_p, rng);
+            last[static_cast<size_t>(i)], i, len - 1, a.model, dtype_name(dtype));
+    const uint32_t next = sample_token(last, candidates, a.temperature, a.top_k, a.top_p, rng);
     generated.push_back(next);
     if (eos && next == *eos) {
       stop = "eos";
       break;
     }
-    ids[static_cast<size_t>(len)] = static_cast<int32_t>(next);
-    if (len + 1 < T)  // the next call's input (the synchronize above keeps ids[len] in place)
-      device.copy_to_device(dev_ids + len, &ids[static_cast<size_t>(len)], 4, *stream);
+    ids.push_back(static_cast<int32_t>(next));
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -227,6 +269,8 @@ int run_generate(const GenerateArgs& a) {
   const std::string text = whole.starts_with(prompt_text) ? whole.substr(prompt_text.size())
                                                           : tokenizer->decode(generated);
   const auto n_new = static_cast<int64_t>(generated.size());
+  std::vector<std::string> device_names;
+  for (Device* d : ranks) device_names.push_back(d->name());
   if (a.json) {
     const nlohmann::json j = {{"prompt", a.prompt},
                               {"text", text},
@@ -236,7 +280,9 @@ int run_generate(const GenerateArgs& a) {
                               {"stop", stop},
                               {"model", config.name},
                               {"tokenizer", tokenizer->name()},
-                              {"device", device.name()},
+                              {"device", fmt::format("{}", fmt::join(device_names, ","))},
+                              {"devices", device_names},
+                              {"parameters", placed},
                               {"dtype", dtype_name(dtype)},
                               {"seed", a.seed},
                               {"temperature", a.temperature},
@@ -246,8 +292,11 @@ int run_generate(const GenerateArgs& a) {
     fmt::print("{}\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
   } else {
     fmt::print("{}{}\n", a.prompt, text);
-    fmt::print(stderr, "generate: {} new tokens in {:.2f} s ({:.1f} tokens/s), stopped at {}\n",
-               n_new, seconds, static_cast<double>(n_new) / seconds, stop);
+    fmt::print(stderr,
+               "generate: {} new tokens in {:.2f} s ({:.1f} tokens/s) on {} (parameters: {}), "
+               "stopped at {}\n",
+               n_new, seconds, static_cast<double>(n_new) / seconds, fmt::join(device_names, ","),
+               placed, stop);
   }
   return 0;
 }
@@ -279,11 +328,13 @@ Command add_generate(CLI::App& app) {
   cmd->add_option("--seed", a->seed, "seed of the sampling (and of --init random)")
       ->capture_default_str();
   cmd->add_option("--devices", a->devices,
-                  "host or cuda:0: the one device the model runs on (default: cuda:0 if a GPU "
-                  "is usable, else host)");
+                  "host, host:N, cuda (every GPU) or cuda:0,1 (default: cuda:0 if a GPU is "
+                  "usable, else host); with several, the parameters are ZeRO-3 partitioned "
+                  "across them and the first decodes");
   cmd->add_option("--device-memory", a->device_memory,
                   "cap of the device's memory (default: all that is free, less a reserve)");
   cmd->add_option("--dtype", a->dtype, "f32 or bf16 (default: f32 on host, bf16 on cuda)");
+  add_param_placement_options(cmd, a->placement);
   cmd->add_flag("--json", a->json,
                 "one JSON object: prompt, text, tokens (the new ids), new_tokens, stop, ...");
   return {cmd, [a] { return run_generate(*a); }};
