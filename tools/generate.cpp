@@ -5,7 +5,10 @@
 // (ModelOptions::kv_cache) of min(prompt + --max-new-tokens, max_position_embeddings)
 // positions: the prompt runs once, then each new token alone against the cached keys and values
 // of the ones before it (LlamaModel::decode), and only the last position's logits are computed.
-// Each token costs one position's forward, not the whole sequence's.
+// Each token costs one position's forward, not the whole sequence's. With --offload-param,
+// --config or several --devices the parameters are placed as `strata eval` places them (host
+// RAM, NVMe, ZeRO-3 shards) and each call runs the executor's forward-only schedule
+// (Executor::decode): every unit fetched and gathered in turn, the first device decoding.
 //
 // Sampling is fully specified, so a seed gives the same tokens on every machine whose logits
 // agree: only ids below both the model's and the tokenizer's vocabulary are candidates (a model's
@@ -26,7 +29,6 @@
 #include "device_args.h"
 #include "core/device.h"
 #include "core/error.h"
-#include "core/kernels.h"
 #include "core/log.h"
 #include "model/config.h"
 #include "model/llama.h"
