@@ -220,6 +220,13 @@ void add_param_placement_options(CLI::App* cmd, ParamPlacementArgs& a) {
                   "page-locked memory allowed (default and at most ulimit -l)");
 }
 
+OffloadRequest param_request(const ParamPlacementArgs& a, const DsPlanSettings& plan) {
+  OffloadRequest request = plan.offload;
+  apply_offload_flags(request, a.offload_param, "");
+  if (!a.nvme_paths.empty()) request.nvme_paths = a.nvme_paths;
+  return request;
+}
+
 ForwardRun place_forward_run(RunShape shape, const ParamPlacementArgs& a,
                              const DsPlanSettings& plan, const std::vector<Device*>& ranks) {
   const uint64_t cpu_memory = budget_flag("--cpu-memory", a.cpu_memory, "host RAM", "64GiB");
@@ -232,11 +239,8 @@ ForwardRun place_forward_run(RunShape shape, const ParamPlacementArgs& a,
   run.prefetch_depth = prefetch_depth_flag(a.prefetch_depth, plan.prefetch_depth.value_or(1));
   shape.working_buffers = working_buffers_for(run.prefetch_depth, shape.model.tie_word_embeddings);
   shape.training = false;
-  OffloadRequest request = plan.offload;
-  apply_offload_flags(request, a.offload_param, "");
-  if (!a.nvme_paths.empty()) request.nvme_paths = a.nvme_paths;
-  run.placement =
-      place_locally(shape, request, ranks[0]->memory().capacity, cpu_memory, pinned_memory);
+  run.placement = place_locally(shape, param_request(a, plan), ranks[0]->memory().capacity,
+                                cpu_memory, pinned_memory);
   log_debug("{}", run.placement.str());
   ScheduleOptions so;
   so.prefetch_depth = run.prefetch_depth;

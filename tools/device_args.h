@@ -103,11 +103,14 @@ struct ParamPlacementArgs {
 // --cpu-memory and --pinned-memory.
 void add_param_placement_options(CLI::App* cmd, ParamPlacementArgs& args);
 
+// Where the parameters are asked to live: the DeepSpeed config's offload_param (`plan`) with
+// --offload-param and --nvme-path over it.
+OffloadRequest param_request(const ParamPlacementArgs& args, const DsPlanSettings& plan);
+
 // A forward-only run: the parameters of `shape` (its model, ranks, dtype, micro-batch, sequence
-// length and kv_cache; the rest is set here, training off) homed as the flags ask over the
-// DeepSpeed config's offload_param (`plan`), placed and checked against this machine's budgets
-// (an Error with the table when they do not fit, before anything is allocated), with its
-// forward-only schedule and executor over `ranks`.
+// length and kv_cache; the rest is set here, training off) homed as param_request() asks, placed
+// and checked against this machine's budgets (an Error with the table when they do not fit, before
+// anything is allocated), with its forward-only schedule and executor over `ranks`.
 struct ForwardRun {
   Placement placement;
   int prefetch_depth = 1;

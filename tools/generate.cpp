@@ -5,10 +5,11 @@
 // (ModelOptions::kv_cache) of min(prompt + --max-new-tokens, max_position_embeddings)
 // positions: the prompt runs once, then each new token alone against the cached keys and values
 // of the ones before it (LlamaModel::decode), and only the last position's logits are computed.
-// Each token costs one position's forward, not the whole sequence's. With --offload-param,
-// --config or several --devices the parameters are placed as `strata eval` places them (host
-// RAM, NVMe, ZeRO-3 shards) and each call runs the executor's forward-only schedule
-// (Executor::decode): every unit fetched and gathered in turn, the first device decoding.
+// Each token costs one position's forward, not the whole sequence's. When --offload-param (or
+// the --config's offload_param) asks for cpu, nvme or auto, or with several --devices, the
+// parameters are placed as `strata eval` places them (host RAM, NVMe, ZeRO-3 shards) and each call
+// runs the executor's forward-only schedule (Executor::decode): every unit fetched and gathered in
+// turn, the first device decoding.
 //
 // Sampling is fully specified, so a seed gives the same tokens on every machine whose logits
 // agree: only ids below both the model's and the tokenizer's vocabulary are candidates (a model's
@@ -43,10 +44,10 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <functional>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <numeric>
 #include <optional>
@@ -173,16 +174,16 @@ int run_generate(const GenerateArgs& a) {
   std::function<const std::vector<float>&(const std::vector<int32_t>&, int64_t)> decode;
   std::vector<float> logits(static_cast<size_t>(V));
   std::string placed = "resident";
-  // One device with the parameters on it: a resident model. Several devices, or parameters
-  // asked to live off the device: the executor's forward-only schedule, as `strata eval` runs
-  // it, each unit fetched and gathered for every token.
+  // One device with the parameters asked to live on it: a resident model. Several devices, or
+  // parameters in RAM, on NVMe or placed automatically: the executor's forward-only schedule, as
+  // `strata eval` runs it, each unit fetched and gathered for every token.
   std::unique_ptr<LlamaModel> model;
   std::unique_ptr<ResidentWeights> weights;
   std::unique_ptr<Stream> stream;
   std::optional<DeviceBuffer> d_ids, d_logits;
   ForwardRun run;
-  const bool resident = ranks.size() == 1 && a.placement.config.empty() &&
-                        (a.placement.offload_param.empty() || a.placement.offload_param == "none");
+  const OffloadRequest request = param_request(a.placement, plan);
+  const bool resident = ranks.size() == 1 && !request.automatic && request.param == Tier::gpu;
   if (resident) {
     Device& device = *ranks[0];
     ModelOptions options;

@@ -1912,7 +1912,7 @@ const Timeline& Executor::timeline() const {
   return timeline_;
 }
 
-void Executor::resolve_forward_only() {
+void Executor::run_forward_only() {
   State& s = *s_;
   if (!s.eval) {
     ScheduleOptions so = schedule_.options;
@@ -1931,14 +1931,6 @@ void Executor::resolve_forward_only() {
     s.swap(*e);
     s.eval = std::move(e);
   }
-}
-
-EvalResult Executor::evaluate(const std::vector<std::vector<HostBatch>>& batches) {
-  State& s = *s_;
-  s.drain();
-  resolve_forward_only();
-  const int64_t count = s.upload(batches, "evaluation");
-  const double t0 = s.now();
   s.swap(*s.eval);
   try {
     s.run_lanes();
@@ -1947,6 +1939,14 @@ EvalResult Executor::evaluate(const std::vector<std::vector<HostBatch>>& batches
     throw;
   }
   s.swap(*s.eval);
+}
+
+EvalResult Executor::evaluate(const std::vector<std::vector<HostBatch>>& batches) {
+  State& s = *s_;
+  s.drain();
+  const int64_t count = s.upload(batches, "evaluation");
+  const double t0 = s.now();
+  run_forward_only();
   EvalResult out;
   out.loss_sum = s.loss_sum();
   out.targets = count;
@@ -1973,27 +1973,21 @@ const std::vector<float>& Executor::decode(const std::vector<int32_t>& ids, int6
     if (ids[i] < 0 || ids[i] >= shape.model.vocab_size)
       fail("executor decode: token {} (position {}) is id {}, outside the vocabulary [0, {})", i,
            pos + static_cast<int64_t>(i), ids[i], shape.model.vocab_size);
-  resolve_forward_only();
   // Rank 0 decodes; the other ranks take part in the gathers only (batch 0).
   s.batch_sizes.assign(static_cast<size_t>(s.M), std::vector<int64_t>(static_cast<size_t>(s.N)));
   s.batch_sizes[0][0] = 1;
-  s.losses.assign(static_cast<size_t>(s.M),
-                  std::vector<std::vector<float>>(static_cast<size_t>(s.N)));
   Stream& st = *s.streams[0].setup;
   s.dev(0).copy_to_device(s.ids_dev[0].data(), ids.data(), ids.size() * 4, st);
   st.synchronize();
   s.logits.assign(static_cast<size_t>(shape.model.vocab_size), 0.0f);
   s.decode_pos = pos;
   s.decode_n = n;
-  s.swap(*s.eval);
   try {
-    s.run_lanes();
+    run_forward_only();
   } catch (...) {
-    s.swap(*s.eval);
     s.decode_n = 0;
     throw;
   }
-  s.swap(*s.eval);
   s.decode_n = 0;
   return s.logits;
 }

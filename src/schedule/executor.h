@@ -191,7 +191,8 @@ class Executor {
 
  private:
   struct State;
-  void resolve_forward_only();  // the forward-only schedule evaluate() and decode() run
+  // Runs the forward-only schedule (built on first use) that evaluate() and decode() share.
+  void run_forward_only();
   Placement placement_;
   Schedule schedule_;
   mutable Timeline timeline_;
