@@ -5,10 +5,11 @@ set -euo pipefail
 STRATA_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   liburing-dev libxxhash-dev libtbb-dev libxsimd-dev libhwloc-dev libfmt-dev
-  nlohmann-json3-dev libcli11-dev libopenblas-dev libsentencepiece-dev
+  nlohmann-json3-dev libcli11-dev libopenblas-dev libsentencepiece-dev libpcre2-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3
   python3-numpy python3-torch  # the CPU Adam parity test and bench/adam_vs_torch.py
+  python3-regex  # the tokenizer.json reference (tests/reference/bpe_reference.py)
 )
 
 # test.sh's sanitizer builds and fuzz/run.sh: Debian's clang with the sanitizer runtimes and

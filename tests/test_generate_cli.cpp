@@ -9,8 +9,10 @@
 #include "model/safetensors.h"
 #include "model/weights.h"
 #include "sentencepiece_testing.h"
+#include "hf_tokenizer_testing.h"
 #include "testing.h"
 #include "train/checkpoint_dir.h"
+#include "train/tokenizer.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -462,6 +464,27 @@ TEST_F(GenerateCli, SentencePieceTokenizer) {
                               "2>/dev/null");
   EXPECT_EQ(plain.status, 0);
   EXPECT_EQ(plain.out.rfind("the quick brown", 0), 0u) << plain.out;
+}
+
+TEST_F(GenerateCli, AModelDirectorysHuggingFaceTokenizerWithItsBeginOfText) {
+  // GPT-2's layout with Llama 3's begin-of-text (hf_tokenizer_testing.h): " the" is 258,
+  // <|begin_of_text|> 260 goes first, <|endoftext|> 259 ends the text; 261 ids in all.
+  test::write_tokenizer_json(model_dir(), test::with_begin_of_text(test::gpt2_like_tokenizer()));
+  const std::string args = model_arg() + " --prompt ' the' --temperature 0 --max-new-tokens 6";
+  const json j = generate_json(args);
+  EXPECT_EQ(j["tokenizer"], (model_dir() / "tokenizer.json").string());  // --tokenizer auto
+  EXPECT_EQ(j["prompt_tokens"].get<std::vector<uint32_t>>(), (std::vector<uint32_t>{260, 258}));
+  Reference ref(tiny(), model_dir());
+  const std::vector<uint32_t> expect = ref.greedy({260, 258}, 6, 261, 259);
+  EXPECT_EQ(tokens_of(j), expect);
+  for (uint32_t id : tokens_of(j)) EXPECT_LT(id, 261u);
+  const Result plain = strata("generate --devices host " + args, "2>/dev/null");
+  ASSERT_EQ(plain.status, 0);
+  EXPECT_EQ(plain.out, " the" + open_tokenizer(model_dir().string())->decode(expect) + "\n");
+  // An explicit --tokenizer wins over the directory's.
+  const json bytes = generate_json(args + " --tokenizer byte");
+  EXPECT_EQ(bytes["tokenizer"], "byte");
+  EXPECT_EQ(bytes["prompt_tokens"].get<std::vector<uint32_t>>(), bytes_of(" the"));
 }
 
 TEST_F(GenerateCli, BadInputsAreNamed) {

@@ -1,7 +1,10 @@
 // test_tokenize_cli.cpp: `strata tokenize` as a user runs it: a fortune-style .txt and a .jsonl
 // through the byte tokenizer, read back with TokenFile and decoded to the documents with
 // end-of-text between them, the file `strata eval` then reads, a SentencePiece model trained
-// here, and bad inputs named (missing file, bad JSON naming its line, a line without "text").
+// here, a Hugging Face tokenizer.json (its begin-of-text before each document), and bad inputs
+// named (missing file, bad JSON naming its line, a line without "text", an unsupported
+// tokenizer.json).
+#include "hf_tokenizer_testing.h"
 #include "model/tokens.h"
 #include "sentencepiece_testing.h"
 #include "testing.h"
@@ -118,6 +121,40 @@ TEST_F(TokenizeCli, SentencePieceModel) {
   const auto eos = std::find(t.begin(), t.end(), *sp->eos_id());
   ASSERT_NE(eos, t.end());
   EXPECT_EQ(sp->decode(std::vector<uint32_t>(t.begin(), eos)), "the quick brown fox");
+}
+
+TEST_F(TokenizeCli, HuggingFaceTokenizerFromAModelDirectory) {
+  // GPT-2's layout with Llama 3's begin-of-text (hf_tokenizer_testing.h): "Ġthe" is 258, "he"
+  // 257, <|endoftext|> (end-of-text, by its name) 259, <|begin_of_text|> 260 before each document.
+  const fs::path model = dir_ / "hf-model";
+  test::write_tokenizer_json(model, test::with_begin_of_text(test::gpt2_like_tokenizer()));
+  const fs::path in = write("in.jsonl", "{\"text\": \"the the\"}\n{\"text\": \" the!\"}\n");
+  const fs::path out = dir_ / "hf.bin";
+  const Result r = strata("tokenize --tokenizer '" + model.string() + "' --input '" + in.string() +
+                          "' --output '" + out.string() + "' --append-eos");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find((model / "tokenizer.json").string()), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("vocab 261"), std::string::npos) << r.out;
+  EXPECT_EQ(read_tokens(out), (std::vector<uint32_t>{260, 't', 257, 258, 259, 260, 258, '!', 259}));
+  // The tokenizer.json file itself works the same.
+  const fs::path out2 = dir_ / "hf2.bin";
+  const Result r2 =
+      strata("tokenize --tokenizer '" + (model / "tokenizer.json").string() + "' --input '" +
+             in.string() + "' --output '" + out2.string() + "' --append-eos");
+  ASSERT_EQ(r2.status, 0) << r2.out;
+  EXPECT_EQ(read_tokens(out2), read_tokens(out));
+  // An unsupported file is refused naming its place, and nothing is written.
+  nlohmann::json bad = test::gpt2_like_tokenizer();
+  bad["model"]["type"] = "Unigram";
+  test::write_tokenizer_json(dir_ / "bad-model", bad);
+  const fs::path never = dir_ / "never-hf.bin";
+  const Result refused =
+      strata("tokenize --tokenizer '" + (dir_ / "bad-model").string() + "' --input '" +
+             in.string() + "' --output '" + never.string() + "'");
+  EXPECT_EQ(refused.status, 1) << refused.out;
+  EXPECT_NE(refused.out.find("/model/type"), std::string::npos) << refused.out;
+  EXPECT_NE(refused.out.find("Unigram"), std::string::npos) << refused.out;
+  EXPECT_FALSE(fs::exists(never));
 }
 
 TEST_F(TokenizeCli, BadInputsAreNamed) {

@@ -23,6 +23,11 @@
 // random.) Generation stops at the tokenizer's end-of-text id (kept in "tokens", not in the
 // text), after --max-new-tokens, or when the model's context is full.
 //
+// The tokenizer (--tokenizer auto, the default) is the one the model directory ships
+// (tokenizer.json, else tokenizer.model; `strata train` copies them into every checkpoint), else
+// the byte tokenizer. Its prefix (a Hugging Face tokenizer's begin-of-text) goes before the
+// prompt, as Hugging Face's generate feeds it.
+//
 // Output: the prompt, then the generated text, on stdout; bytes that are not valid UTF-8 (the
 // byte tokenizer can produce any byte) are written as they are. With --json the text fields are
 // JSON strings, where such bytes become U+FFFD; "tokens" holds the exact ids.
@@ -61,7 +66,7 @@ struct GenerateArgs {
   std::string model;
   std::string init;
   std::string prompt;
-  std::string tokenizer = "byte";
+  std::string tokenizer = "auto";
   int64_t max_new_tokens = 64;
   double temperature = 0.8;
   int64_t top_k = 40;
@@ -115,6 +120,25 @@ uint32_t sample_token(const std::vector<float>& logits, int64_t candidates, doub
   return order[keep - 1];
 }
 
+// --tokenizer auto: the tokenizer a Hugging Face model directory ships (tokenizer.json, else
+// tokenizer.model), looked for in the checkpoint and then in --model itself; the byte tokenizer
+// where neither has one (a preset, or a run trained on byte tokens).
+std::string resolve_tokenizer(const std::string& spec, const std::string& model,
+                              const std::filesystem::path& checkpoint) {
+  namespace fs = std::filesystem;
+  if (spec != "auto") return spec;
+  std::error_code ec;
+  for (const fs::path& dir : {checkpoint, fs::path(model)}) {
+    if (dir.empty() || !fs::is_directory(dir, ec)) continue;
+    for (const char* file : {"tokenizer.json", "tokenizer.model"})
+      if (fs::exists(dir / file, ec)) {
+        log_info("generate: --tokenizer auto: {}", (dir / file).string());
+        return (dir / file).string();
+      }
+  }
+  return "byte";
+}
+
 // The checkpoint directory --model names: itself, or a run directory's newest complete one.
 std::filesystem::path checkpoint_of(const std::filesystem::path& dir) {
   namespace fs = std::filesystem;
@@ -139,13 +163,18 @@ int run_generate(const GenerateArgs& a) {
     fail("--top-p {} must be in (0, 1] (1 keeps every token; 0.9 is a common choice)", a.top_p);
 
   // The prompt's tokens before any memory is reserved.
-  const std::unique_ptr<Tokenizer> tokenizer = open_tokenizer(a.tokenizer);
+  const std::unique_ptr<Tokenizer> tokenizer =
+      open_tokenizer(resolve_tokenizer(a.tokenizer, a.model, checkpoint));
   if (tokenizer->vocab_size() > config.vocab_size)
     fail(
         "--tokenizer {}: its vocabulary of {} is larger than the model's ({}, vocab_size of "
         "{}); use the tokenizer the model was trained with",
         tokenizer->name(), tokenizer->vocab_size(), config.vocab_size, config.name);
-  const std::vector<uint32_t> prompt_ids = tokenizer->encode(a.prompt);
+  // What Hugging Face's generate feeds: the tokenizer's prefix (Llama's begin-of-text), then the
+  // prompt's tokens.
+  std::vector<uint32_t> prompt_ids = tokenizer->prefix_ids();
+  const std::vector<uint32_t> text_ids = tokenizer->encode(a.prompt);
+  prompt_ids.insert(prompt_ids.end(), text_ids.begin(), text_ids.end());
   const auto prompt_len = static_cast<int64_t>(prompt_ids.size());
   if (prompt_len == 0)
     fail("--prompt '{}' gives no tokens with the {} tokenizer; give some text to continue",
@@ -316,7 +345,9 @@ Command add_generate(CLI::App& app) {
   cmd->add_option("--init", a->init, "'random': initialise the weights instead of loading");
   cmd->add_option("--prompt", a->prompt, "the text to continue")->required();
   cmd->add_option("--tokenizer", a->tokenizer,
-                  "byte (ids 0-255 the bytes, 256 end-of-text) or a SentencePiece .model file")
+                  "auto (the model directory's tokenizer.json or tokenizer.model, else byte), "
+                  "byte (ids 0-255 the bytes, 256 end-of-text), a Hugging Face tokenizer.json "
+                  "(or a directory holding one), or a SentencePiece .model file")
       ->capture_default_str();
   cmd->add_option("--max-new-tokens", a->max_new_tokens,
                   "stop after this many new tokens (or at end-of-text, or the model's context)")

@@ -1,7 +1,8 @@
 // tokenize.cpp: `strata tokenize`, text or JSONL documents into an llm.c token file that
 // `strata eval` and `strata train` read.
 //
-// Documents and the end-of-text id between them are train/tokenizer.h's rules; the output is
+// Documents, the tokenizer's prefix (a Hugging Face tokenizer's begin-of-text) before each and
+// the end-of-text id between them are train/tokenizer.h's rules; the output is
 // uint16 tokens (magic 20240520) while every id fits, uint32 (magic 20240801) for a vocabulary
 // above 65,536, written atomically (a temporary file renamed over the output).
 #include "commands.h"
@@ -59,7 +60,9 @@ Command add_tokenize(CLI::App& app) {
       "line) into an llm.c token file");
   auto a = std::make_shared<TokenizeArgs>();
   cmd->add_option("--tokenizer", a->tokenizer,
-                  "byte (ids 0-255 the bytes, 256 end-of-text) or a SentencePiece .model file");
+                  "byte (ids 0-255 the bytes, 256 end-of-text), a Hugging Face tokenizer.json (or "
+                  "a model directory holding one; its begin-of-text starts each document), or a "
+                  "SentencePiece .model file");
   cmd->add_option("--input", a->inputs, "input file(s), .txt or .jsonl, read in order")->required();
   cmd->add_option("--output", a->output, "the token file to write")->required();
   cmd->add_flag("--append-eos", a->append_eos,

@@ -154,10 +154,25 @@ std::unique_ptr<Tokenizer> load_sentencepiece_tokenizer(const std::filesystem::p
 }
 
 std::unique_ptr<Tokenizer> open_tokenizer(std::string_view spec) {
+  namespace fs = std::filesystem;
   if (spec == "byte") return make_byte_tokenizer();
   if (spec.empty())
-    fail("tokenizer: none given; pass --tokenizer byte or the path of a SentencePiece .model");
-  return load_sentencepiece_tokenizer(std::filesystem::path(spec));
+    fail(
+        "tokenizer: none given; pass --tokenizer byte, a Hugging Face tokenizer.json (or its "
+        "model directory) or a SentencePiece .model");
+  const fs::path path(spec);
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    if (fs::exists(path / "tokenizer.json", ec)) return load_hf_tokenizer(path / "tokenizer.json");
+    if (fs::exists(path / "tokenizer.model", ec))
+      return load_sentencepiece_tokenizer(path / "tokenizer.model");
+    fail(
+        "tokenizer {}: the directory has neither tokenizer.json nor tokenizer.model; pass the "
+        "directory of a Hugging Face model that ships one, or the tokenizer file itself",
+        path.string());
+  }
+  if (path.extension() == ".json") return load_hf_tokenizer(path);
+  return load_sentencepiece_tokenizer(path);
 }
 
 DocumentFormat document_format_of(const std::filesystem::path& path) {
@@ -179,6 +194,8 @@ std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
                                          const std::vector<std::string>& documents,
                                          bool append_eos) {
   const std::optional<uint32_t> eos = tokenizer.eos_id();
+  const std::vector<uint32_t> prefix = tokenizer.prefix_ids(), suffix = tokenizer.suffix_ids();
+  const bool suffix_ends = eos.has_value() && !suffix.empty() && suffix.back() == *eos;
   if (!eos.has_value() && (documents.size() > 1 || (append_eos && !documents.empty())))
     fail(
         "tokenizer {}: it has no end-of-text piece to write between documents; use a model "
@@ -186,11 +203,13 @@ std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
         tokenizer.name());
   std::vector<uint32_t> tokens;
   for (size_t d = 0; d < documents.size(); ++d) {
-    if (d > 0) tokens.push_back(*eos);
+    if (d > 0 && !suffix_ends) tokens.push_back(*eos);
+    tokens.insert(tokens.end(), prefix.begin(), prefix.end());
     const std::vector<uint32_t> ids = tokenizer.encode(documents[d]);
     tokens.insert(tokens.end(), ids.begin(), ids.end());
+    tokens.insert(tokens.end(), suffix.begin(), suffix.end());
   }
-  if (append_eos && !documents.empty()) tokens.push_back(*eos);
+  if (append_eos && !documents.empty() && !suffix_ends) tokens.push_back(*eos);
   return tokens;
 }
 

@@ -1,12 +1,23 @@
 // tokenizer.h: text to token ids and back, for `strata tokenize` and `strata generate`, and the
 // documents of the input files `strata tokenize` reads.
 //
-// Two tokenizers behind one interface:
+// Three tokenizers behind one interface:
 // - the byte tokenizer: ids 0..255 are the bytes themselves and id 256 is end-of-text, so its
 //   vocabulary is 257 (a model trained on its tokens needs vocab_size >= 257); decoding drops
 //   end-of-text ids;
 // - SentencePiece models (`*.model`, as Llama 2 and many others ship), through Debian's
-//   libsentencepiece; their end-of-text id is the model's </s> piece, when it has one.
+//   libsentencepiece; their end-of-text id is the model's </s> piece, when it has one;
+// - Hugging Face `tokenizer.json` files with a BPE model (hf_tokenizer.cpp): Llama 3's and
+//   GPT-2's byte-level BPE, and the byte-fallback BPE of Llama 2's and Mistral's fast
+//   tokenizers. Supported: normalizers Prepend, Replace, Sequence; pre-tokenizers Split,
+//   ByteLevel, Metaspace, Digits, Sequence; decoders ByteLevel, Replace, ByteFallback, Fuse,
+//   Strip, Metaspace, Sequence; post-processors TemplateProcessing, ByteLevel, Sequence; added
+//   tokens (matched in the raw text, lstrip/rstrip honoured). Anything else is an Error naming
+//   its place in the file. encode() is the library's encode(text, add_special_tokens=False);
+//   prefix_ids()/suffix_ids() are what add_special_tokens=True puts around it (Llama's
+//   begin-of-text); decode() is decode(ids, skip_special_tokens=True). End-of-text is
+//   tokenizer_config.json's eos_token beside the file, else a token named <|end_of_text|>,
+//   <|endoftext|>, </s> or <eos>.
 //
 // Input documents (the one choice to know before editing): a `.jsonl` file holds one JSON
 // object per line whose "text" string is one document (blank lines are skipped); any other file
@@ -35,13 +46,21 @@ class Tokenizer {
   virtual std::string decode(std::span<const uint32_t> ids) const = 0;
   virtual int64_t vocab_size() const = 0;
   virtual std::optional<uint32_t> eos_id() const = 0;  // end-of-text, if the vocabulary has one
-  virtual std::string name() const = 0;                // "byte", or the model's path
+  // The special tokens the tokenizer puts before and after a text it encodes for a model (a
+  // Hugging Face post-processor's template: Llama's begin-of-text); none by default.
+  virtual std::vector<uint32_t> prefix_ids() const { return {}; }
+  virtual std::vector<uint32_t> suffix_ids() const { return {}; }
+  virtual std::string name() const = 0;  // "byte", or the model's path
 };
 
 std::unique_ptr<Tokenizer> make_byte_tokenizer();
 // Loads a SentencePiece model file; an Error names the file and why it could not be read.
 std::unique_ptr<Tokenizer> load_sentencepiece_tokenizer(const std::filesystem::path& model);
-// "byte", or the path of a SentencePiece model.
+// Loads a Hugging Face tokenizer.json (and tokenizer_config.json beside it, if there is one);
+// an Error names the file, the place in it and what is wrong or unsupported.
+std::unique_ptr<Tokenizer> load_hf_tokenizer(const std::filesystem::path& file);
+// "byte"; a `.json` file (Hugging Face); a directory (a Hugging Face model's: its
+// tokenizer.json, else its tokenizer.model); else the path of a SentencePiece model.
 std::unique_ptr<Tokenizer> open_tokenizer(std::string_view spec);
 
 enum class DocumentFormat : uint8_t { text, jsonl };
@@ -55,9 +74,10 @@ std::vector<std::string> split_documents(std::string_view text, DocumentFormat f
 // Reads `path` and splits it by its format; a missing or unreadable file is an Error naming it.
 std::vector<std::string> read_documents(const std::filesystem::path& path);
 
-// The token stream of `documents`: each one encoded, end-of-text between consecutive ones and,
-// with `append_eos`, after the last. An Error when an end-of-text id is needed and the
-// tokenizer has none.
+// The token stream of `documents`: each one encoded between the tokenizer's prefix and suffix
+// ids, end-of-text between consecutive ones (unless the suffix already ends with it) and, with
+// `append_eos`, after the last. An Error when an end-of-text id is needed and the tokenizer has
+// none.
 std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
                                          const std::vector<std::string>& documents,
                                          bool append_eos);
