@@ -2,8 +2,10 @@
 // backend with the tiny model: the loss falls on real text, checkpoints are complete, a run
 // stopped and resumed gives the uninterrupted run's files byte for byte with every placement
 // tried, the export loads back (f32 from the master weights, bf16 equal to the run's
-// parameters), a DeepSpeed config as Hugging Face writes it is accepted, and bad input is named.
+// parameters), checkpoints and exports carry the model directory's tokenizer files, a DeepSpeed
+// config as Hugging Face writes it is accepted, and bad input is named.
 #include "gpu/runtime.h"
+#include "hf_tokenizer_testing.h"
 #include "model/config.h"
 #include "model/safetensors.h"
 #include "train_cli_testing.h"
@@ -309,6 +311,50 @@ TEST(TrainCli, ExportWritesAHuggingFaceDirectory) {
                " --seq-len 32 --max-sequences 4");
     EXPECT_EQ(r.status, 0) << r.out;
   }
+}
+
+TEST(TrainCli, CheckpointsAndExportsCarryTheModelsTokenizer) {
+  const test::TempDir dir("strata-carry-tokenizer");
+  const fs::path data = make_data(dir.path), model = dir.path / "hf", run = dir.path / "run";
+  test::write_tokenizer_json(model, test::with_begin_of_text(test::gpt2_like_tokenizer()));
+  std::ofstream(model / "config.json") << to_hf_config_json(*find_preset("tiny")).dump(2);
+  std::ofstream(model / "tokenizer_config.json") << R"({"eos_token": "<|endoftext|>"})";
+  std::ofstream(model / "generation_config.json") << R"({"bos_token_id": 260})";
+  test::CommandResult r = strata("train --model " + model.string() +
+                                 " --init random --seed 5 --seq-len 32 --micro-batch 2 --data " +
+                                 data.string() + " --steps 2 --run-dir " + run.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const fs::path ckpt = run / "checkpoints/step-2";
+  const json complete = json::parse(slurp(ckpt / "COMPLETE"));
+  for (const char* file : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
+    EXPECT_EQ(slurp(ckpt / file), slurp(model / file)) << file;
+    EXPECT_TRUE(complete["files"].contains(file)) << file;
+  }
+  EXPECT_FALSE(fs::exists(ckpt / "tokenizer.model"));
+  // generate on the run finds the tokenizer in its newest checkpoint and starts with its
+  // begin-of-text (260) before " the" (258).
+  r = test::run_command(std::string("'") + STRATA_BINARY + "' generate --devices host --json " +
+                        "--model " + run.string() +
+                        " --prompt ' the' --temperature 0 --max-new-tokens 2 2>/dev/null");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const json g = json::parse(r.out);
+  EXPECT_EQ(g["tokenizer"], (ckpt / "tokenizer.json").string());
+  EXPECT_EQ(g["prompt_tokens"], json::array({260, 258}));
+  // The export is a model directory with its tokenizer.
+  const fs::path out = dir.path / "export";
+  r = strata("export " + run.string() + " --out " + out.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("tokenizer.json, tokenizer_config.json, generation_config.json"),
+            std::string::npos)
+      << r.out;
+  for (const char* file : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"})
+    EXPECT_EQ(slurp(out / file), slurp(model / file)) << file;
+  // A carried file is checked like the others: changed, it stops the export, named.
+  std::ofstream(ckpt / "tokenizer_config.json", std::ios::app) << " ";
+  r = strata("export " + run.string() + " --out " + (dir.path / "never").string());
+  EXPECT_NE(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("tokenizer_config.json"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(dir.path / "never" / "model.safetensors"));
 }
 
 TEST(TrainCli, HuggingFaceDeepSpeedConfigIsAccepted) {

@@ -5,7 +5,8 @@
 // export of a bf16 run keeps the precision the optimizer had, and a bf16 export equals the
 // run's parameters bit for bit (they are the master rounded to nearest even). Past
 // --max-shard-size the model is sharded with model.safetensors.index.json, as Hugging Face
-// writes it.
+// writes it. The tokenizer and generation files the checkpoint carries (copied from the model
+// directory the run started from) are copied beside them.
 #include "commands.h"
 #include "core/bytes.h"
 #include "core/error.h"
@@ -16,6 +17,7 @@
 #include "train/checkpoint_dir.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <filesystem>
 #include <fstream>
@@ -79,8 +81,19 @@ int run_export(const ExportArgs& a) {
     if (!f) fail("export: cannot write {}", (out / "config.json").string());
   }
   fsync_path(out / "config.json");
-  fmt::print("exported {} ({}) to {}: config.json and {} safetensors file(s)\n", ckpt.string(),
-             dtype_name(dtype), out.string(), files.size());
+  // The tokenizer and generation files the checkpoint carries (verified above with the rest).
+  std::vector<std::string> carried;
+  for (const fs::path& from : model_side_files(ckpt.string())) {
+    const fs::path to = out / from.filename();
+    fs::copy_file(from, to, fs::copy_options::overwrite_existing, ec);
+    if (ec) fail("export: cannot copy {} to {}: {}", from.string(), to.string(), ec.message());
+    fsync_path(to);
+    carried.push_back(from.filename().string());
+  }
+  fsync_path(out);
+  fmt::print("exported {} ({}) to {}: config.json, {} safetensors file(s){}{}\n", ckpt.string(),
+             dtype_name(dtype), out.string(), files.size(), carried.empty() ? "" : ", ",
+             fmt::join(carried, ", "));
   return 0;
 }
 

@@ -19,6 +19,7 @@
 #include <memory>
 #include <fstream>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <unistd.h>
 #include <vector>
@@ -177,9 +178,19 @@ std::vector<SafetensorsTensor> streamed_model_tensors(
   return tensors;
 }
 
+std::vector<fs::path> model_side_files(const std::string& model) {
+  std::vector<fs::path> found;
+  std::error_code ec;
+  if (!fs::is_directory(model, ec)) return found;
+  for (const char* name : kModelSideFiles)
+    if (fs::is_regular_file(fs::path(model) / name, ec)) found.push_back(fs::path(model) / name);
+  return found;
+}
+
 fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& executor,
                          const LlamaConfig& config, DType model_dtype,
-                         const nlohmann::json& trainer_state, int keep) {
+                         const nlohmann::json& trainer_state, int keep,
+                         const std::vector<fs::path>& carried) {
   const fs::path dir = run_dir / kCheckpointsFolder;
   const fs::path final_dir = dir / checkpoint_dir_name(step);
   const fs::path tmp = dir / fmt::format(".tmp-step-{}", step);
@@ -248,6 +259,22 @@ fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& 
         digest_json(write_safetensors(tmp / kOptimizer, tensors, {{"format", "strata-optimizer"}}));
   }
   files[kTrainerState] = digest_json(write_text(tmp / kTrainerState, trainer_state.dump(2) + "\n"));
+  for (const fs::path& from : carried) {
+    const std::string name = from.filename().string();
+    if (std::find(std::begin(kModelSideFiles), std::end(kModelSideFiles), name) ==
+        std::end(kModelSideFiles))
+      fail(
+          "checkpoint: {} is not one of the model directory's files a checkpoint carries; this "
+          "is a bug in strata",
+          from.string());
+    std::ifstream in(from, std::ios::binary);
+    std::ostringstream text;
+    text << in.rdbuf();
+    if (!in || in.bad())
+      fail("checkpoint: cannot read {} to carry it into the checkpoint: {}", from.string(),
+           std::strerror(errno));
+    files[name] = digest_json(write_text(tmp / name, text.str()));
+  }
   fsync_path(tmp);
 
   retire(final_dir);  // an incomplete one, or one a --resume-fallback run found damaged

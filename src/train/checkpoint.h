@@ -10,6 +10,10 @@
 //                                   a checkpoint never points into a swap file);
 //   trainer_state.json              what the trainer needs besides (step, data position, loss
 //                                   scale, the settings), written by the trainer;
+//   tokenizer.json, ...             the model directory's tokenizer and generation files
+//                                   (model_side_files), copied in when the run started from a
+//                                   Hugging Face directory that has them, so that a checkpoint
+//                                   and its export stay a model directory others can load;
 //   COMPLETE                        written last: JSON listing every file above with its size
 //                                   and XXH3-64 (and each tensor's, for the safetensors files),
 //                                   plus a checksum of that list; resume verifies it all.
@@ -49,12 +53,24 @@ struct ModelLayout;
 std::vector<SafetensorsTensor> streamed_model_tensors(
     const ModelLayout& layout, DType dtype, std::function<std::vector<float>(int)> unit_values);
 
+// The files a Hugging Face model directory holds besides its weights and config.json that a
+// checkpoint carries along: the tokenizer (tokenizer.json, tokenizer_config.json,
+// tokenizer.model, special_tokens_map.json) and generation_config.json.
+inline constexpr const char* kModelSideFiles[] = {"tokenizer.json", "tokenizer_config.json",
+                                                  "tokenizer.model", "special_tokens_map.json",
+                                                  "generation_config.json"};
+// Those of kModelSideFiles present in `model` when it is a directory (none for a preset name).
+std::vector<std::filesystem::path> model_side_files(const std::string& model);
+
 // Writes checkpoint `step` of the executor's state under run_dir/checkpoints/ and removes all
-// but the newest `keep` complete checkpoints (keep <= 0: keeps all). Returns its directory.
+// but the newest `keep` complete checkpoints (keep <= 0: keeps all). `carried` (paths whose
+// names are among kModelSideFiles) are copied in and listed in COMPLETE like the rest; one
+// that cannot be read is an Error naming it. Returns its directory.
 std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, int64_t step,
                                       const Executor& executor, const LlamaConfig& config,
                                       DType model_dtype, const nlohmann::json& trainer_state,
-                                      int keep);
+                                      int keep,
+                                      const std::vector<std::filesystem::path>& carried = {});
 
 // The trainer state of a complete checkpoint directory; an Error naming the file when it is
 // missing or not JSON.

@@ -330,7 +330,8 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
                                     {"loss_scale", scaler.state().to_json()},
                                     {"model", to_hf_config_json(model)},
                                     {"settings", s.echo}};
-      const fs::path dir = save_checkpoint(s.run_dir, step, ex, model, s.dtype, state, s.keep);
+      const fs::path dir = save_checkpoint(s.run_dir, step, ex, model, s.dtype, state, s.keep,
+                                           model_side_files(s.model));
       fmt::print("checkpoint: {}\n", dir.string());
       std::fflush(stdout);
     }
