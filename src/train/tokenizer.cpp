@@ -7,6 +7,8 @@
 
 #include <nlohmann/json.hpp>
 #include <sentencepiece_processor.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
 
 namespace strata {
 
@@ -201,12 +203,22 @@ std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
         "tokenizer {}: it has no end-of-text piece to write between documents; use a model "
         "trained with an eos piece, or one document without --append-eos",
         tokenizer.name());
+  // Documents are encoded on every core (each tokenizer's encode is const and keeps its state
+  // per call), then joined in order: the same stream as one at a time.
+  std::vector<std::vector<uint32_t>> encoded(documents.size());
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, documents.size()), [&](const auto& range) {
+    for (size_t d = range.begin(); d < range.end(); ++d)
+      encoded[d] = tokenizer.encode(documents[d]);
+  });
+  size_t total = 0;
+  for (const auto& ids : encoded) total += ids.size() + prefix.size() + suffix.size() + 1;
   std::vector<uint32_t> tokens;
+  tokens.reserve(total);
   for (size_t d = 0; d < documents.size(); ++d) {
     if (d > 0 && !suffix_ends) tokens.push_back(*eos);
     tokens.insert(tokens.end(), prefix.begin(), prefix.end());
-    const std::vector<uint32_t> ids = tokenizer.encode(documents[d]);
-    tokens.insert(tokens.end(), ids.begin(), ids.end());
+    tokens.insert(tokens.end(), encoded[d].begin(), encoded[d].end());
+    std::vector<uint32_t>().swap(encoded[d]);
     tokens.insert(tokens.end(), suffix.begin(), suffix.end());
   }
   if (append_eos && !documents.empty() && !suffix_ends) tokens.push_back(*eos);
