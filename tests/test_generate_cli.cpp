@@ -481,6 +481,20 @@ TEST_F(GenerateCli, AModelDirectorysHuggingFaceTokenizerWithItsBeginOfText) {
   const Result plain = strata("generate --devices host " + args, "2>/dev/null");
   ASSERT_EQ(plain.status, 0);
   EXPECT_EQ(plain.out, " the" + open_tokenizer(model_dir().string())->decode(expect) + "\n");
+  // generation_config.json's eos_token_id (a list, as Llama 3 Instruct's) stops generation too.
+  ASSERT_GE(expect.size(), 2u);
+  ASSERT_TRUE(expect[0] != expect[1] && expect[0] != 7) << "pick another eos for this model";
+  std::ofstream(model_dir() / "generation_config.json")
+      << json{{"eos_token_id", {7, expect[1]}}}.dump();
+  const json stopped = generate_json(args);
+  EXPECT_EQ(tokens_of(stopped), (std::vector<uint32_t>{expect[0], expect[1]}));
+  EXPECT_EQ(stopped["stop"], "eos");
+  std::ofstream(model_dir() / "generation_config.json") << R"({"eos_token_id": "x"})";
+  const Result bad = strata("generate --devices host " + args);
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.out.find("generation_config.json: eos_token_id holds \"x\""), std::string::npos)
+      << bad.out;
+  fs::remove(model_dir() / "generation_config.json");
   // An explicit --tokenizer wins over the directory's.
   const json bytes = generate_json(args + " --tokenizer byte");
   EXPECT_EQ(bytes["tokenizer"], "byte");

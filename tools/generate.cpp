@@ -20,8 +20,9 @@
 // top_p times their total stay (the nucleus, as Hugging Face's top_p: at least one), and
 // one xoshiro256** draw (train/data_loader.h, seeded by --seed) u = (next >> 11) * 2^-53 picks
 // the first candidate whose running weight sum exceeds u * total. (--seed also seeds --init
-// random.) Generation stops at the tokenizer's end-of-text id (kept in "tokens", not in the
-// text), after --max-new-tokens, or when the model's context is full.
+// random.) Generation stops at the tokenizer's end-of-text id or one of generation_config.json's
+// eos_token_id (kept in "tokens", not in the text), after --max-new-tokens, or when the model's
+// context is full.
 //
 // The tokenizer (--tokenizer auto, the default) is the one the model directory ships
 // (tokenizer.json, else tokenizer.model; `strata train` copies them into every checkpoint), else
@@ -52,6 +53,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -137,6 +139,36 @@ std::string resolve_tokenizer(const std::string& spec, const std::string& model,
       }
   }
   return "byte";
+}
+
+// The ids generation stops at: the tokenizer's end-of-text, and the eos_token_id (one id or a
+// list, as Llama 3 Instruct's <|end_of_text|>, <|eom_id|>, <|eot_id|>) of the
+// generation_config.json in the checkpoint, else in --model, as Hugging Face's generate reads it.
+std::vector<uint32_t> stop_ids(const Tokenizer& tokenizer, const std::string& model,
+                               const std::filesystem::path& checkpoint) {
+  namespace fs = std::filesystem;
+  std::vector<uint32_t> ids;
+  if (const std::optional<uint32_t> eos = tokenizer.eos_id()) ids.push_back(*eos);
+  std::error_code ec;
+  for (const fs::path& dir : {checkpoint, fs::path(model)}) {
+    const fs::path file = dir / "generation_config.json";
+    if (dir.empty() || !fs::is_regular_file(file, ec)) continue;
+    std::ifstream in(file);
+    const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
+    if (j.is_discarded() || !j.is_object())
+      fail("{}: not a JSON object; fix it or remove it from the model directory", file.string());
+    if (!j.contains("eos_token_id") || j["eos_token_id"].is_null()) break;
+    const nlohmann::json& e = j["eos_token_id"];
+    for (const nlohmann::json& id : e.is_array() ? e : nlohmann::json::array({e})) {
+      if (!id.is_number_unsigned() || id.get<uint64_t>() > UINT32_MAX)
+        fail("{}: eos_token_id holds {}, not a token id; it must be an id or a list of ids",
+             file.string(), id.dump());
+      if (std::find(ids.begin(), ids.end(), id.get<uint32_t>()) == ids.end())
+        ids.push_back(id.get<uint32_t>());
+    }
+    break;
+  }
+  return ids;
 }
 
 // The checkpoint directory --model names: itself, or a run directory's newest complete one.
@@ -262,7 +294,7 @@ int run_generate(const GenerateArgs& a) {
   std::vector<int32_t> ids(prompt_ids.begin(), prompt_ids.end());
 
   Xoshiro256 rng(a.seed);
-  const std::optional<uint32_t> eos = tokenizer->eos_id();
+  const std::vector<uint32_t> stops = stop_ids(*tokenizer, a.model, checkpoint);
   std::vector<uint32_t> generated;
   std::string stop = "max_new_tokens";
   const auto t0 = std::chrono::steady_clock::now();
@@ -283,7 +315,7 @@ int run_generate(const GenerateArgs& a) {
             last[static_cast<size_t>(i)], i, len - 1, a.model, dtype_name(dtype));
     const uint32_t next = sample_token(last, candidates, a.temperature, a.top_k, a.top_p, rng);
     generated.push_back(next);
-    if (eos && next == *eos) {
+    if (std::find(stops.begin(), stops.end(), next) != stops.end()) {
       stop = "eos";
       break;
     }
