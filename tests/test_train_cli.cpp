@@ -642,6 +642,18 @@ TEST(TrainCli, BadInputIsNamed) {
   const test::CommandResult e = strata("export " + dir.path.string() + " --out x");
   EXPECT_NE(e.status, 0);
   EXPECT_NE(e.out.find("neither a complete checkpoint"), std::string::npos) << e.out;
+  // Under a multi-process launcher (torchrun sets WORLD_SIZE and RANK): refused before anything
+  // is written; WORLD_SIZE=1 runs.
+  const std::string run = "train " + kTiny + "--steps 1 --devices host" + d;
+  const test::CommandResult launched = test::run_command(
+      "WORLD_SIZE=4 RANK=2 '" + std::string(STRATA_BINARY) + "' " + run + " 2>&1");
+  EXPECT_EQ(launched.status, 1) << launched.out;
+  for (const char* part : {"WORLD_SIZE=4 (RANK=2)", "one process", "--devices cuda:0,1"})
+    EXPECT_NE(launched.out.find(part), std::string::npos) << part << " in " << launched.out;
+  EXPECT_FALSE(fs::exists(dir.path / "r" / "checkpoints"));
+  const test::CommandResult single =
+      test::run_command("WORLD_SIZE=1 '" + std::string(STRATA_BINARY) + "' " + run + " 2>&1");
+  EXPECT_EQ(single.status, 0) << single.out;
 }
 
 }  // namespace

@@ -15,7 +15,9 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
+#include <string_view>
 #include <utility>
 
 namespace strata::cli {
@@ -63,7 +65,22 @@ void check_train_numbers(const TrainArgs& a) {
     if (v < 0) fail("{} {}: it counts steps or checkpoints, so it must be 0 or more", flag, v);
 }
 
+// strata trains as one process over the GPUs of one node (--devices). Under a multi-process
+// launcher (torchrun, deepspeed, srun with WORLD_SIZE > 1) every process would otherwise train
+// its own copy into the same run directory: refused, saying what to run instead.
+void check_single_process() {
+  const char* world = std::getenv("WORLD_SIZE");
+  if (world == nullptr || std::string_view(world).empty() || std::string_view(world) == "1") return;
+  const char* rank = std::getenv("RANK");
+  fail(
+      "WORLD_SIZE={} (RANK={}): strata train runs as one process that drives every local GPU "
+      "itself and does not span processes or nodes; start it once, without torchrun or the "
+      "deepspeed launcher, with --devices cuda:0,1,... for the GPUs to use",
+      world, rank != nullptr ? rank : "unset");
+}
+
 int run_train(const TrainArgs& a) {
+  check_single_process();
   check_train_numbers(a);
   const std::optional<DsConfig> ds = load_cli_config(a.config);
   weights_from_model_dir(a.model, a.init, "train from");
