@@ -1273,6 +1273,36 @@ TEST(Simulator, ReduceScattersHaveTheirOwnRate) {
                       {nlohmann::json(-1)}, "not a rate");
 }
 
+// An NVMe task is one swap-store call: its direction's fixed cost plus its bytes over the rate
+// (the line strata tune fits through two transfer sizes); a task moving nothing pays neither.
+// Optional in the JSON, checked as a rate and refused past a second.
+TEST(Simulator, NvmeTasksPayAPerCallLatency) {
+  Task rd = make_task(0, TaskKind::optim_read, 0);
+  rd.bytes = 8;
+  const Lane read{LaneKind::nvme_read, -1}, write{LaneKind::nvme_write, -1};
+  HardwareProfile p;
+  p.nvme_read_bytes_per_s = 4;
+  p.nvme_write_bytes_per_s = 2;
+  p.task_latency_s = 0.25;
+  EXPECT_DOUBLE_EQ(task_seconds(rd, read, 1, p), 2 + 0.25);  // without latencies: as before
+  p.nvme_read_latency_s = 0.5;
+  p.nvme_write_latency_s = 0.125;
+  EXPECT_DOUBLE_EQ(task_seconds(rd, read, 1, p), 2 + 0.5 + 0.25);
+  rd.kind = TaskKind::param_read;
+  EXPECT_DOUBLE_EQ(task_seconds(rd, read, 1, p), 2 + 0.5 + 0.25);
+  Task wr = rd;
+  wr.kind = TaskKind::optim_write;
+  EXPECT_DOUBLE_EQ(task_seconds(wr, write, 1, p), 4 + 0.125 + 0.25);
+  wr.kind = TaskKind::param_write;
+  EXPECT_DOUBLE_EQ(task_seconds(wr, write, 1, p), 4 + 0.125 + 0.25);
+  wr.bytes = 0;
+  EXPECT_DOUBLE_EQ(task_seconds(wr, write, 1, p), 0.25);
+  expect_optional_key(p, "nvme_read_latency_s", &HardwareProfile::nvme_read_latency_s, 0.0,
+                      {nlohmann::json(-1)}, "not a rate");
+  expect_optional_key(p, "nvme_write_latency_s", &HardwareProfile::nvme_write_latency_s, 0.0,
+                      {nlohmann::json(3)}, "not a per-call latency");
+}
+
 // The statistics pass on a device: gpu_stats_elements_per_s where the profile has it, else
 // bounded by gpu_adam_elements_per_s; on the CPU, stats_elements_per_s. Optional in the JSON.
 TEST(Simulator, DeviceGradStatsHaveTheirOwnRate) {

@@ -99,6 +99,14 @@ TEST(TuneCli, MeasuresThisMachineIntoAProfileTheSimulatorReads) {
   EXPECT_NE(p.notes.at("gpu_stats_elements_per_s").find("grad_stats bit for bit"),
             std::string::npos);
   EXPECT_NE(p.notes.at("nvme_read_bytes_per_s").find("every byte"), std::string::npos);
+  // The per-call cost of the swap store, fitted through two transfer sizes (8 and 1 MiB).
+  for (const double l : {p.nvme_read_latency_s, p.nvme_write_latency_s}) {
+    EXPECT_GE(l, 0.0);
+    EXPECT_LT(l, 1.0);
+  }
+  EXPECT_NE(p.notes.at("nvme_read_latency_s").find("fitted through 8 MiB transfers"),
+            std::string::npos)
+      << p.notes.at("nvme_read_latency_s");
   EXPECT_NE(p.notes.at("reduce_bytes_per_s").find("verified: every rank's shard"),
             std::string::npos);
   // NVMe per path, read and write separately, and the settings measured with.

@@ -570,10 +570,12 @@ int run_tune(const TuneArgs& a) {
              per_second(profile.gpu_stats_elements_per_s, "elements"),
              absent(profile.gpu_adam_elements_per_s, "gpu_adam_elements_per_s"));
   if (profile.nvme_read_bytes_per_s > 0 || profile.nvme_write_bytes_per_s > 0) {
-    fmt::print("  {:<22} read {}, write {} (stripe {} KiB, queue depth {})\n", "nvme, all paths",
-               per_second(profile.nvme_read_bytes_per_s, "B"),
-               per_second(profile.nvme_write_bytes_per_s, "B"), profile.nvme_block_size / 1024,
-               profile.nvme_queue_depth);
+    fmt::print(
+        "  {:<22} read {} + {} a call, write {} + {} a call (stripe {} KiB, queue depth {})\n",
+        "nvme, all paths", per_second(profile.nvme_read_bytes_per_s, "B"),
+        duration_text(profile.nvme_read_latency_s), per_second(profile.nvme_write_bytes_per_s, "B"),
+        duration_text(profile.nvme_write_latency_s), profile.nvme_block_size / 1024,
+        profile.nvme_queue_depth);
     for (const NvmePathRate& p : profile.nvme_paths)
       fmt::print("    {}: read {}, write {}{}\n", p.path, per_second(p.read_bytes_per_s, "B"),
                  per_second(p.write_bytes_per_s, "B"),

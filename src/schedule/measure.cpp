@@ -887,6 +887,36 @@ void measure_nvme(const MeasureSetup& s, HardwareProfile& h) {
   h.nvme_write_bytes_per_s = best.write;
   h.nvme_block_size = settings[kept].first;
   h.nvme_queue_depth = settings[kept].second;
+  // The per-call latency: the same store timed with transfers an eighth the size (whole 4 KiB
+  // pages, as O_DIRECT needs), and the line latency + bytes / rate through both points, per
+  // direction.
+  std::string line = "not fitted: the transfer is a single page";
+  const uint64_t stripe = h.nvme_block_size;
+  const uint64_t small = std::max(bytes / 8 / 4096, uint64_t{1}) * 4096;
+  if (small < bytes) {
+    const NvmeTiming t = time_store(s, s.nvme_paths, stripe, h.nvme_queue_depth, small, buf);
+    const auto fit = [&](double big_rate, double small_rate, double& rate_out, double& latency) {
+      const double t1 = double(bytes) / big_rate, t2 = double(small) / small_rate;
+      latency = 0;
+      if (!(t1 > t2)) return;  // noise: the larger transfer was not slower
+      const double slope = double(bytes - small) / (t1 - t2);
+      const double l = t1 - double(bytes) / slope;
+      if (l > 0 && l < 1) {
+        rate_out = slope;
+        latency = l;
+      }
+    };
+    fit(best.read, t.read, h.nvme_read_bytes_per_s, h.nvme_read_latency_s);
+    fit(best.write, t.write, h.nvme_write_bytes_per_s, h.nvme_write_latency_s);
+    line = fmt::format(
+        "fitted through {} transfers (read {:.2f} / write {:.2f} GB/s) and {} ones (read {:.2f} "
+        "/ write {:.2f} GB/s): per call read {:.0f} us + bytes at {:.2f} GB/s, write {:.0f} us + "
+        "bytes at {:.2f} GB/s",
+        format_bytes(bytes), best.read / 1e9, best.write / 1e9, format_bytes(small), t.read / 1e9,
+        t.write / 1e9, h.nvme_read_latency_s * 1e6, h.nvme_read_bytes_per_s / 1e9,
+        h.nvme_write_latency_s * 1e6, h.nvme_write_bytes_per_s / 1e9);
+  }
+  h.notes["nvme_read_latency_s"] = h.notes["nvme_write_latency_s"] = line;
   h.nvme_mixed = time_mixed(s, s.nvme_paths, h.nvme_block_size, h.nvme_queue_depth, bytes, buf,
                             best, h.notes["nvme_mixed"]);
   bool all_direct = true;
@@ -910,7 +940,9 @@ void measure_nvme(const MeasureSetup& s, HardwareProfile& h) {
   const std::string what = fmt::format(
       "measured: the swap store (io_uring, checksummed) striped over {} path(s), {} per "
       "transfer, stripe {} KiB, queue depth {}, sustained over at least {} transfers and {:.2g} "
-      "s after a warm-up{}; verified: every byte read back; settings tried: {}",
+      "s after a warm-up{}; verified: every byte read back; settings tried: {}; kept: the "
+      "slope of the line latency + bytes / rate through this size and an eighth of it (see "
+      "nvme_read_latency_s)",
       s.nvme_paths.size(), format_bytes(bytes), h.nvme_block_size / 1024, h.nvme_queue_depth,
       std::max(s.repeats, 1), s.nvme_min_seconds,
       all_direct ? ", O_DIRECT"

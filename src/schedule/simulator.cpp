@@ -15,10 +15,11 @@
 // gpu_adam_elements_per_s (an upper bound). Every task adds task_latency_s.
 // Reduce-scatters (and all-reduces) go at reduce_bytes_per_s where the profile has it, else at
 // comm_bytes_per_s, the all-gather's rate. One-rank collectives are device copies: bytes /
-// device_copy_bytes_per_s (free when it is 0). The NVMe lanes share the drives: each task takes a
-// gap of its length / nvme_mixed in the drives' busy intervals, within its own span (simulator.h);
-// on the host backend the device lanes and cpu.adam share the cores in the same way, with
-// host_cpu_mixed.
+// device_copy_bytes_per_s (free when it is 0). NVMe tasks add nvme_read_latency_s or
+// nvme_write_latency_s (one swap-store call's fixed cost). The NVMe lanes share the drives: each
+// task takes a gap of its length / nvme_mixed in the drives' busy intervals, within its own span
+// (simulator.h); on the host backend the device lanes and cpu.adam share the cores in the same way,
+// with host_cpu_mixed.
 #include "schedule/simulator.h"
 
 #include "core/error.h"
@@ -66,9 +67,10 @@ bool is_rate_key(const std::string& key) {
 }
 
 // The keys a profile may leave out.
-constexpr std::array<const char*, 5> kOptional = {"nvme_mixed", "device_copy_bytes_per_s",
-                                                  "host_cpu_mixed", "gpu_stats_elements_per_s",
-                                                  "reduce_bytes_per_s"};
+constexpr std::array<const char*, 7> kOptional = {"nvme_mixed",          "device_copy_bytes_per_s",
+                                                  "host_cpu_mixed",      "gpu_stats_elements_per_s",
+                                                  "reduce_bytes_per_s",  "nvme_read_latency_s",
+                                                  "nvme_write_latency_s"};
 bool is_optional_key(const std::string& key) {
   return std::find(kOptional.begin(), kOptional.end(), key) != kOptional.end();
 }
@@ -315,6 +317,16 @@ HardwareProfile HardwareProfile::from_json_text(const std::string& text, const s
       p.reduce_bytes_per_s = read_rate(value, where, "/" + key);
       continue;
     }
+    if (key == "nvme_read_latency_s" || key == "nvme_write_latency_s") {
+      const double x = read_rate(value, where, "/" + key);
+      if (x > 1)
+        fail(
+            "hardware profile {}: /{}: {} s is not a per-call latency (a drive's is tens of "
+            "microseconds); measure it with strata tune",
+            where, key, value.dump());
+      (key == "nvme_read_latency_s" ? p.nvme_read_latency_s : p.nvme_write_latency_s) = x;
+      continue;
+    }
     if (key == "gpu_stats_elements_per_s") {
       p.gpu_stats_elements_per_s = read_rate(value, where, "/" + key);
       continue;
@@ -362,6 +374,8 @@ std::string HardwareProfile::to_json() const {
   j["host_cpu_mixed"] = host_cpu_mixed;
   j["gpu_stats_elements_per_s"] = gpu_stats_elements_per_s;
   j["reduce_bytes_per_s"] = reduce_bytes_per_s;
+  j["nvme_read_latency_s"] = nvme_read_latency_s;
+  j["nvme_write_latency_s"] = nvme_write_latency_s;
   if (!notes.empty()) {
     nlohmann::ordered_json n = nlohmann::ordered_json::object();
     for (const RateField& f : kFields)  // in the rates' order, not the map's
@@ -401,10 +415,12 @@ double task_seconds(const Task& task, const Lane& lane, int ranks, const Hardwar
     case TaskKind::param_read:
     case TaskKind::optim_read:
       use(bytes, p.nvme_read_bytes_per_s, "nvme_read_bytes_per_s");
+      if (bytes > 0) local = p.nvme_read_latency_s;
       break;
     case TaskKind::optim_write:
     case TaskKind::param_write:
       use(bytes, p.nvme_write_bytes_per_s, "nvme_write_bytes_per_s");
+      if (bytes > 0) local = p.nvme_write_latency_s;
       break;
     case TaskKind::param_h2d:
     case TaskKind::param_upload:

@@ -82,6 +82,15 @@ struct HardwareProfile {
   // The schedule's all-reduces of replicated units go at it as well. Optional in the JSON
   // ("reduce_bytes_per_s"); 0, or a profile without the key, times them at comm_bytes_per_s.
   double reduce_bytes_per_s = 0;
+  // The fixed cost of one swap-store call (a shard's read or write), seconds, beside bytes over
+  // nvme_*_bytes_per_s: an NVMe task of b bytes takes latency + b / rate. Measured by fitting
+  // that line to sustained transfers of two sizes (strata tune, strata bench step), where the
+  // rates are then the line's slope. It matters where units are small (a few MB: on the dev
+  // VM's virtio disk a 470 KB read took 1.0 ms where its sustained rate gave 0.6); a 70B
+  // model's units of ~1.7 GB hide it. Optional in the JSON ("nvme_read_latency_s",
+  // "nvme_write_latency_s"); 0, or a profile without the keys, counts bytes / rate alone.
+  double nvme_read_latency_s = 0;
+  double nvme_write_latency_s = 0;
 
   // Optional, what `strata tune` records beside the rates (the simulator reads none of it):
   // per rate, how it was obtained ("measured: ...", "assumed: ...") or why it is 0
