@@ -211,6 +211,13 @@ TEST_F(HfTokenizerTest, BadOrUnsupportedFilesAreNamedByTheirPlace) {
   j = gpt2_like();
   j.erase("model");
   refused("no-model", j, {"no \"model\""});
+  j = gpt2_like();
+  j["normalizer"] = {{"type", "Sequence"}, {"normalizers", 5}};
+  refused("sequence", j, {"/normalizer", "\"normalizers\" is number, not an array"});
+  j = gpt2_like();  // a value of an unexpected type deep inside: still an Error naming the file
+  j["post_processor"] = {{"type", "TemplateProcessing"},
+                         {"single", json::array({{{"SpecialToken", {{"id", 5}}}}})}};
+  refused("type", j, {"type/tokenizer.json", "not a tokenizer.json strata can read"});
   const std::string file = write("config", gpt2_like(), {{"eos_token", "<|im_end|>"}});
   expect_error([&] { open_tokenizer(file); },
                {"tokenizer_config.json", "eos_token \"<|im_end|>\"", "not a token"});

@@ -228,6 +228,19 @@ std::string escape_regex(std::string_view literal) {
   return out;
 }
 
+// `s` with every match of `re` replaced by `content`.
+std::string replace_all(const Regex& re, std::string_view s, const std::string& content) {
+  std::string out;
+  size_t last = 0;
+  for (const auto& [b, e] : re.find_all(s)) {
+    out.append(s.substr(last, b - last));
+    out += content;
+    last = e;
+  }
+  out.append(s.substr(last));
+  return out;
+}
+
 // ---- reading the JSON ------------------------------------------------------------------------
 
 // Where in the file a value sits, for errors: "tokenizer.json: /pre_tokenizer/pretokenizers/0".
@@ -277,6 +290,28 @@ std::string pattern_regex(const json& obj, const At& at) {
       (at / "type").str(), what, type, supported);
 }
 
+// Metaspace's "prepend_scheme" (always, first, never), or the older "add_prefix_space" flag.
+std::string prepend_scheme(const json& j, const At& at) {
+  std::string scheme = "always";
+  if (j.contains("prepend_scheme") && j["prepend_scheme"].is_string())
+    scheme = j["prepend_scheme"].get<std::string>();
+  else if (j.contains("add_prefix_space"))
+    scheme = bool_or(j, "add_prefix_space", true, at) ? "always" : "never";
+  if (scheme != "always" && scheme != "first" && scheme != "never")
+    fail("{}: \"prepend_scheme\" \"{}\" is not always, first or never", at.str(), scheme);
+  return scheme;
+}
+
+// The steps of a Sequence: each element of its `key` array built by `make`.
+template <typename Fn, typename Make>
+std::vector<Fn> sequence_steps(const json& j, const char* key, const At& at, Make make) {
+  const json& list = member(j, key, at);
+  if (!list.is_array()) fail("{}: \"{}\" is {}, not an array", at.str(), key, list.type_name());
+  std::vector<Fn> steps;
+  for (size_t i = 0; i < list.size(); ++i) steps.push_back(make(list[i], at / key / i));
+  return steps;
+}
+
 // ---- normalizers -----------------------------------------------------------------------------
 
 using TextFn = std::function<std::string(std::string)>;
@@ -285,10 +320,7 @@ TextFn make_normalizer(const json& j, const At& at) {
   if (j.is_null()) return [](std::string s) { return s; };
   const std::string type = string_at(j, "type", at);
   if (type == "Sequence") {
-    std::vector<TextFn> steps;
-    const json& list = member(j, "normalizers", at);
-    for (size_t i = 0; i < list.size(); ++i)
-      steps.push_back(make_normalizer(list[i], at / "normalizers" / i));
+    const auto steps = sequence_steps<TextFn>(j, "normalizers", at, make_normalizer);
     return [steps](std::string s) {
       for (const TextFn& f : steps) s = f(std::move(s));
       return s;
@@ -301,17 +333,7 @@ TextFn make_normalizer(const json& j, const At& at) {
   if (type == "Replace") {
     auto re = std::make_shared<Regex>(pattern_regex(j, at), (at / "pattern").str());
     const std::string content = string_at(j, "content", at);
-    return [re, content](std::string s) {
-      std::string out;
-      size_t last = 0;
-      for (const auto& [b, e] : re->find_all(s)) {
-        out.append(s, last, b - last);
-        out += content;
-        last = e;
-      }
-      out.append(s, last, std::string::npos);
-      return out;
-    };
+    return [re, content](std::string s) { return replace_all(*re, s, content); };
   }
   unsupported("normalizer", type, at, "Sequence, Prepend and Replace");
 }
@@ -400,10 +422,7 @@ SplitFn make_pre_tokenizer(const json& j, const At& at) {
   if (j.is_null()) return [](std::vector<std::string>&, bool) {};
   const std::string type = string_at(j, "type", at);
   if (type == "Sequence") {
-    std::vector<SplitFn> steps;
-    const json& list = member(j, "pretokenizers", at);
-    for (size_t i = 0; i < list.size(); ++i)
-      steps.push_back(make_pre_tokenizer(list[i], at / "pretokenizers" / i));
+    const auto steps = sequence_steps<SplitFn>(j, "pretokenizers", at, make_pre_tokenizer);
     return [steps](std::vector<std::string>& words, bool text_start) {
       for (const SplitFn& f : steps) f(words, text_start);
     };
@@ -438,13 +457,7 @@ SplitFn make_pre_tokenizer(const json& j, const At& at) {
   }
   if (type == "Metaspace") {
     const std::string rep = string_at(j, "replacement", at);
-    std::string scheme = "always";
-    if (j.contains("prepend_scheme") && j["prepend_scheme"].is_string())
-      scheme = j["prepend_scheme"].get<std::string>();
-    else if (j.contains("add_prefix_space"))
-      scheme = bool_or(j, "add_prefix_space", true, at) ? "always" : "never";
-    if (scheme != "always" && scheme != "first" && scheme != "never")
-      fail("{}: \"prepend_scheme\" \"{}\" is not always, first or never", at.str(), scheme);
+    const std::string scheme = prepend_scheme(j, at);
     const bool split = bool_or(j, "split", true, at);
     auto re = std::make_shared<Regex>(escape_regex(rep), at.str());
     return [rep, scheme, split, re](std::vector<std::string>& words, bool text_start) {
@@ -504,10 +517,7 @@ DecodeFn make_decoder(const json& j, const At& at) {
   if (j.is_null()) return [](std::vector<std::string>&) {};
   const std::string type = string_at(j, "type", at);
   if (type == "Sequence") {
-    std::vector<DecodeFn> steps;
-    const json& list = member(j, "decoders", at);
-    for (size_t i = 0; i < list.size(); ++i)
-      steps.push_back(make_decoder(list[i], at / "decoders" / i));
+    const auto steps = sequence_steps<DecodeFn>(j, "decoders", at, make_decoder);
     return [steps](std::vector<std::string>& tokens) {
       for (const DecodeFn& f : steps) f(tokens);
     };
@@ -525,17 +535,7 @@ DecodeFn make_decoder(const json& j, const At& at) {
     auto re = std::make_shared<Regex>(pattern_regex(j, at), (at / "pattern").str());
     const std::string content = string_at(j, "content", at);
     return [re, content](std::vector<std::string>& tokens) {
-      for (std::string& t : tokens) {
-        std::string out;
-        size_t last = 0;
-        for (const auto& [b, e] : re->find_all(t)) {
-          out.append(t, last, b - last);
-          out += content;
-          last = e;
-        }
-        out.append(t, last, std::string::npos);
-        t = std::move(out);
-      }
+      for (std::string& t : tokens) t = replace_all(*re, t, content);
     };
   }
   if (type == "ByteFallback")
@@ -593,11 +593,7 @@ DecodeFn make_decoder(const json& j, const At& at) {
   }
   if (type == "Metaspace") {
     const std::string rep = string_at(j, "replacement", at);
-    std::string scheme = "always";
-    if (j.contains("prepend_scheme") && j["prepend_scheme"].is_string())
-      scheme = j["prepend_scheme"].get<std::string>();
-    else if (j.contains("add_prefix_space"))
-      scheme = bool_or(j, "add_prefix_space", true, at) ? "always" : "never";
+    const std::string scheme = prepend_scheme(j, at);
     return [rep, scheme](std::vector<std::string>& tokens) {
       for (size_t i = 0; i < tokens.size(); ++i) {
         std::string out;
@@ -823,6 +819,23 @@ std::optional<std::string> config_token(const json& config, const char* key) {
 class HfTokenizer final : public Tokenizer {
  public:
   explicit HfTokenizer(const std::filesystem::path& file) : path_(file.string()) {
+    try {
+      load(file);
+    } catch (const json::exception& e) {  // a value of a type the checks above did not expect
+      fail("{}: {}; the file is not a tokenizer.json strata can read", path_, e.what());
+    }
+  }
+
+  std::vector<uint32_t> encode(std::string_view text) const override;
+  std::string decode(std::span<const uint32_t> ids) const override;
+  int64_t vocab_size() const override { return vocab_size_; }
+  std::optional<uint32_t> eos_id() const override { return eos_; }
+  std::vector<uint32_t> prefix_ids() const override { return prefix_; }
+  std::vector<uint32_t> suffix_ids() const override { return suffix_; }
+  std::string name() const override { return path_; }
+
+ private:
+  void load(const std::filesystem::path& file) {
     const MappedFile mapped = MappedFile::open(file, "tokenizer.json");
     json root;
     try {
@@ -881,81 +894,6 @@ class HfTokenizer final : public Tokenizer {
     read_config(file.parent_path() / "tokenizer_config.json");
   }
 
-  std::vector<uint32_t> encode(std::string_view text) const override {
-    const size_t bad = invalid_utf8_at(text);
-    if (bad != std::string_view::npos)
-      fail(
-          "tokenizer {}: the text is not valid UTF-8 at byte {} of {} (byte 0x{:02x}); convert it "
-          "to UTF-8 first",
-          path_, bad, text.size(), static_cast<unsigned char>(text[bad]));
-    std::vector<uint32_t> ids;
-    std::unordered_map<std::string, std::vector<uint32_t>> cache;
-    size_t begin = 0;
-    auto run_text = [&](std::string_view piece, bool text_start) {
-      if (piece.empty()) return;
-      std::vector<std::string> words{normalize_(std::string(piece))};
-      pre_tokenize_(words, text_start);
-      for (const std::string& w : words) {
-        if (w.empty()) continue;
-        auto it = cache.find(w);
-        if (it == cache.end()) {
-          std::vector<uint32_t> word_ids;
-          bpe_->encode_word(w, word_ids);
-          it = cache.emplace(w, std::move(word_ids)).first;
-        }
-        ids.insert(ids.end(), it->second.begin(), it->second.end());
-      }
-    };
-    for (size_t i = 0; i < text.size();) {
-      const AddedToken* hit = nullptr;
-      for (size_t k : by_first_byte_[static_cast<unsigned char>(text[i])])
-        if (text.substr(i, added_[k].content.size()) == added_[k].content) {
-          hit = &added_[k];
-          break;
-        }
-      if (hit == nullptr) {
-        ++i;
-        continue;
-      }
-      size_t b = i, e = i + hit->content.size();
-      if (hit->lstrip)
-        while (b > begin && is_ascii_space(text[b - 1])) --b;
-      if (hit->rstrip)
-        while (e < text.size() && is_ascii_space(text[e])) ++e;
-      run_text(text.substr(begin, b - begin), begin == 0);
-      ids.push_back(hit->id);
-      begin = i = e;
-    }
-    run_text(text.substr(begin), begin == 0);
-    return ids;
-  }
-
-  std::string decode(std::span<const uint32_t> ids) const override {
-    std::vector<std::string> tokens;
-    tokens.reserve(ids.size());
-    for (size_t i = 0; i < ids.size(); ++i) {
-      const auto it = pieces_.find(ids[i]);
-      if (it == pieces_.end())
-        fail("tokenizer {}: id {} at position {} is {}; the ids come from another tokenizer", path_,
-             ids[i], i,
-             ids[i] >= vocab_size_ ? fmt::format("outside its vocabulary of {}", vocab_size_)
-                                   : std::string("not assigned to any piece"));
-      if (special_ids_.contains(ids[i])) continue;  // as skip_special_tokens=True
-      tokens.push_back(it->second);
-    }
-    decode_(tokens);
-    std::string text;
-    for (const std::string& t : tokens) text += t;
-    return text;
-  }
-
-  int64_t vocab_size() const override { return vocab_size_; }
-  std::optional<uint32_t> eos_id() const override { return eos_; }
-  std::vector<uint32_t> prefix_ids() const override { return prefix_; }
-  std::vector<uint32_t> suffix_ids() const override { return suffix_; }
-  std::string name() const override { return path_; }
-
- private:
   std::optional<uint32_t> id_of(const std::string& piece) const {
     for (const AddedToken& t : added_)
       if (t.content == piece) return t.id;
@@ -1043,6 +981,74 @@ class HfTokenizer final : public Tokenizer {
   std::optional<uint32_t> eos_;
   std::vector<uint32_t> prefix_, suffix_;
 };
+
+std::vector<uint32_t> HfTokenizer::encode(std::string_view text) const {
+  const size_t bad = invalid_utf8_at(text);
+  if (bad != std::string_view::npos)
+    fail(
+        "tokenizer {}: the text is not valid UTF-8 at byte {} of {} (byte 0x{:02x}); convert it "
+        "to UTF-8 first",
+        path_, bad, text.size(), static_cast<unsigned char>(text[bad]));
+  std::vector<uint32_t> ids;
+  std::unordered_map<std::string, std::vector<uint32_t>> cache;
+  size_t begin = 0;
+  auto run_text = [&](std::string_view piece, bool text_start) {
+    if (piece.empty()) return;
+    std::vector<std::string> words{normalize_(std::string(piece))};
+    pre_tokenize_(words, text_start);
+    for (const std::string& w : words) {
+      if (w.empty()) continue;
+      auto it = cache.find(w);
+      if (it == cache.end()) {
+        std::vector<uint32_t> word_ids;
+        bpe_->encode_word(w, word_ids);
+        it = cache.emplace(w, std::move(word_ids)).first;
+      }
+      ids.insert(ids.end(), it->second.begin(), it->second.end());
+    }
+  };
+  for (size_t i = 0; i < text.size();) {
+    const AddedToken* hit = nullptr;
+    for (size_t k : by_first_byte_[static_cast<unsigned char>(text[i])])
+      if (text.substr(i, added_[k].content.size()) == added_[k].content) {
+        hit = &added_[k];
+        break;
+      }
+    if (hit == nullptr) {
+      ++i;
+      continue;
+    }
+    size_t b = i, e = i + hit->content.size();
+    if (hit->lstrip)
+      while (b > begin && is_ascii_space(text[b - 1])) --b;
+    if (hit->rstrip)
+      while (e < text.size() && is_ascii_space(text[e])) ++e;
+    run_text(text.substr(begin, b - begin), begin == 0);
+    ids.push_back(hit->id);
+    begin = i = e;
+  }
+  run_text(text.substr(begin), begin == 0);
+  return ids;
+}
+
+std::string HfTokenizer::decode(std::span<const uint32_t> ids) const {
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const auto it = pieces_.find(ids[i]);
+    if (it == pieces_.end())
+      fail("tokenizer {}: id {} at position {} is {}; the ids come from another tokenizer", path_,
+           ids[i], i,
+           ids[i] >= vocab_size_ ? fmt::format("outside its vocabulary of {}", vocab_size_)
+                                 : std::string("not assigned to any piece"));
+    if (special_ids_.contains(ids[i])) continue;  // as skip_special_tokens=True
+    tokens.push_back(it->second);
+  }
+  decode_(tokens);
+  std::string text;
+  for (const std::string& t : tokens) text += t;
+  return text;
+}
 
 }  // namespace
 
