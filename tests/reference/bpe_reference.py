@@ -249,36 +249,27 @@ def make(directory, style):
                            {"Sequence": {"id": "A", "type_id": 0}}],
                 "pair": [], "special_tokens": {"<s>": {"id": "<s>", "ids": [1],
                                                        "tokens": ["<s>"]}}}
+        # The two differ in how spaces become ▁: normalizers (llama2) or a pre-tokenizer.
+        tok = {
+            "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+            "normalizer": None, "pre_tokenizer": None,
+            "post_processor": post,
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
+                {"type": "ByteFallback"}, {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+            "model": model,
+        }
         if style == "llama2":
-            tok = {
-                "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-                "normalizer": {"type": "Sequence", "normalizers": [
-                    {"type": "Prepend", "prepend": SPACE},
-                    {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}]},
-                "pre_tokenizer": None,
-                "post_processor": post,
-                "decoder": {"type": "Sequence", "decoders": [
-                    {"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
-                    {"type": "ByteFallback"}, {"type": "Fuse"},
-                    {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
-                "model": model,
-            }
+            tok["normalizer"] = {"type": "Sequence", "normalizers": [
+                {"type": "Prepend", "prepend": SPACE},
+                {"type": "Replace", "pattern": {"String": " "}, "content": SPACE}]}
             config = {"bos_token": {"content": "<s>", "lstrip": False},
                       "eos_token": {"content": "</s>", "lstrip": False},
                       "add_bos_token": True, "add_eos_token": False}
         else:
-            tok = {
-                "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
-                "normalizer": None,
-                "pre_tokenizer": {"type": "Metaspace", "replacement": SPACE,
-                                  "prepend_scheme": "first", "split": False},
-                "post_processor": post,
-                "decoder": {"type": "Sequence", "decoders": [
-                    {"type": "Replace", "pattern": {"String": SPACE}, "content": " "},
-                    {"type": "ByteFallback"}, {"type": "Fuse"},
-                    {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
-                "model": model,
-            }
+            tok["pre_tokenizer"] = {"type": "Metaspace", "replacement": SPACE,
+                                    "prepend_scheme": "first", "split": False}
     else:
         raise SystemExit("unknown style %r" % style)
     with open(os.path.join(directory, "tokenizer.json"), "w", encoding="utf-8") as f:
@@ -344,14 +335,21 @@ class Reference:
                     ids = p["special_tokens"][item["SpecialToken"]["id"]]["ids"]
                     (self.suffix if after else self.prefix).extend(ids)
 
+    def apply(self, value, d, key, step):
+        """`step(value, d)`, or each element of a Sequence's `key` list in turn."""
+        if d is None:
+            return value
+        if d["type"] == "Sequence":
+            for e in d[key]:
+                value = self.apply(value, e, key, step)
+            return value
+        return step(value, d)
+
     def normalize(self, s, n):
-        if n is None:
-            return s
+        return self.apply(s, n, "normalizers", self.normalize_one)
+
+    def normalize_one(self, s, n):
         t = n["type"]
-        if t == "Sequence":
-            for m in n["normalizers"]:
-                s = self.normalize(s, m)
-            return s
         if t == "Prepend":
             return n["prepend"] + s if s else s
         if t == "Replace":
@@ -362,13 +360,10 @@ class Reference:
         raise SystemExit("normalizer %s" % t)
 
     def pretokenize(self, words, p, start):
-        if p is None:
-            return words
+        return self.apply(words, p, "pretokenizers", lambda w, q: self.pretokenize_one(w, q, start))
+
+    def pretokenize_one(self, words, p, start):
         t = p["type"]
-        if t == "Sequence":
-            for q in p["pretokenizers"]:
-                words = self.pretokenize(words, q, start)
-            return words
         if t == "Split":
             assert p["behavior"] == "Isolated" and not p["invert"]
             out = []
@@ -468,13 +463,10 @@ class Reference:
         return ids + self.encode_text(text[begin:], begin == 0)
 
     def decode_chain(self, tokens, d):
-        if d is None:
-            return tokens
+        return self.apply(tokens, d, "decoders", self.decode_one)
+
+    def decode_one(self, tokens, d):
         t = d["type"]
-        if t == "Sequence":
-            for e in d["decoders"]:
-                tokens = self.decode_chain(tokens, e)
-            return tokens
         if t == "ByteLevel":
             data = b""
             for tok in tokens:
