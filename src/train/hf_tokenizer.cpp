@@ -806,18 +806,6 @@ struct AddedToken {
   bool special = false, lstrip = false, rstrip = false;
 };
 
-// The JSON document in `path` (`what` names it in errors); an Error naming the file and saying
-// `remedy` when it is not JSON.
-json read_json_file(const std::filesystem::path& path, const char* what, std::string_view remedy) {
-  const MappedFile mapped = MappedFile::open(path, what);
-  try {
-    return json::parse(
-        std::string_view(reinterpret_cast<const char*>(mapped.data()), mapped.size()));
-  } catch (const json::exception& e) {
-    fail("{}: not valid JSON ({}); {}", path.string(), e.what(), remedy);
-  }
-}
-
 // The content of "eos_token"/"bos_token" in tokenizer_config.json: a string or {"content": s}.
 std::optional<std::string> config_token(const json& config, const char* key) {
   if (!config.is_object() || !config.contains(key)) return std::nullopt;
@@ -848,7 +836,7 @@ class HfTokenizer final : public Tokenizer {
 
  private:
   void load(const std::filesystem::path& file) {
-    const json root = read_json_file(file, "tokenizer.json", "pass a Hugging Face tokenizer.json");
+    const json root = read_json_file(file, "tokenizer.json");
     const At at{path_, ""};
     if (!root.is_object()) fail("{}: not a JSON object; pass a Hugging Face tokenizer.json", path_);
     bpe_ = std::make_unique<Bpe>(member(root, "model", at), at / "model");
@@ -952,7 +940,7 @@ class HfTokenizer final : public Tokenizer {
     std::optional<std::string> eos;
     std::error_code ec;
     if (std::filesystem::exists(config_path, ec)) {
-      const json config = read_json_file(config_path, "tokenizer config", "fix or remove it");
+      const json config = read_json_file(config_path, "tokenizer config");
       eos = config_token(config, "eos_token");
       if (eos.has_value()) {
         eos_ = id_of(*eos);
