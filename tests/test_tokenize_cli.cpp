@@ -10,6 +10,7 @@
 #include "testing.h"
 #include "train/tokenizer.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -155,6 +156,41 @@ TEST_F(TokenizeCli, HuggingFaceTokenizerFromAModelDirectory) {
   EXPECT_NE(refused.out.find("/model/type"), std::string::npos) << refused.out;
   EXPECT_NE(refused.out.find("Unigram"), std::string::npos) << refused.out;
   EXPECT_FALSE(fs::exists(never));
+}
+
+TEST_F(TokenizeCli, ShardsOfAtMostShardTokens) {
+  const fs::path in = write("in.txt", "one\n%\ntwo two\n%\nthree three three\n");
+  const fs::path whole = dir_ / "whole.bin", sharded = dir_ / "sharded.bin";
+  Result r = strata("tokenize --input '" + in.string() + "' --output '" + whole.string() + "'");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const std::vector<uint32_t> want = read_tokens(whole);  // 4 + 1 + 8 + 1 + 18 = 32 tokens
+  ASSERT_EQ(want.size(), 32u);
+  r = strata("tokenize --input '" + in.string() + "' --output '" + sharded.string() +
+             "' --shard-tokens 10");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(
+      r.out.find("4 shards, " + (dir_ / "sharded_000000.bin").string() + " ... sharded_000003.bin"),
+      std::string::npos)
+      << r.out;
+  std::vector<uint32_t> got;
+  for (int i = 0; i < 4; ++i) {
+    const std::vector<uint32_t> t = read_tokens(dir_ / fmt::format("sharded_{:06}.bin", i));
+    EXPECT_EQ(t.size(), i < 3 ? 10u : 2u) << i;
+    got.insert(got.end(), t.begin(), t.end());
+  }
+  EXPECT_EQ(got, want);
+  EXPECT_FALSE(fs::exists(sharded));
+  // A later run with fewer shards says which older shard is not part of its output.
+  r = strata("tokenize --input '" + in.string() + "' --output '" + sharded.string() +
+             "' --shard-tokens 16");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("sharded_000002.bin is left from an earlier run"), std::string::npos)
+      << r.out;
+  // And strata train reads the shards as one data set.
+  r = strata("train --model tiny --init random --seq-len 8 --steps 1 --devices host --data '" +
+             (dir_ / "sharded_000000.bin").string() + "," + (dir_ / "sharded_000001.bin").string() +
+             "' --run-dir '" + (dir_ / "run").string() + "'");
+  EXPECT_EQ(r.status, 0) << r.out;
 }
 
 TEST_F(TokenizeCli, BadInputsAreNamed) {

@@ -2,6 +2,8 @@
 // how documents are split (.txt whole or by '%' lines, .jsonl "text" per line, errors naming the
 // line), the end-of-text between documents, and a SentencePiece model trained here with the
 // library's own trainer on text the test writes: encode/decode round trip and its end-of-text.
+#include "hf_tokenizer_testing.h"
+#include "model/tokens.h"
 #include "sentencepiece_testing.h"
 #include "testing.h"
 #include "train/tokenizer.h"
@@ -82,6 +84,76 @@ TEST(Documents, EndOfTextSeparatesDocuments) {
                {"/nonexistent/strata/input.txt", "cannot open"});
   expect_error([] { open_tokenizer("/nonexistent/strata/tok.model"); },
                {"/nonexistent/strata/tok.model", "SentencePiece"});
+}
+
+// The tokens of llm.c files, concatenated.
+std::vector<uint32_t> read_all(const std::vector<fs::path>& files) {
+  std::vector<uint32_t> all;
+  for (const fs::path& f : files) {
+    const TokenFile t = TokenFile::open(f, std::optional<TokenWidth>{});
+    for (int64_t i = 0; i < t.size(); ++i) all.push_back(t.get(i));
+  }
+  return all;
+}
+
+// tokenize_files holds a batch of documents at a time and writes shards as they fill: for every
+// batch size and shard size the same token stream as tokenize_documents over all of them.
+TEST(Documents, TokenizingFilesInBatchesAndShardsGivesOneStream) {
+  test::TempDir tmp("strata-tokenize-files");
+  const fs::path a = tmp.path / "a.txt", b = tmp.path / "b.jsonl";
+  std::ofstream(a) << "the first\n%\nthe second, longer document\n%\nthird\n";
+  std::ofstream(b) << "{\"text\": \"fourth the\"}\n{\"text\": \"\"}\n{\"text\": \"the fifth\"}\n";
+  const std::vector<std::string> docs = {"the first\n", "the second, longer document\n", "third\n",
+                                         "fourth the", "the fifth"};
+  test::write_tokenizer_json(tmp.path / "hf",
+                             test::with_begin_of_text(test::gpt2_like_tokenizer()));
+  const auto byte = make_byte_tokenizer();
+  const auto hf = open_tokenizer((tmp.path / "hf").string());
+  for (const Tokenizer* t : {byte.get(), hf.get()})
+    for (const bool eos : {false, true}) {
+      const std::vector<uint32_t> want = tokenize_documents(*t, docs, eos);
+      for (const uint64_t batch : {uint64_t{1}, uint64_t{12}, uint64_t{40}, uint64_t{1} << 20})
+        for (const uint64_t shard : {uint64_t{0}, uint64_t{7}, uint64_t{want.size()}}) {
+          SCOPED_TRACE(fmt::format("{} eos {} batch {} shard {}", t->name(), eos, batch, shard));
+          const fs::path out = tmp.path / "out" / "tokens.bin";
+          fs::remove_all(out.parent_path());
+          fs::create_directories(out.parent_path());
+          const TokenizedFiles r = tokenize_files(*t, {a, b}, out, shard, eos, batch);
+          EXPECT_EQ(r.documents, 5u);
+          EXPECT_EQ(r.tokens, want.size());
+          EXPECT_EQ(read_all(r.files), want);
+          const uint64_t shards = shard == 0 ? 1 : (want.size() + shard - 1) / shard;
+          ASSERT_EQ(r.files.size(), shards);
+          EXPECT_EQ(r.files.front().filename(), shard == 0 ? "tokens.bin" : "tokens_000000.bin");
+          for (const fs::path& f : r.files)
+            EXPECT_LE(TokenFile::open(f, std::optional<TokenWidth>{}).size(),
+                      static_cast<int64_t>(shard == 0 ? want.size() : shard));
+          // Only the shards: no temporary file is left.
+          EXPECT_EQ(
+              std::distance(fs::directory_iterator(out.parent_path()), fs::directory_iterator()),
+              static_cast<std::ptrdiff_t>(shards));
+        }
+    }
+  // Nothing to tokenize: named, and nothing written.
+  const fs::path empty = tmp.path / "empty.jsonl";
+  std::ofstream(empty) << "{\"text\": \"\"}\n";
+  expect_error([&] { tokenize_files(*byte, {empty}, tmp.path / "never.bin", 0, false); },
+               {"no document", empty.string()});
+  EXPECT_FALSE(fs::exists(tmp.path / "never.bin"));
+}
+
+TEST(Documents, TheTokenWriterNamesShardsAndRefusesWhatDoesNotFit) {
+  test::TempDir tmp("strata-token-writer");
+  EXPECT_EQ(LlmcTokenWriter(tmp.path / "data", TokenWidth::u16, 5).shard_path(12),
+            tmp.path / "data_000012");
+  EXPECT_EQ(LlmcTokenWriter(tmp.path / "d.bin", TokenWidth::u16, 0).shard_path(0),
+            tmp.path / "d.bin");
+  expect_error([&] { LlmcTokenWriter(tmp.path / "x.bin", TokenWidth::u16, 1ull << 31); },
+               {"--shard-tokens 2147483648", "int32"});
+  LlmcTokenWriter w(tmp.path / "w.bin", TokenWidth::u16, 3);
+  const std::vector<uint32_t> fits = {1, 2, 3, 4}, too_big = {5, 70000};
+  w.write(fits);
+  expect_error([&] { w.write(too_big); }, {"token 70000", "position 5", "uint32"});
 }
 
 class SentencePieceTest : public ::testing::Test {

@@ -4,9 +4,12 @@
 // Documents, the tokenizer's prefix (a Hugging Face tokenizer's begin-of-text) before each and
 // the end-of-text id between them are train/tokenizer.h's rules; the output is
 // uint16 tokens (magic 20240520) while every id fits, uint32 (magic 20240801) for a vocabulary
-// above 65,536, written atomically (a temporary file renamed over the output).
+// above 65,536, written atomically (a temporary file renamed over the output), or as shards of
+// --shard-tokens tokens. The text is read, encoded and written a batch of documents at a time
+// (train/tokenizer.h, tokenize_files), so a corpus larger than RAM can be tokenized.
 #include "commands.h"
 #include "core/error.h"
+#include "core/log.h"
 #include "model/tokens.h"
 #include "train/tokenizer.h"
 
@@ -25,29 +28,28 @@ struct TokenizeArgs {
   std::vector<std::string> inputs;
   std::string output;
   bool append_eos = false;
+  uint64_t shard_tokens = 0;
 };
 
 int run_tokenize(const TokenizeArgs& a) {
   const std::unique_ptr<Tokenizer> tokenizer = open_tokenizer(a.tokenizer);
-  std::vector<std::string> documents;
-  uint64_t bytes = 0;
-  for (const std::string& input : a.inputs) {
-    std::vector<std::string> docs = read_documents(input);
-    for (std::string& d : docs) {
-      bytes += d.size();
-      documents.push_back(std::move(d));
-    }
-  }
-  if (documents.empty())
-    fail("tokenize: no document in {}; the input is empty (or every .jsonl \"text\" is empty)",
-         fmt::join(a.inputs, ", "));
-  const std::vector<uint32_t> tokens = tokenize_documents(*tokenizer, documents, a.append_eos);
-  const TokenWidth width = tokenizer->vocab_size() > 65536 ? TokenWidth::u32 : TokenWidth::u16;
-  write_llmc_tokens(a.output, tokens, width);
+  const std::vector<std::filesystem::path> inputs(a.inputs.begin(), a.inputs.end());
+  const TokenizedFiles r =
+      tokenize_files(*tokenizer, inputs, a.output, a.shard_tokens, a.append_eos);
+  const std::string where =
+      r.files.size() == 1
+          ? r.files.front().string()
+          : fmt::format("{} shards, {} ... {}", r.files.size(), r.files.front().string(),
+                        r.files.back().filename().string());
   fmt::print(
       "tokenized {} documents ({} bytes) into {} tokens ({} tokenizer, vocab {}, {}) -> {}\n",
-      documents.size(), bytes, tokens.size(), tokenizer->name(), tokenizer->vocab_size(),
-      width == TokenWidth::u16 ? "uint16" : "uint32", a.output);
+      r.documents, r.bytes, r.tokens, tokenizer->name(), tokenizer->vocab_size(),
+      r.width == TokenWidth::u16 ? "uint16" : "uint32", where);
+  // A shard past the last one, left by an earlier run with more of them, is not this output.
+  LlmcTokenWriter names(a.output, r.width, a.shard_tokens);
+  if (a.shard_tokens > 0 && std::filesystem::exists(names.shard_path(r.files.size())))
+    log_warn("tokenize: {} is left from an earlier run; it is not part of this output",
+             names.shard_path(r.files.size()).string());
   return 0;
 }
 
@@ -65,6 +67,10 @@ Command add_tokenize(CLI::App& app) {
                   "SentencePiece .model file");
   cmd->add_option("--input", a->inputs, "input file(s), .txt or .jsonl, read in order")->required();
   cmd->add_option("--output", a->output, "the token file to write")->required();
+  cmd->add_option("--shard-tokens", a->shard_tokens,
+                  "write llm.c shards of at most this many tokens, OUTPUT with _000000, "
+                  "_000001, ... before its extension (0: one file, at most 2^31 - 1 tokens)")
+      ->capture_default_str();
   cmd->add_flag("--append-eos", a->append_eos,
                 "also write end-of-text after the last document (it always separates documents)");
   return {cmd, [a] { return run_tokenize(*a); }};

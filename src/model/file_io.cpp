@@ -188,6 +188,11 @@ AtomicFile::~AtomicFile() {
 }
 
 FileDigest AtomicFile::digest() const {
+  if (rewritten_)
+    fail(
+        "{}: part of it was overwritten, so its running checksum is void; this is a bug in "
+        "strata",
+        tmp_.string());
   FileDigest d;
   d.bytes = written_;
   d.xxh3 = XXH3_64bits_digest(hash_);
@@ -208,6 +213,26 @@ void AtomicFile::write(const void* data, uint64_t bytes) {
            errno_text(err));
     }
     p += n;
+    bytes -= static_cast<uint64_t>(n);
+  }
+}
+
+void AtomicFile::write_at(uint64_t offset, const void* data, uint64_t bytes) {
+  if (offset + bytes > written_)
+    fail("{}: overwriting bytes {}..{} past the {} written; this is a bug in strata", tmp_.string(),
+         offset, offset + bytes, written_);
+  rewritten_ = true;
+  const auto* p = static_cast<const uint8_t*>(data);
+  while (bytes > 0) {
+    const ssize_t n = ::pwrite(fd_, p, std::min<uint64_t>(bytes, 1ull << 30), off_t(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      const int err = errno;
+      fail("writing {} failed: {}; check free space on its file system", tmp_.string(),
+           errno_text(err));
+    }
+    p += n;
+    offset += static_cast<uint64_t>(n);
     bytes -= static_cast<uint64_t>(n);
   }
 }

@@ -76,7 +76,11 @@ class AtomicFile {
   ~AtomicFile();
 
   void write(const void* data, uint64_t bytes);
+  // Overwrites bytes already written (a header whose counts are known only at the end). The
+  // running checksum no longer describes the file then: digest() refuses.
+  void write_at(uint64_t offset, const void* data, uint64_t bytes);
   void commit();
+  uint64_t size() const { return written_; }
   // Size and XXH3-64 of everything written so far (tensors left empty).
   FileDigest digest() const;
 
@@ -84,6 +88,7 @@ class AtomicFile {
   std::filesystem::path path_, tmp_;
   int fd_ = -1;
   uint64_t written_ = 0;
+  bool rewritten_ = false;
   XXH3_state_s* hash_ = nullptr;
 };
 

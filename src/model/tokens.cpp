@@ -2,6 +2,7 @@
 
 #include "core/error.h"
 #include "core/log.h"
+#include "model/file_io.h"
 
 #include <array>
 #include <cstring>
@@ -162,6 +163,81 @@ void write_llmc_tokens(const std::filesystem::path& path, std::span<const uint32
     out.write(narrow.data(), narrow.size() * 2);
   }
   out.commit();
+}
+
+LlmcTokenWriter::LlmcTokenWriter(std::filesystem::path path, TokenWidth width,
+                                 uint64_t shard_tokens)
+    : path_(std::move(path)), width_(width), shard_tokens_(shard_tokens) {
+  constexpr uint64_t kMost = std::numeric_limits<int32_t>::max();
+  if (shard_tokens_ > kMost)
+    fail("--shard-tokens {}: an llm.c shard counts its tokens in an int32; use at most {}",
+         shard_tokens_, kMost);
+}
+
+LlmcTokenWriter::~LlmcTokenWriter() = default;
+
+std::filesystem::path LlmcTokenWriter::shard_path(uint64_t i) const {
+  if (shard_tokens_ == 0) return path_;
+  std::filesystem::path p = path_;
+  p.replace_filename(
+      fmt::format("{}_{:06}{}", path_.stem().string(), i, path_.extension().string()));
+  return p;
+}
+
+void LlmcTokenWriter::close_shard() {
+  std::array<int32_t, kHeaderInts> header{};
+  header[0] = width_ == TokenWidth::u16 ? kMagicU16 : kMagicU32;
+  header[1] = width_ == TokenWidth::u16 ? kVersionU16 : kVersionU32;
+  header[2] = static_cast<int32_t>(in_shard_);
+  file_->write_at(0, header.data(), kHeaderBytes);
+  file_->commit();
+  file_.reset();
+  done_.push_back(shard_path(done_.size()));
+  in_shard_ = 0;
+}
+
+void LlmcTokenWriter::write(std::span<const uint32_t> tokens) {
+  constexpr uint64_t kMost = std::numeric_limits<int32_t>::max();
+  while (!tokens.empty()) {
+    if (!file_) {
+      file_ = std::make_unique<AtomicFile>(shard_path(done_.size()));
+      const std::array<int32_t, kHeaderInts> placeholder{};
+      file_->write(placeholder.data(), kHeaderBytes);
+    }
+    const uint64_t room = (shard_tokens_ > 0 ? shard_tokens_ : kMost) - in_shard_;
+    if (room == 0) {
+      if (shard_tokens_ == 0)
+        fail(
+            "writing token file {}: more than {} tokens do not fit llm.c's int32 count; write "
+            "shards with --shard-tokens (e.g. 100000000)",
+            path_.string(), kMost);
+      close_shard();
+      continue;
+    }
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(room, tokens.size()));
+    if (width_ == TokenWidth::u32) {
+      file_->write(tokens.data(), n * 4);
+    } else {
+      narrow_.resize(n);
+      for (size_t i = 0; i < n; ++i) {
+        if (tokens[i] > 0xffffu)
+          fail(
+              "writing token file {}: token {} at position {} does not fit uint16; write uint32 "
+              "tokens",
+              path_.string(), tokens[i], total_ + i);
+        narrow_[i] = static_cast<uint16_t>(tokens[i]);
+      }
+      file_->write(narrow_.data(), n * 2);
+    }
+    in_shard_ += n;
+    total_ += n;
+    tokens = tokens.subspan(n);
+  }
+}
+
+std::vector<std::filesystem::path> LlmcTokenWriter::finish() {
+  if (file_) close_shard();
+  return done_;
 }
 
 }  // namespace strata

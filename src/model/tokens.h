@@ -12,10 +12,12 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace strata {
 
@@ -64,5 +66,38 @@ class TokenFile {
 // u32. A token that does not fit the width is an error naming its position.
 void write_llmc_tokens(const std::filesystem::path& path, std::span<const uint32_t> tokens,
                        TokenWidth width);
+
+// Writes a token stream as it comes, without holding it, into llm.c shards of at most
+// `shard_tokens` tokens each: `path` itself when shard_tokens is 0 (then at most 2^31 - 1
+// tokens, llm.c's int32 count), else `path` with _000000, _000001, ... before its extension
+// (data.bin: data_000000.bin), as llm.c's own data scripts name shards. Each file is written
+// atomically (AtomicFile) and appears only when complete; the header's count is written last.
+// A token that does not fit the width is an Error naming its position in the stream.
+class LlmcTokenWriter {
+ public:
+  LlmcTokenWriter(std::filesystem::path path, TokenWidth width, uint64_t shard_tokens);
+  LlmcTokenWriter(const LlmcTokenWriter&) = delete;
+  LlmcTokenWriter& operator=(const LlmcTokenWriter&) = delete;
+  ~LlmcTokenWriter();
+
+  void write(std::span<const uint32_t> tokens);
+  // Completes the last shard; returns every file written, in order. A stream of no tokens
+  // writes no file.
+  std::vector<std::filesystem::path> finish();
+  uint64_t tokens() const { return total_; }
+  // The name of shard i (`path` itself when not sharding).
+  std::filesystem::path shard_path(uint64_t i) const;
+
+ private:
+  void close_shard();
+
+  std::filesystem::path path_;
+  TokenWidth width_;
+  uint64_t shard_tokens_;
+  uint64_t total_ = 0, in_shard_ = 0;
+  std::unique_ptr<AtomicFile> file_;
+  std::vector<std::filesystem::path> done_;
+  std::vector<uint16_t> narrow_;
+};
 
 }  // namespace strata

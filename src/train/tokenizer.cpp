@@ -4,7 +4,9 @@
 
 #include "core/error.h"
 #include "model/file_io.h"
+#include "model/tokens.h"
 
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 #include <sentencepiece_processor.h>
 #include <tbb/blocked_range.h>
@@ -96,8 +98,8 @@ std::string_view strip_eol(std::string_view line) {
   return line;
 }
 
-std::vector<std::string> split_jsonl(std::string_view text, std::string_view source) {
-  std::vector<std::string> docs;
+void each_jsonl(std::string_view text, std::string_view source, const DocumentFn& fn,
+                const ConsumedFn& consumed) {
   size_t start = 0;
   for (int64_t line_no = 1; start < text.size(); ++line_no) {
     size_t end = text.find('\n', start);
@@ -120,13 +122,12 @@ std::vector<std::string> split_jsonl(std::string_view text, std::string_view sou
           "object with a \"text\" string",
           source, line_no, line.size() > 80 ? std::string(line.substr(0, 77)) + "..." : line);
     std::string doc = j["text"].get<std::string>();
-    if (!doc.empty()) docs.push_back(std::move(doc));
+    if (!doc.empty()) fn(std::move(doc));
+    if (consumed) consumed(std::min(start, text.size()));
   }
-  return docs;
 }
 
-std::vector<std::string> split_text(std::string_view text) {
-  std::vector<std::string> docs;
+void each_text(std::string_view text, const DocumentFn& fn, const ConsumedFn& consumed) {
   std::string doc;
   size_t start = 0;
   while (start < text.size()) {
@@ -134,15 +135,15 @@ std::vector<std::string> split_text(std::string_view text) {
     const size_t next = end == std::string_view::npos ? text.size() : end + 1;
     if (end == std::string_view::npos) end = text.size();
     if (strip_eol(text.substr(start, end - start)) == "%") {
-      if (!doc.empty()) docs.push_back(std::move(doc));
+      if (!doc.empty()) fn(std::move(doc));
       doc.clear();
+      if (consumed) consumed(next);
     } else {
       doc.append(text.substr(start, next - start));  // the line with its newline
     }
     start = next;
   }
-  if (!doc.empty()) docs.push_back(std::move(doc));
-  return docs;
+  if (!doc.empty()) fn(std::move(doc));
 }
 
 }  // namespace
@@ -181,24 +182,51 @@ DocumentFormat document_format_of(const std::filesystem::path& path) {
   return path.extension() == ".jsonl" ? DocumentFormat::jsonl : DocumentFormat::text;
 }
 
+void for_each_document(std::string_view text, DocumentFormat format, std::string_view source,
+                       const DocumentFn& fn, const ConsumedFn& consumed) {
+  if (format == DocumentFormat::jsonl)
+    each_jsonl(text, source, fn, consumed);
+  else
+    each_text(text, fn, consumed);
+}
+
 std::vector<std::string> split_documents(std::string_view text, DocumentFormat format,
                                          std::string_view source) {
-  return format == DocumentFormat::jsonl ? split_jsonl(text, source) : split_text(text);
+  std::vector<std::string> docs;
+  for_each_document(text, format, source, [&](std::string d) { docs.push_back(std::move(d)); });
+  return docs;
+}
+
+void read_documents(const std::filesystem::path& path, const DocumentFn& fn) {
+  const MappedFile file = MappedFile::open(path, "input text");
+  const std::string_view text(reinterpret_cast<const char*>(file.data()), file.size());
+  file.advise_sequential(0, file.size());
+  // The pages read are handed back every 64 MiB, so a large input does not stay resident.
+  constexpr uint64_t kRelease = 64ull << 20;
+  uint64_t released = 0;
+  for_each_document(text, document_format_of(path), file.path(), fn, [&](uint64_t at) {
+    const uint64_t upto = at / kRelease * kRelease;
+    if (upto > released) {
+      file.release(released, upto - released);
+      released = upto;
+    }
+  });
 }
 
 std::vector<std::string> read_documents(const std::filesystem::path& path) {
-  const MappedFile file = MappedFile::open(path, "input text");
-  const std::string_view text(reinterpret_cast<const char*>(file.data()), file.size());
-  return split_documents(text, document_format_of(path), file.path());
+  std::vector<std::string> docs;
+  read_documents(path, [&](std::string d) { docs.push_back(std::move(d)); });
+  return docs;
 }
 
 std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
-                                         const std::vector<std::string>& documents,
-                                         bool append_eos) {
+                                         const std::vector<std::string>& documents, bool append_eos,
+                                         bool after_others) {
   const std::optional<uint32_t> eos = tokenizer.eos_id();
   const std::vector<uint32_t> prefix = tokenizer.prefix_ids(), suffix = tokenizer.suffix_ids();
   const bool suffix_ends = eos.has_value() && !suffix.empty() && suffix.back() == *eos;
-  if (!eos.has_value() && (documents.size() > 1 || (append_eos && !documents.empty())))
+  if (!eos.has_value() && !documents.empty() &&
+      (documents.size() > 1 || append_eos || after_others))
     fail(
         "tokenizer {}: it has no end-of-text piece to write between documents; use a model "
         "trained with an eos piece, or one document without --append-eos",
@@ -215,7 +243,7 @@ std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
   std::vector<uint32_t> tokens;
   tokens.reserve(total);
   for (size_t d = 0; d < documents.size(); ++d) {
-    if (d > 0 && !suffix_ends) tokens.push_back(*eos);
+    if ((d > 0 || after_others) && !suffix_ends) tokens.push_back(*eos);
     tokens.insert(tokens.end(), prefix.begin(), prefix.end());
     tokens.insert(tokens.end(), encoded[d].begin(), encoded[d].end());
     std::vector<uint32_t>().swap(encoded[d]);
@@ -223,6 +251,44 @@ std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
   }
   if (append_eos && !documents.empty() && !suffix_ends) tokens.push_back(*eos);
   return tokens;
+}
+
+TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
+                              const std::vector<std::filesystem::path>& inputs,
+                              const std::filesystem::path& output, uint64_t shard_tokens,
+                              bool append_eos, uint64_t batch_bytes) {
+  TokenizedFiles r;
+  r.width = tokenizer.vocab_size() > 65536 ? TokenWidth::u32 : TokenWidth::u16;
+  LlmcTokenWriter writer(output, r.width, shard_tokens);
+  // Documents are held a batch at a time: read in order, encoded in parallel, written in order.
+  // A full batch is written when the next document arrives, so the last batch is known to be
+  // the last (--append-eos).
+  std::vector<std::string> batch;
+  uint64_t held = 0, written = 0;
+  auto flush = [&](bool last) {
+    writer.write(tokenize_documents(tokenizer, batch, last && append_eos, written > 0));
+    written += batch.size();
+    batch.clear();
+    held = 0;
+  };
+  for (const std::filesystem::path& input : inputs)
+    read_documents(input, [&](std::string doc) {
+      if (held >= batch_bytes) flush(false);
+      r.bytes += doc.size();
+      held += doc.size();
+      ++r.documents;
+      batch.push_back(std::move(doc));
+    });
+  if (r.documents == 0) {
+    std::vector<std::string> names;
+    for (const std::filesystem::path& p : inputs) names.push_back(p.string());
+    fail("tokenize: no document in {}; the input is empty (or every .jsonl \"text\" is empty)",
+         fmt::join(names, ", "));
+  }
+  flush(true);
+  r.tokens = writer.tokens();
+  r.files = writer.finish();
+  return r;
 }
 
 }  // namespace strata

@@ -27,8 +27,11 @@
 // --append-eos).
 #pragma once
 
+#include "model/tokens.h"
+
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -67,6 +70,16 @@ enum class DocumentFormat : uint8_t { text, jsonl };
 // By extension: ".jsonl" is jsonl, anything else text.
 DocumentFormat document_format_of(const std::filesystem::path& path);
 
+// Receives each document in turn.
+using DocumentFn = std::function<void(std::string)>;
+// Told, after a document, how many bytes of the text have been read.
+using ConsumedFn = std::function<void(uint64_t)>;
+// Each document of `text` (the contents of `source`) in order, one at a time.
+void for_each_document(std::string_view text, DocumentFormat format, std::string_view source,
+                       const DocumentFn& fn, const ConsumedFn& consumed = {});
+// Each document of the file at `path` in order (mapped, not read into memory whole).
+void read_documents(const std::filesystem::path& path, const DocumentFn& fn);
+
 // The documents of `text` (the contents of `source`, named in errors: a .jsonl line that is not
 // a JSON object with a "text" string is an Error naming the source and the line number).
 std::vector<std::string> split_documents(std::string_view text, DocumentFormat format,
@@ -78,8 +91,27 @@ std::vector<std::string> read_documents(const std::filesystem::path& path);
 // ids, end-of-text between consecutive ones (unless the suffix already ends with it) and, with
 // `append_eos`, after the last. An Error when an end-of-text id is needed and the tokenizer has
 // none.
+// `after_others`: documents were written before these, so end-of-text separates the first of
+// them from those too.
 std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
-                                         const std::vector<std::string>& documents,
-                                         bool append_eos);
+                                         const std::vector<std::string>& documents, bool append_eos,
+                                         bool after_others = false);
+
+// What tokenize_files wrote.
+struct TokenizedFiles {
+  uint64_t documents = 0, bytes = 0, tokens = 0;
+  TokenWidth width = TokenWidth::u16;  // uint32 for a vocabulary above 65,536
+  std::vector<std::filesystem::path> files;
+};
+// `strata tokenize`: the documents of `inputs`, in order, as one token stream (the rules of
+// tokenize_documents) into llm.c files at `output` (LlmcTokenWriter: one file, or shards of at
+// most `shard_tokens`). Memory stays bounded: documents are read `batch_bytes` of text at a
+// time, encoded in parallel and written before the next batch is read, and each input file is
+// mapped, not copied. The same tokens for any batch size. An Error when the inputs hold no
+// document (nothing is written).
+TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
+                              const std::vector<std::filesystem::path>& inputs,
+                              const std::filesystem::path& output, uint64_t shard_tokens,
+                              bool append_eos, uint64_t batch_bytes = 16ull << 20);
 
 }  // namespace strata
