@@ -173,7 +173,7 @@ TEST_F(DataLoaderTest, SeveralFilesFormOneIndexSpace) {
 
 TEST_F(DataLoaderTest, EvalSequencesComeInOrder) {
   const fs::path e = tokens("eval.bin", 0, 29);  // 7 sequences
-  EvalSequences ev(e, kT, 100);
+  EvalSequences ev({e}, kT, 100);
   EXPECT_EQ(ev.size(), 7);
   std::vector<int32_t> ids(3 * kT), targets(3 * kT);
   std::vector<int32_t> got;
@@ -184,9 +184,20 @@ TEST_F(DataLoaderTest, EvalSequencesComeInOrder) {
   ev.rewind();
   EXPECT_EQ(ev.next(3, ids, targets), 3);
   EXPECT_EQ(targets[0], 1);
-  EvalSequences capped(e, kT, 100, 2);
+  EvalSequences capped({e}, kT, 100, 2);
   EXPECT_EQ(capped.size(), 2);
   EXPECT_EQ(capped.next(3, ids, targets), 2);
+  // Several files: each one's sequences in turn, in the order given (a shard's leftover
+  // tokens, too few for a sequence, are dropped at its end).
+  const fs::path f = tokens("eval2.bin", 50, 9);  // 2 sequences
+  EvalSequences both({f, e}, kT, 100);
+  EXPECT_EQ(both.size(), 9);
+  std::vector<int32_t> all(9 * kT), all_targets(9 * kT);
+  EXPECT_EQ(both.next(9, all, all_targets), 9);
+  std::vector<int32_t> firsts;
+  for (int r = 0; r < 9; ++r) firsts.push_back(all[size_t(r) * kT]);
+  EXPECT_EQ(firsts, (std::vector<int32_t>{50, 54, 0, 4, 8, 12, 16, 20, 24}));
+  EXPECT_EQ(all_targets[size_t(kT) - 1], 54);
 }
 
 TEST_F(DataLoaderTest, BadInputsAreNamed) {
@@ -197,10 +208,11 @@ TEST_F(DataLoaderTest, BadInputsAreNamed) {
       [&] {
         DataLoader({a, short_file}, kT, 1000, 1);
       },
-      {"short.bin", "4 tokens make no sequence of length 4", "needs 5"});
+      {"short.bin", "4 tokens make no sequence of --seq-len 4", "needs 5"});
   expect_error([&] { DataLoader({a, dir_ / "missing.bin"}, kT, 1000, 1); }, {"missing.bin"});
   expect_error([&] { DataLoader({}, kT, 1000, 1); }, {"no token file", "--data"});
-  expect_error([&] { EvalSequences(short_file, kT, 1000); }, {"evaluation token file", "short"});
+  expect_error([&] { EvalSequences({short_file}, kT, 1000); }, {"evaluation token file", "short"});
+  expect_error([&] { EvalSequences({}, kT, 1000); }, {"no token file", "--eval-data"});
 
   DataLoader d({a}, kT, 1000, 1);
   std::vector<int32_t> small(kT);

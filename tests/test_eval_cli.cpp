@@ -75,6 +75,17 @@ TEST_F(EvalCli, JsonReportsLossPerplexityAndTokens) {
                              (dir_ / "tokens.u16").string() + "'");
   EXPECT_EQ(raw["loss"], j["loss"]);
 
+  // Shards, as strata tokenize --shard-tokens writes them: the whole file cut where a sequence
+  // starts (the first keeps the one token the last of its sequences needs as a target) gives
+  // the same sequences in the same order, so the same loss.
+  const std::span<const uint32_t> all(tokens_);
+  write_llmc_tokens(dir_ / "a.bin", all.subspan(0, 2 * 16 + 1), TokenWidth::u16);
+  write_llmc_tokens(dir_ / "b.bin", all.subspan(2 * 16), TokenWidth::u16);
+  const auto shards = eval_json("--seed 1 --seq-len 16 --batch 2 --data '" +
+                                (dir_ / "a.bin").string() + "," + (dir_ / "b.bin").string() + "'");
+  EXPECT_EQ(shards["loss"], j["loss"]);
+  EXPECT_EQ(shards["tokens"], 80);
+
   const Result text = eval("--seed 1 --seq-len 16 " + data());
   EXPECT_EQ(text.status, 0) << text.out;
   EXPECT_NE(text.out.find("perplexity"), std::string::npos) << text.out;

@@ -26,6 +26,7 @@
 #include "schedule/executor.h"
 #include "schedule/schedule.h"
 #include "tier/placement.h"
+#include "train/data_loader.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -43,7 +44,7 @@ struct EvalArgs {
   std::string model;
   std::string init;
   uint64_t seed = 0;
-  std::string data;
+  std::vector<std::string> data;
   std::string data_dtype;
   int64_t seq_len = 0;
   int64_t batch = 1;
@@ -62,20 +63,15 @@ int run_eval(const EvalArgs& a) {
   const bool load = weights_from_model_dir(a.model, a.init, "evaluate");
 
   // Tokens first: a bad file fails before any memory is reserved.
-  const TokenFile tokens = TokenFile::open(a.data, a.data_dtype);
-  tokens.validate(config.vocab_size);
   const int64_t T =
       a.seq_len > 0 ? a.seq_len : std::min<int64_t>(1024, config.max_position_embeddings);
   if (a.batch < 1) fail("--batch {} must be at least 1", a.batch);
   if (T < 1 || T > config.max_position_embeddings)
     fail("--seq-len {} is outside 1..{} (max_position_embeddings of {}); choose a shorter one", T,
          config.max_position_embeddings, config.name);
-  int64_t sequences = tokens.num_sequences(T);
-  if (sequences == 0)
-    fail(
-        "--data {}: {} tokens make no sequence of --seq-len {} (one needs {} tokens: inputs "
-        "plus the shifted target); give more data or a shorter --seq-len",
-        a.data, tokens.size(), T, T + 1);
+  const TokenSequences tokens(std::vector<std::filesystem::path>(a.data.begin(), a.data.end()), T,
+                              config.vocab_size, parse_token_width(a.data_dtype), "--data");
+  int64_t sequences = tokens.size();
   if (a.max_sequences > 0) sequences = std::min(sequences, a.max_sequences);
 
   auto devices = open_cli_devices(a.devices, a.device_memory, 0);
@@ -118,7 +114,7 @@ int run_eval(const EvalArgs& a) {
     }
     for (int64_t s = first; s < last; ++s) {
       HostBatch& b = batches[0][static_cast<size_t>((s - first) % N)];
-      tokens.sequence(s, T, b.ids.data() + b.batch * T, b.targets.data() + b.batch * T);
+      tokens.read(s, b.ids.data() + b.batch * T, b.targets.data() + b.batch * T);
       ++b.batch;
     }
     for (HostBatch& b : batches[0]) {
@@ -134,7 +130,7 @@ int run_eval(const EvalArgs& a) {
   const double loss = sum / static_cast<double>(std::max<int64_t>(count, 1));
   if (!std::isfinite(loss))
     fail("eval of {} on {}: the loss is {}; the weights or the data hold non-finite values",
-         a.model, a.data, loss);
+         a.model, fmt::join(a.data, ","), loss);
   const double tokens_per_s = static_cast<double>(count) / seconds;
   std::vector<std::string> device_names;
   for (Device* d : ranks) device_names.push_back(d->name());
@@ -183,7 +179,9 @@ Command add_eval(CLI::App& app) {
   cmd->add_option("--init", args->init, "'random': initialise the weights instead of loading");
   cmd->add_option("--seed", args->seed, "seed of --init random");
   cmd->add_option("--data", args->data,
-                  "token file: llm.c shard (.bin) or raw uint16/uint32 with --data-dtype")
+                  "token files, their sequences in order: llm.c shards (.bin) or raw "
+                  "uint16/uint32 with --data-dtype")
+      ->delimiter(',')
       ->required();
   cmd->add_option("--data-dtype", args->data_dtype, "raw token files: uint16 or uint32");
   cmd->add_option("--seq-len", args->seq_len,

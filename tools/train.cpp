@@ -45,7 +45,7 @@ struct TrainArgs {
   int keep = 3;
   bool resume = false, resume_fallback = false;
   std::string trace;
-  std::string eval_data;
+  std::vector<std::string> eval_data;
   int64_t eval_every = 0, eval_sequences = 0;
 };
 
@@ -98,7 +98,7 @@ int run_train(const TrainArgs& a) {
   s.data_width = parse_token_width(a.data_dtype);
   if (a.eval_data.empty() && (a.eval_every > 0 || a.eval_sequences > 0))
     fail("--eval-every/--eval-sequences: there is no held-out data; give --eval-data FILE");
-  s.eval_data = a.eval_data;
+  for (const std::string& f : a.eval_data) s.eval_data.emplace_back(f);
   s.eval_every = a.eval_every;
   s.eval_sequences = a.eval_sequences;
   s.run_dir = a.run_dir.empty() ? fs::path("runs") / model.name : fs::path(a.run_dir);
@@ -229,7 +229,9 @@ Command add_train(CLI::App& app) {
       ->delimiter(',');
   cmd->add_option("--data-dtype", a->data_dtype, "raw token files: uint16 or uint32");
   cmd->add_option("--eval-data", a->eval_data,
-                  "held-out token file: its loss every --eval-every steps and at the end");
+                  "held-out token files (their sequences in order): the loss every "
+                  "--eval-every steps and at the end")
+      ->delimiter(',');
   cmd->add_option("--eval-every", a->eval_every, "evaluate every N steps (0: at the end only)");
   cmd->add_option("--eval-sequences", a->eval_sequences,
                   "evaluate on at most N held-out sequences (0: all of them)");

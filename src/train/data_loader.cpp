@@ -22,9 +22,17 @@ void open_checked(TokenFile& file, const std::filesystem::path& path, int64_t se
   file.validate(vocab_size);
   if (file.num_sequences(seq_len) < 1)
     fail(
-        "{} {}: {} tokens make no sequence of length {} (one needs {} tokens); use a larger "
-        "file, a shorter --seq-len, or leave the file out",
+        "{} {}: {} tokens make no sequence of --seq-len {} (one needs {} tokens: the inputs "
+        "and the targets shifted by one); use a larger file, a shorter --seq-len, or leave the "
+        "file out",
         what, file.path(), file.size(), seq_len, seq_len + 1);
+}
+
+// `files`, unless there are none: then an Error saying which flag takes them.
+const std::vector<std::filesystem::path>& given(const std::vector<std::filesystem::path>& files,
+                                                std::string_view what, std::string_view flag) {
+  if (files.empty()) fail("{}: no token file was given; pass {} FILE[,FILE...]", what, flag);
+  return files;
 }
 
 void check_rows(int64_t batch, int64_t seq_len, std::span<int32_t> ids, std::span<int32_t> targets,
@@ -133,18 +141,33 @@ DataPosition DataPosition::from_json(const nlohmann::json& json, std::string_vie
   return p;
 }
 
-DataLoader::DataLoader(const std::vector<std::filesystem::path>& files, int64_t seq_len,
-                       int64_t vocab_size, uint64_t seed, std::optional<TokenWidth> raw) {
-  if (files.empty()) fail("training data: no token file was given; pass --data FILE[,FILE...]");
-  if (seq_len < 1) fail("training data: sequence length {} must be at least 1", seq_len);
+TokenSequences::TokenSequences(const std::vector<std::filesystem::path>& files, int64_t seq_len,
+                               int64_t vocab_size, std::optional<TokenWidth> raw,
+                               std::string_view what)
+    : seq_len_(seq_len) {
+  if (seq_len < 1) fail("{}: sequence length {} must be at least 1", what, seq_len);
   files_.resize(files.size());
   first_.push_back(0);
   for (size_t f = 0; f < files.size(); ++f) {
-    open_checked(files_[f], files[f], seq_len, vocab_size, raw, "training token file");
+    open_checked(files_[f], files[f], seq_len, vocab_size, raw, what);
     first_.push_back(first_.back() + files_[f].num_sequences(seq_len));
   }
+}
+
+void TokenSequences::read(int64_t g, int32_t* ids, int32_t* targets) const {
+  if (g < 0 || g >= size())
+    fail("token data: sequence {} is out of range (the files hold {})", g, size());
+  const auto f =
+      static_cast<size_t>(std::upper_bound(first_.begin(), first_.end(), g) - first_.begin() - 1);
+  files_[f].sequence(g - first_[f], seq_len_, ids, targets);
+}
+
+DataLoader::DataLoader(const std::vector<std::filesystem::path>& files, int64_t seq_len,
+                       int64_t vocab_size, uint64_t seed, std::optional<TokenWidth> raw)
+    : data_(given(files, "training data", "--data"), seq_len, vocab_size, raw,
+            "training token file") {
   position_.seed = seed;
-  position_.sequences = first_.back();
+  position_.sequences = data_.size();
   position_.seq_len = seq_len;
   load_order();
 }
@@ -154,11 +177,7 @@ void DataLoader::load_order() {
 }
 
 void DataLoader::read(int64_t g, int32_t* ids, int32_t* targets) const {
-  if (g < 0 || g >= position_.sequences)
-    fail("training data: sequence {} is out of range (the files hold {})", g, position_.sequences);
-  const auto f =
-      static_cast<size_t>(std::upper_bound(first_.begin(), first_.end(), g) - first_.begin() - 1);
-  files_[f].sequence(g - first_[f], position_.seq_len, ids, targets);
+  data_.read(g, ids, targets);
 }
 
 void DataLoader::next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> targets) {
@@ -191,22 +210,23 @@ void DataLoader::restore(const DataPosition& position) {
   if (!same_order) load_order();
 }
 
-EvalSequences::EvalSequences(const std::filesystem::path& file, int64_t seq_len, int64_t vocab_size,
-                             int64_t max_sequences, std::optional<TokenWidth> raw)
-    : seq_len_(seq_len) {
-  if (seq_len < 1) fail("evaluation data: sequence length {} must be at least 1", seq_len);
+EvalSequences::EvalSequences(const std::vector<std::filesystem::path>& files, int64_t seq_len,
+                             int64_t vocab_size, int64_t max_sequences,
+                             std::optional<TokenWidth> raw)
+    : data_(given(files, "evaluation data", "--eval-data"), seq_len, vocab_size, raw,
+            "evaluation token file") {
   if (max_sequences < 0)
     fail("evaluation data: at most {} sequences; expected 0 (all) or more", max_sequences);
-  open_checked(file_, file, seq_len, vocab_size, raw, "evaluation token file");
-  count_ = file_.num_sequences(seq_len);
+  count_ = data_.size();
   if (max_sequences > 0) count_ = std::min(count_, max_sequences);
 }
 
 int64_t EvalSequences::next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> targets) {
-  check_rows(batch, seq_len_, ids, targets, "evaluation batch");
+  const int64_t T = data_.seq_len();
+  check_rows(batch, T, ids, targets, "evaluation batch");
   const int64_t rows = std::min(batch, count_ - next_);
   for (int64_t r = 0; r < rows; ++r)
-    file_.sequence(next_ + r, seq_len_, ids.data() + r * seq_len_, targets.data() + r * seq_len_);
+    data_.read(next_ + r, ids.data() + r * T, targets.data() + r * T);
   next_ += rows;
   return rows;
 }

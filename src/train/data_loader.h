@@ -66,6 +66,27 @@ struct DataPosition {
   static DataPosition from_json(const nlohmann::json& json, std::string_view source);
 };
 
+// The length-T sequences of several token files (llm.c shards, or raw tokens of width `raw`)
+// as one index space 0..size()-1, each file's in order, the files in the order given. Every
+// token is checked below vocab_size and every file must hold a sequence; errors name the file
+// (`what` says what it is for: "training token file", ...).
+class TokenSequences {
+ public:
+  TokenSequences(const std::vector<std::filesystem::path>& files, int64_t seq_len,
+                 int64_t vocab_size, std::optional<TokenWidth> raw, std::string_view what);
+
+  int64_t size() const { return first_.back(); }
+  int64_t seq_len() const { return seq_len_; }
+  const std::vector<TokenFile>& files() const { return files_; }
+  // Sequence g as one row of ids and targets (seq_len each).
+  void read(int64_t g, int32_t* ids, int32_t* targets) const;
+
+ private:
+  std::vector<TokenFile> files_;
+  std::vector<int64_t> first_;  // first index of each file, then size()
+  int64_t seq_len_ = 0;
+};
+
 class DataLoader {
  public:
   // Opens every file (llm.c shards, or raw tokens of width `raw`), checks each token is below
@@ -75,7 +96,7 @@ class DataLoader {
 
   int64_t seq_len() const { return position_.seq_len; }
   int64_t num_sequences() const { return position_.sequences; }
-  const std::vector<TokenFile>& files() const { return files_; }
+  const std::vector<TokenFile>& files() const { return data_.files(); }
 
   // The next `batch` sequences: row r of ids/targets (each batch × seq_len, row-major) is the
   // r-th sequence handed out. Advances the position, and the epoch when it is exhausted.
@@ -91,29 +112,30 @@ class DataLoader {
  private:
   void load_order();  // order_ for position_.epoch
 
-  std::vector<TokenFile> files_;
-  std::vector<int64_t> first_;  // first global index of each file, then N
+  TokenSequences data_;
   DataPosition position_;
   std::vector<int64_t> order_;  // epoch_order(seed, epoch, N)
 };
 
-// The held-out file's sequences 0, 1, 2, ... in order, in batches, for evaluation.
+// The held-out files' sequences 0, 1, 2, ... in order (TokenSequences), in batches, for
+// evaluation.
 class EvalSequences {
  public:
   // At most `max_sequences` of them (0: all); vocabulary and size checked as DataLoader does.
-  EvalSequences(const std::filesystem::path& file, int64_t seq_len, int64_t vocab_size,
-                int64_t max_sequences = 0, std::optional<TokenWidth> raw = std::nullopt);
+  EvalSequences(const std::vector<std::filesystem::path>& files, int64_t seq_len,
+                int64_t vocab_size, int64_t max_sequences = 0,
+                std::optional<TokenWidth> raw = std::nullopt);
 
   int64_t size() const { return count_; }
-  int64_t seq_len() const { return seq_len_; }
+  int64_t seq_len() const { return data_.seq_len(); }
   // Fills the next min(batch, remaining) rows of ids/targets (each at least batch × seq_len)
   // and returns how many; 0 once every sequence was handed out.
   int64_t next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> targets);
   void rewind() { next_ = 0; }
 
  private:
-  TokenFile file_;
-  int64_t seq_len_ = 0, count_ = 0, next_ = 0;
+  TokenSequences data_;
+  int64_t count_ = 0, next_ = 0;
 };
 
 }  // namespace strata

@@ -37,7 +37,7 @@ struct TrainSettings {
   std::optional<TokenWidth> data_width;  // raw token files; empty: llm.c shards
   // Held-out data (same format as `data`): its sequences in order, the loss over them every
   // eval_every steps (0: only after the last step) and after the last step.
-  std::filesystem::path eval_data;
+  std::vector<std::filesystem::path> eval_data;
   int64_t eval_every = 0;
   int64_t eval_sequences = 0;  // at most this many of them (0: all)
   std::filesystem::path run_dir;
