@@ -199,31 +199,10 @@ FileDigest AtomicFile::digest() const {
   return d;
 }
 
-void AtomicFile::write(const void* data, uint64_t bytes) {
-  XXH3_64bits_update(hash_, data, bytes);
-  written_ += bytes;
+void AtomicFile::put(uint64_t offset, const void* data, uint64_t bytes) {
   const auto* p = static_cast<const uint8_t*>(data);
   while (bytes > 0) {
     // Linux writes at most ~2 GiB per call; loop on short writes.
-    const ssize_t n = ::write(fd_, p, std::min<uint64_t>(bytes, 1ull << 30));
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      const int err = errno;
-      fail("writing {} failed: {}; check free space on its file system", tmp_.string(),
-           errno_text(err));
-    }
-    p += n;
-    bytes -= static_cast<uint64_t>(n);
-  }
-}
-
-void AtomicFile::write_at(uint64_t offset, const void* data, uint64_t bytes) {
-  if (offset + bytes > written_)
-    fail("{}: overwriting bytes {}..{} past the {} written; this is a bug in strata", tmp_.string(),
-         offset, offset + bytes, written_);
-  rewritten_ = true;
-  const auto* p = static_cast<const uint8_t*>(data);
-  while (bytes > 0) {
     const ssize_t n = ::pwrite(fd_, p, std::min<uint64_t>(bytes, 1ull << 30), off_t(offset));
     if (n < 0) {
       if (errno == EINTR) continue;
@@ -235,6 +214,20 @@ void AtomicFile::write_at(uint64_t offset, const void* data, uint64_t bytes) {
     offset += static_cast<uint64_t>(n);
     bytes -= static_cast<uint64_t>(n);
   }
+}
+
+void AtomicFile::write(const void* data, uint64_t bytes) {
+  XXH3_64bits_update(hash_, data, bytes);
+  put(written_, data, bytes);
+  written_ += bytes;
+}
+
+void AtomicFile::write_at(uint64_t offset, const void* data, uint64_t bytes) {
+  if (offset + bytes > written_)
+    fail("{}: overwriting bytes {}..{} past the {} written; this is a bug in strata", tmp_.string(),
+         offset, offset + bytes, written_);
+  rewritten_ = true;
+  put(offset, data, bytes);
 }
 
 void AtomicFile::commit() {

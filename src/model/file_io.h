@@ -85,6 +85,8 @@ class AtomicFile {
   FileDigest digest() const;
 
  private:
+  void put(uint64_t offset, const void* data, uint64_t bytes);  // pwrite, resumed when short
+
   std::filesystem::path path_, tmp_;
   int fd_ = -1;
   uint64_t written_ = 0;
