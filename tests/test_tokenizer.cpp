@@ -140,6 +140,13 @@ TEST(Documents, TokenizingFilesInBatchesAndShardsGivesOneStream) {
   expect_error([&] { tokenize_files(*byte, {empty}, tmp.path / "never.bin", 0, false); },
                {"no document", empty.string()});
   EXPECT_FALSE(fs::exists(tmp.path / "never.bin"));
+  // A missing input, even after a good one, fails before any shard is written.
+  expect_error(
+      [&] {
+        tokenize_files(*byte, {a, tmp.path / "missing.txt"}, tmp.path / "never.bin", 3, false);
+      },
+      {"missing.txt", "cannot open"});
+  EXPECT_FALSE(fs::exists(tmp.path / "never_000000.bin"));
 }
 
 TEST(Documents, TheTokenWriterNamesShardsAndRefusesWhatDoesNotFit) {

@@ -257,6 +257,8 @@ TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
                               const std::vector<std::filesystem::path>& inputs,
                               const std::filesystem::path& output, uint64_t shard_tokens,
                               bool append_eos, uint64_t batch_bytes) {
+  // Every input opens before anything is written: a missing second file leaves no shards.
+  for (const std::filesystem::path& input : inputs) (void)MappedFile::open(input, "input text");
   TokenizedFiles r;
   r.width = tokenizer.vocab_size() > 65536 ? TokenWidth::u32 : TokenWidth::u16;
   LlmcTokenWriter writer(output, r.width, shard_tokens);
