@@ -34,7 +34,7 @@ void read_as_tokens(const std::string& path, std::optional<strata::TokenWidth> r
   strata::DataLoader loader({path}, T, vocab, /*seed=*/n, raw);
   for (int64_t done = 0; done < 2 * loader.num_sequences(); done += 3) loader.next(3, ids, targets);
 
-  strata::EvalSequences eval(path, T, vocab, /*max_sequences=*/0, raw);
+  strata::EvalSequences eval({path}, T, vocab, /*max_sequences=*/0, raw);
   while (eval.next(3, ids, targets) > 0) {
   }
 }
