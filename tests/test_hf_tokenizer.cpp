@@ -163,6 +163,34 @@ TEST_F(HfTokenizerTest, AnUnknownCharacterIsTheUnkTokenOrAnError) {
                {"\"\xc3\xa9\"", "c3 a9", "not in the vocabulary", "unk_token"});
 }
 
+// Split's five behaviours, as the library's SplitDelimiterBehavior cuts "a--b-c" at "-", seen
+// through merges that only join characters within one word: a+- (4), -+- (5), -+b (6), -+c (7).
+TEST_F(HfTokenizerTest, SplitBehavesAsTheLibraryCuts) {
+  const json vocab = {{"a", 0},  {"b", 1},  {"c", 2},  {"-", 3},
+                      {"a-", 4}, {"--", 5}, {"-b", 6}, {"-c", 7}};
+  const auto ids = [&](const char* behavior, bool invert) {
+    const json j = {{"pre_tokenizer",
+                     {{"type", "Split"},
+                      {"pattern", {{"String", "-"}}},
+                      {"behavior", behavior},
+                      {"invert", invert}}},
+                    {"model",
+                     {{"type", "BPE"},
+                      {"vocab", vocab},
+                      {"merges", json::array({"a -", "- -", "- b", "- c"})}}}};
+    return open_tokenizer(write(std::string(behavior) + (invert ? "-inverted" : ""), j))
+        ->encode("a--b-c");
+  };
+  using V = std::vector<uint32_t>;
+  EXPECT_EQ(ids("Removed", false), (V{0, 1, 2}));                   // a b c
+  EXPECT_EQ(ids("Isolated", false), (V{0, 3, 3, 1, 3, 2}));         // a - - b - c
+  EXPECT_EQ(ids("MergedWithPrevious", false), (V{4, 3, 1, 3, 2}));  // a- - b- c
+  EXPECT_EQ(ids("MergedWithNext", false), (V{0, 3, 6, 7}));         // a - -b -c
+  EXPECT_EQ(ids("Contiguous", false), (V{0, 5, 1, 3, 2}));          // a -- b - c
+  EXPECT_EQ(ids("Removed", true), (V{3, 3, 3}));                    // the matches kept: - - -
+  EXPECT_EQ(ids("Isolated", true), (V{0, 3, 3, 1, 3, 2}));
+}
+
 TEST_F(HfTokenizerTest, AModelDirectoryGivesItsTokenizer) {
   const std::string file = write("model", llama2_like(), {{"eos_token", "</s>"}});
   const fs::path dir = fs::path(file).parent_path();
@@ -280,7 +308,8 @@ TEST_P(HfTokenizerReference, EveryIdAndDecodedTextAgree) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, HfTokenizerReference,
-                         ::testing::Values("llama3", "llama2", "gpt2", "metaspace"));
+                         ::testing::Values("llama3", "llama2", "gpt2", "metaspace",
+                                           "metaspace_split"));
 
 }  // namespace
 }  // namespace strata

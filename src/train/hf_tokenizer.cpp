@@ -379,7 +379,8 @@ void split_pieces(std::string_view s, const std::vector<std::pair<size_t, size_t
   if (last < s.size()) parts.emplace_back(last, s.size(), invert);
   std::vector<std::string> pieces;
   bool prev_delim = false, pending_next = false;
-  for (const auto& [b, e, delim] : parts) {
+  for (size_t k = 0; k < parts.size(); ++k) {
+    const auto& [b, e, delim] = parts[k];
     const std::string_view part = s.substr(b, e - b);
     switch (behavior) {
       case Behavior::removed:
@@ -394,12 +395,12 @@ void split_pieces(std::string_view s, const std::vector<std::pair<size_t, size_t
         else
           pieces.emplace_back(part);
         break;
-      case Behavior::merged_with_next:
+      case Behavior::merged_with_next:  // a delimiter starts the next part, unless that is one
         if (pending_next)
           pieces.back().append(part);
         else
           pieces.emplace_back(part);
-        pending_next = delim;
+        pending_next = delim && k + 1 < parts.size() && !std::get<2>(parts[k + 1]);
         break;
       case Behavior::contiguous:
         if (delim && prev_delim)

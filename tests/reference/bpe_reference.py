@@ -13,7 +13,8 @@ below by plain BPE training:
              whole text is one word), byte fallback for characters outside the vocabulary, <s>
              prefix, Replace/ByteFallback/Fuse/Strip decoder;
   gpt2       GPT-2's: ByteLevel with its own regex, <|endoftext|> as the only added token;
-  metaspace  Mistral's newer layout: a Metaspace pre-tokenizer with prepend_scheme "first".
+  metaspace  Mistral's newer layout: a Metaspace pre-tokenizer with prepend_scheme "first";
+  metaspace_split  the older Metaspace layout (add_prefix_space, split at every ▁).
 
 `encode` writes {"ids", "decoded", "prefix", "suffix", "eos", "vocab_size"}: ids as the library's
 encode(text, add_special_tokens=False), decoded as decode(ids, skip_special_tokens=True). The
@@ -217,7 +218,7 @@ def make(directory, style):
                           "fuse_unk": False, "vocab": vocab,
                           "merges": ["%s %s" % m for m in merges]},
             }
-    elif style in ("llama2", "metaspace"):
+    elif style in ("llama2", "metaspace", "metaspace_split"):
         vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
         for b in range(256):
             vocab["<0x%02X>" % b] = len(vocab)
@@ -236,6 +237,9 @@ def make(directory, style):
             norm = SPACE + t.replace(" ", SPACE)
             words += [w for w in regex.split("(?=%s)" % SPACE, norm) if w]
         merges = train_merges(words, alphabet, 400)
+        # Runs of spaces: a merge the training (split at every ▁) cannot learn, so that a
+        # pre-tokenizer keeping "▁▁" in one word and one splitting it give different ids.
+        merges.append((SPACE, SPACE))
         add_merges(vocab, merges)
         added = [{"id": i, "content": c, "single_word": False, "lstrip": False, "rstrip": False,
                   "normalized": False, "special": True}
@@ -267,9 +271,12 @@ def make(directory, style):
             config = {"bos_token": {"content": "<s>", "lstrip": False},
                       "eos_token": {"content": "</s>", "lstrip": False},
                       "add_bos_token": True, "add_eos_token": False}
-        else:
+        elif style == "metaspace":
             tok["pre_tokenizer"] = {"type": "Metaspace", "replacement": SPACE,
                                     "prepend_scheme": "first", "split": False}
+        else:  # the older layout: a word per ▁, runs of spaces one ▁ word each
+            tok["pre_tokenizer"] = {"type": "Metaspace", "replacement": SPACE,
+                                    "add_prefix_space": True}
     else:
         raise SystemExit("unknown style %r" % style)
     with open(os.path.join(directory, "tokenizer.json"), "w", encoding="utf-8") as f:
