@@ -187,8 +187,13 @@ TEST_F(SentencePieceTest, ATrainedModelRoundTripsText) {
     for (uint32_t id : ids) EXPECT_LT(id, static_cast<uint32_t>(t->vocab_size()));
     EXPECT_EQ(t->decode(ids), text);
   }
+  // <s> (id 1 by SentencePiece's default) starts each document, as Hugging Face's
+  // LlamaTokenizer puts it.
+  EXPECT_EQ(t->prefix_ids(), std::vector<uint32_t>{1});
   const std::vector<uint32_t> stream = tokenize_documents(*t, {"the fox", "the dog"}, true);
   EXPECT_EQ(std::count(stream.begin(), stream.end(), *t->eos_id()), 2);
+  EXPECT_EQ(std::count(stream.begin(), stream.end(), 1u), 2);
+  EXPECT_EQ(stream.front(), 1u);
   // </s> decodes to nothing; the next piece's word-start mark becomes a space.
   EXPECT_EQ(t->decode(stream), "the fox the dog");
   const std::vector<uint32_t> bad = {static_cast<uint32_t>(t->vocab_size())};

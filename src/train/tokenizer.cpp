@@ -85,6 +85,13 @@ class SentencePieceTokenizer final : public Tokenizer {
     if (id < 0) return std::nullopt;
     return static_cast<uint32_t>(id);
   }
+  // Its <s> before each text, as Hugging Face's LlamaTokenizer (add_bos_token) and the same
+  // model's tokenizer.json put it; none for a model trained without one.
+  std::vector<uint32_t> prefix_ids() const override {
+    const int id = sp_.bos_id();
+    if (id < 0) return {};
+    return {static_cast<uint32_t>(id)};
+  }
   std::string name() const override { return path_; }
 
  private:

@@ -6,7 +6,8 @@
 //   vocabulary is 257 (a model trained on its tokens needs vocab_size >= 257); decoding drops
 //   end-of-text ids;
 // - SentencePiece models (`*.model`, as Llama 2 and many others ship), through Debian's
-//   libsentencepiece; their end-of-text id is the model's </s> piece, when it has one;
+//   libsentencepiece; their end-of-text id is the model's </s> piece, when it has one, and
+//   their prefix its <s> (as Hugging Face's LlamaTokenizer adds it), when it has one;
 // - Hugging Face `tokenizer.json` files with a BPE model (hf_tokenizer.cpp): Llama 3's and
 //   GPT-2's byte-level BPE, and the byte-fallback BPE of Llama 2's and Mistral's fast
 //   tokenizers. Supported: normalizers Prepend, Replace, Sequence; pre-tokenizers Split,
