@@ -38,6 +38,7 @@
 #include "core/error.h"
 #include "core/log.h"
 #include "model/config.h"
+#include "model/file_io.h"
 #include "model/llama.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
@@ -53,7 +54,6 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
 #include <functional>
 #include <memory>
 #include <numeric>
@@ -132,11 +132,10 @@ std::string resolve_tokenizer(const std::string& spec, const std::string& model,
   std::error_code ec;
   for (const fs::path& dir : {checkpoint, fs::path(model)}) {
     if (dir.empty() || !fs::is_directory(dir, ec)) continue;
-    for (const char* file : {"tokenizer.json", "tokenizer.model"})
-      if (fs::exists(dir / file, ec)) {
-        log_info("generate: --tokenizer auto: {}", (dir / file).string());
-        return (dir / file).string();
-      }
+    if (const std::optional<fs::path> file = model_tokenizer_file(dir)) {
+      log_info("generate: --tokenizer auto: {}", file->string());
+      return file->string();
+    }
   }
   return "byte";
 }
@@ -153,9 +152,8 @@ std::vector<uint32_t> stop_ids(const Tokenizer& tokenizer, const std::string& mo
   for (const fs::path& dir : {checkpoint, fs::path(model)}) {
     const fs::path file = dir / "generation_config.json";
     if (dir.empty() || !fs::is_regular_file(file, ec)) continue;
-    std::ifstream in(file);
-    const nlohmann::json j = nlohmann::json::parse(in, nullptr, false);
-    if (j.is_discarded() || !j.is_object())
+    const nlohmann::json j = read_json_file(file, "generation config");
+    if (!j.is_object())
       fail("{}: not a JSON object; fix it or remove it from the model directory", file.string());
     if (!j.contains("eos_token_id") || j["eos_token_id"].is_null()) break;
     const nlohmann::json& e = j["eos_token_id"];

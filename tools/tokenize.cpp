@@ -46,10 +46,10 @@ int run_tokenize(const TokenizeArgs& a) {
       r.documents, r.bytes, r.tokens, tokenizer->name(), tokenizer->vocab_size(),
       r.width == TokenWidth::u16 ? "uint16" : "uint32", where);
   // A shard past the last one, left by an earlier run with more of them, is not this output.
-  LlmcTokenWriter names(a.output, r.width, a.shard_tokens);
-  if (a.shard_tokens > 0 && std::filesystem::exists(names.shard_path(r.files.size())))
+  const std::filesystem::path next = llmc_shard_path(a.output, r.files.size());
+  if (a.shard_tokens > 0 && std::filesystem::exists(next))
     log_warn("tokenize: {} is left from an earlier run; it is not part of this output",
-             names.shard_path(r.files.size()).string());
+             next.string());
   return 0;
 }
 

@@ -142,27 +142,9 @@ void write_llmc_tokens(const std::filesystem::path& path, std::span<const uint32
         "writing token file {}: {} tokens do not fit llm.c's int32 count; split them into "
         "several shards",
         path.string(), tokens.size());
-  std::array<int32_t, kHeaderInts> header{};
-  header[0] = width == TokenWidth::u16 ? kMagicU16 : kMagicU32;
-  header[1] = width == TokenWidth::u16 ? kVersionU16 : kVersionU32;
-  header[2] = static_cast<int32_t>(tokens.size());
-  AtomicFile out(path);
-  out.write(header.data(), kHeaderBytes);
-  if (width == TokenWidth::u32) {
-    out.write(tokens.data(), tokens.size() * 4);
-  } else {
-    std::vector<uint16_t> narrow(tokens.size());
-    for (size_t i = 0; i < tokens.size(); ++i) {
-      if (tokens[i] > 0xffffu)
-        fail(
-            "writing token file {}: token {} at position {} does not fit uint16; write uint32 "
-            "tokens",
-            path.string(), tokens[i], i);
-      narrow[i] = static_cast<uint16_t>(tokens[i]);
-    }
-    out.write(narrow.data(), narrow.size() * 2);
-  }
-  out.commit();
+  LlmcTokenWriter writer(path, width, 0);
+  writer.write(tokens);
+  writer.finish();
 }
 
 LlmcTokenWriter::LlmcTokenWriter(std::filesystem::path path, TokenWidth width,
@@ -176,12 +158,20 @@ LlmcTokenWriter::LlmcTokenWriter(std::filesystem::path path, TokenWidth width,
 
 LlmcTokenWriter::~LlmcTokenWriter() = default;
 
-std::filesystem::path LlmcTokenWriter::shard_path(uint64_t i) const {
-  if (shard_tokens_ == 0) return path_;
-  std::filesystem::path p = path_;
-  p.replace_filename(
-      fmt::format("{}_{:06}{}", path_.stem().string(), i, path_.extension().string()));
+std::filesystem::path llmc_shard_path(const std::filesystem::path& path, uint64_t i) {
+  std::filesystem::path p = path;
+  p.replace_filename(fmt::format("{}_{:06}{}", path.stem().string(), i, path.extension().string()));
   return p;
+}
+
+std::filesystem::path LlmcTokenWriter::shard_path(uint64_t i) const {
+  return shard_tokens_ == 0 ? path_ : llmc_shard_path(path_, i);
+}
+
+void LlmcTokenWriter::open_shard() {
+  file_ = std::make_unique<AtomicFile>(shard_path(done_.size()));
+  const std::array<int32_t, kHeaderInts> placeholder{};  // the count is written at the end
+  file_->write(placeholder.data(), kHeaderBytes);
 }
 
 void LlmcTokenWriter::close_shard() {
@@ -199,11 +189,7 @@ void LlmcTokenWriter::close_shard() {
 void LlmcTokenWriter::write(std::span<const uint32_t> tokens) {
   constexpr uint64_t kMost = std::numeric_limits<int32_t>::max();
   while (!tokens.empty()) {
-    if (!file_) {
-      file_ = std::make_unique<AtomicFile>(shard_path(done_.size()));
-      const std::array<int32_t, kHeaderInts> placeholder{};
-      file_->write(placeholder.data(), kHeaderBytes);
-    }
+    if (!file_) open_shard();
     const uint64_t room = (shard_tokens_ > 0 ? shard_tokens_ : kMost) - in_shard_;
     if (room == 0) {
       if (shard_tokens_ == 0)
@@ -236,6 +222,7 @@ void LlmcTokenWriter::write(std::span<const uint32_t> tokens) {
 }
 
 std::vector<std::filesystem::path> LlmcTokenWriter::finish() {
+  if (!file_ && done_.empty() && shard_tokens_ == 0) open_shard();  // an empty file, not none
   if (file_) close_shard();
   return done_;
 }

@@ -67,6 +67,9 @@ class TokenFile {
 void write_llmc_tokens(const std::filesystem::path& path, std::span<const uint32_t> tokens,
                        TokenWidth width);
 
+// Shard i of `path` as llm.c's data scripts name shards: data.bin gives data_000000.bin, ...
+std::filesystem::path llmc_shard_path(const std::filesystem::path& path, uint64_t i);
+
 // Writes a token stream as it comes, without holding it, into llm.c shards of at most
 // `shard_tokens` tokens each: `path` itself when shard_tokens is 0 (then at most 2^31 - 1
 // tokens, llm.c's int32 count), else `path` with _000000, _000001, ... before its extension
@@ -82,13 +85,14 @@ class LlmcTokenWriter {
 
   void write(std::span<const uint32_t> tokens);
   // Completes the last shard; returns every file written, in order. A stream of no tokens
-  // writes no file.
+  // writes one empty file without shards, none with them.
   std::vector<std::filesystem::path> finish();
   uint64_t tokens() const { return total_; }
   // The name of shard i (`path` itself when not sharding).
   std::filesystem::path shard_path(uint64_t i) const;
 
  private:
+  void open_shard();
   void close_shard();
 
   std::filesystem::path path_;

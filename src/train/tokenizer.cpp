@@ -163,6 +163,13 @@ std::unique_ptr<Tokenizer> load_sentencepiece_tokenizer(const std::filesystem::p
   return std::make_unique<SentencePieceTokenizer>(model);
 }
 
+std::optional<std::filesystem::path> model_tokenizer_file(const std::filesystem::path& dir) {
+  std::error_code ec;
+  for (const char* name : {"tokenizer.json", "tokenizer.model"})
+    if (std::filesystem::is_regular_file(dir / name, ec)) return dir / name;
+  return std::nullopt;
+}
+
 std::unique_ptr<Tokenizer> open_tokenizer(std::string_view spec) {
   namespace fs = std::filesystem;
   if (spec == "byte") return make_byte_tokenizer();
@@ -173,9 +180,8 @@ std::unique_ptr<Tokenizer> open_tokenizer(std::string_view spec) {
   const fs::path path(spec);
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
-    if (fs::exists(path / "tokenizer.json", ec)) return load_hf_tokenizer(path / "tokenizer.json");
-    if (fs::exists(path / "tokenizer.model", ec))
-      return load_sentencepiece_tokenizer(path / "tokenizer.model");
+    if (const std::optional<fs::path> file = model_tokenizer_file(path))
+      return open_tokenizer(file->string());
     fail(
         "tokenizer {}: the directory has neither tokenizer.json nor tokenizer.model; pass the "
         "directory of a Hugging Face model that ships one, or the tokenizer file itself",

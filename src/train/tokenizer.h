@@ -63,6 +63,9 @@ std::unique_ptr<Tokenizer> load_sentencepiece_tokenizer(const std::filesystem::p
 // Loads a Hugging Face tokenizer.json (and tokenizer_config.json beside it, if there is one);
 // an Error names the file, the place in it and what is wrong or unsupported.
 std::unique_ptr<Tokenizer> load_hf_tokenizer(const std::filesystem::path& file);
+// The tokenizer file a Hugging Face model directory ships: tokenizer.json (the fast tokenizer,
+// as transformers prefers it), else tokenizer.model; none when it has neither.
+std::optional<std::filesystem::path> model_tokenizer_file(const std::filesystem::path& dir);
 // "byte"; a `.json` file (Hugging Face); a directory (a Hugging Face model's: its
 // tokenizer.json, else its tokenizer.model); else the path of a SentencePiece model.
 std::unique_ptr<Tokenizer> open_tokenizer(std::string_view spec);
