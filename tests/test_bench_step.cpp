@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 
 namespace strata {
@@ -80,8 +81,23 @@ TEST(BenchStepCli, VerifiesThenReportsMeasuredAndPredicted) {
   const test::CommandResult again = strata(
       "bench step --devices host:2 --offload-param cpu --offload-optimizer nvme --steps 1 "
       "--rounds 2 --grad-accum 2 --threads 1 --nvme-path " +
-      path + " --hardware " + profile + " --json");
+      path + " --hardware " + profile + " --predicted-trace " + path + "/predicted.json --json");
   ASSERT_EQ(again.status, 0) << again.out;
+  // The simulator's timeline beside the measured one: the same tracks, four steps of the same
+  // tasks, each task once per step.
+  std::ifstream ptf(path + "/predicted.json");
+  const json pt = json::parse(ptf, nullptr, false);
+  ASSERT_FALSE(pt.is_discarded());
+  std::set<std::string> predicted_tracks;
+  std::map<int, std::multiset<std::string>> per_step;
+  for (const json& e : pt.is_array() ? pt : pt["traceEvents"]) {
+    if (e["ph"] == "M" && e["name"] == "thread_name") predicted_tracks.insert(e["args"]["name"]);
+    if (e["ph"] == "X") per_step[e["args"]["step"].get<int>()].insert(e["name"]);
+  }
+  EXPECT_EQ(predicted_tracks, lanes);
+  ASSERT_EQ(per_step.size(), 4u);
+  EXPECT_GT(per_step[0].size(), 10u);
+  for (const auto& [step, names] : per_step) EXPECT_EQ(names, per_step[0]) << "step " << step;
   const json k = json::parse(again.out, nullptr, false);
   EXPECT_EQ(k["predicted_step_s"], j["predicted_step_s"]);
   ASSERT_EQ(k["rounds"].size(), 2u);

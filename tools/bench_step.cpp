@@ -66,7 +66,7 @@ struct BenchStepArgs {
   int rounds = 1;
   int threads = 0;
   double peak_tflops = 0;
-  std::string hardware, save_profile, trace;
+  std::string hardware, save_profile, trace, predicted_trace;
   bool json = false;
 };
 
@@ -381,6 +381,9 @@ int run_bench_step(const BenchStepArgs& a) {
     }
     rd.once = simulate(schedule, rd.profile, 1);
     rd.steady = simulate(schedule, rd.profile, 4);
+    // Beside the timed trace: the same round's prediction, to lay over it in Perfetto.
+    if (!a.predicted_trace.empty() && r + 1 == a.rounds)
+      write_trace(a.predicted_trace, schedule, rd.steady.timeline);
     rd.step = median(got.step_s);
     for (const auto& l : got.lane_busy_s) rd.busy.push_back(median(l));
     rd.nvme_busy = median(got.nvme_busy_s);
@@ -507,6 +510,7 @@ int run_bench_step(const BenchStepArgs& a) {
         rounds.size(), errors, within, rounds.size());
   }
   if (!a.trace.empty()) fmt::print("  trace: {}\n", a.trace);
+  if (!a.predicted_trace.empty()) fmt::print("  predicted trace: {}\n", a.predicted_trace);
   return 0;
 }
 
@@ -561,6 +565,9 @@ Command add_bench_step(CLI::App& bench) {
   cmd->add_option("--trace", a->trace,
                   "write the timed run's Chrome/Perfetto trace JSON here (with --rounds, the last "
                   "round's)");
+  cmd->add_option("--predicted-trace", a->predicted_trace,
+                  "write the simulator's timeline of the same round (4 steps from a standing "
+                  "start, as predicted from its profile) as trace JSON here");
   cmd->add_flag("--json", a->json, "one JSON object");
   return {cmd, [a] { return run_bench_step(*a); }};
 }
