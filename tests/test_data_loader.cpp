@@ -4,10 +4,12 @@
 // from saved JSON equal to the uninterrupted run, several files, the eval sequences in order,
 // the generator pinned to published and recorded values, and bad inputs named.
 #include "testing.h"
+#include "core/kernels.h"
 #include "train/data_loader.h"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <set>
@@ -198,6 +200,79 @@ TEST_F(DataLoaderTest, EvalSequencesComeInOrder) {
   for (int r = 0; r < 9; ++r) firsts.push_back(all[size_t(r) * kT]);
   EXPECT_EQ(firsts, (std::vector<int32_t>{50, 54, 0, 4, 8, 12, 16, 20, 24}));
   EXPECT_EQ(all_targets[size_t(kT) - 1], 54);
+}
+
+// A loss mask beside a file turns the targets it does not count into kIgnoreIndex, in the
+// training batches and the evaluation sequences alike, and only in its own file; with masks off,
+// or without a mask, every target is kept.
+TEST_F(DataLoaderTest, LossMasksIgnoreTheTargetsTheyDoNotCount) {
+  const fs::path a = tokens("a.bin", 0, 13), b = tokens("b.bin", 100, 9);  // 3 + 2 sequences
+  std::vector<uint8_t> flags(13, 1);
+  for (int i : {0, 1, 2, 6, 12}) flags[size_t(i)] = 0;  // token 0 is never a target
+  {
+    LossMaskWriter w(a, 0);
+    w.write(flags);
+    w.finish();
+  }
+  TokenSequences seq({a, b}, kT, 1000, std::nullopt, "token file");
+  EXPECT_EQ(seq.masked_files(), 1);
+  // a's targets are its tokens 1..12, of which 1, 2, 6 and 12 do not count; b's 8 all do.
+  EXPECT_EQ(seq.counted_targets(), 8 + 8);
+  std::vector<int32_t> ids(kT), targets(kT);
+  seq.read(0, ids.data(), targets.data());
+  EXPECT_EQ(ids, (std::vector<int32_t>{0, 1, 2, 3}));
+  EXPECT_EQ(targets, (std::vector<int32_t>{kIgnoreIndex, kIgnoreIndex, 3, 4}));
+  seq.read(1, ids.data(), targets.data());
+  EXPECT_EQ(targets, (std::vector<int32_t>{5, kIgnoreIndex, 7, 8}));
+  seq.read(2, ids.data(), targets.data());
+  EXPECT_EQ(targets, (std::vector<int32_t>{9, 10, 11, kIgnoreIndex}));
+  seq.read(3, ids.data(), targets.data());
+  EXPECT_EQ(targets, (std::vector<int32_t>{101, 102, 103, 104}));
+
+  TokenSequences off({a, b}, kT, 1000, std::nullopt, "token file", false);
+  EXPECT_EQ(off.masked_files(), 0);
+  EXPECT_EQ(off.counted_targets(), 5 * kT);
+  off.read(0, ids.data(), targets.data());
+  EXPECT_EQ(targets, (std::vector<int32_t>{1, 2, 3, 4}));
+
+  // The loader and the evaluation sequences read through the same masks.
+  DataLoader d({a, b}, kT, 1000, 7);
+  std::vector<int32_t> all_ids(5 * kT), all_targets(5 * kT);
+  d.next(5, all_ids, all_targets);
+  EXPECT_EQ(std::count(all_targets.begin(), all_targets.end(), kIgnoreIndex), 4);
+  EvalSequences ev({a}, kT, 1000);
+  EXPECT_EQ(ev.next(3, all_ids, all_targets), 3);
+  EXPECT_EQ(std::count(all_targets.begin(), all_targets.begin() + 3 * kT, kIgnoreIndex), 4);
+  DataLoader unmasked({a, b}, kT, 1000, 7, std::nullopt, false);
+  unmasked.next(5, all_ids, all_targets);
+  EXPECT_EQ(std::count(all_targets.begin(), all_targets.end(), kIgnoreIndex), 0);
+  // A run saved over the masks does not resume without them (the same sequences, other targets),
+  // and does with them; a position saved before masks existed (no count) resumes either way.
+  const DataPosition saved = DataPosition::from_json(d.position().to_json(), "ckpt");
+  EXPECT_EQ(saved.counted_targets, 16);
+  expect_error([&] { unmasked.restore(saved); },
+               {"16 targets count", "20 of these files'", "--loss-mask"});
+  DataLoader again({a, b}, kT, 1000, 7);
+  again.restore(saved);
+  EXPECT_EQ(again.position(), d.position());
+  nlohmann::json older = saved.to_json();
+  older.erase("counted_targets");
+  unmasked.restore(DataPosition::from_json(older, "old ckpt"));
+  EXPECT_EQ(unmasked.position().counted_targets, 20);
+
+  // A mask that counts none of a file's targets (its tokens 1..12) leaves nothing to learn.
+  const fs::path c = tokens("c.bin", 0, 13);
+  {
+    std::vector<uint8_t> none(13, 0);
+    none[0] = 1;  // the first token is never a target
+    LossMaskWriter w(c, 0);
+    w.write(none);
+    w.finish();
+  }
+  expect_error([&] { DataLoader({c}, kT, 1000, 1); },
+               {"training token files", "every target", "c.bin.mask", "--loss-mask off"});
+  EXPECT_NO_THROW(DataLoader({c}, kT, 1000, 1, std::nullopt, false));
+  EXPECT_NO_THROW(DataLoader({c, b}, kT, 1000, 1));
 }
 
 TEST_F(DataLoaderTest, BadInputsAreNamed) {

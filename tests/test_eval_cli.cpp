@@ -91,6 +91,54 @@ TEST_F(EvalCli, JsonReportsLossPerplexityAndTokens) {
   EXPECT_NE(text.out.find("perplexity"), std::string::npos) << text.out;
 }
 
+// A loss mask beside the token file (strata tokenize writes one for prompts): the loss is the
+// mean over the targets it counts. Masking out whole sequences 1, 3 and 4 gives the loss of
+// sequences 0 and 2 alone, as shards of their own; --loss-mask off gives every target's.
+TEST_F(EvalCli, LossMasksLeaveOutTheTargetsTheyDoNotCount) {
+  const std::string args = "--seed 1 --seq-len 16 --batch 2 ";
+  const auto whole = eval_json(args + data());
+  std::vector<uint8_t> flags(tokens_.size(), 0);
+  for (int64_t seq : {0, 2})
+    for (int64_t i = seq * 16 + 1; i <= seq * 16 + 16; ++i) flags[size_t(i)] = 1;
+  {
+    LossMaskWriter w(dir_ / "tokens.bin", 0);
+    w.write(flags);
+    w.finish();
+  }
+  const std::span<const uint32_t> all(tokens_);
+  write_llmc_tokens(dir_ / "s0.bin", all.subspan(0, 17), TokenWidth::u16);
+  write_llmc_tokens(dir_ / "s2.bin", all.subspan(32, 17), TokenWidth::u16);
+  const auto alone = eval_json(args + "--data '" + (dir_ / "s0.bin").string() + "," +
+                               (dir_ / "s2.bin").string() + "'");
+  const auto masked = eval_json(args + data());
+  EXPECT_EQ(masked["tokens"], 32);
+  EXPECT_EQ(alone["tokens"], 32);
+  EXPECT_NEAR(masked["loss"].get<double>(), alone["loss"].get<double>(),
+              1e-6 * alone["loss"].get<double>());
+  EXPECT_NE(masked["loss"], whole["loss"]);
+  const auto off = eval_json(args + "--loss-mask off " + data());
+  EXPECT_EQ(off["loss"], whole["loss"]);
+  EXPECT_EQ(off["tokens"], 80);
+
+  // Sequence 1 alone counts nothing: refused, not a loss of 0.
+  const Result none = eval(args + "--max-sequences 1 " + data());
+  EXPECT_EQ(none.status, 0) << none.out;  // sequence 0 counts
+  for (int64_t i = 1; i <= 16; ++i) flags[size_t(i)] = 0;
+  {
+    LossMaskWriter w(dir_ / "tokens.bin", 0);
+    w.write(flags);
+    w.finish();
+  }
+  const Result nothing = eval(args + "--max-sequences 1 " + data());
+  EXPECT_NE(nothing.status, 0);
+  EXPECT_NE(nothing.out.find("no target of the 1 sequences evaluated counts"), std::string::npos)
+      << nothing.out;
+  EXPECT_NE(nothing.out.find("--loss-mask off"), std::string::npos) << nothing.out;
+  const Result bad = eval(args + "--loss-mask maybe " + data());
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.out.find("maybe"), std::string::npos) << bad.out;
+}
+
 // ZeRO-3 over several host devices: sequences dealt to ranks, the units sharded (or, under the
 // persistence threshold, replicated); the loss is the one device's to f32 rounding.
 TEST_F(EvalCli, SeveralDevicesGiveTheOneDeviceLoss) {

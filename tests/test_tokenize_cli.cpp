@@ -1,9 +1,9 @@
 // test_tokenize_cli.cpp: `strata tokenize` as a user runs it: a fortune-style .txt and a .jsonl
 // through the byte tokenizer, read back with TokenFile and decoded to the documents with
 // end-of-text between them, the file `strata eval` then reads, a SentencePiece model trained
-// here, a Hugging Face tokenizer.json (its begin-of-text before each document), and bad inputs
-// named (missing file, bad JSON naming its line, a line without "text", an unsupported
-// tokenizer.json).
+// here, a Hugging Face tokenizer.json (its begin-of-text before each document), prompt and
+// completion rows with their loss mask (by hand), and bad inputs named (missing file, bad JSON
+// naming its line, a line without "text", an unsupported tokenizer.json).
 #include "hf_tokenizer_testing.h"
 #include "model/tokens.h"
 #include "sentencepiece_testing.h"
@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 
@@ -101,6 +102,61 @@ TEST_F(TokenizeCli, JsonlDocumentsAndSeveralInputsInOrder) {
                          {"first doc\nline two", "second \xc3\xa9", "plain text file\n"}, false);
   EXPECT_EQ(t, want);
   EXPECT_EQ(std::count(t.begin(), t.end(), 256u), 2);
+}
+
+// Prompt/completion rows (TRL's SFT format) beside a plain one: the tokens as always, and a loss
+// mask beside them in which only completions and the end-of-text after them count. Rewritten
+// from plain text, the output loses its mask.
+TEST_F(TokenizeCli, PromptsAndCompletionsWriteALossMask) {
+  const fs::path in = write("sft.jsonl",
+                            "{\"prompt\": \"Q: hi\\n\", \"completion\": \"A: yo\"}\n"
+                            "{\"text\": \"plain\"}\n"
+                            "{\"prompt\": \"Q: 2+2\\n\", \"completion\": \"A: 4\"}\n");
+  const fs::path out = dir_ / "sft.bin";
+  const Result r =
+      strata("tokenize --append-eos --input '" + in.string() + "' --output '" + out.string() + "'");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("2 of the documents are prompts with completions"), std::string::npos)
+      << r.out;
+  const std::string q1 = "Q: hi\n", a1 = "A: yo", q2 = "Q: 2+2\n", a2 = "A: 4";
+  std::vector<uint32_t> want;
+  std::vector<uint8_t> counts;
+  const auto put = [&](const std::string& text, uint8_t c) {
+    for (unsigned char ch : text) {
+      want.push_back(ch);
+      counts.push_back(c);
+    }
+  };
+  put(q1, 0);
+  put(a1, 1);
+  want.push_back(256);
+  counts.push_back(1);
+  put("plain", 1);
+  want.push_back(256);
+  counts.push_back(1);
+  put(q2, 0);
+  put(a2, 1);
+  want.push_back(256);
+  counts.push_back(1);
+  EXPECT_EQ(read_tokens(out), want);
+  const TokenFile tokens = TokenFile::open(out, std::optional<TokenWidth>{});
+  const std::optional<LossMask> mask = LossMask::open_beside(tokens);
+  ASSERT_TRUE(mask.has_value());
+  EXPECT_EQ(mask->path(), (dir_ / "sft.bin.mask").string());
+  std::vector<uint8_t> got;
+  for (int64_t i = 0; i < mask->size(); ++i) got.push_back(mask->counts(i) ? 1 : 0);
+  EXPECT_EQ(got, counts);
+  const auto counted = std::count(counts.begin(), counts.end(), uint8_t{1});
+  EXPECT_NE(r.out.find(fmt::format("{} of the {} tokens count", counted, want.size())),
+            std::string::npos)
+      << r.out;
+
+  const fs::path plain = write("plain.txt", "no prompts here\n");
+  const Result again =
+      strata("tokenize --input '" + plain.string() + "' --output '" + out.string() + "'");
+  ASSERT_EQ(again.status, 0) << again.out;
+  EXPECT_FALSE(fs::exists(dir_ / "sft.bin.mask"));
+  EXPECT_NE(again.out.find("removed"), std::string::npos) << again.out;
 }
 
 TEST_F(TokenizeCli, SentencePieceModel) {

@@ -1,7 +1,9 @@
 // test_tokenizer.cpp: the byte tokenizer (every byte, end-of-text, out-of-vocabulary ids named),
-// how documents are split (.txt whole or by '%' lines, .jsonl "text" per line, errors naming the
-// line), the end-of-text between documents, and a SentencePiece model trained here with the
-// library's own trainer on text the test writes: encode/decode round trip and its end-of-text.
+// how documents are split (.txt whole or by '%' lines, .jsonl "text" or "prompt"/"completion"
+// per line, errors naming the line), the end-of-text between documents, the loss masks of
+// prompted documents (by hand, streamed into shards, bound to their tokens), and a SentencePiece
+// model trained here with the library's own trainer on text the test writes: encode/decode
+// round trip and its end-of-text.
 #include "hf_tokenizer_testing.h"
 #include "model/tokens.h"
 #include "sentencepiece_testing.h"
@@ -19,6 +21,16 @@ namespace {
 
 namespace fs = std::filesystem;
 using test::expect_error;
+
+// The texts of documents that have no prompt (each is checked to have none).
+std::vector<std::string> texts(const std::vector<Document>& docs) {
+  std::vector<std::string> out;
+  for (const Document& d : docs) {
+    EXPECT_EQ(d.prompt, "") << d.text;
+    out.push_back(d.text);
+  }
+  return out;
+}
 
 TEST(ByteTokenizer, EveryByteRoundTripsAndEndOfTextIs256) {
   const auto t = make_byte_tokenizer();
@@ -39,10 +51,11 @@ TEST(ByteTokenizer, EveryByteRoundTripsAndEndOfTextIs256) {
 }
 
 TEST(Documents, TextIsOneDocumentUnlessPercentLinesSeparateIt) {
-  EXPECT_EQ(split_documents("one\ndocument\n\nwith a blank line\n", DocumentFormat::text, "a.txt"),
-            std::vector<std::string>{"one\ndocument\n\nwith a blank line\n"});
-  EXPECT_EQ(split_documents("first\nfortune\n%\nsecond 50%\n%\r\n%\nthird", DocumentFormat::text,
-                            "fortunes"),
+  EXPECT_EQ(
+      texts(split_documents("one\ndocument\n\nwith a blank line\n", DocumentFormat::text, "a.txt")),
+      std::vector<std::string>{"one\ndocument\n\nwith a blank line\n"});
+  EXPECT_EQ(texts(split_documents("first\nfortune\n%\nsecond 50%\n%\r\n%\nthird",
+                                  DocumentFormat::text, "fortunes")),
             (std::vector<std::string>{"first\nfortune\n", "second 50%\n", "third"}));
   EXPECT_TRUE(split_documents("", DocumentFormat::text, "empty.txt").empty());
   EXPECT_TRUE(split_documents("%\n%\n", DocumentFormat::text, "x").empty());
@@ -52,9 +65,9 @@ TEST(Documents, TextIsOneDocumentUnlessPercentLinesSeparateIt) {
 }
 
 TEST(Documents, JsonlHoldsOneTextPerLine) {
-  EXPECT_EQ(split_documents("{\"text\": \"a\\nb\", \"id\": 1}\n\n  \n{\"text\": \"c\"}\r\n"
-                            "{\"text\": \"\"}\n{\"text\": \"d\"}",
-                            DocumentFormat::jsonl, "d.jsonl"),
+  EXPECT_EQ(texts(split_documents("{\"text\": \"a\\nb\", \"id\": 1}\n\n  \n{\"text\": \"c\"}\r\n"
+                                  "{\"text\": \"\"}\n{\"text\": \"d\"}",
+                                  DocumentFormat::jsonl, "d.jsonl")),
             (std::vector<std::string>{"a\nb", "c", "d"}));
   expect_error(
       [] {
@@ -147,6 +160,163 @@ TEST(Documents, TokenizingFilesInBatchesAndShardsGivesOneStream) {
       },
       {"missing.txt", "cannot open"});
   EXPECT_FALSE(fs::exists(tmp.path / "never_000000.bin"));
+}
+
+TEST(Documents, JsonlRowsMayBePromptsWithCompletions) {
+  EXPECT_EQ(split_documents("{\"prompt\": \"Q: 2+2?\\n\", \"completion\": \"A: 4\"}\n"
+                            "{\"text\": \"plain\"}\n{\"prompt\": \"\", \"completion\": \"\"}\n"
+                            "{\"prompt\": \"only a prompt\", \"completion\": \"\"}\n",
+                            DocumentFormat::jsonl, "sft.jsonl"),
+            (std::vector<Document>{{"Q: 2+2?\n", "A: 4"}, {"", "plain"}, {"only a prompt", ""}}));
+  expect_error(
+      [] {
+        split_documents("{\"prompt\": \"p\", \"completion\": \"c\", \"text\": \"t\"}\n",
+                        DocumentFormat::jsonl, "sft.jsonl");
+      },
+      {"sft.jsonl line 1", "both \"text\" and a prompt", "only the completion is trained on"});
+  expect_error(
+      [] {
+        split_documents("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n",
+                        DocumentFormat::jsonl, "chat.jsonl");
+      },
+      {"chat.jsonl line 1", "\"messages\" row", "chat template", "\"prompt\"", "\"completion\""});
+  expect_error([] { split_documents("{\"prompt\": \"p\"}\n", DocumentFormat::jsonl, "sft.jsonl"); },
+               {"sft.jsonl line 1", "\"completion\"", "{\"prompt\": \"p\"}"});
+  expect_error(
+      [] {
+        split_documents("{\"prompt\": \"p\", \"completion\": 3}\n", DocumentFormat::jsonl,
+                        "sft.jsonl");
+      },
+      {"sft.jsonl line 1", "\"completion\" string"});
+}
+
+// By hand with the byte tokenizer: a prompt's tokens do not count, its completion's and the
+// end-of-text after it do; plain documents count whole. With a begin-of-text, a prompted
+// document's does not count and a plain one's does.
+TEST(LossMasks, OnlyCompletionsAndTheirEndOfTextCount) {
+  const auto t = make_byte_tokenizer();
+  const TokenStream s = encode_documents(*t, {{"Q:", "A"}, {"", "xy"}, {"P", ""}}, true);
+  EXPECT_TRUE(s.prompted);
+  EXPECT_EQ(s.tokens, (std::vector<uint32_t>{'Q', ':', 'A', 256, 'x', 'y', 256, 'P', 256}));
+  EXPECT_EQ(s.counts, (std::vector<uint8_t>{0, 0, 1, 1, 1, 1, 1, 0, 1}));
+  const TokenStream plain = encode_documents(*t, {{"", "ab"}, {"", "c"}}, false);
+  EXPECT_FALSE(plain.prompted);
+  EXPECT_EQ(plain.counts, std::vector<uint8_t>(4, 1));
+  EXPECT_EQ(plain.tokens, tokenize_documents(*t, {"ab", "c"}, false));
+
+  test::TempDir tmp("strata-loss-mask-bos");
+  test::write_tokenizer_json(tmp.path, test::with_begin_of_text(test::gpt2_like_tokenizer()));
+  const auto hf = open_tokenizer(tmp.path.string());
+  const std::vector<uint32_t> bos = hf->prefix_ids();
+  ASSERT_EQ(bos.size(), 1u);
+  const std::vector<uint32_t> p = hf->encode("the question"), c = hf->encode(" the answer");
+  const TokenStream b =
+      encode_documents(*hf, {{"the question", " the answer"}, {"", "the"}}, false);
+  std::vector<uint32_t> want = bos;
+  std::vector<uint8_t> counts = {0};
+  want.insert(want.end(), p.begin(), p.end());
+  counts.insert(counts.end(), p.size(), 0);
+  want.insert(want.end(), c.begin(), c.end());
+  counts.insert(counts.end(), c.size(), 1);
+  want.push_back(*hf->eos_id());
+  counts.push_back(1);
+  want.push_back(bos[0]);
+  counts.push_back(1);
+  for (uint32_t id : hf->encode("the")) {
+    want.push_back(id);
+    counts.push_back(1);
+  }
+  EXPECT_EQ(b.tokens, want);
+  EXPECT_EQ(b.counts, counts);
+}
+
+// Every flag of a token file's mask, in order, or none where it has no mask.
+std::vector<uint8_t> read_masks(const std::vector<fs::path>& files) {
+  std::vector<uint8_t> all;
+  for (const fs::path& f : files) {
+    const TokenFile t = TokenFile::open(f, std::optional<TokenWidth>{});
+    const std::optional<LossMask> m = LossMask::open_beside(t);
+    if (!m) continue;
+    EXPECT_EQ(m->size(), t.size());
+    for (int64_t i = 0; i < m->size(); ++i) all.push_back(m->counts(i) ? 1 : 0);
+  }
+  return all;
+}
+
+// Plain documents first, prompts later: the masks start with ones for what came before, follow
+// the token shards, and are the same for every batch and shard size. Rewriting the output
+// without prompts removes them; a mask that does not belong to its tokens is refused, named.
+TEST(LossMasks, StreamedBesideEveryShardAndBoundToItsTokens) {
+  test::TempDir tmp("strata-loss-mask-files");
+  const fs::path a = tmp.path / "a.txt", b = tmp.path / "b.jsonl";
+  std::ofstream(a) << "plain first\n%\nplain second\n";
+  std::ofstream(b) << "{\"prompt\": \"Q1 \", \"completion\": \"A1\"}\n{\"text\": \"between\"}\n"
+                      "{\"prompt\": \"Q2 \", \"completion\": \"A2!\"}\n";
+  const std::vector<Document> docs = {{"", "plain first\n"},
+                                      {"", "plain second\n"},
+                                      {"Q1 ", "A1"},
+                                      {"", "between"},
+                                      {"Q2 ", "A2!"}};
+  const auto t = make_byte_tokenizer();
+  for (const bool eos : {false, true}) {
+    const TokenStream want = encode_documents(*t, docs, eos);
+    for (const uint64_t batch : {uint64_t{1}, uint64_t{20}, uint64_t{1} << 20})
+      for (const uint64_t shard : {uint64_t{0}, uint64_t{5}, uint64_t{16}}) {
+        SCOPED_TRACE(fmt::format("eos {} batch {} shard {}", eos, batch, shard));
+        const fs::path out = tmp.path / "out" / "sft.bin";
+        fs::remove_all(out.parent_path());
+        fs::create_directories(out.parent_path());
+        const TokenizedFiles r = tokenize_files(*t, {a, b}, out, shard, eos, batch);
+        EXPECT_EQ(r.prompted, 2u);
+        EXPECT_EQ(read_all(r.files), want.tokens);
+        EXPECT_EQ(read_masks(r.files), want.counts);
+        ASSERT_EQ(r.masks.size(), r.files.size());
+        for (size_t i = 0; i < r.files.size(); ++i)
+          EXPECT_EQ(r.masks[i], loss_mask_path(r.files[i]));
+        EXPECT_EQ(r.counted, static_cast<uint64_t>(
+                                 std::count(want.counts.begin(), want.counts.end(), uint8_t{1})));
+        // Tokens and masks only: no temporary file is left.
+        EXPECT_EQ(
+            std::distance(fs::directory_iterator(out.parent_path()), fs::directory_iterator()),
+            static_cast<std::ptrdiff_t>(2 * r.files.size()));
+      }
+  }
+  // The same output rewritten from plain text: its old mask goes.
+  const fs::path out = tmp.path / "one.bin";
+  tokenize_files(*t, {a, b}, out, 0, false);
+  ASSERT_TRUE(fs::exists(loss_mask_path(out)));
+  const TokenizedFiles plain = tokenize_files(*t, {a}, out, 0, false);
+  EXPECT_TRUE(plain.masks.empty());
+  EXPECT_FALSE(fs::exists(loss_mask_path(out)));
+
+  // A token file rewritten with other tokens of the same count keeps a mask that is not its.
+  tokenize_files(*t, {a, b}, out, 0, false);
+  const fs::path mask = loss_mask_path(out);
+  const fs::path saved = tmp.path / "saved.mask";
+  fs::copy_file(mask, saved);
+  std::vector<uint32_t> other = read_all({out});
+  other[3] = 'Z';
+  write_llmc_tokens(out, other, TokenWidth::u16);
+  fs::copy_file(saved, mask, fs::copy_options::overwrite_existing);
+  expect_error([&] { LossMask::open_beside(TokenFile::open(out, std::optional<TokenWidth>{})); },
+               {mask.string(), "XXH3-64", "rewritten after its mask", "remove the mask"});
+  // One token fewer: the counts differ.
+  other.pop_back();
+  write_llmc_tokens(out, other, TokenWidth::u16);
+  expect_error([&] { LossMask::open_beside(TokenFile::open(out, std::optional<TokenWidth>{})); },
+               {mask.string(), "flags", fmt::format("holds {} tokens", other.size())});
+  // A damaged flag, and a file that is not a mask at all.
+  tokenize_files(*t, {a, b}, out, 0, false);
+  {
+    std::fstream f(mask, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(1024 + 2);
+    f.put(char{7});
+  }
+  expect_error([&] { LossMask::open_beside(TokenFile::open(out, std::optional<TokenWidth>{})); },
+               {mask.string(), "flag 7 at token 2", "damaged"});
+  std::ofstream(mask) << "not a mask";
+  expect_error([&] { LossMask::open_beside(TokenFile::open(out, std::optional<TokenWidth>{})); },
+               {mask.string(), "not a strata loss mask", out.string()});
 }
 
 TEST(Documents, TheTokenWriterNamesShardsAndRefusesWhatDoesNotFit) {

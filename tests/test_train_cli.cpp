@@ -8,11 +8,13 @@
 #include "hf_tokenizer_testing.h"
 #include "model/config.h"
 #include "model/safetensors.h"
+#include "model/tokens.h"
 #include "train_cli_testing.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <filesystem>
@@ -588,6 +590,89 @@ TEST(TrainCli, EvalDataGivesTheLossStrataEvalGivesOnTheCheckpoint) {
              (dir.path / "nope.bin").string() + " --run-dir " + run.string());
   EXPECT_NE(missing.status, 0);
   EXPECT_NE(missing.out.find("nope.bin"), std::string::npos) << missing.out;
+}
+
+// Prompt/completion rows through strata tokenize, then training: the step's loss is the mean
+// over the completions' targets only, exactly the loss strata eval gives the same sequence
+// with the same initial weights through the same mask; --loss-mask off counts every target.
+TEST(TrainCli, LossMasksTrainOnlyOnCompletions) {
+  const test::TempDir dir("strata-train-sft");
+  const fs::path jsonl = dir.path / "sft.jsonl", sft = dir.path / "sft.bin";
+  {
+    std::ofstream f(jsonl);
+    const char* words[] = {"alpha", "beta", "gamma", "delta", "theta"};
+    for (int i = 0; i < 40; ++i)
+      f << "{\"prompt\": \"say " << words[i % 5] << " " << words[(i * 3 + 1) % 5]
+        << ": \", \"completion\": \"" << words[(i * 3 + 1) % 5] << " " << words[i % 5] << "\"}\n";
+  }
+  const test::CommandResult t =
+      strata("tokenize --append-eos --input " + jsonl.string() + " --output " + sft.string());
+  ASSERT_EQ(t.status, 0) << t.out;
+  // Its first sequence of 32 alone (33 tokens), with its flags.
+  const TokenFile all = TokenFile::open(sft, std::optional<TokenWidth>{});
+  const std::optional<LossMask> mask = LossMask::open_beside(all);
+  ASSERT_TRUE(mask.has_value());
+  std::vector<uint32_t> first;
+  std::vector<uint8_t> flags;
+  for (int64_t i = 0; i < 33; ++i) {
+    first.push_back(all.get(i));
+    flags.push_back(mask->counts(i) ? 1 : 0);
+  }
+  const int64_t counted = std::count(flags.begin() + 1, flags.end(), uint8_t{1});
+  ASSERT_GT(counted, 0);
+  ASSERT_LT(counted, 32);  // the prompt is left out
+  const fs::path one = dir.path / "one.bin";
+  write_llmc_tokens(one, first, TokenWidth::u16);
+  {
+    LossMaskWriter w(one, 0);
+    w.write(flags);
+    w.finish();
+  }
+  const std::string model = "--model tiny --init random --seed 5 --seq-len 32 ";
+  const auto eval_loss = [&](const std::string& extra) {
+    const test::CommandResult e =
+        strata("eval " + model + "--data " + one.string() + " --json " + extra);
+    EXPECT_EQ(e.status, 0) << e.out;
+    return json::parse(e.out.substr(e.out.find('{')));
+  };
+  const auto step_loss = [&](const std::string& extra, const std::string& name) {
+    const fs::path run = dir.path / name;
+    const test::CommandResult r = strata("train " + model + "--micro-batch 1 --steps 1 --data " +
+                                         one.string() + " --run-dir " + run.string() + " " + extra);
+    EXPECT_EQ(r.status, 0) << r.out;
+    return std::pair{metrics(run).at(0)["loss"].get<double>(), r.out};
+  };
+  const json masked = eval_loss(""), unmasked = eval_loss("--loss-mask off");
+  EXPECT_EQ(masked["tokens"], counted);
+  EXPECT_EQ(unmasked["tokens"], 32);
+  const auto [with_mask, out] = step_loss("", "masked");
+  EXPECT_NE(out.find(fmt::format("training data: loss masks beside 1 of 1 file(s); {} of 32 "
+                                 "targets count",
+                                 counted)),
+            std::string::npos)
+      << out;
+  EXPECT_NEAR(with_mask, masked["loss"].get<double>(), 1e-6 * with_mask);
+  const auto [without, out_off] = step_loss("--loss-mask off", "off");
+  EXPECT_EQ(out_off.find("loss masks"), std::string::npos) << out_off;
+  EXPECT_NEAR(without, unmasked["loss"].get<double>(), 1e-6 * without);
+  EXPECT_NE(with_mask, without);
+
+  // The whole file trains, its held-out pass counted through the same masks.
+  const fs::path run = dir.path / "sft-run";
+  const test::CommandResult r =
+      strata("train " + model + "--micro-batch 2 --steps 3 --data " + sft.string() +
+             " --eval-data " + sft.string() + " --eval-sequences 4 --run-dir " + run.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const test::CommandResult e =
+      strata("eval --model " + (run / "checkpoints/step-3").string() + " --data " + sft.string() +
+             " --seq-len 32 --max-sequences 4 --json");
+  ASSERT_EQ(e.status, 0) << e.out;
+  const json ej = json::parse(e.out.substr(e.out.find('{')));
+  const json last = metrics(run).back();
+  EXPECT_EQ(last["eval_targets"], ej["tokens"]);
+  EXPECT_LT(ej["tokens"].get<int64_t>(), 4 * 32);
+  EXPECT_NEAR(last["eval_loss"].get<double>(), ej["loss"].get<double>(),
+              1e-6 * ej["loss"].get<double>());
 }
 
 // DeepSpeed's aio section sets the swap store's stripe and queue depth (the placement sizes the

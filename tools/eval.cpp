@@ -46,6 +46,7 @@ struct EvalArgs {
   uint64_t seed = 0;
   std::vector<std::string> data;
   std::string data_dtype;
+  std::string loss_mask = "auto";
   int64_t seq_len = 0;
   int64_t batch = 1;
   int64_t max_sequences = 0;
@@ -70,7 +71,8 @@ int run_eval(const EvalArgs& a) {
     fail("--seq-len {} is outside 1..{} (max_position_embeddings of {}); choose a shorter one", T,
          config.max_position_embeddings, config.name);
   const TokenSequences tokens(std::vector<std::filesystem::path>(a.data.begin(), a.data.end()), T,
-                              config.vocab_size, parse_token_width(a.data_dtype), "--data");
+                              config.vocab_size, parse_token_width(a.data_dtype), "--data",
+                              a.loss_mask == "auto");
   int64_t sequences = tokens.size();
   if (a.max_sequences > 0) sequences = std::min(sequences, a.max_sequences);
 
@@ -127,6 +129,11 @@ int run_eval(const EvalArgs& a) {
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (count == 0)
+    fail(
+        "eval of {} on {}: no target of the {} sequences evaluated counts (their loss masks "
+        "mark none); evaluate more sequences (--max-sequences), or pass --loss-mask off",
+        a.model, fmt::join(a.data, ","), sequences);
   const double loss = sum / static_cast<double>(std::max<int64_t>(count, 1));
   if (!std::isfinite(loss))
     fail("eval of {} on {}: the loss is {}; the weights or the data hold non-finite values",
@@ -184,6 +191,11 @@ Command add_eval(CLI::App& app) {
       ->delimiter(',')
       ->required();
   cmd->add_option("--data-dtype", args->data_dtype, "raw token files: uint16 or uint32");
+  cmd->add_option("--loss-mask", args->loss_mask,
+                  "auto: where a token file has a loss mask beside it (FILE.mask, from strata "
+                  "tokenize), the loss is over the targets it marks only; off: over every target")
+      ->check(CLI::IsMember({"auto", "off"}))
+      ->capture_default_str();
   cmd->add_option("--seq-len", args->seq_len,
                   "tokens per sequence (default: min(1024, max_position_embeddings))");
   cmd->add_option("--batch", args->batch, "sequences per forward pass")->capture_default_str();

@@ -45,6 +45,15 @@ int run_tokenize(const TokenizeArgs& a) {
       "tokenized {} documents ({} bytes) into {} tokens ({} tokenizer, vocab {}, {}) -> {}\n",
       r.documents, r.bytes, r.tokens, tokenizer->name(), tokenizer->vocab_size(),
       r.width == TokenWidth::u16 ? "uint16" : "uint32", where);
+  if (!r.masks.empty())
+    fmt::print(
+        "  {} of the documents are prompts with completions: {} of the {} tokens count as "
+        "targets; loss masks beside the token files ({}{})\n",
+        r.prompted, r.counted, r.tokens, r.masks.front().filename().string(),
+        r.masks.size() > 1 ? ", ..." : "");
+  for (const std::filesystem::path& m : r.removed)
+    fmt::print("  removed {}, an earlier run's loss mask: this output has no prompts\n",
+               m.string());
   // A shard past the last one, left by an earlier run with more of them, is not this output.
   const std::filesystem::path next = llmc_shard_path(a.output, r.files.size());
   if (a.shard_tokens > 0 && std::filesystem::exists(next))
@@ -58,8 +67,9 @@ int run_tokenize(const TokenizeArgs& a) {
 Command add_tokenize(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "tokenize",
-      "Text (.txt: one document, or documents separated by '%' lines) or JSONL (a \"text\" per "
-      "line) into an llm.c token file");
+      "Text (.txt: one document, or documents separated by '%' lines) or JSONL (a \"text\", or "
+      "a \"prompt\" and a \"completion\", per line) into an llm.c token file, and for "
+      "prompts a loss mask beside it (FILE.mask) so that only completions are trained on");
   auto a = std::make_shared<TokenizeArgs>();
   cmd->add_option("--tokenizer", a->tokenizer,
                   "byte (ids 0-255 the bytes, 256 end-of-text), a Hugging Face tokenizer.json (or "

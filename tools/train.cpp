@@ -27,6 +27,7 @@ namespace fs = std::filesystem;
 
 struct TrainArgs {
   std::string model, init, config, data_dtype, run_dir, dtype, devices, device_memory;
+  std::string loss_mask = "auto";
   std::vector<std::string> data, nvme_paths;
   uint64_t seed = 1;
   int64_t steps = 0, micro_batch = kUnsetFlag, grad_accum = kUnsetFlag, seq_len = kUnsetFlag;
@@ -96,6 +97,7 @@ int run_train(const TrainArgs& a) {
   s.seed = a.seed;
   for (const std::string& f : a.data) s.data.emplace_back(f);
   s.data_width = parse_token_width(a.data_dtype);
+  s.loss_masks = a.loss_mask == "auto";
   if (a.eval_data.empty() && (a.eval_every > 0 || a.eval_sequences > 0))
     fail("--eval-every/--eval-sequences: there is no held-out data; give --eval-data FILE");
   for (const std::string& f : a.eval_data) s.eval_data.emplace_back(f);
@@ -228,6 +230,12 @@ Command add_train(CLI::App& app) {
       ->required()
       ->delimiter(',');
   cmd->add_option("--data-dtype", a->data_dtype, "raw token files: uint16 or uint32");
+  cmd->add_option("--loss-mask", a->loss_mask,
+                  "auto: where a token file has a loss mask beside it (FILE.mask, written by "
+                  "strata tokenize for prompt/completion rows), only the targets it marks count; "
+                  "off: every target counts")
+      ->check(CLI::IsMember({"auto", "off"}))
+      ->capture_default_str();
   cmd->add_option("--eval-data", a->eval_data,
                   "held-out token files (their sequences in order): the loss every "
                   "--eval-every steps and at the end")

@@ -1,6 +1,7 @@
 #include "model/tokens.h"
 
 #include "core/error.h"
+#include "core/kernels.h"
 #include "core/log.h"
 #include "model/file_io.h"
 
@@ -16,6 +17,7 @@ namespace {
 constexpr int32_t kMagicU16 = 20240520, kVersionU16 = 1;
 constexpr int32_t kMagicU32 = 20240801, kVersionU32 = 7;
 constexpr uint64_t kHeaderInts = 256, kHeaderBytes = kHeaderInts * 4;
+constexpr int32_t kMaskMagic = 20261127, kMaskVersion = 1;
 
 uint64_t width_bytes(TokenWidth w) {
   return w == TokenWidth::u16 ? 2 : 4;
@@ -223,6 +225,137 @@ void LlmcTokenWriter::write(std::span<const uint32_t> tokens) {
 
 std::vector<std::filesystem::path> LlmcTokenWriter::finish() {
   if (!file_ && done_.empty() && shard_tokens_ == 0) open_shard();  // an empty file, not none
+  if (file_) close_shard();
+  return done_;
+}
+
+std::filesystem::path loss_mask_path(const std::filesystem::path& tokens) {
+  std::filesystem::path p = tokens;
+  p += ".mask";
+  return p;
+}
+
+std::optional<LossMask> LossMask::open_beside(const TokenFile& tokens) {
+  const std::filesystem::path where = loss_mask_path(tokens.path());
+  std::error_code ec;
+  if (!std::filesystem::exists(where, ec)) return std::nullopt;
+  LossMask m;
+  m.file_ = MappedFile::open(where, "loss mask");
+  const std::string& name = m.file_.path();
+  const uint64_t size = m.file_.size();
+  const uint8_t* data = m.file_.data();
+  if (size < kHeaderBytes || header_int(data, 0) != kMaskMagic)
+    fail(
+        "loss mask {}: not a strata loss mask (no header with magic {}); it sits beside token "
+        "file {}, so it would mask its targets: remove it, or rewrite both with strata tokenize",
+        name, kMaskMagic, tokens.path());
+  if (header_int(data, 1) != kMaskVersion)
+    fail("loss mask {}: version {}; this strata reads version {}", name, header_int(data, 1),
+         kMaskVersion);
+  const int64_t count = header_int(data, 2);
+  if (count != tokens.size() || size != kHeaderBytes + static_cast<uint64_t>(tokens.size()))
+    fail(
+        "loss mask {}: {} flags in {} bytes, but token file {} holds {} tokens; the two were not "
+        "written together: rewrite both with strata tokenize, or remove the mask",
+        name, count, size, tokens.path(), tokens.size());
+  const uint64_t want = static_cast<uint32_t>(header_int(data, 3)) |
+                        static_cast<uint64_t>(static_cast<uint32_t>(header_int(data, 4))) << 32;
+  const std::span<const uint8_t> stored = tokens.stored();
+  const uint64_t got = xxh3_64(stored.data(), stored.size());
+  if (got != want)
+    fail(
+        "loss mask {}: written for tokens with XXH3-64 {:016x}, but token file {} hashes to "
+        "{:016x}; the token file was rewritten after its mask: rewrite both with strata "
+        "tokenize, or remove the mask",
+        name, want, tokens.path(), got);
+  m.flags_ = data + kHeaderBytes;
+  m.size_ = count;
+  for (int64_t i = 0; i < count; ++i) {
+    if (m.flags_[i] > 1)
+      fail("loss mask {}: flag {} at token {} is neither 0 nor 1; the mask is damaged", name,
+           m.flags_[i], i);
+    m.counted_ += m.flags_[i];
+  }
+  return m;
+}
+
+void LossMask::apply(int64_t i, int64_t T, int32_t* targets) const {
+  const int64_t first = i * T + 1;
+  if (i < 0 || first + T > size_)
+    fail("loss mask {}: sequence {} of length {} is out of range ({} flags)", path(), i, T, size_);
+  for (int64_t j = 0; j < T; ++j)
+    if (flags_[first + j] == 0) targets[j] = kIgnoreIndex;
+}
+
+LossMaskWriter::LossMaskWriter(std::filesystem::path tokens_path, uint64_t shard_tokens)
+    : path_(std::move(tokens_path)), shard_tokens_(shard_tokens) {}
+
+LossMaskWriter::~LossMaskWriter() = default;
+
+void LossMaskWriter::close_shard() {
+  const std::filesystem::path tokens_path =
+      shard_tokens_ == 0 ? path_ : llmc_shard_path(path_, done_.size());
+  const TokenFile tokens = TokenFile::open(tokens_path, std::nullopt);
+  if (static_cast<uint64_t>(tokens.size()) != in_shard_)
+    fail("writing loss mask of {}: {} flags for {} tokens; the token file is not complete",
+         tokens_path.string(), in_shard_, tokens.size());
+  const std::span<const uint8_t> stored = tokens.stored();
+  const uint64_t hash = xxh3_64(stored.data(), stored.size());
+  std::array<int32_t, kHeaderInts> header{};
+  header[0] = kMaskMagic;
+  header[1] = kMaskVersion;
+  header[2] = static_cast<int32_t>(in_shard_);
+  header[3] = static_cast<int32_t>(static_cast<uint32_t>(hash));
+  header[4] = static_cast<int32_t>(static_cast<uint32_t>(hash >> 32));
+  file_->write_at(0, header.data(), kHeaderBytes);
+  file_->commit();
+  file_.reset();
+  done_.push_back(loss_mask_path(tokens_path));
+  in_shard_ = 0;
+}
+
+void LossMaskWriter::write(std::span<const uint8_t> flags) {
+  constexpr uint64_t kMost = std::numeric_limits<int32_t>::max();
+  while (!flags.empty()) {
+    const uint64_t room = (shard_tokens_ > 0 ? shard_tokens_ : kMost) - in_shard_;
+    if (file_ && room == 0) {
+      close_shard();
+      continue;
+    }
+    if (!file_) {
+      const std::filesystem::path tokens_path =
+          shard_tokens_ == 0 ? path_ : llmc_shard_path(path_, done_.size());
+      file_ = std::make_unique<AtomicFile>(loss_mask_path(tokens_path));
+      const std::array<int32_t, kHeaderInts> placeholder{};  // written when the shard closes
+      file_->write(placeholder.data(), kHeaderBytes);
+    }
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(room, flags.size()));
+    for (size_t i = 0; i < n; ++i)
+      if (flags[i] > 1)
+        fail("writing loss mask of {}: flag {} at token {} is neither 0 nor 1", path_.string(),
+             flags[i], total_ + i);
+    file_->write(flags.data(), n);
+    in_shard_ += n;
+    total_ += n;
+    flags = flags.subspan(n);
+  }
+}
+
+void LossMaskWriter::write_ones(uint64_t n) {
+  const std::vector<uint8_t> ones(std::min<uint64_t>(n, 1u << 20), 1);
+  for (uint64_t left = n; left > 0;) {
+    const uint64_t k = std::min<uint64_t>(left, ones.size());
+    write(std::span<const uint8_t>(ones.data(), k));
+    left -= k;
+  }
+}
+
+std::vector<std::filesystem::path> LossMaskWriter::finish() {
+  if (!file_ && done_.empty() && shard_tokens_ == 0) {  // an empty mask for an empty file
+    file_ = std::make_unique<AtomicFile>(loss_mask_path(path_));
+    const std::array<int32_t, kHeaderInts> placeholder{};
+    file_->write(placeholder.data(), kHeaderBytes);
+  }
   if (file_) close_shard();
   return done_;
 }

@@ -48,6 +48,10 @@ class TokenFile {
   int64_t num_sequences(int64_t T) const;
   // inputs[j] = token[i*T + j], targets[j] = token[i*T + j + 1], for j in [0, T).
   void sequence(int64_t i, int64_t T, int32_t* inputs, int32_t* targets) const;
+  // The tokens as stored (after the header, at their width): what a loss mask is bound to.
+  std::span<const uint8_t> stored() const {
+    return {tokens_, static_cast<size_t>(size_) * (width_ == TokenWidth::u16 ? 2u : 4u)};
+  }
 
  private:
   uint32_t at(int64_t i) const {
@@ -102,6 +106,58 @@ class LlmcTokenWriter {
   std::unique_ptr<AtomicFile> file_;
   std::vector<std::filesystem::path> done_;
   std::vector<uint16_t> narrow_;
+};
+
+// Loss masks: which tokens of a token file are targets whose loss counts, for fine-tuning on
+// prompts and completions (the prompt's tokens are read but not trained on, as label -100 does
+// in PyTorch). A mask lives beside its token file, named by loss_mask_path(): a header of 256
+// little-endian int32 (magic 20261127, version 1, header[2] the token count, header[3] and
+// header[4] the low and high words of the XXH3-64 of the token file's stored tokens), then one
+// byte per token: 1 where that token counts as a target, 0 where it does not. The hash binds a
+// mask to its tokens: a token file rewritten since is caught, never read with a stale mask.
+std::filesystem::path loss_mask_path(const std::filesystem::path& tokens);
+
+class LossMask {
+ public:
+  // The mask beside `tokens`, if there is one; an Error naming the mask when it is damaged or
+  // written for other tokens.
+  static std::optional<LossMask> open_beside(const TokenFile& tokens);
+
+  const std::string& path() const { return file_.path(); }
+  int64_t size() const { return size_; }
+  int64_t counted() const { return counted_; }  // tokens marked 1
+  bool counts(int64_t i) const { return flags_[i] != 0; }
+  // Sets targets[j] to kIgnoreIndex where token i*T + j + 1 does not count (TokenFile::sequence's
+  // targets of sequence i).
+  void apply(int64_t i, int64_t T, int32_t* targets) const;
+
+ private:
+  MappedFile file_;
+  const uint8_t* flags_ = nullptr;
+  int64_t size_ = 0, counted_ = 0;
+};
+
+// Writes the masks of an LlmcTokenWriter's files as they come: the same shards (each mask
+// shard of `shard_tokens` flags, loss_mask_path of the token shard), each written atomically
+// and bound to its token shard, which must be complete on disk when its mask is closed: write
+// each span of tokens before its flags, and finish() the token writer first.
+class LossMaskWriter {
+ public:
+  LossMaskWriter(std::filesystem::path tokens_path, uint64_t shard_tokens);
+  LossMaskWriter(const LossMaskWriter&) = delete;
+  LossMaskWriter& operator=(const LossMaskWriter&) = delete;
+  ~LossMaskWriter();
+  void write(std::span<const uint8_t> flags);  // each 0 or 1
+  void write_ones(uint64_t n);                 // n tokens that all count
+  std::vector<std::filesystem::path> finish();
+
+ private:
+  void close_shard();
+  std::filesystem::path path_;
+  uint64_t shard_tokens_;
+  uint64_t total_ = 0, in_shard_ = 0;
+  std::unique_ptr<AtomicFile> file_;
+  std::vector<std::filesystem::path> done_;
 };
 
 }  // namespace strata

@@ -113,11 +113,13 @@ std::vector<int64_t> epoch_order(uint64_t seed, int64_t epoch, int64_t n) {
 }
 
 nlohmann::json DataPosition::to_json() const {
-  return {{"seed", seed},
-          {"epoch", epoch},
-          {"position", position},
-          {"sequences", sequences},
-          {"seq_len", seq_len}};
+  nlohmann::json j = {{"seed", seed},
+                      {"epoch", epoch},
+                      {"position", position},
+                      {"sequences", sequences},
+                      {"seq_len", seq_len}};
+  if (counted_targets >= 0) j["counted_targets"] = counted_targets;
+  return j;
 }
 
 DataPosition DataPosition::from_json(const nlohmann::json& json, std::string_view source) {
@@ -133,6 +135,8 @@ DataPosition DataPosition::from_json(const nlohmann::json& json, std::string_vie
   p.position = whole(json, "position", 0, source);
   p.sequences = whole(json, "sequences", 1, source);
   p.seq_len = whole(json, "seq_len", 1, source);
+  if (json.contains("counted_targets"))
+    p.counted_targets = whole(json, "counted_targets", 0, source);
   if (p.position >= p.sequences)
     fail(
         "{}: data position {} is not below the {} sequences of an epoch; the checkpoint is "
@@ -143,15 +147,31 @@ DataPosition DataPosition::from_json(const nlohmann::json& json, std::string_vie
 
 TokenSequences::TokenSequences(const std::vector<std::filesystem::path>& files, int64_t seq_len,
                                int64_t vocab_size, std::optional<TokenWidth> raw,
-                               std::string_view what)
+                               std::string_view what, bool loss_masks)
     : seq_len_(seq_len) {
   if (seq_len < 1) fail("{}: sequence length {} must be at least 1", what, seq_len);
   files_.resize(files.size());
+  masks_.resize(files.size());
   first_.push_back(0);
   for (size_t f = 0; f < files.size(); ++f) {
     open_checked(files_[f], files[f], seq_len, vocab_size, raw, what);
-    first_.push_back(first_.back() + files_[f].num_sequences(seq_len));
+    const int64_t n = files_[f].num_sequences(seq_len);
+    first_.push_back(first_.back() + n);
+    if (loss_masks) masks_[f] = LossMask::open_beside(files_[f]);
+    // The targets of the file's sequences are its tokens 1 .. n*T.
+    if (!masks_[f]) {
+      counted_ += n * seq_len;
+      continue;
+    }
+    ++masked_files_;
+    for (int64_t i = 1; i <= n * seq_len; ++i) counted_ += masks_[f]->counts(i) ? 1 : 0;
   }
+  if (counted_ == 0)
+    fail(
+        "{}s: every target of their {} sequences is masked out by their loss masks ({}, ...); "
+        "nothing would be learned or measured: tokenize completions, not only prompts, or pass "
+        "--loss-mask off",
+        what, size(), masks_.front() ? masks_.front()->path() : files_.front().path());
 }
 
 void TokenSequences::read(int64_t g, int32_t* ids, int32_t* targets) const {
@@ -160,15 +180,18 @@ void TokenSequences::read(int64_t g, int32_t* ids, int32_t* targets) const {
   const auto f =
       static_cast<size_t>(std::upper_bound(first_.begin(), first_.end(), g) - first_.begin() - 1);
   files_[f].sequence(g - first_[f], seq_len_, ids, targets);
+  if (masks_[f]) masks_[f]->apply(g - first_[f], seq_len_, targets);
 }
 
 DataLoader::DataLoader(const std::vector<std::filesystem::path>& files, int64_t seq_len,
-                       int64_t vocab_size, uint64_t seed, std::optional<TokenWidth> raw)
+                       int64_t vocab_size, uint64_t seed, std::optional<TokenWidth> raw,
+                       bool loss_masks)
     : data_(given(files, "training data", "--data"), seq_len, vocab_size, raw,
-            "training token file") {
+            "training token file", loss_masks) {
   position_.seed = seed;
   position_.sequences = data_.size();
   position_.seq_len = seq_len;
+  position_.counted_targets = data_.counted_targets();
   load_order();
 }
 
@@ -205,16 +228,24 @@ void DataLoader::restore(const DataPosition& position) {
         "training data: saved position {} of epoch {} is out of range (0..{}); the checkpoint "
         "is damaged",
         position.position, position.epoch, position.sequences - 1);
+  if (position.counted_targets >= 0 && position.counted_targets != position_.counted_targets)
+    fail(
+        "training data: the saved position is over data of which {} targets count, but {} of "
+        "these files' count; their loss masks differ from the run's: resume with the same "
+        "--data files, their masks (FILE.mask) and the same --loss-mask",
+        position.counted_targets, position_.counted_targets);
   const bool same_order = position.seed == position_.seed && position.epoch == position_.epoch;
+  const int64_t counted = position_.counted_targets;
   position_ = position;
+  position_.counted_targets = counted;  // recorded from here on, also over an older checkpoint
   if (!same_order) load_order();
 }
 
 EvalSequences::EvalSequences(const std::vector<std::filesystem::path>& files, int64_t seq_len,
                              int64_t vocab_size, int64_t max_sequences,
-                             std::optional<TokenWidth> raw)
+                             std::optional<TokenWidth> raw, bool loss_masks)
     : data_(given(files, "evaluation data", "--eval-data"), seq_len, vocab_size, raw,
-            "evaluation token file") {
+            "evaluation token file", loss_masks) {
   if (max_sequences < 0)
     fail("evaluation data: at most {} sequences; expected 0 (all) or more", max_sequences);
   count_ = data_.size();

@@ -59,9 +59,14 @@ struct DataPosition {
   int64_t position = 0;   // sequences of this epoch already handed out, in [0, sequences)
   int64_t sequences = 0;  // N, the index space (checked on restore)
   int64_t seq_len = 0;    // T (checked on restore)
+  // The targets that count over the index space (TokenSequences::counted_targets: fewer than
+  // N*T where loss masks leave some out), checked on restore; -1 where a checkpoint written
+  // before loss masks has none.
+  int64_t counted_targets = -1;
 
   bool operator==(const DataPosition&) const = default;
-  nlohmann::json to_json() const;  // {"seed", "epoch", "position", "sequences", "seq_len"}
+  // {"seed", "epoch", "position", "sequences", "seq_len", "counted_targets"}
+  nlohmann::json to_json() const;
   // `source` names the checkpoint file in errors naming a missing or wrong key.
   static DataPosition from_json(const nlohmann::json& json, std::string_view source);
 };
@@ -69,22 +74,29 @@ struct DataPosition {
 // The length-T sequences of several token files (llm.c shards, or raw tokens of width `raw`)
 // as one index space 0..size()-1, each file's in order, the files in the order given. Every
 // token is checked below vocab_size and every file must hold a sequence; errors name the file
-// (`what` says what it is for: "training token file", ...).
+// (`what` says what it is for: "training token file", ...). With `loss_masks`, a file's loss
+// mask (model/tokens.h), where it has one, turns the targets that do not count into
+// kIgnoreIndex; an Error when no target of any sequence counts.
 class TokenSequences {
  public:
   TokenSequences(const std::vector<std::filesystem::path>& files, int64_t seq_len,
-                 int64_t vocab_size, std::optional<TokenWidth> raw, std::string_view what);
+                 int64_t vocab_size, std::optional<TokenWidth> raw, std::string_view what,
+                 bool loss_masks = true);
 
   int64_t size() const { return first_.back(); }
   int64_t seq_len() const { return seq_len_; }
   const std::vector<TokenFile>& files() const { return files_; }
+  // Files with a loss mask read (0 without masks), and the targets of all sequences that count.
+  int64_t masked_files() const { return masked_files_; }
+  int64_t counted_targets() const { return counted_; }
   // Sequence g as one row of ids and targets (seq_len each).
   void read(int64_t g, int32_t* ids, int32_t* targets) const;
 
  private:
   std::vector<TokenFile> files_;
-  std::vector<int64_t> first_;  // first index of each file, then size()
-  int64_t seq_len_ = 0;
+  std::vector<std::optional<LossMask>> masks_;  // per file
+  std::vector<int64_t> first_;                  // first index of each file, then size()
+  int64_t seq_len_ = 0, masked_files_ = 0, counted_ = 0;
 };
 
 class DataLoader {
@@ -92,11 +104,12 @@ class DataLoader {
   // Opens every file (llm.c shards, or raw tokens of width `raw`), checks each token is below
   // vocab_size, and that each file holds at least one sequence; errors name the file.
   DataLoader(const std::vector<std::filesystem::path>& files, int64_t seq_len, int64_t vocab_size,
-             uint64_t seed, std::optional<TokenWidth> raw = std::nullopt);
+             uint64_t seed, std::optional<TokenWidth> raw = std::nullopt, bool loss_masks = true);
 
   int64_t seq_len() const { return position_.seq_len; }
   int64_t num_sequences() const { return position_.sequences; }
   const std::vector<TokenFile>& files() const { return data_.files(); }
+  const TokenSequences& data() const { return data_; }
 
   // The next `batch` sequences: row r of ids/targets (each batch × seq_len, row-major) is the
   // r-th sequence handed out. Advances the position, and the epoch when it is exhausted.
@@ -124,10 +137,11 @@ class EvalSequences {
   // At most `max_sequences` of them (0: all); vocabulary and size checked as DataLoader does.
   EvalSequences(const std::vector<std::filesystem::path>& files, int64_t seq_len,
                 int64_t vocab_size, int64_t max_sequences = 0,
-                std::optional<TokenWidth> raw = std::nullopt);
+                std::optional<TokenWidth> raw = std::nullopt, bool loss_masks = true);
 
   int64_t size() const { return count_; }
   int64_t seq_len() const { return data_.seq_len(); }
+  const TokenSequences& data() const { return data_; }
   // Fills the next min(batch, remaining) rows of ids/targets (each at least batch × seq_len)
   // and returns how many; 0 once every sequence was handed out.
   int64_t next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> targets);

@@ -123,13 +123,35 @@ void each_jsonl(std::string_view text, std::string_view source, const DocumentFn
           "with a \"text\" string",
           source, line_no, e.what());
     }
-    if (!j.is_object() || !j.contains("text") || !j["text"].is_string())
+    const auto string_at = [&](const char* key) {
+      return j.is_object() && j.contains(key) && j[key].is_string();
+    };
+    Document doc;
+    if (string_at("text") && !j.contains("prompt") && !j.contains("completion")) {
+      doc.text = j["text"].get<std::string>();
+    } else if (string_at("prompt") && string_at("completion") && !j.contains("text")) {
+      doc.prompt = j["prompt"].get<std::string>();
+      doc.text = j["completion"].get<std::string>();
+    } else if (j.is_object() && j.contains("messages")) {
       fail(
-          "{} line {}: no \"text\" string in {}; each line of a .jsonl file must be one JSON "
-          "object with a \"text\" string",
-          source, line_no, line.size() > 80 ? std::string(line.substr(0, 77)) + "..." : line);
-    std::string doc = j["text"].get<std::string>();
-    if (!doc.empty()) fn(std::move(doc));
+          "{} line {}: a \"messages\" row (a conversation) needs the model's chat template, "
+          "which strata does not run; render each conversation into a \"prompt\" (the turns "
+          "before the last assistant turn, with the template's markers) and a \"completion\" "
+          "(that turn), e.g. with the tokenizer's apply_chat_template",
+          source, line_no);
+    } else {
+      fail(
+          "{} line {}: {}; each line of a .jsonl file must be one JSON object with a \"text\" "
+          "string, or with a \"prompt\" and a \"completion\" string (only the completion is "
+          "trained on)",
+          source, line_no,
+          j.is_object() && j.contains("text") && (j.contains("prompt") || j.contains("completion"))
+              ? "both \"text\" and a prompt or completion"
+              : fmt::format("no \"text\" string, nor a \"prompt\" and a \"completion\" string, "
+                            "in {}",
+                            line.size() > 80 ? std::string(line.substr(0, 77)) + "..." : line));
+    }
+    if (!doc.text.empty() || !doc.prompt.empty()) fn(std::move(doc));
     if (consumed) consumed(std::min(start, text.size()));
   }
 }
@@ -142,7 +164,7 @@ void each_text(std::string_view text, const DocumentFn& fn, const ConsumedFn& co
     const size_t next = end == std::string_view::npos ? text.size() : end + 1;
     if (end == std::string_view::npos) end = text.size();
     if (strip_eol(text.substr(start, end - start)) == "%") {
-      if (!doc.empty()) fn(std::move(doc));
+      if (!doc.empty()) fn(Document{{}, std::move(doc)});
       doc.clear();
       if (consumed) consumed(next);
     } else {
@@ -150,7 +172,7 @@ void each_text(std::string_view text, const DocumentFn& fn, const ConsumedFn& co
     }
     start = next;
   }
-  if (!doc.empty()) fn(std::move(doc));
+  if (!doc.empty()) fn(Document{{}, std::move(doc)});
 }
 
 }  // namespace
@@ -203,10 +225,10 @@ void for_each_document(std::string_view text, DocumentFormat format, std::string
     each_text(text, fn, consumed);
 }
 
-std::vector<std::string> split_documents(std::string_view text, DocumentFormat format,
-                                         std::string_view source) {
-  std::vector<std::string> docs;
-  for_each_document(text, format, source, [&](std::string d) { docs.push_back(std::move(d)); });
+std::vector<Document> split_documents(std::string_view text, DocumentFormat format,
+                                      std::string_view source) {
+  std::vector<Document> docs;
+  for_each_document(text, format, source, [&](Document d) { docs.push_back(std::move(d)); });
   return docs;
 }
 
@@ -226,15 +248,22 @@ void read_documents(const std::filesystem::path& path, const DocumentFn& fn) {
   });
 }
 
-std::vector<std::string> read_documents(const std::filesystem::path& path) {
-  std::vector<std::string> docs;
-  read_documents(path, [&](std::string d) { docs.push_back(std::move(d)); });
+std::vector<Document> read_documents(const std::filesystem::path& path) {
+  std::vector<Document> docs;
+  read_documents(path, [&](Document d) { docs.push_back(std::move(d)); });
   return docs;
 }
 
 std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
                                          const std::vector<std::string>& documents, bool append_eos,
                                          bool after_others) {
+  std::vector<Document> docs(documents.size());
+  for (size_t d = 0; d < documents.size(); ++d) docs[d].text = documents[d];
+  return encode_documents(tokenizer, docs, append_eos, after_others).tokens;
+}
+
+TokenStream encode_documents(const Tokenizer& tokenizer, const std::vector<Document>& documents,
+                             bool append_eos, bool after_others) {
   const std::optional<uint32_t> eos = tokenizer.eos_id();
   const std::vector<uint32_t> prefix = tokenizer.prefix_ids(), suffix = tokenizer.suffix_ids();
   const bool suffix_ends = eos.has_value() && !suffix.empty() && suffix.back() == *eos;
@@ -245,25 +274,39 @@ std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
         "trained with an eos piece, or one document without --append-eos",
         tokenizer.name());
   // Documents are encoded on every core (each tokenizer's encode is const and keeps its state
-  // per call), then joined in order: the same stream as one at a time.
-  std::vector<std::vector<uint32_t>> encoded(documents.size());
+  // per call), then joined in order: the same stream as one at a time. A prompt is encoded
+  // apart from its completion, so the boundary between them is exact.
+  std::vector<std::vector<uint32_t>> prompts(documents.size()), texts(documents.size());
   tbb::parallel_for(tbb::blocked_range<size_t>(0, documents.size()), [&](const auto& range) {
-    for (size_t d = range.begin(); d < range.end(); ++d)
-      encoded[d] = tokenizer.encode(documents[d]);
+    for (size_t d = range.begin(); d < range.end(); ++d) {
+      if (!documents[d].prompt.empty()) prompts[d] = tokenizer.encode(documents[d].prompt);
+      texts[d] = tokenizer.encode(documents[d].text);
+    }
   });
   size_t total = 0;
-  for (const auto& ids : encoded) total += ids.size() + prefix.size() + suffix.size() + 1;
-  std::vector<uint32_t> tokens;
-  tokens.reserve(total);
+  for (size_t d = 0; d < documents.size(); ++d)
+    total += prompts[d].size() + texts[d].size() + prefix.size() + suffix.size() + 1;
+  TokenStream out;
+  out.tokens.reserve(total);
+  out.counts.reserve(total);
+  const auto put = [&](const std::vector<uint32_t>& ids, uint8_t counts) {
+    out.tokens.insert(out.tokens.end(), ids.begin(), ids.end());
+    out.counts.insert(out.counts.end(), ids.size(), counts);
+  };
   for (size_t d = 0; d < documents.size(); ++d) {
-    if ((d > 0 || after_others) && !suffix_ends) tokens.push_back(*eos);
-    tokens.insert(tokens.end(), prefix.begin(), prefix.end());
-    tokens.insert(tokens.end(), encoded[d].begin(), encoded[d].end());
-    std::vector<uint32_t>().swap(encoded[d]);
-    tokens.insert(tokens.end(), suffix.begin(), suffix.end());
+    // End-of-text ends the document before (a completion's end counts: the model learns to stop).
+    if ((d > 0 || after_others) && !suffix_ends) put({*eos}, 1);
+    const bool prompted = !documents[d].prompt.empty();
+    out.prompted = out.prompted || prompted;
+    put(prefix, prompted ? 0 : 1);
+    put(prompts[d], 0);
+    put(texts[d], 1);
+    std::vector<uint32_t>().swap(prompts[d]);
+    std::vector<uint32_t>().swap(texts[d]);
+    put(suffix, 1);
   }
-  if (append_eos && !documents.empty() && !suffix_ends) tokens.push_back(*eos);
-  return tokens;
+  if (append_eos && !documents.empty() && !suffix_ends) put({*eos}, 1);
+  return out;
 }
 
 TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
@@ -275,23 +318,34 @@ TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
   TokenizedFiles r;
   r.width = tokenizer.vocab_size() > 65536 ? TokenWidth::u32 : TokenWidth::u16;
   LlmcTokenWriter writer(output, r.width, shard_tokens);
+  // Masks start with the first prompted document: the tokens before it all count.
+  std::unique_ptr<LossMaskWriter> masks;
   // Documents are held a batch at a time: read in order, encoded in parallel, written in order.
   // A full batch is written when the next document arrives, so the last batch is known to be
   // the last (--append-eos).
-  std::vector<std::string> batch;
+  std::vector<Document> batch;
   uint64_t held = 0, written = 0;
   auto flush = [&](bool last) {
-    writer.write(tokenize_documents(tokenizer, batch, last && append_eos, written > 0));
+    const TokenStream stream = encode_documents(tokenizer, batch, last && append_eos, written > 0);
+    if (stream.prompted && !masks) {
+      masks = std::make_unique<LossMaskWriter>(output, shard_tokens);
+      masks->write_ones(writer.tokens());
+    }
+    writer.write(stream.tokens);  // before its flags: a mask shard closes on complete tokens
+    if (masks) masks->write(stream.counts);
+    for (uint8_t c : stream.counts) r.counted += c;
     written += batch.size();
     batch.clear();
     held = 0;
   };
   for (const std::filesystem::path& input : inputs)
-    read_documents(input, [&](std::string doc) {
+    read_documents(input, [&](Document doc) {
       if (held >= batch_bytes) flush(false);
-      r.bytes += doc.size();
-      held += doc.size();
+      const uint64_t bytes = doc.prompt.size() + doc.text.size();
+      r.bytes += bytes;
+      held += bytes;
       ++r.documents;
+      r.prompted += doc.prompt.empty() ? 0 : 1;
       batch.push_back(std::move(doc));
     });
   if (r.documents == 0) {
@@ -303,6 +357,16 @@ TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
   flush(true);
   r.tokens = writer.tokens();
   r.files = writer.finish();
+  if (masks) {
+    r.masks = masks->finish();
+  } else {
+    // A mask from an earlier run beside a file just rewritten would not match it (LossMask
+    // refuses it): it goes.
+    for (const std::filesystem::path& f : r.files) {
+      std::error_code ec;
+      if (std::filesystem::remove(loss_mask_path(f), ec)) r.removed.push_back(loss_mask_path(f));
+    }
+  }
   return r;
 }
 

@@ -21,11 +21,14 @@
 //   <|endoftext|>, </s> or <eos>.
 //
 // Input documents (the one choice to know before editing): a `.jsonl` file holds one JSON
-// object per line whose "text" string is one document (blank lines are skipped); any other file
-// is plain text, one document per file, unless it has lines made of a single "%" (the fortune
-// database's format), which separate documents. Empty documents are dropped. `strata tokenize`
-// writes the end-of-text id between consecutive documents (and after the last with
-// --append-eos).
+// object per line, either a "text" string (one document) or a "prompt" and a "completion"
+// string (the prompt-completion rows of Hugging Face TRL's SFT datasets): blank lines are
+// skipped. Any other file is plain text, one document per file, unless it has lines made of a
+// single "%" (the fortune database's format), which separate documents. Empty documents are
+// dropped. `strata tokenize` writes the end-of-text id between consecutive documents (and after
+// the last with --append-eos). A prompt is encoded on its own, then its completion, and only
+// the completion's tokens and the end-of-text after it count as targets (loss masks,
+// model/tokens.h); the tokenizer's prefix and the prompt do not.
 #pragma once
 
 #include "model/tokens.h"
@@ -70,12 +73,20 @@ std::optional<std::filesystem::path> model_tokenizer_file(const std::filesystem:
 // tokenizer.json, else its tokenizer.model); else the path of a SentencePiece model.
 std::unique_ptr<Tokenizer> open_tokenizer(std::string_view spec);
 
+// One document: its text, or a prompt and its completion (`text`), of which only the completion
+// is trained on.
+struct Document {
+  std::string prompt;  // empty: a plain document, every token of which counts
+  std::string text;
+  bool operator==(const Document&) const = default;
+};
+
 enum class DocumentFormat : uint8_t { text, jsonl };
 // By extension: ".jsonl" is jsonl, anything else text.
 DocumentFormat document_format_of(const std::filesystem::path& path);
 
 // Receives each document in turn.
-using DocumentFn = std::function<void(std::string)>;
+using DocumentFn = std::function<void(Document)>;
 // Told, after a document, how many bytes of the text have been read.
 using ConsumedFn = std::function<void(uint64_t)>;
 // Each document of `text` (the contents of `source`) in order, one at a time.
@@ -85,11 +96,12 @@ void for_each_document(std::string_view text, DocumentFormat format, std::string
 void read_documents(const std::filesystem::path& path, const DocumentFn& fn);
 
 // The documents of `text` (the contents of `source`, named in errors: a .jsonl line that is not
-// a JSON object with a "text" string is an Error naming the source and the line number).
-std::vector<std::string> split_documents(std::string_view text, DocumentFormat format,
-                                         std::string_view source);
+// a JSON object with a "text" string, or a "prompt" and a "completion" string, is an Error
+// naming the source and the line number).
+std::vector<Document> split_documents(std::string_view text, DocumentFormat format,
+                                      std::string_view source);
 // Reads `path` and splits it by its format; a missing or unreadable file is an Error naming it.
-std::vector<std::string> read_documents(const std::filesystem::path& path);
+std::vector<Document> read_documents(const std::filesystem::path& path);
 
 // The token stream of `documents`: each one encoded between the tokenizer's prefix and suffix
 // ids, end-of-text between consecutive ones (unless the suffix already ends with it) and, with
@@ -100,16 +112,31 @@ std::vector<std::string> read_documents(const std::filesystem::path& path);
 std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
                                          const std::vector<std::string>& documents, bool append_eos,
                                          bool after_others = false);
+// The same stream for documents that may have prompts, with a flag per token: 1 where the token
+// counts as a target, 0 for a prompted document's prefix and prompt tokens.
+struct TokenStream {
+  std::vector<uint32_t> tokens;
+  std::vector<uint8_t> counts;
+  bool prompted = false;  // some document had a prompt
+};
+TokenStream encode_documents(const Tokenizer& tokenizer, const std::vector<Document>& documents,
+                             bool append_eos, bool after_others = false);
 
 // What tokenize_files wrote.
 struct TokenizedFiles {
   uint64_t documents = 0, bytes = 0, tokens = 0;
-  TokenWidth width = TokenWidth::u16;  // uint32 for a vocabulary above 65,536
+  uint64_t prompted = 0;  // documents with a prompt
+  uint64_t counted = 0;   // tokens that count as targets (all of them without prompts)
+  std::vector<std::filesystem::path> masks;    // beside `files`, where some document had a prompt
+  std::vector<std::filesystem::path> removed;  // earlier runs' masks beside `files`, removed
+  TokenWidth width = TokenWidth::u16;          // uint32 for a vocabulary above 65,536
   std::vector<std::filesystem::path> files;
 };
 // `strata tokenize`: the documents of `inputs`, in order, as one token stream (the rules of
 // tokenize_documents) into llm.c files at `output` (LlmcTokenWriter: one file, or shards of at
-// most `shard_tokens`). Memory stays bounded: documents are read `batch_bytes` of text at a
+// most `shard_tokens`), and where any document has a prompt, a loss mask beside each file
+// (LossMaskWriter); where none has, a mask left beside an output file by an earlier run is
+// removed. Memory stays bounded: documents are read `batch_bytes` of text at a
 // time, encoded in parallel and written before the next batch is read, and each input file is
 // mapped, not copied. The same tokens for any batch size. An Error when the inputs hold no
 // document (nothing is written).

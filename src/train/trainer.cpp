@@ -144,10 +144,12 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   const Schedule schedule = Schedule::build(placement, so);
   schedule.validate();
 
-  DataLoader loader(s.data, s.seq_len, model.vocab_size, s.seed, s.data_width);
+  DataLoader loader(s.data, s.seq_len, model.vocab_size, s.seed, s.data_width, s.loss_masks);
   std::optional<EvalSequences> held_out;
   if (!s.eval_data.empty())
-    held_out.emplace(s.eval_data, s.seq_len, model.vocab_size, s.eval_sequences, s.data_width);
+    held_out.emplace(s.eval_data, s.seq_len, model.vocab_size, s.eval_sequences, s.data_width,
+                     s.loss_masks);
+
   LossScaler scaler(s.scaling);
   auto comm = make_communicator(devices);
   ExecutorOptions eo;
@@ -226,6 +228,13 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
           "optimizer: every unit's optimizer is on the device(s), so --update-during-backward "
           "on changes nothing\n");
   }
+  for (const TokenSequences* d : {&loader.data(), held_out ? &held_out->data() : nullptr})
+    if (d && d->masked_files() > 0)
+      fmt::print(
+          "{} data: loss masks beside {} of {} file(s); {} of {} targets count (--loss-mask "
+          "off: all)\n",
+          d == &loader.data() ? "training" : "held-out", d->masked_files(), d->files().size(),
+          d->counted_targets(), d->size() * d->seq_len());
   const HostMemoryPlan host = plan_host_memory(placement, devices);
   const ExecutorMemory mem = ex.memory();
   fmt::print(

@@ -35,6 +35,7 @@ struct TrainSettings {
   uint64_t seed = 1;         // weights (with init_random) and data order
   std::vector<std::filesystem::path> data;
   std::optional<TokenWidth> data_width;  // raw token files; empty: llm.c shards
+  bool loss_masks = true;  // read the loss masks beside the token files (TokenSequences)
   // Held-out data (same format as `data`): its sequences in order, the loss over them every
   // eval_every steps (0: only after the last step) and after the last step.
   std::vector<std::filesystem::path> eval_data;
