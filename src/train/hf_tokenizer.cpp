@@ -78,15 +78,15 @@ size_t invalid_utf8_at(std::string_view s) {
   return std::string_view::npos;
 }
 
-// The characters of valid UTF-8 text, each as its bytes.
-std::vector<std::string_view> utf8_chars(std::string_view s) {
-  std::vector<std::string_view> chars;
+// Calls fn with each character of valid UTF-8 text, as its bytes, in order (none is held: a
+// whole text may be one word).
+template <typename Fn>
+void for_each_utf8_char(std::string_view s, Fn&& fn) {
   for (size_t i = 0; i < s.size();) {
     const size_t n = std::max<size_t>(1, utf8_sequence(s, i));
-    chars.push_back(s.substr(i, n));
+    fn(s.substr(i, n));
     i += n;
   }
-  return chars;
 }
 
 void append_utf8(std::string& out, uint32_t cp) {
@@ -152,10 +152,12 @@ std::string to_byte_level(std::string_view s) {
 std::string from_byte_level(std::string_view s) {
   std::string out;
   out.reserve(s.size());
-  for (std::string_view ch : utf8_chars(s)) {
-    const auto it = byte_level_bytes().find(std::string(ch));
+  for (size_t i = 0; i < s.size();) {
+    const size_t n = std::max<size_t>(1, utf8_sequence(s, i));
+    const auto it = byte_level_bytes().find(std::string(s.substr(i, n)));
     if (it == byte_level_bytes().end()) return std::string(s);
     out.push_back(static_cast<char>(it->second));
+    i += n;
   }
   return out;
 }
@@ -185,32 +187,35 @@ class Regex {
   Regex& operator=(const Regex&) = delete;
   ~Regex() { pcre2_code_free(code_); }
 
-  // Every non-overlapping match of valid UTF-8 text, [begin, end) byte offsets, left to right.
-  // An empty match matches nothing: the scan moves on a character.
-  std::vector<std::pair<size_t, size_t>> find_all(std::string_view s) const {
-    std::vector<std::pair<size_t, size_t>> found;
+  // Every non-overlapping match of valid UTF-8 text, [begin, end) byte offsets, left to right,
+  // handed to `fn` as it is found. An empty match matches nothing: the scan moves on a character.
+  template <typename Fn>
+  void for_each_match(std::string_view s, Fn&& fn) const {
     pcre2_match_data* md = pcre2_match_data_create_from_pattern(code_, nullptr);
-    size_t at = 0;
-    while (at <= s.size()) {
-      const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), at,
-                                 PCRE2_NO_UTF_CHECK, md, nullptr);
-      if (rc < 0) {
+    try {
+      size_t at = 0;
+      while (at <= s.size()) {
+        const int rc = pcre2_match(code_, reinterpret_cast<PCRE2_SPTR>(s.data()), s.size(), at,
+                                   PCRE2_NO_UTF_CHECK, md, nullptr);
         if (rc == PCRE2_ERROR_NOMATCH) break;
-        pcre2_match_data_free(md);
-        fail("tokenizer regex: matching failed with PCRE2 error {} at byte {} of {}", rc, at,
-             s.size());
+        if (rc < 0)
+          fail("tokenizer regex: matching failed with PCRE2 error {} at byte {} of {}", rc, at,
+               s.size());
+        const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
+        const size_t b = ov[0], e = ov[1];
+        if (e > b) {
+          fn(b, e);
+          at = e;
+        } else {
+          if (b >= s.size()) break;
+          at = b + std::max<size_t>(1, utf8_sequence(s, b));
+        }
       }
-      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(md);
-      if (ov[1] > ov[0]) {
-        found.emplace_back(ov[0], ov[1]);
-        at = ov[1];
-      } else {
-        if (ov[0] >= s.size()) break;
-        at = ov[0] + std::max<size_t>(1, utf8_sequence(s, ov[0]));
-      }
+    } catch (...) {
+      pcre2_match_data_free(md);
+      throw;
     }
     pcre2_match_data_free(md);
-    return found;
   }
 
  private:
@@ -232,11 +237,11 @@ std::string escape_regex(std::string_view literal) {
 std::string replace_all(const Regex& re, std::string_view s, const std::string& content) {
   std::string out;
   size_t last = 0;
-  for (const auto& [b, e] : re.find_all(s)) {
+  re.for_each_match(s, [&](size_t b, size_t e) {
     out.append(s.substr(last, b - last));
     out += content;
     last = e;
-  }
+  });
   out.append(s.substr(last));
   return out;
 }
@@ -340,9 +345,15 @@ TextFn make_normalizer(const json& j, const At& at) {
 
 // ---- pre-tokenizers --------------------------------------------------------------------------
 
-// Words -> words. text_start: the first word begins the text (not after an added token), which
-// Metaspace's prepend_scheme "first" asks.
-using SplitFn = std::function<void(std::vector<std::string>&, bool text_start)>;
+// The pre-tokenizers run as a pipeline, one word at a time: each step cuts the words it is given
+// and hands its pieces on as soon as each is complete, and the last hands them to BPE. Only the
+// word in flight is held, never a text's list of words, so a multi-megabyte document costs its
+// text and its ids, not a hundred times its size in pieces.
+using WordSink = std::function<void(std::string)>;
+// Cuts `word` and hands the pieces to `sink` in order. first: the word is the first this step is
+// given for a text that begins the input (not after an added token), which Metaspace's
+// prepend_scheme "first" asks.
+using SplitFn = std::function<void(std::string word, bool first, const WordSink& sink)>;
 
 enum class Behavior : uint8_t {
   removed,
@@ -365,54 +376,68 @@ Behavior behavior_of(const json& j, const At& at) {
       at.str(), b);
 }
 
-// Cuts `s` at the matches as the library's SplitDelimiterBehavior does.
-void split_pieces(std::string_view s, const std::vector<std::pair<size_t, size_t>>& matches,
-                  bool invert, Behavior behavior, std::vector<std::string>& out) {
-  // (begin, end, is the delimiter) over the whole of s.
-  std::vector<std::tuple<size_t, size_t, bool>> parts;
-  size_t last = 0;
-  for (const auto& [b, e] : matches) {
-    if (b > last) parts.emplace_back(last, b, invert);
-    parts.emplace_back(b, e, !invert);
-    last = e;
-  }
-  if (last < s.size()) parts.emplace_back(last, s.size(), invert);
-  std::vector<std::string> pieces;
-  bool prev_delim = false, pending_next = false;
-  for (size_t k = 0; k < parts.size(); ++k) {
-    const auto& [b, e, delim] = parts[k];
-    const std::string_view part = s.substr(b, e - b);
+// Cuts `s` at the matches of `re` as the library's SplitDelimiterBehavior does, handing each
+// non-empty piece to `sink`. The parts (the stretches between matches, and the matches, which
+// are the delimiters unless `invert`) are decided one behind the scan, since MergedWithNext
+// needs to know whether the next part is a delimiter; the last piece is held until no later
+// part can join it.
+void split_pieces(std::string_view s, const Regex& re, bool invert, Behavior behavior,
+                  const WordSink& sink) {
+  std::string piece;  // the piece being built, handed on once complete
+  bool have = false, prev_delim = false, pending_next = false;
+  const auto start = [&](std::string_view part) {
+    if (have && !piece.empty()) sink(std::move(piece));
+    piece.assign(part);
+    have = true;
+  };
+  const auto decide = [&](std::string_view part, bool delim, const bool* next_delim) {
     switch (behavior) {
       case Behavior::removed:
-        if (!delim) pieces.emplace_back(part);
+        if (!delim) start(part);
         break;
       case Behavior::isolated:
-        pieces.emplace_back(part);
+        start(part);
         break;
       case Behavior::merged_with_previous:
-        if (delim && !pieces.empty() && !prev_delim)
-          pieces.back().append(part);
+        if (delim && have && !prev_delim)
+          piece.append(part);
         else
-          pieces.emplace_back(part);
+          start(part);
         break;
       case Behavior::merged_with_next:  // a delimiter starts the next part, unless that is one
         if (pending_next)
-          pieces.back().append(part);
+          piece.append(part);
         else
-          pieces.emplace_back(part);
-        pending_next = delim && k + 1 < parts.size() && !std::get<2>(parts[k + 1]);
+          start(part);
+        pending_next = delim && next_delim != nullptr && !*next_delim;
         break;
       case Behavior::contiguous:
         if (delim && prev_delim)
-          pieces.back().append(part);
+          piece.append(part);
         else
-          pieces.emplace_back(part);
+          start(part);
         break;
     }
     prev_delim = delim;
-  }
-  for (std::string& p : pieces)
-    if (!p.empty()) out.push_back(std::move(p));
+  };
+  // The part before the one being found, decided once its successor is known.
+  std::string_view held;
+  bool held_delim = false, holding = false;
+  const auto part = [&](size_t b, size_t e, bool delim) {
+    if (holding) decide(held, held_delim, &delim);
+    held = s.substr(b, e - b);
+    held_delim = delim;
+    holding = true;
+  };
+  size_t last = 0;
+  re.for_each_match(s, [&](size_t b, size_t e) {
+    if (b > last) part(last, b, invert);
+    part(b, e, !invert);
+    last = e;
+  });
+  if (last < s.size()) part(last, s.size(), invert);
+  if (holding) decide(held, held_delim, nullptr);
+  if (have && !piece.empty()) sink(std::move(piece));
 }
 
 // GPT-2's own pattern, which ByteLevel splits with when use_regex is set.
@@ -420,22 +445,33 @@ constexpr const char* kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
 SplitFn make_pre_tokenizer(const json& j, const At& at) {
-  if (j.is_null()) return [](std::vector<std::string>&, bool) {};
+  if (j.is_null()) return [](std::string w, bool, const WordSink& sink) { sink(std::move(w)); };
   const std::string type = string_at(j, "type", at);
   if (type == "Sequence") {
     const auto steps = sequence_steps<SplitFn>(j, "pretokenizers", at, make_pre_tokenizer);
-    return [steps](std::vector<std::string>& words, bool text_start) {
-      for (const SplitFn& f : steps) f(words, text_start);
+    // Step k's pieces go to step k + 1 as they come; whether a word is the first a step is given
+    // is tracked per call.
+    return [steps](std::string w, bool first, const WordSink& sink) {
+      std::vector<char> given(steps.size(), 0);
+      std::function<void(size_t, std::string)> feed = [&](size_t k, std::string word) {
+        if (k == steps.size()) {
+          sink(std::move(word));
+          return;
+        }
+        const bool starts = first && !given[k];
+        given[k] = 1;
+        steps[k](std::move(word), starts,
+                 [&](std::string piece) { feed(k + 1, std::move(piece)); });
+      };
+      feed(0, std::move(w));
     };
   }
   if (type == "Split") {
     auto re = std::make_shared<Regex>(pattern_regex(j, at), (at / "pattern").str());
     const Behavior behavior = behavior_of(j, at);
     const bool invert = bool_or(j, "invert", false, at);
-    return [re, behavior, invert](std::vector<std::string>& words, bool) {
-      std::vector<std::string> out;
-      for (const std::string& w : words) split_pieces(w, re->find_all(w), invert, behavior, out);
-      words = std::move(out);
+    return [re, behavior, invert](std::string w, bool, const WordSink& sink) {
+      split_pieces(w, *re, invert, behavior, sink);
     };
   }
   if (type == "ByteLevel") {
@@ -443,17 +479,15 @@ SplitFn make_pre_tokenizer(const json& j, const At& at) {
     const bool use_regex = bool_or(j, "use_regex", true, at);
     std::shared_ptr<Regex> re;
     if (use_regex) re = std::make_shared<Regex>(kGpt2Pattern, at.str());
-    return [re, prefix_space](std::vector<std::string>& words, bool) {
-      std::vector<std::string> out;
-      for (std::string& w : words) {  // the library prefixes every word it is given
-        if (prefix_space && !w.empty() && w[0] != ' ') w.insert(0, " ");
-        if (re)
-          split_pieces(w, re->find_all(w), false, Behavior::isolated, out);
-        else
-          out.push_back(std::move(w));
+    return [re, prefix_space](std::string w, bool, const WordSink& sink) {
+      // The library prefixes every word it is given.
+      if (prefix_space && !w.empty() && w[0] != ' ') w.insert(0, " ");
+      if (!re) {
+        sink(to_byte_level(w));
+        return;
       }
-      for (std::string& w : out) w = to_byte_level(w);
-      words = std::move(out);
+      split_pieces(w, *re, false, Behavior::isolated,
+                   [&](std::string piece) { sink(to_byte_level(piece)); });
     };
   }
   if (type == "Metaspace") {
@@ -461,34 +495,29 @@ SplitFn make_pre_tokenizer(const json& j, const At& at) {
     const std::string scheme = prepend_scheme(j, at);
     const bool split = bool_or(j, "split", true, at);
     auto re = std::make_shared<Regex>(escape_regex(rep), at.str());
-    return [rep, scheme, split, re](std::vector<std::string>& words, bool text_start) {
-      std::vector<std::string> out;
-      for (size_t i = 0; i < words.size(); ++i) {
-        std::string w;
-        for (char c : words[i]) {
-          if (c == ' ')
-            w += rep;
-          else
-            w.push_back(c);
-        }
-        const bool prepend = scheme == "always" || (scheme == "first" && i == 0 && text_start);
-        if (prepend && w.compare(0, rep.size(), rep) != 0) w.insert(0, rep);
-        if (split)
-          split_pieces(w, re->find_all(w), false, Behavior::merged_with_next, out);
+    return [rep, scheme, split, re](std::string word, bool first, const WordSink& sink) {
+      std::string w;
+      w.reserve(word.size());
+      for (char c : word) {
+        if (c == ' ')
+          w += rep;
         else
-          out.push_back(std::move(w));
+          w.push_back(c);
       }
-      words = std::move(out);
+      std::string().swap(word);
+      const bool prepend = scheme == "always" || (scheme == "first" && first);
+      if (prepend && w.compare(0, rep.size(), rep) != 0) w.insert(0, rep);
+      if (split)
+        split_pieces(w, *re, false, Behavior::merged_with_next, sink);
+      else
+        sink(std::move(w));
     };
   }
   if (type == "Digits") {
     const bool individual = bool_or(j, "individual_digits", false, at);
     auto re = std::make_shared<Regex>(individual ? R"(\p{Nd})" : R"(\p{Nd}+)", at.str());
-    return [re](std::vector<std::string>& words, bool) {
-      std::vector<std::string> out;
-      for (const std::string& w : words)
-        split_pieces(w, re->find_all(w), false, Behavior::isolated, out);
-      words = std::move(out);
+    return [re](std::string w, bool, const WordSink& sink) {
+      split_pieces(w, *re, false, Behavior::isolated, sink);
     };
   }
   unsupported("pre_tokenizer", type, at, "Sequence, Split, ByteLevel, Metaspace and Digits");
@@ -714,12 +743,12 @@ class Bpe {
     };
     std::vector<Sym> syms;
     bool last_unk = false;
-    for (std::string_view ch : utf8_chars(word)) {
+    for_each_utf8_char(word, [&](std::string_view ch) {
       const auto it = vocab_.find(std::string(ch));
       if (it != vocab_.end()) {
         syms.push_back({it->second, 0, 0});
         last_unk = false;
-        continue;
+        return;
       }
       if (byte_fallback_ && std::all_of(ch.begin(), ch.end(), [&](char c) {
             return byte_ids_[static_cast<unsigned char>(c)] >= 0;
@@ -727,7 +756,7 @@ class Bpe {
         for (char c : ch)
           syms.push_back({static_cast<uint32_t>(byte_ids_[static_cast<unsigned char>(c)]), 0, 0});
         last_unk = false;
-        continue;
+        return;
       }
       if (!unk_.has_value())
         fail(
@@ -736,44 +765,48 @@ class Bpe {
             json(std::string(ch)).dump(), hex_bytes(ch));
       if (!(fuse_unk_ && last_unk)) syms.push_back({*unk_, 0, 0});
       last_unk = true;
-    }
+    });
     const int n = static_cast<int>(syms.size());
     for (int i = 0; i < n; ++i) {
       syms[size_t(i)].prev = i - 1;
       syms[size_t(i)].next = i + 1 < n ? i + 1 : -1;
     }
-    // (rank, left position): the lowest rank first, then the leftmost.
+    // (rank, left position): the lowest rank first, then the leftmost. Eight bytes each, as a
+    // whole text can be one word: a candidate is checked when it comes up instead of carrying
+    // its pair, since a rank names one pair and the pair at `pos` then is the one it was
+    // unless either symbol has merged since.
     struct Cand {
       uint32_t rank;
       int pos;
-      uint32_t left, right, merged;
       bool operator>(const Cand& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
     };
-    std::priority_queue<Cand, std::vector<Cand>, std::greater<>> queue;
-    auto consider = [&](int pos) {
-      if (pos < 0) return;
+    const auto merge_at = [&](int pos) -> const Merge* {
+      if (pos < 0) return nullptr;
       const int nx = syms[size_t(pos)].next;
-      if (nx < 0) return;
+      if (nx < 0) return nullptr;
       const auto it = merges_.find(key(syms[size_t(pos)].id, syms[size_t(nx)].id));
-      if (it != merges_.end())
-        queue.push(
-            Cand{it->second.rank, pos, syms[size_t(pos)].id, syms[size_t(nx)].id, it->second.id});
+      return it == merges_.end() ? nullptr : &it->second;
     };
-    for (int i = 0; i < n; ++i) consider(i);
+    std::vector<Cand> initial;
+    for (int i = 0; i < n; ++i)
+      if (const Merge* m = merge_at(i)) initial.push_back(Cand{m->rank, i});
+    std::priority_queue<Cand, std::vector<Cand>, std::greater<>> queue(std::greater<>{},
+                                                                       std::move(initial));
     std::vector<bool> dead(size_t(n), false);
     while (!queue.empty()) {
       const Cand c = queue.top();
       queue.pop();
+      if (dead[size_t(c.pos)]) continue;
+      const Merge* m = merge_at(c.pos);
+      if (m == nullptr || m->rank != c.rank) continue;  // stale: a symbol of it merged since
       Sym& s = syms[size_t(c.pos)];
-      if (dead[size_t(c.pos)] || s.next < 0 || s.id != c.left || syms[size_t(s.next)].id != c.right)
-        continue;  // stale: one of its symbols has merged since
       const int gone = s.next;
       dead[size_t(gone)] = true;
-      s.id = c.merged;
+      s.id = m->id;
       s.next = syms[size_t(gone)].next;
       if (s.next >= 0) syms[size_t(s.next)].prev = c.pos;
-      consider(s.prev);
-      consider(c.pos);
+      for (int p : {s.prev, c.pos})
+        if (const Merge* again = merge_at(p)) queue.push(Cand{again->rank, p});
     }
     for (int i = 0; i < n; ++i)
       if (!dead[size_t(i)]) out.push_back(syms[size_t(i)].id);
@@ -977,22 +1010,23 @@ std::vector<uint32_t> HfTokenizer::encode(std::string_view text) const {
         "to UTF-8 first",
         path_, bad, text.size(), static_cast<unsigned char>(text[bad]));
   std::vector<uint32_t> ids;
+  // Words seen in this text and their ids; bounded, as a long text's distinct words are not.
+  constexpr size_t kCachedWords = 1 << 16;
   std::unordered_map<std::string, std::vector<uint32_t>> cache;
+  const WordSink to_ids = [&](std::string w) {
+    if (w.empty()) return;
+    auto it = cache.find(w);
+    if (it == cache.end()) {
+      if (cache.size() >= kCachedWords) cache.clear();
+      std::vector<uint32_t> word_ids;
+      bpe_->encode_word(w, word_ids);
+      it = cache.emplace(std::move(w), std::move(word_ids)).first;
+    }
+    ids.insert(ids.end(), it->second.begin(), it->second.end());
+  };
   size_t begin = 0;
   auto run_text = [&](std::string_view piece, bool text_start) {
-    if (piece.empty()) return;
-    std::vector<std::string> words{normalize_(std::string(piece))};
-    pre_tokenize_(words, text_start);
-    for (const std::string& w : words) {
-      if (w.empty()) continue;
-      auto it = cache.find(w);
-      if (it == cache.end()) {
-        std::vector<uint32_t> word_ids;
-        bpe_->encode_word(w, word_ids);
-        it = cache.emplace(w, std::move(word_ids)).first;
-      }
-      ids.insert(ids.end(), it->second.begin(), it->second.end());
-    }
+    if (!piece.empty()) pre_tokenize_(normalize_(std::string(piece)), text_start, to_ids);
   };
   for (size_t i = 0; i < text.size();) {
     const AddedToken* hit = nullptr;
