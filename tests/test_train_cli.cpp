@@ -705,6 +705,34 @@ TEST(TrainCli, AioSettingsReachTheSwapStore) {
   EXPECT_NE(bad.out.find("aio.queue_depth"), std::string::npos) << bad.out;
 }
 
+// --epochs E: ceil(E x sequences / sequences a step) steps, on one device and on two with
+// accumulation.
+TEST(TrainCli, EpochsArePassesOverTheData) {
+  const test::TempDir dir("strata-train-epochs");
+  const fs::path data = make_data(dir.path);
+  const int64_t sequences = TokenFile::open(data, std::optional<TokenWidth>{}).num_sequences(32);
+  ASSERT_GT(sequences, 100);
+  struct Case {
+    std::string args;
+    double epochs;
+    int64_t per_step;
+  };
+  for (const Case& c : {Case{"", 0.05, 2}, Case{"--devices host:2 --grad-accum 2", 0.1, 8}}) {
+    const fs::path run = dir.path / fmt::format("run-{}", c.per_step);
+    const test::CommandResult r =
+        strata("train " + kTiny + "--data " + data.string() + " --epochs " +
+               fmt::format("{}", c.epochs) + " " + c.args + " --run-dir " + run.string());
+    ASSERT_EQ(r.status, 0) << r.out;
+    const auto want = static_cast<int64_t>(
+        std::ceil(c.epochs * static_cast<double>(sequences) / static_cast<double>(c.per_step)));
+    EXPECT_EQ(static_cast<int64_t>(metrics(run).size()), want) << r.out;
+    EXPECT_NE(r.out.find(fmt::format("{} sequences of 32 tokens, {} a step: {} steps", sequences,
+                                     c.per_step, want)),
+              std::string::npos)
+        << r.out;
+  }
+}
+
 TEST(TrainCli, BadInputIsNamed) {
   const test::TempDir dir("strata-train-bad");
   const fs::path data = make_data(dir.path);
@@ -718,7 +746,10 @@ TEST(TrainCli, BadInputIsNamed) {
            Case{"--model tiny --init random --steps 2 --seq-len 100000" + d, "--seq-len 100000"},
            Case{kTiny + "--steps 2 --data /nonexistent/x.bin", "/nonexistent/x.bin"},
            Case{kTiny + "--steps 2 --offload-param disk" + d, "disk"},
-           Case{kTiny + "--steps 0" + d, "--steps 0"},
+           Case{kTiny + "--steps 0" + d, "give --steps N (optimizer steps in all) or --epochs E"},
+           Case{kTiny + "--steps -1" + d, "--steps -1"},
+           Case{kTiny + "--steps 2 --epochs 1" + d, "give one of them, not both"},
+           Case{kTiny + "--epochs -0.5" + d, "--epochs -0.5: it must be a finite number above 0"},
        }) {
     const test::CommandResult r = strata("train " + c.args);
     EXPECT_NE(r.status, 0) << c.args;

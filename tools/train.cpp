@@ -9,6 +9,7 @@
 #include "core/log.h"
 #include "device_args.h"
 #include "model/config.h"
+#include "model/tokens.h"
 #include "train/ds_config.h"
 #include "train/trainer.h"
 
@@ -31,6 +32,7 @@ struct TrainArgs {
   std::vector<std::string> data, nvme_paths;
   uint64_t seed = 1;
   int64_t steps = 0, micro_batch = kUnsetFlag, grad_accum = kUnsetFlag, seq_len = kUnsetFlag;
+  double epochs = 0;
   double lr = NAN, weight_decay = NAN, clip = NAN, eps = NAN;  // NaN: not given
   std::string optimizer, lr_schedule;
   int64_t warmup_steps = kUnsetFlag;
@@ -64,6 +66,26 @@ void check_train_numbers(const TrainArgs& a) {
         std::pair{"--steps-per-print", a.steps_per_print}, std::pair{"--eval-every", a.eval_every},
         std::pair{"--eval-sequences", a.eval_sequences}})
     if (v < 0) fail("{} {}: it counts steps or checkpoints, so it must be 0 or more", flag, v);
+  if (a.steps != 0 && a.epochs != 0)
+    fail("--steps {} and --epochs {}: give one of them, not both", a.steps, a.epochs);
+  if (a.steps == 0 && a.epochs == 0)
+    fail("give --steps N (optimizer steps in all) or --epochs E (passes over the --data files)");
+  if (a.epochs != 0 && !(a.epochs > 0 && std::isfinite(a.epochs)))
+    fail("--epochs {}: it must be a finite number above 0 (e.g. 3, or 0.5 for half the data)",
+         a.epochs);
+}
+
+// --epochs E as optimizer steps: E passes over the data's sequences, `per_step` of them a step,
+// rounded up (Hugging Face's num_train_epochs likewise ends on a whole step).
+int64_t steps_for_epochs(double epochs, const TrainSettings& s, int64_t per_step) {
+  int64_t sequences = 0;
+  for (const fs::path& f : s.data)
+    sequences += TokenFile::open(f, s.data_width).num_sequences(s.seq_len);
+  const auto steps = static_cast<int64_t>(
+      std::ceil(epochs * static_cast<double>(sequences) / static_cast<double>(per_step)));
+  fmt::print("--epochs {}: {} sequences of {} tokens, {} a step: {} steps\n", epochs, sequences,
+             s.seq_len, per_step, std::max<int64_t>(steps, 1));
+  return std::max<int64_t>(steps, 1);
 }
 
 // strata trains as one process over the GPUs of one node (--devices). Under a multi-process
@@ -115,6 +137,7 @@ int run_train(const TrainArgs& a) {
   if (s.seq_len > model.max_position_embeddings)
     fail("--seq-len {}: the model's max_position_embeddings is {}; use at most that", s.seq_len,
          model.max_position_embeddings);
+  if (a.epochs > 0) s.steps = steps_for_epochs(a.epochs, s, s.micro_batch * s.grad_accum * world);
   if (!a.dtype.empty()) {
     s.dtype = model_dtype(*ptrs.front(), a.dtype);
   } else if (plan.param_dtype) {
@@ -245,7 +268,10 @@ Command add_train(CLI::App& app) {
                   "evaluate on at most N held-out sequences (0: all of them)");
   cmd->add_option("--config", a->config, "DeepSpeed JSON config");
   cmd->add_option("--run-dir", a->run_dir, "run directory (default runs/<model>)");
-  cmd->add_option("--steps", a->steps, "optimizer steps in all")->required();
+  cmd->add_option("--steps", a->steps, "optimizer steps in all (or --epochs)");
+  cmd->add_option("--epochs", a->epochs,
+                  "passes over the --data files instead of --steps: steps = ceil(E x sequences / "
+                  "(micro-batch x grad-accum x devices)); fractions allowed");
   cmd->add_option("--micro-batch", a->micro_batch, "sequences per device per micro-batch");
   cmd->add_option("--grad-accum", a->grad_accum, "micro-batches per optimizer step");
   cmd->add_option("--seq-len", a->seq_len, "tokens per sequence (default: context, <= 1024)");
