@@ -201,6 +201,16 @@ TEST(TuneCli, RecommendsAConfigStrataTrainAccepts) {
   EXPECT_EQ(ds.aio.queue_depth, static_cast<int>(p.nvme_queue_depth));
   EXPECT_EQ(j["config"], json::parse(test::slurp(config)));
 
+  // `strata plan` of the config written, from the same profile, predicts the step tune ranked it
+  // by: both simulate the steady state, in which each step's optimizer overlaps the next
+  // step's forwards as the executor runs them.
+  const CommandResult plan =
+      strata_stdout("plan --model tiny --config " + config.string() + " --hardware " +
+                    profile.string() + " --seq-len 64 --gpu-memory 1GiB --json" +
+                    (recompute ? "" : " --activation-checkpointing off"));
+  ASSERT_EQ(plan.status, 0) << plan.out;
+  EXPECT_DOUBLE_EQ(parse(plan)["step_s"].get<double>(), best["step_s"].get<double>());
+
   // `strata train` runs it: two steps of tiny on the host backend, nothing in it ignored.
   const fs::path data = test::make_data(dir.path);
   const CommandResult t = test::strata(

@@ -150,7 +150,7 @@ Simulated simulate_once(const Placement& p, int64_t accum, int depth, bool early
   so.reduce_per_group = p.shape.micro_batch_group > 1;
   so.update_during_backward = early;
   const Schedule schedule = Schedule::build(p, so);
-  const Prediction pred = simulate(schedule, profile, 1);
+  const Prediction pred = simulate(schedule, profile);  // the steady state, as plan reports
   Simulated r;
   r.step_s = pred.step_s;
   r.critical = pred.critical_lane;

@@ -5,8 +5,9 @@
 //
 // Every candidate is what `strata train` would build from the config written for it: the same
 // Placement (RunShape, OffloadRequest), checked by the same Placement::check, and the same
-// Schedule, simulated for one step (the executor does not yet start a step before the previous
-// one has ended, so the steady state with cross-step overlap is not what a run sees). Runs of
+// Schedule, simulated to its steady state as `strata plan` simulates it: the executor runs the
+// next step's forward of a unit as soon as its update is written (DESIGN §3.4), so a step alone
+// would charge a run for an optimizer that overlaps the next step's forwards. Runs of
 // many micro-batches are simulated at kMaxSimulatedAccum and the step time extrapolated by the
 // cost of one more micro-batch (measured between half that and it), which keeps llama2-70b
 // with a large global batch to seconds.
