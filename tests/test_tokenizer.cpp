@@ -153,6 +153,16 @@ TEST(Documents, TokenizingFilesInBatchesAndShardsGivesOneStream) {
   expect_error([&] { tokenize_files(*byte, {empty}, tmp.path / "never.bin", 0, false); },
                {"no document", empty.string()});
   EXPECT_FALSE(fs::exists(tmp.path / "never.bin"));
+  // A document too large to encode whole in the memory there is: refused, named, before
+  // anything is written.
+  expect_error(
+      [&] {
+        tokenize_files(*byte, {a, b}, tmp.path / "never.bin", 0, false, 1 << 20, 400);
+      },
+      {"document 2 of " + a.string(), "28 B", "encoded whole", "400 B available",
+       "lines holding only %"});
+  EXPECT_FALSE(fs::exists(tmp.path / "never.bin"));
+  EXPECT_NO_THROW(tokenize_files(*byte, {a, b}, tmp.path / "fits.bin", 0, false, 1 << 20, 480));
   // A missing input, even after a good one, fails before any shard is written.
   expect_error(
       [&] {

@@ -139,10 +139,13 @@ struct TokenizedFiles {
 // removed. Memory stays bounded: documents are read `batch_bytes` of text at a
 // time, encoded in parallel and written before the next batch is read, and each input file is
 // mapped, not copied. The same tokens for any batch size. An Error when the inputs hold no
-// document (nothing is written).
+// document (nothing is written), and when one document is too large to encode whole in
+// `memory_bytes` (0: the memory this machine has available), at kDocumentBytesPerByte.
+inline constexpr uint64_t kDocumentBytesPerByte = 16;
 TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
                               const std::vector<std::filesystem::path>& inputs,
                               const std::filesystem::path& output, uint64_t shard_tokens,
-                              bool append_eos, uint64_t batch_bytes = 16ull << 20);
+                              bool append_eos, uint64_t batch_bytes = 16ull << 20,
+                              uint64_t memory_bytes = 0);
 
 }  // namespace strata
