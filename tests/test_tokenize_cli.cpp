@@ -159,6 +159,31 @@ TEST_F(TokenizeCli, PromptsAndCompletionsWriteALossMask) {
   EXPECT_NE(again.out.find("removed"), std::string::npos) << again.out;
 }
 
+// Alpaca-style text rows with --response-template: prompts up to the template, completions
+// after it, the row without it left out and said so.
+TEST_F(TokenizeCli, AResponseTemplateMasksWhatComesBeforeIt) {
+  const fs::path in = write("alpaca.jsonl",
+                            "{\"text\": \"### Instruction: add\\n### Response: 4\"}\n"
+                            "{\"text\": \"no answer\"}\n");
+  const fs::path out = dir_ / "alpaca.bin";
+  const Result r = strata("tokenize --input '" + in.string() + "' --output '" + out.string() +
+                          "' --response-template '### Response:'");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("1 document(s) without the response template \"### Response:\" left out"),
+            std::string::npos)
+      << r.out;
+  const std::string prompt = "### Instruction: add\n### Response:", completion = " 4";
+  std::vector<uint32_t> want(prompt.begin(), prompt.end());
+  want.insert(want.end(), completion.begin(), completion.end());
+  EXPECT_EQ(read_tokens(out), want);
+  const std::optional<LossMask> mask =
+      LossMask::open_beside(TokenFile::open(out, std::optional<TokenWidth>{}));
+  ASSERT_TRUE(mask.has_value());
+  EXPECT_EQ(mask->counted(), static_cast<int64_t>(completion.size()));
+  for (size_t i = 0; i < want.size(); ++i)
+    EXPECT_EQ(mask->counts(static_cast<int64_t>(i)), i >= prompt.size()) << i;
+}
+
 TEST_F(TokenizeCli, SentencePieceModel) {
   std::string why;
   const std::string model = test::train_sentencepiece(dir_, &why);

@@ -131,7 +131,8 @@ TEST(Documents, TokenizingFilesInBatchesAndShardsGivesOneStream) {
           const fs::path out = tmp.path / "out" / "tokens.bin";
           fs::remove_all(out.parent_path());
           fs::create_directories(out.parent_path());
-          const TokenizedFiles r = tokenize_files(*t, {a, b}, out, shard, eos, batch);
+          const TokenizedFiles r = tokenize_files(
+              *t, {a, b}, out, {.shard_tokens = shard, .append_eos = eos, .batch_bytes = batch});
           EXPECT_EQ(r.documents, 5u);
           EXPECT_EQ(r.tokens, want.size());
           EXPECT_EQ(read_all(r.files), want);
@@ -150,23 +151,24 @@ TEST(Documents, TokenizingFilesInBatchesAndShardsGivesOneStream) {
   // Nothing to tokenize: named, and nothing written.
   const fs::path empty = tmp.path / "empty.jsonl";
   std::ofstream(empty) << "{\"text\": \"\"}\n";
-  expect_error([&] { tokenize_files(*byte, {empty}, tmp.path / "never.bin", 0, false); },
+  expect_error([&] { tokenize_files(*byte, {empty}, tmp.path / "never.bin"); },
                {"no document", empty.string()});
   EXPECT_FALSE(fs::exists(tmp.path / "never.bin"));
   // A document too large to encode whole in the memory there is: refused, named, before
   // anything is written.
   expect_error(
       [&] {
-        tokenize_files(*byte, {a, b}, tmp.path / "never.bin", 0, false, 1 << 20, 400);
+        tokenize_files(*byte, {a, b}, tmp.path / "never.bin", {.memory_bytes = 400});
       },
       {"document 2 of " + a.string(), "28 B", "encoded whole", "400 B available",
        "lines holding only %"});
   EXPECT_FALSE(fs::exists(tmp.path / "never.bin"));
-  EXPECT_NO_THROW(tokenize_files(*byte, {a, b}, tmp.path / "fits.bin", 0, false, 1 << 20, 480));
+  EXPECT_NO_THROW(tokenize_files(*byte, {a, b}, tmp.path / "fits.bin", {.memory_bytes = 480}));
   // A missing input, even after a good one, fails before any shard is written.
   expect_error(
       [&] {
-        tokenize_files(*byte, {a, tmp.path / "missing.txt"}, tmp.path / "never.bin", 3, false);
+        tokenize_files(*byte, {a, tmp.path / "missing.txt"}, tmp.path / "never.bin",
+                       {.shard_tokens = 3});
       },
       {"missing.txt", "cannot open"});
   EXPECT_FALSE(fs::exists(tmp.path / "never_000000.bin"));
@@ -276,7 +278,8 @@ TEST(LossMasks, StreamedBesideEveryShardAndBoundToItsTokens) {
         const fs::path out = tmp.path / "out" / "sft.bin";
         fs::remove_all(out.parent_path());
         fs::create_directories(out.parent_path());
-        const TokenizedFiles r = tokenize_files(*t, {a, b}, out, shard, eos, batch);
+        const TokenizedFiles r = tokenize_files(
+            *t, {a, b}, out, {.shard_tokens = shard, .append_eos = eos, .batch_bytes = batch});
         EXPECT_EQ(r.prompted, 2u);
         EXPECT_EQ(read_all(r.files), want.tokens);
         EXPECT_EQ(read_masks(r.files), want.counts);
@@ -293,14 +296,14 @@ TEST(LossMasks, StreamedBesideEveryShardAndBoundToItsTokens) {
   }
   // The same output rewritten from plain text: its old mask goes.
   const fs::path out = tmp.path / "one.bin";
-  tokenize_files(*t, {a, b}, out, 0, false);
+  tokenize_files(*t, {a, b}, out);
   ASSERT_TRUE(fs::exists(loss_mask_path(out)));
-  const TokenizedFiles plain = tokenize_files(*t, {a}, out, 0, false);
+  const TokenizedFiles plain = tokenize_files(*t, {a}, out);
   EXPECT_TRUE(plain.masks.empty());
   EXPECT_FALSE(fs::exists(loss_mask_path(out)));
 
   // A token file rewritten with other tokens of the same count keeps a mask that is not its.
-  tokenize_files(*t, {a, b}, out, 0, false);
+  tokenize_files(*t, {a, b}, out);
   const fs::path mask = loss_mask_path(out);
   const fs::path saved = tmp.path / "saved.mask";
   fs::copy_file(mask, saved);
@@ -316,7 +319,7 @@ TEST(LossMasks, StreamedBesideEveryShardAndBoundToItsTokens) {
   expect_error([&] { LossMask::open_beside(TokenFile::open(out, std::optional<TokenWidth>{})); },
                {mask.string(), "flags", fmt::format("holds {} tokens", other.size())});
   // A damaged flag, and a file that is not a mask at all.
-  tokenize_files(*t, {a, b}, out, 0, false);
+  tokenize_files(*t, {a, b}, out);
   {
     std::fstream f(mask, std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(1024 + 2);
@@ -327,6 +330,40 @@ TEST(LossMasks, StreamedBesideEveryShardAndBoundToItsTokens) {
   std::ofstream(mask) << "not a mask";
   expect_error([&] { LossMask::open_beside(TokenFile::open(out, std::optional<TokenWidth>{})); },
                {mask.string(), "not a strata loss mask", out.string()});
+}
+
+// --response-template: a plain document is cut at the first occurrence of the template (the
+// prompt keeps it), one without it is left out, and prompt/completion rows stay as they are.
+TEST(LossMasks, AResponseTemplateCutsPlainDocuments) {
+  test::TempDir tmp("strata-response-template");
+  const fs::path a = tmp.path / "alpaca.jsonl";
+  std::ofstream(a) << "{\"text\": \"Add 2+2.\\n### Response: 4 ### Response: again\"}\n"
+                      "{\"text\": \"no template here\"}\n"
+                      "{\"prompt\": \"P ### Response:\", \"completion\": \" C\"}\n"
+                      "{\"text\": \"### Response:\"}\n";
+  const auto t = make_byte_tokenizer();
+  const fs::path out = tmp.path / "sft.bin";
+  const TokenizedFiles r =
+      tokenize_files(*t, {a}, out, {.append_eos = true, .response_template = "### Response:"});
+  EXPECT_EQ(r.documents, 3u);
+  EXPECT_EQ(r.untemplated, 1u);
+  EXPECT_EQ(r.prompted, 3u);
+  const TokenStream want = encode_documents(*t,
+                                            {{"Add 2+2.\n### Response:", " 4 ### Response: again"},
+                                             {"P ### Response:", " C"},
+                                             {"### Response:", ""}},
+                                            true);
+  EXPECT_EQ(read_all(r.files), want.tokens);
+  EXPECT_EQ(read_masks(r.files), want.counts);
+  // Nothing holds it: named, nothing written.
+  const fs::path b = tmp.path / "plain.jsonl";
+  std::ofstream(b) << "{\"text\": \"one ### Response: x\"}\n{\"text\": \"two\"}\n";
+  expect_error(
+      [&] {
+        tokenize_files(*t, {b}, tmp.path / "never.bin", {.response_template = "### Answer:"});
+      },
+      {"none of the 2 documents", "\"### Answer:\"", "--response-template"});
+  EXPECT_FALSE(fs::exists(tmp.path / "never.bin"));
 }
 
 TEST(Documents, TheTokenWriterNamesShardsAndRefusesWhatDoesNotFit) {

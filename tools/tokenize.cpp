@@ -15,6 +15,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <memory>
@@ -29,13 +30,16 @@ struct TokenizeArgs {
   std::string output;
   bool append_eos = false;
   uint64_t shard_tokens = 0;
+  std::string response_template;
 };
 
 int run_tokenize(const TokenizeArgs& a) {
   const std::unique_ptr<Tokenizer> tokenizer = open_tokenizer(a.tokenizer);
   const std::vector<std::filesystem::path> inputs(a.inputs.begin(), a.inputs.end());
-  const TokenizedFiles r =
-      tokenize_files(*tokenizer, inputs, a.output, a.shard_tokens, a.append_eos);
+  const TokenizedFiles r = tokenize_files(*tokenizer, inputs, a.output,
+                                          {.shard_tokens = a.shard_tokens,
+                                           .append_eos = a.append_eos,
+                                           .response_template = a.response_template});
   const std::string where =
       r.files.size() == 1
           ? r.files.front().string()
@@ -45,6 +49,11 @@ int run_tokenize(const TokenizeArgs& a) {
       "tokenized {} documents ({} bytes) into {} tokens ({} tokenizer, vocab {}, {}) -> {}\n",
       r.documents, r.bytes, r.tokens, tokenizer->name(), tokenizer->vocab_size(),
       r.width == TokenWidth::u16 ? "uint16" : "uint32", where);
+  if (r.untemplated > 0)
+    fmt::print(
+        "  {} document(s) without the response template {} left out (they would train on "
+        "nothing)\n",
+        r.untemplated, nlohmann::json(a.response_template).dump());
   if (!r.masks.empty())
     fmt::print(
         "  {} of the documents are prompts with completions: {} of the {} tokens count as "
@@ -81,6 +90,11 @@ Command add_tokenize(CLI::App& app) {
                   "write llm.c shards of at most this many tokens, OUTPUT with _000000, "
                   "_000001, ... before its extension (0: one file, at most 2^31 - 1 tokens)")
       ->capture_default_str();
+  cmd->add_option("--response-template", a->response_template,
+                  "cut each plain document at the first occurrence of this text (e.g. \"### "
+                  "Response:\"): the part up to it is a prompt, not trained on, and the rest "
+                  "its completion, as TRL's DataCollatorForCompletionOnlyLM masks them; a "
+                  "document without it is left out");
   cmd->add_flag("--append-eos", a->append_eos,
                 "also write end-of-text after the last document (it always separates documents)");
   return {cmd, [a] { return run_tokenize(*a); }};

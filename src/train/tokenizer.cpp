@@ -313,15 +313,13 @@ TokenStream encode_documents(const Tokenizer& tokenizer, const std::vector<Docum
 
 TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
                               const std::vector<std::filesystem::path>& inputs,
-                              const std::filesystem::path& output, uint64_t shard_tokens,
-                              bool append_eos, uint64_t batch_bytes, uint64_t memory_bytes) {
+                              const std::filesystem::path& output, const TokenizeOptions& options) {
+  const uint64_t shard_tokens = options.shard_tokens, batch_bytes = options.batch_bytes;
+  const bool append_eos = options.append_eos;
+  const std::string& response = options.response_template;
   // Every input opens before anything is written: a missing second file leaves no shards.
   for (const std::filesystem::path& input : inputs) (void)MappedFile::open(input, "input text");
-  // A document is encoded whole: its text, its words in flight, its ids and the stream's copy of
-  // them take about kDocumentBytesPerByte bytes a byte (measured: 7 with Llama 3's layout, 8 with
-  // the byte tokenizer, 15 where the whole text is BPE's one word). One that would not fit is
-  // refused before it is encoded, not killed by the kernel halfway.
-  const uint64_t memory = memory_bytes > 0 ? memory_bytes : memory_info().available;
+  const uint64_t memory = options.memory_bytes > 0 ? options.memory_bytes : memory_info().available;
   TokenizedFiles r;
   r.width = tokenizer.vocab_size() > 65536 ? TokenWidth::u32 : TokenWidth::u16;
   LlmcTokenWriter writer(output, r.width, shard_tokens);
@@ -349,6 +347,15 @@ TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
     uint64_t in_file = 0;
     read_documents(input, [&](Document doc) {
       ++in_file;
+      if (!response.empty() && doc.prompt.empty()) {
+        const size_t at = doc.text.find(response);
+        if (at == std::string::npos) {
+          ++r.untemplated;
+          return;
+        }
+        doc.prompt = doc.text.substr(0, at + response.size());
+        doc.text.erase(0, at + response.size());
+      }
       if (held >= batch_bytes) flush(false);
       const uint64_t bytes = doc.prompt.size() + doc.text.size();
       if (memory > 0 && bytes > memory / kDocumentBytesPerByte)
@@ -368,6 +375,12 @@ TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
   if (r.documents == 0) {
     std::vector<std::string> names;
     for (const std::filesystem::path& p : inputs) names.push_back(p.string());
+    if (r.untemplated > 0)
+      fail(
+          "tokenize: none of the {} documents in {} holds the response template {}; check "
+          "--response-template against the data (it is matched exactly, spaces and newlines "
+          "included)",
+          r.untemplated, fmt::join(names, ", "), nlohmann::json(response).dump());
     fail("tokenize: no document in {}; the input is empty (or every .jsonl \"text\" is empty)",
          fmt::join(names, ", "));
   }

@@ -125,27 +125,43 @@ TokenStream encode_documents(const Tokenizer& tokenizer, const std::vector<Docum
 // What tokenize_files wrote.
 struct TokenizedFiles {
   uint64_t documents = 0, bytes = 0, tokens = 0;
-  uint64_t prompted = 0;  // documents with a prompt
-  uint64_t counted = 0;   // tokens that count as targets (all of them without prompts)
+  uint64_t prompted = 0;     // documents with a prompt (a prompt/completion row, or a template's)
+  uint64_t untemplated = 0;  // documents left out: no response template in them
+  uint64_t counted = 0;      // tokens that count as targets (all of them without prompts)
   std::vector<std::filesystem::path> masks;    // beside `files`, where some document had a prompt
   std::vector<std::filesystem::path> removed;  // earlier runs' masks beside `files`, removed
   TokenWidth width = TokenWidth::u16;          // uint32 for a vocabulary above 65,536
   std::vector<std::filesystem::path> files;
 };
+
+// A document is encoded whole: its text, its words in flight, its ids and the stream's copy of
+// them take about this many bytes a byte (measured: 7 with Llama 3's layout, 8 with the byte
+// tokenizer, 15 where the whole text is BPE's one word).
+inline constexpr uint64_t kDocumentBytesPerByte = 16;
+
+struct TokenizeOptions {
+  uint64_t shard_tokens = 0;  // llm.c shards of at most this many tokens (0: one file)
+  bool append_eos = false;    // end-of-text after the last document too
+  // Non-empty: a plain document is a prompt up to and including the first occurrence of this
+  // text and a completion after it, as TRL's DataCollatorForCompletionOnlyLM splits them
+  // ("### Response:"); one that does not hold it is left out, as that collator ignores it.
+  std::string response_template;
+  uint64_t batch_bytes = 16ull << 20;  // documents read, encoded and written at a time
+  uint64_t memory_bytes = 0;           // what a document may take (0: memory available now)
+};
+
 // `strata tokenize`: the documents of `inputs`, in order, as one token stream (the rules of
 // tokenize_documents) into llm.c files at `output` (LlmcTokenWriter: one file, or shards of at
 // most `shard_tokens`), and where any document has a prompt, a loss mask beside each file
 // (LossMaskWriter); where none has, a mask left beside an output file by an earlier run is
-// removed. Memory stays bounded: documents are read `batch_bytes` of text at a
-// time, encoded in parallel and written before the next batch is read, and each input file is
-// mapped, not copied. The same tokens for any batch size. An Error when the inputs hold no
-// document (nothing is written), and when one document is too large to encode whole in
-// `memory_bytes` (0: the memory this machine has available), at kDocumentBytesPerByte.
-inline constexpr uint64_t kDocumentBytesPerByte = 16;
+// removed. Memory stays bounded: documents are read `batch_bytes` of text at a time, encoded in
+// parallel and written before the next batch is read, and each input file is mapped, not
+// copied. The same tokens for any batch size. An Error when the inputs hold no document
+// (nothing is written), and when one document is too large to encode whole in `memory_bytes`,
+// at kDocumentBytesPerByte (refused before it is encoded, not killed by the kernel halfway).
 TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
                               const std::vector<std::filesystem::path>& inputs,
-                              const std::filesystem::path& output, uint64_t shard_tokens,
-                              bool append_eos, uint64_t batch_bytes = 16ull << 20,
-                              uint64_t memory_bytes = 0);
+                              const std::filesystem::path& output,
+                              const TokenizeOptions& options = {});
 
 }  // namespace strata
