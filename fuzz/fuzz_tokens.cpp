@@ -1,20 +1,32 @@
-// fuzz_tokens.cpp: the token-file reader on arbitrary bytes.
+// fuzz_tokens.cpp: the token-file reader, and the loss mask beside it, on arbitrary bytes.
 //
 // Input layout: byte 0 picks how the file is opened (bits 0-1: 0 or 3 an llm.c shard, 1 raw
-// uint16, 2 raw uint32), byte 1 the sequence length (1 + byte % 16), byte 2 the vocabulary
+// uint16, 2 raw uint32) and whether a loss mask goes beside it (bit 2; bit 3: its flags are the
+// file's bytes as they are, not each byte's low bit; bit 4: its header is then spoilt by the
+// first bytes of the file), byte 1 the sequence length (1 + byte % 16), byte 2 the vocabulary
 // (odd: 2^17, every id of a uint16 file fits; even: 257, the byte tokenizer's); the remaining
 // bytes are the token file. When TokenFile::open accepts the file, its tokens are validated
 // and read as sequences, then the same file goes through DataLoader (two epochs' worth of
-// batches) and EvalSequences, as `strata train` and `strata eval` read it. A strata::Error is
-// the file being refused; anything else is a finding.
+// batches) and EvalSequences, as `strata train` and `strata eval` read it, with its mask where
+// it has one (written, with a correct header unless spoilt, into a temporary directory: a mask
+// is found by the token file's name). A strata::Error is the file being refused; anything else
+// is a finding.
 #include "core/error.h"
 #include "fuzz_input.h"
+#include "model/file_io.h"
 #include "model/tokens.h"
 #include "train/data_loader.h"
 
+#include <unistd.h>
+
+#include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace {
@@ -39,6 +51,56 @@ void read_as_tokens(const std::string& path, std::optional<strata::TokenWidth> r
   }
 }
 
+// The token file `bytes` in a directory of its own with a loss mask beside it: one flag per
+// token of the file as TokenFile reads it (none when it refuses the file), each the byte's low
+// bit or the byte itself, under a header bound to the tokens, spoilt on request.
+class FilesWithMask {
+ public:
+  FilesWithMask(const uint8_t* bytes, size_t size, std::optional<strata::TokenWidth> raw,
+                uint8_t mode) {
+    dir_ =
+        std::filesystem::temp_directory_path() / ("strata-fuzz-mask-" + std::to_string(::getpid()));
+    std::filesystem::create_directories(dir_);
+    path_ = (dir_ / "tokens.bin").string();
+    std::ofstream(path_, std::ios::binary).write(reinterpret_cast<const char*>(bytes), size);
+    int64_t count = 0;
+    uint64_t hash = 0;
+    try {
+      const strata::TokenFile t = strata::TokenFile::open(path_, raw);
+      count = t.size();
+      hash = strata::xxh3_64(t.stored().data(), t.stored().size());
+    } catch (const strata::Error&) {
+    }
+    std::array<int32_t, 256> header{};
+    header[0] = 20261127;
+    header[1] = 1;
+    header[2] = static_cast<int32_t>(count);
+    header[3] = static_cast<int32_t>(static_cast<uint32_t>(hash));
+    header[4] = static_cast<int32_t>(static_cast<uint32_t>(hash >> 32));
+    if ((mode & 16) != 0)  // spoilt by the first bytes of the file
+      std::memcpy(header.data(), bytes, std::min<size_t>(size, 20));
+    std::vector<char> flags(static_cast<size_t>(count));
+    for (size_t i = 0; i < flags.size(); ++i) {
+      const uint8_t b = size > 0 ? bytes[i % size] : 0;
+      flags[i] = static_cast<char>((mode & 8) != 0 ? b : (b & 1));
+    }
+    std::ofstream m(strata::loss_mask_path(path_), std::ios::binary);
+    m.write(reinterpret_cast<const char*>(header.data()), sizeof(header));
+    m.write(flags.data(), static_cast<std::streamsize>(flags.size()));
+  }
+  FilesWithMask(const FilesWithMask&) = delete;
+  FilesWithMask& operator=(const FilesWithMask&) = delete;
+  ~FilesWithMask() {
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::filesystem::path dir_;
+  std::string path_;
+};
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -48,11 +110,16 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if ((data[0] & 3) == 2) raw = strata::TokenWidth::u32;
   const int64_t T = 1 + data[1] % 16;
   const int64_t vocab = (data[2] & 1) != 0 ? int64_t{1} << 17 : 257;
-  const strata::fuzz::MemoryFile file(data + 3, size - 3);
   try {
-    read_as_tokens(file.path(), raw, T, vocab);
+    if ((data[0] & 4) != 0) {
+      const FilesWithMask files(data + 3, size - 3, raw, data[0]);
+      read_as_tokens(files.path(), raw, T, vocab);
+    } else {
+      const strata::fuzz::MemoryFile file(data + 3, size - 3);
+      read_as_tokens(file.path(), raw, T, vocab);
+    }
   } catch (const strata::Error&) {
-    // The file (or a sequence of it) was refused: expected for most inputs.
+    // The file (or a sequence of it, or its mask) was refused: expected for most inputs.
   }
   return 0;
 }

@@ -110,6 +110,13 @@ def tokens_seeds():
     yield "count-past-end", bytes([0, 3, 0]) + llmc(ids, 20240520, 1, 2, count=2**31 - 1)
     yield "short-header", bytes([0, 3, 0]) + llmc(ids, 20240520, 1, 2)[:100]
     yield "one-token", bytes([0, 0, 0]) + llmc([5], 20240520, 1, 2)
+    # With a loss mask beside the file (bit 2): flags from each byte's low bit, the bytes as
+    # they are (bit 3, mostly not 0 or 1), or a header spoilt by the file's first bytes (bit 4).
+    yield "mask-llmc-u16", bytes([4, 3, 0]) + llmc(ids, 20240520, 1, 2)
+    yield "mask-raw-u16", bytes([5, 2, 0]) + struct.pack("<10H", *ids)
+    yield "mask-raw-flags", bytes([4 | 8, 3, 0]) + llmc(ids, 20240520, 1, 2)
+    yield "mask-spoilt-header", bytes([4 | 16, 3, 0]) + llmc(ids, 20240520, 1, 2)
+    yield "mask-all-zero", bytes([5, 1, 0]) + struct.pack("<10H", *([0] * 10))
 
 
 def main():
