@@ -292,9 +292,18 @@ LossMaskWriter::LossMaskWriter(std::filesystem::path tokens_path, uint64_t shard
 
 LossMaskWriter::~LossMaskWriter() = default;
 
+std::filesystem::path LossMaskWriter::tokens_path(uint64_t i) const {
+  return shard_tokens_ == 0 ? path_ : llmc_shard_path(path_, i);
+}
+
+void LossMaskWriter::open_shard() {
+  file_ = std::make_unique<AtomicFile>(loss_mask_path(tokens_path(done_.size())));
+  const std::array<int32_t, kHeaderInts> placeholder{};  // written when the shard closes
+  file_->write(placeholder.data(), kHeaderBytes);
+}
+
 void LossMaskWriter::close_shard() {
-  const std::filesystem::path tokens_path =
-      shard_tokens_ == 0 ? path_ : llmc_shard_path(path_, done_.size());
+  const std::filesystem::path tokens_path = this->tokens_path(done_.size());
   const TokenFile tokens = TokenFile::open(tokens_path, std::nullopt);
   if (static_cast<uint64_t>(tokens.size()) != in_shard_)
     fail("writing loss mask of {}: {} flags for {} tokens; the token file is not complete",
@@ -322,13 +331,7 @@ void LossMaskWriter::write(std::span<const uint8_t> flags) {
       close_shard();
       continue;
     }
-    if (!file_) {
-      const std::filesystem::path tokens_path =
-          shard_tokens_ == 0 ? path_ : llmc_shard_path(path_, done_.size());
-      file_ = std::make_unique<AtomicFile>(loss_mask_path(tokens_path));
-      const std::array<int32_t, kHeaderInts> placeholder{};  // written when the shard closes
-      file_->write(placeholder.data(), kHeaderBytes);
-    }
+    if (!file_) open_shard();
     const size_t n = static_cast<size_t>(std::min<uint64_t>(room, flags.size()));
     for (size_t i = 0; i < n; ++i)
       if (flags[i] > 1)
@@ -351,11 +354,7 @@ void LossMaskWriter::write_ones(uint64_t n) {
 }
 
 std::vector<std::filesystem::path> LossMaskWriter::finish() {
-  if (!file_ && done_.empty() && shard_tokens_ == 0) {  // an empty mask for an empty file
-    file_ = std::make_unique<AtomicFile>(loss_mask_path(path_));
-    const std::array<int32_t, kHeaderInts> placeholder{};
-    file_->write(placeholder.data(), kHeaderBytes);
-  }
+  if (!file_ && done_.empty() && shard_tokens_ == 0) open_shard();  // empty, for an empty file
   if (file_) close_shard();
   return done_;
 }

@@ -152,6 +152,8 @@ class LossMaskWriter {
   std::vector<std::filesystem::path> finish();
 
  private:
+  std::filesystem::path tokens_path(uint64_t i) const;  // token shard i (path_ unsharded)
+  void open_shard();
   void close_shard();
   std::filesystem::path path_;
   uint64_t shard_tokens_;
