@@ -6,7 +6,9 @@
 // uint16 tokens (magic 20240520) while every id fits, uint32 (magic 20240801) for a vocabulary
 // above 65,536, written atomically (a temporary file renamed over the output), or as shards of
 // --shard-tokens tokens. The text is read, encoded and written a batch of documents at a time
-// (train/tokenizer.h, tokenize_files), so a corpus larger than RAM can be tokenized.
+// (train/tokenizer.h, tokenize_files), so a corpus larger than RAM can be tokenized. Prompts
+// (prompt/completion rows, or plain documents cut at --response-template) get a loss mask
+// beside each token file (model/tokens.h), which train and eval read.
 #include "commands.h"
 #include "core/error.h"
 #include "core/log.h"
