@@ -750,6 +750,7 @@ TEST(TrainCli, BadInputIsNamed) {
            Case{kTiny + "--steps -1" + d, "--steps -1"},
            Case{kTiny + "--steps 2 --epochs 1" + d, "give one of them, not both"},
            Case{kTiny + "--epochs -0.5" + d, "--epochs -0.5: it must be a finite number above 0"},
+           Case{kTiny + "--epochs 1e30" + d, "give a number of epochs a run can finish"},
        }) {
     const test::CommandResult r = strata("train " + c.args);
     EXPECT_NE(r.status, 0) << c.args;

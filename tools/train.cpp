@@ -81,8 +81,14 @@ int64_t steps_for_epochs(double epochs, const TrainSettings& s, int64_t per_step
   int64_t sequences = 0;
   for (const fs::path& f : s.data)
     sequences += TokenFile::open(f, s.data_width).num_sequences(s.seq_len);
-  const auto steps = static_cast<int64_t>(
-      std::ceil(epochs * static_cast<double>(sequences) / static_cast<double>(per_step)));
+  const double want =
+      std::ceil(epochs * static_cast<double>(sequences) / static_cast<double>(per_step));
+  if (!(want <= 1e12))
+    fail(
+        "--epochs {}: {} sequences, {} a step, make {:.3g} steps; give a number of epochs a run "
+        "can finish",
+        epochs, sequences, per_step, want);
+  const auto steps = static_cast<int64_t>(want);
   fmt::print("--epochs {}: {} sequences of {} tokens, {} a step: {} steps\n", epochs, sequences,
              s.seq_len, per_step, std::max<int64_t>(steps, 1));
   return std::max<int64_t>(steps, 1);
