@@ -163,8 +163,12 @@ TokenSequences::TokenSequences(const std::vector<std::filesystem::path>& files, 
       counted_ += n * seq_len;
       continue;
     }
+    // The mask counted its flags when it opened: all but token 0 and the tail past the last
+    // sequence (fewer than T tokens).
     ++masked_files_;
-    for (int64_t i = 1; i <= n * seq_len; ++i) counted_ += masks_[f]->counts(i) ? 1 : 0;
+    const LossMask& m = *masks_[f];
+    counted_ += m.counted() - (m.size() > 0 && m.counts(0) ? 1 : 0);
+    for (int64_t i = n * seq_len + 1; i < m.size(); ++i) counted_ -= m.counts(i) ? 1 : 0;
   }
   if (counted_ == 0)
     fail(
