@@ -10,6 +10,7 @@ STRATA_PACKAGES=(
   python3
   python3-numpy python3-torch  # the CPU Adam parity test and bench/adam_vs_torch.py
   python3-regex  # the tokenizer.json reference (tests/reference/bpe_reference.py)
+  python3-jinja2  # the chat template reference (tests/reference/chat_template_reference.py)
 )
 
 # test.sh's sanitizer builds and fuzz/run.sh: Debian's clang with the sanitizer runtimes and

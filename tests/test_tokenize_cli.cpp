@@ -2,7 +2,8 @@
 // through the byte tokenizer, read back with TokenFile and decoded to the documents with
 // end-of-text between them, the file `strata eval` then reads, a SentencePiece model trained
 // here, a Hugging Face tokenizer.json (its begin-of-text before each document), prompt and
-// completion rows with their loss mask (by hand), and bad inputs named (missing file, bad JSON
+// completion rows with their loss mask (by hand), conversations through a model's chat template
+// (only the replies counted), and bad inputs named (missing file, bad JSON
 // naming its line, a line without "text", an unsupported tokenizer.json).
 #include "hf_tokenizer_testing.h"
 #include "model/tokens.h"
@@ -116,8 +117,7 @@ TEST_F(TokenizeCli, PromptsAndCompletionsWriteALossMask) {
   const Result r =
       strata("tokenize --append-eos --input '" + in.string() + "' --output '" + out.string() + "'");
   ASSERT_EQ(r.status, 0) << r.out;
-  EXPECT_NE(r.out.find("2 of the documents are prompts with completions"), std::string::npos)
-      << r.out;
+  EXPECT_NE(r.out.find("2 of the documents have prompts"), std::string::npos) << r.out;
   const std::string q1 = "Q: hi\n", a1 = "A: yo", q2 = "Q: 2+2\n", a2 = "A: 4";
   std::vector<uint32_t> want;
   std::vector<uint8_t> counts;
@@ -157,6 +157,79 @@ TEST_F(TokenizeCli, PromptsAndCompletionsWriteALossMask) {
   ASSERT_EQ(again.status, 0) << again.out;
   EXPECT_FALSE(fs::exists(dir_ / "sft.bin.mask"));
   EXPECT_NE(again.out.find("removed"), std::string::npos) << again.out;
+}
+
+// Conversations ("messages" rows) through the chat template in the model directory's
+// tokenizer_config.json, with the special tokens it names: the rendering encoded whole, and only
+// the assistant's reply (with its end-of-text) counted in the mask beside it. --chat-loss all
+// counts every token (no mask). Without a template the rows are refused, saying what to pass.
+TEST_F(TokenizeCli, ConversationsThroughTheModelsChatTemplate) {
+  const fs::path model = dir_ / "chat-model";
+  test::write_tokenizer_json(model, test::with_begin_of_text(test::gpt2_like_tokenizer()));
+  const nlohmann::json config = {
+      {"bos_token", "<|begin_of_text|>"},
+      {"eos_token", "<|endoftext|>"},
+      {"chat_template",
+       "{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}{{ eos_token }}"
+       "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"}};
+  std::ofstream(model / "tokenizer_config.json") << config.dump();
+  const fs::path in =
+      write("chat.jsonl",
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"the\"}, {\"role\": "
+            "\"assistant\", \"content\": \"the the\"}]}\n{\"text\": \"plain\"}\n");
+  const fs::path out = dir_ / "chat.bin";
+  const std::string args = "tokenize --tokenizer '" + model.string() + "' --input '" + in.string() +
+                           "' --output '" + out.string() + "' --append-eos";
+  const Result r = strata(args);
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("1 conversation(s) rendered with the chat template " +
+                       (model / "tokenizer_config.json").string()),
+            std::string::npos)
+      << r.out;
+
+  const auto hf = open_tokenizer(model.string());
+  const uint32_t bos = 260, eos = 259;
+  const std::vector<uint32_t> whole =
+      hf->encode("<|begin_of_text|><user>the<|endoftext|><assistant>the the<|endoftext|>");
+  const std::vector<uint32_t> reply = hf->encode("the the<|endoftext|>");
+  ASSERT_EQ(whole.front(), bos);
+  ASSERT_EQ(whole.back(), eos);
+  std::vector<uint32_t> want = whole;  // no second end-of-text after it
+  want.push_back(bos);
+  for (uint32_t id : hf->encode("plain")) want.push_back(id);
+  want.push_back(eos);
+  EXPECT_EQ(read_tokens(out), want);
+  const TokenFile tokens = TokenFile::open(out, std::optional<TokenWidth>{});
+  const std::optional<LossMask> mask = LossMask::open_beside(tokens);
+  ASSERT_TRUE(mask.has_value());
+  std::vector<uint32_t> counted;
+  for (int64_t i = 0; i < mask->size(); ++i)
+    if (mask->counts(i)) counted.push_back(tokens.get(i));
+  std::vector<uint32_t> want_counted = reply;
+  want_counted.push_back(bos);
+  for (uint32_t id : hf->encode("plain")) want_counted.push_back(id);
+  want_counted.push_back(eos);
+  EXPECT_EQ(counted, want_counted);
+  // Counted where they are: the reply is the whole's last tokens.
+  for (size_t k = 0; k < whole.size(); ++k)
+    EXPECT_EQ(mask->counts(static_cast<int64_t>(k)), k >= whole.size() - reply.size()) << k;
+
+  const Result all = strata(args + " --chat-loss all");
+  ASSERT_EQ(all.status, 0) << all.out;
+  EXPECT_NE(all.out.find("every token counts (--chat-loss all)"), std::string::npos) << all.out;
+  EXPECT_FALSE(fs::exists(dir_ / "chat.bin.mask"));
+  EXPECT_EQ(read_tokens(out), want);
+
+  const Result refused =
+      strata("tokenize --input '" + in.string() + "' --output '" + (dir_ / "x.bin").string() + "'");
+  EXPECT_EQ(refused.status, 1) << refused.out;
+  EXPECT_NE(refused.out.find("chat.jsonl line 1"), std::string::npos) << refused.out;
+  EXPECT_NE(refused.out.find("--chat-template FILE"), std::string::npos) << refused.out;
+  // A template given by name that does not parse is refused before anything is read.
+  const fs::path broken = write("broken.jinja", "{% for m in messages %}");
+  const Result unread = strata(args + " --chat-template '" + broken.string() + "'");
+  EXPECT_EQ(unread.status, 1) << unread.out;
+  EXPECT_NE(unread.out.find("broken.jinja line 1"), std::string::npos) << unread.out;
 }
 
 // Alpaca-style text rows with --response-template: prompts up to the template, completions

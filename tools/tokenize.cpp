@@ -33,15 +33,28 @@ struct TokenizeArgs {
   bool append_eos = false;
   uint64_t shard_tokens = 0;
   std::string response_template;
+  std::string chat_template;
+  std::string chat_loss = "replies";
 };
 
 int run_tokenize(const TokenizeArgs& a) {
   const std::unique_ptr<Tokenizer> tokenizer = open_tokenizer(a.tokenizer);
   const std::vector<std::filesystem::path> inputs(a.inputs.begin(), a.inputs.end());
+  // The chat template is read now, but its absence or a fault in it matters only to
+  // conversations: plain documents tokenize without it.
+  ChatOptions chat;
+  chat.all_tokens = a.chat_loss == "all";
+  try {
+    chat.format = open_chat_format(*tokenizer, a.tokenizer, a.chat_template);
+  } catch (const Error& e) {
+    if (!a.chat_template.empty()) throw;  // asked for by name: it must be readable
+    chat.unavailable = e.what();
+  }
   const TokenizedFiles r = tokenize_files(*tokenizer, inputs, a.output,
                                           {.shard_tokens = a.shard_tokens,
                                            .append_eos = a.append_eos,
-                                           .response_template = a.response_template});
+                                           .response_template = a.response_template,
+                                           .chat = &chat});
   const std::string where =
       r.files.size() == 1
           ? r.files.front().string()
@@ -56,10 +69,15 @@ int run_tokenize(const TokenizeArgs& a) {
         "  {} document(s) without the response template {} left out (they would train on "
         "nothing)\n",
         r.untemplated, nlohmann::json(a.response_template).dump());
+  if (r.conversations > 0)
+    fmt::print("  {} conversation(s) rendered with the chat template {}{}\n", r.conversations,
+               chat.format->source,
+               chat.all_tokens ? "; every token counts (--chat-loss all)"
+                               : "; only the assistant's replies count");
   if (!r.masks.empty())
     fmt::print(
-        "  {} of the documents are prompts with completions: {} of the {} tokens count as "
-        "targets; loss masks beside the token files ({}{})\n",
+        "  {} of the documents have prompts (or turns) that are not trained on: {} of the {} "
+        "tokens count as targets; loss masks beside the token files ({}{})\n",
         r.prompted, r.counted, r.tokens, r.masks.front().filename().string(),
         r.masks.size() > 1 ? ", ..." : "");
   for (const std::filesystem::path& m : r.removed)
@@ -78,9 +96,10 @@ int run_tokenize(const TokenizeArgs& a) {
 Command add_tokenize(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "tokenize",
-      "Text (.txt: one document, or documents separated by '%' lines) or JSONL (a \"text\", or "
-      "a \"prompt\" and a \"completion\", per line) into an llm.c token file, and for "
-      "prompts a loss mask beside it (FILE.mask) so that only completions are trained on");
+      "Text (.txt: one document, or documents separated by '%' lines) or JSONL (a \"text\", a "
+      "\"prompt\" and a \"completion\", or a conversation in \"messages\", per line) into an "
+      "llm.c token file, and for prompts a loss mask beside it (FILE.mask) so that only "
+      "completions (a conversation's replies) are trained on");
   auto a = std::make_shared<TokenizeArgs>();
   cmd->add_option("--tokenizer", a->tokenizer,
                   "byte (ids 0-255 the bytes, 256 end-of-text), a Hugging Face tokenizer.json (or "
@@ -97,6 +116,17 @@ Command add_tokenize(CLI::App& app) {
                   "Response:\"): the part up to it is a prompt, not trained on, and the rest "
                   "its completion, as TRL's DataCollatorForCompletionOnlyLM masks them; a "
                   "document without it is left out");
+  cmd->add_option("--chat-template", a->chat_template,
+                  "the chat template that renders conversations (.jsonl rows of \"messages\", or "
+                  "of a \"prompt\" and a \"completion\" that are lists of messages): a .jinja "
+                  "file, a tokenizer_config.json or a model directory (default: the tokenizer's "
+                  "own, from its chat_template.jinja or tokenizer_config.json)");
+  cmd->add_option("--chat-loss", a->chat_loss,
+                  "replies: only the assistant's replies in a conversation count as targets (each "
+                  "with the template's end marker); all: every token, as TRL trains on a "
+                  "\"messages\" row without assistant_only_loss")
+      ->check(CLI::IsMember({"replies", "all"}))
+      ->capture_default_str();
   cmd->add_flag("--append-eos", a->append_eos,
                 "also write end-of-text after the last document (it always separates documents)");
   return {cmd, [a] { return run_tokenize(*a); }};

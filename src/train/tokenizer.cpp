@@ -107,8 +107,77 @@ std::string_view strip_eol(std::string_view line) {
   return line;
 }
 
+using ojson = nlohmann::ordered_json;
+
+// Messages as apply_chat_template takes them: a non-empty list of objects with a "role" string.
+void check_messages(const ojson& messages, std::string_view what, std::string_view source,
+                    int64_t line_no) {
+  if (!messages.is_array() || messages.empty())
+    fail(
+        "{} line {}: {} is {}, not a list of messages; each message is an object with a "
+        "\"role\" and a \"content\"",
+        source, line_no, what, messages.is_array() ? "an empty list" : messages.type_name());
+  for (size_t k = 0; k < messages.size(); ++k) {
+    const ojson& m = messages[k];
+    if (!m.is_object() || !m.contains("role") || !m["role"].is_string())
+      fail(
+          "{} line {}: message {} of {} has no \"role\" string; each message is an object with "
+          "a \"role\" (system, user, assistant, ...) and a \"content\"",
+          source, line_no, k, what);
+  }
+}
+
+// A conversation row rendered: the whole as the template writes it, and where `replies_from`
+// (an index into the messages, or the count of prompt messages) picks the replies, their byte
+// ranges, each found by rendering the turns before it (with the generation prompt) and through
+// it, which must both begin the whole.
+Document render_conversation(const ChatOptions& chat, const ojson& messages, const ojson& tools,
+                             size_t prompt_messages, std::string_view source, int64_t line_no) {
+  const ChatFormat& format = *chat.format;
+  const auto render = [&](size_t count, bool generation_prompt) {
+    ojson part = ojson::array();
+    for (size_t k = 0; k < count; ++k) part.push_back(messages[k]);
+    try {
+      return format.render(part, tools, generation_prompt);
+    } catch (const Error& e) {
+      fail("{} line {}: {}", source, line_no, e.what());
+    }
+  };
+  Document doc;
+  doc.rendered = true;
+  doc.text = render(messages.size(), false);
+  if (chat.all_tokens) return doc;
+  const auto reply = [&](size_t first, size_t end, const char* what) {
+    const std::string before = render(first, true), through = render(end, false);
+    const bool begins = doc.text.starts_with(before), ends = doc.text.starts_with(through);
+    if (!begins || !ends || through.size() < before.size())
+      fail(
+          "{} line {}: the chat template {} renders {} {} text that does not begin the whole "
+          "conversation's rendering, so where the reply lies in it is not known; train on "
+          "every token with --chat-loss all, or give rows of a \"prompt\" and a "
+          "\"completion\"",
+          source, line_no, format.source, what,
+          !begins ? "with the generation prompt as" : "through the reply as");
+    if (through.size() > before.size()) doc.replies.emplace_back(before.size(), through.size());
+  };
+  if (prompt_messages > 0) {
+    reply(prompt_messages, messages.size(), "the prompt's messages");
+  } else {
+    for (size_t k = 0; k < messages.size(); ++k)
+      if (messages[k]["role"] == "assistant")
+        reply(k, k + 1, fmt::format("the turns before message {} (an assistant's)", k).c_str());
+  }
+  if (doc.replies.empty())
+    fail(
+        "{} line {}: the conversation has {}, so with only the replies counted it would train on "
+        "nothing; give it one, or train on every token with --chat-loss all",
+        source, line_no,
+        prompt_messages > 0 ? "an empty completion" : "no assistant message with text");
+  return doc;
+}
+
 void each_jsonl(std::string_view text, std::string_view source, const DocumentFn& fn,
-                const ConsumedFn& consumed) {
+                const ConsumedFn& consumed, const ChatOptions* chat) {
   size_t start = 0;
   for (int64_t line_no = 1; start < text.size(); ++line_no) {
     size_t end = text.find('\n', start);
@@ -116,9 +185,9 @@ void each_jsonl(std::string_view text, std::string_view source, const DocumentFn
     const std::string_view line = strip_eol(text.substr(start, end - start));
     start = end + 1;
     if (line.find_first_not_of(" \t") == std::string_view::npos) continue;
-    nlohmann::json j;
+    ojson j;
     try {
-      j = nlohmann::json::parse(line);
+      j = ojson::parse(line);
     } catch (const nlohmann::json::exception& e) {
       fail(
           "{} line {}: not valid JSON ({}); each line of a .jsonl file must be one JSON object "
@@ -129,18 +198,43 @@ void each_jsonl(std::string_view text, std::string_view source, const DocumentFn
       return j.is_object() && j.contains(key) && j[key].is_string();
     };
     Document doc;
-    if (string_at("text") && !j.contains("prompt") && !j.contains("completion")) {
+    if (string_at("text") && !j.contains("prompt") && !j.contains("completion") &&
+        !j.contains("messages")) {
       doc.text = j["text"].get<std::string>();
     } else if (string_at("prompt") && string_at("completion") && !j.contains("text")) {
       doc.prompt = j["prompt"].get<std::string>();
       doc.text = j["completion"].get<std::string>();
-    } else if (j.is_object() && j.contains("messages")) {
-      fail(
-          "{} line {}: a \"messages\" row (a conversation) needs the model's chat template, "
-          "which strata does not run; render each conversation into a \"prompt\" (the turns "
-          "before the last assistant turn, with the template's markers) and a \"completion\" "
-          "(that turn), e.g. with the tokenizer's apply_chat_template",
-          source, line_no);
+    } else if (j.is_object() && (j.contains("messages") ||
+                                 (j.contains("prompt") && j["prompt"].is_array() &&
+                                  j.contains("completion") && j["completion"].is_array()))) {
+      // A conversation: TRL's "messages" rows, or its conversational prompt-completion rows.
+      if (chat != nullptr && !chat->format.has_value() && !chat->unavailable.empty())
+        fail(
+            "{} line {}: a conversation needs the model's chat template, which could not be "
+            "read: {}",
+            source, line_no, chat->unavailable);
+      if (chat == nullptr || !chat->format.has_value())
+        fail(
+            "{} line {}: a conversation needs the model's chat template, and the tokenizer has "
+            "none; pass --tokenizer with a model directory whose tokenizer_config.json has a "
+            "\"chat_template\" (or that holds chat_template.jinja), or --chat-template FILE",
+            source, line_no);
+      const ojson tools = j.contains("tools") ? j["tools"] : ojson();
+      if (j.contains("messages")) {
+        if (j.contains("prompt") || j.contains("completion") || j.contains("text"))
+          fail(
+              "{} line {}: a \"messages\" row with a \"prompt\", \"completion\" or "
+              "\"text\" too; give one of them",
+              source, line_no);
+        check_messages(j["messages"], "\"messages\"", source, line_no);
+        doc = render_conversation(*chat, j["messages"], tools, 0, source, line_no);
+      } else {
+        check_messages(j["prompt"], "\"prompt\"", source, line_no);
+        check_messages(j["completion"], "\"completion\"", source, line_no);
+        ojson all = j["prompt"];
+        for (const ojson& m : j["completion"]) all.push_back(m);
+        doc = render_conversation(*chat, all, tools, j["prompt"].size(), source, line_no);
+      }
     } else {
       fail(
           "{} line {}: {}; each line of a .jsonl file must be one JSON object with a \"text\" "
@@ -215,39 +309,183 @@ std::unique_ptr<Tokenizer> open_tokenizer(std::string_view spec) {
   return load_sentencepiece_tokenizer(path);
 }
 
+namespace {
+
+std::string read_text_file(const std::filesystem::path& path, std::string_view what) {
+  const MappedFile file = MappedFile::open(path, what);
+  return std::string(reinterpret_cast<const char*>(file.data()), file.size());
+}
+
+}  // namespace
+
+std::string ChatFormat::render(const nlohmann::ordered_json& messages,
+                               const nlohmann::ordered_json& tools,
+                               bool add_generation_prompt) const {
+  // transformers' context: the special tokens, then the call's arguments.
+  nlohmann::ordered_json context = tokens;
+  context["messages"] = messages;
+  if (!tools.is_null()) context["tools"] = tools;
+  context["add_generation_prompt"] = add_generation_prompt;
+  const bool with_tools = !tools.is_null() && !(tools.is_array() && tools.empty());
+  return (with_tools && tool_template ? *tool_template : *default_template).render(context);
+}
+
+namespace {
+
+// A tokenizer_config.json's "chat_template": one template, or a list of named ones.
+void read_config_templates(const nlohmann::json& config, const std::filesystem::path& path,
+                           ChatFormat& format) {
+  const nlohmann::json& t = config["chat_template"];
+  if (t.is_string()) {
+    format.default_template = std::make_shared<ChatTemplate>(t.get<std::string>(), path.string());
+    return;
+  }
+  if (t.is_array()) {
+    for (const nlohmann::json& named : t) {
+      if (!named.is_object() || !named.contains("name") || !named.contains("template") ||
+          !named["name"].is_string() || !named["template"].is_string())
+        fail(
+            "{}: \"chat_template\" lists {}, not a {{\"name\", \"template\"}} object; fix "
+            "the file",
+            path.string(), named.dump().substr(0, 80));
+      const std::string name = named["name"].get<std::string>();
+      auto tmpl = std::make_shared<ChatTemplate>(named["template"].get<std::string>(),
+                                                 path.string() + " (" + name + ")");
+      if (name == "default") format.default_template = tmpl;
+      if (name == "tool_use") format.tool_template = tmpl;
+    }
+    if (!format.default_template)
+      fail("{}: \"chat_template\" has no template named \"default\"; name one so", path.string());
+    return;
+  }
+  fail("{}: \"chat_template\" is {}, not a template; fix the file", path.string(), t.type_name());
+}
+
+}  // namespace
+
+std::optional<ChatFormat> open_chat_format(const Tokenizer& tokenizer,
+                                           std::string_view tokenizer_spec,
+                                           const std::string& template_path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  // The tokenizer's directory, where its tokenizer_config.json and chat_template.jinja lie.
+  std::optional<fs::path> dir;
+  if (tokenizer_spec != "byte" && !tokenizer_spec.empty()) {
+    const fs::path spec(tokenizer_spec);
+    dir = fs::is_directory(spec, ec) ? spec : spec.parent_path();
+  }
+  ChatFormat format;
+  const auto read_dir = [&](const fs::path& d) -> bool {
+    if (fs::is_regular_file(d / "chat_template.jinja", ec)) {
+      const fs::path jinja = d / "chat_template.jinja";
+      format.default_template =
+          std::make_shared<ChatTemplate>(read_text_file(jinja, "chat template"), jinja.string());
+      format.source = jinja.string();
+      return true;
+    }
+    const fs::path config_path = d / "tokenizer_config.json";
+    if (!fs::is_regular_file(config_path, ec)) return false;
+    const nlohmann::json config = read_json_file(config_path, "tokenizer config");
+    if (!config.is_object() || !config.contains("chat_template")) return false;
+    read_config_templates(config, config_path, format);
+    format.source = config_path.string();
+    return true;
+  };
+  if (!template_path.empty()) {
+    const fs::path p(template_path);
+    if (fs::is_directory(p, ec)) {
+      if (!read_dir(p))
+        fail(
+            "--chat-template {}: the directory has neither chat_template.jinja nor a "
+            "tokenizer_config.json with a \"chat_template\"; pass the template file itself",
+            template_path);
+    } else if (p.extension() == ".json") {
+      const nlohmann::json config = read_json_file(p, "tokenizer config");
+      if (!config.is_object() || !config.contains("chat_template"))
+        fail(
+            "--chat-template {}: the file has no \"chat_template\"; pass a tokenizer_config.json "
+            "that has one, or a .jinja template",
+            template_path);
+      read_config_templates(config, p, format);
+      format.source = p.string();
+    } else {
+      format.default_template =
+          std::make_shared<ChatTemplate>(read_text_file(p, "chat template"), p.string());
+      format.source = p.string();
+    }
+  } else if (!dir || !read_dir(*dir)) {
+    return std::nullopt;
+  }
+  // The special tokens transformers hands the template: the tokenizer's own, else (a template
+  // given with its tokenizer_config.json) the template's.
+  std::optional<fs::path> config_path;
+  if (dir && fs::is_regular_file(*dir / "tokenizer_config.json", ec))
+    config_path = *dir / "tokenizer_config.json";
+  else if (!template_path.empty() && fs::path(template_path).extension() == ".json")
+    config_path = fs::path(template_path);
+  if (config_path) {
+    const nlohmann::json config = read_json_file(*config_path, "tokenizer config");
+    for (const char* key : {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
+                            "cls_token", "mask_token"}) {
+      if (!config.is_object() || !config.contains(key)) continue;
+      const nlohmann::json& v = config[key];
+      std::optional<std::string> content;
+      if (v.is_string())
+        content = v.get<std::string>();
+      else if (v.is_object() && v.contains("content") && v["content"].is_string())
+        content = v["content"].get<std::string>();
+      if (!content) continue;
+      format.tokens[key] = *content;
+      // A token the tokenizer splits would train the model on its letters.
+      const size_t n = tokenizer.encode(*content).size();
+      if (n != 1)
+        fail(
+            "chat template {}: the tokenizer {} reads its {} {} as {} tokens, not as the one "
+            "special token it stands for; use the model's tokenizer.json",
+            format.source, tokenizer.name(), key, nlohmann::json(*content).dump(), n);
+    }
+  }
+  return format;
+}
+
 DocumentFormat document_format_of(const std::filesystem::path& path) {
   return path.extension() == ".jsonl" ? DocumentFormat::jsonl : DocumentFormat::text;
 }
 
 void for_each_document(std::string_view text, DocumentFormat format, std::string_view source,
-                       const DocumentFn& fn, const ConsumedFn& consumed) {
+                       const DocumentFn& fn, const ConsumedFn& consumed, const ChatOptions* chat) {
   if (format == DocumentFormat::jsonl)
-    each_jsonl(text, source, fn, consumed);
+    each_jsonl(text, source, fn, consumed, chat);
   else
     each_text(text, fn, consumed);
 }
 
 std::vector<Document> split_documents(std::string_view text, DocumentFormat format,
-                                      std::string_view source) {
+                                      std::string_view source, const ChatOptions* chat) {
   std::vector<Document> docs;
-  for_each_document(text, format, source, [&](Document d) { docs.push_back(std::move(d)); });
+  for_each_document(
+      text, format, source, [&](Document d) { docs.push_back(std::move(d)); }, {}, chat);
   return docs;
 }
 
-void read_documents(const std::filesystem::path& path, const DocumentFn& fn) {
+void read_documents(const std::filesystem::path& path, const DocumentFn& fn,
+                    const ChatOptions* chat) {
   const MappedFile file = MappedFile::open(path, "input text");
   const std::string_view text(reinterpret_cast<const char*>(file.data()), file.size());
   file.advise_sequential(0, file.size());
   // The pages read are handed back every 64 MiB, so a large input does not stay resident.
   constexpr uint64_t kRelease = 64ull << 20;
   uint64_t released = 0;
-  for_each_document(text, document_format_of(path), file.path(), fn, [&](uint64_t at) {
-    const uint64_t upto = at / kRelease * kRelease;
-    if (upto > released) {
-      file.release(released, upto - released);
-      released = upto;
-    }
-  });
+  for_each_document(
+      text, document_format_of(path), file.path(), fn,
+      [&](uint64_t at) {
+        const uint64_t upto = at / kRelease * kRelease;
+        if (upto > released) {
+          file.release(released, upto - released);
+          released = upto;
+        }
+      },
+      chat);
 }
 
 std::vector<Document> read_documents(const std::filesystem::path& path) {
@@ -264,6 +502,53 @@ std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
   return encode_documents(tokenizer, docs, append_eos, after_others).tokens;
 }
 
+namespace {
+
+size_t common_prefix(const std::vector<uint32_t>& a, const std::vector<uint32_t>& b) {
+  size_t k = 0;
+  while (k < a.size() && k < b.size() && a[k] == b[k]) ++k;
+  return k;
+}
+
+// A rendered conversation's ids, and its flags (see encode_documents).
+void encode_rendered(const Tokenizer& tokenizer, const Document& doc, std::vector<uint32_t>& ids,
+                     std::vector<uint8_t>& counts) {
+  ids = tokenizer.encode(doc.text);
+  counts.assign(ids.size(), doc.replies.empty() ? 1 : 0);
+  if (doc.replies.empty()) return;
+  const std::string_view text = doc.text;
+  // Most templates end and begin each reply at a special token, where the pieces encode apart
+  // as they do together: then each piece's flag is its own.
+  std::vector<uint32_t> joined;
+  std::vector<uint8_t> flags;
+  const auto piece = [&](uint64_t from, uint64_t to, uint8_t flag) {
+    if (to <= from) return;
+    const std::vector<uint32_t> p = tokenizer.encode(text.substr(from, to - from));
+    joined.insert(joined.end(), p.begin(), p.end());
+    flags.insert(flags.end(), p.size(), flag);
+  };
+  uint64_t at = 0;
+  for (const auto& [a, b] : doc.replies) {
+    piece(at, a, 0);
+    piece(a, b, 1);
+    at = b;
+  }
+  piece(at, text.size(), 0);
+  if (joined == ids) {
+    counts = std::move(flags);
+    return;
+  }
+  // Elsewhere a token spans a reply's edge: it counts where it holds a reply's first byte and
+  // not where it holds its last.
+  for (const auto& [a, b] : doc.replies) {
+    const size_t from = common_prefix(tokenizer.encode(text.substr(0, a)), ids);
+    const size_t to = common_prefix(tokenizer.encode(text.substr(0, b)), ids);
+    for (size_t k = from; k < to; ++k) counts[k] = 1;
+  }
+}
+
+}  // namespace
+
 TokenStream encode_documents(const Tokenizer& tokenizer, const std::vector<Document>& documents,
                              bool append_eos, bool after_others) {
   const std::optional<uint32_t> eos = tokenizer.eos_id();
@@ -279,35 +564,54 @@ TokenStream encode_documents(const Tokenizer& tokenizer, const std::vector<Docum
   // per call), then joined in order: the same stream as one at a time. A prompt is encoded
   // apart from its completion, so the boundary between them is exact.
   std::vector<std::vector<uint32_t>> prompts(documents.size()), texts(documents.size());
+  std::vector<std::vector<uint8_t>> flags(documents.size());
   tbb::parallel_for(tbb::blocked_range<size_t>(0, documents.size()), [&](const auto& range) {
     for (size_t d = range.begin(); d < range.end(); ++d) {
-      if (!documents[d].prompt.empty()) prompts[d] = tokenizer.encode(documents[d].prompt);
-      texts[d] = tokenizer.encode(documents[d].text);
+      const Document& doc = documents[d];
+      if (doc.rendered) {
+        encode_rendered(tokenizer, doc, texts[d], flags[d]);
+        continue;
+      }
+      if (!doc.prompt.empty()) prompts[d] = tokenizer.encode(doc.prompt);
+      texts[d] = tokenizer.encode(doc.text);
     }
   });
   size_t total = 0;
   for (size_t d = 0; d < documents.size(); ++d)
     total += prompts[d].size() + texts[d].size() + prefix.size() + suffix.size() + 1;
   TokenStream out;
-  out.tokens.reserve(total);
-  out.counts.reserve(total);
+  out.tokens.reserve(total + 1);
+  out.counts.reserve(total + 1);
   const auto put = [&](const std::vector<uint32_t>& ids, uint8_t counts) {
     out.tokens.insert(out.tokens.end(), ids.begin(), ids.end());
     out.counts.insert(out.counts.end(), ids.size(), counts);
   };
+  if (after_others && !documents.empty() && !suffix_ends) put({*eos}, 1);
   for (size_t d = 0; d < documents.size(); ++d) {
-    // End-of-text ends the document before (a completion's end counts: the model learns to stop).
-    if ((d > 0 || after_others) && !suffix_ends) put({*eos}, 1);
-    const bool prompted = !documents[d].prompt.empty();
-    out.prompted = out.prompted || prompted;
-    put(prefix, prompted ? 0 : 1);
-    put(prompts[d], 0);
-    put(texts[d], 1);
+    const Document& doc = documents[d];
+    // End-of-text ends each document but the last (and that one too with append_eos); a
+    // completion's end counts: the model learns to stop.
+    const bool separated = d + 1 < documents.size() || append_eos;
+    if (doc.rendered) {
+      put(texts[d], 1);
+      std::copy(flags[d].begin(), flags[d].end(),
+                out.counts.end() - static_cast<long>(flags[d].size()));
+      out.prompted = out.prompted || !doc.replies.empty();
+      if (separated && (texts[d].empty() || texts[d].back() != *eos))
+        put({*eos}, doc.replies.empty() ? 1 : 0);
+    } else {
+      const bool prompted = !doc.prompt.empty();
+      out.prompted = out.prompted || prompted;
+      put(prefix, prompted ? 0 : 1);
+      put(prompts[d], 0);
+      put(texts[d], 1);
+      put(suffix, 1);
+      if (separated && !suffix_ends) put({*eos}, 1);
+    }
     std::vector<uint32_t>().swap(prompts[d]);
     std::vector<uint32_t>().swap(texts[d]);
-    put(suffix, 1);
+    std::vector<uint8_t>().swap(flags[d]);
   }
-  if (append_eos && !documents.empty() && !suffix_ends) put({*eos}, 1);
   return out;
 }
 
@@ -329,9 +633,10 @@ TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
   // A full batch is written when the next document arrives, so the last batch is known to be
   // the last (--append-eos).
   std::vector<Document> batch;
-  uint64_t held = 0, written = 0;
+  uint64_t held = 0;
   auto flush = [&](bool last) {
-    const TokenStream stream = encode_documents(tokenizer, batch, last && append_eos, written > 0);
+    // End-of-text after the batch's last document, where more follow (or --append-eos).
+    const TokenStream stream = encode_documents(tokenizer, batch, !last || append_eos);
     if (stream.prompted && !masks) {
       masks = std::make_unique<LossMaskWriter>(output, shard_tokens);
       masks->write_ones(writer.tokens());
@@ -339,38 +644,41 @@ TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
     writer.write(stream.tokens);  // before its flags: a mask shard closes on complete tokens
     if (masks) masks->write(stream.counts);
     for (uint8_t c : stream.counts) r.counted += c;
-    written += batch.size();
     batch.clear();
     held = 0;
   };
   for (const std::filesystem::path& input : inputs) {
     uint64_t in_file = 0;
-    read_documents(input, [&](Document doc) {
-      ++in_file;
-      if (!response.empty() && doc.prompt.empty()) {
-        const size_t at = doc.text.find(response);
-        if (at == std::string::npos) {
-          ++r.untemplated;
-          return;
-        }
-        doc.prompt = doc.text.substr(0, at + response.size());
-        doc.text.erase(0, at + response.size());
-      }
-      if (held >= batch_bytes) flush(false);
-      const uint64_t bytes = doc.prompt.size() + doc.text.size();
-      if (memory > 0 && bytes > memory / kDocumentBytesPerByte)
-        fail(
-            "tokenize: document {} of {} is {}; a document is encoded whole, about {} bytes of "
-            "memory a byte ({}), more than the {} available; cut it into documents: lines "
-            "holding only % separate the documents of a .txt, and a .jsonl holds one per line",
-            in_file, input.string(), format_bytes(bytes), kDocumentBytesPerByte,
-            format_bytes(bytes * kDocumentBytesPerByte), format_bytes(memory));
-      r.bytes += bytes;
-      held += bytes;
-      ++r.documents;
-      r.prompted += doc.prompt.empty() ? 0 : 1;
-      batch.push_back(std::move(doc));
-    });
+    read_documents(
+        input,
+        [&](Document doc) {
+          ++in_file;
+          if (!response.empty() && doc.prompt.empty() && !doc.rendered) {
+            const size_t at = doc.text.find(response);
+            if (at == std::string::npos) {
+              ++r.untemplated;
+              return;
+            }
+            doc.prompt = doc.text.substr(0, at + response.size());
+            doc.text.erase(0, at + response.size());
+          }
+          if (held >= batch_bytes) flush(false);
+          const uint64_t bytes = doc.prompt.size() + doc.text.size();
+          if (memory > 0 && bytes > memory / kDocumentBytesPerByte)
+            fail(
+                "tokenize: document {} of {} is {}; a document is encoded whole, about {} bytes of "
+                "memory a byte ({}), more than the {} available; cut it into documents: lines "
+                "holding only % separate the documents of a .txt, and a .jsonl holds one per line",
+                in_file, input.string(), format_bytes(bytes), kDocumentBytesPerByte,
+                format_bytes(bytes * kDocumentBytesPerByte), format_bytes(memory));
+          r.bytes += bytes;
+          held += bytes;
+          ++r.documents;
+          r.prompted += doc.prompt.empty() && doc.replies.empty() ? 0 : 1;
+          r.conversations += doc.rendered ? 1 : 0;
+          batch.push_back(std::move(doc));
+        },
+        options.chat);
   }
   if (r.documents == 0) {
     std::vector<std::string> names;

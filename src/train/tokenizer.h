@@ -32,6 +32,7 @@
 #pragma once
 
 #include "model/tokens.h"
+#include "train/chat_template.h"
 
 #include <cstdint>
 #include <filesystem>
@@ -74,11 +75,46 @@ std::optional<std::filesystem::path> model_tokenizer_file(const std::filesystem:
 std::unique_ptr<Tokenizer> open_tokenizer(std::string_view spec);
 
 // One document: its text, or a prompt and its completion (`text`), of which only the completion
-// is trained on.
+// is trained on, or a conversation rendered by a chat template.
 struct Document {
   std::string prompt;  // empty: a plain document, every token of which counts
   std::string text;
+  // A conversation: `text` is the template's rendering, encoded whole without the tokenizer's
+  // prefix or suffix (the template writes its own markers), and `replies` the byte ranges of it
+  // that count as targets (none: every token counts).
+  bool rendered = false;
+  std::vector<std::pair<uint64_t, uint64_t>> replies;
   bool operator==(const Document&) const = default;
+};
+
+// A model's chat template with the special tokens its tokenizer_config.json gives it to print
+// (bos_token, eos_token, ...), run as transformers' apply_chat_template runs it.
+struct ChatFormat {
+  std::shared_ptr<const ChatTemplate> default_template;
+  std::shared_ptr<const ChatTemplate> tool_template;  // a config's "tool_use" template, if any
+  nlohmann::ordered_json tokens = nlohmann::ordered_json::object();
+  std::string source;  // the file the template came from
+  // apply_chat_template(messages, tools=tools (null: none), add_generation_prompt, tokenize=False)
+  std::string render(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
+                     bool add_generation_prompt) const;
+};
+
+// The chat template for `tokenizer_spec` (open_tokenizer's argument): `template_path` when
+// given (a .jinja file, a tokenizer_config.json, or a model directory), else the one beside the
+// tokenizer (its directory's chat_template.jinja, else its tokenizer_config.json's
+// "chat_template"); none when neither has one. The special tokens come from the tokenizer's
+// tokenizer_config.json (else the template's), and each must encode as one token with
+// `tokenizer` (a SentencePiece model reads "<s>" as text): an Error otherwise, naming it.
+std::optional<ChatFormat> open_chat_format(const Tokenizer& tokenizer,
+                                           std::string_view tokenizer_spec,
+                                           const std::string& template_path = {});
+
+// How .jsonl conversations ("messages" rows, or a "prompt" and a "completion" that are lists of
+// messages) become documents.
+struct ChatOptions {
+  std::optional<ChatFormat> format;  // none: such rows are an Error saying what is missing
+  std::string unavailable;  // why there is no format, where reading one failed (named then)
+  bool all_tokens = false;  // every token counts, not the assistant's replies alone
 };
 
 enum class DocumentFormat : uint8_t { text, jsonl };
@@ -91,15 +127,17 @@ using DocumentFn = std::function<void(Document)>;
 using ConsumedFn = std::function<void(uint64_t)>;
 // Each document of `text` (the contents of `source`) in order, one at a time.
 void for_each_document(std::string_view text, DocumentFormat format, std::string_view source,
-                       const DocumentFn& fn, const ConsumedFn& consumed = {});
+                       const DocumentFn& fn, const ConsumedFn& consumed = {},
+                       const ChatOptions* chat = nullptr);
 // Each document of the file at `path` in order (mapped, not read into memory whole).
-void read_documents(const std::filesystem::path& path, const DocumentFn& fn);
+void read_documents(const std::filesystem::path& path, const DocumentFn& fn,
+                    const ChatOptions* chat = nullptr);
 
 // The documents of `text` (the contents of `source`, named in errors: a .jsonl line that is not
 // a JSON object with a "text" string, or a "prompt" and a "completion" string, is an Error
 // naming the source and the line number).
 std::vector<Document> split_documents(std::string_view text, DocumentFormat format,
-                                      std::string_view source);
+                                      std::string_view source, const ChatOptions* chat = nullptr);
 // Reads `path` and splits it by its format; a missing or unreadable file is an Error naming it.
 std::vector<Document> read_documents(const std::filesystem::path& path);
 
@@ -113,7 +151,13 @@ std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
                                          const std::vector<std::string>& documents, bool append_eos,
                                          bool after_others = false);
 // The same stream for documents that may have prompts, with a flag per token: 1 where the token
-// counts as a target, 0 for a prompted document's prefix and prompt tokens.
+// counts as a target, 0 for a prompted document's prefix and prompt tokens. A rendered
+// conversation is encoded whole, as apply_chat_template(tokenize=True) encodes it, and its reply
+// tokens counted: where encoding each reply's text apart from the rest gives the same ids, those;
+// otherwise the ids past the longest common prefix of the whole's with the encoding of the text
+// before the reply, up to that of the text through it (TRL's rule for prompts). The end-of-text
+// after a conversation is left out where its tokens already end with it, and does not count
+// where it has replies (the template's own end marker does).
 struct TokenStream {
   std::vector<uint32_t> tokens;
   std::vector<uint8_t> counts;
@@ -125,9 +169,10 @@ TokenStream encode_documents(const Tokenizer& tokenizer, const std::vector<Docum
 // What tokenize_files wrote.
 struct TokenizedFiles {
   uint64_t documents = 0, bytes = 0, tokens = 0;
-  uint64_t prompted = 0;     // documents with a prompt (a prompt/completion row, or a template's)
-  uint64_t untemplated = 0;  // documents left out: no response template in them
-  uint64_t counted = 0;      // tokens that count as targets (all of them without prompts)
+  uint64_t prompted = 0;       // documents with a prompt (a prompt/completion row, or a template's)
+  uint64_t conversations = 0;  // documents rendered by the chat template
+  uint64_t untemplated = 0;    // documents left out: no response template in them
+  uint64_t counted = 0;        // tokens that count as targets (all of them without prompts)
   std::vector<std::filesystem::path> masks;    // beside `files`, where some document had a prompt
   std::vector<std::filesystem::path> removed;  // earlier runs' masks beside `files`, removed
   TokenWidth width = TokenWidth::u16;          // uint32 for a vocabulary above 65,536
@@ -148,6 +193,7 @@ struct TokenizeOptions {
   std::string response_template;
   uint64_t batch_bytes = 16ull << 20;  // documents read, encoded and written at a time
   uint64_t memory_bytes = 0;           // what a document may take (0: memory available now)
+  const ChatOptions* chat = nullptr;   // conversations in .jsonl rows
 };
 
 // `strata tokenize`: the documents of `inputs`, in order, as one token stream (the rules of
