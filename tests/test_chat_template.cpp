@@ -167,7 +167,27 @@ TEST(ChatTemplate, RaiseExceptionIsAnErrorHoldingItsMessage) {
       [] {
         ChatTemplate("ok\n{{ raise_exception('bad role') }}", "raise.jinja").render(json::object());
       },
-      {"bad role", "raise.jinja"});
+      {"bad role", "raise.jinja", "line 2"});
+}
+
+// A template is downloaded input: one that recurses, nests, grows or loops without end is an
+// Error, not a crash, an exhausted memory or a hang.
+TEST(ChatTemplate, RunawayTemplatesAreStopped) {
+  const auto rendering = [](std::string source) {
+    return [source] { ChatTemplate(source, "runaway.jinja").render(json::object()); };
+  };
+  expect_error(rendering("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}\n{{ f(0) }}"),
+               {"runaway.jinja", "nested more than 200 deep"});
+  expect_error(rendering("{{ " + std::string(300, '[') + std::string(300, ']') + " }}"),
+               {"runaway.jinja line 1", "nested more than 200 deep"});
+  // (Each check is cheap: the size is known before the text is made.)
+  expect_error(rendering("{{ 'x' * 1000000 * 1000 }}"), {"runaway.jinja", "256 MiB"});
+  expect_error(rendering("{{ (['x'] * 2000000) | length }}"),
+               {"runaway.jinja", "a list of", "items"});
+  expect_error(rendering("{{ range(2000000) | length }}"), {"a list of", "items"});
+  expect_error(
+      rendering("{% for i in range(1100) %}{% for j in range(1000) %}{% endfor %}{% endfor %}"),
+      {"runaway.jinja line 1", "loop iterations"});
 }
 
 TEST(ChatTemplate, OneParseRendersManyContextsTheSameEveryTime) {

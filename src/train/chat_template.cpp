@@ -41,6 +41,43 @@ struct Raised {
   throw TemplateError{std::move(message), 0};
 }
 
+// Limits that keep a hostile or broken template (a model directory is downloaded input) from
+// taking the process down: nesting (the parser and the interpreter recurse), and the size of any
+// string or rendering.
+constexpr int kMaxDepth = 200;
+constexpr size_t kMaxText = size_t{256} << 20;
+
+void check_text_size(size_t bytes) {
+  if (bytes > kMaxText)
+    error(fmt::format("a text of {} bytes, more than the {} MiB a rendering may make", bytes,
+                      kMaxText >> 20));
+}
+
+constexpr size_t kMaxItems = size_t{1} << 20;
+constexpr uint64_t kMaxIterations = uint64_t{1} << 20;  // about a second of loop bodies
+void check_list_size(size_t items) {
+  if (items > kMaxItems)
+    error(
+        fmt::format("a list of {} items, more than the {} a rendering may make", items, kMaxItems));
+}
+
+// Counts one level of recursion for as long as it lives.
+class Depth {
+ public:
+  explicit Depth(int& depth) : depth_(depth) {
+    if (++depth_ > kMaxDepth) {
+      --depth_;
+      error(fmt::format("nested more than {} deep", kMaxDepth));
+    }
+  }
+  ~Depth() { --depth_; }
+  Depth(const Depth&) = delete;
+  Depth& operator=(const Depth&) = delete;
+
+ private:
+  int& depth_;
+};
+
 // ---- values ----------------------------------------------------------------------------------
 
 struct Value;
@@ -1176,6 +1213,7 @@ class Parser {
   // Statements up to one of `ends` (a block tag's name), which is left current; at the top level
   // `ends` is empty and the body runs to the end.
   Body parse_body(const std::vector<std::string>& ends, int opened) {
+    const Nest guard(*this);
     Body body;
     while (seg_ < segs_.size()) {
       Segment& s = segs_[seg_];
@@ -1428,6 +1466,7 @@ class Parser {
   }
 
   ExprP parse_expression() {
+    const Nest guard(*this);
     ExprP e = parse_or();
     while (is_name("if")) {
       const int line = cur().line;
@@ -1478,6 +1517,7 @@ class Parser {
     return e;
   }
   ExprP parse_not() {
+    const Nest guard(*this);
     if (is_name("not")) {
       auto e = std::make_unique<Expr>();
       e->type = Expr::Type::not_;
@@ -1557,6 +1597,7 @@ class Parser {
     return e;
   }
   ExprP parse_unary(bool with_filter) {
+    const Nest guard(*this);
     ExprP e;
     if (is_op("-") || is_op("+")) {
       auto u = std::make_unique<Expr>();
@@ -1820,6 +1861,19 @@ class Parser {
     }
   }
 
+  // One level deeper in the parse, refused past kMaxDepth at the current line.
+  struct Nest {
+    explicit Nest(Parser& p) : parser(p) {
+      if (++parser.depth_ > kMaxDepth)
+        fail_at(parser.toks_ != nullptr ? parser.cur().line : 0,
+                fmt::format("nested more than {} deep", kMaxDepth));
+    }
+    ~Nest() { --parser.depth_; }
+    Nest(const Nest&) = delete;
+    Nest& operator=(const Nest&) = delete;
+    Parser& parser;
+  };
+
   const Token& cur() const { return (*toks_)[std::min(tok_, toks_->size() - 1)]; }
   const Token& peek(size_t n) const { return (*toks_)[std::min(tok_ + n, toks_->size() - 1)]; }
   bool is_op(std::string_view op) const { return cur().type == Tok::op && cur().text == op; }
@@ -1860,7 +1914,8 @@ class Parser {
   size_t seg_ = 0;
   const std::vector<Token>* toks_ = nullptr;
   size_t tok_ = 0;
-  int loops_ = 0;  // for loops around the tag being parsed (a macro's body starts at 0)
+  int loops_ = 0;
+  int depth_ = 0;  // for loops around the tag being parsed (a macro's body starts at 0)
 };
 
 }  // namespace
@@ -2239,6 +2294,7 @@ struct Interp {
   // ---- calls ----
 
   Value call_value(const Value& fn, CallArgs& args) {
+    const Depth guard(calls_);
     if (fn.kind != Kind::function) {
       defined(fn);
       error(fmt::format("'{}' object is not callable", type_name(fn)));
@@ -2688,12 +2744,20 @@ struct Interp {
   // ---- operators ----
 
   Value arithmetic(const std::string& op, const Value& x, const Value& y) {
-    if (op == "~") return Value::string(to_str(x) + to_str(y));
+    if (op == "~") {
+      std::string a = to_str(x), b = to_str(y);
+      check_text_size(a.size() + b.size());
+      return Value::string(a + b);
+    }
     defined(x);
     defined(y);
     if (op == "+") {
-      if (x.kind == Kind::string && y.kind == Kind::string) return Value::string(x.s + y.s);
+      if (x.kind == Kind::string && y.kind == Kind::string) {
+        check_text_size(x.s.size() + y.s.size());
+        return Value::string(x.s + y.s);
+      }
       if (x.is_sequence() && x.kind == y.kind) {
+        check_list_size(x.list->items.size() + y.list->items.size());
         std::vector<Value> items = x.list->items;
         items.insert(items.end(), y.list->items.begin(), y.list->items.end());
         return Value::make_list(std::move(items), x.kind == Kind::tuple);
@@ -2706,12 +2770,14 @@ struct Interp {
       const Value* count = seq == &x ? &y : &x;
       if (seq != nullptr && (count->kind == Kind::integer || count->kind == Kind::boolean)) {
         const int64_t n = std::max<int64_t>(0, count->integral());
-        if (n > (1 << 20)) error("a repetition of more than 2^20 is refused");
         if (seq->kind == Kind::string) {
+          check_text_size(seq->s.size() * static_cast<size_t>(std::min<int64_t>(n, kMaxText + 1)));
           std::string out;
           for (int64_t k = 0; k < n; ++k) out += seq->s;
           return Value::string(out);
         }
+        check_list_size(seq->list->items.size() *
+                        static_cast<size_t>(std::min<int64_t>(n, kMaxItems + 1)));
         std::vector<Value> items;
         for (int64_t k = 0; k < n; ++k)
           items.insert(items.end(), seq->list->items.begin(), seq->list->items.end());
@@ -2959,11 +3025,15 @@ struct Interp {
     using T = Stmt::Type;
     switch (st.type) {
       case T::text:
+        check_text_size(out.size() + st.text.size());
         out += st.text;
         return Flow::normal;
-      case T::output:
-        out += to_str(eval(*st.expr, scope));
+      case T::output: {
+        const std::string text = to_str(eval(*st.expr, scope));
+        check_text_size(out.size() + text.size());
+        out += text;
         return Flow::normal;
+      }
       case T::body:
         return exec(st.body, scope, out);
       case T::if_:
@@ -2990,29 +3060,40 @@ struct Interp {
             outer != nullptr && outer->kind == Kind::dict && dict_find(*outer, "depth")
                 ? dict_find(*outer, "depth")->integral() + 1
                 : 1;
+        // One loop object, its fields set for each pass (as Jinja's LoopContext advances).
+        Value loop = Value::make_dict({});
+        const std::weak_ptr<DictData> fields = loop.dict;
+        for (const char* key : {"index", "index0", "revindex", "revindex0", "first", "last",
+                                "length", "depth", "depth0", "previtem", "nextitem"})
+          loop.dict->items.emplace_back(Value::string(key), Value());
+        loop.dict->items.emplace_back(Value::string("cycle"),
+                                      make_function("cycle", [fields](CallArgs& c, Interp&) {
+                                        const std::shared_ptr<DictData> f = fields.lock();
+                                        if (!f) error("loop.cycle() called after its loop ended");
+                                        if (c.pos.empty())
+                                          error("loop.cycle() needs at least one value");
+                                        const auto at = static_cast<size_t>(f->items[1].second.i);
+                                        return c.pos[at % c.pos.size()];
+                                      }));
         for (int64_t k = 0; k < n; ++k) {
+          if (++iterations_ > kMaxIterations)
+            error(fmt::format("more than {} loop iterations in one rendering", kMaxIterations));
           auto s = std::make_shared<Scope>();
           s->parent = scope;
           const auto idx = static_cast<size_t>(k);
-          std::vector<std::pair<Value, Value>> loop = {
-              {Value::string("index"), Value::integer(k + 1)},
-              {Value::string("index0"), Value::integer(k)},
-              {Value::string("revindex"), Value::integer(n - k)},
-              {Value::string("revindex0"), Value::integer(n - k - 1)},
-              {Value::string("first"), Value::boolean(k == 0)},
-              {Value::string("last"), Value::boolean(k == n - 1)},
-              {Value::string("length"), Value::integer(n)},
-              {Value::string("depth"), Value::integer(depth)},
-              {Value::string("depth0"), Value::integer(depth - 1)},
-              {Value::string("previtem"),
-               k > 0 ? items[idx - 1] : Value::undefined("there is no previous item")},
-              {Value::string("nextitem"),
-               k + 1 < n ? items[idx + 1] : Value::undefined("there is no next item")},
-              {Value::string("cycle"), make_function("cycle", [k](CallArgs& c, Interp&) {
-                 if (c.pos.empty()) error("loop.cycle() needs at least one value");
-                 return c.pos[static_cast<size_t>(k) % c.pos.size()];
-               })}};
-          s->set("loop", Value::make_dict(std::move(loop)));
+          auto& field = loop.dict->items;
+          field[0].second = Value::integer(k + 1);
+          field[1].second = Value::integer(k);
+          field[2].second = Value::integer(n - k);
+          field[3].second = Value::integer(n - k - 1);
+          field[4].second = Value::boolean(k == 0);
+          field[5].second = Value::boolean(k == n - 1);
+          field[6].second = Value::integer(n);
+          field[7].second = Value::integer(depth);
+          field[8].second = Value::integer(depth - 1);
+          field[9].second = k > 0 ? items[idx - 1] : Value::undefined("there is no previous item");
+          field[10].second = k + 1 < n ? items[idx + 1] : Value::undefined("there is no next item");
+          s->set("loop", loop);
           assign(s, st.targets, items[idx]);
           const Flow f = exec(st.body, s, out);
           if (f == Flow::break_) break;
@@ -3135,6 +3216,8 @@ struct Interp {
   }
 
   const Value* filter_input_ = nullptr;
+  int calls_ = 0;
+  uint64_t iterations_ = 0;
 };
 
 ScopeP globals() {
@@ -3154,11 +3237,22 @@ ScopeP globals() {
              if (c.pos.size() == 3) step = want_int(c.pos[2], "range()");
            }
            if (step == 0) error("range() step must not be zero");
-           std::vector<Value> out;
-           for (int64_t k = start; step > 0 ? k < stop : k > stop; k += step) {
-             if (out.size() >= (1u << 20)) error("range() of more than 2^20 items is refused");
-             out.push_back(Value::integer(k));
+           // The count first (unsigned: the ends may be far apart), so a huge range is refused
+           // before it is built.
+           uint64_t count = 0;
+           if (step > 0 ? start < stop : start > stop) {
+             const uint64_t span = step > 0
+                                       ? static_cast<uint64_t>(stop) - static_cast<uint64_t>(start)
+                                       : static_cast<uint64_t>(start) - static_cast<uint64_t>(stop);
+             const uint64_t magnitude =
+                 step > 0 ? static_cast<uint64_t>(step) : static_cast<uint64_t>(-(step + 1)) + 1;
+             count = span / magnitude + (span % magnitude != 0 ? 1 : 0);
            }
+           check_list_size(count > kMaxItems ? kMaxItems + 1 : static_cast<size_t>(count));
+           std::vector<Value> out;
+           out.reserve(static_cast<size_t>(count));
+           for (uint64_t k = 0; k < count; ++k)
+             out.push_back(Value::integer(start + static_cast<int64_t>(k) * step));
            return Value::make_list(std::move(out));
          }));
   g->set("namespace", make_function("namespace", [](CallArgs& c, Interp&) {
