@@ -9,7 +9,7 @@
 # hung, leaked or tripped a sanitizer; the input is kept under build-fuzz/fuzz-artifacts/.
 #
 # Settings (environment): RUNS=1000000 executions per target; TARGETS="safetensors ds_config
-# tokens"; MAX_LEN=4096 bytes per generated input; TIMEOUT=10 seconds per input; NICE=10;
+# tokens chat_template"; MAX_LEN=4096 bytes per generated input; TIMEOUT=10 seconds per input; NICE=10;
 # BUILD_DIR=build-fuzz; JOBS (build parallelism, default: all cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -21,7 +21,7 @@ MAX_LEN=${MAX_LEN:-4096}
 TIMEOUT=${TIMEOUT:-10}
 NICE=${NICE:-10}
 BUILD_DIR=${BUILD_DIR:-build-fuzz}
-read -r -a targets <<<"${TARGETS:-safetensors ds_config tokens}"
+read -r -a targets <<<"${TARGETS:-safetensors ds_config tokens chat_template}"
 
 echo "== build ($BUILD_DIR: clang, libFuzzer, ASan+UBSan)"
 CC=clang CXX=clang++ cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \

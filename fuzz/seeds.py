@@ -119,13 +119,25 @@ def tokens_seeds():
     yield "mask-all-zero", bytes([5, 1, 0]) + struct.pack("<10H", *([0] * 10))
 
 
+def chat_template_seeds():
+    # Every template of the chat template test corpus, and a few cut short.
+    corpus = HERE.parent / "tests" / "data" / "chat_templates"
+    for path in sorted(corpus.rglob("*.jinja")):
+        name = path.relative_to(corpus).with_suffix("").as_posix().replace("/", "-")
+        data = path.read_bytes()
+        yield name, data
+        if name.startswith("families-"):
+            yield name + "-cut", data[: len(data) // 2]
+
+
 def main():
     if len(sys.argv) != 2:
         sys.exit(__doc__)
     out = pathlib.Path(sys.argv[1])
     for target, seeds in (("safetensors", safetensors_seeds()),
                           ("ds_config", ds_config_seeds()),
-                          ("tokens", tokens_seeds())):
+                          ("tokens", tokens_seeds()),
+                          ("chat_template", chat_template_seeds())):
         d = out / target
         d.mkdir(parents=True, exist_ok=True)
         for name, data in seeds:

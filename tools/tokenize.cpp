@@ -7,8 +7,10 @@
 // above 65,536, written atomically (a temporary file renamed over the output), or as shards of
 // --shard-tokens tokens. The text is read, encoded and written a batch of documents at a time
 // (train/tokenizer.h, tokenize_files), so a corpus larger than RAM can be tokenized. Prompts
-// (prompt/completion rows, or plain documents cut at --response-template) get a loss mask
-// beside each token file (model/tokens.h), which train and eval read.
+// (prompt/completion rows, or plain documents cut at --response-template) and conversations
+// (rendered by the model's chat template, only the assistant's replies counted unless
+// --chat-loss all) get a loss mask beside each token file (model/tokens.h), which train and
+// eval read.
 #include "commands.h"
 #include "core/error.h"
 #include "core/log.h"

@@ -631,10 +631,10 @@ bool equal(const Value& a, const Value& b) {
       return a.s == b.s;
     case Kind::dict: {
       if (a.dict->items.size() != b.dict->items.size()) return false;
-      for (const auto& [k, v] : a.dict->items) {
+      for (const auto& entry : a.dict->items) {
         const auto it = std::find_if(b.dict->items.begin(), b.dict->items.end(),
-                                     [&](const auto& kv) { return equal(kv.first, k); });
-        if (it == b.dict->items.end() || !equal(it->second, v)) return false;
+                                     [&](const auto& kv) { return equal(kv.first, entry.first); });
+        if (it == b.dict->items.end() || !equal(it->second, entry.second)) return false;
       }
       return true;
     }
