@@ -715,8 +715,11 @@ int64_t length(const Value& v) {
   }
 }
 
+// Python's `in`; an undefined container holds nothing (Jinja's Undefined iterates as empty).
 bool contains(const Value& container, const Value& item) {
   switch (container.kind) {
+    case Kind::undefined:
+      return false;
     case Kind::string:
       if (item.kind != Kind::string)
         error(
@@ -2960,9 +2963,9 @@ struct Interp {
           else if (op == "!=")
             r = !equal(left, right);
           else if (op == "in")
-            r = contains(defined(right), defined(left));
+            r = contains(right, left);
           else if (op == "not in")
-            r = !contains(defined(right), defined(left));
+            r = !contains(right, left);
           else {
             const int c = compare(left, right, op.c_str());
             r = op == "<" ? c < 0 : op == ">" ? c > 0 : op == "<=" ? c <= 0 : c >= 0;
