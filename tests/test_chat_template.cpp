@@ -188,6 +188,16 @@ TEST(ChatTemplate, RunawayTemplatesAreStopped) {
   expect_error(
       rendering("{% for i in range(1100) %}{% for j in range(1000) %}{% endfor %}{% endfor %}"),
       {"runaway.jinja line 1", "loop iterations"});
+  // A namespace that would hold itself (a cycle never freed) is refused.
+  expect_error(rendering("{% set ns = namespace(a=1) %}\n{% set ns.b = [ns] %}"),
+               {"runaway.jinja line 2", "could hold itself"});
+  // A macro holds the scope that defines it weakly (it is held by it): one called while that
+  // scope lives works, also from a loop inside it.
+  EXPECT_EQ(ChatTemplate("{% macro m(x) %}<{{ x }}>{% endmacro %}{% for i in [1, 2] %}{{ m(i) }}"
+                         "{% endfor %}",
+                         "macro.jinja")
+                .render(json::object()),
+            "<1><2>");
 }
 
 TEST(ChatTemplate, OneParseRendersManyContextsTheSameEveryTime) {

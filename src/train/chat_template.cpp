@@ -310,7 +310,7 @@ std::string strip_text(std::string_view s, bool left, bool right,
     const std::vector<size_t> cp = code_point_offsets(*chars);
     std::vector<std::string_view> set;
     for (size_t k = 0; k + 1 < cp.size(); ++k)
-      set.push_back(chars->substr(cp[k], cp[k + 1] - cp[k]));
+      set.push_back(std::string_view(*chars).substr(cp[k], cp[k + 1] - cp[k]));
     const auto match_at = [&](size_t k) -> size_t {
       for (std::string_view c : set)
         if (s.substr(k, c.size()) == c) return c.size();
@@ -713,6 +713,19 @@ int64_t length(const Value& v) {
     default:
       error(fmt::format("object of type '{}' has no len()", type_name(v)));
   }
+}
+
+// Whether `v` is or holds a namespace: the one mutable object, so the one that can be made to
+// hold itself, a cycle its shared pointers would never free.
+bool holds_namespace(const Value& v) {
+  if (v.kind == Kind::ns) return true;
+  if (v.is_sequence())
+    return std::any_of(v.list->items.begin(), v.list->items.end(), holds_namespace);
+  if (v.kind == Kind::dict)
+    return std::any_of(v.dict->items.begin(), v.dict->items.end(), [](const auto& kv) {
+      return holds_namespace(kv.first) || holds_namespace(kv.second);
+    });
+  return false;
 }
 
 // Python's `in`; an undefined container holds nothing (Jinja's Undefined iterates as empty).
@@ -3107,6 +3120,11 @@ struct Interp {
         const Value v = eval(*st.expr, scope);
         if (st.target) {
           const Value obj = eval(*st.target->args[0], scope);
+          if (holds_namespace(v))
+            error(
+                fmt::format("a namespace (or a list or dict holding one) cannot be an attribute "
+                            "of a namespace ({}): it could hold itself",
+                            st.target->name));
           if (obj.kind != Kind::ns)
             error(
                 fmt::format("cannot assign the attribute {} of {}: only a namespace() takes "
@@ -3172,11 +3190,16 @@ struct Interp {
     }
   }
 
+  // A macro (or a call block's caller) as a function. It holds its scope weakly: the scope holds
+  // the macro, and a strong hold would be a cycle that is never freed.
   static Value macro_value(const Stmt& st, const ScopeP& defined_in) {
     const Stmt* m = &st;
-    return make_function(st.text, [m, defined_in](CallArgs& call, Interp& in) {
+    const std::weak_ptr<Scope> where = defined_in;
+    return make_function(st.text, [m, where](CallArgs& call, Interp& in) {
       auto s = std::make_shared<Scope>();
-      s->parent = defined_in;
+      s->parent = where.lock();
+      if (!s->parent)
+        error(fmt::format("the macro {} was called after the block defining it ended", m->text));
       std::vector<bool> set(m->params.size());
       std::vector<Value> extra;
       for (size_t k = 0; k < call.pos.size(); ++k) {
