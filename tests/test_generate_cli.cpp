@@ -501,6 +501,53 @@ TEST_F(GenerateCli, AModelDirectorysHuggingFaceTokenizerWithItsBeginOfText) {
   EXPECT_EQ(bytes["prompt_tokens"].get<std::vector<uint32_t>>(), bytes_of(" the"));
 }
 
+// --chat: the prompt is a user's message (after --system's) rendered by the chat template in
+// the model directory's tokenizer_config.json with the generation prompt, encoded whole with no
+// prefix of the tokenizer's own (the template writes begin-of-text), and only the reply printed;
+// greedy from those ids is the test's own argmax decoder. Without a template, --chat is refused.
+TEST_F(GenerateCli, ChatRendersTheMessageThroughTheModelsTemplate) {
+  test::write_tokenizer_json(model_dir(), test::with_begin_of_text(test::gpt2_like_tokenizer()));
+  const std::string args = model_arg() + " --prompt 'the' --temperature 0 --max-new-tokens 4";
+  const Result none = strata("generate --devices host --chat " + args);
+  EXPECT_EQ(none.status, 1);
+  EXPECT_NE(none.out.find("no chat template"), std::string::npos) << none.out;
+  EXPECT_NE(none.out.find("--chat-template FILE"), std::string::npos) << none.out;
+
+  std::ofstream(model_dir() / "tokenizer_config.json")
+      << json{{"bos_token", "<|begin_of_text|>"},
+              {"eos_token", "<|endoftext|>"},
+              {"chat_template",
+               "{{ bos_token }}{% for m in messages %}{{ m.role }}: {{ m.content }}{{ eos_token }}"
+               "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"}}
+             .dump();
+  const json j = generate_json(args + " --chat --system 'be the'");
+  const auto t = open_tokenizer(model_dir().string());
+  const std::string rendered =
+      "<|begin_of_text|>system: be the<|endoftext|>user: the<|endoftext|>assistant:";
+  EXPECT_EQ(j["prompt"], rendered);
+  EXPECT_EQ(j["chat"], true);
+  const std::vector<uint32_t> ids = t->encode(rendered);
+  ASSERT_EQ(ids.front(), 260u);  // one begin-of-text: the template's, no prefix before it
+  EXPECT_EQ(std::count(ids.begin(), ids.end(), 260u), 1);
+  EXPECT_EQ(j["prompt_tokens"].get<std::vector<uint32_t>>(), ids);
+  Reference ref(tiny(), model_dir());
+  const std::vector<uint32_t> expect = ref.greedy(ids, 4, 261, 259);
+  EXPECT_EQ(tokens_of(j), expect);
+  const Result plain = strata("generate --devices host --chat " + args, "2>/dev/null");
+  ASSERT_EQ(plain.status, 0);
+  const std::vector<uint32_t> user_only =
+      t->encode("<|begin_of_text|>user: the<|endoftext|>assistant:");
+  std::vector<uint32_t> all = user_only;
+  const std::vector<uint32_t> reply = ref.greedy(user_only, 4, 261, 259);
+  all.insert(all.end(), reply.begin(), reply.end());
+  const std::string whole = t->decode(all), before = t->decode(user_only);
+  ASSERT_TRUE(whole.starts_with(before));
+  EXPECT_EQ(plain.out, whole.substr(before.size()) + "\n");  // the reply alone
+  const Result stray = strata("generate --devices host --system 'x' " + args);
+  EXPECT_EQ(stray.status, 1);
+  EXPECT_NE(stray.out.find("add --chat"), std::string::npos) << stray.out;
+}
+
 TEST_F(GenerateCli, BadInputsAreNamed) {
   // A prompt longer than tiny's 256 positions.
   const std::string long_prompt(300, 'a');

@@ -322,13 +322,16 @@ TEST(TrainCli, CheckpointsAndExportsCarryTheModelsTokenizer) {
   std::ofstream(model / "config.json") << to_hf_config_json(*find_preset("tiny")).dump(2);
   std::ofstream(model / "tokenizer_config.json") << R"({"eos_token": "<|endoftext|>"})";
   std::ofstream(model / "generation_config.json") << R"({"bos_token_id": 260})";
+  std::ofstream(model / "chat_template.jinja")
+      << "{% for m in messages %}{{ m.content }}{% endfor %}";
   test::CommandResult r = strata("train --model " + model.string() +
                                  " --init random --seed 5 --seq-len 32 --micro-batch 2 --data " +
                                  data.string() + " --steps 2 --run-dir " + run.string());
   ASSERT_EQ(r.status, 0) << r.out;
   const fs::path ckpt = run / "checkpoints/step-2";
   const json complete = json::parse(slurp(ckpt / "COMPLETE"));
-  for (const char* file : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"}) {
+  for (const char* file : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                           "generation_config.json"}) {
     EXPECT_EQ(slurp(ckpt / file), slurp(model / file)) << file;
     EXPECT_TRUE(complete["files"].contains(file)) << file;
   }
@@ -342,14 +345,22 @@ TEST(TrainCli, CheckpointsAndExportsCarryTheModelsTokenizer) {
   const json g = json::parse(r.out);
   EXPECT_EQ(g["tokenizer"], (ckpt / "tokenizer.json").string());
   EXPECT_EQ(g["prompt_tokens"], json::array({260, 258}));
+  // and its chat template: --chat renders " the" alone (this template writes no begin-of-text).
+  r = test::run_command(std::string("'") + STRATA_BINARY + "' generate --devices host --json " +
+                        "--model " + run.string() +
+                        " --chat --prompt ' the' --temperature 0 --max-new-tokens 2 2>/dev/null");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(json::parse(r.out)["prompt_tokens"], json::array({258}));
   // The export is a model directory with its tokenizer.
   const fs::path out = dir.path / "export";
   r = strata("export " + run.string() + " --out " + out.string());
   ASSERT_EQ(r.status, 0) << r.out;
-  EXPECT_NE(r.out.find("tokenizer.json, tokenizer_config.json, generation_config.json"),
+  EXPECT_NE(r.out.find("tokenizer.json, tokenizer_config.json, chat_template.jinja, "
+                       "generation_config.json"),
             std::string::npos)
       << r.out;
-  for (const char* file : {"tokenizer.json", "tokenizer_config.json", "generation_config.json"})
+  for (const char* file :
+       {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"})
     EXPECT_EQ(slurp(out / file), slurp(model / file)) << file;
   // A carried file is checked like the others: changed, it stops the export, named.
   std::ofstream(ckpt / "tokenizer_config.json", std::ios::app) << " ";

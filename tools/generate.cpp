@@ -27,7 +27,9 @@
 // The tokenizer (--tokenizer auto, the default) is the one the model directory ships
 // (tokenizer.json, else tokenizer.model; `strata train` copies them into every checkpoint), else
 // the byte tokenizer. Its prefix (a Hugging Face tokenizer's begin-of-text) goes before the
-// prompt, as Hugging Face's generate feeds it.
+// prompt, as Hugging Face's generate feeds it. With --chat the prompt is a user's message
+// rendered by the chat template beside the tokenizer (train/tokenizer.h, ChatFormat), as
+// apply_chat_template with the generation prompt renders it, and only the reply is printed.
 //
 // Output: the prompt, then the generated text, on stdout; bytes that are not valid UTF-8 (the
 // byte tokenizer can produce any byte) are written as they are. With --json the text fields are
@@ -69,6 +71,9 @@ struct GenerateArgs {
   std::string init;
   std::string prompt;
   std::string tokenizer = "auto";
+  bool chat = false;
+  std::string system;
+  std::string chat_template;
   int64_t max_new_tokens = 64;
   double temperature = 0.8;
   int64_t top_k = 40;
@@ -201,10 +206,33 @@ int run_generate(const GenerateArgs& a) {
         "{}); use the tokenizer the model was trained with",
         tokenizer->name(), tokenizer->vocab_size(), config.vocab_size, config.name);
   // What Hugging Face's generate feeds: the tokenizer's prefix (Llama's begin-of-text), then the
-  // prompt's tokens.
-  std::vector<uint32_t> prompt_ids = tokenizer->prefix_ids();
-  const std::vector<uint32_t> text_ids = tokenizer->encode(a.prompt);
-  prompt_ids.insert(prompt_ids.end(), text_ids.begin(), text_ids.end());
+  // prompt's tokens. With --chat, the prompt is a user's message (after --system's) rendered by
+  // the model's chat template with the generation prompt, encoded whole without a prefix (the
+  // template writes its own), as apply_chat_template(..., add_generation_prompt=True,
+  // tokenize=True) gives it.
+  if (!a.chat && (!a.system.empty() || !a.chat_template.empty()))
+    fail("--system and --chat-template shape a chat prompt; add --chat");
+  std::vector<uint32_t> prompt_ids;
+  std::string rendered;
+  if (a.chat) {
+    const std::string spec = resolve_tokenizer(a.tokenizer, a.model, checkpoint);
+    const std::optional<ChatFormat> format = open_chat_format(*tokenizer, spec, a.chat_template);
+    if (!format)
+      fail(
+          "--chat: the tokenizer {} has no chat template beside it (chat_template.jinja, or a "
+          "\"chat_template\" in tokenizer_config.json); pass --chat-template FILE, or drop "
+          "--chat to continue the text as it is",
+          tokenizer->name());
+    nlohmann::ordered_json messages = nlohmann::ordered_json::array();
+    if (!a.system.empty()) messages.push_back({{"role", "system"}, {"content", a.system}});
+    messages.push_back({{"role", "user"}, {"content", a.prompt}});
+    rendered = format->render(messages, nullptr, true);
+    prompt_ids = tokenizer->encode(rendered);
+  } else {
+    prompt_ids = tokenizer->prefix_ids();
+    const std::vector<uint32_t> text_ids = tokenizer->encode(a.prompt);
+    prompt_ids.insert(prompt_ids.end(), text_ids.begin(), text_ids.end());
+  }
   const auto prompt_len = static_cast<int64_t>(prompt_ids.size());
   if (prompt_len == 0)
     fail("--prompt '{}' gives no tokens with the {} tokenizer; give some text to continue",
@@ -334,7 +362,8 @@ int run_generate(const GenerateArgs& a) {
   std::vector<std::string> device_names;
   for (Device* d : ranks) device_names.push_back(d->name());
   if (a.json) {
-    const nlohmann::json j = {{"prompt", a.prompt},
+    const nlohmann::json j = {{"prompt", a.chat ? rendered : a.prompt},
+                              {"chat", a.chat},
                               {"text", text},
                               {"tokens", generated},
                               {"new_tokens", n_new},
@@ -353,7 +382,8 @@ int run_generate(const GenerateArgs& a) {
                               {"tokens_per_s", static_cast<double>(n_new) / seconds}};
     fmt::print("{}\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
   } else {
-    fmt::print("{}{}\n", a.prompt, text);
+    // A chat prints the reply; a continuation, the prompt and what follows it.
+    fmt::print("{}{}\n", a.chat ? std::string() : a.prompt, text);
     fmt::print(stderr,
                "generate: {} new tokens in {:.2f} s ({:.1f} tokens/s) on {} (parameters: {}), "
                "stopped at {}\n",
@@ -373,7 +403,15 @@ Command add_generate(CLI::App& app) {
                   "checkpoint), or a preset with --init random")
       ->required();
   cmd->add_option("--init", a->init, "'random': initialise the weights instead of loading");
-  cmd->add_option("--prompt", a->prompt, "the text to continue")->required();
+  cmd->add_option("--prompt", a->prompt, "the text to continue (with --chat: the user's message)")
+      ->required();
+  cmd->add_flag("--chat", a->chat,
+                "send --prompt as a user's message through the model's chat template (with the "
+                "generation prompt) and print the reply");
+  cmd->add_option("--system", a->system, "with --chat: a system message before the user's");
+  cmd->add_option("--chat-template", a->chat_template,
+                  "with --chat: the template (a .jinja file, a tokenizer_config.json or a model "
+                  "directory; default: the tokenizer's own)");
   cmd->add_option("--tokenizer", a->tokenizer,
                   "auto (the model directory's tokenizer.json or tokenizer.model, else byte), "
                   "byte (ids 0-255 the bytes, 256 end-of-text), a Hugging Face tokenizer.json "

@@ -55,10 +55,11 @@ std::vector<SafetensorsTensor> streamed_model_tensors(
 
 // The files a Hugging Face model directory holds besides its weights and config.json that a
 // checkpoint carries along: the tokenizer (tokenizer.json, tokenizer_config.json,
-// tokenizer.model, special_tokens_map.json) and generation_config.json.
-inline constexpr const char* kModelSideFiles[] = {"tokenizer.json", "tokenizer_config.json",
-                                                  "tokenizer.model", "special_tokens_map.json",
-                                                  "generation_config.json"};
+// tokenizer.model, special_tokens_map.json), its chat template (chat_template.jinja, where
+// transformers keeps it apart) and generation_config.json.
+inline constexpr const char* kModelSideFiles[] = {"tokenizer.json",      "tokenizer_config.json",
+                                                  "tokenizer.model",     "special_tokens_map.json",
+                                                  "chat_template.jinja", "generation_config.json"};
 // Those of kModelSideFiles present in `model` when it is a directory (none for a preset name).
 std::vector<std::filesystem::path> model_side_files(const std::string& model);
 
