@@ -382,8 +382,9 @@ void check_template(const ReferenceRun& run, const std::string& file) {
     }
 
     std::string text, error;
+    std::vector<std::pair<uint64_t, uint64_t>> spans;
     try {
-      text = t->render(c.context);
+      text = t->render(c.context, &spans);
     } catch (const Error& e) {
       error = e.what();
       if (error.empty()) error = "(an Error with no message)";
@@ -398,6 +399,13 @@ void check_template(const ReferenceRun& run, const std::string& file) {
       }
       const std::string want = ref["text"].get<std::string>();
       EXPECT_EQ(text, want) << first_difference(text, want);
+      // Where {% generation %} blocks wrote, as transformers records it for assistant masks.
+      std::vector<std::pair<uint64_t, uint64_t>> want_spans;
+      for (const json& span : ref.value("generation", json::array()))
+        want_spans.emplace_back(span[0].get<uint64_t>(), span[1].get<uint64_t>());
+      EXPECT_EQ(spans, want_spans);
+      EXPECT_EQ(t->has_generation(),
+                read_text(kCorpus / file).find("generation %}") != std::string::npos);
     } else if (error.empty()) {
       ADD_FAILURE() << "Jinja raised " << ref["error"].dump() << " but strata rendered "
                     << json(text).dump();

@@ -88,6 +88,30 @@ TEST(Conversations, RepliesAreTheAssistantTurns) {
   EXPECT_TRUE(whole[0].replies.empty());
 }
 
+// A template with TRL's {% generation %} markers says itself which text is the assistant's:
+// the replies are what its blocks wrote (here without the newline after each end marker, which
+// the turns-before rule would count), in one rendering.
+TEST(Conversations, GenerationMarkersAreTheReplies) {
+  const ChatOptions chat = chat_options(
+      "{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}{% generation %}"
+      "{{ m.content }}</a>{% endgeneration %}{% else %}{{ m.content }}</u>{% endif %}{{ '\\n' }}"
+      "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}");
+  const std::vector<Document> docs = split_documents(
+      "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", "
+      "\"content\": \"yo\"}, {\"role\": \"user\", \"content\": \"q\"}, {\"role\": "
+      "\"assistant\", \"content\": \"a\"}]}\n",
+      DocumentFormat::jsonl, "chat.jsonl", &chat);
+  ASSERT_EQ(docs.size(), 1u);
+  EXPECT_EQ(docs[0].text, "<user>hi</u>\n<assistant>yo</a>\n<user>q</u>\n<assistant>a</a>\n");
+  EXPECT_EQ(reply_texts(docs[0]), (std::vector<std::string>{"yo</a>", "a</a>"}));
+  expect_error(
+      [&] {
+        split_documents("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n",
+                        DocumentFormat::jsonl, "chat.jsonl", &chat);
+      },
+      {"chat.jsonl line 1", "marks no text", "generation", "--chat-loss all"});
+}
+
 // Conversations that cannot be trained on as asked are refused, naming the line and why.
 TEST(Conversations, BadConversationsAreNamed) {
   const ChatOptions chat = chat_options(kTurns);

@@ -1410,6 +1410,7 @@ class Parser {
       ++tok_;
       end_tag();
     } else if (w == "generation") {
+      generation_ = true;
       // TRL's marker of an assistant's reply: the reply itself is what renders.
       st->type = Stmt::Type::body;
       end_tag();
@@ -1931,6 +1932,12 @@ class Parser {
   const std::vector<Token>* toks_ = nullptr;
   size_t tok_ = 0;
   int loops_ = 0;
+  bool generation_ = false;
+
+ public:
+  bool saw_generation() const { return generation_; }
+
+ private:
   int depth_ = 0;  // for loops around the tag being parsed (a macro's body starts at 0)
 };
 
@@ -1940,6 +1947,7 @@ class Parser {
 
 struct ChatTemplate::Program {
   Body body;
+  bool generation = false;
 };
 
 namespace {
@@ -3050,8 +3058,13 @@ struct Interp {
         out += text;
         return Flow::normal;
       }
-      case T::body:
-        return exec(st.body, scope, out);
+      case T::body: {  // a generation block: where it writes the result, its range is kept
+        const bool top = generation != nullptr && &out == &rendered;
+        const size_t start = out.size();
+        const Flow f = exec(st.body, scope, out);
+        if (top && out.size() > start) generation->emplace_back(start, out.size());
+        return f;
+      }
       case T::if_:
         for (const auto& [cond, b] : st.branches)
           if (truthy(eval(*cond, scope))) return exec(b, scope, out);
@@ -3244,6 +3257,7 @@ struct Interp {
   const Value* filter_input_ = nullptr;
   int calls_ = 0;
   uint64_t iterations_ = 0;
+  std::vector<std::pair<uint64_t, uint64_t>>* generation = nullptr;  // see render()
 };
 
 ScopeP globals() {
@@ -3317,7 +3331,9 @@ ScopeP globals() {
 ChatTemplate::ChatTemplate(std::string_view source, std::string name)
     : program_(std::make_unique<Program>()), name_(std::move(name)) {
   try {
-    program_->body = Parser(Lexer(std::string(source)).run()).parse();
+    Parser parser(Lexer(std::string(source)).run());
+    program_->body = parser.parse();
+    program_->generation = parser.saw_generation();
   } catch (const TemplateError& e) {
     fail("chat template {} line {}: {}; the template cannot be read", name_, e.line, e.message);
   }
@@ -3327,11 +3343,18 @@ ChatTemplate::~ChatTemplate() = default;
 ChatTemplate::ChatTemplate(ChatTemplate&&) noexcept = default;
 ChatTemplate& ChatTemplate::operator=(ChatTemplate&&) noexcept = default;
 
-std::string ChatTemplate::render(const nlohmann::ordered_json& context) const {
+bool ChatTemplate::has_generation() const {
+  return program_->generation;
+}
+
+std::string ChatTemplate::render(const nlohmann::ordered_json& context,
+                                 std::vector<std::pair<uint64_t, uint64_t>>* generation) const {
   static const ScopeP builtins = globals();
   auto scope = std::make_shared<Scope>();
   scope->parent = builtins;
   Interp in;
+  in.generation = generation;
+  if (generation != nullptr) generation->clear();
   try {
     if (!context.is_object()) error("the context must be a JSON object");
     for (const auto& [k, v] : context.items()) scope->set(k, from_json(v));

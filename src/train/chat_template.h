@@ -21,6 +21,8 @@
 #include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 namespace strata {
 
@@ -36,7 +38,13 @@ class ChatTemplate {
   // add_generation_prompt, bos_token, eos_token, tools, ...), JSON objects keeping their key
   // order as Python's dicts do. raise_exception(message) in the template is an Error holding
   // the message; strftime_now(format) formats the local time now.
-  std::string render(const nlohmann::ordered_json& context) const;
+  // `generation`, when given, gets the byte ranges of the result that {% generation %} blocks
+  // wrote (TRL's markers of the assistant's text, as transformers' return_assistant_tokens_mask
+  // finds them; a block inside a macro or a captured {% set %} marks nothing).
+  std::string render(const nlohmann::ordered_json& context,
+                     std::vector<std::pair<uint64_t, uint64_t>>* generation = nullptr) const;
+  // Whether the template has {% generation %} blocks.
+  bool has_generation() const;
 
   const std::string& name() const { return name_; }
 

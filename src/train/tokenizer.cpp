@@ -145,8 +145,26 @@ Document render_conversation(const ChatOptions& chat, const ojson& messages, con
   };
   Document doc;
   doc.rendered = true;
-  doc.text = render(messages.size(), false);
+  // A template with TRL's {% generation %} markers says which text is the assistant's: the
+  // replies are what its blocks wrote (as TRL's assistant_only_loss takes them) in one rendering.
+  const bool marked =
+      prompt_messages == 0 && !chat.all_tokens && format.for_tools(tools).has_generation();
+  try {
+    doc.text = format.render(messages, tools, false, marked ? &doc.replies : nullptr);
+  } catch (const Error& e) {
+    fail("{} line {}: {}", source, line_no, e.what());
+  }
   if (chat.all_tokens) return doc;
+  if (marked) {
+    if (doc.replies.empty())
+      fail(
+          "{} line {}: the chat template {} marks no text of this conversation as the "
+          "assistant's ({{% generation %}} blocks), so with only the replies counted it would "
+          "train on nothing; give it an assistant message, or train on every token with "
+          "--chat-loss all",
+          source, line_no, format.source);
+    return doc;
+  }
   const auto reply = [&](size_t first, size_t end, const char* what) {
     const std::string before = render(first, true), through = render(end, false);
     const bool begins = doc.text.starts_with(before), ends = doc.text.starts_with(through);
@@ -318,16 +336,20 @@ std::string read_text_file(const std::filesystem::path& path, std::string_view w
 
 }  // namespace
 
+const ChatTemplate& ChatFormat::for_tools(const nlohmann::ordered_json& tools) const {
+  const bool with_tools = !tools.is_null() && !(tools.is_array() && tools.empty());
+  return with_tools && tool_template ? *tool_template : *default_template;
+}
+
 std::string ChatFormat::render(const nlohmann::ordered_json& messages,
-                               const nlohmann::ordered_json& tools,
-                               bool add_generation_prompt) const {
+                               const nlohmann::ordered_json& tools, bool add_generation_prompt,
+                               std::vector<std::pair<uint64_t, uint64_t>>* generation) const {
   // transformers' context: the special tokens, then the call's arguments.
   nlohmann::ordered_json context = tokens;
   context["messages"] = messages;
   if (!tools.is_null()) context["tools"] = tools;
   context["add_generation_prompt"] = add_generation_prompt;
-  const bool with_tools = !tools.is_null() && !(tools.is_array() && tools.empty());
-  return (with_tools && tool_template ? *tool_template : *default_template).render(context);
+  return for_tools(tools).render(context, generation);
 }
 
 namespace {

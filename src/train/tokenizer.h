@@ -96,9 +96,13 @@ struct ChatFormat {
   std::shared_ptr<const ChatTemplate> tool_template;  // a config's "tool_use" template, if any
   nlohmann::ordered_json tokens = nlohmann::ordered_json::object();
   std::string source;  // the file the template came from
-  // apply_chat_template(messages, tools=tools (null: none), add_generation_prompt, tokenize=False)
+  // apply_chat_template(messages, tools=tools (null: none), add_generation_prompt, tokenize=False);
+  // `generation`: the byte ranges its {% generation %} blocks wrote (ChatTemplate::render).
   std::string render(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
-                     bool add_generation_prompt) const;
+                     bool add_generation_prompt,
+                     std::vector<std::pair<uint64_t, uint64_t>>* generation = nullptr) const;
+  // The template rendering `tools` (the tool_use one where tools are given and it has one).
+  const ChatTemplate& for_tools(const nlohmann::ordered_json& tools) const;
 };
 
 // The chat template for `tokenizer_spec` (open_tokenizer's argument): `template_path` when

@@ -5,13 +5,15 @@ Face transformers' apply_chat_template sets it up, to check strata's own rendere
     chat_template_reference.py render CASES.json OUT.json
 
 CASES.json is a list of {"template": str, "context": object}. OUT.json gets one entry per case:
-{"text": str} when it rendered, or {"error": str, "kind": ...} when it did not, where kind is
+{"text": str, "generation": [[start, end], ...]} when it rendered (the UTF-8 byte ranges of the
+text that {% generation %} blocks wrote, as transformers' return_assistant_tokens_mask finds
+them), or {"error": str, "kind": ...} when it did not, where kind is
 "raise_exception" (error is the template's own message) or "exception" (error is the exception's
 type name and message, e.g. a syntax error or an undefined value used as a value).
 
 The environment is transformers' (_compile_jinja_template), rebuilt here from its documented
 behaviour: an ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, loop controls,
-{% generation %} blocks rendered as their body (TRL's assistant markers), raise_exception and
+{% generation %} blocks rendered as their body (TRL's assistant markers, recorded), raise_exception and
 strftime_now as globals, and a tojson filter that is json.dumps with ensure_ascii=False instead
 of Jinja's HTML-safe one. Contexts are passed as keyword arguments, as transformers passes
 messages, tools, add_generation_prompt and the special tokens. JSON objects keep their key order
@@ -50,9 +52,32 @@ def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)
                       sort_keys=sort_keys)
 
 
+# Marks around each generation block's output, taken out after rendering: where they were is
+# where the block's text landed (transformers records the same for its assistant masks).
+# Private-use code points, which no conversation of the corpus holds.
+OPEN, CLOSE = "\ue000", "\ue001"
+
+
+def generation_spans(marked):
+    """The text without the marks, and the UTF-8 byte ranges the marks enclosed."""
+    text, spans, start = [], [], None
+    at = 0  # bytes of text so far
+    for ch in marked:
+        if ch == OPEN:
+            start = at
+        elif ch == CLOSE:
+            if start is not None and at > start:
+                spans.append([start, at])
+            start = None
+        else:
+            text.append(ch)
+            at += len(ch.encode("utf-8"))
+    return "".join(text), spans
+
+
 class GenerationBlock(jinja2.ext.Extension):
-    """{% generation %}...{% endgeneration %}: only the body is rendered. transformers also
-    records where the body landed (for assistant masks); the text is the same."""
+    """{% generation %}...{% endgeneration %}: the body is rendered between marks (see
+    generation_spans), so the text is the same and where each body landed is known."""
 
     tags = {"generation"}
 
@@ -63,7 +88,7 @@ class GenerationBlock(jinja2.ext.Extension):
         return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
 
     def _body(self, caller):
-        return caller()
+        return OPEN + caller() + CLOSE
 
 
 def environment():
@@ -85,7 +110,8 @@ def render_all(cases):
         try:
             if source not in compiled:
                 compiled[source] = env.from_string(source)
-            out.append({"text": compiled[source].render(**case["context"])})
+            text, spans = generation_spans(compiled[source].render(**case["context"]))
+            out.append({"text": text, "generation": spans})
         except TemplateRaised as e:
             out.append({"error": str(e.message), "kind": "raise_exception"})
         except Exception as e:  # noqa: BLE001 - every other failure is reported, not fatal
