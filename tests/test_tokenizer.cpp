@@ -32,257 +32,6 @@ std::vector<std::string> texts(const std::vector<Document>& docs) {
   return out;
 }
 
-// ---- conversations through a chat template ---------------------------------------------------
-
-// A small template of the ChatML kind: each turn in role markers, a generation prompt.
-constexpr const char* kTurns =
-    "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>\n{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}";
-
-ChatOptions chat_options(const char* source, bool all_tokens = false) {
-  ChatOptions chat;
-  chat.format = ChatFormat{std::make_shared<ChatTemplate>(source, "turns.jinja"), nullptr,
-                           nlohmann::ordered_json::object(), "turns.jinja"};
-  chat.all_tokens = all_tokens;
-  return chat;
-}
-
-std::vector<std::string> reply_texts(const Document& d) {
-  std::vector<std::string> out;
-  for (const auto& [a, b] : d.replies) out.push_back(d.text.substr(a, b - a));
-  return out;
-}
-
-// A "messages" row renders whole, and each assistant turn (with its end marker) is a reply; a
-// conversational prompt-completion row's completion is its one reply; --chat-loss all keeps no
-// replies (every token counts).
-TEST(Conversations, RepliesAreTheAssistantTurns) {
-  const ChatOptions chat = chat_options(kTurns);
-  const std::vector<Document> docs = split_documents(
-      "{\"messages\": [{\"role\": \"system\", \"content\": \"be brief \"}, {\"role\": \"user\", "
-      "\"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"hello\"}, {\"role\": "
-      "\"user\", \"content\": \"bye\"}, {\"role\": \"assistant\", \"content\": \" ciao\"}]}\n"
-      "{\"text\": \"plain\"}\n"
-      "{\"prompt\": [{\"role\": \"user\", \"content\": \"q\"}], \"completion\": [{\"role\": "
-      "\"assistant\", \"content\": \"a\"}]}\n",
-      DocumentFormat::jsonl, "chat.jsonl", &chat);
-  ASSERT_EQ(docs.size(), 3u);
-  EXPECT_TRUE(docs[0].rendered);
-  EXPECT_EQ(docs[0].prompt, "");
-  EXPECT_EQ(docs[0].text,
-            "<system>be brief</system>\n<user>hi</user>\n<assistant>hello</assistant>\n"
-            "<user>bye</user>\n<assistant>ciao</assistant>\n");
-  EXPECT_EQ(reply_texts(docs[0]),
-            (std::vector<std::string>{"hello</assistant>\n", "ciao</assistant>\n"}));
-  EXPECT_EQ(docs[1], (Document{"", "plain"}));
-  EXPECT_EQ(docs[2].text, "<user>q</user>\n<assistant>a</assistant>\n");
-  EXPECT_EQ(reply_texts(docs[2]), std::vector<std::string>{"a</assistant>\n"});
-
-  const ChatOptions all = chat_options(kTurns, true);
-  const std::vector<Document> whole = split_documents(
-      "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", "
-      "\"content\": \"yo\"}]}\n",
-      DocumentFormat::jsonl, "chat.jsonl", &all);
-  ASSERT_EQ(whole.size(), 1u);
-  EXPECT_TRUE(whole[0].rendered);
-  EXPECT_TRUE(whole[0].replies.empty());
-}
-
-// A template with TRL's {% generation %} markers says itself which text is the assistant's:
-// the replies are what its blocks wrote (here without the newline after each end marker, which
-// the turns-before rule would count), in one rendering.
-TEST(Conversations, GenerationMarkersAreTheReplies) {
-  const ChatOptions chat = chat_options(
-      "{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}{% generation %}"
-      "{{ m.content }}</a>{% endgeneration %}{% else %}{{ m.content }}</u>{% endif %}{{ '\\n' }}"
-      "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}");
-  const std::vector<Document> docs = split_documents(
-      "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", "
-      "\"content\": \"yo\"}, {\"role\": \"user\", \"content\": \"q\"}, {\"role\": "
-      "\"assistant\", \"content\": \"a\"}]}\n",
-      DocumentFormat::jsonl, "chat.jsonl", &chat);
-  ASSERT_EQ(docs.size(), 1u);
-  EXPECT_EQ(docs[0].text, "<user>hi</u>\n<assistant>yo</a>\n<user>q</u>\n<assistant>a</a>\n");
-  EXPECT_EQ(reply_texts(docs[0]), (std::vector<std::string>{"yo</a>", "a</a>"}));
-  expect_error(
-      [&] {
-        split_documents("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n",
-                        DocumentFormat::jsonl, "chat.jsonl", &chat);
-      },
-      {"chat.jsonl line 1", "marks no text", "generation", "--chat-loss all"});
-}
-
-// Conversations that cannot be trained on as asked are refused, naming the line and why.
-TEST(Conversations, BadConversationsAreNamed) {
-  const ChatOptions chat = chat_options(kTurns);
-  const auto split = [](const std::string& rows, const ChatOptions& c) {
-    return split_documents(rows, DocumentFormat::jsonl, "chat.jsonl", &c);
-  };
-  expect_error([&] { split("{\"text\": \"x\"}\n{\"messages\": []}\n", chat); },
-               {"chat.jsonl line 2", "\"messages\" is an empty list"});
-  expect_error([&] { split("{\"messages\": [{\"content\": \"hi\"}]}\n", chat); },
-               {"chat.jsonl line 1", "message 0", "no \"role\""});
-  expect_error(
-      [&] { split("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n", chat); },
-      {"chat.jsonl line 1", "no assistant message", "--chat-loss all"});
-  expect_error(
-      [&] {
-        split("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"text\": \"t\"}\n",
-              chat);
-      },
-      {"chat.jsonl line 1", "give one of them"});
-  // A template that writes each turn differently when another follows: the reply's place in
-  // the whole is unknown.
-  const ChatOptions shifty = chat_options(
-      "{% for m in messages %}{% if loop.last %}[{% endif %}{{ m.content }}{% endfor %}");
-  expect_error(
-      [&] {
-        split(
-            "{\"messages\": [{\"role\": \"user\", \"content\": \"q\"}, {\"role\": "
-            "\"assistant\", \"content\": \"a\"}, {\"role\": \"user\", \"content\": \"r\"}]}\n",
-            shifty);
-      },
-      {"chat.jsonl line 1", "turns.jinja", "does not begin the whole", "--chat-loss all"});
-  // The template's own refusal, with its message.
-  const ChatOptions strict = chat_options(
-      "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') "
-      "}}{% endif %}{{ m.content }}{% endfor %}");
-  expect_error(
-      [&] {
-        split(
-            "{\"messages\": [{\"role\": \"system\", \"content\": \"s\"}, {\"role\": "
-            "\"assistant\", \"content\": \"a\"}]}\n",
-            strict);
-      },
-      {"chat.jsonl line 1", "turns.jinja", "no system role"});
-  expect_error(
-      [&] {
-        split("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n", ChatOptions{});
-      },
-      {"chat.jsonl line 1", "conversation needs the model's chat template", "--chat-template"});
-}
-
-// Encoded whole with the byte tokenizer: only the replies count; the end-of-text after a
-// conversation does not (its own end marker did), and after a plain document it does.
-TEST(Conversations, OnlyRepliesCountWhenEncoded) {
-  const auto t = make_byte_tokenizer();
-  Document chat;
-  chat.rendered = true;
-  chat.text = "<u>q</u><a>ok</a>";
-  chat.replies = {{11, 17}};  // "ok</a>"
-  const TokenStream s = encode_documents(*t, {chat, {"", "p"}}, true);
-  std::vector<uint32_t> want(chat.text.begin(), chat.text.end());
-  std::vector<uint8_t> counts(11, 0);
-  counts.insert(counts.end(), 6, 1);
-  want.push_back(256);
-  counts.push_back(0);
-  want.push_back('p');
-  counts.push_back(1);
-  want.push_back(256);
-  counts.push_back(1);
-  EXPECT_TRUE(s.prompted);
-  EXPECT_EQ(s.tokens, want);
-  EXPECT_EQ(s.counts, counts);
-  // No replies (--chat-loss all): every token counts, the end-of-text too.
-  chat.replies.clear();
-  const TokenStream all = encode_documents(*t, {chat, {"", "p"}}, false);
-  EXPECT_FALSE(all.prompted);
-  EXPECT_EQ(all.counts, std::vector<uint8_t>(all.tokens.size(), 1));
-}
-
-// With a BPE tokenizer whose merges cross a reply's edge, the whole is still encoded as one
-// text (as apply_chat_template does) and the token spanning the edge counts where it holds the
-// reply's first byte, not where it holds its last. No tokenizer prefix: the template writes its
-// own. A conversation that ends with end-of-text gets no second one.
-TEST(Conversations, ATokenAcrossAReplysEdge) {
-  test::TempDir tmp("strata-chat-edge");
-  test::write_tokenizer_json(tmp.path, test::with_begin_of_text(test::gpt2_like_tokenizer()));
-  const auto hf = open_tokenizer(tmp.path.string());
-  const uint32_t eos = *hf->eos_id();
-  Document d;
-  d.rendered = true;
-  d.text = "ab the the";  // a b Ġthe Ġthe
-  const std::vector<uint32_t> ids = hf->encode(d.text);
-  ASSERT_EQ(ids.size(), 4u);
-  d.replies = {{4, 8}};  // "he t": inside the first " the" and the second
-  const TokenStream s = encode_documents(*hf, {d, {"", "the"}}, false);
-  std::vector<uint32_t> want = ids;
-  want.push_back(eos);
-  const std::vector<uint32_t> bos = hf->prefix_ids();
-  want.insert(want.end(), bos.begin(), bos.end());
-  for (uint32_t id : hf->encode("the")) want.push_back(id);
-  EXPECT_EQ(s.tokens, want);
-  ASSERT_GE(s.counts.size(), 4u);
-  EXPECT_EQ(std::vector<uint8_t>(s.counts.begin(), s.counts.begin() + 5),
-            (std::vector<uint8_t>{0, 0, 1, 0, 0}));
-
-  Document ended;
-  ended.rendered = true;
-  ended.text = "the<|endoftext|>";
-  ended.replies = {{0, ended.text.size()}};
-  const TokenStream e = encode_documents(*hf, {ended, ended}, true);
-  const std::vector<uint32_t> once = hf->encode(ended.text);
-  ASSERT_EQ(once.back(), eos);
-  std::vector<uint32_t> twice = once;
-  twice.insert(twice.end(), once.begin(), once.end());
-  EXPECT_EQ(e.tokens, twice);
-  EXPECT_EQ(e.counts, std::vector<uint8_t>(twice.size(), 1));
-}
-
-// Where the template comes from: the tokenizer's directory (chat_template.jinja before
-// tokenizer_config.json's), named templates ("default", and "tool_use" when tools are given),
-// --chat-template; the special tokens it prints from tokenizer_config.json, each one token.
-TEST(Conversations, TheTemplateAndItsTokensAreFound) {
-  test::TempDir tmp("strata-chat-format");
-  test::write_tokenizer_json(tmp.path, test::with_begin_of_text(test::gpt2_like_tokenizer()));
-  const auto hf = open_tokenizer(tmp.path.string());
-  EXPECT_FALSE(open_chat_format(*hf, tmp.path.string()).has_value());
-  const nlohmann::json msgs = nlohmann::json::array({{{"role", "user"}, {"content", "hi"}}});
-  const nlohmann::ordered_json messages = nlohmann::ordered_json::parse(msgs.dump());
-
-  nlohmann::json config = {{"bos_token", "<|begin_of_text|>"},
-                           {"eos_token", {{"content", "<|endoftext|>"}, {"special", true}}},
-                           {"chat_template",
-                            "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}"
-                            "{% endfor %}"}};
-  std::ofstream(tmp.path / "tokenizer_config.json") << config.dump();
-  const std::optional<ChatFormat> f = open_chat_format(*hf, (tmp.path / "tokenizer.json").string());
-  ASSERT_TRUE(f.has_value());
-  EXPECT_EQ(f->source, (tmp.path / "tokenizer_config.json").string());
-  EXPECT_EQ(f->render(messages, nullptr, false), "<|begin_of_text|>hi<|endoftext|>");
-
-  config["chat_template"] =
-      nlohmann::json::array({{{"name", "default"}, {"template", "D{{ messages|length }}"}},
-                             {{"name", "tool_use"}, {"template", "T{{ tools|length }}"}}});
-  std::ofstream(tmp.path / "tokenizer_config.json") << config.dump();
-  const std::optional<ChatFormat> named = open_chat_format(*hf, tmp.path.string());
-  ASSERT_TRUE(named.has_value());
-  EXPECT_EQ(named->render(messages, nullptr, false), "D1");
-  EXPECT_EQ(named->render(messages, nlohmann::ordered_json::parse("[{\"name\": \"f\"}]"), false),
-            "T1");
-
-  std::ofstream(tmp.path / "chat_template.jinja") << "J{{ bos_token }}\n";
-  const std::optional<ChatFormat> jinja = open_chat_format(*hf, tmp.path.string());
-  ASSERT_TRUE(jinja.has_value());
-  EXPECT_EQ(jinja->render(messages, nullptr, false), "J<|begin_of_text|>");
-
-  const fs::path other = tmp.path / "other.jinja";
-  std::ofstream(other) << "O{{ eos_token }}";
-  const std::optional<ChatFormat> given = open_chat_format(*hf, tmp.path.string(), other.string());
-  ASSERT_TRUE(given.has_value());
-  EXPECT_EQ(given->render(messages, nullptr, false), "O<|endoftext|>");
-
-  // A special token the tokenizer reads as several: refused, naming it.
-  config["bos_token"] = "<s>";
-  std::ofstream(tmp.path / "tokenizer_config.json") << config.dump();
-  expect_error([&] { open_chat_format(*hf, tmp.path.string()); },
-               {"bos_token", "\"<s>\"", "3 tokens", "use the model's tokenizer.json"});
-  // A template that does not parse: named with its line.
-  std::ofstream(tmp.path / "chat_template.jinja") << "line one\n{% if x %}never closed";
-  expect_error([&] { open_chat_format(*hf, tmp.path.string()); },
-               {"chat_template.jinja line 2", "never closed"});
-}
-
 TEST(ByteTokenizer, EveryByteRoundTripsAndEndOfTextIs256) {
   const auto t = make_byte_tokenizer();
   EXPECT_EQ(t->vocab_size(), 257);
@@ -671,6 +420,302 @@ TEST_F(SentencePieceTest, ATrainedModelRoundTripsText) {
   const fs::path junk = dir_ / "junk.model";
   std::ofstream(junk) << "not a protobuf";
   expect_error([&] { open_tokenizer(junk.string()); }, {"junk.model", "cannot load"});
+}
+
+// ---- conversations through a chat template ---------------------------------------------------
+
+// A small template of the ChatML kind: each turn in role markers, a generation prompt.
+constexpr const char* kTurns =
+    "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}";
+
+ChatOptions chat_options(const char* source, bool all_tokens = false) {
+  ChatOptions chat;
+  chat.format = ChatFormat{std::make_shared<ChatTemplate>(source, "turns.jinja"), nullptr,
+                           nlohmann::ordered_json::object(), "turns.jinja"};
+  chat.all_tokens = all_tokens;
+  return chat;
+}
+
+std::vector<std::string> reply_texts(const Document& d) {
+  std::vector<std::string> out;
+  for (const auto& [a, b] : d.replies) out.push_back(d.text.substr(a, b - a));
+  return out;
+}
+
+// A "messages" row renders whole, and each assistant turn (with its end marker) is a reply; a
+// conversational prompt-completion row's completion is its one reply; --chat-loss all keeps no
+// replies (every token counts).
+TEST(Conversations, RepliesAreTheAssistantTurns) {
+  const ChatOptions chat = chat_options(kTurns);
+  const std::vector<Document> docs = split_documents(
+      "{\"messages\": [{\"role\": \"system\", \"content\": \"be brief \"}, {\"role\": \"user\", "
+      "\"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"hello\"}, {\"role\": "
+      "\"user\", \"content\": \"bye\"}, {\"role\": \"assistant\", \"content\": \" ciao\"}]}\n"
+      "{\"text\": \"plain\"}\n"
+      "{\"prompt\": [{\"role\": \"user\", \"content\": \"q\"}], \"completion\": [{\"role\": "
+      "\"assistant\", \"content\": \"a\"}]}\n",
+      DocumentFormat::jsonl, "chat.jsonl", &chat);
+  ASSERT_EQ(docs.size(), 3u);
+  EXPECT_TRUE(docs[0].rendered);
+  EXPECT_EQ(docs[0].prompt, "");
+  EXPECT_EQ(docs[0].text,
+            "<system>be brief</system>\n<user>hi</user>\n<assistant>hello</assistant>\n"
+            "<user>bye</user>\n<assistant>ciao</assistant>\n");
+  EXPECT_EQ(reply_texts(docs[0]),
+            (std::vector<std::string>{"hello</assistant>\n", "ciao</assistant>\n"}));
+  EXPECT_EQ(docs[1], (Document{"", "plain"}));
+  EXPECT_EQ(docs[2].text, "<user>q</user>\n<assistant>a</assistant>\n");
+  EXPECT_EQ(reply_texts(docs[2]), std::vector<std::string>{"a</assistant>\n"});
+
+  const ChatOptions all = chat_options(kTurns, true);
+  const std::vector<Document> whole = split_documents(
+      "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", "
+      "\"content\": \"yo\"}]}\n",
+      DocumentFormat::jsonl, "chat.jsonl", &all);
+  ASSERT_EQ(whole.size(), 1u);
+  EXPECT_TRUE(whole[0].rendered);
+  EXPECT_TRUE(whole[0].replies.empty());
+}
+
+// A template with TRL's {% generation %} markers says itself which text is the assistant's:
+// the replies are what its blocks wrote (here without the newline after each end marker, which
+// the turns-before rule would count), in one rendering.
+TEST(Conversations, GenerationMarkersAreTheReplies) {
+  const ChatOptions chat = chat_options(
+      "{% for m in messages %}<{{ m.role }}>{% if m.role == 'assistant' %}{% generation %}"
+      "{{ m.content }}</a>{% endgeneration %}{% else %}{{ m.content }}</u>{% endif %}{{ '\\n' }}"
+      "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}");
+  const std::vector<Document> docs = split_documents(
+      "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", "
+      "\"content\": \"yo\"}, {\"role\": \"user\", \"content\": \"q\"}, {\"role\": "
+      "\"assistant\", \"content\": \"a\"}]}\n",
+      DocumentFormat::jsonl, "chat.jsonl", &chat);
+  ASSERT_EQ(docs.size(), 1u);
+  EXPECT_EQ(docs[0].text, "<user>hi</u>\n<assistant>yo</a>\n<user>q</u>\n<assistant>a</a>\n");
+  EXPECT_EQ(reply_texts(docs[0]), (std::vector<std::string>{"yo</a>", "a</a>"}));
+  expect_error(
+      [&] {
+        split_documents("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n",
+                        DocumentFormat::jsonl, "chat.jsonl", &chat);
+      },
+      {"chat.jsonl line 1", "marks no text", "generation", "--chat-loss all"});
+}
+
+// Conversations that cannot be trained on as asked are refused, naming the line and why.
+TEST(Conversations, BadConversationsAreNamed) {
+  const ChatOptions chat = chat_options(kTurns);
+  const auto split = [](const std::string& rows, const ChatOptions& c) {
+    return split_documents(rows, DocumentFormat::jsonl, "chat.jsonl", &c);
+  };
+  expect_error([&] { split("{\"text\": \"x\"}\n{\"messages\": []}\n", chat); },
+               {"chat.jsonl line 2", "\"messages\" is an empty list"});
+  expect_error([&] { split("{\"messages\": [{\"content\": \"hi\"}]}\n", chat); },
+               {"chat.jsonl line 1", "message 0", "no \"role\""});
+  expect_error(
+      [&] { split("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n", chat); },
+      {"chat.jsonl line 1", "no assistant message", "--chat-loss all"});
+  expect_error(
+      [&] {
+        split("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"text\": \"t\"}\n",
+              chat);
+      },
+      {"chat.jsonl line 1", "give one of them"});
+  // A template that writes each turn differently when another follows: the reply's place in
+  // the whole is unknown.
+  const ChatOptions shifty = chat_options(
+      "{% for m in messages %}{% if loop.last %}[{% endif %}{{ m.content }}{% endfor %}");
+  expect_error(
+      [&] {
+        split(
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"q\"}, {\"role\": "
+            "\"assistant\", \"content\": \"a\"}, {\"role\": \"user\", \"content\": \"r\"}]}\n",
+            shifty);
+      },
+      {"chat.jsonl line 1", "turns.jinja", "does not begin the whole", "--chat-loss all"});
+  // The template's own refusal, with its message.
+  const ChatOptions strict = chat_options(
+      "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') "
+      "}}{% endif %}{{ m.content }}{% endfor %}");
+  expect_error(
+      [&] {
+        split(
+            "{\"messages\": [{\"role\": \"system\", \"content\": \"s\"}, {\"role\": "
+            "\"assistant\", \"content\": \"a\"}]}\n",
+            strict);
+      },
+      {"chat.jsonl line 1", "turns.jinja", "no system role"});
+  expect_error(
+      [&] {
+        split("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n", ChatOptions{});
+      },
+      {"chat.jsonl line 1", "conversation needs the model's chat template", "--chat-template"});
+}
+
+// Encoded whole with the byte tokenizer: only the replies count; the end-of-text after a
+// conversation does not (its own end marker did), and after a plain document it does.
+TEST(Conversations, OnlyRepliesCountWhenEncoded) {
+  const auto t = make_byte_tokenizer();
+  Document chat;
+  chat.rendered = true;
+  chat.text = "<u>q</u><a>ok</a>";
+  chat.replies = {{11, 17}};  // "ok</a>"
+  const TokenStream s = encode_documents(*t, {chat, {"", "p"}}, true);
+  std::vector<uint32_t> want(chat.text.begin(), chat.text.end());
+  std::vector<uint8_t> counts(11, 0);
+  counts.insert(counts.end(), 6, 1);
+  want.push_back(256);
+  counts.push_back(0);
+  want.push_back('p');
+  counts.push_back(1);
+  want.push_back(256);
+  counts.push_back(1);
+  EXPECT_TRUE(s.prompted);
+  EXPECT_EQ(s.tokens, want);
+  EXPECT_EQ(s.counts, counts);
+  // No replies (--chat-loss all): every token counts, the end-of-text too.
+  chat.replies.clear();
+  const TokenStream all = encode_documents(*t, {chat, {"", "p"}}, false);
+  EXPECT_FALSE(all.prompted);
+  EXPECT_EQ(all.counts, std::vector<uint8_t>(all.tokens.size(), 1));
+}
+
+// With a BPE tokenizer whose merges cross a reply's edge, the whole is still encoded as one
+// text (as apply_chat_template does) and the token spanning the edge counts where it holds the
+// reply's first byte, not where it holds its last. No tokenizer prefix: the template writes its
+// own. A conversation that ends with end-of-text gets no second one.
+TEST(Conversations, ATokenAcrossAReplysEdge) {
+  test::TempDir tmp("strata-chat-edge");
+  test::write_tokenizer_json(tmp.path, test::with_begin_of_text(test::gpt2_like_tokenizer()));
+  const auto hf = open_tokenizer(tmp.path.string());
+  const uint32_t eos = *hf->eos_id();
+  Document d;
+  d.rendered = true;
+  d.text = "ab the the";  // a b Ġthe Ġthe
+  const std::vector<uint32_t> ids = hf->encode(d.text);
+  ASSERT_EQ(ids.size(), 4u);
+  d.replies = {{4, 8}};  // "he t": inside the first " the" and the second
+  const TokenStream s = encode_documents(*hf, {d, {"", "the"}}, false);
+  std::vector<uint32_t> want = ids;
+  want.push_back(eos);
+  const std::vector<uint32_t> bos = hf->prefix_ids();
+  want.insert(want.end(), bos.begin(), bos.end());
+  for (uint32_t id : hf->encode("the")) want.push_back(id);
+  EXPECT_EQ(s.tokens, want);
+  ASSERT_GE(s.counts.size(), 4u);
+  EXPECT_EQ(std::vector<uint8_t>(s.counts.begin(), s.counts.begin() + 5),
+            (std::vector<uint8_t>{0, 0, 1, 0, 0}));
+
+  Document ended;
+  ended.rendered = true;
+  ended.text = "the<|endoftext|>";
+  ended.replies = {{0, ended.text.size()}};
+  const TokenStream e = encode_documents(*hf, {ended, ended}, true);
+  const std::vector<uint32_t> once = hf->encode(ended.text);
+  ASSERT_EQ(once.back(), eos);
+  std::vector<uint32_t> twice = once;
+  twice.insert(twice.end(), once.begin(), once.end());
+  EXPECT_EQ(e.tokens, twice);
+  EXPECT_EQ(e.counts, std::vector<uint8_t>(twice.size(), 1));
+}
+
+// tokenize_files renders conversations a batch at a time on every core: for any batch size the
+// stream and masks of rendering each as it is read, and the first bad conversation in order named
+// however the work was spread.
+TEST(Conversations, RenderedInBatchesAsWhenRead) {
+  test::TempDir tmp("strata-chat-batches");
+  const fs::path a = tmp.path / "a.txt", b = tmp.path / "b.jsonl";
+  std::ofstream(a) << "plain first\n";
+  std::string rows;
+  for (int i = 0; i < 6; ++i)
+    rows += fmt::format(
+        "{{\"messages\": [{{\"role\": \"user\", \"content\": \"q{0}\"}}, {{\"role\": "
+        "\"assistant\", \"content\": \"a{0}\"}}]}}\n{{\"prompt\": \"P{0}\", \"completion\": "
+        "\"C{0}\"}}\n",
+        i);
+  std::ofstream(b) << rows;
+  const ChatOptions chat = chat_options(kTurns);
+  std::vector<Document> docs = {{"", "plain first\n"}};
+  for (Document& d : split_documents(rows, DocumentFormat::jsonl, b.string(), &chat))
+    docs.push_back(std::move(d));
+  ASSERT_EQ(docs.size(), 13u);
+  const auto t = make_byte_tokenizer();
+  const TokenStream want = encode_documents(*t, docs, false);
+  for (const uint64_t batch : {uint64_t{1}, uint64_t{60}, uint64_t{1} << 20}) {
+    SCOPED_TRACE(batch);
+    const fs::path out = tmp.path / fmt::format("out{}.bin", batch);
+    const TokenizedFiles r = tokenize_files(*t, {a, b}, out, {.batch_bytes = batch, .chat = &chat});
+    EXPECT_EQ(r.documents, 13u);
+    EXPECT_EQ(r.conversations, 6u);
+    EXPECT_EQ(r.prompted, 12u);
+    EXPECT_EQ(read_all(r.files), want.tokens);
+    EXPECT_EQ(read_masks(r.files), want.counts);
+  }
+  const fs::path bad = tmp.path / "bad.jsonl";
+  std::ofstream(bad) << rows.substr(0, rows.find('\n') + 1)
+                     << "{\"messages\": [{\"role\": \"user\", \"content\": \"x\"}]}\n"
+                        "{\"messages\": [{\"role\": \"user\", \"content\": \"y\"}]}\n";
+  for (const uint64_t batch : {uint64_t{1}, uint64_t{1} << 20})
+    expect_error(
+        [&] {
+          tokenize_files(*t, {bad}, tmp.path / "bad.bin", {.batch_bytes = batch, .chat = &chat});
+        },
+        {"bad.jsonl line 2", "no assistant message"});
+  EXPECT_FALSE(fs::exists(tmp.path / "bad.bin"));
+}
+
+// Where the template comes from: the tokenizer's directory (chat_template.jinja before
+// tokenizer_config.json's), named templates ("default", and "tool_use" when tools are given),
+// --chat-template; the special tokens it prints from tokenizer_config.json, each one token.
+TEST(Conversations, TheTemplateAndItsTokensAreFound) {
+  test::TempDir tmp("strata-chat-format");
+  test::write_tokenizer_json(tmp.path, test::with_begin_of_text(test::gpt2_like_tokenizer()));
+  const auto hf = open_tokenizer(tmp.path.string());
+  EXPECT_FALSE(open_chat_format(*hf, tmp.path.string()).has_value());
+  const nlohmann::json msgs = nlohmann::json::array({{{"role", "user"}, {"content", "hi"}}});
+  const nlohmann::ordered_json messages = nlohmann::ordered_json::parse(msgs.dump());
+
+  nlohmann::json config = {{"bos_token", "<|begin_of_text|>"},
+                           {"eos_token", {{"content", "<|endoftext|>"}, {"special", true}}},
+                           {"chat_template",
+                            "{{ bos_token }}{% for m in messages %}{{ m.content }}{{ eos_token }}"
+                            "{% endfor %}"}};
+  std::ofstream(tmp.path / "tokenizer_config.json") << config.dump();
+  const std::optional<ChatFormat> f = open_chat_format(*hf, (tmp.path / "tokenizer.json").string());
+  ASSERT_TRUE(f.has_value());
+  EXPECT_EQ(f->source, (tmp.path / "tokenizer_config.json").string());
+  EXPECT_EQ(f->render(messages, nullptr, false), "<|begin_of_text|>hi<|endoftext|>");
+
+  config["chat_template"] =
+      nlohmann::json::array({{{"name", "default"}, {"template", "D{{ messages|length }}"}},
+                             {{"name", "tool_use"}, {"template", "T{{ tools|length }}"}}});
+  std::ofstream(tmp.path / "tokenizer_config.json") << config.dump();
+  const std::optional<ChatFormat> named = open_chat_format(*hf, tmp.path.string());
+  ASSERT_TRUE(named.has_value());
+  EXPECT_EQ(named->render(messages, nullptr, false), "D1");
+  EXPECT_EQ(named->render(messages, nlohmann::ordered_json::parse("[{\"name\": \"f\"}]"), false),
+            "T1");
+
+  std::ofstream(tmp.path / "chat_template.jinja") << "J{{ bos_token }}\n";
+  const std::optional<ChatFormat> jinja = open_chat_format(*hf, tmp.path.string());
+  ASSERT_TRUE(jinja.has_value());
+  EXPECT_EQ(jinja->render(messages, nullptr, false), "J<|begin_of_text|>");
+
+  const fs::path other = tmp.path / "other.jinja";
+  std::ofstream(other) << "O{{ eos_token }}";
+  const std::optional<ChatFormat> given = open_chat_format(*hf, tmp.path.string(), other.string());
+  ASSERT_TRUE(given.has_value());
+  EXPECT_EQ(given->render(messages, nullptr, false), "O<|endoftext|>");
+
+  // A special token the tokenizer reads as several: refused, naming it.
+  config["bos_token"] = "<s>";
+  std::ofstream(tmp.path / "tokenizer_config.json") << config.dump();
+  expect_error([&] { open_chat_format(*hf, tmp.path.string()); },
+               {"bos_token", "\"<s>\"", "3 tokens", "use the model's tokenizer.json"});
+  // A template that does not parse: named with its line.
+  std::ofstream(tmp.path / "chat_template.jinja") << "line one\n{% if x %}never closed";
+  expect_error([&] { open_chat_format(*hf, tmp.path.string()); },
+               {"chat_template.jinja line 2", "never closed"});
 }
 
 }  // namespace

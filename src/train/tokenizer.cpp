@@ -131,8 +131,12 @@ void check_messages(const ojson& messages, std::string_view what, std::string_vi
 // (an index into the messages, or the count of prompt messages) picks the replies, their byte
 // ranges, each found by rendering the turns before it (with the generation prompt) and through
 // it, which must both begin the whole.
-Document render_conversation(const ChatOptions& chat, const ojson& messages, const ojson& tools,
-                             size_t prompt_messages, std::string_view source, int64_t line_no) {
+Document render_conversation(const ChatOptions& chat, const Conversation& c) {
+  const ojson& messages = c.messages;
+  const ojson& tools = c.tools;
+  const size_t prompt_messages = c.prompt_messages;
+  const std::string_view source = c.source;
+  const int64_t line_no = c.line;
   const ChatFormat& format = *chat.format;
   const auto render = [&](size_t count, bool generation_prompt) {
     ojson part = ojson::array();
@@ -238,6 +242,7 @@ void each_jsonl(std::string_view text, std::string_view source, const DocumentFn
             "\"chat_template\" (or that holds chat_template.jinja), or --chat-template FILE",
             source, line_no);
       const ojson tools = j.contains("tools") ? j["tools"] : ojson();
+      Conversation conversation;
       if (j.contains("messages")) {
         if (j.contains("prompt") || j.contains("completion") || j.contains("text"))
           fail(
@@ -245,13 +250,22 @@ void each_jsonl(std::string_view text, std::string_view source, const DocumentFn
               "\"text\" too; give one of them",
               source, line_no);
         check_messages(j["messages"], "\"messages\"", source, line_no);
-        doc = render_conversation(*chat, j["messages"], tools, 0, source, line_no);
+        conversation.messages = std::move(j["messages"]);
       } else {
         check_messages(j["prompt"], "\"prompt\"", source, line_no);
         check_messages(j["completion"], "\"completion\"", source, line_no);
-        ojson all = j["prompt"];
-        for (const ojson& m : j["completion"]) all.push_back(m);
-        doc = render_conversation(*chat, all, tools, j["prompt"].size(), source, line_no);
+        conversation.prompt_messages = j["prompt"].size();
+        conversation.messages = std::move(j["prompt"]);
+        for (ojson& m : j["completion"]) conversation.messages.push_back(std::move(m));
+      }
+      conversation.tools = tools;
+      conversation.source = std::string(source);
+      conversation.line = line_no;
+      conversation.bytes = line.size();
+      if (chat->defer) {
+        doc.pending = std::make_shared<const Conversation>(std::move(conversation));
+      } else {
+        doc = render_conversation(*chat, conversation);
       }
     } else {
       fail(
@@ -265,7 +279,7 @@ void each_jsonl(std::string_view text, std::string_view source, const DocumentFn
                             "in {}",
                             line.size() > 80 ? std::string(line.substr(0, 77)) + "..." : line));
     }
-    if (!doc.text.empty() || !doc.prompt.empty()) fn(std::move(doc));
+    if (!doc.text.empty() || !doc.prompt.empty() || doc.pending) fn(std::move(doc));
     if (consumed) consumed(std::min(start, text.size()));
   }
 }
@@ -516,6 +530,24 @@ std::vector<Document> read_documents(const std::filesystem::path& path) {
   return docs;
 }
 
+void render_conversations(std::vector<Document>& documents, const ChatOptions& chat) {
+  // Each failure is kept, and the first in order reported: the same error however the work
+  // was spread.
+  std::vector<std::string> errors(documents.size());
+  tbb::parallel_for(tbb::blocked_range<size_t>(0, documents.size()), [&](const auto& range) {
+    for (size_t d = range.begin(); d < range.end(); ++d) {
+      if (!documents[d].pending) continue;
+      try {
+        documents[d] = render_conversation(chat, *documents[d].pending);
+      } catch (const Error& e) {
+        errors[d] = e.what();
+      }
+    }
+  });
+  for (const std::string& e : errors)
+    if (!e.empty()) throw Error(e);
+}
+
 std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
                                          const std::vector<std::string>& documents, bool append_eos,
                                          bool after_others) {
@@ -656,7 +688,19 @@ TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
   // the last (--append-eos).
   std::vector<Document> batch;
   uint64_t held = 0;
+  // Conversations are rendered a batch at a time on every core, not as they are read.
+  std::optional<ChatOptions> chat;
+  if (options.chat != nullptr) {
+    chat = *options.chat;
+    chat->defer = true;
+  }
   auto flush = [&](bool last) {
+    if (chat) render_conversations(batch, *chat);
+    for (const Document& doc : batch) {
+      r.prompted += doc.prompt.empty() && doc.replies.empty() ? 0 : 1;
+      r.conversations += doc.rendered ? 1 : 0;
+      r.bytes += doc.prompt.size() + doc.text.size();
+    }
     // End-of-text after the batch's last document, where more follow (or --append-eos).
     const TokenStream stream = encode_documents(tokenizer, batch, !last || append_eos);
     if (stream.prompted && !masks) {
@@ -675,7 +719,7 @@ TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
         input,
         [&](Document doc) {
           ++in_file;
-          if (!response.empty() && doc.prompt.empty() && !doc.rendered) {
+          if (!response.empty() && doc.prompt.empty() && !doc.pending) {
             const size_t at = doc.text.find(response);
             if (at == std::string::npos) {
               ++r.untemplated;
@@ -685,7 +729,9 @@ TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
             doc.text.erase(0, at + response.size());
           }
           if (held >= batch_bytes) flush(false);
-          const uint64_t bytes = doc.prompt.size() + doc.text.size();
+          // A conversation's rendering is about its row's size.
+          const uint64_t bytes =
+              doc.pending ? doc.pending->bytes : doc.prompt.size() + doc.text.size();
           if (memory > 0 && bytes > memory / kDocumentBytesPerByte)
             fail(
                 "tokenize: document {} of {} is {}; a document is encoded whole, about {} bytes of "
@@ -693,14 +739,11 @@ TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
                 "holding only % separate the documents of a .txt, and a .jsonl holds one per line",
                 in_file, input.string(), format_bytes(bytes), kDocumentBytesPerByte,
                 format_bytes(bytes * kDocumentBytesPerByte), format_bytes(memory));
-          r.bytes += bytes;
           held += bytes;
           ++r.documents;
-          r.prompted += doc.prompt.empty() && doc.replies.empty() ? 0 : 1;
-          r.conversations += doc.rendered ? 1 : 0;
           batch.push_back(std::move(doc));
         },
-        options.chat);
+        chat ? &*chat : nullptr);
   }
   if (r.documents == 0) {
     std::vector<std::string> names;

@@ -76,6 +76,15 @@ std::optional<std::filesystem::path> model_tokenizer_file(const std::filesystem:
 // tokenizer.json, else its tokenizer.model); else the path of a SentencePiece model.
 std::unique_ptr<Tokenizer> open_tokenizer(std::string_view spec);
 
+// A conversation as read from its row, before its chat template renders it.
+struct Conversation {
+  nlohmann::ordered_json messages, tools;
+  size_t prompt_messages = 0;  // a prompt/completion row: how many messages are the prompt's
+  std::string source;          // the file and line, named in errors
+  int64_t line = 0;
+  uint64_t bytes = 0;  // the row's size, what the batch counts before it is rendered
+};
+
 // One document: its text, or a prompt and its completion (`text`), of which only the completion
 // is trained on, or a conversation rendered by a chat template.
 struct Document {
@@ -86,6 +95,8 @@ struct Document {
   // that count as targets (none: every token counts).
   bool rendered = false;
   std::vector<std::pair<uint64_t, uint64_t>> replies;
+  // A conversation left for render_conversations (ChatOptions::defer), not rendered yet.
+  std::shared_ptr<const Conversation> pending;
   bool operator==(const Document&) const = default;
 };
 
@@ -121,7 +132,14 @@ struct ChatOptions {
   std::optional<ChatFormat> format;  // none: such rows are an Error saying what is missing
   std::string unavailable;  // why there is no format, where reading one failed (named then)
   bool all_tokens = false;  // every token counts, not the assistant's replies alone
+  // Conversations are read and checked, but left `pending` for render_conversations, which
+  // renders a batch of them on every core (tokenize_files does).
+  bool defer = false;
 };
+
+// Renders the pending conversations of `documents` in parallel, in place. An Error names the
+// first (in order) that could not be rendered, with its row.
+void render_conversations(std::vector<Document>& documents, const ChatOptions& chat);
 
 enum class DocumentFormat : uint8_t { text, jsonl };
 // By extension: ".jsonl" is jsonl, anything else text.
