@@ -13,6 +13,7 @@
 #include <cmath>
 #include <ctime>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <optional>
 #include <span>
@@ -1515,24 +1516,22 @@ class Parser {
     return e;
   }
 
-  ExprP parse_or() {
-    ExprP e = parse_and();
-    while (is_name("or")) {
+  // One level of left-associative binary operators: next (op next)*, an operator being a word
+  // (and, or) or a symbol.
+  ExprP left_assoc(ExprP (Parser::*next)(), std::initializer_list<std::string_view> ops,
+                   Expr::Type type) {
+    ExprP e = (this->*next)();
+    while ((cur().type == Tok::op || cur().type == Tok::name) &&
+           std::find(ops.begin(), ops.end(), cur().text) != ops.end()) {
+      const std::string op = cur().text;
       const int line = cur().line;
       ++tok_;
-      e = binary(Expr::Type::or_, std::move(e), parse_and(), line);
+      e = binary(type, std::move(e), (this->*next)(), line, op);
     }
     return e;
   }
-  ExprP parse_and() {
-    ExprP e = parse_not();
-    while (is_name("and")) {
-      const int line = cur().line;
-      ++tok_;
-      e = binary(Expr::Type::and_, std::move(e), parse_not(), line);
-    }
-    return e;
-  }
+  ExprP parse_or() { return left_assoc(&Parser::parse_and, {"or"}, Expr::Type::or_); }
+  ExprP parse_and() { return left_assoc(&Parser::parse_not, {"and"}, Expr::Type::and_); }
   ExprP parse_not() {
     const Nest guard(*this);
     if (is_name("not")) {
@@ -1575,44 +1574,13 @@ class Parser {
     }
     return c ? std::move(c) : std::move(first);
   }
-  ExprP parse_math1() {
-    ExprP e = parse_concat();
-    while (is_op("+") || is_op("-")) {
-      const std::string op = cur().text;
-      const int line = cur().line;
-      ++tok_;
-      e = binary(Expr::Type::binary, std::move(e), parse_concat(), line, op);
-    }
-    return e;
-  }
-  ExprP parse_concat() {
-    ExprP e = parse_math2();
-    while (is_op("~")) {
-      const int line = cur().line;
-      ++tok_;
-      e = binary(Expr::Type::binary, std::move(e), parse_math2(), line, "~");
-    }
-    return e;
-  }
+  ExprP parse_math1() { return left_assoc(&Parser::parse_concat, {"+", "-"}, Expr::Type::binary); }
+  ExprP parse_concat() { return left_assoc(&Parser::parse_math2, {"~"}, Expr::Type::binary); }
   ExprP parse_math2() {
-    ExprP e = parse_pow();
-    while (is_op("*") || is_op("/") || is_op("//") || is_op("%")) {
-      const std::string op = cur().text;
-      const int line = cur().line;
-      ++tok_;
-      e = binary(Expr::Type::binary, std::move(e), parse_pow(), line, op);
-    }
-    return e;
+    return left_assoc(&Parser::parse_pow, {"*", "/", "//", "%"}, Expr::Type::binary);
   }
-  ExprP parse_pow() {
-    ExprP e = parse_unary(true);
-    while (is_op("**")) {
-      const int line = cur().line;
-      ++tok_;
-      e = binary(Expr::Type::binary, std::move(e), parse_unary(true), line, "**");
-    }
-    return e;
-  }
+  ExprP parse_pow() { return left_assoc(&Parser::parse_filtered, {"**"}, Expr::Type::binary); }
+  ExprP parse_filtered() { return parse_unary(true); }
   ExprP parse_unary(bool with_filter) {
     const Nest guard(*this);
     ExprP e;
