@@ -1278,6 +1278,22 @@ class Parser {
     expect_end();
     ++seg_;
   }
+  // The rest of a block tag opened on `line`, its body and its end tag `end`.
+  Body block_to(const char* end, int line, int loops) {
+    end_tag();
+    Body b = inner_body({end}, line, loops);
+    ++tok_;
+    end_tag();
+    return b;
+  }
+  // The filters of a {% filter %} or {% set x | ... %} block: their input, the block's text,
+  // takes the place of this placeholder.
+  static ExprP placeholder(int line) {
+    auto e = std::make_unique<Expr>();
+    e->type = Expr::Type::constant;
+    e->line = line;
+    return e;
+  }
   // The body of a tag opened on `line`, up to one of `ends`; a loop body with `loop` set.
   Body inner_body(const std::vector<std::string>& ends, int line, int loops) {
     const int saved = loops_;
@@ -1360,16 +1376,9 @@ class Parser {
         if ((cur().type == Tok::end || is_op("|")) && st->targets.size() == 1) {
           st->type = Stmt::Type::set_block;
           st->text = st->targets[0];
-          if (is_op("|")) {  // {% set x | filter %}: the block's text filtered
-            auto placeholder = std::make_unique<Expr>();
-            placeholder->type = Expr::Type::constant;
-            placeholder->line = line;
-            st->expr = parse_filters(std::move(placeholder), false);
-          }
-          end_tag();
-          st->body = inner_body({"endset"}, line, loops_);
-          ++tok_;
-          end_tag();
+          if (is_op("|"))  // {% set x | filter %}: the block's text filtered
+            st->expr = parse_filters(placeholder(line), false);
+          st->body = block_to("endset", line, loops_);
         } else {
           st->type = Stmt::Type::set;
           expect_op("=");
@@ -1383,10 +1392,7 @@ class Parser {
       st->text = cur().text;
       ++tok_;
       parse_params(*st);
-      end_tag();
-      st->body = inner_body({"endmacro"}, line, 0);
-      ++tok_;
-      end_tag();
+      st->body = block_to("endmacro", line, 0);
     } else if (w == "call") {
       st->type = Stmt::Type::call_block;
       st->text = "caller";  // the body is a macro of that name, with these parameters
@@ -1394,30 +1400,18 @@ class Parser {
       st->call = parse_expression();
       if (st->call->type != Expr::Type::call)
         fail_at(line, "{% call %} needs a macro call, e.g. {% call m() %}");
-      end_tag();
-      st->body = inner_body({"endcall"}, line, 0);
-      ++tok_;
-      end_tag();
+      st->body = block_to("endcall", line, 0);
     } else if (w == "filter") {
       st->type = Stmt::Type::filter_block;
       // The filters (with their arguments) apply to the block's output, which the interpreter
       // puts in place of the placeholder at the chain's start.
-      auto placeholder = std::make_unique<Expr>();
-      placeholder->type = Expr::Type::constant;
-      placeholder->line = line;
-      st->expr = parse_filters(std::move(placeholder), true);
-      end_tag();
-      st->body = inner_body({"endfilter"}, line, loops_);
-      ++tok_;
-      end_tag();
+      st->expr = parse_filters(placeholder(line), true);
+      st->body = block_to("endfilter", line, loops_);
     } else if (w == "generation") {
       generation_ = true;
       // TRL's marker of an assistant's reply: the reply itself is what renders.
       st->type = Stmt::Type::body;
-      end_tag();
-      st->body = inner_body({"endgeneration"}, line, loops_);
-      ++tok_;
-      end_tag();
+      st->body = block_to("endgeneration", line, loops_);
     } else if (w == "break" || w == "continue") {
       if (loops_ == 0) fail_at(line, fmt::format("{{% {} %}} outside a for loop", w));
       st->type = w == "break" ? Stmt::Type::break_ : Stmt::Type::continue_;
