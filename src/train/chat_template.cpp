@@ -97,7 +97,8 @@ enum class Kind : uint8_t {
   tuple,
   dict,
   ns,  // namespace(): the one mutable object
-  function
+  function,
+  bigint  // an integer of the context past int64 (uint64): its digits in `s`, for printing
 };
 
 struct Value {
@@ -106,6 +107,9 @@ struct Value {
   int64_t i = 0;
   double f = 0;
   std::string s;  // a string; for an undefined, what is undefined ("'x' is undefined")
+  // A string marked safe (Jinja's Markup, made by |safe and |e): `+` escapes the other operand's
+  // HTML characters, as Markup.__add__ does, and its own methods keep the mark.
+  bool safe = false;
   std::shared_ptr<ListData> list;
   std::shared_ptr<DictData> dict;
   std::shared_ptr<const Callable> fn;
@@ -138,10 +142,11 @@ struct Value {
     v.f = x;
     return v;
   }
-  static Value string(std::string x) {
+  static Value string(std::string x, bool safe = false) {
     Value v;
     v.kind = Kind::string;
     v.s = std::move(x);
+    v.safe = safe;
     return v;
   }
   static Value make_list(std::vector<Value> items, bool tuple = false);
@@ -220,6 +225,8 @@ const char* type_name(const Value& v) {
       return "Namespace";
     case Kind::function:
       return "function";
+    case Kind::bigint:
+      return "int";
   }
   return "?";
 }
@@ -240,7 +247,12 @@ Value from_json(const ojson& j) {
       return Value::integer(j.get<int64_t>());
     case ojson::value_t::number_unsigned: {
       const uint64_t u = j.get<uint64_t>();
-      if (u > static_cast<uint64_t>(INT64_MAX)) return Value::real(static_cast<double>(u));
+      if (u > static_cast<uint64_t>(INT64_MAX)) {  // printed as it is; no arithmetic on it
+        Value v;
+        v.kind = Kind::bigint;
+        v.s = std::to_string(u);
+        return v;
+      }
       return Value::integer(static_cast<int64_t>(u));
     }
     case ojson::value_t::number_float:
@@ -329,6 +341,34 @@ std::string strip_text(std::string_view s, bool left, bool right,
     while (right && b > a && space_before(s, b) > 0) b -= space_before(s, b);
   }
   return std::string(s.substr(a, b - a));
+}
+
+// Jinja's escape(): the HTML characters as entities, as Markup writes them.
+std::string html_escape(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (char c : text) {
+    switch (c) {
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&#34;";
+        break;
+      case '\'':
+        out += "&#39;";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
 }
 
 bool ascii(std::string_view s) {
@@ -438,6 +478,8 @@ std::string to_str(const Value& v) {
       return v.b ? "True" : "False";
     case Kind::integer:
       return std::to_string(v.i);
+    case Kind::bigint:
+      return v.s;
     case Kind::real:
       return float_repr(v.f);
     case Kind::string:
@@ -486,6 +528,9 @@ void to_json(const Value& v, std::string& out, int indent, int depth, const std:
       return;
     case Kind::boolean:
       out += v.b ? "true" : "false";
+      return;
+    case Kind::bigint:
+      out += v.s;
       return;
     case Kind::integer:
       out += std::to_string(v.i);
@@ -629,6 +674,7 @@ bool equal(const Value& a, const Value& b) {
     case Kind::none:
       return true;
     case Kind::string:
+    case Kind::bigint:
       return a.s == b.s;
     case Kind::dict: {
       if (a.dict->items.size() != b.dict->items.size()) return false;
@@ -2175,7 +2221,7 @@ struct Interp {
       a.done(1);
       std::optional<std::string> set;
       if (chars.kind != Kind::none) set = want_string(chars, "strip()");
-      return Value::string(strip_text(s, m != "rstrip", m != "lstrip", set));
+      return Value::string(strip_text(s, m != "rstrip", m != "lstrip", set), self.safe);
     }
     if (m == "split") {
       const Value sep = a.get(0, "sep", Value::none());
@@ -2212,18 +2258,24 @@ struct Interp {
     }
     if (m == "upper" || m == "lower") {
       a.done(0);
-      return Value::string(ascii_case(s, m.c_str(), m == "upper" ? 1 : 0));
+      return Value::string(ascii_case(s, m.c_str(), m == "upper" ? 1 : 0), self.safe);
     }
     if (m == "title" || m == "capitalize") {
       a.done(0);
-      return Value::string(title_case(s, m == "title", m.c_str()));
+      return Value::string(title_case(s, m == "title", m.c_str()), self.safe);
     }
     if (m == "replace") {
-      const std::string from = want_string(a.need(0, "old"), "replace()");
-      const std::string to = want_string(a.need(1, "new"), "replace()");
+      // A safe string's replace() escapes its arguments (Markup's methods do).
+      const auto arg = [&](const Value& x) {
+        const std::string t = want_string(x, "replace()");
+        return self.safe && !x.safe ? html_escape(t) : t;
+      };
+      const std::string from = arg(a.need(0, "old"));
+      const std::string to = arg(a.need(1, "new"));
       const Value count = a.get(2, "count", Value::integer(-1));
       a.done(3);
-      return Value::string(replace_all(s, from, to, want_int(count, "replace()'s count")));
+      return Value::string(replace_all(s, from, to, want_int(count, "replace()'s count")),
+                           self.safe);
     }
     if (m == "find" || m == "count") {
       const std::string sub = want_string(a.need(0, "sub"), m.c_str());
@@ -2246,9 +2298,10 @@ struct Interp {
       for (const Value& v : iterate(items)) {
         if (!first) out += s;
         first = false;
-        out += want_string(v, "join()");
+        const std::string item = want_string(v, "join()");
+        out += self.safe && !v.safe ? html_escape(item) : item;  // Markup.join escapes
       }
-      return Value::string(out);
+      return Value::string(out, self.safe);
     }
     if (m.starts_with("is")) {
       a.done(0);
@@ -2303,8 +2356,9 @@ struct Interp {
     if (test == "string") return a.done(0), Value::boolean(v.kind == Kind::string);
     if (test == "number")
       return a.done(0), Value::boolean(v.kind == Kind::integer || v.kind == Kind::real ||
-                                       v.kind == Kind::boolean);
-    if (test == "integer") return a.done(0), Value::boolean(v.kind == Kind::integer);
+                                       v.kind == Kind::boolean || v.kind == Kind::bigint);
+    if (test == "integer")
+      return a.done(0), Value::boolean(v.kind == Kind::integer || v.kind == Kind::bigint);
     if (test == "float") return a.done(0), Value::boolean(v.kind == Kind::real);
     if (test == "boolean") return a.done(0), Value::boolean(v.kind == Kind::boolean);
     if (test == "true") return a.done(0), Value::boolean(v.kind == Kind::boolean && v.b);
@@ -2386,13 +2440,15 @@ struct Interp {
       a.done(1);
       std::optional<std::string> set;
       if (chars.kind != Kind::none) set = want_string(chars, "trim");
-      return Value::string(strip_text(to_str(v), true, true, set));
+      return Value::string(strip_text(to_str(v), true, true, set), v.safe);
     }
+    // These filters work on the string as it is, so a safe string stays safe.
     if (f == "length" || f == "count") return a.done(0), Value::integer(length(v));
     if (f == "upper" || f == "lower")
-      return a.done(0), Value::string(ascii_case(to_str(v), f.c_str(), f == "upper" ? 1 : 0));
+      return a.done(0),
+             Value::string(ascii_case(to_str(v), f.c_str(), f == "upper" ? 1 : 0), v.safe);
     if (f == "capitalize")
-      return a.done(0), Value::string(title_case(to_str(v), false, "capitalize"));
+      return a.done(0), Value::string(title_case(to_str(v), false, "capitalize"), v.safe);
     if (f == "title") {
       // Jinja's own rule, not str.title(): a word starts after whitespace, -, (, {, [ or <.
       a.done(0);
@@ -2403,7 +2459,7 @@ struct Interp {
         start = std::isspace(static_cast<unsigned char>(c)) || c == '-' || c == '(' || c == '{' ||
                 c == '[' || c == '<';
       }
-      return Value::string(t);
+      return Value::string(t, v.safe);
     }
     if (f == "default" || f == "d") {
       const Value dflt = a.get(0, "default_value", Value::string(""));
@@ -2412,33 +2468,12 @@ struct Interp {
       if (v.is_undefined() || (boolean && !truthy(v))) return dflt;
       return v;
     }
-    if (f == "string") return a.done(0), Value::string(to_str(v));
-    if (f == "safe") return a.done(0), v;
+    if (f == "string") return a.done(0), Value::string(to_str(v), v.safe);
+    if (f == "safe") return a.done(0), Value::string(to_str(v), true);
     if (f == "e" || f == "escape") {
       a.done(0);
-      std::string out;
-      for (char c : to_str(v)) {
-        switch (c) {
-          case '&':
-            out += "&amp;";
-            break;
-          case '<':
-            out += "&lt;";
-            break;
-          case '>':
-            out += "&gt;";
-            break;
-          case '"':
-            out += "&#34;";
-            break;
-          case '\'':
-            out += "&#39;";
-            break;
-          default:
-            out += c;
-        }
-      }
-      return Value::string(out);
+      if (v.kind == Kind::string && v.safe) return v;  // already escaped
+      return Value::string(html_escape(to_str(v)), true);
     }
     if (f == "tojson") {
       const Value indent = a.get(1, "indent", Value::none());
@@ -2640,6 +2675,10 @@ struct Interp {
             arithmetic("+", total, attribute.kind == Kind::none ? x : attribute_of(x, attribute));
       return total;
     }
+    // Jinja's map and select family start with `if value:`: a falsy input gives nothing.
+    if ((f == "map" || f == "select" || f == "reject" || f == "selectattr" || f == "rejectattr") &&
+        !truthy(v))
+      return Value::make_list({});
     if (f == "map") {
       std::vector<Value> out;
       const std::optional<Value> attribute = a.get(99, "attribute");
@@ -2739,8 +2778,12 @@ struct Interp {
     defined(y);
     if (op == "+") {
       if (x.kind == Kind::string && y.kind == Kind::string) {
-        check_text_size(x.s.size() + y.s.size());
-        return Value::string(x.s + y.s);
+        // Markup.__add__ and __radd__: beside a safe string, the other is escaped.
+        const bool safe = x.safe || y.safe;
+        const std::string a = safe && !x.safe ? html_escape(x.s) : x.s;
+        const std::string b = safe && !y.safe ? html_escape(y.s) : y.s;
+        check_text_size(a.size() + b.size());
+        return Value::string(a + b, safe);
       }
       if (x.is_sequence() && x.kind == y.kind) {
         check_list_size(x.list->items.size() + y.list->items.size());
@@ -2760,7 +2803,7 @@ struct Interp {
           check_text_size(seq->s.size() * static_cast<size_t>(std::min<int64_t>(n, kMaxText + 1)));
           std::string out;
           for (int64_t k = 0; k < n; ++k) out += seq->s;
-          return Value::string(out);
+          return Value::string(out, seq->safe);
         }
         check_list_size(seq->list->items.size() *
                         static_cast<size_t>(std::min<int64_t>(n, kMaxItems + 1)));
@@ -2770,6 +2813,9 @@ struct Interp {
         return Value::make_list(std::move(items), seq->kind == Kind::tuple);
       }
     }
+    if (x.kind == Kind::bigint || y.kind == Kind::bigint)
+      error(fmt::format("{} {} {}: arithmetic on an integer past 2^63 is not supported", to_str(x),
+                        op, to_str(y)));
     if (!x.is_number() || !y.is_number())
       error(fmt::format("unsupported operand types for {}: '{}' and '{}'", op, type_name(x),
                         type_name(y)));
