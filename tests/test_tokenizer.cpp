@@ -550,6 +550,12 @@ TEST(Conversations, BadConversationsAreNamed) {
         split("{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}\n", ChatOptions{});
       },
       {"chat.jsonl line 1", "conversation needs the model's chat template", "--chat-template"});
+  // A template file given alone, printing a special token only a tokenizer_config.json names.
+  const ChatOptions bare = chat_options("{{ bos_token + messages[0].content }}");
+  expect_error(
+      [&] { split("{\"messages\": [{\"role\": \"assistant\", \"content\": \"a\"}]}\n", bare); },
+      {"chat.jsonl line 1", "'bos_token' is undefined", "tokenizer_config.json",
+       "--tokenizer with the model's directory"});
 }
 
 // Encoded whole with the byte tokenizer: only the replies count; the end-of-text after a
@@ -707,7 +713,11 @@ TEST(Conversations, TheTemplateAndItsTokensAreFound) {
   ASSERT_TRUE(given.has_value());
   EXPECT_EQ(given->render(messages, nullptr, false), "O<|endoftext|>");
 
-  // A special token the tokenizer reads as several: refused, naming it.
+  // A special token the tokenizer reads as several: no matter where no template prints it (a pad
+  // token the vocabulary lacks), refused, naming it, where one does.
+  config["pad_token"] = "<pad>";
+  std::ofstream(tmp.path / "tokenizer_config.json") << config.dump();
+  EXPECT_TRUE(open_chat_format(*hf, tmp.path.string()).has_value());
   config["bos_token"] = "<s>";
   std::ofstream(tmp.path / "tokenizer_config.json") << config.dump();
   expect_error([&] { open_chat_format(*hf, tmp.path.string()); },

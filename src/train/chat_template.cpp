@@ -1956,6 +1956,7 @@ class Parser {
 struct ChatTemplate::Program {
   Body body;
   bool generation = false;
+  std::string source;
 };
 
 namespace {
@@ -3342,6 +3343,7 @@ ChatTemplate::ChatTemplate(std::string_view source, std::string name)
     Parser parser(Lexer(std::string(source)).run());
     program_->body = parser.parse();
     program_->generation = parser.saw_generation();
+    program_->source = std::string(source);
   } catch (const TemplateError& e) {
     fail("chat template {} line {}: {}; the template cannot be read", name_, e.line, e.message);
   }
@@ -3353,6 +3355,10 @@ ChatTemplate& ChatTemplate::operator=(ChatTemplate&&) noexcept = default;
 
 bool ChatTemplate::has_generation() const {
   return program_->generation;
+}
+
+bool ChatTemplate::mentions(std::string_view word) const {
+  return program_->source.find(word) != std::string::npos;
 }
 
 std::string ChatTemplate::render(const nlohmann::ordered_json& context,

@@ -45,6 +45,8 @@ class ChatTemplate {
                      std::vector<std::pair<uint64_t, uint64_t>>* generation = nullptr) const;
   // Whether the template has {% generation %} blocks.
   bool has_generation() const;
+  // Whether its text holds `word` anywhere (a variable it may print, say).
+  bool mentions(std::string_view word) const;
 
   const std::string& name() const { return name_; }
 

@@ -127,6 +127,21 @@ void check_messages(const ojson& messages, std::string_view what, std::string_vi
   }
 }
 
+// Where a template failed on a special token it was not given (a template file passed without
+// the tokenizer_config.json that names its tokens), what to do about it.
+std::string missing_token_hint(const ChatFormat& format, std::string_view message) {
+  for (const char* key :
+       {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"})
+    if (message.find(fmt::format("'{}' is undefined", key)) != std::string_view::npos &&
+        !format.tokens.contains(key))
+      return fmt::format(
+          "; the template prints {}, which transformers takes from the tokenizer's "
+          "tokenizer_config.json: pass --tokenizer with the model's directory (or a "
+          "tokenizer_config.json as --chat-template)",
+          key);
+  return "";
+}
+
 // A conversation row rendered: the whole as the template writes it, and where `replies_from`
 // (an index into the messages, or the count of prompt messages) picks the replies, their byte
 // ranges, each found by rendering the turns before it (with the generation prompt) and through
@@ -144,7 +159,7 @@ Document render_conversation(const ChatOptions& chat, const Conversation& c) {
     try {
       return format.render(part, tools, generation_prompt);
     } catch (const Error& e) {
-      fail("{} line {}: {}", source, line_no, e.what());
+      fail("{} line {}: {}{}", source, line_no, e.what(), missing_token_hint(format, e.what()));
     }
   };
   Document doc;
@@ -156,7 +171,7 @@ Document render_conversation(const ChatOptions& chat, const Conversation& c) {
   try {
     doc.text = format.render(messages, tools, false, marked ? &doc.replies : nullptr);
   } catch (const Error& e) {
-    fail("{} line {}: {}", source, line_no, e.what());
+    fail("{} line {}: {}{}", source, line_no, e.what(), missing_token_hint(format, e.what()));
   }
   if (chat.all_tokens) return doc;
   if (marked) {
@@ -472,7 +487,11 @@ std::optional<ChatFormat> open_chat_format(const Tokenizer& tokenizer,
         content = v["content"].get<std::string>();
       if (!content) continue;
       format.tokens[key] = *content;
-      // A token the tokenizer splits would train the model on its letters.
+      // A token the tokenizer splits would train the model on its letters, where the template
+      // prints it (a config's pad_token that the vocabulary lacks matters to no template).
+      const bool printed = format.default_template->mentions(key) ||
+                           (format.tool_template && format.tool_template->mentions(key));
+      if (!printed) continue;
       const size_t n = tokenizer.encode(*content).size();
       if (n != 1)
         fail(
