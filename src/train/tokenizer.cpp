@@ -142,10 +142,11 @@ std::string missing_token_hint(const ChatFormat& format, std::string_view messag
   return "";
 }
 
-// A conversation row rendered: the whole as the template writes it, and where `replies_from`
-// (an index into the messages, or the count of prompt messages) picks the replies, their byte
-// ranges, each found by rendering the turns before it (with the generation prompt) and through
-// it, which must both begin the whole.
+// A conversation row rendered: the whole as the template writes it and, unless every token
+// counts, the byte ranges of its replies: what the template's {% generation %} blocks wrote,
+// where it has them; otherwise each assistant message (or a prompt/completion row's completion)
+// found by rendering the turns before it (with the generation prompt) and through it, which must
+// both begin the whole.
 Document render_conversation(const ChatOptions& chat, const Conversation& c) {
   const ojson& messages = c.messages;
   const ojson& tools = c.tools;
