@@ -214,6 +214,15 @@ TEST_F(TokenizeCli, ConversationsThroughTheModelsChatTemplate) {
   for (size_t k = 0; k < whole.size(); ++k)
     EXPECT_EQ(mask->counts(static_cast<int64_t>(k)), k >= whole.size() - reply.size()) << k;
 
+  // --show: the tokens as written, special tokens spelled out, what does not count in ⟦ ⟧.
+  const Result shown = strata(args + " --show 1000");
+  ASSERT_EQ(shown.status, 0) << shown.out;
+  EXPECT_NE(shown.out.find("the first 32 tokens of " + out.string() +
+                           " (⟦...⟧: not trained on):\n⟦<|begin_of_text|><user>the<|endoftext|>"
+                           "<assistant>⟧the the<|endoftext|><|begin_of_text|>plain<|endoftext|>\n"),
+            std::string::npos)
+      << shown.out;
+
   const Result all = strata(args + " --chat-loss all");
   ASSERT_EQ(all.status, 0) << all.out;
   EXPECT_NE(all.out.find("every token counts (--chat-loss all)"), std::string::npos) << all.out;

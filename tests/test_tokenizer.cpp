@@ -37,6 +37,8 @@ TEST(ByteTokenizer, EveryByteRoundTripsAndEndOfTextIs256) {
   EXPECT_EQ(t->vocab_size(), 257);
   EXPECT_EQ(t->eos_id(), 256u);
   EXPECT_EQ(t->name(), "byte");
+  EXPECT_EQ(t->special_piece(256), "<eos>");  // what tokenize --show writes for it
+  EXPECT_FALSE(t->special_piece('a').has_value());
   std::string all;
   for (int b = 0; b < 256; ++b) all.push_back(static_cast<char>(b));
   const std::vector<uint32_t> ids = t->encode(all);
@@ -396,6 +398,8 @@ TEST_F(SentencePieceTest, ATrainedModelRoundTripsText) {
   EXPECT_LE(t->vocab_size(), 120);
   ASSERT_TRUE(t->eos_id().has_value());  // </s>, id 2 by SentencePiece's default
   EXPECT_EQ(*t->eos_id(), 2u);
+  EXPECT_EQ(t->special_piece(2), "</s>");
+  EXPECT_FALSE(t->special_piece(static_cast<uint32_t>(t->encode("the").front())).has_value());
   for (const char* text : {"the quick brown fox", "a stitch in time saves nine gold apples",
                            "every state is scheduled 17"}) {
     const std::vector<uint32_t> ids = t->encode(text);
@@ -677,6 +681,8 @@ TEST(Conversations, TheTemplateAndItsTokensAreFound) {
   test::TempDir tmp("strata-chat-format");
   test::write_tokenizer_json(tmp.path, test::with_begin_of_text(test::gpt2_like_tokenizer()));
   const auto hf = open_tokenizer(tmp.path.string());
+  EXPECT_EQ(hf->special_piece(259), "<|endoftext|>");
+  EXPECT_FALSE(hf->special_piece(258).has_value());
   EXPECT_FALSE(open_chat_format(*hf, tmp.path.string()).has_value());
   const nlohmann::json msgs = nlohmann::json::array({{{"role", "user"}, {"content", "hi"}}});
   const nlohmann::ordered_json messages = nlohmann::ordered_json::parse(msgs.dump());

@@ -37,7 +37,44 @@ struct TokenizeArgs {
   std::string response_template;
   std::string chat_template;
   std::string chat_loss = "replies";
+  int64_t show = 0;
 };
+
+// --show N: the first N tokens of the output as the model will see them, read back from the
+// token file and its mask: decoded, special tokens written out (end-of-text among them, so the
+// documents show), and the text that does not count as a target between ⟦ and ⟧, so a user can
+// check a chat template's replies before training.
+void show_tokens(const Tokenizer& tokenizer, const TokenizedFiles& r, int64_t count) {
+  const TokenFile tokens = TokenFile::open(r.files.front(), std::optional<TokenWidth>{});
+  const std::optional<LossMask> mask = LossMask::open_beside(tokens);
+  const int64_t n = std::min(count, tokens.size());
+  std::string text;
+  std::vector<uint32_t> run;  // ordinary tokens, decoded together
+  bool counted = true;
+  const auto flush_run = [&] {
+    text += tokenizer.decode(run);
+    run.clear();
+  };
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t id = tokens.get(i);
+    const bool counts = !mask || mask->counts(i);
+    if (counts != counted) {
+      flush_run();
+      text += counts ? "⟧" : "⟦";
+      counted = counts;
+    }
+    if (const std::optional<std::string> special = tokenizer.special_piece(id)) {
+      flush_run();
+      text += *special;
+    } else {
+      run.push_back(id);
+    }
+  }
+  flush_run();
+  if (!counted) text += "⟧";
+  fmt::print("the first {} tokens of {} (⟦...⟧: not trained on):\n{}\n", n,
+             r.files.front().string(), text);
+}
 
 int run_tokenize(const TokenizeArgs& a) {
   const std::unique_ptr<Tokenizer> tokenizer = open_tokenizer(a.tokenizer);
@@ -82,6 +119,7 @@ int run_tokenize(const TokenizeArgs& a) {
         "tokens count as targets; loss masks beside the token files ({}{})\n",
         r.prompted, r.counted, r.tokens, r.masks.front().filename().string(),
         r.masks.size() > 1 ? ", ..." : "");
+  if (a.show > 0) show_tokens(*tokenizer, r, a.show);
   for (const std::filesystem::path& m : r.removed)
     fmt::print("  removed {}, an earlier run's loss mask: this output has no prompts\n",
                m.string());
@@ -129,6 +167,10 @@ Command add_tokenize(CLI::App& app) {
                   "\"messages\" row without assistant_only_loss")
       ->check(CLI::IsMember({"replies", "all"}))
       ->capture_default_str();
+  cmd->add_option("--show", a->show,
+                  "print the first N tokens as written: decoded, special tokens included, the text "
+                  "that is not trained on between ⟦ and ⟧ (to check a chat template's replies)")
+      ->check(CLI::NonNegativeNumber);
   cmd->add_flag("--append-eos", a->append_eos,
                 "also write end-of-text after the last document (it always separates documents)");
   return {cmd, [a] { return run_tokenize(*a); }};

@@ -867,6 +867,10 @@ class HfTokenizer final : public Tokenizer {
   std::vector<uint32_t> prefix_ids() const override { return prefix_; }
   std::vector<uint32_t> suffix_ids() const override { return suffix_; }
   std::string name() const override { return path_; }
+  std::optional<std::string> special_piece(uint32_t id) const override {
+    if (!special_ids_.contains(id)) return std::nullopt;
+    return pieces_.at(id);
+  }
 
  private:
   void load(const std::filesystem::path& file) {

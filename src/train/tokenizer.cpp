@@ -44,6 +44,10 @@ class ByteTokenizer final : public Tokenizer {
   int64_t vocab_size() const override { return 257; }
   std::optional<uint32_t> eos_id() const override { return kByteEos; }
   std::string name() const override { return "byte"; }
+  std::optional<std::string> special_piece(uint32_t id) const override {
+    if (id == kByteEos) return "<eos>";
+    return std::nullopt;
+  }
 };
 
 class SentencePieceTokenizer final : public Tokenizer {
@@ -95,6 +99,11 @@ class SentencePieceTokenizer final : public Tokenizer {
     return {static_cast<uint32_t>(id)};
   }
   std::string name() const override { return path_; }
+  std::optional<std::string> special_piece(uint32_t id) const override {
+    const int i = static_cast<int>(id);
+    if (id >= static_cast<uint32_t>(sp_.GetPieceSize()) || !sp_.IsControl(i)) return std::nullopt;
+    return sp_.IdToPiece(i);
+  }
 
  private:
   std::string path_;

@@ -61,6 +61,9 @@ class Tokenizer {
   virtual std::vector<uint32_t> prefix_ids() const { return {}; }
   virtual std::vector<uint32_t> suffix_ids() const { return {}; }
   virtual std::string name() const = 0;  // "byte", or the model's path
+  // The text of a special token, which decode() leaves out (<|eot_id|>, </s>; the byte
+  // tokenizer's end-of-text is "<eos>"); none for an ordinary token.
+  virtual std::optional<std::string> special_piece(uint32_t) const { return std::nullopt; }
 };
 
 std::unique_ptr<Tokenizer> make_byte_tokenizer();
