@@ -200,6 +200,16 @@ TEST(ChatTemplate, RunawayTemplatesAreStopped) {
             "<1><2>");
 }
 
+// Jinja's split() of a safe string gives safe pieces; strata does not track them, so it refuses
+// rather than render them differently.
+TEST(ChatTemplate, SplittingASafeStringIsRefused) {
+  expect_error(
+      [] { ChatTemplate("{{ ('a b'|safe).split() }}", "safe.jinja").render(json::object()); },
+      {"safe.jinja line 1", "split() of a safe string"});
+  EXPECT_EQ(ChatTemplate("{{ 'a b'.split() }}", "plain.jinja").render(json::object()),
+            "['a', 'b']");
+}
+
 TEST(ChatTemplate, OneParseRendersManyContextsTheSameEveryTime) {
   ChatTemplate t(
       "{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}{% endfor %}"

@@ -2224,6 +2224,11 @@ struct Interp {
       if (chars.kind != Kind::none) set = want_string(chars, "strip()");
       return Value::string(strip_text(s, m != "rstrip", m != "lstrip", set), self.safe);
     }
+    if ((m == "split" || m == "splitlines") && self.safe)
+      error(
+          fmt::format("{}() of a safe string (|safe, |e) is not supported: Jinja's gives safe "
+                      "pieces, which strata does not track",
+                      m));
     if (m == "split") {
       const Value sep = a.get(0, "sep", Value::none());
       const Value maxsplit = a.get(1, "maxsplit", Value::integer(-1));
@@ -2762,7 +2767,7 @@ struct Interp {
         k = e + 1;
         first_line = false;
       }
-      return Value::string(out);
+      return Value::string(out, v.safe);  // Jinja's indent keeps a Markup one
     }
     error(fmt::format("the filter '{}' is not supported", f));
   }

@@ -13,8 +13,11 @@
 // and dict methods templates call (strip, split, startswith, items, get, ...); the globals
 // raise_exception, namespace, range, strftime_now. Values print as Python prints them. A name
 // that is not defined is Jinja's default Undefined: false, empty, printed as nothing, an error
-// only when used as a value. Anything else is an Error naming the template, its line and what
-// is not supported; nothing is silently rendered differently.
+// only when used as a value. Strings marked safe (|safe, |e) behave as Jinja's Markup: beside
+// one, + HTML-escapes the other string. Anything else is an Error naming the template, its line
+// and what is not supported; nothing is silently rendered differently. So is a template that
+// runs away (recursion or nesting past 200, text past 256 MiB, lists past 2^20 items, more than
+// 2^20 loop passes): a model directory is downloaded input.
 #pragma once
 
 #include <memory>
