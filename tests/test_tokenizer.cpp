@@ -506,6 +506,34 @@ TEST(Conversations, GenerationMarkersAreTheReplies) {
       {"chat.jsonl line 1", "marks no text", "generation", "--chat-loss all"});
 }
 
+// ShareGPT's "conversations" rows (turns of "from" and "value") are the messages they stand
+// for: human is the user, gpt the assistant, as axolotl and LLaMA-Factory map them.
+TEST(Conversations, ShareGptTurnsAreMessages) {
+  const ChatOptions chat = chat_options(kTurns);
+  const auto split = [&](const std::string& row) {
+    return split_documents(row, DocumentFormat::jsonl, "chat.jsonl", &chat);
+  };
+  const std::vector<Document> shared = split(
+      "{\"conversations\": [{\"from\": \"system\", \"value\": \"s\"}, {\"from\": \"human\", "
+      "\"value\": \"hi\"}, {\"from\": \"gpt\", \"value\": \"yo\"}]}\n");
+  const std::vector<Document> messages = split(
+      "{\"messages\": [{\"role\": \"system\", \"content\": \"s\"}, {\"role\": \"user\", "
+      "\"content\": \"hi\"}, {\"role\": \"assistant\", \"content\": \"yo\"}]}\n");
+  ASSERT_EQ(shared.size(), 1u);
+  EXPECT_EQ(shared[0], messages[0]);
+  EXPECT_EQ(reply_texts(shared[0]), std::vector<std::string>{"yo</assistant>\n"});
+  expect_error(
+      [&] { split("{\"conversations\": [{\"from\": \"narrator\", \"value\": \"x\"}]}\n"); },
+      {"chat.jsonl line 1", "turn 0", "\"narrator\"", "\"messages\""});
+  expect_error([&] { split("{\"conversations\": [{\"from\": \"human\"}]}\n"); },
+               {"chat.jsonl line 1", "turn 0", "\"value\""});
+  expect_error(
+      [&] {
+        split("{\"conversations\": [{\"from\": \"human\", \"value\": \"x\"}], \"messages\": []}\n");
+      },
+      {"chat.jsonl line 1", "both \"conversations\" and \"messages\""});
+}
+
 // Conversations that cannot be trained on as asked are refused, naming the line and why.
 TEST(Conversations, BadConversationsAreNamed) {
   const ChatOptions chat = chat_options(kTurns);

@@ -157,8 +157,9 @@ Command add_tokenize(CLI::App& app) {
                   "its completion, as TRL's DataCollatorForCompletionOnlyLM masks them; a "
                   "document without it is left out");
   cmd->add_option("--chat-template", a->chat_template,
-                  "the chat template that renders conversations (.jsonl rows of \"messages\", or "
-                  "of a \"prompt\" and a \"completion\" that are lists of messages): a .jinja "
+                  "the chat template that renders conversations (.jsonl rows of \"messages\", of a "
+                  "\"prompt\" and a \"completion\" that are lists of messages, or ShareGPT's "
+                  "\"conversations\"): a .jinja "
                   "file, a tokenizer_config.json or a model directory (default: the tokenizer's "
                   "own, from its chat_template.jinja or tokenizer_config.json)");
   cmd->add_option("--chat-loss", a->chat_loss,

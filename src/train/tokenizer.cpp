@@ -118,6 +118,49 @@ std::string_view strip_eol(std::string_view line) {
 
 using ojson = nlohmann::ordered_json;
 
+// ShareGPT's turns ({"from": "human" | "gpt" | "system" | ..., "value": text}) as messages with
+// the roles chat templates know, as axolotl and LLaMA-Factory map them.
+ojson sharegpt_messages(const ojson& turns, std::string_view source, int64_t line_no) {
+  static const std::pair<const char*, const char*> kRoles[] = {{"human", "user"},
+                                                               {"user", "user"},
+                                                               {"gpt", "assistant"},
+                                                               {"assistant", "assistant"},
+                                                               {"model", "assistant"},
+                                                               {"chatgpt", "assistant"},
+                                                               {"system", "system"},
+                                                               {"tool", "tool"},
+                                                               {"function", "tool"},
+                                                               {"observation", "tool"},
+                                                               {"function_response", "tool"}};
+  if (!turns.is_array() || turns.empty())
+    fail(
+        "{} line {}: \"conversations\" is {}, not a list of turns; ShareGPT's turns are objects "
+        "with a \"from\" (human, gpt, system, ...) and a \"value\"",
+        source, line_no, turns.is_array() ? "an empty list" : turns.type_name());
+  ojson messages = ojson::array();
+  for (size_t k = 0; k < turns.size(); ++k) {
+    const ojson& t = turns[k];
+    if (!t.is_object() || !t.contains("from") || !t["from"].is_string() || !t.contains("value") ||
+        !t["value"].is_string())
+      fail(
+          "{} line {}: turn {} of \"conversations\" is not an object with a \"from\" and a "
+          "\"value\" string; fix the row, or give it as \"messages\" of a \"role\" and a "
+          "\"content\"",
+          source, line_no, k);
+    const std::string from = t["from"].get<std::string>();
+    const auto* role = std::find_if(std::begin(kRoles), std::end(kRoles),
+                                    [&](const auto& r) { return from == r.first; });
+    if (role == std::end(kRoles))
+      fail(
+          "{} line {}: turn {} of \"conversations\" is from {}, which strata cannot map to a "
+          "role (it knows human, user, gpt, assistant, model, chatgpt, system, tool, function, "
+          "observation); give the row as \"messages\" with the roles the template expects",
+          source, line_no, k, ojson(from).dump());
+    messages.push_back({{"role", role->second}, {"content", t["value"]}});
+  }
+  return messages;
+}
+
 // Messages as apply_chat_template takes them: a non-empty list of objects with a "role" string.
 void check_messages(const ojson& messages, std::string_view what, std::string_view source,
                     int64_t line_no) {
@@ -251,10 +294,18 @@ void each_jsonl(std::string_view text, std::string_view source, const DocumentFn
     } else if (string_at("prompt") && string_at("completion") && !j.contains("text")) {
       doc.prompt = j["prompt"].get<std::string>();
       doc.text = j["completion"].get<std::string>();
-    } else if (j.is_object() && (j.contains("messages") ||
+    } else if (j.is_object() && (j.contains("messages") || j.contains("conversations") ||
                                  (j.contains("prompt") && j["prompt"].is_array() &&
                                   j.contains("completion") && j["completion"].is_array()))) {
-      // A conversation: TRL's "messages" rows, or its conversational prompt-completion rows.
+      // A conversation: TRL's "messages" rows, its conversational prompt-completion rows, or
+      // ShareGPT's "conversations" (turns of "from" and "value"), read as messages.
+      if (j.contains("conversations")) {
+        if (j.contains("messages"))
+          fail("{} line {}: a row with both \"conversations\" and \"messages\"; give one of them",
+               source, line_no);
+        j["messages"] = sharegpt_messages(j["conversations"], source, line_no);
+        j.erase("conversations");
+      }
       if (chat != nullptr && !chat->format.has_value() && !chat->unavailable.empty())
         fail(
             "{} line {}: a conversation needs the model's chat template, which could not be "

@@ -28,9 +28,10 @@
 // dropped. `strata tokenize` writes the end-of-text id between consecutive documents (and after
 // the last with --append-eos). A prompt is encoded on its own, then its completion, and only
 // the completion's tokens and the end-of-text after it count as targets (loss masks,
-// model/tokens.h); the tokenizer's prefix and the prompt do not. A conversation ("messages", or
-// a "prompt" and a "completion" that are lists of messages) is rendered by the model's chat
-// template (ChatFormat) and encoded whole; only its replies count, unless ChatOptions says all.
+// model/tokens.h); the tokenizer's prefix and the prompt do not. A conversation ("messages", a
+// "prompt" and a "completion" that are lists of messages, or ShareGPT's "conversations" of
+// "from" and "value" turns) is rendered by the model's chat template (ChatFormat) and encoded
+// whole; only its replies count, unless ChatOptions says all.
 #pragma once
 
 #include "model/tokens.h"
