@@ -840,16 +840,6 @@ struct AddedToken {
   bool special = false, lstrip = false, rstrip = false;
 };
 
-// The content of "eos_token"/"bos_token" in tokenizer_config.json: a string or {"content": s}.
-std::optional<std::string> config_token(const json& config, const char* key) {
-  if (!config.is_object() || !config.contains(key)) return std::nullopt;
-  const json& v = config[key];
-  if (v.is_string()) return v.get<std::string>();
-  if (v.is_object() && v.contains("content") && v["content"].is_string())
-    return v["content"].get<std::string>();
-  return std::nullopt;
-}
-
 class HfTokenizer final : public Tokenizer {
  public:
   explicit HfTokenizer(const std::filesystem::path& file) : path_(file.string()) {
@@ -979,7 +969,7 @@ class HfTokenizer final : public Tokenizer {
     std::error_code ec;
     if (std::filesystem::exists(config_path, ec)) {
       const json config = read_json_file(config_path, "tokenizer config");
-      eos = config_token(config, "eos_token");
+      eos = tokenizer_config_token(config, "eos_token");
       if (eos.has_value()) {
         eos_ = id_of(*eos);
         if (!eos_.has_value())
@@ -1076,6 +1066,16 @@ std::string HfTokenizer::decode(std::span<const uint32_t> ids) const {
 }
 
 }  // namespace
+
+std::optional<std::string> tokenizer_config_token(const nlohmann::json& config,
+                                                  std::string_view key) {
+  if (!config.is_object() || !config.contains(key)) return std::nullopt;
+  const nlohmann::json& v = config[key];
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_object() && v.contains("content") && v["content"].is_string())
+    return v["content"].get<std::string>();
+  return std::nullopt;
+}
 
 std::unique_ptr<Tokenizer> load_hf_tokenizer(const std::filesystem::path& file) {
   return std::make_unique<HfTokenizer>(file);

@@ -182,8 +182,7 @@ void check_messages(const ojson& messages, std::string_view what, std::string_vi
 // Where a template failed on a special token it was not given (a template file passed without
 // the tokenizer_config.json that names its tokens), what to do about it.
 std::string missing_token_hint(const ChatFormat& format, std::string_view message) {
-  for (const char* key :
-       {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"})
+  for (const char* key : kSpecialTokenKeys)
     if (message.find(fmt::format("'{}' is undefined", key)) != std::string_view::npos &&
         !format.tokens.contains(key))
       return fmt::format(
@@ -537,15 +536,8 @@ std::optional<ChatFormat> open_chat_format(const Tokenizer& tokenizer,
     config_path = fs::path(template_path);
   if (config_path) {
     const nlohmann::json config = read_json_file(*config_path, "tokenizer config");
-    for (const char* key : {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
-                            "cls_token", "mask_token"}) {
-      if (!config.is_object() || !config.contains(key)) continue;
-      const nlohmann::json& v = config[key];
-      std::optional<std::string> content;
-      if (v.is_string())
-        content = v.get<std::string>();
-      else if (v.is_object() && v.contains("content") && v["content"].is_string())
-        content = v["content"].get<std::string>();
+    for (const char* key : kSpecialTokenKeys) {
+      const std::optional<std::string> content = tokenizer_config_token(config, key);
       if (!content) continue;
       format.tokens[key] = *content;
       // A token the tokenizer splits would train the model on its letters, where the template

@@ -73,6 +73,13 @@ std::unique_ptr<Tokenizer> load_sentencepiece_tokenizer(const std::filesystem::p
 // Loads a Hugging Face tokenizer.json (and tokenizer_config.json beside it, if there is one);
 // an Error names the file, the place in it and what is wrong or unsupported.
 std::unique_ptr<Tokenizer> load_hf_tokenizer(const std::filesystem::path& file);
+// A special token's text in a tokenizer_config.json ("eos_token", ...): a string or an added
+// token's {"content": s}; none when the key is absent or null.
+std::optional<std::string> tokenizer_config_token(const nlohmann::json& config,
+                                                  std::string_view key);
+// The special tokens transformers hands a chat template from tokenizer_config.json.
+inline constexpr const char* kSpecialTokenKeys[] = {
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"};
 // The tokenizer file a Hugging Face model directory ships: tokenizer.json (the fast tokenizer,
 // as transformers prefers it), else tokenizer.model; none when it has neither.
 std::optional<std::filesystem::path> model_tokenizer_file(const std::filesystem::path& dir);
