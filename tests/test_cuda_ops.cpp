@@ -752,6 +752,37 @@ TEST_F(CudaOpsTest, AddOutOfPlaceAndInPlace) {
   }
 }
 
+TEST_F(CudaOpsTest, BiasBroadcastIntoAMatmulAndItsGradient) {
+  Rng rng(31);
+  // 1001 rows: not a multiple of the 8 row groups; 70 columns: past two blocks of 32.
+  const int64_t N = 1001, K = 24, C = 70;
+  for (const DType t : {f32, bf16}) {
+    SCOPED_TRACE(dtype_name(t));
+    HostTensor x = random_tensor(t, {N, K}, rng), w = random_tensor(t, {C, K}, rng);
+    HostTensor b = random_tensor(t, {C}, rng);
+    b.set(5, kNaN);  // a NaN bias reaches its column only
+    HostTensor y(t, {N, C});
+    DeviceTensor x_dev = upload(x), w_dev = upload(w), b_dev = upload(b), y_dev = empty(t, {N, C});
+    gpu().broadcast_rows(y_dev.view(), b_dev.view(), stream());
+    host::broadcast_rows(y.view(), b.view());
+    const HostTensor rows = y_dev.fetch("y");
+    ASSERT_EQ(rows.bytes, y.bytes) << "broadcast_rows copies bits";
+    gpu().matmul(y_dev.view(), x_dev.view(), false, w_dev.view(), true, 1.0f, 1.0f, stream());
+    host::matmul(y.view(), x.view(), false, w.view(), true, 1.0f, 1.0f);
+    expect_close("x·Wᵀ + b", y_dev.fetch("y"), y, tolerance(t, t));
+
+    for (const DType gt : {f32, t}) {
+      SCOPED_TRACE(fmt::format("db {}", dtype_name(gt)));
+      HostTensor dy = random_tensor(t, {N, C}, rng), db = random_tensor(gt, {C}, rng);
+      dy.set(3 * C + 7, kInf);  // column 7's sum is inf
+      DeviceTensor dy_dev = upload(dy), db_dev = upload(db);
+      gpu().bias_backward(db_dev.view(), dy_dev.view(), stream());
+      host::bias_backward(db.view(), dy.view());
+      expect_close("db", db_dev.fetch("db"), db, tolerance(gt, t));
+    }
+  }
+}
+
 TEST_F(CudaOpsTest, FillWritesEveryElementAndNothingElse) {
   for (const DType t : {f32, bf16}) {
     for (const float value : {-kInf, 0.0f, 0.5f, 3.14159f}) {

@@ -643,6 +643,52 @@ TEST(HostOps, AddAndFill) {
   }
 }
 
+TEST(HostOps, BiasBroadcastIntoAMatmulAndItsGradient) {
+  Random rng(21);
+  const int64_t N = 37, K = 9, C = 300;  // C past one block of 256 columns
+  for (DType t : {DType::f32, DType::bf16, DType::f16}) {
+    SCOPED_TRACE(dtype_name(t));
+    Tensor x = rng.tensor(t, {N, K}), w = rng.tensor(t, {C, K}), b = rng.tensor(t, {C});
+    Tensor y(t, {N, C}, kNaN);
+    host::broadcast_rows(y.view(), b.view());
+    for (int64_t i = 0; i < N * C; ++i) ASSERT_EQ(y.at(i), b.at(i % C)) << i;
+    // y = x·Wᵀ + b, rounded once.
+    host::matmul(y.view(), x.view(), false, w.view(), true, 1.0f, 1.0f);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t c = 0; c < C; ++c) {
+        double want = b.at(c);
+        for (int64_t k = 0; k < K; ++k) want += double{x.at(n * K + k)} * w.at(c * K + k);
+        Tensor one(t, {1}, static_cast<float>(want));
+        EXPECT_NEAR(y.at(n * C + c), one.at(0), t == DType::f32 ? 1e-5 : 1e-2 * std::abs(want))
+            << n << "," << c;
+      }
+  }
+  // db += column sums, in f32 or the rows' dtype; accumulates.
+  for (DType t : {DType::f32, DType::bf16}) {
+    for (DType gt : {DType::f32, t}) {
+      SCOPED_TRACE(fmt::format("dy {} db {}", dtype_name(t), dtype_name(gt)));
+      Tensor dy = rng.tensor(t, {N, C}), db = rng.tensor(gt, {C});
+      const Tensor before = db;
+      host::bias_backward(db.view(), dy.view());
+      for (int64_t c = 0; c < C; ++c) {
+        double sum = before.at(c);
+        for (int64_t n = 0; n < N; ++n) sum += dy.at(n * C + c);
+        Tensor one(gt, {1}, static_cast<float>(sum));
+        EXPECT_NEAR(db.at(c), one.at(0), 1e-5 * std::max(1.0, std::abs(sum))) << c;
+      }
+    }
+  }
+  // Shapes and dtypes, named.
+  Tensor y(DType::f32, {4, 6}), b5(DType::f32, {5}), b16(DType::bf16, {6}), g16(DType::f16, {6});
+  test::expect_error([&] { host::broadcast_rows(y.view(), b5.view()); },
+                     {"broadcast_rows", "b", "[5]", "[6]"});
+  test::expect_error([&] { host::broadcast_rows(y.view(), b16.view()); },
+                     {"broadcast_rows", "b", "bf16", "y's dtype"});
+  Tensor dy16(DType::bf16, {4, 6});
+  test::expect_error([&] { host::bias_backward(g16.view(), dy16.view()); },
+                     {"bias_backward", "db", "f16", "f32 or dy's dtype"});
+}
+
 // ---------------------------------------------------------------------------------------
 // cross-entropy
 

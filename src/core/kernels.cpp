@@ -106,6 +106,19 @@ RowDims check_embedding(const char* op, const TensorView& rows, const TensorView
   return {rows.shape[0], rows.shape[1]};
 }
 
+RowDims check_bias(const char* op, const TensorView& rows, const TensorView& bias) {
+  const bool backward = is_backward(op);
+  const char* rows_name = backward ? "dy" : "y";
+  const char* bias_name = backward ? "db" : "b";
+  check_rank(op, rows_name, rows, 2, "[tokens, features]");
+  check_shape(op, bias_name, bias, Shape{rows.shape[1]},
+              fmt::format("one element per column of {} {}", rows_name, rows.str()));
+  if (backward ? bias.dtype != DType::f32 && bias.dtype != rows.dtype : bias.dtype != rows.dtype)
+    fail("{}: {} is {} with {} {}; it must be {}; allocate it so", op, bias_name, bias.str(),
+         rows_name, rows.str(), backward ? "f32 or dy's dtype" : "y's dtype");
+  return {rows.shape[0], rows.shape[1]};
+}
+
 RowDims check_rmsnorm(const char* op, const TensorView& y, const TensorView& rstd_stats,
                       const TensorView& x, const TensorView& w) {
   const bool backward = is_backward(op);

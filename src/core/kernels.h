@@ -105,6 +105,14 @@ class Kernels {
   // Every element of x = value (e.g. -inf for the cross-entropy running maximum).
   virtual void fill(const TensorView& x, float value, Stream& s) = 0;
 
+  // A projection's bias (Hugging Face's Linear with bias=True): y[n,:] = b, y [N,C], b [C] of
+  // y's dtype. The matmul that follows with beta = 1 adds x·Wᵀ to it in f32, so y is rounded
+  // once, as torch's addmm rounds it.
+  virtual void broadcast_rows(const TensorView& y, const TensorView& b, Stream& s) = 0;
+  // The bias's gradient: db[c] += Σ_n dy[n,c], summed in double in row order. db [C] (f32 or
+  // dy's dtype), dy [N,C].
+  virtual void bias_backward(const TensorView& db, const TensorView& dy, Stream& s) = 0;
+
   // Softmax cross-entropy over the vocabulary in chunks, so the [N, vocab] logits never
   // exist at once. `logits` [N, C] are columns [v0, v0+C) of the full logits. Folds the chunk
   // into each row's online softmax state, all [N] f32: row_max (start at -inf), row_sum
@@ -153,6 +161,9 @@ struct RowDims {  // N rows of D elements
   int64_t rows = 0, cols = 0;
 };
 RowDims check_embedding(const char* op, const TensorView& rows, const TensorView& table);
+// broadcast_rows and bias_backward: rows [N, C] and bias [C] (f32 or rows' dtype in the
+// backward; rows' dtype forward).
+RowDims check_bias(const char* op, const TensorView& rows, const TensorView& bias);
 RowDims check_rmsnorm(const char* op, const TensorView& y, const TensorView& rstd_stats,
                       const TensorView& x, const TensorView& w);
 

@@ -52,6 +52,8 @@ class CudaKernels final : public Kernels {
                        const TensorView& gate, const TensorView& up, Stream& s) override;
   void add(const TensorView& out, const TensorView& a, const TensorView& b, Stream& s) override;
   void fill(const TensorView& x, float value, Stream& s) override;
+  void broadcast_rows(const TensorView& y, const TensorView& b, Stream& s) override;
+  void bias_backward(const TensorView& db, const TensorView& dy, Stream& s) override;
   void xent_forward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
                           const TensorView& row_max, const TensorView& row_sum,
                           const TensorView& target_logit, Stream& s) override;
@@ -285,6 +287,20 @@ void CudaKernels::fill(const TensorView& x, float value, Stream& s) {
   operands("fill", {{"x", &x}});
   const cudaStream_t stream = device_.enter(s);
   launch_fill(x.data, x.dtype, value, x.numel(), stream);
+}
+
+void CudaKernels::broadcast_rows(const TensorView& y, const TensorView& b, Stream& s) {
+  const RowDims d = check_bias("broadcast_rows", y, b);
+  operands("broadcast_rows", {{"y", &y}, {"b", &b}});
+  const cudaStream_t stream = device_.enter(s);
+  launch_broadcast_rows(y.data, y.dtype, b.data, d.rows, d.cols, stream);
+}
+
+void CudaKernels::bias_backward(const TensorView& db, const TensorView& dy, Stream& s) {
+  const RowDims d = check_bias("bias_backward", dy, db);
+  operands("bias_backward", {{"db", &db}, {"dy", &dy}});
+  const cudaStream_t stream = device_.enter(s);
+  launch_bias_backward(db.data, db.dtype, dy.data, dy.dtype, d.rows, d.cols, stream);
 }
 
 void CudaKernels::xent_forward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,

@@ -106,6 +106,11 @@ void launch_swiglu_backward(void* dgate, DType dgate_t, void* dup, DType dup_t, 
 void launch_add(void* out, DType out_t, const void* a, DType a_t, const void* b, DType b_t,
                 int64_t n, cudaStream_t stream);
 void launch_fill(void* x, DType x_t, float value, int64_t n, cudaStream_t stream);
+// y [rows, cols] = b [cols] in every row; db [cols] += the column sums of dy [rows, cols].
+void launch_broadcast_rows(void* y, DType t, const void* b, int64_t rows, int64_t cols,
+                           cudaStream_t stream);
+void launch_bias_backward(void* db, DType db_t, const void* dy, DType dy_t, int64_t rows,
+                          int64_t cols, cudaStream_t stream);
 // x = beta * x, with beta == 0 writing zeros whatever x holds (a matmul with k == 0).
 void launch_scale(void* x, DType x_t, float beta, int64_t n, cudaStream_t stream);
 

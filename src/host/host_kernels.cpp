@@ -123,6 +123,18 @@ class HostKernels final : public Kernels {
     q_.enqueue(s, [=] { host::fill(x, value); });
   }
 
+  void broadcast_rows(const TensorView& y, const TensorView& b, Stream& s) override {
+    check_bias("broadcast_rows", y, b);
+    in_memory("broadcast_rows", {{"y", &y}, {"b", &b}});
+    q_.enqueue(s, [=] { host::broadcast_rows(y, b); });
+  }
+
+  void bias_backward(const TensorView& db, const TensorView& dy, Stream& s) override {
+    check_bias("bias_backward", dy, db);
+    in_memory("bias_backward", {{"db", &db}, {"dy", &dy}});
+    q_.enqueue(s, [=] { host::bias_backward(db, dy); });
+  }
+
   void xent_forward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
                           const TensorView& row_max, const TensorView& row_sum,
                           const TensorView& target_logit, Stream& s) override {

@@ -487,6 +487,34 @@ void fill(const TensorView& x, float value) {
   std::fill(static_cast<uint16_t*>(x.data), static_cast<uint16_t*>(x.data) + n, bits);
 }
 
+void broadcast_rows(const TensorView& y, const TensorView& b) {
+  const RowDims d = check_bias("broadcast_rows", y, b);
+  parallel_ranges(d.rows, rows_grain(d.cols), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      std::memcpy(
+          static_cast<char*>(y.data) + static_cast<uint64_t>(r * d.cols) * dtype_size(y.dtype),
+          b.data, static_cast<uint64_t>(d.cols) * dtype_size(y.dtype));
+  });
+}
+
+void bias_backward(const TensorView& db, const TensorView& dy) {
+  const RowDims d = check_bias("bias_backward", dy, db);
+  // Blocks of columns on the threads; within one, every row in order into double sums.
+  constexpr int64_t kColumns = 256;
+  parallel_ranges((d.cols + kColumns - 1) / kColumns, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<double> sum(static_cast<size_t>(kColumns));
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t c0 = blk * kColumns, c1 = std::min(d.cols, c0 + kColumns);
+      std::fill(sum.begin(), sum.end(), 0.0);
+      for (int64_t r = 0; r < d.rows; ++r)
+        for (int64_t c = c0; c < c1; ++c)
+          sum[static_cast<size_t>(c - c0)] += get(dy, r * d.cols + c);
+      for (int64_t c = c0; c < c1; ++c)
+        put(db, c, static_cast<float>(get(db, c) + sum[static_cast<size_t>(c - c0)]));
+    }
+  });
+}
+
 // ---------------------------------------------------------------------------------------
 // cross-entropy over vocabulary chunks
 

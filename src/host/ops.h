@@ -46,6 +46,9 @@ void swiglu_backward(const TensorView& dgate, const TensorView& dup, const Tenso
 void add(const TensorView& out, const TensorView& a, const TensorView& b);
 void fill(const TensorView& x, float value);
 
+void broadcast_rows(const TensorView& y, const TensorView& b);
+void bias_backward(const TensorView& db, const TensorView& dy);
+
 // targets: logits.shape[0] int32 ids, each >= 0 or kIgnoreIndex.
 void xent_forward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
                         const TensorView& row_max, const TensorView& row_sum,
