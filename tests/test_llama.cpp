@@ -97,10 +97,50 @@ TEST(LlamaRope, PlainAndLlama3Scaling) {
 
 // The whole model in f32: every parameter's gradient against central differences of the mean
 // loss, for a few coordinates of every tensor, with and without tied embeddings.
-class LlamaGradient : public ::testing::TestWithParam<bool> {};
+// Variants: untied, tied, Qwen2's q/k/v biases with tied embeddings, Llama with a bias on every
+// projection (attention_bias and mlp_bias).
+enum class Variant { untied, tied, qwen2_tied, every_bias };
+
+LlamaConfig variant_config(Variant v) {
+  LlamaConfig c = small_config(v == Variant::tied || v == Variant::qwen2_tied);
+  if (v == Variant::qwen2_tied) {
+    c.architecture = Architecture::qwen2;
+    c.qkv_bias = true;
+  }
+  if (v == Variant::every_bias) c.qkv_bias = c.o_bias = c.mlp_bias = true;
+  return c;
+}
+
+const char* variant_name(Variant v) {
+  const char* names[] = {"untied", "tied", "qwen2_tied", "every_bias"};
+  return names[static_cast<int>(v)];
+}
+
+// init_random leaves biases at 0, as Hugging Face initialises them: give them values that
+// change the output.
+void randomize_biases(ResidentWeights& w, const ModelLayout& layout, Stream& s) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> dist(0.0f, 0.3f);
+  for (int u = 0; u < layout.num_units(); ++u) {
+    std::vector<float> v = w.download(u, false, s);
+    bool any = false;
+    for (const ParamSlot& p : layout.units[static_cast<size_t>(u)].params)
+      if (p.name.ends_with(".bias")) {
+        any = true;
+        for (int64_t k = 0; k < p.numel(); ++k) v[p.offset + static_cast<uint64_t>(k)] = dist(rng);
+      }
+    if (any) w.upload(u, v, s);
+  }
+}
+
+void PrintTo(Variant v, std::ostream* os) {
+  *os << variant_name(v);
+}
+
+class LlamaGradient : public ::testing::TestWithParam<Variant> {};
 
 TEST_P(LlamaGradient, MatchesFiniteDifferences) {
-  const LlamaConfig c = small_config(GetParam());
+  const LlamaConfig c = variant_config(GetParam());
   auto device = open_host_device(0, 64ull << 20);
   auto stream = device->create_stream("test");
   ModelOptions o;
@@ -177,10 +217,14 @@ TEST_P(LlamaGradient, MatchesFiniteDifferences) {
       w.upload(u, values[static_cast<size_t>(u)], *stream);
     }
   }
+  EXPECT_GE(checked, 4 * static_cast<int>(llama_hf_tensors(c).size()));
   EXPECT_GE(checked, 4 * 19);
 }
 
-INSTANTIATE_TEST_SUITE_P(Tied, LlamaGradient, ::testing::Values(false, true));
+INSTANTIATE_TEST_SUITE_P(Variants, LlamaGradient,
+                         ::testing::Values(Variant::untied, Variant::tied, Variant::qwen2_tied,
+                                           Variant::every_bias),
+                         [](const auto& p) { return std::string(variant_name(p.param)); });
 
 // The planner sizes activations with workspace_bytes_for(); it must be what the constructor
 // allocates, in every dtype (bf16 adds the logits-gradient chunk) and with the arena's rounding.
@@ -236,10 +280,10 @@ TEST(LlamaModel, WorkspaceBytesForIsWhatTheConstructorAllocates) {
 // start again from an earlier position; positions never run, and past the sequence length,
 // are refused.
 TEST(LlamaModel, DecodingWithAKvCacheGivesTheWholeSequencesLogits) {
-  for (bool tied : {false, true})
+  for (Variant variant : {Variant::untied, Variant::tied, Variant::qwen2_tied, Variant::every_bias})
     for (DType dt : {DType::f32, DType::bf16}) {
-      SCOPED_TRACE(fmt::format("{} tied {}", dtype_name(dt), tied));
-      LlamaConfig c = small_config(tied);
+      SCOPED_TRACE(fmt::format("{} {}", dtype_name(dt), variant_name(variant)));
+      LlamaConfig c = variant_config(variant);
       c.num_hidden_layers = 3;
       const int64_t T = 11, V = c.vocab_size, prompt = 4;
       auto device = open_host_device(0, 64ull << 20);
@@ -253,6 +297,7 @@ TEST(LlamaModel, DecodingWithAKvCacheGivesTheWholeSequencesLogits) {
       LlamaModel whole(c, o, *device), decoder(c, kv, *device);
       ResidentWeights w(whole.layout(), *device, dt, DType::f32, false);
       w.init_random(7, *stream);
+      randomize_biases(w, whole.layout(), *stream);
       std::vector<int32_t> host_ids(static_cast<size_t>(T));
       for (int64_t i = 0; i < T; ++i) host_ids[static_cast<size_t>(i)] = (i * 13 + 5) % 29;
       const std::vector<int32_t> host_targets(static_cast<size_t>(T), kIgnoreIndex);
@@ -473,8 +518,11 @@ TEST(LlamaModel, Bf16AgreesWithF32) {
 // one (which uses the front of each block's kept buffers), accumulated over two batches. It
 // costs more memory for a model of more than one block.
 TEST(LlamaModel, WithoutRecomputeTheGradientsAreTheSameBits) {
-  for (DType dt : {DType::f32, DType::bf16}) {
-    LlamaConfig c = small_config(dt == DType::bf16);
+  for (const auto& [dt, variant] : {std::pair{DType::f32, Variant::untied},
+                                    {DType::bf16, Variant::tied},
+                                    {DType::f32, Variant::every_bias},
+                                    {DType::bf16, Variant::qwen2_tied}}) {
+    LlamaConfig c = variant_config(variant);
     c.num_hidden_layers = 3;
     auto device = open_host_device(0, 64ull << 20);
     auto stream = device->create_stream("test");
@@ -502,6 +550,7 @@ TEST(LlamaModel, WithoutRecomputeTheGradientsAreTheSameBits) {
       workspace[run] = model.workspace_bytes();
       ResidentWeights w(model.layout(), *device, dt, DType::f32, true);
       w.init_random(5, *stream);
+      randomize_biases(w, model.layout(), *stream);
       w.zero_grads(*stream);
       for (int64_t batch : {3, 2}) {
         model.forward(w.units(), i, t, batch, true, *stream);
@@ -516,7 +565,7 @@ TEST(LlamaModel, WithoutRecomputeTheGradientsAreTheSameBits) {
         grads[run].insert(grads[run].end(), g.begin(), g.end());
       }
     }
-    SCOPED_TRACE(dtype_name(dt));
+    SCOPED_TRACE(fmt::format("{} {}", dtype_name(dt), variant_name(variant)));
     EXPECT_EQ(loss[0], loss[1]);
     ASSERT_EQ(grads[0].size(), grads[1].size());
     size_t differ = 0, nonzero = 0;

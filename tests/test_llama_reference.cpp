@@ -39,6 +39,12 @@ struct Case {
   int64_t batch, seq_len, vocab_chunk;
 };
 
+// Named in test listings by its name, not its bytes (which hold pointers: a name that changed
+// with every build).
+void PrintTo(const Case& c, std::ostream* os) {
+  *os << c.name;
+}
+
 LlamaConfig base(int64_t hidden, int64_t heads, int64_t kv, int64_t head_dim, int64_t ffn,
                  int64_t vocab, int64_t layers) {
   LlamaConfig c;
@@ -74,6 +80,23 @@ std::vector<Case> cases() {
   out.push_back(tied);
   // Plain multi-head attention, one layer, batch 3.
   out.push_back({"mha_one_layer", base(20, 4, 4, 10, 33, 50, 1), 3, 5, 50});
+  // Qwen2: biases on q, k and v, tied embeddings (as Qwen2.5's small models), eps 1e-6.
+  Case qwen{"qwen2_qkv_bias_tied", base(36, 6, 2, 8, 70, 97, 2), 2, 7, 40};
+  qwen.config.architecture = Architecture::qwen2;
+  qwen.config.qkv_bias = true;
+  qwen.config.tie_word_embeddings = true;
+  qwen.config.rms_norm_eps = 1e-6;
+  qwen.config.rope_theta = 1e6;
+  out.push_back(qwen);
+  // Llama with attention_bias and mlp_bias: a bias on every projection.
+  Case biased{"llama_every_bias", base(20, 4, 2, 10, 33, 50, 2), 2, 6, 24};
+  biased.config.qkv_bias = biased.config.o_bias = biased.config.mlp_bias = true;
+  out.push_back(biased);
+  // Mistral with a sliding window as long as the sequence: every key still in view.
+  Case mistral{"mistral_window", base(36, 6, 2, 8, 70, 97, 1), 2, 7, 97};
+  mistral.config.architecture = Architecture::mistral;
+  mistral.config.sliding_window = 7;
+  out.push_back(mistral);
   return out;
 }
 
@@ -105,6 +128,7 @@ TEST_P(LlamaReference, LossLogitsAndGradientsMatchTorch) {
   // A checkpoint with random weights; norm weights away from 1 so that they matter.
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> jitter(0.7f, 1.3f);
+  std::normal_distribution<float> bias(0.0f, 0.1f);  // biases start at 0: give them values
   std::vector<std::vector<float>> units(static_cast<size_t>(layout.num_units()));
   std::vector<SafetensorsTensor> tensors;
   for (int u = 0; u < layout.num_units(); ++u) {
@@ -112,9 +136,12 @@ TEST_P(LlamaReference, LossLogitsAndGradientsMatchTorch) {
     v.resize(layout.units[static_cast<size_t>(u)].numel);
     init_unit_random(layout, u, 99, DType::f32, v.data());
     for (const ParamSlot& p : layout.units[static_cast<size_t>(u)].params) {
+      const bool is_bias = p.name.ends_with(".bias");
       if (p.shape.rank == 1)
-        for (int64_t i = 0; i < p.numel(); ++i)
-          v[p.offset + static_cast<uint64_t>(i)] *= jitter(rng);
+        for (int64_t i = 0; i < p.numel(); ++i) {
+          float& x = v[p.offset + static_cast<uint64_t>(i)];
+          x = is_bias ? bias(rng) : x * jitter(rng);
+        }
       tensors.push_back(
           {p.name, DType::f32,
            std::vector<int64_t>(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.rank),

@@ -6,6 +6,7 @@
 #include "core/dtype.h"
 #include "model/config.h"
 #include "model/file_io.h"
+#include "model/llama.h"
 #include "model/safetensors.h"
 #include "model/tokens.h"
 #include "testing.h"
@@ -144,6 +145,59 @@ const char* kLlama2_7b = R"({
   "vocab_size": 32000
 })";
 
+// Qwen2.5-7B-Instruct's: biases on q, k and v are implied by the class; a window that is not
+// used (use_sliding_window false).
+const char* kQwen25_7b = R"({
+  "architectures": ["Qwen2ForCausalLM"],
+  "attention_dropout": 0.0,
+  "bos_token_id": 151643,
+  "eos_token_id": 151645,
+  "hidden_act": "silu",
+  "hidden_size": 3584,
+  "initializer_range": 0.02,
+  "intermediate_size": 18944,
+  "max_position_embeddings": 32768,
+  "max_window_layers": 28,
+  "model_type": "qwen2",
+  "num_attention_heads": 28,
+  "num_hidden_layers": 28,
+  "num_key_value_heads": 4,
+  "rms_norm_eps": 1e-06,
+  "rope_theta": 1000000.0,
+  "sliding_window": 131072,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.43.1",
+  "use_cache": true,
+  "use_sliding_window": false,
+  "vocab_size": 152064
+})";
+
+// Mistral-7B-Instruct-v0.3's: no sliding window.
+const char* kMistral7b = R"({
+  "architectures": ["MistralForCausalLM"],
+  "attention_dropout": 0.0,
+  "bos_token_id": 1,
+  "eos_token_id": 2,
+  "hidden_act": "silu",
+  "hidden_size": 4096,
+  "initializer_range": 0.02,
+  "intermediate_size": 14336,
+  "max_position_embeddings": 32768,
+  "model_type": "mistral",
+  "num_attention_heads": 32,
+  "num_hidden_layers": 32,
+  "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-05,
+  "rope_theta": 1000000.0,
+  "sliding_window": null,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.42.0.dev0",
+  "use_cache": true,
+  "vocab_size": 32768
+})";
+
 LlamaConfig parse_text(const std::string& text, const std::string& source = "cfg.json") {
   return parse_llama_config(json::parse(text), source);
 }
@@ -182,6 +236,14 @@ TEST(LlamaConfigParse, PublishedConfigsMatchPresets) {
   EXPECT_FALSE(c.tie_word_embeddings);
   EXPECT_EQ(c.torch_dtype, DType::bf16);
 
+  expect_matches_preset(kQwen25_7b, "qwen2.5-7b");
+  expect_matches_preset(kMistral7b, "mistral-7b");
+  const LlamaConfig q = parse_text(kQwen25_7b);
+  EXPECT_EQ(q.architecture, Architecture::qwen2);
+  EXPECT_TRUE(q.qkv_bias);
+  EXPECT_FALSE(q.o_bias || q.mlp_bias);
+  EXPECT_EQ(q.sliding_window, 0);  // use_sliding_window false: the window is not used
+
   const LlamaConfig l2 = parse_text(kLlama2_7b);
   EXPECT_EQ(l2.rope_theta, 10000.0);  // Hugging Face's default when absent
   EXPECT_EQ(l2.torch_dtype, DType::f16);
@@ -207,6 +269,90 @@ json llama3_scaling() {
               {"low_freq_factor", 1.0},
               {"high_freq_factor", 4.0},
               {"original_max_position_embeddings", 8192}};
+}
+
+TEST(LlamaConfigParse, MistralAndQwen2AsTheirHuggingFaceClassesBuildThem) {
+  // Mistral: Llama's equations; biases never (the class fixes them), the window kept.
+  json j = minimal();
+  j["architectures"] = {"MistralForCausalLM"};
+  j["attention_bias"] = true;  // MistralForCausalLM builds no biases whatever this says
+  j["sliding_window"] = 128;
+  LlamaConfig c = parse_llama_config(j, "m.json");
+  EXPECT_EQ(c.architecture, Architecture::mistral);
+  EXPECT_FALSE(c.qkv_bias || c.o_bias || c.mlp_bias);
+  EXPECT_EQ(c.sliding_window, 128);
+  ModelOptions o;
+  o.seq_len = 128;  // the whole sequence inside the window: the same attention
+  EXPECT_GT(LlamaModel::workspace_bytes_for(c, o), 0u);
+  o.seq_len = 129;
+  expect_error([&] { LlamaModel::workspace_bytes_for(c, o); },
+               {"sequence length 129", "sliding attention window of 128", "--seq-len"});
+
+  // Qwen2: q, k and v biases always; the window only where use_sliding_window is set and a
+  // layer uses it.
+  j = minimal();
+  j.erase("architectures");
+  j["model_type"] = "qwen2";
+  j["sliding_window"] = 64;
+  c = parse_llama_config(j, "m.json");
+  EXPECT_EQ(c.architecture, Architecture::qwen2);
+  EXPECT_TRUE(c.qkv_bias);
+  EXPECT_FALSE(c.o_bias || c.mlp_bias);
+  EXPECT_EQ(c.sliding_window, 0);
+  j["use_sliding_window"] = true;
+  j["max_window_layers"] = 2;  // = num_hidden_layers: no layer slides
+  EXPECT_EQ(parse_llama_config(j, "m.json").sliding_window, 0);
+  j["max_window_layers"] = 1;
+  EXPECT_EQ(parse_llama_config(j, "m.json").sliding_window, 64);
+  j["layer_types"] = {"full_attention", "full_attention"};  // layer_types rules when given
+  EXPECT_EQ(parse_llama_config(j, "m.json").sliding_window, 0);
+  j["layer_types"] = {"full_attention", "sliding_attention"};
+  EXPECT_EQ(parse_llama_config(j, "m.json").sliding_window, 64);
+
+  // Llama: attention_bias puts biases on q, k, v and o; mlp_bias on gate, up and down.
+  j = minimal();
+  j["attention_bias"] = true;
+  c = parse_llama_config(j, "m.json");
+  EXPECT_TRUE(c.qkv_bias && c.o_bias);
+  EXPECT_FALSE(c.mlp_bias);
+  j["mlp_bias"] = true;
+  EXPECT_TRUE(parse_llama_config(j, "m.json").mlp_bias);
+  j["sliding_window"] = 16;  // not a Llama key: LlamaForCausalLM ignores it
+  EXPECT_EQ(parse_llama_config(j, "m.json").sliding_window, 0);
+
+  // A config no class builds is refused before anything uses it.
+  LlamaConfig bad = *find_preset("qwen2.5-7b");
+  bad.o_bias = true;
+  expect_error([&] { validate_llama_config(bad, "x"); }, {"Qwen2ForCausalLM", "q, k and v only"});
+  bad = *find_preset("tiny");
+  bad.sliding_window = 8;
+  expect_error([&] { validate_llama_config(bad, "x"); },
+               {"sliding_window = 8", "LlamaForCausalLM"});
+
+  // Each bias follows its projection's weight, shaped [out].
+  LlamaConfig q = *find_preset("tiny");
+  q.architecture = Architecture::qwen2;
+  q.qkv_bias = true;
+  const std::vector<HfTensor> t = llama_hf_tensors(q);
+  ASSERT_EQ(t.size(), 1 + 12 * 2 + 1 + 1u);
+  const std::vector<std::pair<std::string, std::vector<int64_t>>> first = {
+      {"model.layers.0.input_layernorm.weight", {64}},
+      {"model.layers.0.self_attn.q_proj.weight", {64, 64}},
+      {"model.layers.0.self_attn.q_proj.bias", {64}},
+      {"model.layers.0.self_attn.k_proj.weight", {32, 64}},
+      {"model.layers.0.self_attn.k_proj.bias", {32}},
+      {"model.layers.0.self_attn.v_proj.weight", {32, 64}},
+      {"model.layers.0.self_attn.v_proj.bias", {32}},
+      {"model.layers.0.self_attn.o_proj.weight", {64, 64}},
+  };
+  for (size_t i = 0; i < first.size(); ++i) {
+    EXPECT_EQ(t[1 + i].name, first[i].first);
+    EXPECT_EQ(t[1 + i].shape, first[i].second) << first[i].first;
+  }
+  EXPECT_EQ(parameter_count(q), parameter_count(*find_preset("tiny")) + 2 * (64 + 32 + 32));
+  // qwen2.5-7b: 7.62 billion parameters, as Qwen publishes.
+  EXPECT_EQ(parameter_count(*find_preset("qwen2.5-7b")), 7615616512u);
+  EXPECT_EQ(parameter_count(*find_preset("mistral-7b")), 7248023552u);
 }
 
 TEST(LlamaConfigParse, DefaultsAndHarmlessKeys) {
@@ -266,8 +412,28 @@ struct Rejection {
 TEST(LlamaConfigParse, EveryRejectionNamesTheField) {
   const std::vector<Rejection> cases = {
       {"other architecture",
-       [](json& j) { j["architectures"] = {"MistralForCausalLM"}; },
-       {"architectures", "MistralForCausalLM", "LlamaForCausalLM"}},
+       [](json& j) { j["architectures"] = {"GemmaForCausalLM"}; },
+       {"architectures", "GemmaForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"}},
+      {"architectures and model_type disagree",
+       [](json& j) {
+         j["architectures"] = {"MistralForCausalLM"};
+         j["model_type"] = "qwen2";
+       },
+       {"architectures", "MistralForCausalLM", "model_type 'qwen2'"}},
+      {"mistral window 0",
+       [](json& j) {
+         j["architectures"] = {"MistralForCausalLM"};
+         j["sliding_window"] = 0;
+       },
+       {"sliding_window = 0"}},
+      {"qwen2 layer type unknown",
+       [](json& j) {
+         j["architectures"] = {"Qwen2ForCausalLM"};
+         j["use_sliding_window"] = true;
+         j["sliding_window"] = 64;
+         j["layer_types"] = {"full_attention", "chunked_attention"};
+       },
+       {"layer_types", "chunked_attention"}},
       {"architectures not a list",
        [](json& j) { j["architectures"] = "LlamaForCausalLM"; },
        {"architectures", "string"}},
@@ -359,8 +525,10 @@ TEST(LlamaConfigParse, EveryRejectionNamesTheField) {
          j["rope_scaling"]["original_max_position_embeddings"] = 8192.5;
        },
        {"rope_scaling.original_max_position_embeddings", "integer"}},
-      {"attention_bias", [](json& j) { j["attention_bias"] = true; }, {"attention_bias"}},
-      {"mlp_bias", [](json& j) { j["mlp_bias"] = true; }, {"mlp_bias"}},
+      {"attention_bias a string",
+       [](json& j) { j["attention_bias"] = "yes"; },
+       {"attention_bias", "string"}},
+      {"mlp_bias a number", [](json& j) { j["mlp_bias"] = 1; }, {"mlp_bias", "number"}},
       {"gelu", [](json& j) { j["hidden_act"] = "gelu"; }, {"hidden_act", "gelu"}},
       {"dropout", [](json& j) { j["attention_dropout"] = 0.1; }, {"attention_dropout = 0.1"}},
       {"quantized",
@@ -515,11 +683,23 @@ TEST(LlamaConfigJson, RoundTripsThroughHuggingFaceJson) {
   odd.torch_dtype = DType::f16;
   odd.rope_scaling = {RopeScalingKind::llama3, 2.5, 0.5, 3.0, 96};
   configs.push_back(odd);
+  LlamaConfig biased = odd;  // Llama's attention_bias and mlp_bias
+  biased.name = "biased";
+  biased.qkv_bias = biased.o_bias = biased.mlp_bias = true;
+  configs.push_back(biased);
+  LlamaConfig windowed = *find_preset("mistral-7b");  // Mistral 7B v0.1's window
+  windowed.name = "windowed";
+  windowed.sliding_window = 4096;
+  configs.push_back(windowed);
+  LlamaConfig qwen_windowed = *find_preset("qwen2.5-7b");
+  qwen_windowed.name = "qwen_windowed";
+  qwen_windowed.sliding_window = 2048;
+  configs.push_back(qwen_windowed);
   for (const LlamaConfig& c : configs) {
     SCOPED_TRACE(c.name);
     const json j = to_hf_config_json(c);
-    EXPECT_EQ(j["architectures"], json::array({"LlamaForCausalLM"}));
-    EXPECT_EQ(j["model_type"], "llama");
+    EXPECT_EQ(j["architectures"], json::array({architecture_class(c.architecture)}));
+    EXPECT_EQ(j["model_type"], architecture_model_type(c.architecture));
     EXPECT_EQ(j["hidden_act"], "silu");
     EXPECT_EQ(j["torch_dtype"], c.torch_dtype == DType::bf16  ? "bfloat16"
                                 : c.torch_dtype == DType::f16 ? "float16"

@@ -7,6 +7,7 @@
 #include <fmt/ranges.h>
 
 #include <cmath>
+#include <optional>
 #include <limits>
 #include <system_error>
 
@@ -111,6 +112,88 @@ std::string_view hf_dtype_name(DType t) {
   return t == DType::f32 ? "float32" : t == DType::bf16 ? "bfloat16" : "float16";
 }
 
+struct KnownArchitecture {
+  Architecture arch;
+  const char* cls;
+  const char* model_type;
+};
+constexpr KnownArchitecture kArchitectures[] = {
+    {Architecture::llama, "LlamaForCausalLM", "llama"},
+    {Architecture::mistral, "MistralForCausalLM", "mistral"},
+    {Architecture::qwen2, "Qwen2ForCausalLM", "qwen2"},
+};
+constexpr const char* kKnownClasses = "LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM";
+
+// The architecture from "architectures" (the first class strata knows) and "model_type", which
+// must agree where both are given.
+Architecture parse_architecture(const json& j, std::string_view src) {
+  const json* arch = field(j, "architectures");
+  const json* model_type = field(j, "model_type");
+  std::optional<Architecture> from_class, from_type;
+  if (arch != nullptr) {
+    if (!arch->is_array()) type_error(src, "architectures", "a list of strings", *arch);
+    for (const json& a : *arch)
+      for (const KnownArchitecture& k : kArchitectures)
+        if (!from_class && a.is_string() && a == k.cls) from_class = k.arch;
+    if (!from_class)
+      fail(
+          "{}: architectures {} names no class strata implements; strata trains the Llama "
+          "family: {}",
+          src, shown(*arch), kKnownClasses);
+  }
+  if (model_type != nullptr) {
+    const std::string& t = as_string(*model_type, src, "model_type");
+    for (const KnownArchitecture& k : kArchitectures)
+      if (t == k.model_type) from_type = k.arch;
+    if (!from_type)
+      fail(
+          "{}: model_type '{}' is not one strata implements; strata trains the Llama family: "
+          "llama, mistral or qwen2",
+          src, t);
+  }
+  if (from_class && from_type && *from_class != *from_type)
+    fail("{}: architectures {} and model_type '{}' name different models; fix config.json", src,
+         shown(*arch), model_type->get<std::string>());
+  if (!from_class && !from_type)
+    fail(
+        "{}: neither architectures nor model_type is set, so this is not known to be a Llama "
+        "config; add \"architectures\": [\"LlamaForCausalLM\"] (or the Mistral or Qwen2 class)",
+        src);
+  return from_class ? *from_class : *from_type;
+}
+
+// The attention window the model's layers use, 0 for none: Mistral's sliding_window (every
+// layer); Qwen2's when use_sliding_window is set and a layer uses it (layer_types, or the layers
+// from max_window_layers on, as Hugging Face's Qwen2Config derives them). Llama has none.
+int64_t parse_sliding_window(const json& j, std::string_view src, Architecture arch,
+                             int64_t layers) {
+  if (arch == Architecture::llama) return 0;
+  const json* w = field(j, "sliding_window");
+  int64_t window = w != nullptr ? as_int(*w, src, "sliding_window") : 0;
+  if (w != nullptr && window < 1)
+    fail("{}: sliding_window = {} must be a positive number of positions, or null; fix config.json",
+         src, window);
+  if (arch == Architecture::mistral) return window;
+  const json* use = field(j, "use_sliding_window");
+  if (use == nullptr || !as_bool(*use, src, "use_sliding_window")) return 0;
+  if (window == 0) return 0;
+  if (const json* types = field(j, "layer_types")) {
+    if (!types->is_array()) type_error(src, "layer_types", "a list of strings", *types);
+    bool slides = false;
+    for (const json& t : *types) {
+      const std::string& s = as_string(t, src, "layer_types");
+      if (s != "full_attention" && s != "sliding_attention")
+        fail("{}: layer_types holds '{}'; strata knows full_attention and sliding_attention", src,
+             s);
+      slides = slides || s == "sliding_attention";
+    }
+    return slides ? window : 0;
+  }
+  const json* m = field(j, "max_window_layers");
+  const int64_t first_sliding = m != nullptr ? as_int(*m, src, "max_window_layers") : 28;
+  return first_sliding < layers ? window : 0;
+}
+
 LlamaConfig make_preset(std::string name, int64_t hidden, int64_t intermediate, int64_t layers,
                         int64_t heads, int64_t kv_heads, int64_t vocab, int64_t positions,
                         double rope_theta, DType dtype, RopeScaling scaling = {}) {
@@ -129,6 +212,19 @@ LlamaConfig make_preset(std::string name, int64_t hidden, int64_t intermediate, 
   c.rope_scaling = scaling;
   c.tie_word_embeddings = false;
   c.torch_dtype = dtype;
+  return c;
+}
+
+// Mistral 7B v0.3 (no sliding window), as published.
+LlamaConfig mistral(LlamaConfig c) {
+  c.architecture = Architecture::mistral;
+  return c;
+}
+// Qwen2.5's: biases on q, k and v, eps 1e-6.
+LlamaConfig qwen2(LlamaConfig c) {
+  c.architecture = Architecture::qwen2;
+  c.qkv_bias = true;
+  c.rms_norm_eps = 1e-6;
   return c;
 }
 
@@ -152,6 +248,9 @@ const std::vector<LlamaConfig>& presets() {
                     llama31),
         make_preset("llama3.1-70b", 8192, 28672, 80, 64, 8, 128256, 131072, 500000.0, DType::bf16,
                     llama31),
+        mistral(make_preset("mistral-7b", 4096, 14336, 32, 32, 8, 32768, 32768, 1e6, DType::bf16)),
+        qwen2(make_preset("qwen2.5-7b", 3584, 18944, 28, 28, 4, 152064, 32768, 1e6, DType::bf16)),
+        qwen2(make_preset("qwen2.5-72b", 8192, 29568, 80, 64, 8, 152064, 32768, 1e6, DType::bf16)),
     };
   }();
   return all;
@@ -172,6 +271,23 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
   in_range("num_attention_heads", c.num_attention_heads, kMaxCount);
   in_range("num_key_value_heads", c.num_key_value_heads, kMaxCount);
   in_range("head_dim", c.head_dim, kMaxCount);
+  // The biases each architecture's Hugging Face class builds (a config.json cannot ask for
+  // others, and an exported one must load as it was trained).
+  const bool llama_biases = c.qkv_bias == c.o_bias;
+  const bool fits = c.architecture == Architecture::llama ? llama_biases
+                    : c.architecture == Architecture::mistral
+                        ? !c.qkv_bias && !c.o_bias && !c.mlp_bias
+                        : c.qkv_bias && !c.o_bias && !c.mlp_bias;
+  if (!fits)
+    fail(
+        "{}: biases on q/k/v {}, o {}, MLP {} are not what {} builds (Llama: attention_bias puts "
+        "them on q, k, v and o together; Mistral: none; Qwen2: q, k and v only)",
+        src, c.qkv_bias, c.o_bias, c.mlp_bias, architecture_class(c.architecture));
+  if (c.sliding_window < 0 || c.sliding_window > kMaxSize ||
+      (c.sliding_window > 0 && c.architecture == Architecture::llama))
+    fail(
+        "{}: sliding_window = {} is not valid for {}; it is a positive window for Mistral or Qwen2",
+        src, c.sliding_window, architecture_class(c.architecture));
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     fail(
         "{}: num_attention_heads = {} is not a multiple of num_key_value_heads = {}; grouped-query "
@@ -208,33 +324,21 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
     fail("{}: a config.json holds a JSON object, got {}; pass a Hugging Face config.json", src,
          j.type_name());
 
-  // Architecture: LlamaForCausalLM, or no architectures at all and model_type llama.
-  const json* arch = field(j, "architectures");
-  const json* model_type = field(j, "model_type");
-  if (arch != nullptr) {
-    if (!arch->is_array()) type_error(src, "architectures", "a list of strings", *arch);
-    bool llama = false;
-    for (const json& a : *arch) llama = llama || (a.is_string() && a == "LlamaForCausalLM");
-    if (!llama)
-      fail(
-          "{}: architectures {} does not include LlamaForCausalLM; strata trains Llama-family "
-          "models only",
-          src, shown(*arch));
-  }
-  if (model_type != nullptr && as_string(*model_type, src, "model_type") != "llama")
-    fail("{}: model_type '{}' is not 'llama'; strata trains Llama-family models only", src,
-         model_type->get<std::string>());
-  if (arch == nullptr && model_type == nullptr)
-    fail(
-        "{}: neither architectures nor model_type is set, so this is not known to be a Llama "
-        "config; add \"architectures\": [\"LlamaForCausalLM\"]",
-        src);
+  const Architecture arch = parse_architecture(j, src);
+  LlamaConfig c;
+  c.name = std::string(src);
+  c.architecture = arch;
 
-  // What would change the math and is not implemented: refused by name.
-  if (const json* v = field(j, "attention_bias"); v && as_bool(*v, src, "attention_bias"))
-    fail("{}: attention_bias is true; strata's attention projections have no bias terms", src);
-  if (const json* v = field(j, "mlp_bias"); v && as_bool(*v, src, "mlp_bias"))
-    fail("{}: mlp_bias is true; strata's MLP projections have no bias terms", src);
+  // Biases, and what would change the math and is not implemented: refused by name. Mistral
+  // and Qwen2 fix their biases in code (none; q, k and v), whatever the keys say.
+  if (arch == Architecture::qwen2) c.qkv_bias = true;
+  if (arch == Architecture::llama) {
+    if (const json* v = field(j, "attention_bias"))
+      c.qkv_bias = c.o_bias = as_bool(*v, src, "attention_bias");
+    if (const json* v = field(j, "mlp_bias")) c.mlp_bias = as_bool(*v, src, "mlp_bias");
+  }
+  c.num_hidden_layers = required(j, "num_hidden_layers", src, as_int);
+  c.sliding_window = parse_sliding_window(j, src, arch, c.num_hidden_layers);
   if (const json* v = field(j, "hidden_act")) {
     const std::string& act = as_string(*v, src, "hidden_act");
     if (act != "silu" && act != "swish")  // the same function under two names
@@ -252,11 +356,8 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
         src);
   // pretraining_tp only slices the same matmuls differently in Hugging Face: harmless.
 
-  LlamaConfig c;
-  c.name = std::string(src);
   c.hidden_size = required(j, "hidden_size", src, as_int);
   c.intermediate_size = required(j, "intermediate_size", src, as_int);
-  c.num_hidden_layers = required(j, "num_hidden_layers", src, as_int);
   c.num_attention_heads = required(j, "num_attention_heads", src, as_int);
   c.vocab_size = required(j, "vocab_size", src, as_int);
   c.max_position_embeddings = required(j, "max_position_embeddings", src, as_int);
@@ -328,6 +429,17 @@ LlamaConfig load_llama_config(const fs::path& path) {
   return c;
 }
 
+std::string_view architecture_class(Architecture a) {
+  for (const KnownArchitecture& k : kArchitectures)
+    if (k.arch == a) return k.cls;
+  return "unknown";
+}
+std::string_view architecture_model_type(Architecture a) {
+  for (const KnownArchitecture& k : kArchitectures)
+    if (k.arch == a) return k.model_type;
+  return "unknown";
+}
+
 std::vector<std::string> preset_names() {
   std::vector<std::string> names;
   for (const LlamaConfig& c : presets()) names.push_back(c.name);
@@ -353,8 +465,8 @@ LlamaConfig resolve_model(std::string_view dir_or_preset) {
 
 json to_hf_config_json(const LlamaConfig& c) {
   json j;
-  j["architectures"] = json::array({"LlamaForCausalLM"});
-  j["model_type"] = "llama";
+  j["architectures"] = json::array({architecture_class(c.architecture)});
+  j["model_type"] = architecture_model_type(c.architecture);
   j["hidden_size"] = c.hidden_size;
   j["intermediate_size"] = c.intermediate_size;
   j["num_hidden_layers"] = c.num_hidden_layers;
@@ -379,11 +491,23 @@ json to_hf_config_json(const LlamaConfig& c) {
   j["torch_dtype"] = hf_dtype_name(c.torch_dtype);
   // What strata computes, spelled out so Hugging Face builds the same model.
   j["hidden_act"] = "silu";
-  j["attention_bias"] = false;
-  j["mlp_bias"] = false;
   j["attention_dropout"] = 0.0;
-  j["pretraining_tp"] = 1;
   j["initializer_range"] = 0.02;
+  switch (c.architecture) {
+    case Architecture::llama:
+      j["attention_bias"] = c.qkv_bias;
+      j["mlp_bias"] = c.mlp_bias;
+      j["pretraining_tp"] = 1;
+      break;
+    case Architecture::mistral:
+      j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
+      break;
+    case Architecture::qwen2:  // the window, if any, on every layer
+      j["use_sliding_window"] = c.sliding_window > 0;
+      j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
+      j["max_window_layers"] = c.sliding_window > 0 ? 0 : c.num_hidden_layers;
+      break;
+  }
   j["use_cache"] = true;
   return j;
 }
@@ -401,15 +525,20 @@ std::vector<HfTensor> llama_hf_tensors(const LlamaConfig& c) {
   t.push_back({"model.embed_tokens.weight", {V, D}});
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const std::string p = fmt::format("model.layers.{}.", l);
+    // A projection's weight [out, in], then its bias [out] where the config has one.
+    auto linear = [&](const char* name, int64_t out, int64_t in, bool bias) {
+      t.push_back({fmt::format("{}{}.weight", p, name), {out, in}});
+      if (bias) t.push_back({fmt::format("{}{}.bias", p, name), {out}});
+    };
     t.push_back({p + "input_layernorm.weight", {D}});
-    t.push_back({p + "self_attn.q_proj.weight", {Hq, D}});
-    t.push_back({p + "self_attn.k_proj.weight", {Hk, D}});
-    t.push_back({p + "self_attn.v_proj.weight", {Hk, D}});
-    t.push_back({p + "self_attn.o_proj.weight", {D, Hq}});
+    linear("self_attn.q_proj", Hq, D, c.qkv_bias);
+    linear("self_attn.k_proj", Hk, D, c.qkv_bias);
+    linear("self_attn.v_proj", Hk, D, c.qkv_bias);
+    linear("self_attn.o_proj", D, Hq, c.o_bias);
     t.push_back({p + "post_attention_layernorm.weight", {D}});
-    t.push_back({p + "mlp.gate_proj.weight", {F, D}});
-    t.push_back({p + "mlp.up_proj.weight", {F, D}});
-    t.push_back({p + "mlp.down_proj.weight", {D, F}});
+    linear("mlp.gate_proj", F, D, c.mlp_bias);
+    linear("mlp.up_proj", F, D, c.mlp_bias);
+    linear("mlp.down_proj", D, F, c.mlp_bias);
   }
   t.push_back({"model.norm.weight", {D}});
   if (!c.tie_word_embeddings) t.push_back({"lm_head.weight", {V, D}});

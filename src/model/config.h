@@ -1,10 +1,16 @@
-// config.h: a Llama model's shape, read from a Hugging Face config.json or taken from a preset.
+// config.h: a Llama-family model's shape, read from a Hugging Face config.json or taken from a
+// preset.
+//
+// The family is Llama's decoder (RMSNorm, rotary embeddings, causal grouped-query attention,
+// SwiGLU) as Hugging Face's LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM define it:
+// Mistral is Llama with a sliding attention window, Qwen2 adds biases to the q, k and v
+// projections. Llama's own attention_bias and mlp_bias put biases on the other projections too.
 //
 // Parsing is strict on purpose: a field that changes the model's math and that strata does not
-// implement (biases, another activation, another rotary scaling, quantisation) is an error that
-// names it, never silently ignored; a training run on the wrong equations would look fine until
-// its loss did not. Keys that change nothing (token ids, use_cache, transformers_version, ...)
-// are accepted.
+// implement (another activation, another rotary scaling, a sliding window that would cut a
+// sequence, quantisation) is an error that names it, never silently ignored; a training run on
+// the wrong equations would look fine until its loss did not. Keys that change nothing (token
+// ids, use_cache, transformers_version, ...) are accepted.
 #pragma once
 
 #include "core/dtype.h"
@@ -33,8 +39,15 @@ struct RopeScaling {
   bool operator==(const RopeScaling&) const = default;
 };
 
+// The Hugging Face class a checkpoint is written for (its "architectures" and "model_type"),
+// kept so that an exported model loads as the class it came from.
+enum class Architecture : uint8_t { llama, mistral, qwen2 };
+std::string_view architecture_class(Architecture a);       // "LlamaForCausalLM", ...
+std::string_view architecture_model_type(Architecture a);  // "llama", "mistral", "qwen2"
+
 struct LlamaConfig {
   std::string name;  // the preset's name, or the checkpoint directory's
+  Architecture architecture = Architecture::llama;
   int64_t hidden_size = 0;
   int64_t intermediate_size = 0;
   int64_t num_hidden_layers = 0;
@@ -47,6 +60,15 @@ struct LlamaConfig {
   double rope_theta = 10000.0;
   RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
+  // Biases (".bias" tensors of the projection's output size): on q, k and v (Qwen2; Llama's
+  // attention_bias), on o (Llama's attention_bias), on gate, up and down (Llama's mlp_bias).
+  bool qkv_bias = false;
+  bool o_bias = false;
+  bool mlp_bias = false;
+  // Mistral's sliding window: each query sees the last `sliding_window` positions, itself
+  // included. strata has no windowed attention, so sequences longer than the window are
+  // refused (shorter ones see every earlier position either way). 0: no window.
+  int64_t sliding_window = 0;
   DType torch_dtype = DType::bf16;  // the dtype the checkpoint was saved in
 
   bool operator==(const LlamaConfig&) const = default;
@@ -62,15 +84,16 @@ LlamaConfig parse_llama_config(const nlohmann::json& json, std::string_view sour
 LlamaConfig load_llama_config(const std::filesystem::path& path);
 
 // Presets with the published shapes: tiny, llama2-7b/13b/70b, llama3-8b/70b (Llama 3: 8192
-// positions, no rope scaling) and llama3.1-8b/70b (131072 positions, llama3 rope scaling).
+// positions, no rope scaling), llama3.1-8b/70b (131072 positions, llama3 rope scaling),
+// mistral-7b (v0.3: no sliding window) and qwen2.5-7b/14b/72b (q, k, v biases).
 std::vector<std::string> preset_names();
 std::optional<LlamaConfig> find_preset(std::string_view name);
 // A checkpoint directory (or config.json) when the path exists, otherwise a preset name; an
 // error lists the presets when it is neither.
 LlamaConfig resolve_model(std::string_view dir_or_preset);
 
-// A config.json that Hugging Face's LlamaForCausalLM loads; parse_llama_config reads it back
-// to the same config (name aside).
+// A config.json that Hugging Face's class for the config's architecture loads;
+// parse_llama_config reads it back to the same config (name aside).
 nlohmann::json to_hf_config_json(const LlamaConfig& config);
 
 // One parameter tensor as Hugging Face names and shapes it ([out, in] for projections).
@@ -80,8 +103,8 @@ struct HfTensor {
   int64_t numel() const;
 };
 // Every parameter of the model in Hugging Face's order: embed_tokens, each layer (input norm,
-// q, k, v, o, post-attention norm, gate, up, down), the final norm, and lm_head unless the
-// embeddings are tied.
+// q, k, v, o, post-attention norm, gate, up, down, each projection's bias after its weight
+// where the config has one), the final norm, and lm_head unless the embeddings are tied.
 std::vector<HfTensor> llama_hf_tensors(const LlamaConfig& config);
 // The number of parameters (the sum over llama_hf_tensors): llama2-7b has 6,738,415,616.
 uint64_t parameter_count(const LlamaConfig& config);

@@ -67,7 +67,9 @@ std::array<uint64_t, 9> stash_offsets(const LlamaConfig& c, const ModelOptions& 
 const ParamSlot& UnitLayout::slot(std::string_view short_name) const {
   for (const ParamSlot& p : params) {
     const std::string_view n = p.name;
-    const std::string suffix = fmt::format("{}.weight", short_name);
+    const std::string suffix = short_name.ends_with(".bias") || short_name.ends_with(".weight")
+                                   ? std::string(short_name)
+                                   : fmt::format("{}.weight", short_name);
     if (n == suffix ||
         (n.size() > suffix.size() && n.ends_with(suffix) && n[n.size() - suffix.size() - 1] == '.'))
       return p;
@@ -179,9 +181,10 @@ void init_unit_random(const ModelLayout& layout, int u, uint64_t seed, DType dty
                        (0x2545f4914f6cdd1dull * (piece.slot + 1)) ^
                        (0x9fb21c651e98df25ull * (piece.begin / kPiece + 1));
       (void)splitmix(state);       // one step mixes the seed's bits
-      if (slot.shape.rank == 1) {  // norm weights
+      if (slot.shape.rank == 1) {  // norm weights 1, biases 0
+        const float value = slot.name.ends_with(".bias") ? 0.0f : 1.0f;
         for (uint64_t i = piece.begin; i < piece.end; ++i)
-          store_f32(host, dtype, slot.offset + i, 1.0f);
+          store_f32(host, dtype, slot.offset + i, value);
         continue;
       }
       for (uint64_t i = piece.begin; i < piece.end; i += 2) {
@@ -206,6 +209,12 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
         "sequence length {} is outside 1..{} (max_position_embeddings of model {}); choose a "
         "--seq-len within it",
         T, config.max_position_embeddings, config.name);
+  if (config.sliding_window > 0 && T > config.sliding_window)
+    fail(
+        "sequence length {} is longer than model {}'s sliding attention window of {} positions; "
+        "strata has no windowed attention (within the window every query sees every earlier "
+        "position, so shorter sequences compute the same thing): choose a --seq-len of at most {}",
+        T, config.name, config.sliding_window, config.sliding_window);
   if (B <= 0) fail("batch size {} must be at least 1", B);
   if (options.vocab_chunk <= 0) fail("vocab chunk {} must be at least 1", options.vocab_chunk);
   if (options.activation_sets < 1)
@@ -459,24 +468,30 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
                         {T, hd},
                         &device_};
 
+  // y = x·Wᵀ, plus the bias where the config has one (broadcast into y, which the matmul adds
+  // to: one rounding, as torch's addmm).
+  auto linear = [&](const TensorView& y, const TensorView& in, std::string_view name, bool bias) {
+    if (bias) k_.broadcast_rows(y, w(fmt::format("{}.bias", name)), s);
+    k_.matmul(y, in, false, w(name), true, 1.0f, bias ? 1.0f : 0.0f, s);
+  };
   k_.rmsnorm_forward(xn, rstd1, x, w("input_layernorm"), static_cast<float>(c.rms_norm_eps), s);
-  k_.matmul(q, xn, false, w("q_proj"), true, 1.0f, 0.0f, s);
-  k_.matmul(kk, xn, false, w("k_proj"), true, 1.0f, 0.0f, s);
-  k_.matmul(v, xn, false, w("v_proj"), true, 1.0f, 0.0f, s);
+  linear(q, xn, "q_proj", c.qkv_bias);
+  linear(kk, xn, "k_proj", c.qkv_bias);
+  linear(v, xn, "v_proj", c.qkv_bias);
   const TensorView q3{q.data, t, {N, H, hd}, &device_}, k3{kk.data, t, {N, Hkv, hd}, &device_};
   k_.rope(q3, rope, T, false, s);
   k_.rope(k3, rope, T, false, s);
   k_.attention_forward(TensorView{att.data, t, {batch, T, H, hd}, &device_}, a.lse,
                        TensorView{q.data, t, {batch, T, H, hd}, &device_}, keys, values, s);
-  k_.matmul(h, att, false, w("o_proj"), true, 1.0f, 0.0f, s);
+  linear(h, att, "o_proj", c.o_bias);
   k_.add(h, h, x, s);
   k_.rmsnorm_forward(hn, rstd2, h, w("post_attention_layernorm"),
                      static_cast<float>(c.rms_norm_eps), s);
-  k_.matmul(gate, hn, false, w("gate_proj"), true, 1.0f, 0.0f, s);
-  k_.matmul(up, hn, false, w("up_proj"), true, 1.0f, 0.0f, s);
+  linear(gate, hn, "gate_proj", c.mlp_bias);
+  linear(up, hn, "up_proj", c.mlp_bias);
   k_.swiglu_forward(act, gate, up, s);
   if (out.data == nullptr) return;  // recomputation for backward: the output is not needed
-  k_.matmul(out, act, false, w("down_proj"), true, 1.0f, 0.0f, s);
+  linear(out, act, "down_proj", c.mlp_bias);
   k_.add(out, out, h, s);
 }
 
@@ -515,7 +530,12 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
   // MLP: out = h + down(silu(gate(hn)) * up(hn)).
   k_.matmul(da, dout, false, w("down_proj"), false, 1.0f, 0.0f, s);
   k_.matmul(g("down_proj"), dout, true, act, false, 1.0f, 1.0f, s);
+  if (c.mlp_bias) k_.bias_backward(g("down_proj.bias"), dout, s);
   k_.swiglu_backward(dgate, dup, da, gate, up, s);
+  if (c.mlp_bias) {
+    k_.bias_backward(g("gate_proj.bias"), dgate, s);
+    k_.bias_backward(g("up_proj.bias"), dup, s);
+  }
   k_.matmul(dsmall, dgate, false, w("gate_proj"), false, 1.0f, 0.0f, s);
   k_.matmul(dsmall, dup, false, w("up_proj"), false, 1.0f, 1.0f, s);
   k_.matmul(g("gate_proj"), dgate, true, hn, false, 1.0f, 1.0f, s);
@@ -527,6 +547,7 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
   // Attention: h = x + o_proj(attention(rope(q), rope(k), v)).
   k_.matmul(datt, dh, false, w("o_proj"), false, 1.0f, 0.0f, s);
   k_.matmul(g("o_proj"), dh, true, att, false, 1.0f, 1.0f, s);
+  if (c.o_bias) k_.bias_backward(g("o_proj.bias"), dh, s);
   k_.attention_backward(TensorView{dq.data, t, {batch, T, H, hd}, &device_},
                         TensorView{dk.data, t, {batch, T, Hkv, hd}, &device_},
                         TensorView{dv.data, t, {batch, T, Hkv, hd}, &device_},
@@ -537,6 +558,11 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
                         TensorView{att.data, t, {batch, T, H, hd}, &device_}, a.lse, s);
   k_.rope(TensorView{dq.data, t, {N, H, hd}, &device_}, rope, T, true, s);
   k_.rope(TensorView{dk.data, t, {N, Hkv, hd}, &device_}, rope, T, true, s);
+  if (c.qkv_bias) {
+    k_.bias_backward(g("q_proj.bias"), dq, s);
+    k_.bias_backward(g("k_proj.bias"), dk, s);
+    k_.bias_backward(g("v_proj.bias"), dv, s);
+  }
   k_.matmul(dsmall, dq, false, w("q_proj"), false, 1.0f, 0.0f, s);
   k_.matmul(dsmall, dk, false, w("k_proj"), false, 1.0f, 1.0f, s);
   k_.matmul(dsmall, dv, false, w("v_proj"), false, 1.0f, 1.0f, s);

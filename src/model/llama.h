@@ -244,7 +244,8 @@ class LlamaModel {
 };
 
 // Deterministic random initialisation (Hugging Face's: normal(0, 0.02) weights, norm weights
-// 1) of one unit's flat buffer, in host memory of `dtype`; the same seed gives the same bits.
+// 1, biases 0) of one unit's flat buffer, in host memory of `dtype`; the same seed gives the same
+// bits.
 void init_unit_random(const ModelLayout& layout, int u, uint64_t seed, DType dtype, void* host);
 
 }  // namespace strata

@@ -4,7 +4,10 @@
 No transformers library: the forward below is Hugging Face's LlamaForCausalLM spelled out
 (RMSNorm, rotary embeddings in the rotate-half layout with optional llama3 frequency scaling,
 causal grouped-query attention, SwiGLU MLP, optional tied embeddings, mean cross-entropy over
-targets that are not -100).
+targets that are not -100). MistralForCausalLM is the same equations (its sliding window is
+not modelled: callers keep sequences within it), and Qwen2ForCausalLM adds biases to q, k and
+v. Which projections have biases is decided here from config.json as each Hugging Face class
+decides it, and the checkpoint must hold exactly the tensors that implies.
 
 usage: llama_reference.py MODEL_DIR TOKENS OUT [--batch B] [--seq-len T] [--dtype float64]
   MODEL_DIR  config.json + model.safetensors (read here with json + struct, no safetensors lib)
@@ -88,6 +91,43 @@ def rms_norm(x, w, eps):
     return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
+def biased(cfg):
+    """The projections with a bias, as each Hugging Face class builds them."""
+    kind = cfg.get("model_type", "llama")
+    if kind == "qwen2":
+        return {"q_proj", "k_proj", "v_proj"}
+    if kind == "mistral":
+        return set()
+    out = set()
+    if cfg.get("attention_bias"):
+        out |= {"q_proj", "k_proj", "v_proj", "o_proj"}
+    if cfg.get("mlp_bias"):
+        out |= {"gate_proj", "up_proj", "down_proj"}
+    return out
+
+
+def expected_names(cfg):
+    D = cfg["hidden_size"]
+    names = {"model.embed_tokens.weight", "model.norm.weight"}
+    if not cfg.get("tie_word_embeddings"):
+        names.add("lm_head.weight")
+    for l in range(cfg["num_hidden_layers"]):
+        pre = f"model.layers.{l}."
+        names |= {pre + "input_layernorm.weight", pre + "post_attention_layernorm.weight"}
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            part = "self_attn." if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp."
+            names.add(pre + part + proj + ".weight")
+            if proj in biased(cfg):
+                names.add(pre + part + proj + ".bias")
+    return names
+
+
+def linear(cfg, p, name, x):
+    """x @ W.T (+ b): Hugging Face's Linear, with a bias where the class builds one."""
+    y = x @ p[name + ".weight"].T
+    return y + p[name + ".bias"] if name.rsplit(".", 1)[1] in biased(cfg) else y
+
+
 def forward(cfg, p, ids, dtype):
     B, T = ids.shape
     D = cfg["hidden_size"]
@@ -104,9 +144,9 @@ def forward(cfg, p, ids, dtype):
     for l in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{l}."
         xn = rms_norm(x, p[pre + "input_layernorm.weight"], eps)
-        q = (xn @ p[pre + "self_attn.q_proj.weight"].T).view(B, T, H, hd).transpose(1, 2)
-        k = (xn @ p[pre + "self_attn.k_proj.weight"].T).view(B, T, Hkv, hd).transpose(1, 2)
-        v = (xn @ p[pre + "self_attn.v_proj.weight"].T).view(B, T, Hkv, hd).transpose(1, 2)
+        q = linear(cfg, p, pre + "self_attn.q_proj", xn).view(B, T, H, hd).transpose(1, 2)
+        k = linear(cfg, p, pre + "self_attn.k_proj", xn).view(B, T, Hkv, hd).transpose(1, 2)
+        v = linear(cfg, p, pre + "self_attn.v_proj", xn).view(B, T, Hkv, hd).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k = k.repeat_interleave(H // Hkv, dim=1)
@@ -114,11 +154,11 @@ def forward(cfg, p, ids, dtype):
         scores = q @ k.transpose(-1, -2) / math.sqrt(hd) + mask
         att = torch.softmax(scores, dim=-1) @ v
         att = att.transpose(1, 2).reshape(B, T, H * hd)
-        h = x + att @ p[pre + "self_attn.o_proj.weight"].T
+        h = x + linear(cfg, p, pre + "self_attn.o_proj", att)
         hn = rms_norm(h, p[pre + "post_attention_layernorm.weight"], eps)
-        gate = hn @ p[pre + "mlp.gate_proj.weight"].T
-        up = hn @ p[pre + "mlp.up_proj.weight"].T
-        x = h + (torch.nn.functional.silu(gate) * up) @ p[pre + "mlp.down_proj.weight"].T
+        gate = linear(cfg, p, pre + "mlp.gate_proj", hn)
+        up = linear(cfg, p, pre + "mlp.up_proj", hn)
+        x = h + linear(cfg, p, pre + "mlp.down_proj", torch.nn.functional.silu(gate) * up)
     xf = rms_norm(x, p["model.norm.weight"], eps)
     w = p["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else p["lm_head.weight"]
     return xf @ w.T
@@ -138,6 +178,11 @@ def main():
     with open(f"{args.model_dir}/config.json") as f:
         cfg = json.load(f)
     params = {n: t.to(dtype).requires_grad_(True) for n, t in read_safetensors(f"{args.model_dir}/model.safetensors").items()}
+    names = expected_names(cfg)
+    if set(params) != names:
+        print(f"checkpoint tensors differ from config.json's model: missing {sorted(names - set(params))}, "
+              f"extra {sorted(set(params) - names)}", file=sys.stderr)
+        return 1
     B, T = args.batch, args.seq_len
     with open(args.tokens, "rb") as f:
         raw = f.read()
