@@ -6,6 +6,7 @@ STRATA_PACKAGES=(
   build-essential cmake ninja-build pkg-config git
   liburing-dev libxxhash-dev libtbb-dev libxsimd-dev libhwloc-dev libfmt-dev
   nlohmann-json3-dev libcli11-dev libopenblas-dev libsentencepiece-dev libpcre2-dev
+  libicu-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3
   python3-numpy python3-torch  # the CPU Adam parity test and bench/adam_vs_torch.py

@@ -213,8 +213,8 @@ TEST_F(HfTokenizerTest, BadOrUnsupportedFilesAreNamedByTheirPlace) {
   j["model"]["type"] = "WordPiece";
   refused("wordpiece", j, {"/model/type", "\"WordPiece\"", "tokenizer.model"});
   j = gpt2_like();
-  j["normalizer"] = {{"type", "NFKC"}};
-  refused("nfkc", j, {"/normalizer/type", "\"NFKC\"", "not supported"});
+  j["normalizer"] = {{"type", "BertNormalizer"}};
+  refused("bert", j, {"/normalizer/type", "\"BertNormalizer\"", "not supported", "NFKC"});
   j = gpt2_like();
   j["pre_tokenizer"] = {
       {"type", "Sequence"},
@@ -308,8 +308,8 @@ TEST_P(HfTokenizerReference, EveryIdAndDecodedTextAgree) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Layouts, HfTokenizerReference,
-                         ::testing::Values("llama3", "llama2", "gpt2", "metaspace",
-                                           "metaspace_split"));
+                         ::testing::Values("llama3", "llama2", "gpt2", "gpt2_nfkc", "qwen2",
+                                           "metaspace", "metaspace_split"));
 
 }  // namespace
 }  // namespace strata

@@ -315,6 +315,60 @@ TEST(TrainCli, ExportWritesAHuggingFaceDirectory) {
   }
 }
 
+// A Qwen2 checkpoint (biases on q, k and v, tied embeddings, as its small models): it trains,
+// its biases move from the 0 they start at, and the export is a Qwen2ForCausalLM directory
+// with the biases that loads back. A Mistral window shorter than --seq-len is refused before
+// anything starts.
+TEST(TrainCli, Qwen2TrainsAndExportsAsQwen2AndAMistralWindowIsHonoured) {
+  const test::TempDir dir("strata-qwen2");
+  const fs::path data = make_data(dir.path), model = dir.path / "qwen2", run = dir.path / "run";
+  LlamaConfig c = *find_preset("tiny");
+  c.architecture = Architecture::qwen2;
+  c.qkv_bias = true;
+  c.tie_word_embeddings = true;
+  fs::create_directories(model);
+  std::ofstream(model / "config.json") << to_hf_config_json(c).dump(2);
+  const std::string args =
+      " --init random --seed 5 --seq-len 32 --micro-batch 2 --lr 1e-2 --data " + data.string();
+  test::CommandResult r =
+      strata("train --model " + model.string() + args + " --steps 3 --run-dir " + run.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const fs::path out = dir.path / "hf";
+  r = strata("export " + run.string() + " --out " + out.string() + " --dtype f32");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const json cfg = json::parse(slurp(out / "config.json"));
+  EXPECT_EQ(cfg["architectures"], json::array({"Qwen2ForCausalLM"}));
+  EXPECT_EQ(cfg["model_type"], "qwen2");
+  const SafetensorsReader st = SafetensorsReader::open(out / "model.safetensors");
+  EXPECT_EQ(st.find("lm_head.weight"), nullptr);
+  EXPECT_EQ(st.find("model.layers.0.self_attn.o_proj.bias"), nullptr);
+  for (const char* name :
+       {"model.layers.0.self_attn.q_proj.bias", "model.layers.1.self_attn.k_proj.bias",
+        "model.layers.1.self_attn.v_proj.bias"}) {
+    const SafetensorsEntry* e = st.find(name);
+    ASSERT_NE(e, nullptr) << name;
+    std::vector<float> b(static_cast<size_t>(e->numel()));
+    st.read(name, b.data(), DType::f32);
+    EXPECT_TRUE(std::any_of(b.begin(), b.end(), [](float x) { return x != 0.0f; }))
+        << name << " never left 0";
+  }
+  r = strata("eval --model " + out.string() + " --data " + data.string() +
+             " --seq-len 32 --max-sequences 4");
+  EXPECT_EQ(r.status, 0) << r.out;
+
+  LlamaConfig m = *find_preset("tiny");
+  m.architecture = Architecture::mistral;
+  m.sliding_window = 16;
+  const fs::path mistral = dir.path / "mistral", bad = dir.path / "bad";
+  fs::create_directories(mistral);
+  std::ofstream(mistral / "config.json") << to_hf_config_json(m).dump(2);
+  r = strata("train --model " + mistral.string() + args + " --steps 1 --run-dir " + bad.string());
+  EXPECT_NE(r.status, 0) << r.out;
+  for (const char* part : {"sliding attention window of 16", "--seq-len of at most 16"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " in " << r.out;
+  EXPECT_FALSE(fs::exists(bad / "checkpoints"));
+}
+
 TEST(TrainCli, CheckpointsAndExportsCarryTheModelsTokenizer) {
   const test::TempDir dir("strata-carry-tokenizer");
   const fs::path data = make_data(dir.path), model = dir.path / "hf", run = dir.path / "run";

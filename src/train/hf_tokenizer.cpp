@@ -5,7 +5,8 @@
 // Encoding, in the library's order:
 // 1. added tokens are cut out of the raw text first (leftmost, longest first), each becoming its
 //    id; their lstrip/rstrip flags take the whitespace beside them along;
-// 2. each piece between them goes through the normalizer (Prepend, Replace, Sequence);
+// 2. each piece between them goes through the normalizer (Prepend, Replace, the Unicode
+//    normal forms NFC, NFD, NFKC and NFKD through ICU, Sequence);
 // 3. then the pre-tokenizers (Split on a regex, ByteLevel, Metaspace, Digits, Sequence), which
 //    cut it into words (ByteLevel also maps every byte to a printable character);
 // 4. each word through the BPE model: its characters (absent ones become <0xHH> byte pieces
@@ -21,6 +22,9 @@
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
+#include <unicode/normalizer2.h>
+#include <unicode/unistr.h>
+#include <unicode/utypes.h>
 
 #include <nlohmann/json.hpp>
 
@@ -340,7 +344,34 @@ TextFn make_normalizer(const json& j, const At& at) {
     const std::string content = string_at(j, "content", at);
     return [re, content](std::string s) { return replace_all(*re, s, content); };
   }
-  unsupported("normalizer", type, at, "Sequence, Prepend and Replace");
+  if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") {
+    // ICU's normalizers, built once and shared by every thread (they are immutable).
+    UErrorCode status = U_ZERO_ERROR;
+    const icu::Normalizer2* n = type == "NFC"    ? icu::Normalizer2::getNFCInstance(status)
+                                : type == "NFD"  ? icu::Normalizer2::getNFDInstance(status)
+                                : type == "NFKC" ? icu::Normalizer2::getNFKCInstance(status)
+                                                 : icu::Normalizer2::getNFKDInstance(status);
+    if (U_FAILURE(status) || n == nullptr)
+      fail("{}: ICU has no {} normalizer ({}); check the libicu installation", at.str(), type,
+           u_errorName(status));
+    return [n, type](std::string s) {
+      // ASCII is in every normal form: most text never leaves this check. Text reaching here
+      // is valid UTF-8 (checked on encode), so the conversions below are exact.
+      if (std::all_of(s.begin(), s.end(),
+                      [](char c) { return static_cast<unsigned char>(c) < 0x80; }))
+        return s;
+      UErrorCode st = U_ZERO_ERROR;
+      const icu::UnicodeString u = icu::UnicodeString::fromUTF8(s);
+      if (n->isNormalized(u, st) && U_SUCCESS(st)) return s;
+      st = U_ZERO_ERROR;
+      const icu::UnicodeString out = n->normalize(u, st);
+      if (U_FAILURE(st)) fail("the {} normalizer failed ({})", type, u_errorName(st));
+      std::string r;
+      out.toUTF8String(r);
+      return r;
+    };
+  }
+  unsupported("normalizer", type, at, "Sequence, Prepend, Replace, NFC, NFD, NFKC and NFKD");
 }
 
 // ---- pre-tokenizers --------------------------------------------------------------------------

@@ -9,8 +9,9 @@
 //   libsentencepiece; their end-of-text id is the model's </s> piece, when it has one, and
 //   their prefix its <s> (as Hugging Face's LlamaTokenizer adds it), when it has one;
 // - Hugging Face `tokenizer.json` files with a BPE model (hf_tokenizer.cpp): Llama 3's and
-//   GPT-2's byte-level BPE, and the byte-fallback BPE of Llama 2's and Mistral's fast
-//   tokenizers. Supported: normalizers Prepend, Replace, Sequence; pre-tokenizers Split,
+//   GPT-2's and Qwen2's byte-level BPE, and the byte-fallback BPE of Llama 2's and Mistral's
+//   fast tokenizers. Supported: normalizers Prepend, Replace, NFC, NFD, NFKC, NFKD (ICU),
+//   Sequence; pre-tokenizers Split,
 //   ByteLevel, Metaspace, Digits, Sequence; decoders ByteLevel, Replace, ByteFallback, Fuse,
 //   Strip, Metaspace, Sequence; post-processors TemplateProcessing, ByteLevel, Sequence; added
 //   tokens (matched in the raw text, lstrip/rstrip honoured). Anything else is an Error naming

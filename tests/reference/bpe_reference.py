@@ -13,6 +13,9 @@ below by plain BPE training:
              whole text is one word), byte fallback for characters outside the vocabulary, <s>
              prefix, Replace/ByteFallback/Fuse/Strip decoder;
   gpt2       GPT-2's: ByteLevel with its own regex, <|endoftext|> as the only added token;
+  gpt2_nfkc  the same with an NFKC normalizer (compatibility characters folded: ① is 1);
+  qwen2      Qwen2's: an NFC normalizer, Llama 3's regex with single digits, byte-level
+             alphabet, no prefix, ChatML's <|im_start|>/<|im_end|>, eos <|im_end|>;
   metaspace  Mistral's newer layout: a Metaspace pre-tokenizer with prepend_scheme "first";
   metaspace_split  the older Metaspace layout (add_prefix_space, split at every ▁).
 
@@ -25,6 +28,7 @@ strings: a different algorithm from strata's priority queue over ids, with the s
 import json
 import os
 import sys
+import unicodedata
 
 try:
     import regex
@@ -35,6 +39,7 @@ except ImportError:
 LLAMA3_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
                   r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
 GPT2_PATTERN = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 SPACE = "\u2581"  # ▁
 
 CORPUS = [
@@ -149,7 +154,34 @@ def add_merges(vocab, merges):
 def make(directory, style):
     os.makedirs(directory, exist_ok=True)
     config = None
-    if style in ("llama3", "gpt2"):
+    if style == "qwen2":
+        vocab = {BYTE_ENC[b]: i for i, b in enumerate(sorted(BYTE_ENC))}
+        merges = train_merges(byte_level_words(QWEN2_PATTERN), set(vocab), 400)
+        add_merges(vocab, merges)
+        base = len(vocab)
+        added = [{"id": base + i, "content": n, "single_word": False, "lstrip": False,
+                  "rstrip": False, "normalized": False, "special": True}
+                 for i, n in enumerate(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])]
+        tok = {
+            "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
+            "normalizer": {"type": "NFC"},
+            "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": QWEN2_PATTERN}, "behavior": "Isolated",
+                 "invert": False},
+                {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+                 "use_regex": False}]},
+            "post_processor": {"type": "ByteLevel", "add_prefix_space": False,
+                               "trim_offsets": False, "use_regex": False},
+            "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+                        "use_regex": False},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                      "continuing_subword_prefix": "", "end_of_word_suffix": "",
+                      "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                      "vocab": vocab, "merges": ["%s %s" % m for m in merges]},
+        }
+        config = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                  "model_max_length": 131072, "tokenizer_class": "Qwen2Tokenizer"}
+    elif style in ("llama3", "gpt2", "gpt2_nfkc"):
         pattern = LLAMA3_PATTERN if style == "llama3" else GPT2_PATTERN
         vocab = {BYTE_ENC[b]: i for i, b in enumerate(sorted(BYTE_ENC))}
         merges = train_merges(byte_level_words(pattern), set(vocab), 400)
@@ -206,7 +238,7 @@ def make(directory, style):
                 "added_tokens": [{"id": eot, "content": "<|endoftext|>", "single_word": False,
                                   "lstrip": False, "rstrip": False, "normalized": True,
                                   "special": True}],
-                "normalizer": None,
+                "normalizer": {"type": "NFKC"} if style == "gpt2_nfkc" else None,
                 "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False,
                                   "trim_offsets": True, "use_regex": True},
                 "post_processor": {"type": "ByteLevel", "add_prefix_space": True,
@@ -364,6 +396,8 @@ class Reference:
             if "String" in pat:
                 return s.replace(pat["String"], n["content"])
             return regex.sub(pat["Regex"], n["content"], s)
+        if t in ("NFC", "NFD", "NFKC", "NFKD"):
+            return unicodedata.normalize(t, s)
         raise SystemExit("normalizer %s" % t)
 
     def pretokenize(self, words, p, start):
