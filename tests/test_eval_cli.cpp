@@ -1,6 +1,7 @@
 // test_eval_cli.cpp: `strata eval` as a user runs it, on the tiny preset with random weights
 // (the checkpoint path, compared with PyTorch, is in test_llama_reference).
 #include "gpu/runtime.h"
+#include "model/config.h"
 #include "model/tokens.h"
 #include "testing.h"
 
@@ -8,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -431,6 +433,30 @@ TEST(BenchOpsCli, VerifiesThenReportsEveryOp) {
   EXPECT_NE(text.out.find("every op verified against the host backend"), std::string::npos)
       << text.out;
   EXPECT_NE(text.out.find("block forward+backward:"), std::string::npos) << text.out;
+}
+
+// A Qwen3 model with attention_bias adds its biases and its q and k norms to the list, each
+// verified like the rest.
+TEST(BenchOpsCli, ListsTheBiasesAndQkNormsOfTheModelsThatHaveThem) {
+  const test::TempDir dir("strata-bench-ops-qwen3");
+  LlamaConfig c = *find_preset("tiny");
+  c.architecture = Architecture::qwen3;
+  c.qk_norm = c.qkv_bias = c.o_bias = true;
+  std::ofstream(dir.path / "config.json") << to_hf_config_json(c).dump(2);
+  const test::CommandResult r = bench_ops("--devices host --model " + dir.path.string() +
+                                          " --seq-len 40 --square 64 --steps 1 --json");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_TRUE(j["verified"].get<bool>());
+  std::vector<std::string> names;
+  for (const auto& o : j["ops"]) names.push_back(o["op"].get<std::string>());
+  for (const char* want :
+       {"q_proj bias", "q_proj bias grad", "k_proj v_proj bias", "o_proj bias grad",
+        "q norm forward", "q norm backward", "k norm backward"})
+    EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << want;
+  EXPECT_EQ(std::find(names.begin(), names.end(), "gate_proj up_proj bias"), names.end());
+  EXPECT_EQ(names.size(), 25u + 3 * 2 + 2 * 2);  // Llama's, three biases, two norms
 }
 
 TEST(BenchOpsCli, BadInputIsNamed) {

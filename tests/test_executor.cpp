@@ -461,33 +461,40 @@ TEST_P(ExecutorPlacements, EveryPlacementGivesTheAllGpuBits) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, ExecutorPlacements, ::testing::Values(1, 3));
 
-// Qwen2's biases on q, k and v (with tied embeddings, as its small models have): the executor
-// trains them to the reference loop's bits, and every home of the parameters and optimizer to
-// the all-GPU run's. The biases start at 0, so from the second step on they change the forward.
+// Qwen2's biases on q, k and v (with tied embeddings, as its small models have), and Qwen3's q
+// and k norms (with attention_bias, untied): the executor trains them to the reference loop's
+// bits, and every home of the parameters and optimizer to the all-GPU run's. The biases start
+// at 0, so from the second step on they change the forward.
 TEST(Executor, BiasedProjectionsTrainToTheSameBitsInEveryTier) {
-  for (int N : {1, 3}) {
-    REQUIRE_DEVICES(N);
-    LlamaConfig c = tiny(true);
-    c.architecture = Architecture::qwen2;
-    c.qkv_bias = true;
-    const RunResult gpu = run_executor(c, N, Tier::gpu, Tier::gpu);
-    const RunResult ref = run_reference(c, N);
-    ASSERT_EQ(gpu.losses.size(), ref.losses.size());
-    for (size_t s = 0; s < ref.losses.size(); ++s) EXPECT_EQ(gpu.losses[s], ref.losses[s]);
-    expect_same(gpu, ref, fmt::format("N {} all-GPU executor vs reference loop:", N));
-    // The biases moved: their master copies are not all zero after the steps.
-    const ModelLayout layout = ModelLayout::build(c);
-    const ParamSlot& qb = layout.units[1].slot("q_proj.bias");
-    bool moved = false;
-    for (int64_t i = 0; i < qb.numel(); ++i) moved = moved || gpu.master[1][qb.offset + i] != 0.0f;
-    EXPECT_TRUE(moved) << "the q bias never left 0";
-    for (const auto& [p, o] :
-         {std::pair{Tier::cpu, Tier::cpu}, {Tier::nvme, Tier::nvme}, {Tier::gpu, Tier::cpu}}) {
-      const std::string what = fmt::format("N {} P {} O {}", N, tier_name(p), tier_name(o));
-      SCOPED_TRACE(what);
-      expect_same(run_executor(c, N, p, o), gpu, what + ":");
+  LlamaConfig qwen2 = tiny(true);
+  qwen2.architecture = Architecture::qwen2;
+  qwen2.qkv_bias = true;
+  LlamaConfig qwen3 = tiny(false);
+  qwen3.architecture = Architecture::qwen3;
+  qwen3.qk_norm = qwen3.qkv_bias = qwen3.o_bias = true;
+  for (int N : {1, 3})
+    for (const LlamaConfig& c : {qwen2, qwen3}) {
+      REQUIRE_DEVICES(N);
+      SCOPED_TRACE(architecture_class(c.architecture));
+      const RunResult gpu = run_executor(c, N, Tier::gpu, Tier::gpu);
+      const RunResult ref = run_reference(c, N);
+      ASSERT_EQ(gpu.losses.size(), ref.losses.size());
+      for (size_t s = 0; s < ref.losses.size(); ++s) EXPECT_EQ(gpu.losses[s], ref.losses[s]);
+      expect_same(gpu, ref, fmt::format("N {} all-GPU executor vs reference loop:", N));
+      // The biases moved: their master copies are not all zero after the steps.
+      const ModelLayout layout = ModelLayout::build(c);
+      const ParamSlot& qb = layout.units[1].slot("q_proj.bias");
+      bool moved = false;
+      for (int64_t i = 0; i < qb.numel(); ++i)
+        moved = moved || gpu.master[1][qb.offset + i] != 0.0f;
+      EXPECT_TRUE(moved) << "the q bias never left 0";
+      for (const auto& [p, o] :
+           {std::pair{Tier::cpu, Tier::cpu}, {Tier::nvme, Tier::nvme}, {Tier::gpu, Tier::cpu}}) {
+        const std::string what = fmt::format("N {} P {} O {}", N, tier_name(p), tier_name(o));
+        SCOPED_TRACE(what);
+        expect_same(run_executor(c, N, p, o), gpu, what + ":");
+      }
     }
-  }
 }
 
 // Generation through the executor (RunShape::kv_cache, as `strata generate --offload-param`

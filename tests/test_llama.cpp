@@ -98,21 +98,28 @@ TEST(LlamaRope, PlainAndLlama3Scaling) {
 // The whole model in f32: every parameter's gradient against central differences of the mean
 // loss, for a few coordinates of every tensor, with and without tied embeddings.
 // Variants: untied, tied, Qwen2's q/k/v biases with tied embeddings, Llama with a bias on every
-// projection (attention_bias and mlp_bias).
-enum class Variant { untied, tied, qwen2_tied, every_bias };
+// projection (attention_bias and mlp_bias), Qwen3's q and k norms (tied, as its small models),
+// and Qwen3 with attention_bias.
+enum class Variant { untied, tied, qwen2_tied, every_bias, qwen3_tied, qwen3_bias };
 
 LlamaConfig variant_config(Variant v) {
-  LlamaConfig c = small_config(v == Variant::tied || v == Variant::qwen2_tied);
+  LlamaConfig c =
+      small_config(v == Variant::tied || v == Variant::qwen2_tied || v == Variant::qwen3_tied);
   if (v == Variant::qwen2_tied) {
     c.architecture = Architecture::qwen2;
     c.qkv_bias = true;
   }
   if (v == Variant::every_bias) c.qkv_bias = c.o_bias = c.mlp_bias = true;
+  if (v == Variant::qwen3_tied || v == Variant::qwen3_bias) {
+    c.architecture = Architecture::qwen3;
+    c.qk_norm = true;
+    c.qkv_bias = c.o_bias = v == Variant::qwen3_bias;
+  }
   return c;
 }
 
 const char* variant_name(Variant v) {
-  const char* names[] = {"untied", "tied", "qwen2_tied", "every_bias"};
+  const char* names[] = {"untied", "tied", "qwen2_tied", "every_bias", "qwen3_tied", "qwen3_bias"};
   return names[static_cast<int>(v)];
 }
 
@@ -223,18 +230,19 @@ TEST_P(LlamaGradient, MatchesFiniteDifferences) {
 
 INSTANTIATE_TEST_SUITE_P(Variants, LlamaGradient,
                          ::testing::Values(Variant::untied, Variant::tied, Variant::qwen2_tied,
-                                           Variant::every_bias),
+                                           Variant::every_bias, Variant::qwen3_tied,
+                                           Variant::qwen3_bias),
                          [](const auto& p) { return std::string(variant_name(p.param)); });
 
 // The planner sizes activations with workspace_bytes_for(); it must be what the constructor
 // allocates, in every dtype (bf16 adds the logits-gradient chunk) and with the arena's rounding.
 TEST(LlamaModel, WorkspaceBytesForIsWhatTheConstructorAllocates) {
-  for (bool tied : {false, true})
+  for (Variant variant : {Variant::untied, Variant::tied, Variant::qwen3_tied})
     for (DType t : {DType::f32, DType::bf16})
       for (int64_t batch : {1, 3})
         for (int mode : {0, 1, 2, 3}) {  // recompute, keep the activations, forward only, KV
           if (mode == 3 && batch != 1) continue;  // a KV cache holds one sequence
-          const LlamaConfig c = small_config(tied);
+          const LlamaConfig c = variant_config(variant);
           auto device = open_host_device(0, 64ull << 20);
           ModelOptions o;
           o.param_dtype = t;
@@ -280,7 +288,8 @@ TEST(LlamaModel, WorkspaceBytesForIsWhatTheConstructorAllocates) {
 // start again from an earlier position; positions never run, and past the sequence length,
 // are refused.
 TEST(LlamaModel, DecodingWithAKvCacheGivesTheWholeSequencesLogits) {
-  for (Variant variant : {Variant::untied, Variant::tied, Variant::qwen2_tied, Variant::every_bias})
+  for (Variant variant : {Variant::untied, Variant::tied, Variant::qwen2_tied, Variant::every_bias,
+                          Variant::qwen3_tied})
     for (DType dt : {DType::f32, DType::bf16}) {
       SCOPED_TRACE(fmt::format("{} {}", dtype_name(dt), variant_name(variant)));
       LlamaConfig c = variant_config(variant);
@@ -521,7 +530,9 @@ TEST(LlamaModel, WithoutRecomputeTheGradientsAreTheSameBits) {
   for (const auto& [dt, variant] : {std::pair{DType::f32, Variant::untied},
                                     {DType::bf16, Variant::tied},
                                     {DType::f32, Variant::every_bias},
-                                    {DType::bf16, Variant::qwen2_tied}}) {
+                                    {DType::bf16, Variant::qwen2_tied},
+                                    {DType::f32, Variant::qwen3_bias},
+                                    {DType::bf16, Variant::qwen3_tied}}) {
     LlamaConfig c = variant_config(variant);
     c.num_hidden_layers = 3;
     auto device = open_host_device(0, 64ull << 20);

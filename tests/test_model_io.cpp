@@ -198,6 +198,36 @@ const char* kMistral7b = R"({
   "vocab_size": 32768
 })";
 
+// Qwen3-0.6B's: q and k norms implied by the class, head_dim 128 ≠ 1024 / 16, tied.
+const char* kQwen3_06b = R"({
+  "architectures": ["Qwen3ForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 151643,
+  "eos_token_id": 151645,
+  "head_dim": 128,
+  "hidden_act": "silu",
+  "hidden_size": 1024,
+  "initializer_range": 0.02,
+  "intermediate_size": 3072,
+  "max_position_embeddings": 40960,
+  "max_window_layers": 28,
+  "model_type": "qwen3",
+  "num_attention_heads": 16,
+  "num_hidden_layers": 28,
+  "num_key_value_heads": 8,
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": null,
+  "rope_theta": 1000000,
+  "sliding_window": null,
+  "tie_word_embeddings": true,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.51.0",
+  "use_cache": true,
+  "use_sliding_window": false,
+  "vocab_size": 151936
+})";
+
 LlamaConfig parse_text(const std::string& text, const std::string& source = "cfg.json") {
   return parse_llama_config(json::parse(text), source);
 }
@@ -238,6 +268,10 @@ TEST(LlamaConfigParse, PublishedConfigsMatchPresets) {
 
   expect_matches_preset(kQwen25_7b, "qwen2.5-7b");
   expect_matches_preset(kMistral7b, "mistral-7b");
+  expect_matches_preset(kQwen3_06b, "qwen3-0.6b");
+  const LlamaConfig q3 = parse_text(kQwen3_06b);
+  EXPECT_TRUE(q3.qk_norm);
+  EXPECT_FALSE(q3.qkv_bias || q3.o_bias || q3.mlp_bias);
   const LlamaConfig q = parse_text(kQwen25_7b);
   EXPECT_EQ(q.architecture, Architecture::qwen2);
   EXPECT_TRUE(q.qkv_bias);
@@ -319,6 +353,28 @@ TEST(LlamaConfigParse, MistralAndQwen2AsTheirHuggingFaceClassesBuildThem) {
   EXPECT_TRUE(parse_llama_config(j, "m.json").mlp_bias);
   j["sliding_window"] = 16;  // not a Llama key: LlamaForCausalLM ignores it
   EXPECT_EQ(parse_llama_config(j, "m.json").sliding_window, 0);
+
+  // Qwen3: q and k norms always; attention_bias as Llama's (q, k, v and o).
+  j = minimal();
+  j["architectures"] = {"Qwen3ForCausalLM"};
+  j["attention_bias"] = true;
+  j["mlp_bias"] = true;  // Qwen3's MLP has no biases whatever this says
+  c = parse_llama_config(j, "m.json");
+  EXPECT_EQ(c.architecture, Architecture::qwen3);
+  EXPECT_TRUE(c.qk_norm && c.qkv_bias && c.o_bias);
+  EXPECT_FALSE(c.mlp_bias);
+  LlamaConfig q3 = *find_preset("qwen3-0.6b");
+  const std::vector<HfTensor> q3t = llama_hf_tensors(q3);
+  const auto has = [&](const std::string& name, std::vector<int64_t> shape) {
+    return std::any_of(q3t.begin(), q3t.end(),
+                       [&](const HfTensor& x) { return x.name == name && x.shape == shape; });
+  };
+  EXPECT_TRUE(has("model.layers.27.self_attn.q_norm.weight", {128}));
+  EXPECT_TRUE(has("model.layers.0.self_attn.k_norm.weight", {128}));
+  EXPECT_TRUE(has("model.layers.0.self_attn.q_proj.weight", {2048, 1024}));
+  // Qwen3-0.6B: 596,049,920 parameters (0.6B, tied; the 0.44B Qwen counts without the
+  // embedding).
+  EXPECT_EQ(parameter_count(q3), 596049920u);
 
   // A config no class builds is refused before anything uses it.
   LlamaConfig bad = *find_preset("qwen2.5-7b");

@@ -9,8 +9,10 @@
 // - attention forward and backward (model FLOPs as `bench attention`: 2 B H T^2 hd forward,
 //   twice that backward);
 // - the memory-bound ops: RMSNorm forward and backward, RoPE (forward, and its inverse in
-//   backward), SwiGLU forward and backward, the residual adds; reported in GB/s of the
-//   tensors each reads and writes once.
+//   backward), SwiGLU forward and backward, the residual adds, and where the model has them
+//   the projections' biases (broadcast into the output, and the gradient's column sums) and
+//   Qwen3's q and k norms (each head a row); reported in GB/s of the tensors each reads and
+//   writes once.
 //
 // Before it reports a speed it runs every op on a cut of its shape (at most 128 tokens in
 // one sequence; the weights' own dimensions kept) on the device and on the host backend in
@@ -100,12 +102,13 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
     const char* name;
     int64_t in, out;
     int count;
+    bool bias;
   };
-  const Linear linears[] = {{"q_proj", H, heads * hd, 1},
-                            {"k_proj v_proj", H, kv * hd, 2},
-                            {"o_proj", heads * hd, H, 1},
-                            {"gate_proj up_proj", H, I, 2},
-                            {"down_proj", I, H, 1}};
+  const Linear linears[] = {{"q_proj", H, heads * hd, 1, c.qkv_bias},
+                            {"k_proj v_proj", H, kv * hd, 2, c.qkv_bias},
+                            {"o_proj", heads * hd, H, 1, c.o_bias},
+                            {"gate_proj up_proj", H, I, 2, c.mlp_bias},
+                            {"down_proj", I, H, 1, c.mlp_bias}};
   for (const Linear& l : linears) {
     const double flops =
         2.0 * static_cast<double>(N) * static_cast<double>(l.in) * static_cast<double>(l.out);
@@ -240,6 +243,62 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
                  [](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
                    k.swiglu_backward(t[3], t[4], t[2], t[0], t[1], s);
                  }});
+  for (const Linear& l : linears) {
+    if (!l.bias) continue;
+    const double rows = static_cast<double>(N * l.out) * e;
+    ops.push_back({fmt::format("{} bias", l.name),
+                   fmt::format("N {} C {}", N, l.out),
+                   Op::kMemory,
+                   l.count,
+                   0,
+                   rows,
+                   {in({l.out}), out({N, l.out})},
+                   {},
+                   [](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
+                     k.broadcast_rows(t[1], t[0], s);
+                   }});
+    ops.push_back({fmt::format("{} bias grad", l.name),
+                   fmt::format("N {} C {}", N, l.out),
+                   Op::kMemory,
+                   l.count,
+                   0,
+                   rows,
+                   {in({N, l.out}), out({l.out}, true)},
+                   {},
+                   [](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
+                     k.bias_backward(t[1], t[0], s);
+                   }});
+  }
+  if (c.qk_norm)
+    for (const auto& [label, n_heads] : {std::pair{"q norm", heads}, std::pair{"k norm", kv}}) {
+      const int64_t rows = N * n_heads;
+      const double bytes = static_cast<double>(rows * hd) * e;
+      ops.push_back({fmt::format("{} forward", label),
+                     fmt::format("rows {} hd {}", rows, hd),
+                     Op::kMemory,
+                     1,
+                     0,
+                     2 * bytes,
+                     {in({rows, hd}), in({hd}), out({rows, hd}), out({rows}, true)},
+                     {},
+                     [eps](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
+                       k.rmsnorm_forward(t[2], t[3], t[0], t[1], eps, s);
+                     }});
+      ops.push_back({fmt::format("{} backward", label),
+                     fmt::format("rows {} hd {}", rows, hd),
+                     Op::kMemory,
+                     1,
+                     0,
+                     4 * bytes,
+                     {in({rows, hd}), in({hd}), in({rows, hd}), out({rows, hd}), out({rows}, true),
+                      out({rows, hd}), out({hd}, true)},
+                     [eps](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
+                       k.rmsnorm_forward(t[3], t[4], t[0], t[1], eps, s);
+                     },
+                     [](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
+                       k.rmsnorm_backward(t[5], t[6], t[2], t[0], t[1], t[4], s);
+                     }});
+    }
   ops.push_back({"residual add",
                  fmt::format("N {} D {}", N, H),
                  Op::kMemory,

@@ -121,8 +121,10 @@ constexpr KnownArchitecture kArchitectures[] = {
     {Architecture::llama, "LlamaForCausalLM", "llama"},
     {Architecture::mistral, "MistralForCausalLM", "mistral"},
     {Architecture::qwen2, "Qwen2ForCausalLM", "qwen2"},
+    {Architecture::qwen3, "Qwen3ForCausalLM", "qwen3"},
 };
-constexpr const char* kKnownClasses = "LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM";
+constexpr const char* kKnownClasses =
+    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM";
 
 // The architecture from "architectures" (the first class strata knows) and "model_type", which
 // must agree where both are given.
@@ -148,7 +150,7 @@ Architecture parse_architecture(const json& j, std::string_view src) {
     if (!from_type)
       fail(
           "{}: model_type '{}' is not one strata implements; strata trains the Llama family: "
-          "llama, mistral or qwen2",
+          "llama, mistral, qwen2 or qwen3",
           src, t);
   }
   if (from_class && from_type && *from_class != *from_type)
@@ -163,8 +165,9 @@ Architecture parse_architecture(const json& j, std::string_view src) {
 }
 
 // The attention window the model's layers use, 0 for none: Mistral's sliding_window (every
-// layer); Qwen2's when use_sliding_window is set and a layer uses it (layer_types, or the layers
-// from max_window_layers on, as Hugging Face's Qwen2Config derives them). Llama has none.
+// layer); Qwen2's and Qwen3's when use_sliding_window is set and a layer uses it (layer_types,
+// or the layers from max_window_layers on, as Hugging Face's configs derive them). Llama has
+// none.
 int64_t parse_sliding_window(const json& j, std::string_view src, Architecture arch,
                              int64_t layers) {
   if (arch == Architecture::llama) return 0;
@@ -227,6 +230,15 @@ LlamaConfig qwen2(LlamaConfig c) {
   c.rms_norm_eps = 1e-6;
   return c;
 }
+// Qwen3's: norms on q and k, head_dim 128 whatever hidden / heads is, eps 1e-6.
+LlamaConfig qwen3(LlamaConfig c, bool tied) {
+  c.architecture = Architecture::qwen3;
+  c.qk_norm = true;
+  c.head_dim = 128;
+  c.rms_norm_eps = 1e-6;
+  c.tie_word_embeddings = tied;
+  return c;
+}
 
 const std::vector<LlamaConfig>& presets() {
   // Shapes as published in each model's Hugging Face config.json.
@@ -251,6 +263,10 @@ const std::vector<LlamaConfig>& presets() {
         mistral(make_preset("mistral-7b", 4096, 14336, 32, 32, 8, 32768, 32768, 1e6, DType::bf16)),
         qwen2(make_preset("qwen2.5-7b", 3584, 18944, 28, 28, 4, 152064, 32768, 1e6, DType::bf16)),
         qwen2(make_preset("qwen2.5-72b", 8192, 29568, 80, 64, 8, 152064, 32768, 1e6, DType::bf16)),
+        qwen3(make_preset("qwen3-0.6b", 1024, 3072, 28, 16, 8, 151936, 40960, 1e6, DType::bf16),
+              true),
+        qwen3(make_preset("qwen3-8b", 4096, 12288, 36, 32, 8, 151936, 40960, 1e6, DType::bf16),
+              false),
     };
   }();
   return all;
@@ -273,16 +289,20 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
   in_range("head_dim", c.head_dim, kMaxCount);
   // The biases each architecture's Hugging Face class builds (a config.json cannot ask for
   // others, and an exported one must load as it was trained).
-  const bool llama_biases = c.qkv_bias == c.o_bias;
-  const bool fits = c.architecture == Architecture::llama ? llama_biases
-                    : c.architecture == Architecture::mistral
-                        ? !c.qkv_bias && !c.o_bias && !c.mlp_bias
-                        : c.qkv_bias && !c.o_bias && !c.mlp_bias;
+  const bool attention_bias = c.qkv_bias == c.o_bias;
+  bool fits = false;
+  switch (c.architecture) {
+    case Architecture::llama: fits = attention_bias && !c.qk_norm; break;
+    case Architecture::mistral: fits = !c.qkv_bias && !c.o_bias && !c.mlp_bias && !c.qk_norm; break;
+    case Architecture::qwen2: fits = c.qkv_bias && !c.o_bias && !c.mlp_bias && !c.qk_norm; break;
+    case Architecture::qwen3: fits = attention_bias && !c.mlp_bias && c.qk_norm; break;
+  }
   if (!fits)
     fail(
-        "{}: biases on q/k/v {}, o {}, MLP {} are not what {} builds (Llama: attention_bias puts "
-        "them on q, k, v and o together; Mistral: none; Qwen2: q, k and v only)",
-        src, c.qkv_bias, c.o_bias, c.mlp_bias, architecture_class(c.architecture));
+        "{}: biases on q/k/v {}, o {}, MLP {} and q/k norms {} are not what {} builds (Llama: "
+        "attention_bias puts biases on q, k, v and o together; Mistral: none; Qwen2: q, k and v "
+        "only; Qwen3: q and k norms, attention_bias as Llama's)",
+        src, c.qkv_bias, c.o_bias, c.mlp_bias, c.qk_norm, architecture_class(c.architecture));
   if (c.sliding_window < 0 || c.sliding_window > kMaxSize ||
       (c.sliding_window > 0 && c.architecture == Architecture::llama))
     fail(
@@ -332,11 +352,13 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
   // Biases, and what would change the math and is not implemented: refused by name. Mistral
   // and Qwen2 fix their biases in code (none; q, k and v), whatever the keys say.
   if (arch == Architecture::qwen2) c.qkv_bias = true;
-  if (arch == Architecture::llama) {
+  if (arch == Architecture::llama || arch == Architecture::qwen3) {
     if (const json* v = field(j, "attention_bias"))
       c.qkv_bias = c.o_bias = as_bool(*v, src, "attention_bias");
-    if (const json* v = field(j, "mlp_bias")) c.mlp_bias = as_bool(*v, src, "mlp_bias");
   }
+  if (arch == Architecture::llama)
+    if (const json* v = field(j, "mlp_bias")) c.mlp_bias = as_bool(*v, src, "mlp_bias");
+  c.qk_norm = arch == Architecture::qwen3;
   c.num_hidden_layers = required(j, "num_hidden_layers", src, as_int);
   c.sliding_window = parse_sliding_window(j, src, arch, c.num_hidden_layers);
   if (const json* v = field(j, "hidden_act")) {
@@ -503,6 +525,8 @@ json to_hf_config_json(const LlamaConfig& c) {
       j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
       break;
     case Architecture::qwen2:  // the window, if any, on every layer
+    case Architecture::qwen3:
+      if (c.architecture == Architecture::qwen3) j["attention_bias"] = c.qkv_bias;
       j["use_sliding_window"] = c.sliding_window > 0;
       j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
       j["max_window_layers"] = c.sliding_window > 0 ? 0 : c.num_hidden_layers;
@@ -535,6 +559,10 @@ std::vector<HfTensor> llama_hf_tensors(const LlamaConfig& c) {
     linear("self_attn.k_proj", Hk, D, c.qkv_bias);
     linear("self_attn.v_proj", Hk, D, c.qkv_bias);
     linear("self_attn.o_proj", D, Hq, c.o_bias);
+    if (c.qk_norm) {
+      t.push_back({p + "self_attn.q_norm.weight", {c.head_dim}});
+      t.push_back({p + "self_attn.k_norm.weight", {c.head_dim}});
+    }
     t.push_back({p + "post_attention_layernorm.weight", {D}});
     linear("mlp.gate_proj", F, D, c.mlp_bias);
     linear("mlp.up_proj", F, D, c.mlp_bias);

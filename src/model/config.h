@@ -2,9 +2,11 @@
 // preset.
 //
 // The family is Llama's decoder (RMSNorm, rotary embeddings, causal grouped-query attention,
-// SwiGLU) as Hugging Face's LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM define it:
-// Mistral is Llama with a sliding attention window, Qwen2 adds biases to the q, k and v
-// projections. Llama's own attention_bias and mlp_bias put biases on the other projections too.
+// SwiGLU) as Hugging Face's LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
+// Qwen3ForCausalLM define it: Mistral is Llama with a sliding attention window, Qwen2 adds
+// biases to the q, k and v projections, Qwen3 an RMSNorm over each head of q and k before the
+// rotation. Llama's (and Qwen3's) attention_bias and Llama's mlp_bias put biases on the other
+// projections too.
 //
 // Parsing is strict on purpose: a field that changes the model's math and that strata does not
 // implement (another activation, another rotary scaling, a sliding window that would cut a
@@ -41,9 +43,9 @@ struct RopeScaling {
 
 // The Hugging Face class a checkpoint is written for (its "architectures" and "model_type"),
 // kept so that an exported model loads as the class it came from.
-enum class Architecture : uint8_t { llama, mistral, qwen2 };
+enum class Architecture : uint8_t { llama, mistral, qwen2, qwen3 };
 std::string_view architecture_class(Architecture a);       // "LlamaForCausalLM", ...
-std::string_view architecture_model_type(Architecture a);  // "llama", "mistral", "qwen2"
+std::string_view architecture_model_type(Architecture a);  // "llama", "mistral", "qwen2", ...
 
 struct LlamaConfig {
   std::string name;  // the preset's name, or the checkpoint directory's
@@ -65,6 +67,9 @@ struct LlamaConfig {
   bool qkv_bias = false;
   bool o_bias = false;
   bool mlp_bias = false;
+  // Qwen3: q and k, each head on its own, through an RMSNorm (weights "q_norm", "k_norm" of
+  // head_dim) after their projections and before the rotation.
+  bool qk_norm = false;
   // Mistral's sliding window: each query sees the last `sliding_window` positions, itself
   // included. strata has no windowed attention, so sequences longer than the window are
   // refused (shorter ones see every earlier position either way). 0: no window.
@@ -85,7 +90,8 @@ LlamaConfig load_llama_config(const std::filesystem::path& path);
 
 // Presets with the published shapes: tiny, llama2-7b/13b/70b, llama3-8b/70b (Llama 3: 8192
 // positions, no rope scaling), llama3.1-8b/70b (131072 positions, llama3 rope scaling),
-// mistral-7b (v0.3: no sliding window) and qwen2.5-7b/14b/72b (q, k, v biases).
+// mistral-7b (v0.3: no sliding window), qwen2.5-7b/72b (q, k, v biases) and qwen3-0.6b/8b
+// (q and k norms).
 std::vector<std::string> preset_names();
 std::optional<LlamaConfig> find_preset(std::string_view name);
 // A checkpoint directory (or config.json) when the path exists, otherwise a preset name; an

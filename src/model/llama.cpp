@@ -38,26 +38,40 @@ double uniform01(uint64_t& state) {  // (0, 1]
 }
 
 // Without recompute, each block keeps q, k, v, the attention output, its log-sum-exp, the
-// residual, gate and up for options.max_batch sequences: their byte offsets in the block's part
-// of the stash, each on 256 bytes (as a device arena aligns a buffer), and [8] the part's size.
-std::array<uint64_t, 9> stash_offsets(const LlamaConfig& c, const ModelOptions& o) {
+// residual, gate and up for options.max_batch sequences, and with qk_norm q and k before their
+// norms and the norms' statistics: their byte offsets in the block's part of the stash, each on
+// 256 bytes (as a device arena aligns a buffer), and [12] the part's size.
+constexpr size_t kStashParts = 12;
+std::array<uint64_t, kStashParts + 1> stash_offsets(const LlamaConfig& c, const ModelOptions& o) {
   const auto n = static_cast<uint64_t>(o.max_batch * o.seq_len);
   const uint64_t a = dtype_size(o.param_dtype);
   const auto D = static_cast<uint64_t>(c.hidden_size),
              F = static_cast<uint64_t>(c.intermediate_size);
   const auto Hq = static_cast<uint64_t>(c.num_attention_heads * c.head_dim);
   const auto Hk = static_cast<uint64_t>(c.num_key_value_heads * c.head_dim);
-  const uint64_t bytes[8] = {n * Hq * a,
-                             n * Hk * a,
-                             n * Hk * a,
-                             n * Hq * a,
-                             n * static_cast<uint64_t>(c.num_attention_heads) * 4,
-                             n * D * a,
-                             n * F * a,
-                             n * F * a};
-  std::array<uint64_t, 9> off{};
-  for (int i = 0; i < 8; ++i) off[i + 1] = off[i] + align_up(bytes[i], 256);
+  const uint64_t qk = c.qk_norm ? 1 : 0;
+  const uint64_t bytes[kStashParts] = {n * Hq * a,
+                                       n * Hk * a,
+                                       n * Hk * a,
+                                       n * Hq * a,
+                                       n * static_cast<uint64_t>(c.num_attention_heads) * 4,
+                                       n * D * a,
+                                       n * F * a,
+                                       n * F * a,
+                                       qk * n * Hq * a,
+                                       qk * n * Hk * a,
+                                       qk * n * static_cast<uint64_t>(c.num_attention_heads) * 4,
+                                       qk * n * static_cast<uint64_t>(c.num_key_value_heads) * 4};
+  std::array<uint64_t, kStashParts + 1> off{};
+  for (size_t i = 0; i < kStashParts; ++i) off[i + 1] = off[i] + align_up(bytes[i], 256);
   return off;
+}
+
+// A [rows, heads·hd] view as [rows·heads, hd]: a row per head, for Qwen3's q and k norms.
+TensorView heads(const TensorView& v, int64_t n_heads) {
+  TensorView r = v;
+  r.shape = Shape{v.shape[0] * n_heads, v.shape[1] / n_heads};
+  return r;
 }
 
 }  // namespace
@@ -264,10 +278,21 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
                  {&LlamaModel::gate_, n * F * a, "gate projection"},
                  {&LlamaModel::up_, n * F * a, "up projection"},
              });
+    if (config.qk_norm)
+      w.insert(w.end(),
+               {
+                   {&LlamaModel::q_raw_, n * Hq * a, "queries before their norm"},
+                   {&LlamaModel::k_raw_, n * Hk * a, "keys before their norm"},
+                   {&LlamaModel::q_rstd_, n * static_cast<uint64_t>(config.num_attention_heads) * f4,
+                    "query norm statistics"},
+                   {&LlamaModel::k_rstd_, n * static_cast<uint64_t>(config.num_key_value_heads) * f4,
+                    "key norm statistics"},
+               });
   } else {
     w.push_back(
         {&LlamaModel::stash_,
-         sets * static_cast<uint64_t>(config.num_hidden_layers) * stash_offsets(config, options)[8],
+         sets * static_cast<uint64_t>(config.num_hidden_layers) *
+             stash_offsets(config, options)[kStashParts],
          "activations kept for backward (no recompute)"});
   }
   if (!fwd)
@@ -281,6 +306,11 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
                           {&LlamaModel::d_att_, n * Hq * a, "attention gradient"},
                           {&LlamaModel::d_h_, n * D * a, "residual gradient"},
                           {&LlamaModel::d_small_, n * D * a, "normed-input gradient"},
+                      });
+  if (!fwd && config.qk_norm)
+    w.insert(w.end(), {
+                          {&LlamaModel::dq_raw_, n * Hq * a, "query gradient before its norm"},
+                          {&LlamaModel::dk_raw_, n * Hk * a, "key gradient before its norm"},
                       });
   w.push_back({&LlamaModel::chunk_, n * static_cast<uint64_t>(C) * f4, "logits chunk"});
   if (options.param_dtype != DType::f32 && !fwd)
@@ -389,36 +419,52 @@ LlamaModel::BlockActs LlamaModel::acts(int u, int64_t batch, int set) const {
   const int64_t T = options_.seq_len, N = batch * T, D = c.hidden_size, F = c.intermediate_size;
   const int64_t H = c.num_attention_heads, Hq = H * c.head_dim;
   const int64_t Hk = c.num_key_value_heads * c.head_dim;
-  if (options_.recompute)
-    return {rows(q_, t, N, Hq),
-            rows(k_buf_, t, N, Hk),
-            rows(v_, t, N, Hk),
-            rows(att_, t, N, Hq),
-            lse_.view(DType::f32, {batch, H, T}),
-            rows(h_, t, N, D),
-            rows(gate_, t, N, F),
-            rows(up_, t, N, F)};
+  const int64_t Hkv = c.num_key_value_heads;
+  if (options_.recompute) {
+    BlockActs a{rows(q_, t, N, Hq),
+                rows(k_buf_, t, N, Hk),
+                rows(v_, t, N, Hk),
+                rows(att_, t, N, Hq),
+                lse_.view(DType::f32, {batch, H, T}),
+                rows(h_, t, N, D),
+                rows(gate_, t, N, F),
+                rows(up_, t, N, F)};
+    if (c.qk_norm) {
+      a.q_raw = rows(q_raw_, t, N, Hq);
+      a.k_raw = rows(k_raw_, t, N, Hk);
+      a.q_rstd = rows(q_rstd_, DType::f32, N * H, 0);
+      a.k_rstd = rows(k_rstd_, DType::f32, N * Hkv, 0);
+    }
+    return a;
+  }
   if (u < 1 || u > c.num_hidden_layers || batch < 1 || batch > options_.max_batch || set < 0 ||
       set >= options_.activation_sets)
     fail(
         "block activations of unit {} for {} sequences in set {}: none kept; this is a bug in "
         "strata",
         u, batch, set);
-  const std::array<uint64_t, 9> off = stash_offsets(c, options_);
+  const std::array<uint64_t, kStashParts + 1> off = stash_offsets(c, options_);
   const auto index = static_cast<uint64_t>(set) * static_cast<uint64_t>(c.num_hidden_layers) +
                      static_cast<uint64_t>(u - 1);
-  char* base = static_cast<char*>(stash_.data()) + index * off[8];
+  char* base = static_cast<char*>(stash_.data()) + index * off[kStashParts];
   auto at = [&](int i, DType dt, Shape shape) {
     return TensorView{base + off[static_cast<size_t>(i)], dt, shape, &device_};
   };
-  return {at(0, t, {N, Hq}),
-          at(1, t, {N, Hk}),
-          at(2, t, {N, Hk}),
-          at(3, t, {N, Hq}),
-          at(4, DType::f32, {batch, H, T}),
-          at(5, t, {N, D}),
-          at(6, t, {N, F}),
-          at(7, t, {N, F})};
+  BlockActs a{at(0, t, {N, Hq}),
+              at(1, t, {N, Hk}),
+              at(2, t, {N, Hk}),
+              at(3, t, {N, Hq}),
+              at(4, DType::f32, {batch, H, T}),
+              at(5, t, {N, D}),
+              at(6, t, {N, F}),
+              at(7, t, {N, F})};
+  if (c.qk_norm) {
+    a.q_raw = at(8, t, {N, Hq});
+    a.k_raw = at(9, t, {N, Hk});
+    a.q_rstd = at(10, DType::f32, {N * H});
+    a.k_rstd = at(11, DType::f32, {N * Hkv});
+  }
+  return a;
 }
 
 void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
@@ -449,6 +495,7 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
     auto first = [&](const TensorView& v, Shape shape) {
       return TensorView{v.data, v.dtype, shape, &device_};
     };
+    const BlockActs whole = a;
     a = {first(a.q, {N, Hq}),
          TensorView{k_cache + at_pos, t, {N, Hk}, &device_},
          TensorView{v_cache + at_pos, t, {N, Hk}, &device_},
@@ -457,6 +504,12 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
          first(a.h, {N, D}),
          first(a.gate, {N, F}),
          first(a.up, {N, F})};
+    if (c.qk_norm) {
+      a.q_raw = first(whole.q_raw, {N, Hq});
+      a.k_raw = first(whole.k_raw, {N, Hk});
+      a.q_rstd = first(whole.q_rstd, {N * H});
+      a.k_rstd = first(whole.k_rstd, {N * Hkv});
+    }
   }
   const TensorView &q = a.q, &kk = a.k, &v = a.v, &att = a.att, &h = a.h, &gate = a.gate;
   const TensorView& up = a.up;
@@ -474,9 +527,18 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
     if (bias) k_.broadcast_rows(y, w(fmt::format("{}.bias", name)), s);
     k_.matmul(y, in, false, w(name), true, 1.0f, bias ? 1.0f : 0.0f, s);
   };
-  k_.rmsnorm_forward(xn, rstd1, x, w("input_layernorm"), static_cast<float>(c.rms_norm_eps), s);
-  linear(q, xn, "q_proj", c.qkv_bias);
-  linear(kk, xn, "k_proj", c.qkv_bias);
+  const float eps = static_cast<float>(c.rms_norm_eps);
+  k_.rmsnorm_forward(xn, rstd1, x, w("input_layernorm"), eps, s);
+  if (c.qk_norm) {
+    // Qwen3: each head of q and k through its norm, from the projections' output.
+    linear(a.q_raw, xn, "q_proj", c.qkv_bias);
+    linear(a.k_raw, xn, "k_proj", c.qkv_bias);
+    k_.rmsnorm_forward(heads(q, H), a.q_rstd, heads(a.q_raw, H), w("q_norm"), eps, s);
+    k_.rmsnorm_forward(heads(kk, Hkv), a.k_rstd, heads(a.k_raw, Hkv), w("k_norm"), eps, s);
+  } else {
+    linear(q, xn, "q_proj", c.qkv_bias);
+    linear(kk, xn, "k_proj", c.qkv_bias);
+  }
   linear(v, xn, "v_proj", c.qkv_bias);
   const TensorView q3{q.data, t, {N, H, hd}, &device_}, k3{kk.data, t, {N, Hkv, hd}, &device_};
   k_.rope(q3, rope, T, false, s);
@@ -485,8 +547,7 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
                        TensorView{q.data, t, {batch, T, H, hd}, &device_}, keys, values, s);
   linear(h, att, "o_proj", c.o_bias);
   k_.add(h, h, x, s);
-  k_.rmsnorm_forward(hn, rstd2, h, w("post_attention_layernorm"),
-                     static_cast<float>(c.rms_norm_eps), s);
+  k_.rmsnorm_forward(hn, rstd2, h, w("post_attention_layernorm"), eps, s);
   linear(gate, hn, "gate_proj", c.mlp_bias);
   linear(up, hn, "up_proj", c.mlp_bias);
   k_.swiglu_forward(act, gate, up, s);
@@ -558,16 +619,28 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
                         TensorView{att.data, t, {batch, T, H, hd}, &device_}, a.lse, s);
   k_.rope(TensorView{dq.data, t, {N, H, hd}, &device_}, rope, T, true, s);
   k_.rope(TensorView{dk.data, t, {N, Hkv, hd}, &device_}, rope, T, true, s);
+  // dq and dk now reach the norms' outputs (Qwen3) or the projections' (else).
+  TensorView dq_proj = dq, dk_proj = dk;
+  if (c.qk_norm) {
+    dq_proj = rows(dq_raw_, t, N, H * hd);
+    dk_proj = rows(dk_raw_, t, N, Hkv * hd);
+    k_.fill(dq_proj, 0.0f, s);
+    k_.fill(dk_proj, 0.0f, s);
+    k_.rmsnorm_backward(heads(dq_proj, H), g("q_norm"), heads(dq, H), heads(a.q_raw, H),
+                        w("q_norm"), a.q_rstd, s);
+    k_.rmsnorm_backward(heads(dk_proj, Hkv), g("k_norm"), heads(dk, Hkv), heads(a.k_raw, Hkv),
+                        w("k_norm"), a.k_rstd, s);
+  }
   if (c.qkv_bias) {
-    k_.bias_backward(g("q_proj.bias"), dq, s);
-    k_.bias_backward(g("k_proj.bias"), dk, s);
+    k_.bias_backward(g("q_proj.bias"), dq_proj, s);
+    k_.bias_backward(g("k_proj.bias"), dk_proj, s);
     k_.bias_backward(g("v_proj.bias"), dv, s);
   }
-  k_.matmul(dsmall, dq, false, w("q_proj"), false, 1.0f, 0.0f, s);
-  k_.matmul(dsmall, dk, false, w("k_proj"), false, 1.0f, 1.0f, s);
+  k_.matmul(dsmall, dq_proj, false, w("q_proj"), false, 1.0f, 0.0f, s);
+  k_.matmul(dsmall, dk_proj, false, w("k_proj"), false, 1.0f, 1.0f, s);
   k_.matmul(dsmall, dv, false, w("v_proj"), false, 1.0f, 1.0f, s);
-  k_.matmul(g("q_proj"), dq, true, xn, false, 1.0f, 1.0f, s);
-  k_.matmul(g("k_proj"), dk, true, xn, false, 1.0f, 1.0f, s);
+  k_.matmul(g("q_proj"), dq_proj, true, xn, false, 1.0f, 1.0f, s);
+  k_.matmul(g("k_proj"), dk_proj, true, xn, false, 1.0f, 1.0f, s);
   k_.matmul(g("v_proj"), dv, true, xn, false, 1.0f, 1.0f, s);
   device_.copy_on_device(din.data, dh.data, din.bytes(), s);
   k_.rmsnorm_backward(din, g("input_layernorm"), dsmall, x, w("input_layernorm"), rstd1, s);

@@ -189,6 +189,9 @@ class LlamaModel {
   // else in that block's part of stash_.
   struct BlockActs {
     TensorView q, k, v, att, lse, h, gate, up;
+    // With qk_norm: q and k as projected (before their norms) and the norms' statistics, which
+    // the norms' backward reads; null views otherwise.
+    TensorView q_raw, k_raw, q_rstd, k_rstd;
   };
   BlockActs acts(int u, int64_t batch, int set) const;
   void check_set(int set) const;                        // throws unless 0 <= set < activation_sets
@@ -235,6 +238,9 @@ class LlamaModel {
   // empty).
   DeviceBuffer stash_;
   DeviceBuffer d_big_, d_gate_, d_up_, dq_, dk_, dv_, d_att_, d_h_, d_small_;
+  // With qk_norm: q and k before their norms with the norms' statistics (the forward's scratch),
+  // and the gradients reaching the projections through the norms.
+  DeviceBuffer q_raw_, k_raw_, q_rstd_, k_rstd_, dq_raw_, dk_raw_;
   // Head: logits chunk [B*T, C], online-softmax state and per-token losses, [B*T] f32 each.
   DeviceBuffer chunk_, chunk_act_, row_max_, row_sum_, target_logit_, losses_;
   DeviceBuffer kv_;     // decoding: per block, keys then values, [seq_len, kv_heads * head_dim]

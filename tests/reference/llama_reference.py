@@ -5,8 +5,9 @@ No transformers library: the forward below is Hugging Face's LlamaForCausalLM sp
 (RMSNorm, rotary embeddings in the rotate-half layout with optional llama3 frequency scaling,
 causal grouped-query attention, SwiGLU MLP, optional tied embeddings, mean cross-entropy over
 targets that are not -100). MistralForCausalLM is the same equations (its sliding window is
-not modelled: callers keep sequences within it), and Qwen2ForCausalLM adds biases to q, k and
-v. Which projections have biases is decided here from config.json as each Hugging Face class
+not modelled: callers keep sequences within it), Qwen2ForCausalLM adds biases to q, k and
+v, and Qwen3ForCausalLM an RMSNorm over each head of q and k (shared by the heads) before the
+rotation. Which projections have biases is decided here from config.json as each Hugging Face class
 decides it, and the checkpoint must hold exactly the tensors that implies.
 
 usage: llama_reference.py MODEL_DIR TOKENS OUT [--batch B] [--seq-len T] [--dtype float64]
@@ -101,7 +102,7 @@ def biased(cfg):
     out = set()
     if cfg.get("attention_bias"):
         out |= {"q_proj", "k_proj", "v_proj", "o_proj"}
-    if cfg.get("mlp_bias"):
+    if cfg.get("mlp_bias") and kind == "llama":
         out |= {"gate_proj", "up_proj", "down_proj"}
     return out
 
@@ -114,6 +115,8 @@ def expected_names(cfg):
     for l in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{l}."
         names |= {pre + "input_layernorm.weight", pre + "post_attention_layernorm.weight"}
+        if cfg.get("model_type") == "qwen3":
+            names |= {pre + "self_attn.q_norm.weight", pre + "self_attn.k_norm.weight"}
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
             part = "self_attn." if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp."
             names.add(pre + part + proj + ".weight")
@@ -144,8 +147,12 @@ def forward(cfg, p, ids, dtype):
     for l in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{l}."
         xn = rms_norm(x, p[pre + "input_layernorm.weight"], eps)
-        q = linear(cfg, p, pre + "self_attn.q_proj", xn).view(B, T, H, hd).transpose(1, 2)
-        k = linear(cfg, p, pre + "self_attn.k_proj", xn).view(B, T, Hkv, hd).transpose(1, 2)
+        q = linear(cfg, p, pre + "self_attn.q_proj", xn).view(B, T, H, hd)
+        k = linear(cfg, p, pre + "self_attn.k_proj", xn).view(B, T, Hkv, hd)
+        if cfg.get("model_type") == "qwen3":  # each head normalised over head_dim
+            q = rms_norm(q, p[pre + "self_attn.q_norm.weight"], eps)
+            k = rms_norm(k, p[pre + "self_attn.k_norm.weight"], eps)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = linear(cfg, p, pre + "self_attn.v_proj", xn).view(B, T, Hkv, hd).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
