@@ -55,6 +55,7 @@ struct Case {
   int ranks;
   bool warmup;      // WarmupLR over 3 steps; else a constant rate
   const char* eps;  // Adam's epsilon, given to both sides; null: the default (1e-8) on both
+  const char* arch = "llama";  // the reference's --arch: llama, qwen2 (q/k/v biases), qwen3
 };
 void PrintTo(const Case& c, std::ostream* os) {
   *os << c.name;
@@ -79,9 +80,9 @@ TEST_P(TrainReference, ExportedWeightsAndLossesMatchTorch) {
   const std::string settings = kSettings + (tc.eps ? fmt::format(" --eps {}", tc.eps) : "");
 
   const test::CommandResult ref = test::run_command(
-      fmt::format("'{}' '{}/train_reference.py' '{}' {} --ranks {}{}{} 2>&1", STRATA_PYTHON,
-                  STRATA_REFERENCE_DIR, dir.path.string(), settings, tc.ranks,
-                  tc.tied ? " --tied" : "", tc.warmup ? " --warmup-steps 3" : ""));
+      fmt::format("'{}' '{}/train_reference.py' '{}' {} --ranks {} --arch {}{}{} 2>&1",
+                  STRATA_PYTHON, STRATA_REFERENCE_DIR, dir.path.string(), settings, tc.ranks,
+                  tc.arch, tc.tied ? " --tied" : "", tc.warmup ? " --warmup-steps 3" : ""));
   if (ref.status == 77)
     GTEST_SKIP() << "PyTorch is not importable by " << STRATA_PYTHON
                  << "; install python3-torch to run the training reference test";
@@ -152,7 +153,10 @@ INSTANTIATE_TEST_SUITE_P(Runs, TrainReference,
                          ::testing::Values(Case{"untied_host1", false, 1, false, "3e-4"},
                                            Case{"tied_host1", true, 1, false, "3e-4"},
                                            Case{"untied_host2_warmup", false, 2, true, nullptr},
-                                           Case{"tied_host2_warmup", true, 2, true, nullptr}),
+                                           Case{"tied_host2_warmup", true, 2, true, nullptr},
+                                           Case{"qwen2_tied_host2_warmup", true, 2, true, nullptr,
+                                                "qwen2"},
+                                           Case{"qwen3_host1", false, 1, false, "3e-4", "qwen3"}),
                          [](const auto& p) { return std::string(p.param.name); });
 
 }  // namespace

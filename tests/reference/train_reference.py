@@ -2,13 +2,15 @@
 """train_reference.py: the PyTorch side of strata's end-to-end training parity test
 (tests/test_train_reference.cpp, issue 8).
 
-usage: train_reference.py DIR [--tied] --ranks R --steps N --seq-len T --micro-batch B
+usage: train_reference.py DIR [--tied] [--arch llama|qwen2|qwen3] --ranks R --steps N --seq-len T --micro-batch B
                           --grad-accum K --lr LR --weight-decay WD --clip C --eps E --seed S
                           [--warmup-steps W]
 
 First it writes the run's inputs: DIR/model/config.json + DIR/model/model.safetensors (F32), a
 tiny Llama (hidden 32, 2 layers, 4 heads, 2 kv heads, intermediate 64, vocab 97) with weights
-drawn from a numpy seed (norm weights away from 1, so that decaying them by mistake shows), and
+drawn from a numpy seed (norm weights away from 1, so that decaying them by mistake shows; with
+--arch qwen2 biases on q, k and v, drawn like the matrices; with --arch qwen3 q and k norms of
+head_dim, drawn like the other norms), and
 DIR/tokens.bin, an llm.c token file (256 int32 header: magic 20240520, version 1, count; then
 uint16 tokens) of 11 sequences and a few tokens over, so that every run crosses an epoch.
 
@@ -22,7 +24,7 @@ Then it replays `strata train` on them:
     clipping as cpu_adam.cpp's combined_grad_scale (coefficient max / (norm + 1e-6), only when
     norm > max, rounded to float and multiplied into the fp32 gradient);
   - torch.optim.AdamW (foreach=False, fp32 parameters) with weight decay on the 2-D weights
-    only (Hugging Face Trainer's convention: the 1-D norm weights take none);
+    only (Hugging Face Trainer's convention: the 1-D norm weights and biases take none);
   - the rate of update k: LR, or with --warmup-steps DeepSpeed's WarmupLR (log warmup from 0 to
     LR over max(2, W) steps) at last_batch_iteration k - 1, as src/train/lr_schedule.cpp.
 Every rate and hyperparameter is rounded to float first, as strata holds it. The result is
@@ -158,9 +160,10 @@ def warmup_lr(max_lr, warmup_steps, last_batch_iteration):
 
 
 def make(args):
+    classes = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
     cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        "architectures": [classes[args.arch]],
+        "model_type": args.arch,
         "hidden_size": 32,
         "intermediate_size": 64,
         "num_hidden_layers": 2,
@@ -185,6 +188,13 @@ def make(args):
         shapes[pre + "self_attn.k_proj.weight"] = [kv, D]
         shapes[pre + "self_attn.v_proj.weight"] = [kv, D]
         shapes[pre + "self_attn.o_proj.weight"] = [D, D]
+        if args.arch == "qwen2":
+            shapes[pre + "self_attn.q_proj.bias"] = [D]
+            shapes[pre + "self_attn.k_proj.bias"] = [kv]
+            shapes[pre + "self_attn.v_proj.bias"] = [kv]
+        if args.arch == "qwen3":
+            shapes[pre + "self_attn.q_norm.weight"] = [hd]
+            shapes[pre + "self_attn.k_norm.weight"] = [hd]
         shapes[pre + "post_attention_layernorm.weight"] = [D]
         shapes[pre + "mlp.gate_proj.weight"] = [F, D]
         shapes[pre + "mlp.up_proj.weight"] = [F, D]
@@ -195,7 +205,9 @@ def make(args):
     rng = np.random.default_rng(args.seed)
     weights = {}
     for name, shape in shapes.items():
-        if len(shape) == 1:
+        if name.endswith(".bias"):
+            w = rng.standard_normal(shape) * 0.05
+        elif len(shape) == 1:
             w = rng.uniform(0.7, 1.3, shape)
         else:
             w = rng.standard_normal(shape) * 0.05
@@ -269,6 +281,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("dir")
     ap.add_argument("--tied", action="store_true")
+    ap.add_argument("--arch", default="llama", choices=["llama", "qwen2", "qwen3"])
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--ranks", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4)
