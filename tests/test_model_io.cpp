@@ -145,6 +145,41 @@ const char* kLlama2_7b = R"({
   "vocab_size": 32000
 })";
 
+// Llama-3.2-3B's: tied, head_dim given, rope scaling factor 32.
+const char* kLlama32_3b = R"({
+  "architectures": ["LlamaForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 128000,
+  "eos_token_id": 128001,
+  "head_dim": 128,
+  "hidden_act": "silu",
+  "hidden_size": 3072,
+  "initializer_range": 0.02,
+  "intermediate_size": 8192,
+  "max_position_embeddings": 131072,
+  "mlp_bias": false,
+  "model_type": "llama",
+  "num_attention_heads": 24,
+  "num_hidden_layers": 28,
+  "num_key_value_heads": 8,
+  "pretraining_tp": 1,
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": {
+    "factor": 32.0,
+    "high_freq_factor": 4.0,
+    "low_freq_factor": 1.0,
+    "original_max_position_embeddings": 8192,
+    "rope_type": "llama3"
+  },
+  "rope_theta": 500000.0,
+  "tie_word_embeddings": true,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.45.0.dev0",
+  "use_cache": true,
+  "vocab_size": 128256
+})";
+
 // Qwen2.5-7B-Instruct's: biases on q, k and v are implied by the class; a window that is not
 // used (use_sliding_window false).
 const char* kQwen25_7b = R"({
@@ -266,6 +301,7 @@ TEST(LlamaConfigParse, PublishedConfigsMatchPresets) {
   EXPECT_FALSE(c.tie_word_embeddings);
   EXPECT_EQ(c.torch_dtype, DType::bf16);
 
+  expect_matches_preset(kLlama32_3b, "llama3.2-3b");
   expect_matches_preset(kQwen25_7b, "qwen2.5-7b");
   expect_matches_preset(kMistral7b, "mistral-7b");
   expect_matches_preset(kQwen3_06b, "qwen3-0.6b");
@@ -697,6 +733,8 @@ TEST(LlamaConfigPresets, PublishedParameterCounts) {
   EXPECT_EQ(parameter_count(*find_preset("llama3-70b")), 70'553'706'496u);
   EXPECT_EQ(parameter_count(*find_preset("llama3.1-8b")), 8'030'261'248u);
   EXPECT_EQ(parameter_count(*find_preset("llama3.1-70b")), 70'553'706'496u);
+  EXPECT_EQ(parameter_count(*find_preset("llama3.2-1b")), 1'235'814'400u);
+  EXPECT_EQ(parameter_count(*find_preset("llama3.2-3b")), 3'212'749'824u);
   // Model FLOPs per token at 4096 positions: 6 per parameter, and attention 6 x 32 layers x 32
   // heads x 128 x 4096 (QKᵀ and PV over half the keys, forward and backward).
   EXPECT_EQ(model_flops_per_token(*find_preset("llama2-7b"), 4096),

@@ -218,6 +218,11 @@ LlamaConfig make_preset(std::string name, int64_t hidden, int64_t intermediate, 
   return c;
 }
 
+// Llama 3.2's 1B and 3B share their embedding with the head.
+LlamaConfig tied(LlamaConfig c) {
+  c.tie_word_embeddings = true;
+  return c;
+}
 // Mistral 7B v0.3 (no sliding window), as published.
 LlamaConfig mistral(LlamaConfig c) {
   c.architecture = Architecture::mistral;
@@ -249,6 +254,8 @@ const std::vector<LlamaConfig>& presets() {
     llama31.low_freq_factor = 1.0;
     llama31.high_freq_factor = 4.0;
     llama31.original_max_position_embeddings = 8192;
+    RopeScaling llama32 = llama31;  // Llama 3.2's small models: the same scheme, factor 32
+    llama32.factor = 32.0;
     return std::vector<LlamaConfig>{
         make_preset("tiny", 64, 172, 2, 4, 2, 512, 256, 10000.0, DType::f32),
         make_preset("llama2-7b", 4096, 11008, 32, 32, 32, 32000, 4096, 10000.0, DType::f16),
@@ -260,6 +267,10 @@ const std::vector<LlamaConfig>& presets() {
                     llama31),
         make_preset("llama3.1-70b", 8192, 28672, 80, 64, 8, 128256, 131072, 500000.0, DType::bf16,
                     llama31),
+        tied(make_preset("llama3.2-1b", 2048, 8192, 16, 32, 8, 128256, 131072, 500000.0,
+                         DType::bf16, llama32)),
+        tied(make_preset("llama3.2-3b", 3072, 8192, 28, 24, 8, 128256, 131072, 500000.0,
+                         DType::bf16, llama32)),
         mistral(make_preset("mistral-7b", 4096, 14336, 32, 32, 8, 32768, 32768, 1e6, DType::bf16)),
         qwen2(make_preset("qwen2.5-7b", 3584, 18944, 28, 28, 4, 152064, 32768, 1e6, DType::bf16)),
         qwen2(make_preset("qwen2.5-72b", 8192, 29568, 80, 64, 8, 152064, 32768, 1e6, DType::bf16)),
@@ -292,10 +303,18 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
   const bool attention_bias = c.qkv_bias == c.o_bias;
   bool fits = false;
   switch (c.architecture) {
-    case Architecture::llama: fits = attention_bias && !c.qk_norm; break;
-    case Architecture::mistral: fits = !c.qkv_bias && !c.o_bias && !c.mlp_bias && !c.qk_norm; break;
-    case Architecture::qwen2: fits = c.qkv_bias && !c.o_bias && !c.mlp_bias && !c.qk_norm; break;
-    case Architecture::qwen3: fits = attention_bias && !c.mlp_bias && c.qk_norm; break;
+    case Architecture::llama:
+      fits = attention_bias && !c.qk_norm;
+      break;
+    case Architecture::mistral:
+      fits = !c.qkv_bias && !c.o_bias && !c.mlp_bias && !c.qk_norm;
+      break;
+    case Architecture::qwen2:
+      fits = c.qkv_bias && !c.o_bias && !c.mlp_bias && !c.qk_norm;
+      break;
+    case Architecture::qwen3:
+      fits = attention_bias && !c.mlp_bias && c.qk_norm;
+      break;
   }
   if (!fits)
     fail(

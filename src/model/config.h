@@ -90,6 +90,7 @@ LlamaConfig load_llama_config(const std::filesystem::path& path);
 
 // Presets with the published shapes: tiny, llama2-7b/13b/70b, llama3-8b/70b (Llama 3: 8192
 // positions, no rope scaling), llama3.1-8b/70b (131072 positions, llama3 rope scaling),
+// llama3.2-1b/3b (tied, rope scaling factor 32),
 // mistral-7b (v0.3: no sliding window), qwen2.5-7b/72b (q, k, v biases) and qwen3-0.6b/8b
 // (q and k norms).
 std::vector<std::string> preset_names();
