@@ -482,6 +482,30 @@ TEST(Conversations, RepliesAreTheAssistantTurns) {
   EXPECT_TRUE(whole[0].replies.empty());
 }
 
+// A template that writes a reply differently once another turn follows (as Qwen3's drops the
+// empty <think></think> of all but the last): the last reply is found by the turns-before rule,
+// the earlier ones by their content, each with the end of its turn ("</a>\n"). A content that
+// begins or ends like the marker strata swaps in is found too.
+TEST(Conversations, RepliesOfATemplateThatRewritesEarlierTurnsAreFoundByTheirContent) {
+  const ChatOptions chat = chat_options(
+      "{% for m in messages %}{% if m.role == 'assistant' %}<a>{% if loop.last %}<t></t>"
+      "{% endif %}{{ m.content }}</a>\n{% else %}<u>{{ m.content }}</u>\n{% endif %}{% endfor %}"
+      "{% if add_generation_prompt %}<a>{% endif %}");
+  const std::vector<Document> docs = split_documents(
+      "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}, {\"role\": \"assistant\", "
+      "\"content\": \"QuiZ\"}, {\"role\": \"user\", \"content\": \"bye\"}, {\"role\": "
+      "\"assistant\", \"content\": \"Whee X\"}, {\"role\": \"user\", \"content\": \"and?\"}, "
+      "{\"role\": \"assistant\", \"content\": \"ciao\"}]}\n",
+      DocumentFormat::jsonl, "chat.jsonl", &chat);
+  ASSERT_EQ(docs.size(), 1u);
+  EXPECT_EQ(docs[0].text,
+            "<u>hi</u>\n<a>QuiZ</a>\n<u>bye</u>\n<a>Whee X</a>\n<u>and?</u>\n<a><t></t>ciao</a>\n");
+  EXPECT_EQ(reply_texts(docs[0]),
+            (std::vector<std::string>{"QuiZ</a>\n", "Whee X</a>\n", "<t></t>ciao</a>\n"}));
+  ASSERT_EQ(docs[0].replies.size(), 3u);
+  EXPECT_EQ(docs[0].replies[0].first, 13u);  // right after the "<a>" of the first reply
+}
+
 // A template with TRL's {% generation %} markers says itself which text is the assistant's:
 // the replies are what its blocks wrote (here without the newline after each end marker, which
 // the turns-before rule would count), in one rendering.
@@ -553,18 +577,21 @@ TEST(Conversations, BadConversationsAreNamed) {
               chat);
       },
       {"chat.jsonl line 1", "give one of them"});
-  // A template that writes each turn differently when another follows: the reply's place in
-  // the whole is unknown.
-  const ChatOptions shifty = chat_options(
-      "{% for m in messages %}{% if loop.last %}[{% endif %}{{ m.content }}{% endfor %}");
-  expect_error(
-      [&] {
-        split(
-            "{\"messages\": [{\"role\": \"user\", \"content\": \"q\"}, {\"role\": "
-            "\"assistant\", \"content\": \"a\"}, {\"role\": \"user\", \"content\": \"r\"}]}\n",
-            shifty);
-      },
-      {"chat.jsonl line 1", "turns.jinja", "does not begin the whole", "--chat-loss all"});
+  // A template that writes each turn differently when another follows, and whose reply is not
+  // found by its content either: ended otherwise when another turn follows ("!" last, ";"
+  // before another), or printed twice.
+  const std::string qar =
+      "{\"messages\": [{\"role\": \"user\", \"content\": \"q\"}, {\"role\": "
+      "\"assistant\", \"content\": \"a\"}, {\"role\": \"user\", \"content\": \"r\"}]}\n";
+  for (const char* shifty :
+       {"{% for m in messages %}{{ m.content }}{% if loop.last %}!{% else %};{% endif %}"
+        "{% endfor %}",
+        "{% for m in messages %}{% if loop.last %}[{% endif %}{{ m.content }}{% endfor %}"
+        "{% for m in messages %}{% if m.role == 'assistant' %}{{ m.content }}{% endif %}"
+        "{% endfor %}"})
+    expect_error([&] { split(qar, chat_options(shifty)); },
+                 {"chat.jsonl line 1", "turns.jinja", "does not begin the whole",
+                  "not found there once", "--chat-loss all"});
   // The template's own refusal, with its message.
   const ChatOptions strict = chat_options(
       "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') "

@@ -14,6 +14,10 @@
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 
+#include <optional>
+#include <string_view>
+#include <utility>
+
 namespace strata {
 
 namespace {
@@ -197,7 +201,12 @@ std::string missing_token_hint(const ChatFormat& format, std::string_view messag
 // counts, the byte ranges of its replies: what the template's {% generation %} blocks wrote,
 // where it has them; otherwise each assistant message (or a prompt/completion row's completion)
 // found by rendering the turns before it (with the generation prompt) and through it, which must
-// both begin the whole.
+// both begin the whole. Where they do not (a template that writes a turn differently once others
+// follow: Qwen3 drops the empty <think></think> of every reply but the last), an assistant
+// message is found by its content instead, as axolotl finds a turn: the whole conversation
+// rendered again with that content swapped for a marker differs from the first rendering only
+// where the content is; the reply is that content and the text that ends the turn (what follows
+// the content when it is the last turn, e.g. "<|im_end|>\n"), which must follow it in the whole.
 Document render_conversation(const ChatOptions& chat, const Conversation& c) {
   const ojson& messages = c.messages;
   const ojson& tools = c.tools;
@@ -236,15 +245,67 @@ Document render_conversation(const ChatOptions& chat, const Conversation& c) {
           source, line_no, format.source);
     return doc;
   }
+  // Where message k's content lies in the rendering of `count` messages with its content as
+  // it is (`as_is`): [begin, end), or nullopt when swapping it for a marker changes anything
+  // but one run of text (the template prints it twice, or not as given).
+  const auto content_span =
+      [&](size_t k, size_t count,
+          const std::string& as_is) -> std::optional<std::pair<size_t, size_t>> {
+    const std::string& content = messages[k]["content"].get_ref<const std::string&>();
+    // Markers whose first and last letters differ from the content's, so that the text the
+    // two renderings share stops exactly at the content's edges.
+    for (const char* marker :
+         {"QstrataReplyMarkerZ", "WstrataReplyMarkerX", "XstrataReplyMarkerW"}) {
+      const std::string_view m = marker;
+      if (as_is.find(m) != std::string::npos) continue;
+      ojson part = ojson::array();
+      for (size_t i = 0; i < count; ++i) part.push_back(messages[i]);
+      part[k]["content"] = marker;
+      std::string swapped;
+      try {
+        swapped = format.render(part, tools, false);
+      } catch (const Error&) {
+        return std::nullopt;
+      }
+      size_t p = 0;
+      while (p < as_is.size() && p < swapped.size() && as_is[p] == swapped[p]) ++p;
+      size_t q = 0;
+      while (q < as_is.size() - p && q < swapped.size() - p &&
+             as_is[as_is.size() - 1 - q] == swapped[swapped.size() - 1 - q])
+        ++q;
+      if (swapped.compare(p, swapped.size() - q - p, m) == 0 && as_is.size() - q > p &&
+          !content.empty())
+        return std::pair{p, as_is.size() - q};
+    }
+    return std::nullopt;
+  };
   const auto reply = [&](size_t first, size_t end, const char* what) {
     const std::string before = render(first, true), through = render(end, false);
     const bool begins = doc.text.starts_with(before), ends = doc.text.starts_with(through);
+    const bool one_message = end == first + 1 && prompt_messages == 0 &&
+                             messages[first].contains("content") &&
+                             messages[first]["content"].is_string();
+    if ((!begins || !ends) && one_message) {
+      // Found by its content: where it lies in the whole, and the end of its turn after it.
+      const auto in_whole = content_span(first, messages.size(), doc.text);
+      const auto in_turn = content_span(first, end, through);
+      if (in_whole && in_turn) {
+        const std::string_view closing = std::string_view(through).substr(in_turn->second);
+        const size_t stop = in_whole->second + closing.size();
+        const bool closed = doc.text.compare(in_whole->second, closing.size(), closing) == 0;
+        const bool in_order = doc.replies.empty() || doc.replies.back().second <= in_whole->first;
+        if (closed && in_order) {
+          doc.replies.emplace_back(in_whole->first, stop);
+          return;
+        }
+      }
+    }
     if (!begins || !ends || through.size() < before.size())
       fail(
           "{} line {}: the chat template {} renders {} {} text that does not begin the whole "
-          "conversation's rendering, so where the reply lies in it is not known; train on "
-          "every token with --chat-loss all, or give rows of a \"prompt\" and a "
-          "\"completion\"",
+          "conversation's rendering, and the reply's content is not found there once, ended as "
+          "its turn ends, so where the reply lies in it is not known; train on every token with "
+          "--chat-loss all, or give rows of a \"prompt\" and a \"completion\"",
           source, line_no, format.source, what,
           !begins ? "with the generation prompt as" : "through the reply as");
     if (through.size() > before.size()) doc.replies.emplace_back(before.size(), through.size());
