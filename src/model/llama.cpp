@@ -279,21 +279,21 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
                  {&LlamaModel::up_, n * F * a, "up projection"},
              });
     if (config.qk_norm)
-      w.insert(w.end(),
-               {
-                   {&LlamaModel::q_raw_, n * Hq * a, "queries before their norm"},
-                   {&LlamaModel::k_raw_, n * Hk * a, "keys before their norm"},
-                   {&LlamaModel::q_rstd_, n * static_cast<uint64_t>(config.num_attention_heads) * f4,
-                    "query norm statistics"},
-                   {&LlamaModel::k_rstd_, n * static_cast<uint64_t>(config.num_key_value_heads) * f4,
-                    "key norm statistics"},
-               });
+      w.insert(
+          w.end(),
+          {
+              {&LlamaModel::q_raw_, n * Hq * a, "queries before their norm"},
+              {&LlamaModel::k_raw_, n * Hk * a, "keys before their norm"},
+              {&LlamaModel::q_rstd_, n * static_cast<uint64_t>(config.num_attention_heads) * f4,
+               "query norm statistics"},
+              {&LlamaModel::k_rstd_, n * static_cast<uint64_t>(config.num_key_value_heads) * f4,
+               "key norm statistics"},
+          });
   } else {
-    w.push_back(
-        {&LlamaModel::stash_,
-         sets * static_cast<uint64_t>(config.num_hidden_layers) *
-             stash_offsets(config, options)[kStashParts],
-         "activations kept for backward (no recompute)"});
+    w.push_back({&LlamaModel::stash_,
+                 sets * static_cast<uint64_t>(config.num_hidden_layers) *
+                     stash_offsets(config, options)[kStashParts],
+                 "activations kept for backward (no recompute)"});
   }
   if (!fwd)
     w.insert(w.end(), {
