@@ -249,8 +249,8 @@ Command add_train(CLI::App& app) {
   auto a = std::make_shared<TrainArgs>();
   CLI::App* cmd = app.add_subcommand(
       "train",
-      "train or fine-tune a Llama with ZeRO-3 state in GPU, CPU or NVMe tiers; checkpoints in "
-      "Hugging Face format, bit-identical resume");
+      "train or fine-tune a Llama, Mistral, Qwen2 or Qwen3 model with ZeRO-3 state in GPU, CPU or "
+      "NVMe tiers; checkpoints in Hugging Face format, bit-identical resume");
   cmd->add_option("--model", a->model, "Hugging Face checkpoint directory or preset")->required();
   cmd->add_option("--init", a->init, "'random': initialise instead of loading weights");
   cmd->add_option("--seed", a->seed, "seed of the initialisation and of the data order")
