@@ -592,6 +592,17 @@ TEST(Conversations, BadConversationsAreNamed) {
     expect_error([&] { split(qar, chat_options(shifty)); },
                  {"chat.jsonl line 1", "turns.jinja", "does not begin the whole",
                   "not found there once", "--chat-loss all"});
+  // A template that prints no message: each reply would be the same text, the second inside the
+  // first.
+  expect_error(
+      [&] {
+        split(
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"q\"}, {\"role\": "
+            "\"assistant\", \"content\": \"a\"}, {\"role\": \"user\", \"content\": \"r\"}, "
+            "{\"role\": \"assistant\", \"content\": \"b\"}]}\n",
+            chat_options("head{% if not add_generation_prompt %} tail{% endif %}"));
+      },
+      {"chat.jsonl line 1", "message 3", "ends inside the reply before it", "--chat-loss all"});
   // The template's own refusal, with its message.
   const ChatOptions strict = chat_options(
       "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system role') "

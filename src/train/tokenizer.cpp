@@ -308,6 +308,15 @@ Document render_conversation(const ChatOptions& chat, const Conversation& c) {
           "--chat-loss all, or give rows of a \"prompt\" and a \"completion\"",
           source, line_no, format.source, what,
           !begins ? "with the generation prompt as" : "through the reply as");
+    // A template that does not tell the turns apart (one printing no message at all) renders
+    // the turns before this reply as reaching into the last one: where this reply lies is then
+    // not known either.
+    if (!doc.replies.empty() && before.size() < doc.replies.back().second)
+      fail(
+          "{} line {}: the chat template {} renders {} with the generation prompt as text that "
+          "ends inside the reply before it, so the template does not tell the turns apart; "
+          "train on every token with --chat-loss all",
+          source, line_no, format.source, what);
     if (through.size() > before.size()) doc.replies.emplace_back(before.size(), through.size());
   };
   if (prompt_messages > 0) {
