@@ -179,32 +179,38 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
        }});
   const double nh = static_cast<double>(N * H) * e;
   const float eps = static_cast<float>(c.rms_norm_eps);
-  ops.push_back({"rmsnorm forward",
-                 fmt::format("N {} D {}", N, H),
-                 Op::kMemory,
-                 2,
-                 0,
-                 2 * nh,
-                 {in({N, H}), in({H}), out({N, H}), out({N}, true)},
-                 {},
-                 [eps](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-                   k.rmsnorm_forward(t[2], t[3], t[0], t[1], eps, s);
-                 }});
-  // x, w, dy; y and rstd from the forward (setup); dx, dw (f32).
-  ops.push_back(
-      {"rmsnorm backward",
-       fmt::format("N {} D {}", N, H),
-       Op::kMemory,
-       2,
-       0,
-       4 * nh,
-       {in({N, H}), in({H}), in({N, H}), out({N, H}), out({N}, true), out({N, H}), out({H}, true)},
-       [eps](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-         k.rmsnorm_forward(t[3], t[4], t[0], t[1], eps, s);
-       },
-       [](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-         k.rmsnorm_backward(t[5], t[6], t[2], t[0], t[1], t[4], s);
-       }});
+  // An RMSNorm's forward and backward over `rows` rows of `dim`, `count` of each per block.
+  const auto rmsnorm_ops = [&](const std::string& label, const std::string& shape, int64_t rows,
+                               int64_t dim, int count) {
+    const double bytes = static_cast<double>(rows * dim) * e;
+    ops.push_back({label + " forward",
+                   shape,
+                   Op::kMemory,
+                   count,
+                   0,
+                   2 * bytes,
+                   {in({rows, dim}), in({dim}), out({rows, dim}), out({rows}, true)},
+                   {},
+                   [eps](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
+                     k.rmsnorm_forward(t[2], t[3], t[0], t[1], eps, s);
+                   }});
+    // x, w, dy; y and rstd from the forward (setup); dx, dw (f32).
+    ops.push_back({label + " backward",
+                   shape,
+                   Op::kMemory,
+                   count,
+                   0,
+                   4 * bytes,
+                   {in({rows, dim}), in({dim}), in({rows, dim}), out({rows, dim}),
+                    out({rows}, true), out({rows, dim}), out({dim}, true)},
+                   [eps](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
+                     k.rmsnorm_forward(t[3], t[4], t[0], t[1], eps, s);
+                   },
+                   [](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
+                     k.rmsnorm_backward(t[5], t[6], t[2], t[0], t[1], t[4], s);
+                   }});
+  };
+  rmsnorm_ops("rmsnorm", fmt::format("N {} D {}", N, H), N, H, 2);
   for (const auto& [label, n_heads] : {std::pair{"rope q", heads}, std::pair{"rope k", kv}}) {
     // In place: x is both what is read and what is checked.
     ops.push_back({label,
@@ -269,36 +275,9 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
                      k.bias_backward(t[1], t[0], s);
                    }});
   }
-  if (c.qk_norm)
-    for (const auto& [label, n_heads] : {std::pair{"q norm", heads}, std::pair{"k norm", kv}}) {
-      const int64_t rows = N * n_heads;
-      const double bytes = static_cast<double>(rows * hd) * e;
-      ops.push_back({fmt::format("{} forward", label),
-                     fmt::format("rows {} hd {}", rows, hd),
-                     Op::kMemory,
-                     1,
-                     0,
-                     2 * bytes,
-                     {in({rows, hd}), in({hd}), out({rows, hd}), out({rows}, true)},
-                     {},
-                     [eps](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-                       k.rmsnorm_forward(t[2], t[3], t[0], t[1], eps, s);
-                     }});
-      ops.push_back({fmt::format("{} backward", label),
-                     fmt::format("rows {} hd {}", rows, hd),
-                     Op::kMemory,
-                     1,
-                     0,
-                     4 * bytes,
-                     {in({rows, hd}), in({hd}), in({rows, hd}), out({rows, hd}), out({rows}, true),
-                      out({rows, hd}), out({hd}, true)},
-                     [eps](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-                       k.rmsnorm_forward(t[3], t[4], t[0], t[1], eps, s);
-                     },
-                     [](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-                       k.rmsnorm_backward(t[5], t[6], t[2], t[0], t[1], t[4], s);
-                     }});
-    }
+  if (c.qk_norm)  // Qwen3's q and k norms: a row per head
+    for (const auto& [label, n_heads] : {std::pair{"q norm", heads}, std::pair{"k norm", kv}})
+      rmsnorm_ops(label, fmt::format("rows {} hd {}", N * n_heads, hd), N * n_heads, hd, 1);
   ops.push_back({"residual add",
                  fmt::format("N {} D {}", N, H),
                  Op::kMemory,
