@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <set>
 
@@ -315,6 +316,178 @@ TEST_F(DataLoaderTest, BadInputsAreNamed) {
                                 "t.json");
       },
       {"position 10", "10 sequences"});
+}
+
+// Where documents start in a file, written as strata tokenize writes it.
+void index(const fs::path& file, const std::vector<uint64_t>& starts) {
+  DocumentIndexWriter w(file, 0);
+  for (uint64_t s : starts) w.add(s);
+  w.finish({file});
+}
+
+struct Row {
+  std::vector<int32_t> ids, targets;
+  bool operator==(const Row&) const = default;
+};
+
+Row row(const TokenSequences& s, int64_t g) {
+  Row r{std::vector<int32_t>(size_t(s.seq_len())), std::vector<int32_t>(size_t(s.seq_len()))};
+  s.read(g, r.ids.data(), r.targets.data());
+  return r;
+}
+
+constexpr int32_t kX = kIgnoreIndex;
+
+// --packing none: each document is a row of its own, its first T + 1 tokens, padded with id 0
+// and ignored targets; a one-token document is left out; a document at the end of a file goes
+// on into the next file where that one does not start with a document (a cut shard); loss masks
+// still apply. The counts (targets, cuts, padding) follow from the same documents.
+TEST_F(DataLoaderTest, WithoutPackingEachDocumentIsARowOfItsOwn) {
+  const fs::path a = tokens("a.bin", 0, 20), b = tokens("b.bin", 100, 6);
+  index(a, {0, 3, 4, 17});  // [0,3) [3,4) [4,17) [17,20)+b[0,2)
+  index(b, {2});            // [102,106)
+  std::vector<uint8_t> flags(20, 1);
+  flags[1] = flags[18] = 0;
+  {
+    LossMaskWriter w(a, 0);
+    w.write(flags);
+    w.finish();
+  }
+  const TokenSequences s({a, b}, kT, 1000, std::nullopt, "token file", true, Packing::none);
+  ASSERT_EQ(s.size(), 4);
+  EXPECT_EQ(row(s, 0), (Row{{0, 1, 0, 0}, {kX, 2, kX, kX}}));
+  EXPECT_EQ(row(s, 1), (Row{{4, 5, 6, 7}, {5, 6, 7, 8}}));  // cut after T + 1 tokens
+  EXPECT_EQ(row(s, 2), (Row{{17, 18, 19, 100}, {kX, 19, 100, 101}}));
+  EXPECT_EQ(row(s, 3), (Row{{102, 103, 104, 0}, {103, 104, 105, kX}}));
+  EXPECT_EQ(s.counted_targets(), 1 + 4 + 3 + 3);
+  EXPECT_EQ(s.truncated(), 1);
+  EXPECT_EQ(s.longest(), 13);
+  EXPECT_EQ(s.document_inputs(), 2 + 4 + 4 + 3);
+  EXPECT_EQ(s.uncounted(), 0);
+  EXPECT_EQ(s.masked_files(), 1);
+  const std::string line = describe_documents(s);
+  for (const char* want : {"4 documents", "1 cut after --seq-len + 1 = 5 tokens",
+                           "--seq-len 12 keeps every one whole", "19% of the inputs are padding"})
+    EXPECT_NE(line.find(want), std::string::npos) << line;
+  // Without masks every target of the cut counts; wrapped packing reads the same files as before.
+  const TokenSequences all({a, b}, kT, 1000, std::nullopt, "token file", false, Packing::none);
+  EXPECT_EQ(all.counted_targets(), 13);
+  EXPECT_EQ(row(all, 0), (Row{{0, 1, 0, 0}, {1, 2, kX, kX}}));
+  const TokenSequences wrapped({a, b}, kT, 1000, std::nullopt, "token file", false);
+  EXPECT_EQ(wrapped.size(), 4 + 1);
+  EXPECT_EQ(row(wrapped, 1), (Row{{4, 5, 6, 7}, {5, 6, 7, 8}}));
+
+  // A longer sequence keeps every document whole; a prompt that fills the cut trains on nothing.
+  const TokenSequences whole({a, b}, 12, 1000, std::nullopt, "token file", true, Packing::none);
+  EXPECT_EQ(whole.truncated(), 0);
+  EXPECT_EQ(row(whole, 1).targets[11], 16);
+  std::vector<uint8_t> prompt(20, 0);
+  prompt[10] = prompt[19] = 1;
+  {
+    LossMaskWriter w(a, 0);
+    w.write(prompt);
+    w.finish();
+  }
+  const TokenSequences cut({a}, kT, 1000, std::nullopt, "token file", true, Packing::none);
+  EXPECT_EQ(cut.size(), 3);
+  EXPECT_EQ(cut.counted_targets(), 1);  // token 19; token 10 lies past the cut of [4,17)
+  EXPECT_EQ(cut.uncounted(), 2);
+  EXPECT_NE(describe_documents(cut).find("2 have no target that counts"), std::string::npos);
+}
+
+// The index of a sharded stream has a file per shard (empty where no document starts), is bound
+// to its tokens, and what is wrong with it is named; --packing none over files without one is
+// refused, saying how to get one; auto picks none only for indexed files with loss masks; the
+// loader hands out every document once per epoch, and a position saved with one packing does
+// not resume with the other.
+TEST_F(DataLoaderTest, DocumentIndexesAreBoundToTheirTokensAndBadOnesNamed) {
+  std::vector<uint32_t> stream(20);
+  for (uint32_t i = 0; i < 20; ++i) stream[i] = 500 + i;
+  LlmcTokenWriter tw(dir_ / "s.bin", TokenWidth::u16, 8);
+  DocumentIndexWriter dw(dir_ / "s.bin", 8);
+  tw.write(stream);
+  for (uint64_t at : {0, 5, 17}) dw.add(at);
+  expect_error([&] { dw.add(17); }, {"s.bin", "start 17 is not above the last, 17"});
+  const std::vector<fs::path> shards = tw.finish();
+  ASSERT_EQ(shards.size(), 3u);
+  const std::vector<fs::path> indexes = dw.finish(shards);
+  ASSERT_EQ(indexes.size(), 3u);
+  EXPECT_EQ(indexes[1], dir_ / "s_000001.bin.docs");
+  const auto open = [](const fs::path& f) {
+    return DocumentIndex::open_beside(TokenFile::open(f, std::nullopt));
+  };
+  EXPECT_EQ(open(shards[0])->size(), 2);
+  EXPECT_EQ(open(shards[1])->size(), 0);
+  EXPECT_EQ(open(shards[2])->start(0), 1);
+  const TokenSequences s(shards, kT, 1000, std::nullopt, "token file", true, Packing::none);
+  ASSERT_EQ(s.size(), 3);
+  EXPECT_EQ(row(s, 0), (Row{{500, 501, 502, 503}, {501, 502, 503, 504}}));
+  EXPECT_EQ(row(s, 1), (Row{{505, 506, 507, 508}, {506, 507, 508, 509}}));  // 5..16, cut
+  EXPECT_EQ(row(s, 2), (Row{{517, 518, 0, 0}, {518, 519, kX, kX}}));
+
+  // Every document once per epoch, and a position over other packing is refused.
+  DataLoader d(shards, kT, 1000, 3, std::nullopt, true, Packing::none);
+  EXPECT_EQ(d.num_sequences(), 3);
+  Batch b{std::vector<int32_t>(3 * kT), std::vector<int32_t>(3 * kT)};
+  d.next(3, b.ids, b.targets);
+  std::vector<int32_t> got = firsts(b);
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(got, (std::vector<int32_t>{500, 505, 517}));
+  const DataPosition saved = DataPosition::from_json(d.position().to_json(), "ckpt");
+  EXPECT_EQ(saved.packing, Packing::none);
+  DataLoader wrapped(shards, 3, 1000, 3);
+  expect_error([&] { wrapped.restore(saved); },
+               {"--packing none", "this run cuts them with --packing wrapped"});
+  nlohmann::json older = wrapped.position().to_json();
+  older.erase("packing");
+  EXPECT_EQ(DataPosition::from_json(older, "old").packing, Packing::wrapped);
+  older["packing"] = "bfd";
+  expect_error([&] { DataPosition::from_json(older, "t.json"); }, {"t.json", "\"bfd\""});
+
+  // auto: none where every file is indexed and one has a mask.
+  const fs::path plain = tokens("plain.bin", 0, 30);
+  EXPECT_EQ(auto_packing(shards, true), Packing::wrapped);  // no mask
+  {
+    LossMaskWriter w(shards[0], 0);
+    w.write_ones(8);
+    w.finish();
+  }
+  EXPECT_EQ(auto_packing(shards, true), Packing::none);
+  EXPECT_EQ(auto_packing(shards, false), Packing::wrapped);
+  EXPECT_EQ(auto_packing({shards[0], plain}, true), Packing::wrapped);  // plain has no index
+  expect_error(
+      [&] {
+        TokenSequences({shards[0], plain}, kT, 1000, std::nullopt, "training token file", true,
+                       Packing::none);
+      },
+      {"training token file", "plain.bin", "no document index (plain.bin.docs)", "strata tokenize",
+       "--packing wrapped"});
+  // Only one-token documents: nothing to train on.
+  const fs::path ones = tokens("ones.bin", 0, 3);
+  index(ones, {0, 1, 2});
+  expect_error(
+      [&] { TokenSequences({ones}, kT, 1000, std::nullopt, "token file", true, Packing::none); },
+      {"ones.bin", "none of their 3 documents has 2 tokens"});
+
+  // Bound to the tokens: rewritten tokens, another count, a damaged start, not an index.
+  const fs::path docs = document_index_path(shards[2]);
+  const fs::path keep = dir_ / "keep.docs";
+  fs::copy_file(docs, keep);
+  write_llmc_tokens(shards[2], std::vector<uint32_t>{1, 2, 3, 4}, TokenWidth::u16);
+  expect_error([&] { open(shards[2]); }, {docs.string(), "XXH3-64", "rewritten after its index"});
+  write_llmc_tokens(shards[2], std::vector<uint32_t>{1, 2, 3}, TokenWidth::u16);
+  expect_error([&] { open(shards[2]); }, {docs.string(), "holds 3 tokens", "not written together"});
+  write_llmc_tokens(shards[2], std::vector<uint32_t>{516, 517, 518, 519}, TokenWidth::u16);
+  fs::copy_file(keep, docs, fs::copy_options::overwrite_existing);
+  EXPECT_EQ(open(shards[2])->start(0), 1);
+  {
+    std::fstream f(docs, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(1024);
+    f.put(char{9});  // start 9 of 4 tokens
+  }
+  expect_error([&] { open(shards[2]); }, {docs.string(), "start 9 of document 0", "damaged"});
+  std::ofstream(docs) << "not an index";
+  expect_error([&] { open(shards[2]); }, {docs.string(), "not a strata document index"});
 }
 
 TEST_F(DataLoaderTest, LargeSeedsRoundTripThroughJson) {

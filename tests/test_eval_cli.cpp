@@ -141,6 +141,59 @@ TEST_F(EvalCli, LossMasksLeaveOutTheTargetsTheyDoNotCount) {
   EXPECT_NE(bad.out.find("maybe"), std::string::npos) << bad.out;
 }
 
+// --packing none: each document is a row of its own, padded, so its loss is what the document
+// alone gives: the mean over documents (cut after --seq-len + 1 tokens) of each one evaluated
+// by itself as a file of exactly its tokens. A one-token document has no target and is left out.
+// auto picks none only where a loss mask says the data are fine-tuning rows.
+TEST_F(EvalCli, WithoutPackingEachDocumentScoresAsItDoesAlone) {
+  {
+    DocumentIndexWriter w(dir_ / "tokens.bin", 0);
+    for (uint64_t at : {0, 10, 30, 31, 60}) w.add(at);
+    w.finish({dir_ / "tokens.bin"});
+  }
+  const std::string args = "--seed 1 --seq-len 16 --batch 3 ";
+  const auto rows = eval_json(args + "--packing none " + data());
+  EXPECT_EQ(rows["packing"], "none");
+  double sum = 0;
+  int64_t count = 0;
+  const std::span<const uint32_t> all(tokens_);
+  for (const auto& [a, b] :
+       std::vector<std::pair<size_t, size_t>>{{0, 10}, {10, 30}, {31, 60}, {60, 81}}) {
+    const size_t n = std::min<size_t>(b - a, 17);
+    const fs::path f = dir_ / fmt::format("doc{}.bin", a);
+    write_llmc_tokens(f, all.subspan(a, n), TokenWidth::u16);
+    const auto alone =
+        eval_json(fmt::format("--seed 1 --seq-len {} --data '{}'", n - 1, f.string()));
+    ASSERT_EQ(alone["tokens"], n - 1);
+    sum += alone["loss"].get<double>() * static_cast<double>(n - 1);
+    count += static_cast<int64_t>(n - 1);
+  }
+  EXPECT_EQ(rows["tokens"], count);
+  EXPECT_EQ(count, 9 + 16 + 16 + 16);
+  EXPECT_NEAR(rows["loss"].get<double>(), sum / static_cast<double>(count), 1e-5 * sum / count);
+  const auto wrapped = eval_json(args + "--packing wrapped " + data());
+  EXPECT_EQ(wrapped["tokens"], 80);
+  EXPECT_NE(wrapped["loss"], rows["loss"]);
+  EXPECT_EQ(eval_json(args + data())["packing"], "wrapped");  // no loss mask: not fine-tuning rows
+  const Result text = eval(args + "--packing none " + data());
+  EXPECT_NE(text.out.find("4 documents, one per sequence (--packing none); 3 cut after "
+                          "--seq-len + 1 = 17 tokens"),
+            std::string::npos)
+      << text.out;
+  {
+    LossMaskWriter w(dir_ / "tokens.bin", 0);
+    w.write_ones(tokens_.size());
+    w.finish();
+  }
+  EXPECT_EQ(eval_json(args + data())["loss"], rows["loss"]);  // auto: none
+  fs::remove(document_index_path(dir_ / "tokens.bin"));
+  EXPECT_EQ(eval_json(args + data())["packing"], "wrapped");
+  const Result missing = eval(args + "--packing none " + data());
+  EXPECT_NE(missing.status, 0);
+  EXPECT_NE(missing.out.find("no document index (tokens.bin.docs)"), std::string::npos)
+      << missing.out;
+}
+
 // ZeRO-3 over several host devices: sequences dealt to ranks, the units sharded (or, under the
 // persistence threshold, replicated); the loss is the one device's to f32 rounding.
 TEST_F(EvalCli, SeveralDevicesGiveTheOneDeviceLoss) {

@@ -111,8 +111,24 @@ std::vector<uint32_t> read_all(const std::vector<fs::path>& files) {
   return all;
 }
 
+// The document starts of llm.c files' indexes, as positions in their tokens end to end.
+std::vector<uint64_t> read_starts(const std::vector<fs::path>& files) {
+  std::vector<uint64_t> all;
+  uint64_t offset = 0;
+  for (const fs::path& f : files) {
+    const TokenFile t = TokenFile::open(f, std::optional<TokenWidth>{});
+    const std::optional<DocumentIndex> index = DocumentIndex::open_beside(t);
+    EXPECT_TRUE(index.has_value()) << f;
+    for (int64_t d = 0; index && d < index->size(); ++d) all.push_back(offset + index->start(d));
+    offset += static_cast<uint64_t>(t.size());
+  }
+  return all;
+}
+
 // tokenize_files holds a batch of documents at a time and writes shards as they fill: for every
-// batch size and shard size the same token stream as tokenize_documents over all of them.
+// batch size and shard size the same token stream as tokenize_documents over all of them, and
+// beside each file the index of where its documents start: a byte document's after the
+// end-of-text before it, a Hugging Face one's at its begin-of-text.
 TEST(Documents, TokenizingFilesInBatchesAndShardsGivesOneStream) {
   test::TempDir tmp("strata-tokenize-files");
   const fs::path a = tmp.path / "a.txt", b = tmp.path / "b.jsonl";
@@ -138,16 +154,28 @@ TEST(Documents, TokenizingFilesInBatchesAndShardsGivesOneStream) {
           EXPECT_EQ(r.documents, 5u);
           EXPECT_EQ(r.tokens, want.size());
           EXPECT_EQ(read_all(r.files), want);
+          const std::vector<uint64_t> starts = read_starts(r.files);
+          ASSERT_EQ(starts.size(), 5u);
+          EXPECT_EQ(starts.front(), 0u);
+          for (const uint64_t at : starts) {
+            if (t == byte.get() && at > 0) {
+              EXPECT_EQ(want[at - 1], 256u) << at;
+            }
+            if (t == hf.get()) {
+              EXPECT_EQ(want[at], t->prefix_ids().front()) << at;
+            }
+          }
+          EXPECT_EQ(r.indexes.size(), r.files.size());
           const uint64_t shards = shard == 0 ? 1 : (want.size() + shard - 1) / shard;
           ASSERT_EQ(r.files.size(), shards);
           EXPECT_EQ(r.files.front().filename(), shard == 0 ? "tokens.bin" : "tokens_000000.bin");
           for (const fs::path& f : r.files)
             EXPECT_LE(TokenFile::open(f, std::optional<TokenWidth>{}).size(),
                       static_cast<int64_t>(shard == 0 ? want.size() : shard));
-          // Only the shards: no temporary file is left.
+          // Only the shards and their indexes: no temporary file is left.
           EXPECT_EQ(
               std::distance(fs::directory_iterator(out.parent_path()), fs::directory_iterator()),
-              static_cast<std::ptrdiff_t>(shards));
+              static_cast<std::ptrdiff_t>(2 * shards));
         }
     }
   // Nothing to tokenize: named, and nothing written.
@@ -285,15 +313,17 @@ TEST(LossMasks, StreamedBesideEveryShardAndBoundToItsTokens) {
         EXPECT_EQ(r.prompted, 2u);
         EXPECT_EQ(read_all(r.files), want.tokens);
         EXPECT_EQ(read_masks(r.files), want.counts);
+        EXPECT_EQ(read_starts(r.files), want.starts);
+        EXPECT_EQ(want.starts.size(), docs.size());
         ASSERT_EQ(r.masks.size(), r.files.size());
         for (size_t i = 0; i < r.files.size(); ++i)
           EXPECT_EQ(r.masks[i], loss_mask_path(r.files[i]));
         EXPECT_EQ(r.counted, static_cast<uint64_t>(
                                  std::count(want.counts.begin(), want.counts.end(), uint8_t{1})));
-        // Tokens and masks only: no temporary file is left.
+        // Tokens, masks and indexes only: no temporary file is left.
         EXPECT_EQ(
             std::distance(fs::directory_iterator(out.parent_path()), fs::directory_iterator()),
-            static_cast<std::ptrdiff_t>(2 * r.files.size()));
+            static_cast<std::ptrdiff_t>(3 * r.files.size()));
       }
   }
   // The same output rewritten from plain text: its old mask goes.

@@ -740,6 +740,67 @@ TEST(TrainCli, LossMasksTrainOnlyOnCompletions) {
               1e-6 * ej["loss"].get<double>());
 }
 
+// Fine-tuning rows (prompts with completions, tokenized with their loss masks and document
+// index) train one document per sequence by default, as TRL's SFT trains rows without packing:
+// a step over every row has the loss strata eval gives them with the same initial weights;
+// --epochs counts rows; --packing wrapped still cuts them as one stream; a run does not resume
+// with the other packing.
+TEST(TrainCli, FineTuningRowsTrainOneDocumentPerSequence) {
+  const test::TempDir dir("strata-train-rows");
+  const fs::path jsonl = dir.path / "rows.jsonl", rows = dir.path / "rows.bin";
+  {
+    std::ofstream f(jsonl);
+    for (int i = 0; i < 8; ++i)
+      f << "{\"prompt\": \"count to " << i << ": \", \"completion\": \""
+        << std::string(size_t(3 + 5 * i), char('a' + i)) << "\"}\n";
+  }
+  const test::CommandResult t =
+      strata("tokenize --append-eos --input " + jsonl.string() + " --output " + rows.string());
+  ASSERT_EQ(t.status, 0) << t.out;
+  EXPECT_NE(t.out.find("where each document starts: rows.bin.docs"), std::string::npos) << t.out;
+  const std::string model = "--model tiny --init random --seed 5 --seq-len 32 ";
+  const test::CommandResult e =
+      strata("eval " + model + "--data " + rows.string() + " --batch 8 --json");
+  ASSERT_EQ(e.status, 0) << e.out;
+  const json ej = json::parse(e.out.substr(e.out.find('{')));
+  EXPECT_EQ(ej["packing"], "none");
+  EXPECT_EQ(ej["sequences"], 8);
+  const fs::path run = dir.path / "run";
+  const test::CommandResult r = strata("train " + model + "--micro-batch 8 --steps 1 --data " +
+                                       rows.string() + " --run-dir " + run.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  // Row i is 16 + 5i tokens (its bytes and an end-of-text): rows 4..7 are longer than 33.
+  EXPECT_NE(r.out.find("training data: 8 documents, one per sequence (--packing none); 4 cut "
+                       "after --seq-len + 1 = 33 tokens"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NEAR(metrics(run).at(0)["loss"].get<double>(), ej["loss"].get<double>(),
+              1e-6 * ej["loss"].get<double>());
+  const json state = json::parse(slurp(run / "checkpoints/step-1/trainer_state.json"));
+  EXPECT_EQ(state["settings"]["packing"], "none");
+
+  const test::CommandResult epochs =
+      strata("train " + model + "--micro-batch 2 --epochs 1 --data " + rows.string() +
+             " --run-dir " + (dir.path / "epochs").string());
+  ASSERT_EQ(epochs.status, 0) << epochs.out;
+  EXPECT_NE(epochs.out.find("8 sequences of 32 tokens, 2 a step: 4 steps"), std::string::npos)
+      << epochs.out;
+  const test::CommandResult wrapped =
+      strata("train " + model + "--micro-batch 2 --epochs 1 --packing wrapped --data " +
+             rows.string() + " --run-dir " + (dir.path / "wrapped").string());
+  ASSERT_EQ(wrapped.status, 0) << wrapped.out;
+  EXPECT_EQ(wrapped.out.find("one per sequence"), std::string::npos) << wrapped.out;
+  const int64_t stream = TokenFile::open(rows, std::optional<TokenWidth>{}).num_sequences(32);
+  EXPECT_NE(wrapped.out.find(fmt::format("{} sequences of 32 tokens", stream)), std::string::npos)
+      << wrapped.out;
+  const test::CommandResult resume =
+      strata("train " + model + "--micro-batch 8 --steps 2 --resume --packing wrapped --data " +
+             rows.string() + " --run-dir " + run.string());
+  EXPECT_NE(resume.status, 0);
+  EXPECT_NE(resume.out.find("cut with --packing none"), std::string::npos) << resume.out;
+  EXPECT_NE(resume.out.find("resume with --packing none"), std::string::npos) << resume.out;
+}
+
 // DeepSpeed's aio section sets the swap store's stripe and queue depth (the placement sizes the
 // swap files by that stripe, and the executor's store uses the same one).
 TEST(TrainCli, AioSettingsReachTheSwapStore) {

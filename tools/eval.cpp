@@ -46,7 +46,7 @@ struct EvalArgs {
   uint64_t seed = 0;
   std::vector<std::string> data;
   std::string data_dtype;
-  std::string loss_mask = "auto";
+  std::string loss_mask = "auto", packing = "auto";
   int64_t seq_len = 0;
   int64_t batch = 1;
   int64_t max_sequences = 0;
@@ -70,9 +70,12 @@ int run_eval(const EvalArgs& a) {
   if (T < 1 || T > config.max_position_embeddings)
     fail("--seq-len {} is outside 1..{} (max_position_embeddings of {}); choose a shorter one", T,
          config.max_position_embeddings, config.name);
-  const TokenSequences tokens(std::vector<std::filesystem::path>(a.data.begin(), a.data.end()), T,
-                              config.vocab_size, parse_token_width(a.data_dtype), "--data",
-                              a.loss_mask == "auto");
+  const std::vector<std::filesystem::path> files(a.data.begin(), a.data.end());
+  const bool masks = a.loss_mask == "auto";
+  const Packing packing =
+      a.packing == "auto" ? auto_packing(files, masks) : parse_packing(a.packing);
+  const TokenSequences tokens(files, T, config.vocab_size, parse_token_width(a.data_dtype),
+                              "--data", masks, packing);
   int64_t sequences = tokens.size();
   if (a.max_sequences > 0) sequences = std::min(sequences, a.max_sequences);
 
@@ -148,6 +151,7 @@ int run_eval(const EvalArgs& a) {
                         {"tokens", count},
                         {"sequences", sequences},
                         {"seq_len", T},
+                        {"packing", packing_name(packing)},
                         {"model", config.name},
                         {"device", fmt::format("{}", fmt::join(device_names, ","))},
                         {"devices", device_names},
@@ -170,6 +174,7 @@ int run_eval(const EvalArgs& a) {
         sequences, T, placement.homes.size(), homes_text(placement),
         format_bytes(need.total(Tier::gpu)), format_bytes(need.total(Tier::cpu)),
         format_bytes(need.total(Tier::nvme)), loss, std::exp(loss), tokens_per_s);
+    if (packing == Packing::none) fmt::print("  {}\n", describe_documents(tokens));
   }
   return 0;
 }
@@ -195,6 +200,13 @@ Command add_eval(CLI::App& app) {
                   "auto: where a token file has a loss mask beside it (FILE.mask, from strata "
                   "tokenize), the loss is over the targets it marks only; off: over every target")
       ->check(CLI::IsMember({"auto", "off"}))
+      ->capture_default_str();
+  cmd->add_option("--packing", args->packing,
+                  "how sequences are cut from the token files: wrapped (end to end, cut into "
+                  "--seq-len windows), none (one document per sequence, padded, cut after "
+                  "--seq-len + 1 tokens; needs strata tokenize's document index), auto (none for "
+                  "files with loss masks and document indexes, else wrapped)")
+      ->check(CLI::IsMember({"auto", "wrapped", "none"}))
       ->capture_default_str();
   cmd->add_option("--seq-len", args->seq_len,
                   "tokens per sequence (default: min(1024, max_position_embeddings))");

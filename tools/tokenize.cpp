@@ -119,6 +119,12 @@ int run_tokenize(const TokenizeArgs& a) {
         "tokens count as targets; loss masks beside the token files ({}{})\n",
         r.prompted, r.counted, r.tokens, r.masks.front().filename().string(),
         r.masks.size() > 1 ? ", ..." : "");
+  // Every output has its document index; where it has masks too, training reads it by default.
+  if (!r.masks.empty() && !r.indexes.empty())
+    fmt::print(
+        "  where each document starts: {}{}; strata train and eval read one document per "
+        "sequence (--packing auto: none)\n",
+        r.indexes.front().filename().string(), r.indexes.size() > 1 ? ", ..." : "");
   if (a.show > 0) show_tokens(*tokenizer, r, a.show);
   for (const std::filesystem::path& m : r.removed)
     fmt::print("  removed {}, an earlier run's loss mask: this output has no prompts\n",

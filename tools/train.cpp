@@ -28,7 +28,7 @@ namespace fs = std::filesystem;
 
 struct TrainArgs {
   std::string model, init, config, data_dtype, run_dir, dtype, devices, device_memory;
-  std::string loss_mask = "auto";
+  std::string loss_mask = "auto", packing = "auto";
   std::vector<std::string> data, nvme_paths;
   uint64_t seed = 1;
   int64_t steps = 0, micro_batch = kUnsetFlag, grad_accum = kUnsetFlag, seq_len = kUnsetFlag;
@@ -77,10 +77,11 @@ void check_train_numbers(const TrainArgs& a) {
 
 // --epochs E as optimizer steps: E passes over the data's sequences, `per_step` of them a step,
 // rounded up (Hugging Face's num_train_epochs likewise ends on a whole step).
-int64_t steps_for_epochs(double epochs, const TrainSettings& s, int64_t per_step) {
-  int64_t sequences = 0;
-  for (const fs::path& f : s.data)
-    sequences += TokenFile::open(f, s.data_width).num_sequences(s.seq_len);
+int64_t steps_for_epochs(double epochs, const TrainSettings& s, int64_t vocab_size,
+                         int64_t per_step) {
+  const int64_t sequences = TokenSequences(s.data, s.seq_len, vocab_size, s.data_width,
+                                           "training token file", s.loss_masks, s.packing)
+                                .size();
   const double want =
       std::ceil(epochs * static_cast<double>(sequences) / static_cast<double>(per_step));
   if (!(want <= 1e12))
@@ -126,6 +127,7 @@ int run_train(const TrainArgs& a) {
   for (const std::string& f : a.data) s.data.emplace_back(f);
   s.data_width = parse_token_width(a.data_dtype);
   s.loss_masks = a.loss_mask == "auto";
+  s.packing = a.packing == "auto" ? auto_packing(s.data, s.loss_masks) : parse_packing(a.packing);
   if (a.eval_data.empty() && (a.eval_every > 0 || a.eval_sequences > 0))
     fail("--eval-every/--eval-sequences: there is no held-out data; give --eval-data FILE");
   for (const std::string& f : a.eval_data) s.eval_data.emplace_back(f);
@@ -143,7 +145,8 @@ int run_train(const TrainArgs& a) {
   if (s.seq_len > model.max_position_embeddings)
     fail("--seq-len {}: the model's max_position_embeddings is {}; use at most that", s.seq_len,
          model.max_position_embeddings);
-  if (a.epochs > 0) s.steps = steps_for_epochs(a.epochs, s, s.micro_batch * s.grad_accum * world);
+  if (a.epochs > 0)
+    s.steps = steps_for_epochs(a.epochs, s, model.vocab_size, s.micro_batch * s.grad_accum * world);
   if (!a.dtype.empty()) {
     s.dtype = model_dtype(*ptrs.front(), a.dtype);
   } else if (plan.param_dtype) {
@@ -216,6 +219,7 @@ int run_train(const TrainArgs& a) {
             {"update_during_backward", s.update_during_backward},
             {"reduce_per_group", s.reduce_per_group},
             {"seq_len", s.seq_len},
+            {"packing", packing_name(s.packing)},
             {"dtype", dtype_name(s.dtype)},
             {"optimizer", adamw ? "adamw" : "adam"},
             {"lr", lr},
@@ -264,6 +268,14 @@ Command add_train(CLI::App& app) {
                   "strata tokenize for prompt/completion rows), only the targets it marks count; "
                   "off: every target counts")
       ->check(CLI::IsMember({"auto", "off"}))
+      ->capture_default_str();
+  cmd->add_option("--packing", a->packing,
+                  "how sequences are cut from the token files: wrapped (documents end to end, "
+                  "cut into --seq-len windows), none (one document per sequence, padded, cut "
+                  "after --seq-len + 1 tokens; needs the document index strata tokenize writes "
+                  "beside each file), auto (none for files with loss masks and document indexes, "
+                  "as fine-tuning rows, else wrapped); held-out data is cut the same way")
+      ->check(CLI::IsMember({"auto", "wrapped", "none"}))
       ->capture_default_str();
   cmd->add_option("--eval-data", a->eval_data,
                   "held-out token files (their sequences in order): the loss every "

@@ -18,6 +18,7 @@ constexpr int32_t kMagicU16 = 20240520, kVersionU16 = 1;
 constexpr int32_t kMagicU32 = 20240801, kVersionU32 = 7;
 constexpr uint64_t kHeaderInts = 256, kHeaderBytes = kHeaderInts * 4;
 constexpr int32_t kMaskMagic = 20261127, kMaskVersion = 1;
+constexpr int32_t kDocsMagic = 20261128, kDocsVersion = 1;
 
 uint64_t width_bytes(TokenWidth w) {
   return w == TokenWidth::u16 ? 2 : 4;
@@ -356,6 +357,114 @@ void LossMaskWriter::write_ones(uint64_t n) {
 std::vector<std::filesystem::path> LossMaskWriter::finish() {
   if (!file_ && done_.empty() && shard_tokens_ == 0) open_shard();  // empty, for an empty file
   if (file_) close_shard();
+  return done_;
+}
+
+std::filesystem::path document_index_path(const std::filesystem::path& tokens) {
+  std::filesystem::path p = tokens;
+  p += ".docs";
+  return p;
+}
+
+std::optional<DocumentIndex> DocumentIndex::open_beside(const TokenFile& tokens) {
+  const std::filesystem::path where = document_index_path(tokens.path());
+  std::error_code ec;
+  if (!std::filesystem::exists(where, ec)) return std::nullopt;
+  DocumentIndex x;
+  x.file_ = MappedFile::open(where, "document index");
+  const std::string& name = x.file_.path();
+  const uint64_t size = x.file_.size();
+  const uint8_t* data = x.file_.data();
+  if (size < kHeaderBytes || header_int(data, 0) != kDocsMagic)
+    fail(
+        "document index {}: not a strata document index (no header with magic {}); it sits "
+        "beside token file {}: remove it, or rewrite both with strata tokenize",
+        name, kDocsMagic, tokens.path());
+  if (header_int(data, 1) != kDocsVersion)
+    fail("document index {}: version {}; this strata reads version {}", name, header_int(data, 1),
+         kDocsVersion);
+  const int64_t count = header_int(data, 2), n = header_int(data, 5);
+  if (count != tokens.size() || n < 0 || size != kHeaderBytes + 8 * static_cast<uint64_t>(n))
+    fail(
+        "document index {}: {} starts in {} bytes for {} tokens, but token file {} holds {} "
+        "tokens; the two were not written together: rewrite both with strata tokenize, or "
+        "remove the index",
+        name, n, size, count, tokens.path(), tokens.size());
+  const uint64_t want = static_cast<uint32_t>(header_int(data, 3)) |
+                        static_cast<uint64_t>(static_cast<uint32_t>(header_int(data, 4))) << 32;
+  const std::span<const uint8_t> stored = tokens.stored();
+  const uint64_t got = xxh3_64(stored.data(), stored.size());
+  if (got != want)
+    fail(
+        "document index {}: written for tokens with XXH3-64 {:016x}, but token file {} hashes "
+        "to {:016x}; the token file was rewritten after its index: rewrite both with strata "
+        "tokenize, or remove the index",
+        name, want, tokens.path(), got);
+  x.starts_ = data + kHeaderBytes;
+  x.size_ = n;
+  for (int64_t d = 0; d < n; ++d) {
+    const int64_t s = x.start(d);
+    if (s < 0 || s >= count || (d > 0 && s <= x.start(d - 1)))
+      fail(
+          "document index {}: start {} of document {} is not above the one before it and "
+          "below the {} tokens; the index is damaged",
+          name, s, d, count);
+  }
+  return x;
+}
+
+int64_t DocumentIndex::start(int64_t d) const {
+  if (d < 0 || d >= size_)
+    fail("document index {}: document {} is out of range ({} documents)", path(), d, size_);
+  uint64_t v;
+  std::memcpy(&v, starts_ + 8 * d, 8);
+  return v > uint64_t(std::numeric_limits<int64_t>::max()) ? -1 : static_cast<int64_t>(v);
+}
+
+DocumentIndexWriter::DocumentIndexWriter(std::filesystem::path tokens_path, uint64_t shard_tokens)
+    : path_(std::move(tokens_path)), shard_tokens_(shard_tokens) {}
+
+void DocumentIndexWriter::add(uint64_t start) {
+  if (any_ && start <= last_)
+    fail("writing the document index of {}: document start {} is not above the last, {}",
+         path_.string(), start, last_);
+  any_ = true;
+  last_ = start;
+  const uint64_t shard = shard_tokens_ > 0 ? start / shard_tokens_ : 0;
+  if (starts_.size() <= shard) starts_.resize(shard + 1);
+  starts_[shard].push_back(shard_tokens_ > 0 ? start % shard_tokens_ : start);
+}
+
+void DocumentIndexWriter::close_shard(const std::filesystem::path& tokens_path) {
+  const TokenFile tokens = TokenFile::open(tokens_path, std::nullopt);
+  const size_t i = done_.size();
+  const std::vector<uint64_t> none;
+  const std::vector<uint64_t>& starts = i < starts_.size() ? starts_[i] : none;
+  if (!starts.empty() && starts.back() >= static_cast<uint64_t>(tokens.size()))
+    fail("writing the document index of {}: a document starts at {}, past its {} tokens",
+         tokens_path.string(), starts.back(), tokens.size());
+  const std::span<const uint8_t> stored = tokens.stored();
+  const uint64_t hash = xxh3_64(stored.data(), stored.size());
+  std::array<int32_t, kHeaderInts> header{};
+  header[0] = kDocsMagic;
+  header[1] = kDocsVersion;
+  header[2] = static_cast<int32_t>(tokens.size());
+  header[3] = static_cast<int32_t>(static_cast<uint32_t>(hash));
+  header[4] = static_cast<int32_t>(static_cast<uint32_t>(hash >> 32));
+  header[5] = static_cast<int32_t>(starts.size());
+  AtomicFile file(document_index_path(tokens_path));
+  file.write(header.data(), kHeaderBytes);
+  file.write(starts.data(), starts.size() * 8);  // little-endian hosts only, as the header
+  file.commit();
+  done_.push_back(document_index_path(tokens_path));
+}
+
+std::vector<std::filesystem::path> DocumentIndexWriter::finish(
+    const std::vector<std::filesystem::path>& token_files) {
+  if (starts_.size() > token_files.size())
+    fail("writing the document index of {}: documents start in shard {} of {} written",
+         path_.string(), starts_.size() - 1, token_files.size());
+  for (const std::filesystem::path& f : token_files) close_shard(f);
   return done_;
 }
 

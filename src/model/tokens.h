@@ -162,4 +162,51 @@ class LossMaskWriter {
   std::vector<std::filesystem::path> done_;
 };
 
+// Document indexes: where each document of a token file starts, so that sequences can hold one
+// document each instead of windows cut across them (TokenSequences, `--packing none`). An
+// index lives beside its token file, named by document_index_path(): a header of 256
+// little-endian int32 (magic 20261128, version 1, header[2] the token count, header[3] and
+// header[4] the low and high words of the XXH3-64 of the token file's stored tokens, header[5]
+// the number of starts), then each start as a little-endian uint64, strictly increasing and
+// below the token count. A document runs from its start to the next one, or to the end of the
+// file; where the next file's first start is not 0 (a document cut by `--shard-tokens`), it
+// continues into that file. Bound to its tokens by the hash, as a loss mask is.
+std::filesystem::path document_index_path(const std::filesystem::path& tokens);
+
+class DocumentIndex {
+ public:
+  // The index beside `tokens`, if there is one; an Error naming it when it is damaged or was
+  // written for other tokens.
+  static std::optional<DocumentIndex> open_beside(const TokenFile& tokens);
+
+  const std::string& path() const { return file_.path(); }
+  int64_t size() const { return size_; }  // documents starting in the file
+  int64_t start(int64_t d) const;         // token position of document d's first token
+
+ private:
+  MappedFile file_;
+  const uint8_t* starts_ = nullptr;
+  int64_t size_ = 0;
+};
+
+// Writes the document indexes of an LlmcTokenWriter's files: add() each document's start, as a
+// position in the whole stream, in increasing order and after the tokens up to it were written;
+// finish() with the token writer's files, once it has finished, writes each file's index
+// atomically and bound to it (an empty one for a shard in which no document starts).
+class DocumentIndexWriter {
+ public:
+  DocumentIndexWriter(std::filesystem::path tokens_path, uint64_t shard_tokens);
+  void add(uint64_t start);
+  std::vector<std::filesystem::path> finish(const std::vector<std::filesystem::path>& token_files);
+
+ private:
+  void close_shard(const std::filesystem::path& tokens);
+  std::filesystem::path path_;
+  uint64_t shard_tokens_;
+  uint64_t last_ = 0;
+  bool any_ = false;
+  std::vector<std::vector<uint64_t>> starts_;  // per shard, positions within it
+  std::vector<std::filesystem::path> done_;
+};
+
 }  // namespace strata

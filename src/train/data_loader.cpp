@@ -3,6 +3,7 @@
 #include "train/data_loader.h"
 
 #include "core/error.h"
+#include "core/kernels.h"
 
 #include <algorithm>
 #include <limits>
@@ -17,10 +18,11 @@ uint64_t rotl(uint64_t x, int k) {
 }
 
 void open_checked(TokenFile& file, const std::filesystem::path& path, int64_t seq_len,
-                  int64_t vocab_size, std::optional<TokenWidth> raw, std::string_view what) {
+                  int64_t vocab_size, std::optional<TokenWidth> raw, std::string_view what,
+                  Packing packing) {
   file = TokenFile::open(path, raw);
   file.validate(vocab_size);
-  if (file.num_sequences(seq_len) < 1)
+  if (packing == Packing::wrapped && file.num_sequences(seq_len) < 1)
     fail(
         "{} {}: {} tokens make no sequence of --seq-len {} (one needs {} tokens: the inputs "
         "and the targets shifted by one); use a larger file, a shorter --seq-len, or leave the "
@@ -112,6 +114,30 @@ std::vector<int64_t> epoch_order(uint64_t seed, int64_t epoch, int64_t n) {
   return order;
 }
 
+std::string_view packing_name(Packing packing) {
+  return packing == Packing::none ? "none" : "wrapped";
+}
+
+Packing parse_packing(std::string_view text, std::string_view flag) {
+  if (text == "wrapped") return Packing::wrapped;
+  if (text == "none") return Packing::none;
+  fail(
+      "{} {}: expected wrapped (documents end to end, cut into --seq-len windows) or none (one "
+      "document per sequence, padded)",
+      flag, text);
+}
+
+Packing auto_packing(const std::vector<std::filesystem::path>& files, bool loss_masks) {
+  if (!loss_masks) return Packing::wrapped;
+  bool masked = false;
+  for (const std::filesystem::path& f : files) {
+    std::error_code ec;
+    if (!std::filesystem::exists(document_index_path(f), ec)) return Packing::wrapped;
+    masked = masked || std::filesystem::exists(loss_mask_path(f), ec);
+  }
+  return masked ? Packing::none : Packing::wrapped;
+}
+
 nlohmann::json DataPosition::to_json() const {
   nlohmann::json j = {{"seed", seed},
                       {"epoch", epoch},
@@ -119,6 +145,7 @@ nlohmann::json DataPosition::to_json() const {
                       {"sequences", sequences},
                       {"seq_len", seq_len}};
   if (counted_targets >= 0) j["counted_targets"] = counted_targets;
+  j["packing"] = packing_name(packing);
   return j;
 }
 
@@ -137,6 +164,13 @@ DataPosition DataPosition::from_json(const nlohmann::json& json, std::string_vie
   p.seq_len = whole(json, "seq_len", 1, source);
   if (json.contains("counted_targets"))
     p.counted_targets = whole(json, "counted_targets", 0, source);
+  if (json.contains("packing")) {
+    const nlohmann::json& v = json.at("packing");
+    if (!v.is_string() || (v != "wrapped" && v != "none"))
+      fail("{}: data position \"packing\" is {}; expected \"wrapped\" or \"none\"", source,
+           v.dump());
+    p.packing = parse_packing(v.get<std::string>());
+  }
   if (p.position >= p.sequences)
     fail(
         "{}: data position {} is not below the {} sequences of an epoch; the checkpoint is "
@@ -147,28 +181,21 @@ DataPosition DataPosition::from_json(const nlohmann::json& json, std::string_vie
 
 TokenSequences::TokenSequences(const std::vector<std::filesystem::path>& files, int64_t seq_len,
                                int64_t vocab_size, std::optional<TokenWidth> raw,
-                               std::string_view what, bool loss_masks)
-    : seq_len_(seq_len) {
+                               std::string_view what, bool loss_masks, Packing packing)
+    : packing_(packing), seq_len_(seq_len) {
   if (seq_len < 1) fail("{}: sequence length {} must be at least 1", what, seq_len);
   files_.resize(files.size());
   masks_.resize(files.size());
   first_.push_back(0);
   for (size_t f = 0; f < files.size(); ++f) {
-    open_checked(files_[f], files[f], seq_len, vocab_size, raw, what);
-    const int64_t n = files_[f].num_sequences(seq_len);
-    first_.push_back(first_.back() + n);
+    open_checked(files_[f], files[f], seq_len, vocab_size, raw, what, packing);
     if (loss_masks) masks_[f] = LossMask::open_beside(files_[f]);
-    // The targets of the file's sequences are its tokens 1 .. n*T.
-    if (!masks_[f]) {
-      counted_ += n * seq_len;
-      continue;
-    }
-    // The mask counted its flags when it opened: all but token 0 and the tail past the last
-    // sequence (fewer than T tokens).
-    ++masked_files_;
-    const LossMask& m = *masks_[f];
-    counted_ += m.counted() - (m.size() > 0 && m.counts(0) ? 1 : 0);
-    for (int64_t i = n * seq_len + 1; i < m.size(); ++i) counted_ -= m.counts(i) ? 1 : 0;
+    masked_files_ += masks_[f] ? 1 : 0;
+  }
+  if (packing == Packing::none) {
+    index_documents(what);
+  } else {
+    wrap_sequences();
   }
   if (counted_ == 0)
     fail(
@@ -178,21 +205,140 @@ TokenSequences::TokenSequences(const std::vector<std::filesystem::path>& files, 
         what, size(), masks_.front() ? masks_.front()->path() : files_.front().path());
 }
 
+void TokenSequences::wrap_sequences() {
+  for (size_t f = 0; f < files_.size(); ++f) {
+    const int64_t n = files_[f].num_sequences(seq_len_);
+    first_.push_back(first_.back() + n);
+    // The targets of the file's sequences are its tokens 1 .. n*T.
+    if (!masks_[f]) {
+      counted_ += n * seq_len_;
+      continue;
+    }
+    // The mask counted its flags when it opened: all but token 0 and the tail past the last
+    // sequence (fewer than T tokens).
+    const LossMask& m = *masks_[f];
+    counted_ += m.counted() - (m.size() > 0 && m.counts(0) ? 1 : 0);
+    for (int64_t i = n * seq_len_ + 1; i < m.size(); ++i) counted_ -= m.counts(i) ? 1 : 0;
+  }
+  size_ = first_.back();
+}
+
+void TokenSequences::index_documents(std::string_view what) {
+  // Every document start, as a position in the files' tokens end to end. A file that does not
+  // begin with a document continues the one before it (a document cut by --shard-tokens).
+  offset_.push_back(0);
+  std::vector<int64_t> starts;
+  for (size_t f = 0; f < files_.size(); ++f) {
+    const std::optional<DocumentIndex> index = DocumentIndex::open_beside(files_[f]);
+    if (!index)
+      fail(
+          "{} {}: --packing none reads one document per sequence, but there is no document "
+          "index ({}) beside it to say where they start; tokenize the data again with strata "
+          "tokenize, which writes one, or pass --packing wrapped",
+          what, files_[f].path(), document_index_path(files_[f].path()).filename().string());
+    for (int64_t d = 0; d < index->size(); ++d) starts.push_back(offset_.back() + index->start(d));
+    offset_.push_back(offset_.back() + files_[f].size());
+  }
+  if (starts.empty() || starts.front() != 0) starts.insert(starts.begin(), 0);
+  starts.push_back(offset_.back());
+  const int64_t T = seq_len_;
+  int64_t shortest = 0;
+  for (size_t d = 0; d + 1 < starts.size(); ++d) {
+    const int64_t a = starts[d], length = starts[d + 1] - a;
+    if (length < 2) {
+      ++shortest;
+      continue;
+    }
+    longest_ = std::max(longest_, length);
+    const int64_t n = std::min(length, T + 1);
+    truncated_ += length > T + 1 ? 1 : 0;
+    document_inputs_ += n - 1;
+    const int64_t counted_before = counted_;
+    for (int64_t p = a + 1; p < a + n;) {  // the targets: tokens 1 .. n-1 of the document
+      const size_t f = file_of(p);
+      const int64_t end = std::min(a + n, offset_[f + 1]);
+      if (!masks_[f]) {
+        counted_ += end - p;
+      } else {
+        for (; p < end; ++p) counted_ += masks_[f]->counts(p - offset_[f]) ? 1 : 0;
+      }
+      p = end;
+    }
+    uncounted_ += counted_ == counted_before ? 1 : 0;
+    doc_.push_back(a);
+    doc_.push_back(a + n);
+  }
+  size_ = static_cast<int64_t>(doc_.size() / 2);
+  if (size_ == 0)
+    fail(
+        "{}s ({}, ...): none of their {} documents has 2 tokens or more, so none has a target; "
+        "check that the data was tokenized with documents, or pass --packing wrapped",
+        what, files_.front().path(), shortest);
+}
+
+size_t TokenSequences::file_of(int64_t p) const {
+  return static_cast<size_t>(std::upper_bound(offset_.begin(), offset_.end(), p) - offset_.begin() -
+                             1);
+}
+
 void TokenSequences::read(int64_t g, int32_t* ids, int32_t* targets) const {
   if (g < 0 || g >= size())
     fail("token data: sequence {} is out of range (the files hold {})", g, size());
-  const auto f =
-      static_cast<size_t>(std::upper_bound(first_.begin(), first_.end(), g) - first_.begin() - 1);
-  files_[f].sequence(g - first_[f], seq_len_, ids, targets);
-  if (masks_[f]) masks_[f]->apply(g - first_[f], seq_len_, targets);
+  if (packing_ == Packing::wrapped) {
+    const auto f =
+        static_cast<size_t>(std::upper_bound(first_.begin(), first_.end(), g) - first_.begin() - 1);
+    files_[f].sequence(g - first_[f], seq_len_, ids, targets);
+    if (masks_[f]) masks_[f]->apply(g - first_[f], seq_len_, targets);
+    return;
+  }
+  // Document g: its tokens a .. b-1 (at most T + 1), inputs the first n - 1, targets the rest.
+  const int64_t a = doc_[2 * static_cast<size_t>(g)], b = doc_[2 * static_cast<size_t>(g) + 1];
+  const int64_t n = b - a;
+  size_t f = file_of(a);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t p = a + j;
+    while (p >= offset_[f + 1]) ++f;
+    const auto token = static_cast<int32_t>(files_[f].get(p - offset_[f]));
+    if (j + 1 < n) ids[j] = token;
+    if (j > 0) {
+      const bool counts = !masks_[f] || masks_[f]->counts(p - offset_[f]);
+      targets[j - 1] = counts ? token : kIgnoreIndex;
+    }
+  }
+  for (int64_t j = n - 1; j < seq_len_; ++j) {
+    ids[j] = 0;
+    targets[j] = kIgnoreIndex;
+  }
+}
+
+std::string describe_documents(const TokenSequences& data) {
+  const int64_t T = data.seq_len(), n = data.size();
+  const double padding =
+      1.0 - static_cast<double>(data.document_inputs()) / (static_cast<double>(n) * T);
+  std::string cut = "none longer than --seq-len + 1";
+  if (data.truncated() > 0)
+    cut = fmt::format(
+        "{} cut after --seq-len + 1 = {} tokens, as max_length truncates them (the longest has "
+        "{}: --seq-len {} keeps every one whole)",
+        data.truncated(), T + 1, data.longest(), data.longest() - 1);
+  std::string idle;
+  if (data.uncounted() > 0)
+    idle = fmt::format(
+        "; {} have no target that counts within the cut (a prompt as long as the sequence, or "
+        "no reply) and train on nothing",
+        data.uncounted());
+  return fmt::format(
+      "{} documents, one per sequence (--packing none); {}{}; {:.0f}% of the inputs are padding", n,
+      cut, idle, 100.0 * padding);
 }
 
 DataLoader::DataLoader(const std::vector<std::filesystem::path>& files, int64_t seq_len,
                        int64_t vocab_size, uint64_t seed, std::optional<TokenWidth> raw,
-                       bool loss_masks)
+                       bool loss_masks, Packing packing)
     : data_(given(files, "training data", "--data"), seq_len, vocab_size, raw,
-            "training token file", loss_masks) {
+            "training token file", loss_masks, packing) {
   position_.seed = seed;
+  position_.packing = packing;
   position_.sequences = data_.size();
   position_.seq_len = seq_len;
   position_.counted_targets = data_.counted_targets();
@@ -222,6 +368,12 @@ void DataLoader::next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> 
 }
 
 void DataLoader::restore(const DataPosition& position) {
+  if (position.packing != position_.packing)
+    fail(
+        "training data: the saved position is over sequences cut with --packing {}, but this "
+        "run cuts them with --packing {}; resume with --packing {}",
+        packing_name(position.packing), packing_name(position_.packing),
+        packing_name(position.packing));
   if (position.sequences != position_.sequences || position.seq_len != position_.seq_len)
     fail(
         "training data: the saved position is over {} sequences of length {}, but these files "
@@ -247,9 +399,9 @@ void DataLoader::restore(const DataPosition& position) {
 
 EvalSequences::EvalSequences(const std::vector<std::filesystem::path>& files, int64_t seq_len,
                              int64_t vocab_size, int64_t max_sequences,
-                             std::optional<TokenWidth> raw, bool loss_masks)
+                             std::optional<TokenWidth> raw, bool loss_masks, Packing packing)
     : data_(given(files, "evaluation data", "--eval-data"), seq_len, vocab_size, raw,
-            "evaluation token file", loss_masks) {
+            "evaluation token file", loss_masks, packing) {
   if (max_sequences < 0)
     fail("evaluation data: at most {} sequences; expected 0 (all) or more", max_sequences);
   count_ = data_.size();

@@ -23,6 +23,7 @@
 #include <filesystem>
 #include <optional>
 #include <span>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -52,6 +53,24 @@ class Xoshiro256 {
 // The order in which epoch `epoch` of `seed` visits sequences 0..n-1.
 std::vector<int64_t> epoch_order(uint64_t seed, int64_t epoch, int64_t n);
 
+// How sequences are cut from token files (`--packing`, named as TRL names its strategies).
+//  wrapped: the files' tokens one sequence after another, windows of T inputs cut across
+//    documents (model/tokens.h), as pretraining and TRL's "wrapped" packing read them.
+//  none: one document per sequence, as TRL's SFT reads rows with packing=False: the document
+//    (DocumentIndex: from its start to the next) gives its first min(L, T + 1) tokens, L - 1
+//    targets at most T, and the rest of the row is padding (input id 0, target kIgnoreIndex);
+//    a longer document is cut after T + 1 tokens, as max_length truncates it. Causal attention
+//    keeps the padding out of the document's positions, so each row computes what the document
+//    alone would. Documents of fewer than 2 tokens (no target) are left out.
+enum class Packing : uint8_t { wrapped, none };
+std::string_view packing_name(Packing packing);
+// "wrapped" or "none"; an Error naming `flag` and the value otherwise.
+Packing parse_packing(std::string_view text, std::string_view flag = "--packing");
+// What `--packing auto` picks for `files`: none where every file has a document index beside it
+// and at least one has a loss mask (fine-tuning rows, whose prompts must stay with their
+// completions), else wrapped. With loss_masks off (`--loss-mask off`), wrapped.
+Packing auto_packing(const std::vector<std::filesystem::path>& files, bool loss_masks);
+
 // Where a loader is: plain data, saved in checkpoints.
 struct DataPosition {
   uint64_t seed = 0;
@@ -63,48 +82,73 @@ struct DataPosition {
   // N*T where loss masks leave some out), checked on restore; -1 where a checkpoint written
   // before loss masks has none.
   int64_t counted_targets = -1;
+  Packing packing = Packing::wrapped;  // checked on restore; wrapped where a checkpoint has none
 
   bool operator==(const DataPosition&) const = default;
-  // {"seed", "epoch", "position", "sequences", "seq_len", "counted_targets"}
+  // {"seed", "epoch", "position", "sequences", "seq_len", "counted_targets", "packing"}
   nlohmann::json to_json() const;
   // `source` names the checkpoint file in errors naming a missing or wrong key.
   static DataPosition from_json(const nlohmann::json& json, std::string_view source);
 };
 
 // The length-T sequences of several token files (llm.c shards, or raw tokens of width `raw`)
-// as one index space 0..size()-1, each file's in order, the files in the order given. Every
-// token is checked below vocab_size and every file must hold a sequence; errors name the file
-// (`what` says what it is for: "training token file", ...). With `loss_masks`, a file's loss
-// mask (model/tokens.h), where it has one, turns the targets that do not count into
-// kIgnoreIndex; an Error when no target of any sequence counts.
+// as one index space 0..size()-1, each file's in order, the files in the order given, cut as
+// `packing` says. Every token is checked below vocab_size; with wrapped packing every file must
+// hold a sequence, with none every file needs its document index; errors name the file (`what`
+// says what it is for: "training token file", ...). With `loss_masks`, a file's loss mask
+// (model/tokens.h), where it has one, turns the targets that do not count into kIgnoreIndex; an
+// Error when no target of any sequence counts.
 class TokenSequences {
  public:
   TokenSequences(const std::vector<std::filesystem::path>& files, int64_t seq_len,
                  int64_t vocab_size, std::optional<TokenWidth> raw, std::string_view what,
-                 bool loss_masks = true);
+                 bool loss_masks = true, Packing packing = Packing::wrapped);
 
-  int64_t size() const { return first_.back(); }
+  int64_t size() const { return size_; }
   int64_t seq_len() const { return seq_len_; }
+  Packing packing() const { return packing_; }
   const std::vector<TokenFile>& files() const { return files_; }
   // Files with a loss mask read (0 without masks), and the targets of all sequences that count.
   int64_t masked_files() const { return masked_files_; }
   int64_t counted_targets() const { return counted_; }
+  // Packing none: documents cut after T + 1 tokens, the longest document's tokens, and the
+  // inputs that are a document's (the rest of size() x T is padding).
+  int64_t truncated() const { return truncated_; }
+  int64_t longest() const { return longest_; }
+  int64_t document_inputs() const { return document_inputs_; }
+  // Packing none: documents none of whose targets (within the cut) counts: a prompt that fills
+  // the sequence, or a conversation without replies. They take a row and train on nothing.
+  int64_t uncounted() const { return uncounted_; }
   // Sequence g as one row of ids and targets (seq_len each).
   void read(int64_t g, int32_t* ids, int32_t* targets) const;
 
  private:
+  void wrap_sequences();                        // packing wrapped
+  void index_documents(std::string_view what);  // packing none
+  // The file holding global token p (the files' tokens end to end).
+  size_t file_of(int64_t p) const;
+
   std::vector<TokenFile> files_;
   std::vector<std::optional<LossMask>> masks_;  // per file
-  std::vector<int64_t> first_;                  // first index of each file, then size()
-  int64_t seq_len_ = 0, masked_files_ = 0, counted_ = 0;
+  std::vector<int64_t> first_;                  // wrapped: first index of each file, then size()
+  std::vector<int64_t> offset_;                 // none: first token of each file, then the total
+  std::vector<int64_t> doc_;  // none: document g is global tokens [doc_[2g], doc_[2g + 1])
+  Packing packing_ = Packing::wrapped;
+  int64_t size_ = 0, seq_len_ = 0, masked_files_ = 0, counted_ = 0;
+  int64_t truncated_ = 0, longest_ = 0, document_inputs_ = 0, uncounted_ = 0;
 };
+
+// One line on `data` cut with packing none: documents, those cut after T + 1 tokens (and the
+// --seq-len that keeps every one whole), and the share of the inputs that is padding.
+std::string describe_documents(const TokenSequences& data);
 
 class DataLoader {
  public:
   // Opens every file (llm.c shards, or raw tokens of width `raw`), checks each token is below
   // vocab_size, and that each file holds at least one sequence; errors name the file.
   DataLoader(const std::vector<std::filesystem::path>& files, int64_t seq_len, int64_t vocab_size,
-             uint64_t seed, std::optional<TokenWidth> raw = std::nullopt, bool loss_masks = true);
+             uint64_t seed, std::optional<TokenWidth> raw = std::nullopt, bool loss_masks = true,
+             Packing packing = Packing::wrapped);
 
   int64_t seq_len() const { return position_.seq_len; }
   int64_t num_sequences() const { return position_.sequences; }
@@ -119,7 +163,7 @@ class DataLoader {
 
   const DataPosition& position() const { return position_; }
   // Continues from a saved position; an Error when it was saved over other data (another
-  // sequence count or length).
+  // sequence count or length, other loss masks or another packing).
   void restore(const DataPosition& position);
 
  private:
@@ -137,7 +181,8 @@ class EvalSequences {
   // At most `max_sequences` of them (0: all); vocabulary and size checked as DataLoader does.
   EvalSequences(const std::vector<std::filesystem::path>& files, int64_t seq_len,
                 int64_t vocab_size, int64_t max_sequences = 0,
-                std::optional<TokenWidth> raw = std::nullopt, bool loss_masks = true);
+                std::optional<TokenWidth> raw = std::nullopt, bool loss_masks = true,
+                Packing packing = Packing::wrapped);
 
   int64_t size() const { return count_; }
   int64_t seq_len() const { return data_.seq_len(); }

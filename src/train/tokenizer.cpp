@@ -788,6 +788,8 @@ TokenStream encode_documents(const Tokenizer& tokenizer, const std::vector<Docum
     // End-of-text ends each document but the last (and that one too with append_eos); a
     // completion's end counts: the model learns to stop.
     const bool separated = d + 1 < documents.size() || append_eos;
+    const size_t start = out.tokens.size();
+    out.starts.push_back(start);
     if (doc.rendered) {
       put(texts[d], 1);
       std::copy(flags[d].begin(), flags[d].end(),
@@ -804,6 +806,7 @@ TokenStream encode_documents(const Tokenizer& tokenizer, const std::vector<Docum
       put(suffix, 1);
       if (separated && !suffix_ends) put({*eos}, 1);
     }
+    if (out.tokens.size() == start) out.starts.pop_back();  // no tokens: no document
     std::vector<uint32_t>().swap(prompts[d]);
     std::vector<uint32_t>().swap(texts[d]);
     std::vector<uint8_t>().swap(flags[d]);
@@ -825,6 +828,7 @@ TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
   LlmcTokenWriter writer(output, r.width, shard_tokens);
   // Masks start with the first prompted document: the tokens before it all count.
   std::unique_ptr<LossMaskWriter> masks;
+  DocumentIndexWriter indexes(output, shard_tokens);
   // Documents are held a batch at a time: read in order, encoded in parallel, written in order.
   // A full batch is written when the next document arrives, so the last batch is known to be
   // the last (--append-eos).
@@ -849,7 +853,9 @@ TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
       masks = std::make_unique<LossMaskWriter>(output, shard_tokens);
       masks->write_ones(writer.tokens());
     }
+    const uint64_t base = writer.tokens();
     writer.write(stream.tokens);  // before its flags: a mask shard closes on complete tokens
+    for (uint64_t start : stream.starts) indexes.add(base + start);
     if (masks) masks->write(stream.counts);
     for (uint8_t c : stream.counts) r.counted += c;
     batch.clear();
@@ -902,6 +908,7 @@ TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
   flush(true);
   r.tokens = writer.tokens();
   r.files = writer.finish();
+  r.indexes = indexes.finish(r.files);
   if (masks) {
     r.masks = masks->finish();
   } else {

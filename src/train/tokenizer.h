@@ -197,7 +197,8 @@ std::vector<uint32_t> tokenize_documents(const Tokenizer& tokenizer,
 struct TokenStream {
   std::vector<uint32_t> tokens;
   std::vector<uint8_t> counts;
-  bool prompted = false;  // some document had a prompt
+  std::vector<uint64_t> starts;  // where each document's first token is (none for an empty one)
+  bool prompted = false;         // some document had a prompt
 };
 TokenStream encode_documents(const Tokenizer& tokenizer, const std::vector<Document>& documents,
                              bool append_eos, bool after_others = false);
@@ -211,6 +212,7 @@ struct TokenizedFiles {
   uint64_t counted = 0;        // tokens that count as targets (all of them without prompts)
   std::vector<std::filesystem::path> masks;    // beside `files`, where some document had a prompt
   std::vector<std::filesystem::path> removed;  // earlier runs' masks beside `files`, removed
+  std::vector<std::filesystem::path> indexes;  // document indexes, one beside each of `files`
   TokenWidth width = TokenWidth::u16;          // uint32 for a vocabulary above 65,536
   std::vector<std::filesystem::path> files;
 };
@@ -236,8 +238,10 @@ struct TokenizeOptions {
 // tokenize_documents) into llm.c files at `output` (LlmcTokenWriter: one file, or shards of at
 // most `shard_tokens`), and where any document has a prompt, a loss mask beside each file
 // (LossMaskWriter); where none has, a mask left beside an output file by an earlier run is
-// removed. Memory stays bounded: documents are read `batch_bytes` of text at a time, encoded in
-// parallel and written before the next batch is read, and each input file is mapped, not
+// removed. A document index beside each file (DocumentIndexWriter) says where each document
+// starts: its first token (the prefix's, where the tokenizer has one); the end-of-text after a
+// document belongs to it. Memory stays bounded: documents are read `batch_bytes` of text at a time,
+// encoded in parallel and written before the next batch is read, and each input file is mapped, not
 // copied. The same tokens for any batch size. An Error when the inputs hold no document
 // (nothing is written), and when one document is too large to encode whole in `memory_bytes`,
 // at kDocumentBytesPerByte (refused before it is encoded, not killed by the kernel halfway).

@@ -144,11 +144,12 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   const Schedule schedule = Schedule::build(placement, so);
   schedule.validate();
 
-  DataLoader loader(s.data, s.seq_len, model.vocab_size, s.seed, s.data_width, s.loss_masks);
+  DataLoader loader(s.data, s.seq_len, model.vocab_size, s.seed, s.data_width, s.loss_masks,
+                    s.packing);
   std::optional<EvalSequences> held_out;
   if (!s.eval_data.empty())
     held_out.emplace(s.eval_data, s.seq_len, model.vocab_size, s.eval_sequences, s.data_width,
-                     s.loss_masks);
+                     s.loss_masks, s.packing);
 
   LossScaler scaler(s.scaling);
   auto comm = make_communicator(devices);
@@ -228,6 +229,10 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
           "optimizer: every unit's optimizer is on the device(s), so --update-during-backward "
           "on changes nothing\n");
   }
+  for (const TokenSequences* d : {&loader.data(), held_out ? &held_out->data() : nullptr})
+    if (d && d->packing() == Packing::none)
+      fmt::print("{} data: {}\n", d == &loader.data() ? "training" : "held-out",
+                 describe_documents(*d));
   for (const TokenSequences* d : {&loader.data(), held_out ? &held_out->data() : nullptr})
     if (d && d->masked_files() > 0)
       fmt::print(

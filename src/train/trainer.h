@@ -13,6 +13,7 @@
 #include "model/config.h"
 #include "model/tokens.h"
 #include "tier/placement.h"
+#include "train/data_loader.h"
 #include "train/loss_scaler.h"
 #include "train/lr_schedule.h"
 
@@ -36,6 +37,7 @@ struct TrainSettings {
   std::vector<std::filesystem::path> data;
   std::optional<TokenWidth> data_width;  // raw token files; empty: llm.c shards
   bool loss_masks = true;  // read the loss masks beside the token files (TokenSequences)
+  Packing packing = Packing::wrapped;  // how sequences are cut, training and held-out alike
   // Held-out data (same format as `data`): its sequences in order, the loss over them every
   // eval_every steps (0: only after the last step) and after the last step.
   std::vector<std::filesystem::path> eval_data;
