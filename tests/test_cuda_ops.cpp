@@ -205,6 +205,8 @@ void expect_same_bits(const std::string& what, const HostTensor& got, const Host
     }
 }
 
+struct AttentionCase;
+
 class CudaOpsTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -231,6 +233,10 @@ class CudaOpsTest : public ::testing::Test {
     return d;
   }
   DeviceInts ints(const std::vector<int32_t>& v) { return DeviceInts(*device_, *stream_, v); }
+  // One attention case against the host backend (below), over documents where doc_start is not
+  // empty.
+  void attention_against_host(const AttentionCase& c, const std::vector<int32_t>& doc_start,
+                              Rng& rng);
 
   std::unique_ptr<Device> device_;
   std::unique_ptr<Stream> stream_;
@@ -448,7 +454,8 @@ struct AttentionForward {
   Shape qs, ks, ls;
   HostTensor q, k, v, out, lse;
 };
-AttentionForward host_attention_forward(const AttentionCase& c, Rng& rng) {
+AttentionForward host_attention_forward(const AttentionCase& c, Rng& rng,
+                                        const int32_t* doc_start = nullptr) {
   AttentionForward f;
   f.qs = Shape{c.batch, c.seq, c.heads, c.head_dim};
   f.ks = Shape{c.batch, c.keys(), c.kv_heads, c.head_dim};
@@ -459,7 +466,8 @@ AttentionForward host_attention_forward(const AttentionCase& c, Rng& rng) {
   f.v = random_tensor(c.dtype, f.ks, rng);
   f.out = HostTensor(c.dtype, f.qs);
   f.lse = HostTensor(f32, f.ls);
-  host::attention_forward(f.out.view(), f.lse.view(), f.q.view(), f.k.view(), f.v.view());
+  host::attention_forward(f.out.view(), f.lse.view(), f.q.view(), f.k.view(), f.v.view(),
+                          doc_start);
   return f;
 }
 
@@ -513,75 +521,107 @@ struct AttentionPath {
 // Each case against the host backend; bf16 cases the tensor cores take run on each path in turn
 // (mma.sync, wmma, SIMT), which must all pass, and the path asked for must be the one that ran
 // (a backward whose shared memory this GPU lacks takes the next path).
+void CudaOpsTest::attention_against_host(const AttentionCase& c,
+                                         const std::vector<int32_t>& doc_start, Rng& rng) {
+  const int32_t* docs = doc_start.empty() ? nullptr : doc_start.data();
+  AttentionForward f = host_attention_forward(c, rng, docs);
+  const Shape &qs = f.qs, &ks = f.ks, &ls = f.ls;
+  HostTensor &q = f.q, &k = f.k, &v = f.v, &out = f.out, &lse = f.lse;
+  HostTensor dout = random_tensor(c.dtype, qs, rng);
+  HostTensor dq(c.dtype, qs), dk(c.dtype, ks), dv(c.dtype, ks);
+  host::attention_backward(dq.view(), dk.view(), dv.view(), dout.view(), q.view(), k.view(),
+                           v.view(), out.view(), lse.view(), docs);
+  std::optional<DeviceInts> docs_dev;
+  if (docs != nullptr) docs_dev.emplace(ints(doc_start));
+  const int32_t* docs_on_device = docs_dev ? docs_dev->data() : nullptr;
+  DeviceTensor q_dev = upload(q), k_dev = upload(k), v_dev = upload(v);
+  DeviceTensor dout_dev = upload(dout), out_in = upload(out), lse_in = upload(lse);
+  const bool all_paths = on_cuda() && on_tensor_cores(c);
+  const int paths = all_paths ? 3 : 1;
+  for (int path = 0; path < paths; ++path) {
+#if STRATA_HAVE_CUDA
+    std::optional<AttentionPath> scope;
+    if (all_paths) scope.emplace(static_cast<AttentionKernels>(path));
+#endif
+    static constexpr const char* kNames[] = {" mma.sync", " wmma", " SIMT"};
+    SCOPED_TRACE(fmt::format("{} batch {} seq {} heads {} kv_heads {} head_dim {}{}{}",
+                             dtype_name(c.dtype), c.batch, c.seq, c.heads, c.kv_heads, c.head_dim,
+                             all_paths ? kNames[path] : "", docs ? " documents" : ""));
+#if STRATA_HAVE_CUDA
+    // The paths the forward and the backward must take.
+    AttentionKernels forward_path = AttentionKernels::kSimt, backward_path = forward_path;
+    if (all_paths) {
+      forward_path = static_cast<AttentionKernels>(path);
+      backward_path = AttentionKernels::kSimt;
+      if (path == 0 && backward_fits(attention_mma_backward_shared_bytes(c.head_dim)))
+        backward_path = AttentionKernels::kMma;
+      else if (path <= 1 && backward_fits(attention_tc_backward_shared_bytes(c.head_dim)))
+        backward_path = AttentionKernels::kWmma;
+    }
+    const uint64_t forward_calls = attention_calls(forward_path);
+#endif
+    DeviceTensor out_dev = empty(c.dtype, qs), lse_dev = empty(f32, ls);
+    gpu().attention_forward(out_dev.view(), lse_dev.view(), q_dev.view(), k_dev.view(),
+                            v_dev.view(), docs_on_device, stream());
+#if STRATA_HAVE_CUDA
+    if (on_cuda()) {
+      EXPECT_EQ(attention_calls(forward_path), forward_calls + 1)
+          << "the forward did not take path " << static_cast<int>(forward_path);
+    }
+    const uint64_t backward_calls = attention_calls(backward_path);
+#endif
+    expect_close("out", out_dev.fetch("out"), out, tolerance(c.dtype, c.dtype));
+    expect_close("lse", lse_dev.fetch("lse"), lse, tolerance(f32, c.dtype));
+
+    // Backward from the host's out and lse on both sides.
+    DeviceTensor dq_dev = empty(c.dtype, qs), dk_dev = empty(c.dtype, ks),
+                 dv_dev = empty(c.dtype, ks);
+    gpu().attention_backward(dq_dev.view(), dk_dev.view(), dv_dev.view(), dout_dev.view(),
+                             q_dev.view(), k_dev.view(), v_dev.view(), out_in.view(), lse_in.view(),
+                             docs_on_device, stream());
+    // With one key (seq 1) P = 1 and dS = 0: dq and dk are zero in exact arithmetic and up to
+    // ~1e-6 of rounding noise on either backend (different noise: the GPU sums in another
+    // order), so they are measured against elements of 0.1, the size of real gradients here.
+    const double tol = tolerance(c.dtype, c.dtype), floor = 0.1;
+#if STRATA_HAVE_CUDA
+    if (on_cuda()) {
+      EXPECT_EQ(attention_calls(backward_path), backward_calls + 1)
+          << "the backward did not take path " << static_cast<int>(backward_path);
+    }
+#endif
+    expect_close("dq", dq_dev.fetch("dq"), dq, tol, floor);
+    expect_close("dk", dk_dev.fetch("dk"), dk, tol, floor);
+    expect_close("dv", dv_dev.fetch("dv"), dv, tol, floor);
+  }
+}
+
 TEST_F(CudaOpsTest, AttentionForwardAndBackward) {
   Rng rng(7);
-  for (const AttentionCase& c : attention_cases()) {
-    AttentionForward f = host_attention_forward(c, rng);
-    const Shape &qs = f.qs, &ks = f.ks, &ls = f.ls;
-    HostTensor &q = f.q, &k = f.k, &v = f.v, &out = f.out, &lse = f.lse;
-    HostTensor dout = random_tensor(c.dtype, qs, rng);
-    HostTensor dq(c.dtype, qs), dk(c.dtype, ks), dv(c.dtype, ks);
-    host::attention_backward(dq.view(), dk.view(), dv.view(), dout.view(), q.view(), k.view(),
-                             v.view(), out.view(), lse.view());
-    DeviceTensor q_dev = upload(q), k_dev = upload(k), v_dev = upload(v);
-    DeviceTensor dout_dev = upload(dout), out_in = upload(out), lse_in = upload(lse);
-    const bool all_paths = on_cuda() && on_tensor_cores(c);
-    const int paths = all_paths ? 3 : 1;
-    for (int path = 0; path < paths; ++path) {
-#if STRATA_HAVE_CUDA
-      std::optional<AttentionPath> scope;
-      if (all_paths) scope.emplace(static_cast<AttentionKernels>(path));
-#endif
-      static constexpr const char* kNames[] = {" mma.sync", " wmma", " SIMT"};
-      SCOPED_TRACE(fmt::format("{} batch {} seq {} heads {} kv_heads {} head_dim {}{}",
-                               dtype_name(c.dtype), c.batch, c.seq, c.heads, c.kv_heads, c.head_dim,
-                               all_paths ? kNames[path] : ""));
-#if STRATA_HAVE_CUDA
-      // The paths the forward and the backward must take.
-      AttentionKernels forward_path = AttentionKernels::kSimt, backward_path = forward_path;
-      if (all_paths) {
-        forward_path = static_cast<AttentionKernels>(path);
-        backward_path = AttentionKernels::kSimt;
-        if (path == 0 && backward_fits(attention_mma_backward_shared_bytes(c.head_dim)))
-          backward_path = AttentionKernels::kMma;
-        else if (path <= 1 && backward_fits(attention_tc_backward_shared_bytes(c.head_dim)))
-          backward_path = AttentionKernels::kWmma;
-      }
-      const uint64_t forward_calls = attention_calls(forward_path);
-#endif
-      DeviceTensor out_dev = empty(c.dtype, qs), lse_dev = empty(f32, ls);
-      gpu().attention_forward(out_dev.view(), lse_dev.view(), q_dev.view(), k_dev.view(),
-                              v_dev.view(), stream());
-#if STRATA_HAVE_CUDA
-      if (on_cuda()) {
-        EXPECT_EQ(attention_calls(forward_path), forward_calls + 1)
-            << "the forward did not take path " << static_cast<int>(forward_path);
-      }
-      const uint64_t backward_calls = attention_calls(backward_path);
-#endif
-      expect_close("out", out_dev.fetch("out"), out, tolerance(c.dtype, c.dtype));
-      expect_close("lse", lse_dev.fetch("lse"), lse, tolerance(f32, c.dtype));
+  for (const AttentionCase& c : attention_cases()) attention_against_host(c, {}, rng);
+}
 
-      // Backward from the host's out and lse on both sides.
-      DeviceTensor dq_dev = empty(c.dtype, qs), dk_dev = empty(c.dtype, ks),
-                   dv_dev = empty(c.dtype, ks);
-      gpu().attention_backward(dq_dev.view(), dk_dev.view(), dv_dev.view(), dout_dev.view(),
-                               q_dev.view(), k_dev.view(), v_dev.view(), out_in.view(),
-                               lse_in.view(), stream());
-      // With one key (seq 1) P = 1 and dS = 0: dq and dk are zero in exact arithmetic and up to
-      // ~1e-6 of rounding noise on either backend (different noise: the GPU sums in another
-      // order), so they are measured against elements of 0.1, the size of real gradients here.
-      const double tol = tolerance(c.dtype, c.dtype), floor = 0.1;
-#if STRATA_HAVE_CUDA
-      if (on_cuda()) {
-        EXPECT_EQ(attention_calls(backward_path), backward_calls + 1)
-            << "the backward did not take path " << static_cast<int>(backward_path);
+// Documents packed into sequences (doc_start): lengths of 1, tile edges and past them, so that
+// boundaries fall inside, at the start and at the end of the kernels' 32- and 64-key tiles, and
+// one document crosses several; every path against the host backend, which test_host_ops checks
+// against each document alone.
+TEST_F(CudaOpsTest, AttentionOverPackedDocuments) {
+  Rng rng(21);
+  const std::vector<AttentionCase> cases = {{2, 300, 8, 2, 64, f32},  {1, 129, 4, 2, 128, f32},
+                                            {1, 65, 2, 1, 256, f32},  {2, 300, 8, 2, 64, bf16},
+                                            {1, 200, 4, 1, 16, bf16}, {1, 129, 8, 2, 128, bf16},
+                                            {1, 70, 2, 2, 40, bf16}};
+  const int32_t lengths[] = {1, 2, 7, 31, 32, 33, 63, 64, 65, 100, 150};
+  for (const AttentionCase& c : cases) {
+    std::vector<int32_t> doc_start(static_cast<size_t>(c.batch * c.seq));
+    for (int64_t b = 0; b < c.batch; ++b)
+      for (int64_t t = 0; t < c.seq;) {
+        const int64_t n = std::min<int64_t>(
+            lengths[rng.below(static_cast<int32_t>(std::size(lengths)))], c.seq - t);
+        for (int64_t i = t; i < t + n; ++i)
+          doc_start[static_cast<size_t>(b * c.seq + i)] = static_cast<int32_t>(t);
+        t += n;
       }
-#endif
-      expect_close("dq", dq_dev.fetch("dq"), dq, tol, floor);
-      expect_close("dk", dk_dev.fetch("dk"), dk, tol, floor);
-      expect_close("dv", dv_dev.fetch("dv"), dv, tol, floor);
-    }
+    attention_against_host(c, doc_start, rng);
   }
 }
 
@@ -607,7 +647,7 @@ TEST_F(CudaOpsTest, AttentionForwardOfTheLastQueriesAgainstMoreKeys) {
     const uint64_t simt_calls = attention_calls(AttentionKernels::kSimt);
 #endif
     gpu().attention_forward(out_dev.view(), lse_dev.view(), q_dev.view(), k_dev.view(),
-                            v_dev.view(), stream());
+                            v_dev.view(), nullptr, stream());
 #if STRATA_HAVE_CUDA
     if (on_cuda() && c.seq != c.keys()) {
       EXPECT_EQ(attention_calls(AttentionKernels::kSimt), simt_calls + 1)

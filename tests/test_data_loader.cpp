@@ -14,6 +14,7 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <tuple>
 
 namespace strata {
 namespace {
@@ -395,6 +396,69 @@ TEST_F(DataLoaderTest, WithoutPackingEachDocumentIsARowOfItsOwn) {
   EXPECT_NE(describe_documents(cut).find("2 have no target that counts"), std::string::npos);
 }
 
+// --packing bfd: the same documents packed whole by best fit decreasing, each row with where
+// each position's document starts (the padding its own), worked out by hand; the loader hands
+// each row out once per epoch with its starts, and a reader that gives nowhere for them is
+// refused.
+TEST_F(DataLoaderTest, BestFitDecreasingPacksWholeDocumentsWithTheirStarts) {
+  const fs::path a = tokens("a.bin", 0, 20), b = tokens("b.bin", 100, 6);
+  index(a, {0, 3, 4, 17});
+  index(b, {2});
+  std::vector<uint8_t> flags(20, 1);
+  flags[1] = flags[18] = 0;
+  {
+    LossMaskWriter w(a, 0);
+    w.write(flags);
+    w.finish();
+  }
+  // At T = 6 the documents take 2 ([0,3)), 6 ([4,17) cut after 7 tokens), 4 ([17,20) + b's
+  // [100,102)) and 3 ([102,106)) positions. Longest first: 6 fills row 0; 4 opens row 1 (2
+  // left); 3 fits nowhere and opens row 2 (3 left); 2 goes to row 1, the least room holding it.
+  const int64_t T = 6;
+  const TokenSequences s({a, b}, T, 1000, std::nullopt, "token file", true, Packing::bfd);
+  ASSERT_EQ(s.size(), 3);
+  EXPECT_EQ(s.documents(), 4);
+  EXPECT_TRUE(s.packs_documents());
+  const auto packed = [&](int64_t g) {
+    std::vector<int32_t> ids(T), targets(T), starts(T);
+    s.read(g, ids.data(), targets.data(), starts.data());
+    return std::tuple{ids, targets, starts};
+  };
+  using V = std::vector<int32_t>;
+  EXPECT_EQ(packed(0), std::tuple(V{4, 5, 6, 7, 8, 9}, V{5, 6, 7, 8, 9, 10}, V{0, 0, 0, 0, 0, 0}));
+  EXPECT_EQ(packed(1),
+            std::tuple(V{17, 18, 19, 100, 0, 1}, V{kX, 19, 100, 101, kX, 2}, V{0, 0, 0, 0, 4, 4}));
+  EXPECT_EQ(packed(2), std::tuple(V{102, 103, 104, 0, 0, 0}, V{103, 104, 105, kX, kX, kX},
+                                  V{0, 0, 0, 3, 3, 3}));
+  EXPECT_EQ(s.counted_targets(), 6 + 3 + 1 + 3);
+  EXPECT_EQ(s.document_inputs(), 15);
+  EXPECT_EQ(s.truncated(), 1);
+  const std::string line = describe_documents(s);
+  for (const char* want : {"4 documents packed into 3 sequences by best fit decreasing",
+                           "--packing bfd", "17% of the inputs are padding"})
+    EXPECT_NE(line.find(want), std::string::npos) << line;
+  std::vector<int32_t> ids(T), targets(T);
+  expect_error([&] { s.read(0, ids.data(), targets.data()); }, {"sequence 0 packs documents"});
+
+  // Each row once per epoch, with its starts; the position records the packing.
+  DataLoader d({a, b}, T, 1000, 5, std::nullopt, true, Packing::bfd);
+  std::vector<int32_t> all_ids(3 * T), all_targets(3 * T), all_starts(3 * T);
+  d.next(3, all_ids, all_targets, all_starts);
+  std::multiset<int32_t> firsts;
+  for (int r = 0; r < 3; ++r) {
+    firsts.insert(all_ids[size_t(r * T)]);
+    if (all_ids[size_t(r * T)] == 17) {
+      EXPECT_EQ(std::vector<int32_t>(all_starts.begin() + r * T, all_starts.begin() + r * T + T),
+                (V{0, 0, 0, 0, 4, 4}));
+    }
+  }
+  EXPECT_EQ(firsts, (std::multiset<int32_t>{4, 17, 102}));
+  EXPECT_EQ(d.position().packing, Packing::bfd);
+  expect_error([&] { d.next(1, all_ids, all_targets); }, {"training batch", "needs 6"});
+  EXPECT_EQ(parse_packing("bfd"), Packing::bfd);
+  expect_error([] { parse_packing("packed", "--packing"); }, {"--packing packed", "bfd"});
+}
+
 // The index of a sharded stream has a file per shard (empty where no document starts), is bound
 // to its tokens, and what is wrong with it is named; --packing none over files without one is
 // refused, saying how to get one; auto picks none only for indexed files with loss masks; the
@@ -441,8 +505,8 @@ TEST_F(DataLoaderTest, DocumentIndexesAreBoundToTheirTokensAndBadOnesNamed) {
   nlohmann::json older = wrapped.position().to_json();
   older.erase("packing");
   EXPECT_EQ(DataPosition::from_json(older, "old").packing, Packing::wrapped);
-  older["packing"] = "bfd";
-  expect_error([&] { DataPosition::from_json(older, "t.json"); }, {"t.json", "\"bfd\""});
+  older["packing"] = "packed";
+  expect_error([&] { DataPosition::from_json(older, "t.json"); }, {"t.json", "\"packed\""});
 
   // auto: none where every file is indexed and one has a mask.
   const fs::path plain = tokens("plain.bin", 0, 30);

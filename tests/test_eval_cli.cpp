@@ -171,6 +171,20 @@ TEST_F(EvalCli, WithoutPackingEachDocumentScoresAsItDoesAlone) {
   EXPECT_EQ(rows["tokens"], count);
   EXPECT_EQ(count, 9 + 16 + 16 + 16);
   EXPECT_NEAR(rows["loss"].get<double>(), sum / static_cast<double>(count), 1e-5 * sum / count);
+  // bfd packs the same documents whole into rows, each attending to itself alone: at --seq-len
+  // 16 they take 9, 16, 16 and 16 positions, a row each; at 30, 9, 19, 28 and 20, and the 9
+  // goes in beside the 20 (the least room that holds it): 3 rows. The loss is none's.
+  for (const int64_t T : {16, 30}) {
+    const std::string at = fmt::format("--seed 1 --batch 3 --seq-len {} ", T);
+    const auto one = eval_json(at + "--packing none " + data());
+    const auto packed = eval_json(at + "--packing bfd " + data());
+    EXPECT_EQ(packed["packing"], "bfd");
+    EXPECT_EQ(packed["sequences"], T == 16 ? 4 : 3);
+    EXPECT_EQ(packed["tokens"], T == 16 ? count : 9 + 19 + 28 + 20);
+    EXPECT_EQ(packed["tokens"], one["tokens"]);
+    EXPECT_NEAR(packed["loss"].get<double>(), one["loss"].get<double>(),
+                1e-5 * one["loss"].get<double>());
+  }
   const auto wrapped = eval_json(args + "--packing wrapped " + data());
   EXPECT_EQ(wrapped["tokens"], 80);
   EXPECT_NE(wrapped["loss"], rows["loss"]);
@@ -284,6 +298,27 @@ TEST_F(EvalCli, OnAGpuOffloadedParametersGiveTheSameLoss) {
     EXPECT_EQ(j["loss"].get<double>(), base["loss"].get<double>());
     EXPECT_EQ(j["parameter_homes"]["gpu"].get<int>(), 0) << j;
   }
+}
+
+// Documents packed into sequences on the GPU: the attention kernels keep each document to
+// itself, so --packing bfd gives --packing none's loss (one document per row) to bf16 rounding,
+// and both the host's.
+TEST_F(EvalCli, OnAGpuPackedDocumentsScoreAsEachAlone) {
+  if (cuda_runtime().gpus.empty())
+    GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
+  {
+    DocumentIndexWriter w(dir_ / "tokens.bin", 0);
+    for (uint64_t at : {0, 10, 30, 31, 60, 70}) w.add(at);
+    w.finish({dir_ / "tokens.bin"});
+  }
+  const std::string args = "--seed 1 --seq-len 24 --batch 3 " + data();
+  const double host = eval_json(args + " --packing none")["loss"].get<double>();
+  const auto none = eval_json(args + " --packing none", "cuda:0");
+  const auto bfd = eval_json(args + " --packing bfd", "cuda:0");
+  EXPECT_LT(bfd["sequences"].get<int>(), none["sequences"].get<int>());
+  EXPECT_EQ(bfd["tokens"], none["tokens"]);
+  EXPECT_NEAR(none["loss"].get<double>(), host, 2e-2 * host);
+  EXPECT_NEAR(bfd["loss"].get<double>(), none["loss"].get<double>(), 5e-3 * host);
 }
 
 // A model whose parameters do not fit is refused before anything is allocated, with the table

@@ -1077,6 +1077,44 @@ TEST(Executor, TokenIdsOutsideTheVocabularyAreRefused) {
   EXPECT_FALSE(ex.step(good[0], step_params(1)).skipped);
 }
 
+// Documents packed into the sequences (HostBatch::doc_start) reach the attention kernels: one
+// document per sequence is plain causal attention, the same bits; a document per token changes
+// the loss. Starts that break the rule, or do not match the tokens, are refused by name before
+// anything runs (the CUDA kernels trust them).
+TEST(Executor, PackedDocumentsReachTheAttention) {
+  REQUIRE_DEVICES(2);
+  const LlamaConfig c = tiny(false);
+  Rig rig(2);
+  const Placement pl = make_placement(c, 2, Tier::gpu, Tier::gpu, "");
+  ScheduleOptions so;
+  so.micro_batches = kMicro;
+  const Schedule sc = Schedule::build(pl, so);
+  Executor ex(pl, sc, *rig.comm, ExecutorOptions{});
+  ex.init_random(3);
+  const auto plain = make_batches(2, c.vocab_size)[0];
+  auto whole = plain, each = plain;
+  for (auto& mb : whole)
+    for (HostBatch& b : mb) b.doc_start.assign(b.ids.size(), 0);
+  for (auto& mb : each)
+    for (HostBatch& b : mb) {
+      b.doc_start.resize(b.ids.size());
+      for (size_t i = 0; i < b.ids.size(); ++i)
+        b.doc_start[i] = static_cast<int32_t>(i % static_cast<size_t>(kSeq));
+    }
+  const EvalResult base = ex.evaluate(plain);
+  EXPECT_EQ(ex.evaluate(whole).loss_sum, base.loss_sum);
+  EXPECT_NE(ex.evaluate(each).loss_sum, base.loss_sum);
+  auto bad = whole;
+  bad[1][0].doc_start[kSeq + 3] = 2;
+  test::expect_error([&] { ex.evaluate(bad); },
+                     {"doc_start of sequence 1 at position 3 is 2", "previous position's"});
+  bad = whole;
+  bad[0][1].doc_start.pop_back();
+  test::expect_error([&] { ex.step(bad, step_params(1)); },
+                     {"rank 1's micro-batch 0", "document starts for"});
+  EXPECT_FALSE(ex.step(whole, step_params(1)).skipped);
+}
+
 TEST(ZeroModelResidency, OffDeviceShardsGatherAndReduceScatterThroughCallerBuffers) {
   REQUIRE_DEVICES(3);
   // A unit whose P and G are not resident: gather from caller shards, reduce-scatter into

@@ -25,6 +25,7 @@
 #include <numbers>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace strata {
@@ -540,6 +541,80 @@ TEST(HostOps, AttentionOfTheLastQueriesEqualsTheWholeSequencesRows) {
       {"attention_backward", "3 positions", "whole sequences"});
 }
 
+// Documents packed into sequences (doc_start): each document's rows of out and lse, and its
+// rows of dq, dk and dv, are bit for bit those of the document run alone as a sequence of its
+// own, whatever shares its sequence. A doc_start that breaks the rule, and one given to a
+// decoding call, are refused by name.
+TEST(HostOps, AttentionOverPackedDocumentsIsEachDocumentAlone) {
+  Random rng(31);
+  const int64_t B = 2, T = 13, H = 4, Hkv = 2, hd = 8;
+  struct Doc {
+    int64_t b, start, n;
+  };
+  const std::vector<Doc> docs = {{0, 0, 5}, {0, 5, 1}, {0, 6, 7}, {1, 0, 13}};
+  std::vector<int32_t> doc_start(B * T);
+  for (const Doc& d : docs)
+    for (int64_t t = d.start; t < d.start + d.n; ++t)
+      doc_start[size_t(d.b * T + t)] = static_cast<int32_t>(d.start);
+  for (DType t : {DType::f32, DType::bf16}) {
+    Tensor q = rng.tensor(t, {B, T, H, hd}, -2.0f, 2.0f), k = rng.tensor(t, {B, T, Hkv, hd});
+    Tensor v = rng.tensor(t, {B, T, Hkv, hd}), dout = rng.tensor(t, {B, T, H, hd});
+    Tensor out(t, q.shape), lse(DType::f32, {B, H, T});
+    Tensor dq(t, q.shape), dk(t, k.shape), dv(t, v.shape);
+    host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view(), doc_start.data());
+    host::attention_backward(dq.view(), dk.view(), dv.view(), dout.view(), q.view(), k.view(),
+                             v.view(), out.view(), lse.view(), doc_start.data());
+    // Rows [start, start + n) of sequence b of x ([B, T, heads, hd]) as a sequence of its own.
+    const auto cut = [&](const Tensor& x, const Doc& d) {
+      const int64_t row = x.shape[2] * x.shape[3];
+      Tensor y(x.dtype, {1, d.n, x.shape[2], x.shape[3]});
+      for (int64_t i = 0; i < d.n * row; ++i) y.set(i, x.at((d.b * T + d.start) * row + i));
+      return y;
+    };
+    for (const Doc& d : docs) {
+      const std::string what = fmt::format("{} document at {} of sequence {} ({} tokens)",
+                                           dtype_name(t), d.start, d.b, d.n);
+      Tensor qa = cut(q, d), ka = cut(k, d), va = cut(v, d), da = cut(dout, d);
+      Tensor oa(t, qa.shape), la(DType::f32, {1, H, d.n});
+      Tensor dqa(t, qa.shape), dka(t, ka.shape), dva(t, va.shape);
+      host::attention_forward(oa.view(), la.view(), qa.view(), ka.view(), va.view());
+      host::attention_backward(dqa.view(), dka.view(), dva.view(), da.view(), qa.view(), ka.view(),
+                               va.view(), oa.view(), la.view());
+      for (const auto& [name, packed, alone] :
+           {std::tuple<const char*, const Tensor*, const Tensor*>{"out", &out, &oa},
+            {"dq", &dq, &dqa},
+            {"dk", &dk, &dka},
+            {"dv", &dv, &dva}}) {
+        const Tensor rows = cut(*packed, d);
+        for (int64_t i = 0; i < rows.numel(); ++i)
+          ASSERT_EQ(std::bit_cast<uint32_t>(rows.at(i)), std::bit_cast<uint32_t>(alone->at(i)))
+              << what << ": " << name << " element " << i;
+      }
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t i = 0; i < d.n; ++i)
+          ASSERT_EQ(std::bit_cast<uint32_t>(lse.at((d.b * H + h) * T + d.start + i)),
+                    std::bit_cast<uint32_t>(la.at(h * d.n + i)))
+              << what << ": lse of head " << h << ", query " << i;
+    }
+  }
+  Tensor q(DType::f32, {B, T, H, hd}), k(DType::f32, {B, T, Hkv, hd});
+  Tensor out(DType::f32, q.shape), lse(DType::f32, {B, H, T});
+  std::vector<int32_t> bad = doc_start;
+  bad[size_t(T + 4)] = 2;  // neither 4 nor the start before it (0)
+  expect_error(
+      [&] {
+        host::attention_forward(out.view(), lse.view(), q.view(), k.view(), k.view(), bad.data());
+      },
+      {"attention_forward", "doc_start of sequence 1 at position 4 is 2"});
+  Tensor q1(DType::f32, {B, 2, H, hd}), out1(DType::f32, q1.shape), lse1(DType::f32, {B, H, 2});
+  expect_error(
+      [&] {
+        host::attention_forward(out1.view(), lse1.view(), q1.view(), k.view(), k.view(),
+                                doc_start.data());
+      },
+      {"attention_forward", "doc_start", "2 queries against 13 keys", "whole sequences"});
+}
+
 TEST(HostOps, AttentionGradientsMatchFiniteDifferences) {
   Random rng(9);
   for (const AttnShape s :
@@ -975,9 +1050,9 @@ TEST(HostKernels, RunOpsOnAStreamLikeTheReference) {
       dout_(*dev, out, *s), dlse(*dev, lse, *s), ddq(*dev, dq, *s), ddk(*dev, dk, *s),
       ddv(*dev, dv, *s);
   s->synchronize();
-  k.attention_forward(dout_.view, dlse.view, dq_.view, dk_.view, dv_.view, *s);
+  k.attention_forward(dout_.view, dlse.view, dq_.view, dk_.view, dv_.view, nullptr, *s);
   k.attention_backward(ddq.view, ddk.view, ddv.view, ddout.view, dq_.view, dk_.view, dv_.view,
-                       dout_.view, dlse.view, *s);
+                       dout_.view, dlse.view, nullptr, *s);
   host::attention_forward(out.view(), lse.view(), q.view(), kk.view(), v.view());
   host::attention_backward(dq.view(), dk.view(), dv.view(), dout.view(), q.view(), kk.view(),
                            v.view(), out.view(), lse.view());

@@ -799,6 +799,32 @@ TEST(TrainCli, FineTuningRowsTrainOneDocumentPerSequence) {
   EXPECT_NE(resume.status, 0);
   EXPECT_NE(resume.out.find("cut with --packing none"), std::string::npos) << resume.out;
   EXPECT_NE(resume.out.find("resume with --packing none"), std::string::npos) << resume.out;
+
+  // --packing bfd at --seq-len 64: the rows' 15, 20, ..., 50 positions fill 5 sequences, not 8,
+  // and as each document attends to itself alone, steps over every row (micro-batches of all
+  // the sequences) have none's losses: the forward's and, through the updates, the backward's.
+  // (Attention's backward across the documents moves the second step's loss by ~1e-2.)
+  const std::string wide = "--model tiny --init random --seed 5 --seq-len 64 --lr 0.01 --steps 3 ";
+  const auto losses = [&](const std::string& packing, int rows_per_step) {
+    const fs::path dir_run = dir.path / ("wide-" + packing);
+    const test::CommandResult w =
+        strata("train " + wide + "--packing " + packing + " --micro-batch " +
+               std::to_string(rows_per_step) + " --data " + rows.string() + " --run-dir " +
+               dir_run.string());
+    EXPECT_EQ(w.status, 0) << w.out;
+    std::vector<double> l;
+    for (const json& m : metrics(dir_run)) l.push_back(m["loss"].get<double>());
+    return std::pair{l, w.out};
+  };
+  const auto [one_each, out_none] = losses("none", 8);
+  const auto [packed, out_bfd] = losses("bfd", 5);
+  EXPECT_NE(out_bfd.find("training data: 8 documents packed into 5 sequences by best fit "
+                         "decreasing"),
+            std::string::npos)
+      << out_bfd;
+  ASSERT_EQ(one_each.size(), 3u);
+  ASSERT_EQ(packed.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) EXPECT_NEAR(packed[i], one_each[i], 1e-5 * one_each[i]) << i;
 }
 
 // DeepSpeed's aio section sets the swap store's stripe and queue depth (the placement sizes the

@@ -86,11 +86,11 @@ class Problem {
   }
 
   void forward(Stream& s) {
-    device_.kernels().attention_forward(out(), lse(), in(0), in(1), in(2), s);
+    device_.kernels().attention_forward(out(), lse(), in(0), in(1), in(2), nullptr, s);
   }
   void backward(Stream& s) {
     device_.kernels().attention_backward(out_views_[2], out_views_[3], out_views_[4], in(3), in(0),
-                                         in(1), in(2), out(), lse(), s);
+                                         in(1), in(2), out(), lse(), nullptr, s);
   }
   // out, lse, dq, dk, dv as f32 on the host.
   std::vector<std::vector<float>> results(Stream& s) {

@@ -160,7 +160,7 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
                  {in(qs), in(ks), in(ks), out(qs), out(ls, true)},
                  {},
                  [](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-                   k.attention_forward(t[3], t[4], t[0], t[1], t[2], s);
+                   k.attention_forward(t[3], t[4], t[0], t[1], t[2], nullptr, s);
                  }});
   // q, k, v, dout; out and lse from the forward (setup); dq, dk, dv.
   ops.push_back(
@@ -172,10 +172,10 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
        0,
        {in(qs), in(ks), in(ks), in(qs), out(qs), out(ls, true), out(qs), out(ks), out(ks)},
        [](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-         k.attention_forward(t[4], t[5], t[0], t[1], t[2], s);
+         k.attention_forward(t[4], t[5], t[0], t[1], t[2], nullptr, s);
        },
        [](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-         k.attention_backward(t[6], t[7], t[8], t[3], t[0], t[1], t[2], t[4], t[5], s);
+         k.attention_backward(t[6], t[7], t[8], t[3], t[0], t[1], t[2], t[4], t[5], nullptr, s);
        }});
   const double nh = static_cast<double>(N * H) * e;
   const float eps = static_cast<float>(c.rms_norm_eps);

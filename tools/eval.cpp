@@ -113,18 +113,22 @@ int run_eval(const EvalArgs& a) {
   for (int64_t first = 0; first < sequences; first += N * B) {
     const int64_t last = std::min(sequences, first + N * B);
     std::vector<std::vector<HostBatch>> batches(1, std::vector<HostBatch>(static_cast<size_t>(N)));
+    const bool docs = tokens.packs_documents();
     for (HostBatch& b : batches[0]) {
       b.ids.resize(static_cast<size_t>(B * T));
       b.targets.resize(b.ids.size());
+      if (docs) b.doc_start.resize(b.ids.size());
     }
     for (int64_t s = first; s < last; ++s) {
       HostBatch& b = batches[0][static_cast<size_t>((s - first) % N)];
-      tokens.read(s, b.ids.data() + b.batch * T, b.targets.data() + b.batch * T);
+      tokens.read(s, b.ids.data() + b.batch * T, b.targets.data() + b.batch * T,
+                  docs ? b.doc_start.data() + b.batch * T : nullptr);
       ++b.batch;
     }
     for (HostBatch& b : batches[0]) {
       b.ids.resize(static_cast<size_t>(b.batch * T));
       b.targets.resize(b.ids.size());
+      if (docs) b.doc_start.resize(b.ids.size());
     }
     const EvalResult e = executor.evaluate(batches);
     sum += e.loss_sum;
@@ -174,7 +178,7 @@ int run_eval(const EvalArgs& a) {
         sequences, T, placement.homes.size(), homes_text(placement),
         format_bytes(need.total(Tier::gpu)), format_bytes(need.total(Tier::cpu)),
         format_bytes(need.total(Tier::nvme)), loss, std::exp(loss), tokens_per_s);
-    if (packing == Packing::none) fmt::print("  {}\n", describe_documents(tokens));
+    if (packing != Packing::wrapped) fmt::print("  {}\n", describe_documents(tokens));
   }
   return 0;
 }
@@ -204,9 +208,11 @@ Command add_eval(CLI::App& app) {
   cmd->add_option("--packing", args->packing,
                   "how sequences are cut from the token files: wrapped (end to end, cut into "
                   "--seq-len windows), none (one document per sequence, padded, cut after "
-                  "--seq-len + 1 tokens; needs strata tokenize's document index), auto (none for "
-                  "files with loss masks and document indexes, else wrapped)")
-      ->check(CLI::IsMember({"auto", "wrapped", "none"}))
+                  "--seq-len + 1 tokens; needs strata tokenize's document index), bfd (those "
+                  "documents packed whole into sequences by best fit decreasing, each attending "
+                  "to itself alone), auto (none for files with loss masks and document indexes, "
+                  "else wrapped)")
+      ->check(CLI::IsMember({"auto", "wrapped", "none", "bfd"}))
       ->capture_default_str();
   cmd->add_option("--seq-len", args->seq_len,
                   "tokens per sequence (default: min(1024, max_position_embeddings))");

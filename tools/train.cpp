@@ -273,9 +273,11 @@ Command add_train(CLI::App& app) {
                   "how sequences are cut from the token files: wrapped (documents end to end, "
                   "cut into --seq-len windows), none (one document per sequence, padded, cut "
                   "after --seq-len + 1 tokens; needs the document index strata tokenize writes "
-                  "beside each file), auto (none for files with loss masks and document indexes, "
-                  "as fine-tuning rows, else wrapped); held-out data is cut the same way")
-      ->check(CLI::IsMember({"auto", "wrapped", "none"}))
+                  "beside each file), bfd (those documents packed whole into sequences by best "
+                  "fit decreasing, each attending to itself alone: no padding but the rest of a "
+                  "sequence), auto (none for files with loss masks and document indexes, as "
+                  "fine-tuning rows, else wrapped); held-out data is cut the same way")
+      ->check(CLI::IsMember({"auto", "wrapped", "none", "bfd"}))
       ->capture_default_str();
   cmd->add_option("--eval-data", a->eval_data,
                   "held-out token files (their sequences in order): the loss every "

@@ -147,7 +147,8 @@ RopeDims check_rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_
 }
 
 AttentionDims check_attention(const char* op, const TensorView& out, const TensorView& lse_stats,
-                              const TensorView& q, const TensorView& k, const TensorView& v) {
+                              const TensorView& q, const TensorView& k, const TensorView& v,
+                              const int32_t* doc_start) {
   check_rank(op, "q", q, 4, "[batch, seq, heads, head_dim]");
   check_rank(op, "k", k, 4, "[batch, seq, kv_heads, head_dim]");
   AttentionDims d{q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], k.shape[1]};
@@ -175,7 +176,27 @@ AttentionDims check_attention(const char* op, const TensorView& out, const Tenso
            t->str(), q.str());
   check_stats(op, "lse_stats", lse_stats, Shape{d.batch, d.heads, d.seq},
               "[batch, heads, seq]: one log-sum-exp per query row");
+  if (doc_start != nullptr && d.kv_seq != d.seq)
+    fail(
+        "{}: doc_start is given with {} queries against {} keys; documents are packed into "
+        "whole sequences only (as many keys as queries), not into decoding's cached keys",
+        op, d.seq, d.kv_seq);
+  d.doc_start = doc_start;
   return d;
+}
+
+void check_doc_start(const char* op, const int32_t* doc_start, int64_t batch, int64_t seq) {
+  if (doc_start == nullptr) return;
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t t = 0; t < seq; ++t) {
+      const int32_t first = doc_start[b * seq + t];
+      const int32_t before = t > 0 ? doc_start[b * seq + t - 1] : 0;
+      if (first != t && first != before)
+        fail(
+            "{}: doc_start of sequence {} at position {} is {}; each position's document starts "
+            "there ({}) or where the previous position's does ({}), and the first at 0",
+            op, b, t, first, t, before);
+    }
 }
 
 int64_t check_same_shape(const char* op, std::initializer_list<const TensorView*> views) {

@@ -83,15 +83,22 @@ class Kernels {
   // own sequence (Tk = T in training; Tk > T when decoding new tokens against cached keys and
   // values). Each query row's output is the same function of its visible keys whatever T is.
   // lse_stats [B,H,T] holds each row's log-sum-exp of the scaled scores (kept for backward).
+  // doc_start: null, or int32 [B*T] in the device's memory (as ids are), for several documents
+  // packed into each sequence (Tk = T only): doc_start[b*T + t] is the position of the first
+  // token of query t's document, and query t attends to keys doc_start[b*T + t] .. t alone, so
+  // each document's rows are what the document alone would give. Documents are contiguous:
+  // doc_start[b*T] = 0 and doc_start[b*T + t] is t (a new document) or doc_start[b*T + t - 1].
+  // The host backend checks that rule; the CUDA kernels rely on it.
   virtual void attention_forward(const TensorView& out, const TensorView& lse_stats,
                                  const TensorView& q, const TensorView& k, const TensorView& v,
-                                 Stream& s) = 0;
+                                 const int32_t* doc_start, Stream& s) = 0;
   // dq, dk, dv (shapes of q, k, v) = the gradients, from dout and the forward's q, k, v, out,
-  // lse_stats. Training's shapes only: Tk = T.
+  // lse_stats and the same doc_start. Training's shapes only: Tk = T.
   virtual void attention_backward(const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                   const TensorView& dout, const TensorView& q, const TensorView& k,
                                   const TensorView& v, const TensorView& out,
-                                  const TensorView& lse_stats, Stream& s) = 0;
+                                  const TensorView& lse_stats, const int32_t* doc_start,
+                                  Stream& s) = 0;
 
   // h = silu(gate) * up, all [N,F]; silu(x) = x / (1 + exp(-x)).
   virtual void swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
@@ -175,10 +182,17 @@ RopeDims check_rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_
 struct AttentionDims {
   int64_t batch = 0, seq = 0, heads = 0, kv_heads = 0, head_dim = 0;
   int64_t kv_seq = -1;  // Tk, the keys' positions; -1 means seq (every backward)
+  // The documents packed into each sequence (Kernels::attention_forward), or null for one.
+  const int32_t* doc_start = nullptr;
   int64_t keys() const { return kv_seq < 0 ? seq : kv_seq; }
 };
+// With doc_start, which needs Tk = T (a decoding call packs no documents).
 AttentionDims check_attention(const char* op, const TensorView& out, const TensorView& lse_stats,
-                              const TensorView& q, const TensorView& k, const TensorView& v);
+                              const TensorView& q, const TensorView& k, const TensorView& v,
+                              const int32_t* doc_start = nullptr);
+// doc_start's rule (Kernels::attention_forward) over host memory; an Error naming the op, the
+// sequence and the position that breaks it.
+void check_doc_start(const char* op, const int32_t* doc_start, int64_t batch, int64_t seq);
 
 // Same element count and shape for every non-null view (swiglu, add).
 int64_t check_same_shape(const char* op, std::initializer_list<const TensorView*> views);

@@ -23,6 +23,10 @@
 //       registers: dv_j += P_ij dout_i, dk_j += scale * dS_ij q_i.
 // A masked (future) key is skipped, not multiplied by zero, so an Inf in a value the query
 // cannot see does not turn its output into NaN (0 * Inf).
+// Documents packed into sequences (AttentionDims::doc_start): query t also skips the keys before
+// its document's first position. The forward and dq kernels start at the key tile holding the
+// block's first row's document start (the least, as starts never decrease along a sequence);
+// the dk/dv kernel stops at the first query tile whose document starts after its keys.
 #include "gpu/kernel_common.cuh"
 #include "gpu/ops.h"
 
@@ -57,6 +61,7 @@ struct Geometry {
   int hd;
   float scale;
   int64_t kv_seq;  // Tk >= seq: the keys' positions (the forward's); the backward's equal seq
+  const int32_t* doc_start;  // AttentionDims::doc_start: [batch * seq], or null
 };
 
 uint64_t forward_bytes(int64_t hd) {
@@ -108,11 +113,11 @@ __device__ __forceinline__ float row_d(const float* dout_row, const T* out_row, 
   return warp_sum(sum);
 }
 
-// acc[r] += sum over j < n of w_j * tile[j][lane + 32 r], where lane j holds w_j.
+// acc[r] += sum over j0 <= j < n of w_j * tile[j][lane + 32 r], where lane j holds w_j.
 template <int NR>
 __device__ __forceinline__ void accumulate(float (&acc)[NR], float w, const float* tile, int ks,
-                                           int n, int lane, int hd) {
-  for (int j = 0; j < n; ++j) {
+                                           int j0, int n, int lane, int hd) {
+  for (int j = j0; j < n; ++j) {
     const float wj = __shfl_sync(kFullMask, w, j);
     const float* row = tile + j * ks;
 #pragma unroll
@@ -163,8 +168,15 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int r = 0; r < NR; ++r) acc[rr][r] = 0.0f;
   }
 
+  int64_t first[R];  // each row's first key: its document's start
+#pragma unroll
+  for (int rr = 0; rr < R; ++rr) {
+    const int64_t t = q0 + warp * R + rr;
+    first[rr] = t < g.seq ? gpu::doc_first(g.doc_start, b, g.seq, t) : 0;
+  }
   const int64_t q_end = gpu::min64(q0 + Br, g.seq);
-  for (int64_t k0 = 0; k0 < q_end + shift; k0 += kKeys) {
+  const int64_t k_begin = gpu::doc_first(g.doc_start, b, g.seq, q0) / kKeys * kKeys;
+  for (int64_t k0 = k_begin; k0 < q_end + shift; k0 += kKeys) {
     __syncthreads();  // the previous tile is consumed (and the first time: sq is written)
     load_tile(sk, ks, kh, kvs, k0, kKeys, g.kv_seq, hd);
     load_tile(sv, ks, vh, kvs, k0, kKeys, g.kv_seq, hd);
@@ -174,12 +186,13 @@ __global__ void __launch_bounds__(kBlockThreads)
       const int row = warp * R + rr;
       const int64_t t = q0 + row, last = t + shift;  // the last key row t sees
       if (t >= g.seq) continue;                      // the same for the whole warp
-      // A tile past `last` (with shift > 0, the block's later rows see further) changes
-      // nothing: its scores are -inf, corr is 1, nothing accumulates.
-      if (k0 > last) continue;
+      // A tile past `last` (with shift > 0, the block's later rows see further), or before the
+      // row's document, changes nothing: its scores are -inf, corr is 1, nothing accumulates.
+      if (k0 > last || k0 + kKeys <= first[rr]) continue;
       float s = dot(sq + row * hd, sk + lane * ks, hd);
-      // Every tile that gets here holds a key <= last, so m_new is finite for finite input.
-      const bool visible = k0 + lane <= last;
+      // Every tile that gets here holds a key in [first, last], so m_new is finite for finite
+      // input.
+      const bool visible = k0 + lane <= last && k0 + lane >= first[rr];
       s = visible ? s * g.scale : -INFINITY;
       const float m_new = fmaxf(m[rr], warp_max(s));
       const float corr = m[rr] == -INFINITY ? 0.0f : expf(m[rr] - m_new);
@@ -189,7 +202,8 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
       for (int r = 0; r < NR; ++r) acc[rr][r] *= corr;
       const int visible_keys = static_cast<int>(gpu::min64(kKeys, last - k0 + 1));
-      accumulate(acc[rr], p, sv, ks, visible_keys, lane, hd);
+      const int j0 = first[rr] > k0 ? static_cast<int>(first[rr] - k0) : 0;
+      accumulate(acc[rr], p, sv, ks, j0, visible_keys, lane, hd);
     }
   }
 
@@ -226,21 +240,25 @@ __global__ void __launch_bounds__(kBlockThreads)
   __syncthreads();
 
   float row_lse[R], row_dd[R], acc[R][NR];
+  int64_t first[R];  // each row's first key: its document's start
 #pragma unroll
   for (int rr = 0; rr < R; ++rr) {
     const int row = warp * R + rr;
     const int64_t t = q0 + row;
     row_lse[rr] = 0.0f;
     row_dd[rr] = 0.0f;
+    first[rr] = 0;
 #pragma unroll
     for (int r = 0; r < NR; ++r) acc[rr][r] = 0.0f;
     if (t >= g.seq) continue;
     row_lse[rr] = lse[(b * g.heads + h) * g.seq + t];
     row_dd[rr] = row_d(sdo + row * hd, out + q_base + t * qs, lane, hd);
+    first[rr] = gpu::doc_first(g.doc_start, b, g.seq, t);
   }
 
   const int64_t q_end = gpu::min64(q0 + Br, g.seq);
-  for (int64_t k0 = 0; k0 < q_end; k0 += kKeys) {
+  const int64_t k_begin = gpu::doc_first(g.doc_start, b, g.seq, q0) / kKeys * kKeys;
+  for (int64_t k0 = k_begin; k0 < q_end; k0 += kKeys) {
     __syncthreads();
     load_tile(sk, ks, kh, kvs, k0, kKeys, g.seq, hd);
     load_tile(sv, ks, vh, kvs, k0, kKeys, g.seq, hd);
@@ -249,13 +267,15 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int rr = 0; rr < R; ++rr) {
       const int row = warp * R + rr;
       const int64_t t = q0 + row;
-      if (t >= g.seq) continue;
+      if (t >= g.seq || k0 > t || k0 + kKeys <= first[rr]) continue;  // the same for the warp
       float s, dp;
       dot2(sq + row * hd, sk + lane * ks, sdo + row * hd, sv + lane * ks, hd, s, dp);
       float ds = 0.0f;
-      if (k0 + lane <= t) ds = expf(s * g.scale - row_lse[rr]) * (dp - row_dd[rr]);
+      if (k0 + lane <= t && k0 + lane >= first[rr])
+        ds = expf(s * g.scale - row_lse[rr]) * (dp - row_dd[rr]);
       const int visible_keys = static_cast<int>(gpu::min64(kKeys, t - k0 + 1));
-      accumulate(acc[rr], ds, sk, ks, visible_keys, lane, hd);
+      const int j0 = first[rr] > k0 ? static_cast<int>(first[rr] - k0) : 0;
+      accumulate(acc[rr], ds, sk, ks, j0, visible_keys, lane, hd);
     }
   }
 
@@ -304,6 +324,8 @@ __global__ void __launch_bounds__(kBlockThreads)
     // k0 is a multiple of 32 and brq divides 32: query tiles start at k0, the first row that
     // can see these keys.
     for (int64_t i0 = k0; i0 < g.seq; i0 += brq) {
+      // Queries from i0 on belong to documents that start after these keys: none sees them.
+      if (gpu::doc_first(g.doc_start, b, g.seq, i0) >= k0 + kKeys) break;  // the whole block
       __syncthreads();  // phase 2 of the previous tile is done with sq, sdo, sp, sds
       load_tile(sq, hd, q + q_base, qs, i0, brq, g.seq, hd);
       load_tile(sdo, hd, dout + q_base, qs, i0, brq, g.seq, hd);
@@ -317,7 +339,8 @@ __global__ void __launch_bounds__(kBlockThreads)
           const float dd = row_d(sdo + row * hd, out + q_base + t * qs, lane, hd);
           float s, dp;
           dot2(sq + row * hd, sk + lane * ks, sdo + row * hd, sv + lane * ks, hd, s, dp);
-          if (k0 + lane <= t) {  // also < seq, as t is
+          const int64_t key = k0 + lane;  // < seq where key <= t, as t is
+          if (key <= t && key >= gpu::doc_first(g.doc_start, b, g.seq, t)) {
             p = expf(s * g.scale - row_lse[t]);
             ds = p * (dp - dd);
           }
@@ -329,7 +352,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       // Phase 2: this warp's keys j accumulate sum_i P_ij dout_i and dS_ij q_i.
       const int rows = static_cast<int>(gpu::min64(brq, g.seq - i0));
       for (int i = 0; i < rows; ++i) {
-        const int64_t t = i0 + i;
+        const int64_t t = i0 + i, first = gpu::doc_first(g.doc_start, b, g.seq, t);
         float qv[NR], dov[NR];
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
@@ -340,7 +363,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
         for (int c = 0; c < kKeysPerWarp; ++c) {
           const int j = warp * kKeysPerWarp + c;
-          if (k0 + j > t) continue;  // masked: skipped, not multiplied by zero
+          if (k0 + j > t || k0 + j < first) continue;  // masked: skipped, not multiplied by 0
           const float p = sp[i * kKeys + j], ds = sds[i * kKeys + j];
 #pragma unroll
           for (int r = 0; r < NR; ++r) {
@@ -367,7 +390,8 @@ Geometry geometry(const AttentionDims& dims) {
                   dims.kv_heads,
                   static_cast<int>(dims.head_dim),
                   1.0f / sqrtf(static_cast<float>(dims.head_dim)),
-                  dims.keys()};
+                  dims.keys(),
+                  dims.doc_start};
 }
 
 // Calls f.template operator()<NR>() with NR = slots_for(head_dim).

@@ -26,7 +26,10 @@
 //
 // As attention_tc.cu: P and dS are rounded to bf16 before their products; the softmax
 // denominator sums P in f32. Scores are scaled by scale / ln 2 and exponentiated with exp2.
-// A masked key is skipped or multiplied by zero, never read as a score.
+// A masked key is skipped or multiplied by zero, never read as a score. Documents packed into
+// sequences (AttentionDims::doc_start) mask the keys before each query's document too; the
+// forward and dq walks start at the key tile of the block's first row's document, and the
+// dk/dv walk stops at the first query tile whose document starts after the block's keys.
 #include "gpu/attention_tiles.cuh"
 #include "gpu/kernel_common.cuh"
 #include "gpu/mma_sync.cuh"
@@ -51,7 +54,8 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 struct Geometry {
   int64_t seq, heads, kv_heads;
-  float scale, scale_log2;  // 1/sqrt(hd), and that over ln 2
+  float scale, scale_log2;   // 1/sqrt(hd), and that over ln 2
+  const int32_t* doc_start;  // AttentionDims::doc_start: [batch * seq], or null
 };
 
 __host__ __device__ constexpr int row_ld(int hd) {
@@ -199,9 +203,14 @@ __global__ void __launch_bounds__(kThreads)
   // This lane's two rows (g and g + 8 of the warp's 16): running max (log2 units) and sum.
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   const int64_t rows[2] = {row0 + g, row0 + g + 8};
+  int64_t first[2];  // each row's first key: its document's start
+#pragma unroll
+  for (int half = 0; half < 2; ++half)
+    first[half] = rows[half] < geo.seq ? gpu::doc_first(geo.doc_start, b, geo.seq, rows[half]) : 0;
 
   const int64_t q_end = gpu::min64(q0 + kTile, geo.seq);
-  for (int64_t k0 = 0; k0 < q_end; k0 += kTile) {
+  const int64_t k_begin = gpu::doc_first(geo.doc_start, b, geo.seq, q0) / kTile * kTile;
+  for (int64_t k0 = k_begin; k0 < q_end; k0 += kTile) {
     __syncthreads();  // the previous tile is consumed
     load_tile(sk, ld, kh, kvs, k0, geo.seq, hd);
     load_tile(sv, ld, vh, kvs, k0, geo.seq, hd);
@@ -230,7 +239,8 @@ __global__ void __launch_bounds__(kThreads)
       for (int r = 0; r < 4; ++r) {
         const int half = r / 2;
         const int64_t key = k0 + 8 * j + 2 * t + r % 2;
-        const bool valid = j / 2 < pairs && rows[half] < geo.seq && key <= rows[half];
+        const bool valid =
+            j / 2 < pairs && rows[half] < geo.seq && key <= rows[half] && key >= first[half];
         s[j][r] = valid ? s[j][r] * geo.scale_log2 : -INFINITY;
         tile_max[half] = fmaxf(tile_max[half], s[j][r]);
       }
@@ -312,9 +322,11 @@ __global__ void __launch_bounds__(kThreads)
 
   const int64_t rows[2] = {row0 + g, row0 + g + 8};
   float row_lse[2], dd[2];
+  int64_t first[2];  // each row's first key: its document's start
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const bool valid = rows[half] < geo.seq;
+    first[half] = valid ? gpu::doc_first(geo.doc_start, b, geo.seq, rows[half]) : 0;
     row_lse[half] = valid ? lse[(b * geo.heads + h) * geo.seq + rows[half]] * kLog2e : 0.0f;
     dd[half] =
         row_d(sdo + (warp * 16 + g + 8 * half) * ld, out + q_base + rows[half] * qs, valid, t, hd);
@@ -326,7 +338,8 @@ __global__ void __launch_bounds__(kThreads)
     for (int r = 0; r < 4; ++r) acc[j][r] = 0.0f;
 
   const int64_t q_end = gpu::min64(q0 + kTile, geo.seq);
-  for (int64_t k0 = 0; k0 < q_end; k0 += kTile) {
+  const int64_t k_begin = gpu::doc_first(geo.doc_start, b, geo.seq, q0) / kTile * kTile;
+  for (int64_t k0 = k_begin; k0 < q_end; k0 += kTile) {
     __syncthreads();
     load_tile(sk, ld, kh, kvs, k0, geo.seq, hd);
     load_tile(sv, ld, vh, kvs, k0, geo.seq, hd);
@@ -341,7 +354,8 @@ __global__ void __launch_bounds__(kThreads)
       for (int r = 0; r < 4; ++r) {
         const int half = r / 2;
         const int64_t key = k0 + 8 * j + 2 * t + r % 2;
-        const bool valid = j / 2 < pairs && rows[half] < geo.seq && key <= rows[half];
+        const bool valid =
+            j / 2 < pairs && rows[half] < geo.seq && key <= rows[half] && key >= first[half];
         const float p = valid ? exp2f(s[j][r] * geo.scale_log2 - row_lse[half]) : 0.0f;
         s[j][r] = valid ? p * (dp[j][r] - dd[half]) : 0.0f;  // dS
       }
@@ -389,6 +403,8 @@ __global__ void __launch_bounds__(kThreads)
     const float* head_lse = lse + (b * geo.heads + h) * geo.seq;
     // k0 is a multiple of 64: query tiles start at k0, the first row that can see these keys.
     for (int64_t i0 = k0; i0 < geo.seq; i0 += kTile) {
+      // Queries from i0 on belong to documents that start after these keys: none sees them.
+      if (gpu::doc_first(geo.doc_start, b, geo.seq, i0) >= k0 + kTile) break;  // the whole block
       __syncthreads();  // the previous tile's sq, sdo, tile_lse and tile_d are consumed
       load_tile(sq, ld, q + q_base, qs, i0, geo.seq, hd);
       load_tile(sdo, ld, dout + q_base, qs, i0, geo.seq, hd);
@@ -426,7 +442,8 @@ __global__ void __launch_bounds__(kThreads)
           for (int r = 0; r < 4; ++r) {
             const int col = c0 + 16 * skip + 8 * j + 2 * t + r % 2;
             const int64_t tq = i0 + col;
-            const bool valid = j / 2 < pairs && tq < geo.seq && keys[r / 2] <= tq;
+            const bool valid = j / 2 < pairs && tq < geo.seq && keys[r / 2] <= tq &&
+                               keys[r / 2] >= gpu::doc_first(geo.doc_start, b, geo.seq, tq);
             // col may pass 63 only where j / 2 >= pairs: read nothing then.
             const int c_safe = valid ? col : 0;
             const float p = valid ? exp2f(st[j][r] * geo.scale_log2 - tile_lse[c_safe]) : 0.0f;
@@ -446,7 +463,7 @@ __global__ void __launch_bounds__(kThreads)
 
 Geometry geometry(const AttentionDims& d) {
   const float scale = 1.0f / sqrtf(static_cast<float>(d.head_dim));
-  return Geometry{d.seq, d.heads, d.kv_heads, scale, scale * kLog2e};
+  return Geometry{d.seq, d.heads, d.kv_heads, scale, scale * kLog2e, d.doc_start};
 }
 
 }  // namespace

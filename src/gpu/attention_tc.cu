@@ -22,6 +22,10 @@
 // flash-attention's kernels do); the softmax denominator and lse sum P in f32. A masked (future)
 // key is multiplied by zero, not skipped: an Inf or NaN in a key or value row reaches the earlier
 // query rows of its tile as NaN. Sub-tiles of 16 keys that a warp's rows cannot see are skipped.
+// Documents packed into sequences (AttentionDims::doc_start) mask the keys before each query's
+// document as well; the forward and dq walks start at the key tile of the block's first row's
+// document, and the dk/dv walk stops at the first query tile whose document starts after the
+// block's keys.
 #include "gpu/attention_tiles.cuh"
 #include "gpu/kernel_common.cuh"
 #include "gpu/ops.h"
@@ -52,6 +56,7 @@ using FragC = wmma::fragment<wmma::accumulator, kSub, kSub, kSub, float>;
 struct Geometry {
   int64_t seq, heads, kv_heads;
   float scale;
+  const int32_t* doc_start;  // AttentionDims::doc_start: [batch * seq], or null
 };
 
 __host__ __device__ constexpr int tile_ld(int hd) {
@@ -216,10 +221,12 @@ __global__ void __launch_bounds__(kThreads)
   // Row r of the warp's 16 is lanes 2r (keys 0-31 of a tile) and 2r + 1 (keys 32-63).
   const int r = lane / 2, half = lane % 2;
   const int64_t t = row0 + r;
+  const int64_t first = t < g.seq ? gpu::doc_first(g.doc_start, b, g.seq, t) : 0;
   float m = -INFINITY, l = 0.0f;
 
   const int64_t q_end = gpu::min64(q0 + kTile, g.seq);
-  for (int64_t k0 = 0; k0 < q_end; k0 += kTile) {
+  const int64_t k_begin = gpu::doc_first(g.doc_start, b, g.seq, q0) / kTile * kTile;
+  for (int64_t k0 = k_begin; k0 < q_end; k0 += kTile) {
     __syncthreads();  // the previous tile is consumed
     load_tile(sk, ld, kh, kvs, k0, g.seq, hd);
     load_tile(sv, ld, vh, kvs, k0, g.seq, hd);
@@ -233,7 +240,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t key0 = k0 + half * 32;
     float tile_max = -INFINITY;
     for (int c = 0; c < 32; ++c)
-      if (t < g.seq && key0 + c <= t) tile_max = fmaxf(tile_max, srow[c] * g.scale);
+      if (t < g.seq && key0 + c <= t && key0 + c >= first)
+        tile_max = fmaxf(tile_max, srow[c] * g.scale);
     tile_max = fmaxf(tile_max, __shfl_xor_sync(kFullMask, tile_max, 1));
     const float m_new = fmaxf(m, tile_max);
     // Nothing seen yet (m_new = -Inf): the accumulators are 0 and stay so.
@@ -241,7 +249,7 @@ __global__ void __launch_bounds__(kThreads)
     float sum = 0.0f;
     for (int c = 0; c < 32; ++c) {
       float p = 0.0f;
-      if (t < g.seq && key0 + c <= t) p = expf(srow[c] * g.scale - m_new);
+      if (t < g.seq && key0 + c <= t && key0 + c >= first) p = expf(srow[c] * g.scale - m_new);
       prow[c] = from_f32<bf16>(p);
       sum += p;
     }
@@ -311,13 +319,15 @@ __global__ void __launch_bounds__(kThreads)
   const int r = lane / 2, half = lane % 2;
   const int64_t t = row0 + r;
   const float row_lse = t < g.seq ? lse[(b * g.heads + h) * g.seq + t] : 0.0f;
+  const int64_t first = t < g.seq ? gpu::doc_first(g.doc_start, b, g.seq, t) : 0;
   const float dd = row_d(sdo + (warp * kSub + r) * ld, out + q_base + t * qs, t < g.seq, half, hd);
   FragC acc[NS];
 #pragma unroll
   for (int j = 0; j < NS; ++j) wmma::fill_fragment(acc[j], 0.0f);
 
   const int64_t q_end = gpu::min64(q0 + kTile, g.seq);
-  for (int64_t k0 = 0; k0 < q_end; k0 += kTile) {
+  const int64_t k_begin = gpu::doc_first(g.doc_start, b, g.seq, q0) / kTile * kTile;
+  for (int64_t k0 = k_begin; k0 < q_end; k0 += kTile) {
     __syncthreads();
     load_tile(sk, ld, kh, kvs, k0, g.seq, hd);
     load_tile(sv, ld, vh, kvs, k0, g.seq, hd);
@@ -329,7 +339,7 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t key0 = k0 + half * 32;
     for (int c = 0; c < 32; ++c) {
       float ds = 0.0f;
-      if (t < g.seq && key0 + c <= t) {
+      if (t < g.seq && key0 + c <= t && key0 + c >= first) {
         const int col = half * 32 + c;
         ds = expf(scores[r * kScoreLd + col] * g.scale - row_lse) * (dps[r * kScoreLd + col] - dd);
       }
@@ -388,6 +398,8 @@ __global__ void __launch_bounds__(kThreads)
     const float* head_lse = lse + (b * g.heads + h) * g.seq;
     // k0 is a multiple of 64: query tiles start at k0, the first row that can see these keys.
     for (int64_t i0 = k0; i0 < g.seq; i0 += kTile) {
+      // Queries from i0 on belong to documents that start after these keys: none sees them.
+      if (gpu::doc_first(g.doc_start, b, g.seq, i0) >= k0 + kTile) break;  // the whole block
       __syncthreads();  // the previous tile's sq, sdo, tile_lse and tile_d are consumed
       load_tile(sq, ld, q + q_base, qs, i0, g.seq, hd);
       load_tile(sdo, ld, dout + q_base, qs, i0, g.seq, hd);
@@ -412,7 +424,7 @@ __global__ void __launch_bounds__(kThreads)
         const int col = half * 32 + c;
         const int64_t t = i0 + col;
         float p = 0.0f, ds = 0.0f;
-        if (t < g.seq && key <= t) {
+        if (t < g.seq && key <= t && key >= gpu::doc_first(g.doc_start, b, g.seq, t)) {
           p = expf(st[r * kScoreLd + col] * g.scale - tile_lse[col]);
           ds = p * (dpt[r * kScoreLd + col] - tile_d[col]);
         }
@@ -431,7 +443,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 Geometry geometry(const AttentionDims& d) {
-  return Geometry{d.seq, d.heads, d.kv_heads, 1.0f / sqrtf(static_cast<float>(d.head_dim))};
+  return Geometry{d.seq, d.heads, d.kv_heads, 1.0f / sqrtf(static_cast<float>(d.head_dim)),
+                  d.doc_start};
 }
 
 }  // namespace

@@ -47,6 +47,13 @@ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) {
   return a < b ? a : b;
 }
 
+// Attention over documents packed into sequences (AttentionDims::doc_start): the first key query
+// t of sequence b sees, its document's first position; 0 where there are no documents.
+__device__ __forceinline__ int64_t doc_first(const int32_t* doc_start, int64_t b, int64_t seq,
+                                             int64_t t) {
+  return doc_start != nullptr ? doc_start[b * seq + t] : 0;
+}
+
 struct Sum {
   __device__ static float apply(float a, float b) { return a + b; }
   static constexpr float kIdentity = 0.0f;

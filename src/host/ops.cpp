@@ -307,8 +307,9 @@ void rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len, bool 
 // attention: the T×T scores of each (batch, head) are materialised one query row at a time.
 
 void attention_forward(const TensorView& out, const TensorView& lse_stats, const TensorView& q,
-                       const TensorView& k, const TensorView& v) {
-  const AttentionDims d = check_attention("attention_forward", out, lse_stats, q, k, v);
+                       const TensorView& k, const TensorView& v, const int32_t* doc_start) {
+  const AttentionDims d = check_attention("attention_forward", out, lse_stats, q, k, v, doc_start);
+  check_doc_start("attention_forward", doc_start, d.batch, d.seq);
   const F32Input qf(q), kf(k), vf(v);
   const int64_t B = d.batch, T = d.seq, H = d.heads, Hkv = d.kv_heads, hd = d.head_dim;
   const int64_t Tk = d.keys(), shift = Tk - T;  // query t sits at position t + shift
@@ -324,9 +325,10 @@ void attention_forward(const TensorView& out, const TensorView& lse_stats, const
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t t = i % T, h = (i / T) % H, b = i / (T * H), g = h / group;
           const int64_t last = t + shift;  // the last key this query sees
+          const int64_t first = doc_start != nullptr ? doc_start[b * T + t] : 0;  // and the first
           const float* qrow = qf.data() + ((b * T + t) * H + h) * hd;
           double m = -std::numeric_limits<double>::infinity();
-          for (int64_t j = 0; j <= last; ++j) {
+          for (int64_t j = first; j <= last; ++j) {
             const float* krow = kf.data() + ((b * Tk + j) * Hkv + g) * hd;
             double dot = 0.0;
             for (int64_t e = 0; e < hd; ++e) dot += static_cast<double>(qrow[e]) * krow[e];
@@ -334,11 +336,12 @@ void attention_forward(const TensorView& out, const TensorView& lse_stats, const
             m = std::max(m, dot * scale);
           }
           double sum = 0.0;
-          for (int64_t j = 0; j <= last; ++j) sum += std::exp(scores[static_cast<size_t>(j)] - m);
+          for (int64_t j = first; j <= last; ++j)
+            sum += std::exp(scores[static_cast<size_t>(j)] - m);
           const double l = m + std::log(sum);
           lse[i] = static_cast<float>(l);
           std::fill(acc.begin(), acc.end(), 0.0);
-          for (int64_t j = 0; j <= last; ++j) {
+          for (int64_t j = first; j <= last; ++j) {
             const double p = std::exp(scores[static_cast<size_t>(j)] - l);
             const float* vrow = vf.data() + ((b * Tk + j) * Hkv + g) * hd;
             for (int64_t e = 0; e < hd; ++e) acc[static_cast<size_t>(e)] += p * vrow[e];
@@ -354,9 +357,9 @@ AttentionDims check_attention_backward(const TensorView& dq, const TensorView& d
                                        const TensorView& dv, const TensorView& dout,
                                        const TensorView& q, const TensorView& k,
                                        const TensorView& v, const TensorView& out,
-                                       const TensorView& lse_stats) {
+                                       const TensorView& lse_stats, const int32_t* doc_start) {
   const char* op = "attention_backward";
-  const AttentionDims d = check_attention(op, out, lse_stats, q, k, v);
+  const AttentionDims d = check_attention(op, out, lse_stats, q, k, v, doc_start);
   if (d.keys() != d.seq)
     fail(
         "{}: k is {} with {} positions but q is {} with {}; the backward takes whole sequences "
@@ -371,8 +374,11 @@ AttentionDims check_attention_backward(const TensorView& dq, const TensorView& d
 
 void attention_backward(const TensorView& dq, const TensorView& dk, const TensorView& dv,
                         const TensorView& dout, const TensorView& q, const TensorView& k,
-                        const TensorView& v, const TensorView& out, const TensorView& lse_stats) {
-  const AttentionDims d = check_attention_backward(dq, dk, dv, dout, q, k, v, out, lse_stats);
+                        const TensorView& v, const TensorView& out, const TensorView& lse_stats,
+                        const int32_t* doc_start) {
+  const AttentionDims d =
+      check_attention_backward(dq, dk, dv, dout, q, k, v, out, lse_stats, doc_start);
+  check_doc_start("attention_backward", doc_start, d.batch, d.seq);
   const F32Input qf(q), kf(k), vf(v), dof(dout);
   const int64_t B = d.batch, T = d.seq, H = d.heads, Hkv = d.kv_heads, hd = d.head_dim;
   const int64_t group = H / Hkv;
@@ -396,8 +402,9 @@ void attention_backward(const TensorView& dq, const TensorView& dk, const Tensor
           const float* qrow = qf.data() + qo;
           const float* dorow = dof.data() + qo;
           const double l = lse[(b * H + h) * T + t];
+          const int64_t first = doc_start != nullptr ? doc_start[b * T + t] : 0;
           double D = 0.0;
-          for (int64_t j = 0; j <= t; ++j) {
+          for (int64_t j = first; j <= t; ++j) {
             const int64_t ko = ((b * T + j) * Hkv + g) * hd;
             double s = 0.0, dpj = 0.0;
             for (int64_t e = 0; e < hd; ++e) {
@@ -410,7 +417,7 @@ void attention_backward(const TensorView& dq, const TensorView& dk, const Tensor
             D += p[js] * dpj;
           }
           std::fill(dq_acc.begin(), dq_acc.end(), 0.0);
-          for (int64_t j = 0; j <= t; ++j) {
+          for (int64_t j = first; j <= t; ++j) {
             const auto js = static_cast<size_t>(j);
             const int64_t ko = ((b * T + j) * Hkv + g) * hd;
             const double ds = p[js] * (dp[js] - D);

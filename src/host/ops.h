@@ -33,11 +33,14 @@ void rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorVi
 
 void rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len, bool inverse);
 
+// doc_start: Kernels::attention_forward's (host memory), or null.
 void attention_forward(const TensorView& out, const TensorView& lse_stats, const TensorView& q,
-                       const TensorView& k, const TensorView& v);
+                       const TensorView& k, const TensorView& v,
+                       const int32_t* doc_start = nullptr);
 void attention_backward(const TensorView& dq, const TensorView& dk, const TensorView& dv,
                         const TensorView& dout, const TensorView& q, const TensorView& k,
-                        const TensorView& v, const TensorView& out, const TensorView& lse_stats);
+                        const TensorView& v, const TensorView& out, const TensorView& lse_stats,
+                        const int32_t* doc_start = nullptr);
 
 void swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up);
 void swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
@@ -75,7 +78,8 @@ AttentionDims check_attention_backward(const TensorView& dq, const TensorView& d
                                        const TensorView& dv, const TensorView& dout,
                                        const TensorView& q, const TensorView& k,
                                        const TensorView& v, const TensorView& out,
-                                       const TensorView& lse_stats);
+                                       const TensorView& lse_stats,
+                                       const int32_t* doc_start = nullptr);
 int64_t check_swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
                               const TensorView& gate, const TensorView& up);
 XentDims check_xent_finish(const TensorView& losses, const TensorView& lse,

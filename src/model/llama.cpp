@@ -469,7 +469,7 @@ LlamaModel::BlockActs LlamaModel::acts(int u, int64_t batch, int set) const {
 
 void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
                                const TensorView& out, int64_t batch, int set, Stream& s,
-                               const Span* span) {
+                               const int32_t* doc_start, const Span* span) {
   const LlamaConfig& c = config_;
   const DType t = options_.param_dtype;
   const int64_t D = c.hidden_size, F = c.intermediate_size;
@@ -544,7 +544,8 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
   k_.rope(q3, rope, T, false, s);
   k_.rope(k3, rope, T, false, s);
   k_.attention_forward(TensorView{att.data, t, {batch, T, H, hd}, &device_}, a.lse,
-                       TensorView{q.data, t, {batch, T, H, hd}, &device_}, keys, values, s);
+                       TensorView{q.data, t, {batch, T, H, hd}, &device_}, keys, values, doc_start,
+                       s);
   linear(h, att, "o_proj", c.o_bias);
   k_.add(h, h, x, s);
   k_.rmsnorm_forward(hn, rstd2, h, w("post_attention_layernorm"), eps, s);
@@ -558,7 +559,7 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
 
 void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
                                 const TensorView& dout, const TensorView& din, int64_t batch,
-                                int set, Stream& s) {
+                                int set, Stream& s, const int32_t* doc_start) {
   const LlamaConfig& c = config_;
   const DType t = options_.param_dtype;
   const int64_t T = options_.seq_len, N = batch * T, D = c.hidden_size, F = c.intermediate_size;
@@ -571,7 +572,7 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
   const TensorView xn = rows(xn_, t, N, D), hn = rows(hn_, t, N, D), act = rows(act_, t, N, F);
   const TensorView rstd1 = rows(rstd1_, DType::f32, N, 0), rstd2 = rows(rstd2_, DType::f32, N, 0);
   if (options_.recompute) {
-    block_forward(u, units, x, TensorView{}, batch, set, s);
+    block_forward(u, units, x, TensorView{}, batch, set, s, doc_start);
   } else {
     // The forward kept the rest; these three are the same kernels on the same inputs, so the
     // same bits as the forward's.
@@ -616,7 +617,7 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
                         TensorView{q.data, t, {batch, T, H, hd}, &device_},
                         TensorView{kk.data, t, {batch, T, Hkv, hd}, &device_},
                         TensorView{v.data, t, {batch, T, Hkv, hd}, &device_},
-                        TensorView{att.data, t, {batch, T, H, hd}, &device_}, a.lse, s);
+                        TensorView{att.data, t, {batch, T, H, hd}, &device_}, a.lse, doc_start, s);
   k_.rope(TensorView{dq.data, t, {N, H, hd}, &device_}, rope, T, true, s);
   k_.rope(TensorView{dk.data, t, {N, Hkv, hd}, &device_}, rope, T, true, s);
   // dq and dk now reach the norms' outputs (Qwen3) or the projections' (else).
@@ -713,7 +714,7 @@ void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x
 
 void LlamaModel::forward_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids,
                               const int32_t* targets, const TensorView& in, const TensorView& out,
-                              int64_t batch, Stream& s, int set) {
+                              int64_t batch, Stream& s, int set, const int32_t* doc_start) {
   check_set(set);
   const UnitLayout& unit = layout_.units.at(static_cast<size_t>(u));
   switch (unit.kind) {
@@ -721,7 +722,7 @@ void LlamaModel::forward_unit(int u, const std::vector<UnitBuffers>& units, cons
       k_.embedding_forward(out, param(units, u, "embed_tokens", false), ids, s);
       break;
     case UnitKind::block:
-      block_forward(u, units, in, out, batch, set, s);
+      block_forward(u, units, in, out, batch, set, s, doc_start);
       break;
     case UnitKind::head:
       head(units, in, targets, batch, false, 0.0f, TensorView{}, set, s);
@@ -732,7 +733,7 @@ void LlamaModel::forward_unit(int u, const std::vector<UnitBuffers>& units, cons
 void LlamaModel::backward_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids,
                                const int32_t* targets, float loss_scale, const TensorView& in,
                                const TensorView& dout, const TensorView& din, int64_t batch,
-                               Stream& s, int set) {
+                               Stream& s, int set, const int32_t* doc_start) {
   check_set(set);
   refuse_if_forward_only("backward_unit");
   const UnitLayout& unit = layout_.units.at(static_cast<size_t>(u));
@@ -741,7 +742,7 @@ void LlamaModel::backward_unit(int u, const std::vector<UnitBuffers>& units, con
       k_.embedding_backward(param(units, u, "embed_tokens", true), dout, ids, s);
       break;
     case UnitKind::block:
-      block_backward(u, units, in, dout, din, batch, set, s);
+      block_backward(u, units, in, dout, din, batch, set, s, doc_start);
       break;
     case UnitKind::head:
       head(units, in, targets, batch, true, loss_scale, din, set, s);
@@ -750,7 +751,8 @@ void LlamaModel::backward_unit(int u, const std::vector<UnitBuffers>& units, con
 }
 
 void LlamaModel::forward(const std::vector<UnitBuffers>& units, const int32_t* ids,
-                         const int32_t* targets, int64_t batch, bool keep_checkpoints, Stream& s) {
+                         const int32_t* targets, int64_t batch, bool keep_checkpoints, Stream& s,
+                         const int32_t* doc_start) {
   if (batch < 1 || batch > options_.max_batch)
     fail("batch of {} sequences is outside 1..{} (the model's max batch); split it", batch,
          options_.max_batch);
@@ -765,14 +767,15 @@ void LlamaModel::forward(const std::vector<UnitBuffers>& units, const int32_t* i
   for (int u = 0; u < U; ++u) {
     const TensorView in = u == 0 ? TensorView{} : slot(slot_of(u), batch);
     const TensorView out = u + 1 < U ? slot(slot_of(u + 1), batch) : TensorView{};
-    forward_unit(u, units, ids, targets, in, out, batch, s);
+    forward_unit(u, units, ids, targets, in, out, batch, s, 0, doc_start);
   }
   last_slot_ = slot_of(U - 1);
   kept_ = keep_checkpoints;
 }
 
 void LlamaModel::backward(const std::vector<UnitBuffers>& units, const int32_t* ids,
-                          const int32_t* targets, int64_t batch, float loss_scale, Stream& s) {
+                          const int32_t* targets, int64_t batch, float loss_scale, Stream& s,
+                          const int32_t* doc_start) {
   refuse_if_forward_only("backward");
   const int U = layout_.num_units();
   if (!kept_)
@@ -784,7 +787,7 @@ void LlamaModel::backward(const std::vector<UnitBuffers>& units, const int32_t* 
   TensorView din = rows(grad_b_, options_.param_dtype, N, D);
   for (int u = U - 1; u >= 0; --u) {
     const TensorView in = u == 0 ? TensorView{} : checkpoint(u, batch);
-    backward_unit(u, units, ids, targets, loss_scale, in, dout, din, batch, s);
+    backward_unit(u, units, ids, targets, loss_scale, in, dout, din, batch, s, 0, doc_start);
     std::swap(dout, din);
   }
 }
@@ -840,7 +843,7 @@ void LlamaModel::decode_unit(int u, const std::vector<UnitBuffers>& units, const
       k_.embedding_forward(out, param(units, u, "embed_tokens", false), ids, s);
       break;
     case UnitKind::block:
-      block_forward(u, units, in, out, 1, 0, s, &span);
+      block_forward(u, units, in, out, 1, 0, s, nullptr, &span);
       break;
     case UnitKind::head: {  // the last token only
       const int64_t D = config_.hidden_size;

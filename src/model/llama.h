@@ -121,13 +121,20 @@ class LlamaModel {
   // Runs the forward of every unit and the loss; per-token losses land in losses() (f32
   // [batch*seq_len], 0 on ignored targets). With keep_checkpoints the inputs of every unit
   // are kept for backward().
+  // doc_start: null, or int32 [batch * seq_len] in device memory for several documents packed
+  // into each sequence (Kernels::attention_forward): each token attends to the tokens of its
+  // own document only, so each document computes what it would alone (its positions go on
+  // from the sequence's, which rotary attention does not see: its scores depend on the
+  // distance between two positions alone).
   void forward(const std::vector<UnitBuffers>& units, const int32_t* ids, const int32_t* targets,
-               int64_t batch, bool keep_checkpoints, Stream& stream);
+               int64_t batch, bool keep_checkpoints, Stream& stream,
+               const int32_t* doc_start = nullptr);
   // Gradients of `loss_scale` × (sum of per-token losses) with respect to every parameter,
   // accumulated (+=) into units[u].grads; needs forward(keep_checkpoints = true) just before.
   // For the mean loss over a batch pass 1 / (number of non-ignored targets).
   void backward(const std::vector<UnitBuffers>& units, const int32_t* ids, const int32_t* targets,
-                int64_t batch, float loss_scale, Stream& stream);
+                int64_t batch, float loss_scale, Stream& stream,
+                const int32_t* doc_start = nullptr);
   // Full logits [batch*seq_len, vocab] f32 into `out` (device memory), for tests and small
   // vocabularies; queued after a forward that set up the head's input.
   void logits(const std::vector<UnitBuffers>& units, const TensorView& out, int64_t batch,
@@ -164,13 +171,13 @@ class LlamaModel {
   // `set` (0..activation_sets-1) picks the block's stash when recompute is off.
   void forward_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids,
                     const int32_t* targets, const TensorView& in, const TensorView& out,
-                    int64_t batch, Stream& stream, int set = 0);
+                    int64_t batch, Stream& stream, int set = 0, const int32_t* doc_start = nullptr);
   // Recomputes unit u's forward from `in`, then din = ∂/∂in given dout (the head starts from
   // its loss, scaled by loss_scale, and ignores dout; the embedding has no din).
   void backward_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids,
                      const int32_t* targets, float loss_scale, const TensorView& in,
                      const TensorView& dout, const TensorView& din, int64_t batch, Stream& stream,
-                     int set = 0);
+                     int set = 0, const int32_t* doc_start = nullptr);
   // The activation slot holding unit u's input (u ≥ 1) after forward(keep_checkpoints), in
   // activation set `set`.
   TensorView checkpoint(int u, int64_t batch, int set = 0) const;
@@ -214,12 +221,13 @@ class LlamaModel {
   };
   // With `span`, x and out are [span->tokens, hidden], the keys and values go into the block's
   // cache and the queries attend to every cached position up to their own.
+  // doc_start: the documents packed into each sequence (forward_unit), or null.
   void block_forward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
                      const TensorView& out, int64_t batch, int set, Stream& stream,
-                     const Span* span = nullptr);
+                     const int32_t* doc_start = nullptr, const Span* span = nullptr);
   void block_backward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
                       const TensorView& dout, const TensorView& din, int64_t batch, int set,
-                      Stream& stream);
+                      Stream& stream, const int32_t* doc_start);
 
   LlamaConfig config_;
   ModelLayout layout_;

@@ -244,7 +244,7 @@ struct Executor::State {
 
   std::unique_ptr<ZeroModel> zero;
   std::vector<std::unique_ptr<LlamaModel>> models;
-  std::vector<DeviceBuffer> act_a, act_b, ids_dev, tgt_dev, chunk_sums, param_tmp;
+  std::vector<DeviceBuffer> act_a, act_b, ids_dev, tgt_dev, doc_dev, chunk_sums, param_tmp;
   // Decoding (RunShape::kv_cache): the positions of the Executor::decode() call in flight
   // (n = 0: none), each rank's last-position logits [vocab] f32, and rank 0's on the host.
   int64_t decode_pos = 0, decode_n = 0;
@@ -361,6 +361,7 @@ struct Executor::State {
   StepSlot& slot_of(int64_t k) { return step_slots[k % 2]; }
   std::vector<std::vector<std::vector<float>>> losses;  // [m][r]
   std::vector<std::vector<int64_t>> batch_sizes;        // [m][r]
+  std::vector<std::vector<bool>> with_docs;             // [m][r]: HostBatch::doc_start given
   float backward_scale = 1;
   // Timing: every finished span since the last period began (for its busy times), every span
   // (with ExecutorOptions::record), the start of the task each lane is running (-1: none), and
@@ -988,6 +989,9 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
                            MemoryKind::activations);
     s.tgt_dev.emplace_back(d, rows * 4 * static_cast<uint64_t>(s.M), "targets",
                            MemoryKind::activations);
+    if (shape.training || !shape.kv_cache)  // packed documents: training and evaluation
+      s.doc_dev.emplace_back(d, rows * 4 * static_cast<uint64_t>(s.M), "document starts",
+                             MemoryKind::activations);
     if (shape.kv_cache)
       s.logits_dev.emplace_back(d, static_cast<uint64_t>(shape.model.vocab_size) * 4, "logits",
                                 MemoryKind::activations);
@@ -1427,6 +1431,10 @@ void Executor::State::run_task(const Task& t, int64_t k) {
           static_cast<const int32_t*>(ids_dev[static_cast<size_t>(r)].data()) + m * rows;
       const int32_t* tg =
           static_cast<const int32_t*>(tgt_dev[static_cast<size_t>(r)].data()) + m * rows;
+      const int32_t* docs =
+          with_docs[static_cast<size_t>(m)][static_cast<size_t>(r)]
+              ? static_cast<const int32_t*>(doc_dev[static_cast<size_t>(r)].data()) + m * rows
+              : nullptr;
       // Micro-batch m's activations (and the gradients flowing between its units): set m % G.
       const int set = m % sc->micro_batch_group;
       if (b > 0 && decode_n > 0) {  // Executor::decode(): forwards only, one sequence
@@ -1440,7 +1448,7 @@ void Executor::State::run_task(const Task& t, int64_t k) {
         const TensorView in = u == 0 ? TensorView{} : model.checkpoint(u, b, set);
         if (t.kind == TaskKind::forward) {
           const TensorView out = u + 1 < U ? model.checkpoint(u + 1, b, set) : TensorView{};
-          model.forward_unit(u, v, ids, tg, in, out, b, st, set);
+          model.forward_unit(u, v, ids, tg, in, out, b, st, set, docs);
           if (u == U - 1) {
             auto& l = losses[static_cast<size_t>(m)][static_cast<size_t>(r)];
             l.resize(static_cast<size_t>(b * T));
@@ -1459,7 +1467,7 @@ void Executor::State::run_task(const Task& t, int64_t k) {
                              {b * T, D},
                              &dev(r)};
           model.backward_unit(u, v, ids, tg, backward_scale, in, j % 2 == 0 ? a : c,
-                              j % 2 == 0 ? c : a, b, st, set);
+                              j % 2 == 0 ? c : a, b, st, set, docs);
         }
       }
       st.synchronize();
@@ -1759,6 +1767,7 @@ int64_t Executor::State::upload(const std::vector<std::vector<HostBatch>>& batch
   const int64_t T = shape.seq_len, rows = shape.micro_batch * T;
   int64_t count = 0;
   batch_sizes.assign(static_cast<size_t>(M), std::vector<int64_t>(static_cast<size_t>(N)));
+  with_docs.assign(static_cast<size_t>(M), std::vector<bool>(static_cast<size_t>(N)));
   for (int m = 0; m < M; ++m) {
     if (batches[static_cast<size_t>(m)].size() != static_cast<size_t>(N))
       fail("executor {}: micro-batch {} has {} rank batches for {} ranks", what, m,
@@ -1786,12 +1795,24 @@ int64_t Executor::State::upload(const std::vector<std::vector<HostBatch>>& batch
         count += t != kIgnoreIndex ? 1 : 0;
       }
       batch_sizes[static_cast<size_t>(m)][static_cast<size_t>(r)] = b.batch;
+      // Documents packed into the sequences: checked here, as the CUDA kernels trust them.
+      const bool docs = !b.doc_start.empty();
+      if (docs && (b.doc_start.size() != len || doc_dev.empty()))
+        fail("executor {}: rank {}'s micro-batch {} has {} document starts for {} tokens{}", what,
+             r, m, b.doc_start.size(), len,
+             doc_dev.empty() ? "; a decoding run packs no documents" : "");
+      if (docs) check_doc_start(what, b.doc_start.data(), b.batch, T);
+      with_docs[static_cast<size_t>(m)][static_cast<size_t>(r)] = docs;
       Stream& st = *streams[static_cast<size_t>(r)].setup;
       char* ids = static_cast<char*>(ids_dev[static_cast<size_t>(r)].data()) + m * rows * 4;
       char* tg = static_cast<char*>(tgt_dev[static_cast<size_t>(r)].data()) + m * rows * 4;
       if (len > 0) {
         dev(r).copy_to_device(ids, b.ids.data(), len * 4, st);
         dev(r).copy_to_device(tg, b.targets.data(), len * 4, st);
+        if (docs) {
+          char* ds = static_cast<char*>(doc_dev[static_cast<size_t>(r)].data()) + m * rows * 4;
+          dev(r).copy_to_device(ds, b.doc_start.data(), len * 4, st);
+        }
       }
       st.synchronize();
     }
@@ -1976,6 +1997,7 @@ const std::vector<float>& Executor::decode(const std::vector<int32_t>& ids, int6
   // Rank 0 decodes; the other ranks take part in the gathers only (batch 0).
   s.batch_sizes.assign(static_cast<size_t>(s.M), std::vector<int64_t>(static_cast<size_t>(s.N)));
   s.batch_sizes[0][0] = 1;
+  s.with_docs.assign(static_cast<size_t>(s.M), std::vector<bool>(static_cast<size_t>(s.N)));
   Stream& st = *s.streams[0].setup;
   s.dev(0).copy_to_device(s.ids_dev[0].data(), ids.data(), ids.size() * 4, st);
   st.synchronize();
@@ -2010,7 +2032,7 @@ ExecutorMemory Executor::memory() const {
   m.device_grad_staging = s.dev_grad.empty() ? 0 : static_cast<int>(s.dev_grad[0].size());
   m.pinned_staging = static_cast<int>(s.pinned.size());
   const uint64_t align = s.pl.shape.device_alignment;
-  for (const auto* v : {&s.ids_dev, &s.tgt_dev, &s.chunk_sums, &s.param_tmp})
+  for (const auto* v : {&s.ids_dev, &s.tgt_dev, &s.doc_dev, &s.chunk_sums, &s.param_tmp})
     if (!v->empty()) m.device_extra_bytes += round_up((*v)[0].bytes(), align);
   if (s.store) m.swap_bounce_bytes = s.store->own_staging_bytes();
   return m;

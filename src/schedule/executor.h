@@ -85,6 +85,9 @@ struct ExecutorOptions {
 // One rank's sequences of one micro-batch, in host memory: batch × seq_len ids and targets.
 struct HostBatch {
   std::vector<int32_t> ids, targets;
+  // Empty: one document per sequence. Else, beside ids, where each token's document starts in
+  // its sequence, for documents packed together (LlamaModel::forward's doc_start).
+  std::vector<int32_t> doc_start;
   int64_t batch = 0;
 };
 

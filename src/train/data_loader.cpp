@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <map>
 #include <utility>
 
 namespace strata {
@@ -115,15 +116,17 @@ std::vector<int64_t> epoch_order(uint64_t seed, int64_t epoch, int64_t n) {
 }
 
 std::string_view packing_name(Packing packing) {
-  return packing == Packing::none ? "none" : "wrapped";
+  return packing == Packing::none ? "none" : packing == Packing::bfd ? "bfd" : "wrapped";
 }
 
 Packing parse_packing(std::string_view text, std::string_view flag) {
   if (text == "wrapped") return Packing::wrapped;
   if (text == "none") return Packing::none;
+  if (text == "bfd") return Packing::bfd;
   fail(
-      "{} {}: expected wrapped (documents end to end, cut into --seq-len windows) or none (one "
-      "document per sequence, padded)",
+      "{} {}: expected wrapped (documents end to end, cut into --seq-len windows), none (one "
+      "document per sequence, padded) or bfd (whole documents packed into sequences, each "
+      "attending to itself alone)",
       flag, text);
 }
 
@@ -166,8 +169,8 @@ DataPosition DataPosition::from_json(const nlohmann::json& json, std::string_vie
     p.counted_targets = whole(json, "counted_targets", 0, source);
   if (json.contains("packing")) {
     const nlohmann::json& v = json.at("packing");
-    if (!v.is_string() || (v != "wrapped" && v != "none"))
-      fail("{}: data position \"packing\" is {}; expected \"wrapped\" or \"none\"", source,
+    if (!v.is_string() || (v != "wrapped" && v != "none" && v != "bfd"))
+      fail("{}: data position \"packing\" is {}; expected \"wrapped\", \"none\" or \"bfd\"", source,
            v.dump());
     p.packing = parse_packing(v.get<std::string>());
   }
@@ -192,10 +195,11 @@ TokenSequences::TokenSequences(const std::vector<std::filesystem::path>& files, 
     if (loss_masks) masks_[f] = LossMask::open_beside(files_[f]);
     masked_files_ += masks_[f] ? 1 : 0;
   }
-  if (packing == Packing::none) {
-    index_documents(what);
-  } else {
+  if (packing == Packing::wrapped) {
     wrap_sequences();
+  } else {
+    index_documents(what);
+    if (packing == Packing::bfd) pack_documents();
   }
   if (counted_ == 0)
     fail(
@@ -232,10 +236,11 @@ void TokenSequences::index_documents(std::string_view what) {
     const std::optional<DocumentIndex> index = DocumentIndex::open_beside(files_[f]);
     if (!index)
       fail(
-          "{} {}: --packing none reads one document per sequence, but there is no document "
-          "index ({}) beside it to say where they start; tokenize the data again with strata "
-          "tokenize, which writes one, or pass --packing wrapped",
-          what, files_[f].path(), document_index_path(files_[f].path()).filename().string());
+          "{} {}: --packing {} reads whole documents, but there is no document index ({}) "
+          "beside it to say where they start; tokenize the data again with strata tokenize, "
+          "which writes one, or pass --packing wrapped",
+          what, files_[f].path(), packing_name(packing_),
+          document_index_path(files_[f].path()).filename().string());
     for (int64_t d = 0; d < index->size(); ++d) starts.push_back(offset_.back() + index->start(d));
     offset_.push_back(offset_.back() + files_[f].size());
   }
@@ -276,12 +281,68 @@ void TokenSequences::index_documents(std::string_view what) {
         what, files_.front().path(), shortest);
 }
 
+void TokenSequences::pack_documents() {
+  // Best fit decreasing over the documents' positions (n - 1 of a cut document of n tokens):
+  // longest first (the earlier document on a tie), each into the open row with the least room
+  // that holds it (the earliest opened on a tie: a multimap keeps equal keys in insertion
+  // order), else into a new row.
+  const int64_t D = documents(), T = seq_len_;
+  std::vector<int64_t> order(static_cast<size_t>(D));
+  for (int64_t d = 0; d < D; ++d) order[static_cast<size_t>(d)] = d;
+  const auto positions = [&](int64_t d) {
+    return doc_[2 * static_cast<size_t>(d) + 1] - doc_[2 * static_cast<size_t>(d)] - 1;
+  };
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return positions(a) > positions(b); });
+  std::vector<std::vector<int64_t>> rows;
+  std::multimap<int64_t, int64_t> room;  // room left -> row
+  for (const int64_t d : order) {
+    const int64_t need = positions(d);
+    auto it = room.lower_bound(need);
+    int64_t row = 0, left = 0;
+    if (it == room.end()) {
+      row = static_cast<int64_t>(rows.size());
+      rows.emplace_back();
+      left = T;
+    } else {
+      row = it->second;
+      left = it->first;
+      room.erase(it);
+    }
+    rows[static_cast<size_t>(row)].push_back(d);
+    if (left - need > 0) room.emplace(left - need, row);
+  }
+  row_first_.assign(1, 0);
+  for (const std::vector<int64_t>& r : rows) {
+    row_docs_.insert(row_docs_.end(), r.begin(), r.end());
+    row_first_.push_back(static_cast<int64_t>(row_docs_.size()));
+  }
+  size_ = static_cast<int64_t>(rows.size());
+}
+
 size_t TokenSequences::file_of(int64_t p) const {
   return static_cast<size_t>(std::upper_bound(offset_.begin(), offset_.end(), p) - offset_.begin() -
                              1);
 }
 
-void TokenSequences::read(int64_t g, int32_t* ids, int32_t* targets) const {
+void TokenSequences::read_document(int64_t d, int64_t at, int32_t* ids, int32_t* targets) const {
+  // Document d: its tokens a .. b-1 (at most T + 1), inputs the first n - 1, targets the rest.
+  const int64_t a = doc_[2 * static_cast<size_t>(d)], b = doc_[2 * static_cast<size_t>(d) + 1];
+  const int64_t n = b - a;
+  size_t f = file_of(a);
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t p = a + j;
+    while (p >= offset_[f + 1]) ++f;
+    const auto token = static_cast<int32_t>(files_[f].get(p - offset_[f]));
+    if (j + 1 < n) ids[at + j] = token;
+    if (j > 0) {
+      const bool counts = !masks_[f] || masks_[f]->counts(p - offset_[f]);
+      targets[at + j - 1] = counts ? token : kIgnoreIndex;
+    }
+  }
+}
+
+void TokenSequences::read(int64_t g, int32_t* ids, int32_t* targets, int32_t* doc_start) const {
   if (g < 0 || g >= size())
     fail("token data: sequence {} is out of range (the files hold {})", g, size());
   if (packing_ == Packing::wrapped) {
@@ -291,23 +352,26 @@ void TokenSequences::read(int64_t g, int32_t* ids, int32_t* targets) const {
     if (masks_[f]) masks_[f]->apply(g - first_[f], seq_len_, targets);
     return;
   }
-  // Document g: its tokens a .. b-1 (at most T + 1), inputs the first n - 1, targets the rest.
-  const int64_t a = doc_[2 * static_cast<size_t>(g)], b = doc_[2 * static_cast<size_t>(g) + 1];
-  const int64_t n = b - a;
-  size_t f = file_of(a);
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t p = a + j;
-    while (p >= offset_[f + 1]) ++f;
-    const auto token = static_cast<int32_t>(files_[f].get(p - offset_[f]));
-    if (j + 1 < n) ids[j] = token;
-    if (j > 0) {
-      const bool counts = !masks_[f] || masks_[f]->counts(p - offset_[f]);
-      targets[j - 1] = counts ? token : kIgnoreIndex;
+  int64_t used = 0;  // positions filled
+  if (packing_ == Packing::none) {
+    read_document(g, 0, ids, targets);
+    used = doc_[2 * static_cast<size_t>(g) + 1] - doc_[2 * static_cast<size_t>(g)] - 1;
+  } else {
+    if (doc_start == nullptr)
+      fail("token data: sequence {} packs documents, and its reader gave nowhere to say where", g);
+    const auto row = static_cast<size_t>(g);
+    for (int64_t i = row_first_[row]; i < row_first_[row + 1]; ++i) {
+      const int64_t d = row_docs_[static_cast<size_t>(i)];
+      const int64_t n = doc_[2 * static_cast<size_t>(d) + 1] - doc_[2 * static_cast<size_t>(d)];
+      read_document(d, used, ids, targets);
+      for (int64_t j = used; j < used + n - 1; ++j) doc_start[j] = static_cast<int32_t>(used);
+      used += n - 1;
     }
   }
-  for (int64_t j = n - 1; j < seq_len_; ++j) {
+  for (int64_t j = used; j < seq_len_; ++j) {
     ids[j] = 0;
     targets[j] = kIgnoreIndex;
+    if (packing_ == Packing::bfd) doc_start[j] = static_cast<int32_t>(used);  // its own
   }
 }
 
@@ -327,9 +391,15 @@ std::string describe_documents(const TokenSequences& data) {
         "; {} have no target that counts within the cut (a prompt as long as the sequence, or "
         "no reply) and train on nothing",
         data.uncounted());
-  return fmt::format(
-      "{} documents, one per sequence (--packing none); {}{}; {:.0f}% of the inputs are padding", n,
-      cut, idle, 100.0 * padding);
+  const std::string rows =
+      data.packing() == Packing::bfd
+          ? fmt::format(
+                "{} documents packed into {} sequences by best fit decreasing, each "
+                "attending to itself alone (--packing bfd)",
+                data.documents(), n)
+          : fmt::format("{} documents, one per sequence (--packing none)", n);
+  return fmt::format("{}; {}{}; {:.0f}% of the inputs are padding", rows, cut, idle,
+                     100.0 * padding);
 }
 
 DataLoader::DataLoader(const std::vector<std::filesystem::path>& files, int64_t seq_len,
@@ -349,16 +419,19 @@ void DataLoader::load_order() {
   order_ = epoch_order(position_.seed, position_.epoch, position_.sequences);
 }
 
-void DataLoader::read(int64_t g, int32_t* ids, int32_t* targets) const {
-  data_.read(g, ids, targets);
+void DataLoader::read(int64_t g, int32_t* ids, int32_t* targets, int32_t* doc_start) const {
+  data_.read(g, ids, targets, doc_start);
 }
 
-void DataLoader::next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> targets) {
+void DataLoader::next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> targets,
+                      std::span<int32_t> doc_start) {
   const int64_t T = position_.seq_len;
   check_rows(batch, T, ids, targets, "training batch");
+  const bool docs = data_.packs_documents();
+  if (docs) check_rows(batch, T, doc_start, targets, "training batch");
   for (int64_t r = 0; r < batch; ++r) {
     read(order_[static_cast<size_t>(position_.position)], ids.data() + r * T,
-         targets.data() + r * T);
+         targets.data() + r * T, docs ? doc_start.data() + r * T : nullptr);
     if (++position_.position == position_.sequences) {
       position_.position = 0;
       ++position_.epoch;
@@ -408,12 +481,16 @@ EvalSequences::EvalSequences(const std::vector<std::filesystem::path>& files, in
   if (max_sequences > 0) count_ = std::min(count_, max_sequences);
 }
 
-int64_t EvalSequences::next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> targets) {
+int64_t EvalSequences::next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> targets,
+                            std::span<int32_t> doc_start) {
   const int64_t T = data_.seq_len();
   check_rows(batch, T, ids, targets, "evaluation batch");
+  const bool docs = data_.packs_documents();
+  if (docs) check_rows(batch, T, doc_start, targets, "evaluation batch");
   const int64_t rows = std::min(batch, count_ - next_);
   for (int64_t r = 0; r < rows; ++r)
-    data_.read(next_ + r, ids.data() + r * T, targets.data() + r * T);
+    data_.read(next_ + r, ids.data() + r * T, targets.data() + r * T,
+               docs ? doc_start.data() + r * T : nullptr);
   next_ += rows;
   return rows;
 }

@@ -62,9 +62,17 @@ std::vector<int64_t> epoch_order(uint64_t seed, int64_t epoch, int64_t n);
 //    a longer document is cut after T + 1 tokens, as max_length truncates it. Causal attention
 //    keeps the padding out of the document's positions, so each row computes what the document
 //    alone would. Documents of fewer than 2 tokens (no target) are left out.
-enum class Packing : uint8_t { wrapped, none };
+//  bfd: the documents of none (each cut after T + 1 tokens, taking L - 1 positions) packed whole
+//    into sequences by best fit decreasing, as TRL packs with its "bfd" strategy: longest
+//    first, each into the sequence with the least room that holds it (the first such, on a
+//    tie), else a new one; the rest of a sequence is padding. Each row comes with where each
+//    position's document starts (doc_start, the padding its own), and attention keeps every
+//    document to itself (LlamaModel::forward), so each document still computes what it would
+//    alone, as TRL's padding-free packing with position ids does; only the padding is gone.
+//    The packing is fixed by the data and T: every epoch shuffles the same sequences.
+enum class Packing : uint8_t { wrapped, none, bfd };
 std::string_view packing_name(Packing packing);
-// "wrapped" or "none"; an Error naming `flag` and the value otherwise.
+// "wrapped", "none" or "bfd"; an Error naming `flag` and the value otherwise.
 Packing parse_packing(std::string_view text, std::string_view flag = "--packing");
 // What `--packing auto` picks for `files`: none where every file has a document index beside it
 // and at least one has a loss mask (fine-tuning rows, whose prompts must stay with their
@@ -111,20 +119,27 @@ class TokenSequences {
   // Files with a loss mask read (0 without masks), and the targets of all sequences that count.
   int64_t masked_files() const { return masked_files_; }
   int64_t counted_targets() const { return counted_; }
-  // Packing none: documents cut after T + 1 tokens, the longest document's tokens, and the
-  // inputs that are a document's (the rest of size() x T is padding).
+  // Packing none or bfd: documents cut after T + 1 tokens, the longest document's tokens, and
+  // the inputs that are a document's (the rest of size() x T is padding).
   int64_t truncated() const { return truncated_; }
   int64_t longest() const { return longest_; }
   int64_t document_inputs() const { return document_inputs_; }
-  // Packing none: documents none of whose targets (within the cut) counts: a prompt that fills
-  // the sequence, or a conversation without replies. They take a row and train on nothing.
+  // Packing none or bfd: documents none of whose targets (within the cut) counts: a prompt that
+  // fills the sequence, or a conversation without replies. They take room and train on nothing.
   int64_t uncounted() const { return uncounted_; }
-  // Sequence g as one row of ids and targets (seq_len each).
-  void read(int64_t g, int32_t* ids, int32_t* targets) const;
+  int64_t documents() const { return static_cast<int64_t>(doc_.size() / 2); }
+  // Whether rows come with where their documents start (packing bfd).
+  bool packs_documents() const { return packing_ == Packing::bfd; }
+  // Sequence g as one row of ids and targets (seq_len each), and with packs_documents() the
+  // start of each position's document in the row (seq_len; else doc_start is not written).
+  void read(int64_t g, int32_t* ids, int32_t* targets, int32_t* doc_start = nullptr) const;
 
  private:
   void wrap_sequences();                        // packing wrapped
-  void index_documents(std::string_view what);  // packing none
+  void index_documents(std::string_view what);  // packing none and bfd
+  void pack_documents();                        // packing bfd: doc_ into rows_
+  // Document d's tokens (at most T + 1) into ids/targets from position `at` of a row.
+  void read_document(int64_t d, int64_t at, int32_t* ids, int32_t* targets) const;
   // The file holding global token p (the files' tokens end to end).
   size_t file_of(int64_t p) const;
 
@@ -133,6 +148,8 @@ class TokenSequences {
   std::vector<int64_t> first_;                  // wrapped: first index of each file, then size()
   std::vector<int64_t> offset_;                 // none: first token of each file, then the total
   std::vector<int64_t> doc_;  // none: document g is global tokens [doc_[2g], doc_[2g + 1])
+  // bfd: row g holds documents row_docs_[row_first_[g] .. row_first_[g + 1]), in order.
+  std::vector<int64_t> row_first_, row_docs_;
   Packing packing_ = Packing::wrapped;
   int64_t size_ = 0, seq_len_ = 0, masked_files_ = 0, counted_ = 0;
   int64_t truncated_ = 0, longest_ = 0, document_inputs_ = 0, uncounted_ = 0;
@@ -156,10 +173,12 @@ class DataLoader {
   const TokenSequences& data() const { return data_; }
 
   // The next `batch` sequences: row r of ids/targets (each batch × seq_len, row-major) is the
-  // r-th sequence handed out. Advances the position, and the epoch when it is exhausted.
-  void next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> targets);
+  // r-th sequence handed out, and of doc_start where the data packs documents (needed then).
+  // Advances the position, and the epoch when it is exhausted.
+  void next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> targets,
+            std::span<int32_t> doc_start = {});
   // Global sequence index g as ids/targets rows (seq_len each).
-  void read(int64_t g, int32_t* ids, int32_t* targets) const;
+  void read(int64_t g, int32_t* ids, int32_t* targets, int32_t* doc_start = nullptr) const;
 
   const DataPosition& position() const { return position_; }
   // Continues from a saved position; an Error when it was saved over other data (another
@@ -187,9 +206,11 @@ class EvalSequences {
   int64_t size() const { return count_; }
   int64_t seq_len() const { return data_.seq_len(); }
   const TokenSequences& data() const { return data_; }
-  // Fills the next min(batch, remaining) rows of ids/targets (each at least batch × seq_len)
-  // and returns how many; 0 once every sequence was handed out.
-  int64_t next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> targets);
+  // Fills the next min(batch, remaining) rows of ids/targets (each at least batch × seq_len),
+  // and of doc_start where the data packs documents, and returns how many; 0 once every
+  // sequence was handed out.
+  int64_t next(int64_t batch, std::span<int32_t> ids, std::span<int32_t> targets,
+               std::span<int32_t> doc_start = {});
   void rewind() { next_ = 0; }
 
  private:

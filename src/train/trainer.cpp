@@ -55,9 +55,11 @@ EvalResult evaluate(Executor& ex, EvalSequences& held_out, int64_t micro_batches
         HostBatch b;
         b.ids.resize(static_cast<size_t>(micro_batch * T));
         b.targets.resize(b.ids.size());
-        b.batch = held_out.next(micro_batch, b.ids, b.targets);
+        if (held_out.data().packs_documents()) b.doc_start.resize(b.ids.size());
+        b.batch = held_out.next(micro_batch, b.ids, b.targets, b.doc_start);
         b.ids.resize(static_cast<size_t>(b.batch * T));
         b.targets.resize(b.ids.size());
+        if (!b.doc_start.empty()) b.doc_start.resize(b.ids.size());
         got += b.batch;
         mb.push_back(std::move(b));
       }
@@ -230,7 +232,7 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
           "on changes nothing\n");
   }
   for (const TokenSequences* d : {&loader.data(), held_out ? &held_out->data() : nullptr})
-    if (d && d->packing() == Packing::none)
+    if (d && d->packing() != Packing::wrapped)
       fmt::print("{} data: {}\n", d == &loader.data() ? "training" : "held-out",
                  describe_documents(*d));
   for (const TokenSequences* d : {&loader.data(), held_out ? &held_out->data() : nullptr})
@@ -275,7 +277,8 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
         b.batch = s.micro_batch;
         b.ids.resize(static_cast<size_t>(rows));
         b.targets.resize(static_cast<size_t>(rows));
-        loader.next(s.micro_batch, b.ids, b.targets);
+        if (loader.data().packs_documents()) b.doc_start.resize(static_cast<size_t>(rows));
+        loader.next(s.micro_batch, b.ids, b.targets, b.doc_start);
         mb.push_back(std::move(b));
       }
     StepParams p;
