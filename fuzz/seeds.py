@@ -117,6 +117,12 @@ def tokens_seeds():
     yield "mask-raw-flags", bytes([4 | 8, 3, 0]) + llmc(ids, 20240520, 1, 2)
     yield "mask-spoilt-header", bytes([4 | 16, 3, 0]) + llmc(ids, 20240520, 1, 2)
     yield "mask-all-zero", bytes([5, 1, 0]) + struct.pack("<10H", *([0] * 10))
+    # With a document index beside the file (bit 5): starts spaced by the file's bytes, with
+    # and without a mask, or the file's bytes as the starts (bit 6).
+    yield "docs-llmc-u16", bytes([32, 3, 0]) + llmc(ids, 20240520, 1, 2)
+    yield "docs-mask-raw-u16", bytes([32 | 5, 2, 0]) + struct.pack("<10H", *ids)
+    yield "docs-long-raw-u16", bytes([32 | 1, 5, 0]) + struct.pack("<40H", *(ids * 4))
+    yield "docs-garbage-starts", bytes([32 | 64 | 1, 3, 0]) + struct.pack("<16H", *range(16))
 
 
 def chat_template_seeds():
