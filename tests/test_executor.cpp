@@ -1054,16 +1054,26 @@ TEST(Executor, ResolvesAStepOf170000TasksInLittleMemory) {
   EXPECT_LT(grown, 512.0);
 }
 
+// The tiny model on two devices with everything on them, initialised: for the checks of what
+// the executor is given.
+struct TwoDeviceRun {
+  LlamaConfig c = tiny(false);
+  Rig rig{2};
+  Placement pl = make_placement(c, 2, Tier::gpu, Tier::gpu, "");
+  Schedule sc = Schedule::build(pl, [] {
+    ScheduleOptions so;
+    so.micro_batches = kMicro;
+    return so;
+  }());
+  Executor ex{pl, sc, *rig.comm, ExecutorOptions{}};
+  TwoDeviceRun() { ex.init_random(3); }
+};
+
 TEST(Executor, TokenIdsOutsideTheVocabularyAreRefused) {
   REQUIRE_DEVICES(2);
-  const LlamaConfig c = tiny(false);
-  Rig rig(2);
-  const Placement pl = make_placement(c, 2, Tier::gpu, Tier::gpu, "");
-  ScheduleOptions so;
-  so.micro_batches = kMicro;
-  const Schedule sc = Schedule::build(pl, so);
-  Executor ex(pl, sc, *rig.comm, ExecutorOptions{});
-  ex.init_random(3);
+  TwoDeviceRun run;
+  const LlamaConfig& c = run.c;
+  Executor& ex = run.ex;
   const auto good = make_batches(2, c.vocab_size);
   auto bad = good[0];
   bad[1][1].ids[5] = static_cast<int32_t>(c.vocab_size);
@@ -1083,15 +1093,9 @@ TEST(Executor, TokenIdsOutsideTheVocabularyAreRefused) {
 // anything runs (the CUDA kernels trust them).
 TEST(Executor, PackedDocumentsReachTheAttention) {
   REQUIRE_DEVICES(2);
-  const LlamaConfig c = tiny(false);
-  Rig rig(2);
-  const Placement pl = make_placement(c, 2, Tier::gpu, Tier::gpu, "");
-  ScheduleOptions so;
-  so.micro_batches = kMicro;
-  const Schedule sc = Schedule::build(pl, so);
-  Executor ex(pl, sc, *rig.comm, ExecutorOptions{});
-  ex.init_random(3);
-  const auto plain = make_batches(2, c.vocab_size)[0];
+  TwoDeviceRun run;
+  Executor& ex = run.ex;
+  const auto plain = make_batches(2, run.c.vocab_size)[0];
   auto whole = plain, each = plain;
   for (auto& mb : whole)
     for (HostBatch& b : mb) b.doc_start.assign(b.ids.size(), 0);

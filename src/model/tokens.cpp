@@ -33,6 +33,57 @@ int32_t header_int(const uint8_t* p, int i) {
   return v;
 }
 
+// Files bound to a token file beside it (a loss mask, a document index) share a header:
+// kHeaderInts int32 of magic, version, the token count, the low and high words of the XXH3-64
+// of the token file's stored tokens, then the file's own fields.
+std::array<int32_t, kHeaderInts> bound_header(int32_t magic, int32_t version,
+                                              const TokenFile& tokens) {
+  const std::span<const uint8_t> stored = tokens.stored();
+  const uint64_t hash = xxh3_64(stored.data(), stored.size());
+  std::array<int32_t, kHeaderInts> header{};
+  header[0] = magic;
+  header[1] = version;
+  header[2] = static_cast<int32_t>(tokens.size());
+  header[3] = static_cast<int32_t>(static_cast<uint32_t>(hash));
+  header[4] = static_cast<int32_t>(static_cast<uint32_t>(hash >> 32));
+  return header;
+}
+
+// `where` (a `what`: "loss mask", "document index"), mapped, with its magic and version
+// checked; nullopt when there is no such file.
+std::optional<MappedFile> open_bound(const std::filesystem::path& where, const char* what,
+                                     int32_t magic, int32_t version, const TokenFile& tokens) {
+  std::error_code ec;
+  if (!std::filesystem::exists(where, ec)) return std::nullopt;
+  MappedFile file = MappedFile::open(where, what);
+  if (file.size() < kHeaderBytes || header_int(file.data(), 0) != magic)
+    fail(
+        "{} {}: not a strata {} (no header with magic {}); it sits beside token file {}, which "
+        "it would be read with: remove it, or rewrite both with strata tokenize",
+        what, file.path(), what, magic, tokens.path());
+  if (header_int(file.data(), 1) != version)
+    fail("{} {}: version {}; this strata reads version {}", what, file.path(),
+         header_int(file.data(), 1), version);
+  return file;
+}
+
+// The bound file's hash against the tokens' (after its counts were checked); `noun` is what
+// to remove ("mask", "index").
+void check_bound_hash(const MappedFile& file, const char* what, const char* noun,
+                      const TokenFile& tokens) {
+  const uint8_t* data = file.data();
+  const uint64_t want = static_cast<uint32_t>(header_int(data, 3)) |
+                        static_cast<uint64_t>(static_cast<uint32_t>(header_int(data, 4))) << 32;
+  const std::span<const uint8_t> stored = tokens.stored();
+  const uint64_t got = xxh3_64(stored.data(), stored.size());
+  if (got != want)
+    fail(
+        "{} {}: written for tokens with XXH3-64 {:016x}, but token file {} hashes to {:016x}; "
+        "the token file was rewritten after its {}: rewrite both with strata tokenize, or "
+        "remove the {}",
+        what, file.path(), want, tokens.path(), got, noun, noun);
+}
+
 }  // namespace
 
 std::optional<TokenWidth> parse_token_width(std::string_view text) {
@@ -237,38 +288,21 @@ std::filesystem::path loss_mask_path(const std::filesystem::path& tokens) {
 }
 
 std::optional<LossMask> LossMask::open_beside(const TokenFile& tokens) {
-  const std::filesystem::path where = loss_mask_path(tokens.path());
-  std::error_code ec;
-  if (!std::filesystem::exists(where, ec)) return std::nullopt;
+  std::optional<MappedFile> file =
+      open_bound(loss_mask_path(tokens.path()), "loss mask", kMaskMagic, kMaskVersion, tokens);
+  if (!file) return std::nullopt;
   LossMask m;
-  m.file_ = MappedFile::open(where, "loss mask");
+  m.file_ = std::move(*file);
   const std::string& name = m.file_.path();
   const uint64_t size = m.file_.size();
   const uint8_t* data = m.file_.data();
-  if (size < kHeaderBytes || header_int(data, 0) != kMaskMagic)
-    fail(
-        "loss mask {}: not a strata loss mask (no header with magic {}); it sits beside token "
-        "file {}, so it would mask its targets: remove it, or rewrite both with strata tokenize",
-        name, kMaskMagic, tokens.path());
-  if (header_int(data, 1) != kMaskVersion)
-    fail("loss mask {}: version {}; this strata reads version {}", name, header_int(data, 1),
-         kMaskVersion);
   const int64_t count = header_int(data, 2);
   if (count != tokens.size() || size != kHeaderBytes + static_cast<uint64_t>(tokens.size()))
     fail(
         "loss mask {}: {} flags in {} bytes, but token file {} holds {} tokens; the two were not "
         "written together: rewrite both with strata tokenize, or remove the mask",
         name, count, size, tokens.path(), tokens.size());
-  const uint64_t want = static_cast<uint32_t>(header_int(data, 3)) |
-                        static_cast<uint64_t>(static_cast<uint32_t>(header_int(data, 4))) << 32;
-  const std::span<const uint8_t> stored = tokens.stored();
-  const uint64_t got = xxh3_64(stored.data(), stored.size());
-  if (got != want)
-    fail(
-        "loss mask {}: written for tokens with XXH3-64 {:016x}, but token file {} hashes to "
-        "{:016x}; the token file was rewritten after its mask: rewrite both with strata "
-        "tokenize, or remove the mask",
-        name, want, tokens.path(), got);
+  check_bound_hash(m.file_, "loss mask", "mask", tokens);
   m.flags_ = data + kHeaderBytes;
   m.size_ = count;
   for (int64_t i = 0; i < count; ++i) {
@@ -309,14 +343,7 @@ void LossMaskWriter::close_shard() {
   if (static_cast<uint64_t>(tokens.size()) != in_shard_)
     fail("writing loss mask of {}: {} flags for {} tokens; the token file is not complete",
          tokens_path.string(), in_shard_, tokens.size());
-  const std::span<const uint8_t> stored = tokens.stored();
-  const uint64_t hash = xxh3_64(stored.data(), stored.size());
-  std::array<int32_t, kHeaderInts> header{};
-  header[0] = kMaskMagic;
-  header[1] = kMaskVersion;
-  header[2] = static_cast<int32_t>(in_shard_);
-  header[3] = static_cast<int32_t>(static_cast<uint32_t>(hash));
-  header[4] = static_cast<int32_t>(static_cast<uint32_t>(hash >> 32));
+  const std::array<int32_t, kHeaderInts> header = bound_header(kMaskMagic, kMaskVersion, tokens);
   file_->write_at(0, header.data(), kHeaderBytes);
   file_->commit();
   file_.reset();
@@ -367,22 +394,14 @@ std::filesystem::path document_index_path(const std::filesystem::path& tokens) {
 }
 
 std::optional<DocumentIndex> DocumentIndex::open_beside(const TokenFile& tokens) {
-  const std::filesystem::path where = document_index_path(tokens.path());
-  std::error_code ec;
-  if (!std::filesystem::exists(where, ec)) return std::nullopt;
+  std::optional<MappedFile> file = open_bound(document_index_path(tokens.path()), "document index",
+                                              kDocsMagic, kDocsVersion, tokens);
+  if (!file) return std::nullopt;
   DocumentIndex x;
-  x.file_ = MappedFile::open(where, "document index");
+  x.file_ = std::move(*file);
   const std::string& name = x.file_.path();
   const uint64_t size = x.file_.size();
   const uint8_t* data = x.file_.data();
-  if (size < kHeaderBytes || header_int(data, 0) != kDocsMagic)
-    fail(
-        "document index {}: not a strata document index (no header with magic {}); it sits "
-        "beside token file {}: remove it, or rewrite both with strata tokenize",
-        name, kDocsMagic, tokens.path());
-  if (header_int(data, 1) != kDocsVersion)
-    fail("document index {}: version {}; this strata reads version {}", name, header_int(data, 1),
-         kDocsVersion);
   const int64_t count = header_int(data, 2), n = header_int(data, 5);
   if (count != tokens.size() || n < 0 || size != kHeaderBytes + 8 * static_cast<uint64_t>(n))
     fail(
@@ -390,16 +409,7 @@ std::optional<DocumentIndex> DocumentIndex::open_beside(const TokenFile& tokens)
         "tokens; the two were not written together: rewrite both with strata tokenize, or "
         "remove the index",
         name, n, size, count, tokens.path(), tokens.size());
-  const uint64_t want = static_cast<uint32_t>(header_int(data, 3)) |
-                        static_cast<uint64_t>(static_cast<uint32_t>(header_int(data, 4))) << 32;
-  const std::span<const uint8_t> stored = tokens.stored();
-  const uint64_t got = xxh3_64(stored.data(), stored.size());
-  if (got != want)
-    fail(
-        "document index {}: written for tokens with XXH3-64 {:016x}, but token file {} hashes "
-        "to {:016x}; the token file was rewritten after its index: rewrite both with strata "
-        "tokenize, or remove the index",
-        name, want, tokens.path(), got);
+  check_bound_hash(x.file_, "document index", "index", tokens);
   x.starts_ = data + kHeaderBytes;
   x.size_ = n;
   for (int64_t d = 0; d < n; ++d) {
@@ -443,14 +453,7 @@ void DocumentIndexWriter::close_shard(const std::filesystem::path& tokens_path) 
   if (!starts.empty() && starts.back() >= static_cast<uint64_t>(tokens.size()))
     fail("writing the document index of {}: a document starts at {}, past its {} tokens",
          tokens_path.string(), starts.back(), tokens.size());
-  const std::span<const uint8_t> stored = tokens.stored();
-  const uint64_t hash = xxh3_64(stored.data(), stored.size());
-  std::array<int32_t, kHeaderInts> header{};
-  header[0] = kDocsMagic;
-  header[1] = kDocsVersion;
-  header[2] = static_cast<int32_t>(tokens.size());
-  header[3] = static_cast<int32_t>(static_cast<uint32_t>(hash));
-  header[4] = static_cast<int32_t>(static_cast<uint32_t>(hash >> 32));
+  std::array<int32_t, kHeaderInts> header = bound_header(kDocsMagic, kDocsVersion, tokens);
   header[5] = static_cast<int32_t>(starts.size());
   AtomicFile file(document_index_path(tokens_path));
   file.write(header.data(), kHeaderBytes);
