@@ -1111,7 +1111,9 @@ TEST(Executor, PackedDocumentsReachTheAttention) {
   auto bad = whole;
   bad[1][0].doc_start[kSeq + 3] = 2;
   test::expect_error([&] { ex.evaluate(bad); },
-                     {"doc_start of sequence 1 at position 3 is 2", "previous position's"});
+                     {"executor evaluation: rank 0's micro-batch 1: doc_start of sequence 1 "
+                      "at position 3 is 2",
+                      "previous position's"});
   bad = whole;
   bad[0][1].doc_start.pop_back();
   test::expect_error([&] { ex.step(bad, step_params(1)); },

@@ -1801,7 +1801,9 @@ int64_t Executor::State::upload(const std::vector<std::vector<HostBatch>>& batch
         fail("executor {}: rank {}'s micro-batch {} has {} document starts for {} tokens{}", what,
              r, m, b.doc_start.size(), len,
              doc_dev.empty() ? "; a decoding run packs no documents" : "");
-      if (docs) check_doc_start(what, b.doc_start.data(), b.batch, T);
+      if (docs)
+        check_doc_start(fmt::format("executor {}: rank {}'s micro-batch {}", what, r, m).c_str(),
+                        b.doc_start.data(), b.batch, T);
       with_docs[static_cast<size_t>(m)][static_cast<size_t>(r)] = docs;
       Stream& st = *streams[static_cast<size_t>(r)].setup;
       char* ids = static_cast<char*>(ids_dev[static_cast<size_t>(r)].data()) + m * rows * 4;
