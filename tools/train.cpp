@@ -79,9 +79,17 @@ void check_train_numbers(const TrainArgs& a) {
 // rounded up (Hugging Face's num_train_epochs likewise ends on a whole step).
 int64_t steps_for_epochs(double epochs, const TrainSettings& s, int64_t vocab_size,
                          int64_t per_step) {
-  const int64_t sequences = TokenSequences(s.data, s.seq_len, vocab_size, s.data_width,
-                                           "training token file", s.loss_masks, s.packing)
-                                .size();
+  // Wrapped sequences follow from the files' sizes; documents need their indexes read (the
+  // trainer's loader validates every token again, so the wrapped count does not scan them).
+  int64_t sequences = 0;
+  if (s.packing == Packing::wrapped) {
+    for (const fs::path& f : s.data)
+      sequences += TokenFile::open(f, s.data_width).num_sequences(s.seq_len);
+  } else {
+    sequences = TokenSequences(s.data, s.seq_len, vocab_size, s.data_width, "training token file",
+                               s.loss_masks, s.packing)
+                    .size();
+  }
   const double want =
       std::ceil(epochs * static_cast<double>(sequences) / static_cast<double>(per_step));
   if (!(want <= 1e12))
