@@ -1,6 +1,5 @@
 // test_eval_cli.cpp: `strata eval` as a user runs it, on the tiny preset with random weights
 // (the checkpoint path, compared with PyTorch, is in test_llama_reference).
-#include "gpu/runtime.h"
 #include "model/config.h"
 #include "model/tokens.h"
 #include "testing.h"
@@ -283,8 +282,7 @@ TEST_F(EvalCli, OffloadedParametersGiveTheSameLoss) {
 // The same on a GPU (bf16): parameters on the device, in pinned host RAM and on NVMe give one
 // loss bit for bit, near the host backend's f32 loss.
 TEST_F(EvalCli, OnAGpuOffloadedParametersGiveTheSameLoss) {
-  if (cuda_runtime().gpus.empty())
-    GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
+  STRATA_SKIP_UNLESS_THE_BINARY_HAS_A_GPU();
   const std::string args = "--seed 1 --seq-len 16 --batch 2 --persistence-threshold 0 " + data();
   const double host = eval_json(args)["loss"].get<double>();
   const auto base = eval_json(args, "cuda:0");
@@ -304,8 +302,7 @@ TEST_F(EvalCli, OnAGpuOffloadedParametersGiveTheSameLoss) {
 // itself, so --packing bfd gives --packing none's loss (one document per row) to bf16 rounding,
 // and both the host's.
 TEST_F(EvalCli, OnAGpuPackedDocumentsScoreAsEachAlone) {
-  if (cuda_runtime().gpus.empty())
-    GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
+  STRATA_SKIP_UNLESS_THE_BINARY_HAS_A_GPU();
   {
     DocumentIndexWriter w(dir_ / "tokens.bin", 0);
     for (uint64_t at : {0, 10, 30, 31, 60, 70}) w.add(at);
@@ -454,8 +451,7 @@ TEST(BenchAttentionCli, BadShapesAreNamed) {
 
 // On a GPU in bf16: both tensor-core paths and the SIMT kernels, each verified, side by side.
 TEST(BenchAttentionCli, OnAGpuTensorCoresBesideSimt) {
-  if (cuda_runtime().gpus.empty())
-    GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
+  STRATA_SKIP_UNLESS_THE_BINARY_HAS_A_GPU();
   const test::CommandResult r = bench_attention(
       "--devices cuda:0 --seq-len 130 --heads 4 --kv-heads 1 --head-dim 32 --steps 1 --json");
   ASSERT_EQ(r.status, 0) << r.out;
@@ -561,8 +557,7 @@ TEST(BenchOpsCli, BadInputIsNamed) {
 
 // On a GPU in bf16: every CUDA op verified against the host backend in f32, then timed.
 TEST(BenchOpsCli, OnAGpuEveryOpVerified) {
-  if (cuda_runtime().gpus.empty())
-    GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
+  STRATA_SKIP_UNLESS_THE_BINARY_HAS_A_GPU();
   const test::CommandResult r = bench_ops(
       "--devices cuda:0 --model tiny --seq-len 40 --batch 2 --square 256 --steps 1 --json");
   ASSERT_EQ(r.status, 0) << r.out;

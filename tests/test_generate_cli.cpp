@@ -2,7 +2,6 @@
 // against a greedy decoder built in the test from LlamaModel::logits on the host backend (the
 // model rebuilt at each exact length, so the tool's padding of the sequence is checked too);
 // plus newest_checkpoint() on run directories with complete and incomplete checkpoints.
-#include "gpu/runtime.h"
 #include "host/host_device.h"
 #include "model/config.h"
 #include "model/llama.h"
@@ -185,8 +184,7 @@ TEST_F(GenerateCli, GreedyIsTheArgmaxOfTheModelsLogits) {
 // On a GPU the KV cache's decoding (the attention of one query against the cached keys, the
 // SIMT kernel) gives the host reference's greedy tokens in f32, and runs in bf16.
 TEST_F(GenerateCli, OnAGpuGreedyIsTheHostsArgmax) {
-  if (cuda_runtime().gpus.empty())
-    GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
+  STRATA_SKIP_UNLESS_THE_BINARY_HAS_A_GPU();
   const std::string prompt = "Once upon a time";
   Reference ref(tiny(), model_dir());
   const std::vector<uint32_t> expected = ref.greedy(bytes_of(prompt), 20, kByteVocab, kByteEos);

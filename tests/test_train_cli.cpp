@@ -4,7 +4,6 @@
 // tried, the export loads back (f32 from the master weights, bf16 equal to the run's
 // parameters), checkpoints and exports carry the model directory's tokenizer files, a DeepSpeed
 // config as Hugging Face writes it is accepted, and bad input is named.
-#include "gpu/runtime.h"
 #include "hf_tokenizer_testing.h"
 #include "model/config.h"
 #include "model/safetensors.h"
@@ -513,8 +512,7 @@ TEST(TrainCli, Fp16SkipsOverflowedStepsAndHalvesTheScale) {
 // a GPU is refused before anything is allocated, naming the source and what to use instead
 // (before, step 1 failed inside the executor at the first embedding).
 TEST(TrainCli, Fp16OnAGpuIsRefusedBeforeTraining) {
-  if (cuda_runtime().gpus.empty())
-    GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
+  STRATA_SKIP_UNLESS_THE_BINARY_HAS_A_GPU();
   const test::TempDir dir("strata-train-fp16-gpu");
   const fs::path data = make_data(dir.path), cfg = dir.path / "ds_config.json";
   std::ofstream(cfg) << R"({"fp16": {"enabled": true}})";
@@ -537,8 +535,7 @@ TEST(TrainCli, Fp16OnAGpuIsRefusedBeforeTraining) {
 // The same on a GPU in bf16, where the kept activations feed cuBLASLt and the tensor-core
 // attention (whose inputs must be 16-byte aligned inside the kept buffers).
 TEST(TrainCli, ActivationCheckpointingOffOnAGpuGivesTheSameBits) {
-  if (cuda_runtime().gpus.empty())
-    GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
+  STRATA_SKIP_UNLESS_THE_BINARY_HAS_A_GPU();
   const test::TempDir dir("strata-recompute-gpu");
   const fs::path data = make_data(dir.path);
   expect_flags_keep_the_bits(
@@ -593,8 +590,7 @@ TEST(TrainCli, GradientsOnTheDeviceOrInHostRamGiveTheSameBits) {
 
 // The same on a GPU in bf16: the sums come down from the device by copy, CPU Adam reads them.
 TEST(TrainCli, GradientsOnTheDeviceOnAGpuGiveTheSameBits) {
-  if (cuda_runtime().gpus.empty())
-    GTEST_SKIP() << "no GPU: " << cuda_runtime().status << ": " << cuda_runtime().detail;
+  STRATA_SKIP_UNLESS_THE_BINARY_HAS_A_GPU();
   expect_gradient_homes_same_bits(
       {"--devices cuda:0 --device-memory 1GiB --dtype bf16 --offload-optimizer cpu"});
 }

@@ -4,6 +4,9 @@
 #include "core/error.h"
 
 #include <gtest/gtest.h>
+#if defined(STRATA_BINARY_PATH)
+#include <nlohmann/json.hpp>
+#endif
 #include <sys/wait.h>
 
 #include <array>
@@ -52,6 +55,35 @@ inline CommandResult run_command(const std::string& command) {
   if (WIFEXITED(wait_status)) r.status = WEXITSTATUS(wait_status);
   return r;
 }
+
+#if defined(STRATA_BINARY_PATH)
+// The tool a `cli` suite runs: STRATA_TEST_BINARY where it is set (ctest sets it to strata_emu
+// for the suites' *OnAGpu* tests on the CUDA emulator), the build's own strata otherwise.
+inline const char* strata_binary() {
+  const char* other = std::getenv("STRATA_TEST_BINARY");
+  return other != nullptr && *other != '\0' ? other : STRATA_BINARY_PATH;
+}
+#define STRATA_BINARY ::strata::test::strata_binary()
+
+// Why the tool under test sees no GPU ("" when it sees one), from its `info --json`: the
+// tool's view, not this process's, since the two may be different builds.
+inline const std::string& binary_without_gpu() {
+  static const std::string why = [] {
+    const CommandResult r = run_command(std::string("'") + STRATA_BINARY + "' info --json");
+    if (r.status != 0) return "`strata info --json` exited " + std::to_string(r.status);
+    const nlohmann::json info = nlohmann::json::parse(r.out, nullptr, false);
+    if (info.is_discarded() || !info.contains("gpus") || !info.contains("cuda"))
+      return std::string("`strata info --json` printed no gpus and cuda");
+    if (!info["gpus"].empty()) return std::string();
+    return info["cuda"].value("status", std::string("?")) + ": " +
+           info["cuda"].value("detail", std::string());
+  }();
+  return why;
+}
+#define STRATA_SKIP_UNLESS_THE_BINARY_HAS_A_GPU()                                  \
+  if (const std::string& why = ::strata::test::binary_without_gpu(); !why.empty()) \
+  GTEST_SKIP() << "no GPU: " << why
+#endif
 
 // A fresh directory under the system's temporary directory (mkdtemp), removed with everything
 // in it when the test is done.

@@ -22,11 +22,14 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -39,6 +42,56 @@ namespace cuda_emu {
 thread_local const ThreadCoords* current_coords = nullptr;
 
 namespace {
+
+// STRATA_EMU_PROFILE=1: each kernel's launches, blocks and time on the workers, printed on
+// stderr at exit, the longest first: where an emulated suite's minutes go.
+struct KernelProfile {
+  uint64_t launches = 0, blocks = 0, threads = 0;
+  double seconds = 0;
+};
+
+class Profile {
+ public:
+  static Profile& get() {
+    static Profile p;
+    return p;
+  }
+  bool on() const { return on_; }
+  void add(const std::string& kernel, uint64_t blocks, uint64_t threads, double seconds) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    KernelProfile& k = kernels_[kernel];
+    ++k.launches;
+    k.blocks += blocks;
+    k.threads += threads;
+    k.seconds += seconds;
+  }
+  ~Profile() {
+    if (!on_) return;
+    std::vector<std::pair<std::string, KernelProfile>> rows(kernels_.begin(), kernels_.end());
+    std::sort(rows.begin(), rows.end(),
+              [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
+    double total = 0;
+    for (const auto& [name, k] : rows) total += k.seconds;
+    std::fprintf(stderr, "cuda_emu profile: %.3f s in kernels\n", total);
+    std::fprintf(stderr, "%10s %10s %12s %14s %9s  %s\n", "seconds", "launches", "blocks",
+                 "threads", "us/block", "kernel");
+    for (const auto& [name, k] : rows)
+      std::fprintf(
+          stderr, "%10.3f %10llu %12llu %14llu %9.2f  %s\n", k.seconds,
+          static_cast<unsigned long long>(k.launches), static_cast<unsigned long long>(k.blocks),
+          static_cast<unsigned long long>(k.threads),
+          k.blocks == 0 ? 0.0 : 1e6 * k.seconds / static_cast<double>(k.blocks), name.c_str());
+  }
+
+ private:
+  Profile() {
+    const char* v = std::getenv("STRATA_EMU_PROFILE");
+    on_ = v != nullptr && *v != '\0' && std::strcmp(v, "0") != 0;
+  }
+  bool on_ = false;
+  std::mutex mutex_;
+  std::map<std::string, KernelProfile> kernels_;
+};
 
 constexpr size_t kStackBytes = size_t{128} << 10;
 constexpr unsigned kMaxThreads = 1024;
@@ -132,6 +185,11 @@ struct Block {
   // next_in_pass looks for the next runnable fiber.
   bool pass_reverse = false;
   size_t pass_pos = 0;
+  // How many fibers wait at a barrier, in a warp-wide operation, or have returned; and per
+  // warp, how many lanes wait in a shuffle or have returned. Kept as the states change, so the
+  // scheduler needs no pass over the fibers to know whether anything waits.
+  unsigned at_barrier = 0, at_collective = 0, done = 0, at_shuffle = 0;
+  std::vector<unsigned> warp_at_shuffle, warp_done;
 };
 
 thread_local Block* current_block = nullptr;
@@ -202,6 +260,7 @@ void leave_fiber(Fiber& f) {
   Fiber* next = next_in_pass(b);
   b.running = next;
   current_coords = next != nullptr ? &next->coords : nullptr;  // a new fiber starts with them
+  if (next == &f) return;  // its own shuffle just completed, and it is next in the pass
 #if defined(__x86_64__)
   cuda_emu_switch_stack(&f.sp, next != nullptr ? next->sp : b.scheduler_sp);
 #else
@@ -219,6 +278,8 @@ void leave_fiber(Fiber& f) {
     if (!b.error) b.error = std::current_exception();
   }
   f.state = State::kDone;
+  ++b.done;
+  ++b.warp_done[f.warp];
   leave_fiber(f);
   std::abort();  // a finished fiber is never resumed
 }
@@ -276,13 +337,12 @@ std::string where(const Block& b, const Fiber& f) {
          std::to_string(c.thread_idx.z) + ")";
 }
 
-// Completes the shuffles of every warp whose participants have all arrived; false when none.
-// Each warp's lanes are summed up once as masks (waiting in a shuffle, returned, present), so a
-// round costs one pass over the block rather than 32 checks per waiting lane.
-bool complete_shuffles(Block& b) {
-  bool any = false;
+// Completes the shuffle of warp `w` if the lanes its waiting lanes name have all arrived;
+// false otherwise. The warp's lanes are summed up once as masks (waiting in a shuffle,
+// returned, present), so a round costs one pass over the warp rather than 32 checks per lane.
+bool complete_warp_shuffle(Block& b, unsigned w) {
   const auto n = static_cast<unsigned>(b.fibers.size());
-  for (unsigned w = 0; w * 32 < n; ++w) {
+  {
     const unsigned first = w * 32, last = std::min(n, first + 32);
     unsigned at_shuffle = 0, done = 0, named = 0;  // named: the lanes the waiters' masks name
     for (unsigned i = first; i < last; ++i) {
@@ -293,13 +353,13 @@ bool complete_shuffles(Block& b) {
       }
       if (f.state == State::kDone) done |= 1u << (i - first);
     }
-    if (at_shuffle == 0) continue;
+    if (at_shuffle == 0) return false;
     // Whether every live lane the waiting lanes' masks name waits too (CUDA asks that of the
     // non-exited lanes of the mask; a lane that has returned, or that the block does not have,
     // is only an error if some lane reads from it).
     const unsigned present = last - first == 32 ? ~0u : (1u << (last - first)) - 1;
     const bool complete = (named & present & ~(at_shuffle | done)) == 0;
-    if (!complete) continue;
+    if (!complete) return false;
     for (unsigned i = first; i < last; ++i) {
       Fiber& f = b.fibers[i];
       if (f.state != State::kAtShuffle) continue;
@@ -326,8 +386,18 @@ bool complete_shuffles(Block& b) {
     }
     for (unsigned i = first; i < last; ++i)
       if (b.fibers[i].state == State::kAtShuffle) b.fibers[i].state = State::kRunnable;
-    any = true;
+    b.at_shuffle -= b.warp_at_shuffle[w];
+    b.warp_at_shuffle[w] = 0;
   }
+  return true;
+}
+
+// Completes the shuffles of every warp whose participants have all arrived; false when none.
+bool complete_shuffles(Block& b) {
+  bool any = false;
+  if (b.at_shuffle == 0) return false;
+  for (unsigned w = 0; w < b.warp_at_shuffle.size(); ++w)
+    if (b.warp_at_shuffle[w] != 0 && complete_warp_shuffle(b, w)) any = true;
   return any;
 }
 
@@ -337,6 +407,7 @@ bool complete_shuffles(Block& b) {
 // give undefined results on a GPU.
 bool complete_collectives(Block& b) {
   bool any = false;
+  if (b.at_collective == 0) return false;
   const auto n = static_cast<unsigned>(b.fibers.size());
   for (unsigned w = 0; w * 32 < n; ++w) {
     const unsigned first = w * 32, last = std::min(n, first + 32);
@@ -373,6 +444,7 @@ bool complete_collectives(Block& b) {
       throw Fault(where(b, *waiting) + ": " + waiting->op_name + ": " + e.what());
     }
     for (unsigned i = first; i < last; ++i) b.fibers[i].state = State::kRunnable;
+    b.at_collective -= last - first;
     any = true;
   }
   return any;
@@ -390,27 +462,23 @@ void run_block(Block& b, bool reverse) {
     reverse = !reverse;
     const bool shuffled = complete_shuffles(b);
     if (complete_collectives(b) || shuffled) continue;
-    bool live = false, all_at_barrier = true;
-    const Fiber* stuck = nullptr;
-    for (Fiber& f : b.fibers) {
-      if (f.state == State::kDone) continue;
-      live = true;
-      if (f.state != State::kAtBarrier) {
-        all_at_barrier = false;
-        stuck = &f;
-      }
-    }
-    if (!live) return;
-    if (all_at_barrier) {
+    const size_t live = b.fibers.size() - b.done;
+    if (live == 0) return;
+    if (b.at_barrier == live) {
       for (Fiber& f : b.fibers)
         if (f.state == State::kAtBarrier) f.state = State::kRunnable;
+      b.at_barrier = 0;
       continue;
     }
-    if (!ran)
+    if (!ran) {
+      const Fiber* stuck = nullptr;
+      for (const Fiber& f : b.fibers)
+        if (f.state != State::kDone && f.state != State::kAtBarrier) stuck = &f;
       throw Fault(where(b, *stuck) +
                   " waits in a warp shuffle or a warp-wide operation that other threads of its "
                   "warp never reach (they wait at __syncthreads or elsewhere): the block would "
                   "hang on a GPU");
+    }
   }
 }
 
@@ -421,6 +489,7 @@ void syncthreads() {
   if (b == nullptr || b->running == nullptr) throw Fault("__syncthreads outside a kernel");
   Fiber& f = *b->running;
   f.state = State::kAtBarrier;
+  ++b->at_barrier;
   leave_fiber(f);
 }
 
@@ -436,6 +505,17 @@ uint64_t shuffle(unsigned mask, uint64_t bits, int param, int width, bool xor_mo
   f.param = param;
   f.width = width;
   f.xor_mode = xor_mode;
+  ++b->at_shuffle;
+  // The last of its warp's lanes to arrive completes the shuffle at once, and the pass goes
+  // back to the warp's first lane: a warp runs on through its shuffles while its lanes' stacks
+  // are warm, instead of one shuffle per pass over the whole block.
+  const unsigned w = f.warp,
+                 lanes = std::min(32u, static_cast<unsigned>(b->fibers.size()) - w * 32);
+  if (++b->warp_at_shuffle[w] + b->warp_done[w] == lanes && complete_warp_shuffle(*b, w)) {
+    const size_t n = b->fibers.size();
+    const size_t first = b->pass_reverse ? n - (w * 32 + lanes) : w * 32;
+    b->pass_pos = std::min(b->pass_pos, first);
+  }
   leave_fiber(f);
   return f.result;
 }
@@ -448,6 +528,7 @@ void warp_collective(const char* name, WarpOp op, void* arg) {
   f.op = op;
   f.op_arg = arg;
   f.op_name = name;
+  ++b->at_collective;
   leave_fiber(f);
 }
 
@@ -521,6 +602,9 @@ void launch_grid(const char* name, const void* kernel, const LaunchConfig& c,
         current_coords = nullptr;
       }
     } restore{outer};
+    Profile& profile = Profile::get();
+    const auto start =
+        profile.on() ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
     for (unsigned z = 0; z < c.grid.z; ++z)
       for (unsigned y = 0; y < c.grid.y; ++y)
         for (unsigned x = 0; x < c.grid.x; ++x) {
@@ -528,6 +612,9 @@ void launch_grid(const char* name, const void* kernel, const LaunchConfig& c,
           std::fill(b.static_shared.begin(),
                     b.static_shared.begin() + static_cast<std::ptrdiff_t>(b.static_used), 0xff);
           b.error = nullptr;
+          b.at_barrier = b.at_collective = b.done = b.at_shuffle = 0;
+          b.warp_at_shuffle.assign((b.fibers.size() + 31) / 32, 0);
+          b.warp_done.assign((b.fibers.size() + 31) / 32, 0);
           unsigned i = 0;
           for (unsigned tz = 0; tz < c.block.z; ++tz)
             for (unsigned ty = 0; ty < c.block.y; ++ty)
@@ -550,6 +637,11 @@ void launch_grid(const char* name, const void* kernel, const LaunchConfig& c,
                           std::to_string((kStackBytes - stack_colour(t)) >> 10) +
                           " KiB fiber stack");
         }
+    if (profile.on()) {
+      const uint64_t blocks = uint64_t{c.grid.x} * c.grid.y * c.grid.z;
+      profile.add(kernel_name, blocks, blocks * b.fibers.size(),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
   });
 }
 
