@@ -12,6 +12,7 @@ STRATA_PACKAGES=(
   python3-numpy python3-torch  # the CPU Adam parity test and bench/adam_vs_torch.py
   python3-regex  # the tokenizer.json reference (tests/reference/bpe_reference.py)
   python3-jinja2  # the chat template reference (tests/reference/chat_template_reference.py)
+  python3-crc32c  # the TensorBoard event file reader (tests/reference/tfevents_reader.py)
 )
 
 # test.sh's sanitizer builds and fuzz/run.sh: Debian's clang with the sanitizer runtimes and

@@ -345,6 +345,28 @@ TEST(DsConfig, PrecisionAndAutomaticPlacement) {
   EXPECT_FALSE(a.offload.pin_memory);  // DeepSpeed's default once a section is given
 }
 
+// DeepSpeed's monitor sections: TensorBoard and CSV files where output_path/job_name say, each
+// off unless enabled (its defaults: output_path "", job_name "DeepSpeedJobName"); the monitors
+// strata has no writer for (W&B, Comet) are listed as not acted on.
+TEST(DsConfig, MonitorSections) {
+  const DsConfig c = parse(R"({
+    "tensorboard": {"enabled": true, "output_path": "logs/tb", "job_name": "llama-sft"},
+    "csv_monitor": {"enabled": true},
+    "wandb": {"enabled": true, "project": "p"},
+    "comet": {"enabled": false}
+  })");
+  EXPECT_TRUE(c.monitor.tensorboard.enabled);
+  EXPECT_EQ(c.monitor.tensorboard.dir(), std::filesystem::path("logs/tb/llama-sft"));
+  EXPECT_TRUE(c.monitor.csv.enabled);
+  EXPECT_EQ(c.monitor.csv.dir(), std::filesystem::path("DeepSpeedJobName"));
+  EXPECT_TRUE(has(c.ignored, "wandb"));
+  EXPECT_TRUE(has(c.ignored, "comet"));
+  const DsConfig off = parse(R"({"tensorboard": {"output_path": "x", "flush_secs": 5}})");
+  EXPECT_FALSE(off.monitor.enabled());
+  EXPECT_TRUE(has(off.ignored, "tensorboard.flush_secs"));
+  EXPECT_FALSE(parse(kHfZero3).monitor.enabled());
+}
+
 TEST(DsConfig, WrongTypesAndValuesNameTheirPath) {
   struct Case {
     const char* text;
@@ -389,6 +411,11 @@ TEST(DsConfig, WrongTypesAndValuesNameTheirPath) {
       {R"({"aio": {"block_size": 1000}})", {"aio.block_size", "multiple of 4096"}},
       {R"({"aio": {"block_size": 536870912}})", {"aio.block_size", "536870912", "256 MiB"}},
       {R"({"aio": {"queue_depth": true}})", {"aio.queue_depth"}},
+      {R"({"tensorboard": {"enabled": "yes"}})", {"tensorboard.enabled", "true or false"}},
+      {R"({"tensorboard": {"output_path": 3}})", {"tensorboard.output_path", "a directory"}},
+      {R"({"csv_monitor": {"job_name": "a/b"}})", {"csv_monitor.job_name", "\"a/b\"", "no '/'"}},
+      {R"({"csv_monitor": {"job_name": ""}})", {"csv_monitor.job_name", "one directory's name"}},
+      {R"({"csv_monitor": true})", {"csv_monitor", "an object"}},
       {R"({"bf16": {"enabled": true}, "fp16": {"enabled": true}})",
        {"bf16.enabled", "fp16.enabled", "both true"}},
       {R"([1, 2])", {"top level", "array"}},

@@ -881,6 +881,96 @@ TEST(TrainCli, EpochsArePassesOverTheData) {
   }
 }
 
+// The lines of a CSV file, split at commas.
+std::vector<std::vector<std::string>> csv_rows(const fs::path& file) {
+  std::vector<std::vector<std::string>> rows;
+  std::ifstream f(file);
+  for (std::string line; std::getline(f, line);) {
+    std::vector<std::string> cells;
+    std::stringstream ss(line);
+    for (std::string cell; std::getline(ss, cell, ',');) cells.push_back(cell);
+    rows.push_back(cells);
+  }
+  return rows;
+}
+
+// The config's tensorboard and csv_monitor sections: each step's loss, lr and gradient norm (and
+// the held-out loss where it is evaluated) at the samples trained so far, in DeepSpeed's files;
+// a resumed run appends. The event files are decoded in test_monitor and, independently, by
+// tests/reference/tfevents_reader.py in test_train_reference.
+TEST(TrainCli, MonitorsWriteEachStepWhereDeepSpeedsWould) {
+  const test::TempDir dir("strata-train-monitor");
+  const fs::path data = make_data(dir.path), run = dir.path / "run",
+                 cfg = dir.path / "ds_config.json";
+  std::ofstream(cfg) << fmt::format(R"({{
+    "tensorboard": {{"enabled": true, "output_path": "{0}/tb", "job_name": "sft"}},
+    "csv_monitor": {{"enabled": true, "output_path": "{0}/csv", "job_name": "sft"}},
+    "wandb": {{"enabled": true, "project": "p"}}
+  }})",
+                                    dir.path.string());
+  const std::string args = "train " + kTiny + "--data " + data.string() +
+                           " --grad-accum 2 --eval-data " + data.string() +
+                           " --eval-sequences 2 --eval-every 2 --save-every 2 --config " +
+                           cfg.string() + " --run-dir " + run.string();
+  test::CommandResult r = strata(args + " --steps 3");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(
+      r.out.find("monitor: tensorboard " + (dir.path / "tb/sft/events.out.tfevents.").string()),
+      std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("csv " + (dir.path / "csv/sft/").string()), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("wandb"), std::string::npos) << "W&B is listed as not acted on: " << r.out;
+  r = strata(args + " --steps 5 --resume");
+  ASSERT_EQ(r.status, 0) << r.out;
+
+  const std::vector<json> m = metrics(run);
+  ASSERT_EQ(m.size(), 5u);
+  const fs::path csv = dir.path / "csv/sft";
+  for (const auto& [file, key] :
+       {std::pair{"Train_Samples_train_loss.csv", "loss"}, std::pair{"Train_Samples_lr.csv", "lr"},
+        std::pair{"Train_Samples_grad_norm.csv", "grad_norm"}}) {
+    SCOPED_TRACE(file);
+    const auto rows = csv_rows(csv / file);
+    ASSERT_EQ(rows.size(), 6u) << "one header (not repeated by the resumed run), 5 steps";
+    EXPECT_EQ(rows[0],
+              (std::vector<std::string>{"step", std::string(key) == "loss" ? "train_loss" : key}));
+    for (size_t i = 0; i < 5; ++i) {
+      ASSERT_EQ(rows[i + 1].size(), 2u);
+      EXPECT_EQ(rows[i + 1][0], std::to_string(4 * (i + 1))) << "samples: 2 x 2 a step";
+      EXPECT_EQ(std::stod(rows[i + 1][1]), m[i][key].get<double>()) << "step " << i + 1;
+    }
+  }
+  // Held out: steps 2 and 4 (every 2), 3 (the first run's last) and 5.
+  const auto eval = csv_rows(csv / "Eval_Samples_eval_loss.csv");
+  ASSERT_EQ(eval.size(), 5u);
+  EXPECT_EQ(eval[0], (std::vector<std::string>{"step", "eval_loss"}));
+  for (const auto& [row, step] :
+       {std::pair{1, 2}, std::pair{2, 3}, std::pair{3, 4}, std::pair{4, 5}}) {
+    EXPECT_EQ(eval[row][0], std::to_string(4 * step));
+    EXPECT_EQ(std::stod(eval[row][1]), m[step - 1]["eval_loss"].get<double>());
+  }
+  EXPECT_FALSE(fs::exists(csv / "Train_Samples_loss_scale.csv")) << "f32: no loss scale";
+  int event_files = 0;
+  for (const auto& e : fs::directory_iterator(dir.path / "tb/sft")) {
+    EXPECT_EQ(e.path().filename().string().rfind("events.out.tfevents.", 0), 0u) << e.path();
+    EXPECT_GT(fs::file_size(e.path()), 0u);
+    ++event_files;
+  }
+  EXPECT_EQ(event_files, 2) << "the resumed run writes a second file, as a new SummaryWriter";
+
+  // The flags enable a monitor in the directory named; one that cannot be made is refused
+  // before training starts, naming it.
+  r = strata("train " + kTiny + "--data " + data.string() + " --steps 1 --csv-monitor-dir " +
+             (dir.path / "flag-csv").string() + " --run-dir " + (dir.path / "run2").string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(csv_rows(dir.path / "flag-csv/Train_Samples_train_loss.csv").size(), 2u);
+  r = strata("train " + kTiny + "--data " + data.string() + " --steps 1 --tensorboard-dir " +
+             (cfg / "tb").string() + " --run-dir " + (dir.path / "run3").string());
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("tensorboard " + (cfg / "tb").string()), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("step 1/1"), std::string::npos) << "refused before training: " << r.out;
+}
+
 TEST(TrainCli, BadInputIsNamed) {
   const test::TempDir dir("strata-train-bad");
   const fs::path data = make_data(dir.path);

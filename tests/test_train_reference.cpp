@@ -159,5 +159,61 @@ INSTANTIATE_TEST_SUITE_P(Runs, TrainReference,
                                            Case{"qwen3_host1", false, 1, false, "3e-4", "qwen3"}),
                          [](const auto& p) { return std::string(p.param.name); });
 
+// The TensorBoard event files of a training run (resumed once, so two files) read by an
+// independent reader of the format (tests/reference/tfevents_reader.py, checksums by Debian's
+// python3-crc32c): every record's framing and checksums, and each step's loss, lr and gradient
+// norm at its samples, as metrics.jsonl has them (to f32, TensorBoard's simple_value).
+TEST(TrainMonitors, EventFilesReadByAnIndependentReader) {
+  const test::TempDir dir("strata-tfevents");
+  const fs::path text = dir.path / "text.txt", tokens = dir.path / "text.bin",
+                 run = dir.path / "run", tb = dir.path / "tb";
+  {
+    std::ofstream f(text);
+    for (int i = 0; i < 300; ++i) f << "the quick brown fox " << i << " jumps over the lazy dog\n";
+  }
+  test::CommandResult r = strata(fmt::format("tokenize --tokenizer byte --input '{}' --output '{}'",
+                                             text.string(), tokens.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  const std::string args = fmt::format(
+      "train --model tiny --init random --seq-len 32 --micro-batch 2 --devices host --data '{}' "
+      "--run-dir '{}' --tensorboard-dir '{}'",
+      tokens.string(), run.string(), tb.string());
+  r = strata(args + " --steps 2");
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(args + " --steps 4 --resume");
+  ASSERT_EQ(r.status, 0) << r.out;
+
+  const test::CommandResult read = test::run_command(fmt::format(
+      "'{}' '{}/tfevents_reader.py' '{}'", STRATA_PYTHON, STRATA_REFERENCE_DIR, tb.string()));
+  if (read.status == 77)
+    GTEST_SKIP() << "the crc32c module is not importable by " << STRATA_PYTHON
+                 << "; install python3-crc32c to read the event files independently";
+  ASSERT_EQ(read.status, 0) << read.out;
+  const nlohmann::json got = nlohmann::json::parse(read.out);
+  EXPECT_EQ(got["files"], 2);
+  std::vector<nlohmann::json> m;
+  {
+    std::ifstream f(run / "metrics.jsonl");
+    for (std::string line; std::getline(f, line);) m.push_back(nlohmann::json::parse(line));
+  }
+  ASSERT_EQ(m.size(), 4u);
+  for (const auto& [tag, key] :
+       {std::pair{"Train/Samples/train_loss", "loss"}, std::pair{"Train/Samples/lr", "lr"},
+        std::pair{"Train/Samples/grad_norm", "grad_norm"}}) {
+    SCOPED_TRACE(tag);
+    // By step: the two files are read in name order, which is by start second, then pid.
+    std::vector<nlohmann::json> points = got["scalars"][tag];
+    std::sort(points.begin(), points.end(), [](const auto& a, const auto& b) {
+      return a[0].template get<int64_t>() < b[0].template get<int64_t>();
+    });
+    ASSERT_EQ(points.size(), 4u) << got;
+    for (size_t i = 0; i < 4; ++i) {
+      EXPECT_EQ(points[i][0].get<int64_t>(), 2 * static_cast<int64_t>(i + 1));
+      EXPECT_EQ(points[i][1].get<float>(), m[i][key].get<float>()) << "step " << i + 1;
+    }
+  }
+  EXPECT_EQ(got["scalars"].size(), 3u) << got;
+}
+
 }  // namespace
 }  // namespace strata

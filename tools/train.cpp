@@ -47,7 +47,7 @@ struct TrainArgs {
   int64_t save_every = 0, steps_per_print = 0;
   int keep = 3;
   bool resume = false, resume_fallback = false;
-  std::string trace;
+  std::string trace, tensorboard_dir, csv_monitor_dir;
   std::vector<std::string> eval_data;
   int64_t eval_every = 0, eval_sequences = 0;
 };
@@ -217,6 +217,14 @@ int run_train(const TrainArgs& a) {
   s.resume = a.resume || a.resume_fallback;
   s.resume_fallback = a.resume_fallback;
   s.trace = a.trace;
+  // The config's monitor sections, each flag enabling its monitor in the directory it names.
+  if (ds) s.monitor = ds->monitor;
+  for (const auto& [flag, target] : {std::pair{&a.tensorboard_dir, &s.monitor.tensorboard},
+                                     std::pair{&a.csv_monitor_dir, &s.monitor.csv}})
+    if (!flag->empty()) {
+      target->enabled = true;
+      target->directory = *flag;
+    }
   s.echo = {{"model", a.model},
             {"data", a.data},
             {"seed", a.seed},
@@ -245,6 +253,9 @@ int run_train(const TrainArgs& a) {
   if (!a.eval_data.empty())
     s.echo["eval"] = {
         {"data", a.eval_data}, {"every", a.eval_every}, {"sequences", a.eval_sequences}};
+  for (const auto& [key, target] :
+       {std::pair{"tensorboard", &s.monitor.tensorboard}, std::pair{"csv_monitor", &s.monitor.csv}})
+    if (target->enabled) s.echo[key] = target->dir().string();
   s.echo["aio"] = {{"block_size", s.offload.nvme_stripe},
                    {"queue_depth", s.offload.nvme_queue_depth}};
   const double loss = train(s, ptrs);
@@ -339,6 +350,12 @@ Command add_train(CLI::App& app) {
                 "--resume, from the newest checkpoint that verifies when newer ones are damaged");
   cmd->add_option("--steps-per-print", a->steps_per_print, "log every N steps (default 10)");
   cmd->add_option("--trace", a->trace, "write a Chrome/Perfetto trace of the run's steps here");
+  cmd->add_option("--tensorboard-dir", a->tensorboard_dir,
+                  "write each step's loss, lr and gradient norm as TensorBoard events here (as "
+                  "the config's tensorboard section does in output_path/job_name)");
+  cmd->add_option("--csv-monitor-dir", a->csv_monitor_dir,
+                  "write each step's loss, lr and gradient norm as one CSV file per scalar here "
+                  "(as the config's csv_monitor section does in output_path/job_name)");
   return {cmd, [a] { return run_train(*a); }};
 }
 

@@ -102,6 +102,10 @@ class Reader {
     if (!std::isfinite(d) || d < lo || (lo_open && d == lo)) bad(path, v, expected);
     return d;
   }
+  std::string text(const json& v, const std::string& path, std::string_view expected) const {
+    if (!v.is_string()) bad(path, v, expected);
+    return v.get<std::string>();
+  }
   std::string one_of(const json& v, const std::string& path,
                      std::initializer_list<std::string_view> allowed, bool any_case = false) const {
     std::string expected;
@@ -308,6 +312,27 @@ void read_aio(Reader& r, const json& v, DsConfig::Aio& a) {
   }
 }
 
+// "tensorboard" or "csv_monitor": DeepSpeed's monitor sections. Writing where no one asked is
+// never done: without enabled true the section changes nothing.
+void read_monitor(Reader& r, const json& v, const std::string& section, MonitorTarget& m) {
+  r.object(v, section);
+  for (const auto& [key, value] : v.items()) {
+    const std::string p = path_of(section, key);
+    if (key == "enabled") {
+      m.enabled = *r.boolean(value, p);
+    } else if (key == "output_path") {
+      m.output_path = r.text(value, p, "a directory, as a string");
+    } else if (key == "job_name") {
+      m.job_name = r.text(value, p, "a directory name, as a string");
+      if (m.job_name.empty() || m.job_name.find('/') != std::string::npos || m.job_name == "." ||
+          m.job_name == "..")
+        r.bad(p, value, "one directory's name (no '/'; output_path says where it goes)");
+    } else {
+      r.ignore(p);
+    }
+  }
+}
+
 }  // namespace
 
 bool DsConfig::Optimizer::decoupled_weight_decay() const {
@@ -358,6 +383,10 @@ DsConfig parse_ds_config(const json& j, std::string_view source) {
       read_zero(r, value, c.zero);
     } else if (key == "aio") {
       read_aio(r, value, c.aio);
+    } else if (key == "tensorboard") {
+      read_monitor(r, value, key, c.monitor.tensorboard);
+    } else if (key == "csv_monitor") {
+      read_monitor(r, value, key, c.monitor.csv);
     } else {
       r.ignore(key);  // wall_clock_breakdown, zero_allow_untested_optimizer, ...
     }

@@ -12,6 +12,7 @@
 #pragma once
 
 #include "tier/placement.h"
+#include "train/monitor.h"
 
 #include <nlohmann/json.hpp>
 
@@ -91,6 +92,9 @@ struct DsConfig {
     std::optional<bool> single_submit, overlap_events;
   } aio;
 
+  // The "tensorboard" and "csv_monitor" sections (enabled, output_path, job_name); absent:
+  // disabled, as in DeepSpeed.
+  MonitorSettings monitor;
   std::vector<std::string> ignored;  // JSON paths of keys strata does not act on
 };
 

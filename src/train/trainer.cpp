@@ -153,6 +153,9 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     held_out.emplace(s.eval_data, s.seq_len, model.vocab_size, s.eval_sequences, s.data_width,
                      s.loss_masks, s.packing);
 
+  // Its directories are made before anything is allocated: one that cannot be is refused first.
+  Monitor monitor(s.monitor);
+
   LossScaler scaler(s.scaling);
   auto comm = make_communicator(devices);
   ExecutorOptions eo;
@@ -262,6 +265,7 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
                   format_bytes(need.total(Tier::cpu)), format_bytes(need.total(Tier::nvme)));
   std::ofstream metrics(s.run_dir / "metrics.jsonl", s.resume ? std::ios::app : std::ios::trunc);
   if (!metrics) fail("cannot write {}/metrics.jsonl", s.run_dir.string());
+  if (monitor.enabled()) fmt::print("monitor: {}\n", monitor.describe());
   const bool tty = ::isatty(STDOUT_FILENO) != 0;
   const int64_t rows = s.micro_batch * s.seq_len;
   const double tokens_per_step = double(R) * double(s.grad_accum) * double(rows);
@@ -320,6 +324,18 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     }
     metrics << record.dump() << "\n";
     metrics.flush();
+    if (monitor.enabled()) {
+      // DeepSpeed's tags, at the samples trained so far; the gradient norm (as Hugging Face's
+      // Trainer logs it) and the held-out loss besides.
+      const int64_t samples = step * R * s.grad_accum * s.micro_batch;
+      std::vector<MonitorEvent> events{{"Train/Samples/train_loss", r.loss, samples},
+                                       {"Train/Samples/lr", p.adam.lr, samples}};
+      if (s.dtype == DType::f16)
+        events.push_back({"Train/Samples/loss_scale", p.loss_scale, samples});
+      if (!r.skipped) events.push_back({"Train/Samples/grad_norm", r.grad_norm, samples});
+      if (eval) events.push_back({"Eval/Samples/eval_loss", eval->loss(), samples});
+      monitor.write(events);
+    }
     const double elapsed =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double eta = elapsed / double(step - first) * double(s.steps - step);

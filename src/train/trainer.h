@@ -16,6 +16,7 @@
 #include "train/data_loader.h"
 #include "train/loss_scaler.h"
 #include "train/lr_schedule.h"
+#include "train/monitor.h"
 
 #include <nlohmann/json.hpp>
 
@@ -69,8 +70,9 @@ struct TrainSettings {
   bool resume = false;
   bool resume_fallback = false;  // resume from the newest intact checkpoint, skipping damaged ones
   int64_t steps_per_print = 10;
-  std::string trace;    // Chrome trace of the last step run, when set
-  nlohmann::json echo;  // the resolved settings, saved in every checkpoint
+  std::string trace;        // Chrome trace of the last step run, when set
+  MonitorSettings monitor;  // TensorBoard and CSV files of each step's scalars (monitor.h)
+  nlohmann::json echo;      // the resolved settings, saved in every checkpoint
 };
 
 // Refuses CPU Adam updating during the backward (TrainSettings::update_during_backward) with
