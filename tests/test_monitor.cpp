@@ -46,6 +46,7 @@ struct Event {
   int64_t step = -1;
   std::string file_version, tag;
   float value = NAN;
+  int session_status = -1;  // SessionLog.status, where the event is one
 };
 
 uint32_t masked(const std::string& s) {
@@ -83,6 +84,12 @@ Event decode_event(const std::string& b) {
       e.step = static_cast<int64_t>(varint(b, pos));
     } else if (key == (3u << 3 | 2)) {
       e.file_version = bytes(b, pos);
+    } else if (key == (6u << 3 | 2)) {
+      const std::string log = bytes(b, pos);
+      size_t lp = 0;
+      EXPECT_EQ(varint(log, lp), 1u << 3 | 0) << "SessionLog.status";
+      e.session_status = static_cast<int>(varint(log, lp));
+      EXPECT_EQ(lp, log.size());
     } else if (key == (5u << 3 | 2)) {
       const std::string summary = bytes(b, pos);
       size_t sp = 0;
@@ -179,14 +186,25 @@ TEST(Monitor, TensorBoardEventsDecodeToTheScalarsWritten) {
   EXPECT_EQ(e[3].step, int64_t{3} << 33);
   EXPECT_GE(e[3].wall_time, e[1].wall_time);
 
-  // A second writer (a resumed run) adds a file beside the first, as TensorBoard expects.
+  // A second writer (a run resumed from the checkpoint at 8 samples) adds a file beside the
+  // first, as TensorBoard expects, starting with a session start at 9: TensorBoard drops what
+  // the first logged from 9 on.
   {
     Monitor m(s);
+    m.resume_at(8);
     m.write({{"Train/Samples/train_loss", 4.0, 16}});
   }
-  const std::vector<fs::path> both = event_files(dir.path / "job");
+  std::vector<fs::path> both = event_files(dir.path / "job");
   ASSERT_EQ(both.size(), 2u);
-  EXPECT_EQ(read_events(both[0]).size() + read_events(both[1]).size(), 6u);
+  if (read_events(both[0]).size() != 4u) std::swap(both[0], both[1]);  // same second: by pid
+  const std::vector<Event> resumed = read_events(both[1]);
+  ASSERT_EQ(resumed.size(), 3u);
+  EXPECT_EQ(resumed[0].file_version, "brain.Event:2");
+  EXPECT_EQ(resumed[1].session_status, 1) << "START";
+  EXPECT_EQ(resumed[1].step, 9);
+  EXPECT_EQ(resumed[1].tag, "");
+  EXPECT_EQ(resumed[2].tag, "Train/Samples/train_loss");
+  EXPECT_EQ(resumed[2].step, 16);
 }
 
 TEST(Monitor, CsvFilesAreDeepSpeedsAndAppendAcrossRuns) {
@@ -209,6 +227,21 @@ TEST(Monitor, CsvFilesAreDeepSpeedsAndAppendAcrossRuns) {
   EXPECT_EQ(slurp(dir.path / "csv" / "Train_Samples_train_loss.csv"),
             "step,train_loss\n8,5.519834487937217\n16,4.25\n24,3\n");
   EXPECT_EQ(slurp(dir.path / "csv" / "Eval_Samples_eval_loss.csv"), "step,eval loss\n24,2.5\n");
+  // Resumed from the checkpoint at 8 samples after a kill cut a row short: the rows past 8 go
+  // (they are trained again), the torn one too; another CSV file of the directory is not
+  // touched.
+  std::ofstream(dir.path / "csv" / "Train_Samples_lr.csv", std::ios::app) << "24,";
+  std::ofstream(dir.path / "csv" / "other.csv") << "step,x\n100,1\n";
+  {
+    Monitor m(s);
+    m.resume_at(8);
+    m.write({{"Train/Samples/train_loss", 4.5, 16}});
+  }
+  EXPECT_EQ(slurp(dir.path / "csv" / "Train_Samples_train_loss.csv"),
+            "step,train_loss\n8,5.519834487937217\n16,4.5\n");
+  EXPECT_EQ(slurp(dir.path / "csv" / "Train_Samples_lr.csv"), "step,lr\n8,1e-05\n");
+  EXPECT_EQ(slurp(dir.path / "csv" / "Eval_Samples_eval_loss.csv"), "step,eval loss\n");
+  EXPECT_EQ(slurp(dir.path / "csv" / "other.csv"), "step,x\n100,1\n");
 }
 
 TEST(Monitor, DisabledWritesNothingAndAnUnusableDirectoryIsNamed) {

@@ -896,8 +896,10 @@ std::vector<std::vector<std::string>> csv_rows(const fs::path& file) {
 
 // The config's tensorboard and csv_monitor sections: each step's loss, lr and gradient norm (and
 // the held-out loss where it is evaluated) at the samples trained so far, in DeepSpeed's files;
-// a resumed run appends. The event files are decoded in test_monitor and, independently, by
-// tests/reference/tfevents_reader.py in test_train_reference.
+// a resumed run appends, and what a run logged past the checkpoint it resumes from (here the
+// last checkpoint is removed, as if the run died before writing it) is dropped, in
+// metrics.jsonl too, so each step is logged once. The event files are decoded in test_monitor
+// and, independently, by tests/reference/tfevents_reader.py in test_train_reference.
 TEST(TrainCli, MonitorsWriteEachStepWhereDeepSpeedsWould) {
   const test::TempDir dir("strata-train-monitor");
   const fs::path data = make_data(dir.path), run = dir.path / "run",
@@ -920,11 +922,15 @@ TEST(TrainCli, MonitorsWriteEachStepWhereDeepSpeedsWould) {
       << r.out;
   EXPECT_NE(r.out.find("csv " + (dir.path / "csv/sft/").string()), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("wandb"), std::string::npos) << "W&B is listed as not acted on: " << r.out;
+  ASSERT_EQ(metrics(run).size(), 3u);
+  fs::remove_all(run / "checkpoints/step-3");
   r = strata(args + " --steps 5 --resume");
   ASSERT_EQ(r.status, 0) << r.out;
+  ASSERT_NE(r.out.find("at step 2"), std::string::npos) << r.out;
 
   const std::vector<json> m = metrics(run);
   ASSERT_EQ(m.size(), 5u);
+  for (size_t i = 0; i < m.size(); ++i) EXPECT_EQ(m[i]["step"], i + 1) << "each step once";
   const fs::path csv = dir.path / "csv/sft";
   for (const auto& [file, key] :
        {std::pair{"Train_Samples_train_loss.csv", "loss"}, std::pair{"Train_Samples_lr.csv", "lr"},
@@ -940,12 +946,12 @@ TEST(TrainCli, MonitorsWriteEachStepWhereDeepSpeedsWould) {
       EXPECT_EQ(std::stod(rows[i + 1][1]), m[i][key].get<double>()) << "step " << i + 1;
     }
   }
-  // Held out: steps 2 and 4 (every 2), 3 (the first run's last) and 5.
+  // Held out: steps 2 and 4 (every 2) and 5 (the last); the first run's step 3 (its last) was
+  // dropped with the step.
   const auto eval = csv_rows(csv / "Eval_Samples_eval_loss.csv");
-  ASSERT_EQ(eval.size(), 5u);
+  ASSERT_EQ(eval.size(), 4u);
   EXPECT_EQ(eval[0], (std::vector<std::string>{"step", "eval_loss"}));
-  for (const auto& [row, step] :
-       {std::pair{1, 2}, std::pair{2, 3}, std::pair{3, 4}, std::pair{4, 5}}) {
+  for (const auto& [row, step] : {std::pair{1, 2}, std::pair{2, 4}, std::pair{3, 5}}) {
     EXPECT_EQ(eval[row][0], std::to_string(4 * step));
     EXPECT_EQ(std::stod(eval[row][1]), m[step - 1]["eval_loss"].get<double>());
   }

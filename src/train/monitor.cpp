@@ -11,6 +11,8 @@
 #include <bit>
 #include <chrono>
 #include <cerrno>
+#include <cinttypes>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
 
@@ -136,6 +138,12 @@ void TensorBoardWriter::scalar(std::string_view tag, float value, int64_t step, 
   record(e);
 }
 
+void TensorBoardWriter::restart_at(int64_t step, double wall_time) {
+  std::string e = event_header(wall_time, step);
+  put_bytes(e, 6, std::string_view("\x08\x01", 2));  // Event.session_log: status START
+  record(e);
+}
+
 void TensorBoardWriter::flush() {
   out_.flush();
   if (!out_)
@@ -164,6 +172,47 @@ void CsvMonitor::scalar(const std::string& tag, double value, int64_t step) {
     it = files_.emplace(tag, std::move(f)).first;
   }
   it->second << step << "," << fmt::format("{}", value) << "\n";
+}
+
+void CsvMonitor::trim_after(int64_t step) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir_, ec)) {
+    const fs::path& path = entry.path();
+    // Only the files of the tags strata writes: the directory may hold others.
+    const std::string name = path.filename().string();
+    if (path.extension() != ".csv" ||
+        (name.rfind("Train_Samples_", 0) != 0 && name.rfind("Eval_Samples_", 0) != 0))
+      continue;
+    std::ifstream in(path);
+    std::string kept, line;
+    bool dropped = false;
+    for (bool header = true; std::getline(in, line); header = false) {
+      // The header, then rows `step,value`; a row cut short by a kill has no value and goes.
+      const size_t comma = line.find(',');
+      int64_t row_step = 0;
+      const bool row = comma != std::string::npos && comma + 1 < line.size() &&
+                       std::sscanf(line.c_str(), "%" SCNd64, &row_step) == 1;
+      if (header || (row && row_step <= step)) {
+        kept += line + "\n";
+      } else {
+        dropped = true;
+      }
+    }
+    if (!dropped) continue;
+    const fs::path tmp = path.string() + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::trunc);
+      out << kept;
+      out.flush();
+      if (!out)
+        fail("csv_monitor {}: cannot rewrite it ({}); check the disk's free space", path.string(),
+             std::strerror(errno));
+    }
+    fs::rename(tmp, path, ec);
+    if (ec)
+      fail("csv_monitor {}: cannot replace it ({}); check the directory's permissions",
+           path.string(), ec.message());
+  }
 }
 
 void CsvMonitor::flush() {
@@ -196,6 +245,16 @@ void Monitor::write(const std::vector<MonitorEvent>& events) {
   }
   if (tensorboard_) tensorboard_->flush();
   if (csv_) csv_->flush();
+}
+
+void Monitor::resume_at(int64_t step) {
+  const double now =
+      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  if (tensorboard_) {
+    tensorboard_->restart_at(step + 1, now);
+    tensorboard_->flush();
+  }
+  if (csv_) csv_->trim_after(step);
 }
 
 std::string Monitor::describe() const {

@@ -6,10 +6,11 @@
 //   output_path/job_name: TFRecords (length, masked CRC-32C of the length, an Event protocol
 //   buffer, masked CRC-32C of it), the first holding the file version, each next one a scalar
 //   summary. A resumed run adds a new file beside the old ones, as a restarted SummaryWriter
-//   does; TensorBoard reads every file of the directory.
+//   does, beginning with a session start at the first step it trains (SummaryWriter's
+//   purge_step), so TensorBoard drops what an interrupted run logged past its checkpoint.
 // - CSV: one file per scalar in output_path/job_name, named by its tag with '/' and ' ' made
 //   '_' (`Train_Samples_train_loss.csv`), a header `step,<last part of the tag>` and a row per
-//   step, appended to across resumes.
+//   step, appended to across resumes, with the rows past the checkpoint resumed from dropped.
 //
 // The tags and steps are DeepSpeed's: `Train/Samples/train_loss`, `Train/Samples/lr` and, with
 // fp16, `Train/Samples/loss_scale`, each at the number of samples trained so far.
@@ -60,6 +61,9 @@ class TensorBoardWriter {
  public:
   explicit TensorBoardWriter(const std::filesystem::path& dir);
   void scalar(std::string_view tag, float value, int64_t step, double wall_time);
+  // A session start at `step`: TensorBoard discards the events of earlier files at `step` and
+  // after (what a run logged past the checkpoint it is resumed from).
+  void restart_at(int64_t step, double wall_time);
   void flush();
   const std::filesystem::path& file() const { return file_; }
 
@@ -74,6 +78,8 @@ class CsvMonitor {
  public:
   explicit CsvMonitor(const std::filesystem::path& dir);
   void scalar(const std::string& tag, double value, int64_t step);
+  // Drops the rows past `step` from the files of this directory (before any is written to).
+  void trim_after(int64_t step);
   void flush();
   const std::filesystem::path& dir() const { return dir_; }
 
@@ -93,6 +99,9 @@ class Monitor {
   // Writes the events to every enabled monitor, then flushes them (so a dashboard follows the
   // run, and a killed run loses nothing it wrote).
   void write(const std::vector<MonitorEvent>& events);
+  // A run resumed from the checkpoint at `step` (samples): what was logged after it is dropped,
+  // since those steps are trained again.
+  void resume_at(int64_t step);
   // Where the monitors write, for the start of a run ("" when none is enabled).
   std::string describe() const;
 

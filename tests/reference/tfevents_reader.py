@@ -7,9 +7,12 @@ formats are specified, with Debian's python3-crc32c for the checksums:
     uint32 masked CRC-32C of the record (mask: rotate right 15, add 0xa282ead8); the file ends
     exactly after a record;
   - each record an Event protocol buffer: wall_time (1, double), step (2, int64), file_version
-    (3, string) or summary (5, Summary: repeated value (1, Value: tag (1, string),
-    simple_value (2, float))). Any other field, wire type or a truncated field is an error.
+    (3, string), summary (5, Summary: repeated value (1, Value: tag (1, string),
+    simple_value (2, float))) or session_log (6, SessionLog: status (1, enum)). Any other
+    field, wire type or a truncated field is an error.
 The first event of a file must be the file version "brain.Event:2" and no other event may be.
+A session log with status START (1) at step S drops every scalar read before it at step S or
+later, as TensorBoard does when a run restarts (SummaryWriter's purge_step).
 
 usage: tfevents_reader.py DIR
 Prints one JSON object: {"files": N, "scalars": {tag: [[step, value], ...]}} over every
@@ -101,6 +104,11 @@ def read_event(buf):
             event["step"] = value - (1 << 64) if value >= 1 << 63 else value
         elif number == 3 and wire == 2:
             event["file_version"] = value.decode("utf-8")
+        elif number == 6 and wire == 2:
+            for n, w, v in fields(value):
+                if n != 1 or w != 0:
+                    raise Bad("SessionLog field %d (wire %d)" % (n, w))
+                event["session_status"] = v
         elif number == 5 and wire == 2:
             for n, w, v in fields(value):
                 if n != 1 or w != 2:
@@ -136,6 +144,10 @@ def read_file(path, scalars):
                 raise Bad("%s: the first event is not the file version" % path)
         elif "file_version" in event:
             raise Bad("%s: record %d repeats the file version" % (path, index))
+        if event.get("session_status") == 1:
+            start = event.get("step", 0)
+            for tag in scalars:
+                scalars[tag] = [p for p in scalars[tag] if p[0] < start]
         for tag, value in event["values"]:
             scalars.setdefault(tag, []).append([event.get("step", 0), value])
         pos += 16 + length
