@@ -977,6 +977,35 @@ TEST(TrainCli, MonitorsWriteEachStepWhereDeepSpeedsWould) {
   EXPECT_EQ(r.out.find("step 1/1"), std::string::npos) << "refused before training: " << r.out;
 }
 
+// --warmup-ratio is Hugging Face's warmup_ratio: ceil(ratio x steps) warmup steps, so 0.4 of 6
+// steps gives the learning rates of --warmup-steps 3; a schedule with its warmup left unset
+// says it takes DeepSpeed's default of 1000 steps.
+TEST(TrainCli, WarmupRatioIsHuggingFacesCeiling) {
+  const test::TempDir dir("strata-train-warmup");
+  const fs::path data = make_data(dir.path);
+  const std::string args =
+      "train " + kTiny + "--data " + data.string() + " --steps 6 --lr-schedule WarmupDecayLR ";
+  test::CommandResult r =
+      strata(args + "--warmup-ratio 0.4 --run-dir " + (dir.path / "a").string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(args + "--warmup-steps 3 --run-dir " + (dir.path / "b").string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(args + "--run-dir " + (dir.path / "c").string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("warmup_num_steps is DeepSpeed's default, 1000"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("this run's 6 steps are all warmup"), std::string::npos) << r.out;
+  const std::vector<json> a = metrics(dir.path / "a"), b = metrics(dir.path / "b"),
+                          c = metrics(dir.path / "c");
+  ASSERT_EQ(a.size(), 6u);
+  ASSERT_EQ(b.size(), 6u);
+  ASSERT_EQ(c.size(), 6u);
+  for (size_t i = 0; i < 6; ++i) EXPECT_EQ(a[i]["lr"], b[i]["lr"]) << "step " << i + 1;
+  EXPECT_NE(a[3]["lr"], c[3]["lr"]) << "1000 warmup steps are another schedule";
+  const json state = json::parse(slurp(dir.path / "a/checkpoints/step-6/trainer_state.json"));
+  EXPECT_EQ(state["settings"]["warmup_num_steps"], 3);
+}
+
 TEST(TrainCli, BadInputIsNamed) {
   const test::TempDir dir("strata-train-bad");
   const fs::path data = make_data(dir.path);
@@ -995,6 +1024,12 @@ TEST(TrainCli, BadInputIsNamed) {
            Case{kTiny + "--steps 2 --epochs 1" + d, "give one of them, not both"},
            Case{kTiny + "--epochs -0.5" + d, "--epochs -0.5: it must be a finite number above 0"},
            Case{kTiny + "--epochs 1e30" + d, "give a number of epochs a run can finish"},
+           Case{kTiny + "--steps 2 --lr-schedule WarmupLR --warmup-ratio 1.5" + d,
+                "--warmup-ratio 1.5: it is the fraction of the run's steps"},
+           Case{kTiny + "--steps 2 --lr-schedule WarmupLR --warmup-ratio 0.1 --warmup-steps 3" + d,
+                "give one of them, not both"},
+           Case{kTiny + "--steps 2 --warmup-steps 3" + d,
+                "--warmup-steps: there is no learning-rate schedule to warm up"},
        }) {
     const test::CommandResult r = strata("train " + c.args);
     EXPECT_NE(r.status, 0) << c.args;

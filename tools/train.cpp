@@ -36,6 +36,7 @@ struct TrainArgs {
   double lr = NAN, weight_decay = NAN, clip = NAN, eps = NAN;  // NaN: not given
   std::string optimizer, lr_schedule;
   int64_t warmup_steps = kUnsetFlag;
+  double warmup_ratio = NAN;  // NaN: not given
   std::string offload_param, offload_optimizer, offload_gradients, cpu_memory, pinned_memory;
   int64_t prefetch_depth = kUnsetFlag;
   bool recompute = true;  // --activation-checkpointing
@@ -66,6 +67,14 @@ void check_train_numbers(const TrainArgs& a) {
         std::pair{"--steps-per-print", a.steps_per_print}, std::pair{"--eval-every", a.eval_every},
         std::pair{"--eval-sequences", a.eval_sequences}})
     if (v < 0) fail("{} {}: it counts steps or checkpoints, so it must be 0 or more", flag, v);
+  if (!std::isnan(a.warmup_ratio) && !(a.warmup_ratio > 0 && a.warmup_ratio < 1))
+    fail(
+        "--warmup-ratio {}: it is the fraction of the run's steps spent warming up, above 0 and "
+        "below 1 (e.g. 0.03)",
+        a.warmup_ratio);
+  if (!std::isnan(a.warmup_ratio) && a.warmup_steps != kUnsetFlag)
+    fail("--warmup-steps {} and --warmup-ratio {}: give one of them, not both", a.warmup_steps,
+         a.warmup_ratio);
   if (a.steps != 0 && a.epochs != 0)
     fail("--steps {} and --epochs {}: give one of them, not both", a.steps, a.epochs);
   if (a.steps == 0 && a.epochs == 0)
@@ -188,7 +197,23 @@ int run_train(const TrainArgs& a) {
     sched = DsConfig::Scheduler{};
     if (a.lr_schedule != "none") sched.type = a.lr_schedule;
   }
+  const bool warmup_flag = a.warmup_steps != kUnsetFlag || !std::isnan(a.warmup_ratio);
+  if (warmup_flag && !sched.type)
+    fail(
+        "{}: there is no learning-rate schedule to warm up (the config has no scheduler and "
+        "--lr-schedule is not given); add --lr-schedule WarmupLR, WarmupDecayLR or "
+        "WarmupCosineLR",
+        a.warmup_steps != kUnsetFlag ? "--warmup-steps" : "--warmup-ratio");
   if (a.warmup_steps != kUnsetFlag) sched.warmup_num_steps = a.warmup_steps;
+  // Hugging Face's warmup_ratio: ceil(ratio x the run's steps) steps.
+  if (!std::isnan(a.warmup_ratio))
+    sched.warmup_num_steps =
+        static_cast<int64_t>(std::ceil(a.warmup_ratio * static_cast<double>(s.steps)));
+  if (sched.type && !sched.warmup_num_steps)
+    fmt::print(
+        "lr schedule: warmup_num_steps is DeepSpeed's default, 1000, since neither the config "
+        "nor a flag sets it{}; --warmup-steps or --warmup-ratio sets it\n",
+        s.steps <= 1000 ? fmt::format(" (this run's {} steps are all warmup)", s.steps) : "");
   s.schedule = lr_schedule_from_config(sched, lr, s.steps);
   s.scaling = loss_scale_settings(ds ? ds->fp16 : DsConfig::Fp16{}, s.dtype == DType::f16);
   s.max_grad_norm = !std::isnan(a.clip) ? a.clip : (ds ? ds->gradient_clipping.value_or(0.0) : 0.0);
@@ -240,6 +265,9 @@ int run_train(const TrainArgs& a) {
             {"optimizer", adamw ? "adamw" : "adam"},
             {"lr", lr},
             {"lr_schedule", lr_schedule_name(s.schedule.kind)},
+            {"warmup_num_steps", s.schedule.kind == LrScheduleKind::constant
+                                     ? nlohmann::json(nullptr)
+                                     : nlohmann::json(s.schedule.warmup_num_steps)},
             {"weight_decay", s.adam.weight_decay},
             {"betas", {s.adam.beta1, s.adam.beta2}},
             {"eps", s.adam.eps},
@@ -321,6 +349,9 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--lr-schedule", a->lr_schedule,
                   "none, WarmupLR, WarmupDecayLR or WarmupCosineLR (overrides the config's)");
   cmd->add_option("--warmup-steps", a->warmup_steps, "warmup_num_steps of the schedule");
+  cmd->add_option("--warmup-ratio", a->warmup_ratio,
+                  "warm up for this fraction of the run's steps (Hugging Face's warmup_ratio: "
+                  "ceil(ratio x steps)) instead of --warmup-steps");
   cmd->add_option("--weight-decay", a->weight_decay, "weight decay (default 0)");
   cmd->add_option("--eps", a->eps, "Adam's epsilon (default 1e-8)");
   cmd->add_option("--clip", a->clip, "gradient clipping by global norm (0: none)");

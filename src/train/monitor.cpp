@@ -90,6 +90,36 @@ void make_dir(const fs::path& dir, std::string_view what) {
 
 }  // namespace
 
+void keep_lines(const fs::path& file,
+                const std::function<bool(const std::string& line, size_t index)>& keep,
+                std::string_view what) {
+  std::ifstream in(file);
+  if (!in) return;
+  std::string kept, line;
+  bool dropped = false;
+  for (size_t i = 0; std::getline(in, line); ++i) {
+    if (keep(line, i))
+      kept += line + "\n";
+    else
+      dropped = true;
+  }
+  if (!dropped) return;
+  const fs::path tmp = file.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    out << kept;
+    out.flush();
+    if (!out)
+      fail("{} {}: cannot rewrite it ({}); check the disk's free space", what, file.string(),
+           std::strerror(errno));
+  }
+  std::error_code ec;
+  fs::rename(tmp, file, ec);
+  if (ec)
+    fail("{} {}: cannot replace it ({}); check the directory's permissions", what, file.string(),
+         ec.message());
+}
+
 uint32_t crc32c(const void* data, size_t bytes, uint32_t crc) {
   const auto* p = static_cast<const unsigned char*>(data);
   uint32_t c = ~crc;
@@ -183,35 +213,17 @@ void CsvMonitor::trim_after(int64_t step) {
     if (path.extension() != ".csv" ||
         (name.rfind("Train_Samples_", 0) != 0 && name.rfind("Eval_Samples_", 0) != 0))
       continue;
-    std::ifstream in(path);
-    std::string kept, line;
-    bool dropped = false;
-    for (bool header = true; std::getline(in, line); header = false) {
-      // The header, then rows `step,value`; a row cut short by a kill has no value and goes.
-      const size_t comma = line.find(',');
-      int64_t row_step = 0;
-      const bool row = comma != std::string::npos && comma + 1 < line.size() &&
-                       std::sscanf(line.c_str(), "%" SCNd64, &row_step) == 1;
-      if (header || (row && row_step <= step)) {
-        kept += line + "\n";
-      } else {
-        dropped = true;
-      }
-    }
-    if (!dropped) continue;
-    const fs::path tmp = path.string() + ".tmp";
-    {
-      std::ofstream out(tmp, std::ios::trunc);
-      out << kept;
-      out.flush();
-      if (!out)
-        fail("csv_monitor {}: cannot rewrite it ({}); check the disk's free space", path.string(),
-             std::strerror(errno));
-    }
-    fs::rename(tmp, path, ec);
-    if (ec)
-      fail("csv_monitor {}: cannot replace it ({}); check the directory's permissions",
-           path.string(), ec.message());
+    // The header, then rows `step,value`; a row cut short by a kill has no value and goes.
+    keep_lines(
+        path,
+        [step](const std::string& line, size_t index) {
+          const size_t comma = line.find(',');
+          int64_t row_step = 0;
+          return index == 0 ||
+                 (comma != std::string::npos && comma + 1 < line.size() &&
+                  std::sscanf(line.c_str(), "%" SCNd64, &row_step) == 1 && row_step <= step);
+        },
+        "csv_monitor");
   }
 }
 

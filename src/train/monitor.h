@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -31,6 +32,13 @@ namespace strata {
 // CRC-32C (Castagnoli, reflected polynomial 0x82F63B78), continuing from `crc`: the checksum
 // TFRecords carry.
 uint32_t crc32c(const void* data, size_t bytes, uint32_t crc = 0);
+
+// Keeps the lines of a text file for which keep(line, index) holds, through a temporary file
+// renamed over it when any goes (a missing file is left missing); `what` names the file's role
+// in errors. For logs that a resumed run trims back to its checkpoint.
+void keep_lines(const std::filesystem::path& file,
+                const std::function<bool(const std::string& line, size_t index)>& keep,
+                std::string_view what);
 
 // One of DeepSpeed's monitor sections: off unless enabled; writes to output_path/job_name, or
 // to `directory` where a flag gave one.

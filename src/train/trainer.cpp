@@ -128,41 +128,6 @@ void check_update_during_backward(double max_grad_norm, DType dtype, const std::
         "bf16 or --update-during-backward off");
 }
 
-namespace {
-
-// Keeps the lines of metrics.jsonl up to `step` (and drops a line a kill cut short), through a
-// temporary file renamed over it.
-void trim_metrics(const fs::path& file, int64_t step) {
-  std::ifstream in(file);
-  if (!in) return;  // none yet
-  std::string kept, line;
-  bool dropped = false;
-  while (std::getline(in, line)) {
-    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
-    if (!j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number() &&
-        j["step"].get<int64_t>() <= step) {
-      kept += line + "\n";
-    } else {
-      dropped = true;
-    }
-  }
-  if (!dropped) return;
-  const fs::path tmp = file.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << kept;
-    out.flush();
-    if (!out) fail("cannot rewrite {}; check the disk's free space", file.string());
-  }
-  std::error_code ec;
-  fs::rename(tmp, file, ec);
-  if (ec)
-    fail("cannot replace {}: {}; check the run directory's permissions", file.string(),
-         ec.message());
-}
-
-}  // namespace
-
 double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   if (devices.empty()) fail("train: no devices; name them with --devices");
   if (s.steps < 1) fail("--steps {}: train at least one step", s.steps);
@@ -228,7 +193,14 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     fmt::print("resumed from {} at step {}\n", ckpt.string(), step);
     // The steps after the checkpoint are trained again: what an interrupted run logged of them
     // goes, so each step is in the logs once.
-    trim_metrics(s.run_dir / "metrics.jsonl", step);
+    keep_lines(
+        s.run_dir / "metrics.jsonl",
+        [step](const std::string& line, size_t) {
+          const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+          return !j.is_discarded() && j.is_object() && j.contains("step") &&
+                 j["step"].is_number_integer() && j["step"].get<int64_t>() <= step;
+        },
+        "metrics");
     monitor.resume_at(step * R * s.grad_accum * s.micro_batch);
     if (step >= s.steps)
       fail("resume from {}: it is at step {} already and --steps is {}; ask for more steps",
