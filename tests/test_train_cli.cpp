@@ -873,7 +873,16 @@ TEST(TrainCli, EpochsArePassesOverTheData) {
     ASSERT_EQ(r.status, 0) << r.out;
     const auto want = static_cast<int64_t>(
         std::ceil(c.epochs * static_cast<double>(sequences) / static_cast<double>(c.per_step)));
-    EXPECT_EQ(static_cast<int64_t>(metrics(run).size()), want) << r.out;
+    const std::vector<json> m = metrics(run);
+    EXPECT_EQ(static_cast<int64_t>(m.size()), want) << r.out;
+    // Each step's epoch: the passes over the data so far, as Hugging Face's Trainer logs it.
+    for (size_t i = 0; i < m.size(); ++i)
+      EXPECT_DOUBLE_EQ(m[i]["epoch"].get<double>(),
+                       static_cast<double>(static_cast<int64_t>(i + 1) * c.per_step) /
+                           static_cast<double>(sequences));
+    EXPECT_NE(r.out.find(fmt::format("(epoch {:.2f})", m.back()["epoch"].get<double>())),
+              std::string::npos)
+        << r.out;
     EXPECT_NE(r.out.find(fmt::format("{} sequences of 32 tokens, {} a step: {} steps", sequences,
                                      c.per_step, want)),
               std::string::npos)

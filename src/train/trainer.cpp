@@ -313,8 +313,13 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     for (size_t l = 0; l < schedule.lanes.size(); ++l)
       lanes[schedule.lanes[l].name()] = r.lane_busy_s[l];
     const double tps = r.step_s > 0 ? tokens_per_step / r.step_s : 0;
+    // Passes over the training data so far, as Hugging Face's Trainer logs `epoch`.
+    const DataPosition& at = loader.position();
+    const double epoch =
+        double(at.epoch) + double(at.position) / double(std::max<int64_t>(at.sequences, 1));
     nlohmann::json record{
         {"step", step},
+        {"epoch", epoch},
         {"loss", r.loss},
         {"lr", p.adam.lr},
         {"grad_norm", r.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.grad_norm)},
@@ -351,9 +356,10 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double eta = elapsed / double(step - first) * double(s.steps - step);
     const std::string line = fmt::format(
-        "step {}/{} loss {:.4f} lr {:.3g} grad-norm {:.3g}{} {:.0f} tokens/s ETA {} | {}", step,
-        s.steps, r.loss, p.adam.lr, r.grad_norm, r.skipped ? " (skipped: overflow)" : "", tps,
-        duration(eta), tiers);
+        "step {}/{} (epoch {:.2f}) loss {:.4f} lr {:.3g} grad-norm {:.3g}{} {:.0f} tokens/s ETA {} "
+        "| {}",
+        step, s.steps, epoch, r.loss, p.adam.lr, r.grad_norm,
+        r.skipped ? " (skipped: overflow)" : "", tps, duration(eta), tiers);
     if (step % std::max<int64_t>(s.steps_per_print, 1) == 0 || step == s.steps || step == first + 1)
       fmt::print("{}{}\n", tty ? "\r" : "", line);
     else if (tty)
