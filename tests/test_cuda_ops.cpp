@@ -234,9 +234,9 @@ class CudaOpsTest : public ::testing::Test {
   }
   DeviceInts ints(const std::vector<int32_t>& v) { return DeviceInts(*device_, *stream_, v); }
   // One attention case against the host backend (below), over documents where doc_start is not
-  // empty.
+  // empty, with a sliding window where `window` > 0.
   void attention_against_host(const AttentionCase& c, const std::vector<int32_t>& doc_start,
-                              Rng& rng);
+                              Rng& rng, int64_t window = 0);
 
   std::unique_ptr<Device> device_;
   std::unique_ptr<Stream> stream_;
@@ -454,8 +454,7 @@ struct AttentionForward {
   Shape qs, ks, ls;
   HostTensor q, k, v, out, lse;
 };
-AttentionForward host_attention_forward(const AttentionCase& c, Rng& rng,
-                                        const int32_t* doc_start = nullptr) {
+AttentionForward host_attention_forward(const AttentionCase& c, Rng& rng, AttentionMask mask = {}) {
   AttentionForward f;
   f.qs = Shape{c.batch, c.seq, c.heads, c.head_dim};
   f.ks = Shape{c.batch, c.keys(), c.kv_heads, c.head_dim};
@@ -466,8 +465,7 @@ AttentionForward host_attention_forward(const AttentionCase& c, Rng& rng,
   f.v = random_tensor(c.dtype, f.ks, rng);
   f.out = HostTensor(c.dtype, f.qs);
   f.lse = HostTensor(f32, f.ls);
-  host::attention_forward(f.out.view(), f.lse.view(), f.q.view(), f.k.view(), f.v.view(),
-                          doc_start);
+  host::attention_forward(f.out.view(), f.lse.view(), f.q.view(), f.k.view(), f.v.view(), mask);
   return f;
 }
 
@@ -522,18 +520,19 @@ struct AttentionPath {
 // (mma.sync, wmma, SIMT), which must all pass, and the path asked for must be the one that ran
 // (a backward whose shared memory this GPU lacks takes the next path).
 void CudaOpsTest::attention_against_host(const AttentionCase& c,
-                                         const std::vector<int32_t>& doc_start, Rng& rng) {
+                                         const std::vector<int32_t>& doc_start, Rng& rng,
+                                         int64_t window) {
   const int32_t* docs = doc_start.empty() ? nullptr : doc_start.data();
-  AttentionForward f = host_attention_forward(c, rng, docs);
+  AttentionForward f = host_attention_forward(c, rng, AttentionMask(docs, window));
   const Shape &qs = f.qs, &ks = f.ks, &ls = f.ls;
   HostTensor &q = f.q, &k = f.k, &v = f.v, &out = f.out, &lse = f.lse;
   HostTensor dout = random_tensor(c.dtype, qs, rng);
   HostTensor dq(c.dtype, qs), dk(c.dtype, ks), dv(c.dtype, ks);
   host::attention_backward(dq.view(), dk.view(), dv.view(), dout.view(), q.view(), k.view(),
-                           v.view(), out.view(), lse.view(), docs);
+                           v.view(), out.view(), lse.view(), AttentionMask(docs, window));
   std::optional<DeviceInts> docs_dev;
   if (docs != nullptr) docs_dev.emplace(ints(doc_start));
-  const int32_t* docs_on_device = docs_dev ? docs_dev->data() : nullptr;
+  const AttentionMask on_device(docs_dev ? docs_dev->data() : nullptr, window);
   DeviceTensor q_dev = upload(q), k_dev = upload(k), v_dev = upload(v);
   DeviceTensor dout_dev = upload(dout), out_in = upload(out), lse_in = upload(lse);
   const bool all_paths = on_cuda() && on_tensor_cores(c);
@@ -544,9 +543,9 @@ void CudaOpsTest::attention_against_host(const AttentionCase& c,
     if (all_paths) scope.emplace(static_cast<AttentionKernels>(path));
 #endif
     static constexpr const char* kNames[] = {" mma.sync", " wmma", " SIMT"};
-    SCOPED_TRACE(fmt::format("{} batch {} seq {} heads {} kv_heads {} head_dim {}{}{}",
+    SCOPED_TRACE(fmt::format("{} batch {} seq {} heads {} kv_heads {} head_dim {}{}{} window {}",
                              dtype_name(c.dtype), c.batch, c.seq, c.heads, c.kv_heads, c.head_dim,
-                             all_paths ? kNames[path] : "", docs ? " documents" : ""));
+                             all_paths ? kNames[path] : "", docs ? " documents" : "", window));
 #if STRATA_HAVE_CUDA
     // The paths the forward and the backward must take.
     AttentionKernels forward_path = AttentionKernels::kSimt, backward_path = forward_path;
@@ -562,7 +561,7 @@ void CudaOpsTest::attention_against_host(const AttentionCase& c,
 #endif
     DeviceTensor out_dev = empty(c.dtype, qs), lse_dev = empty(f32, ls);
     gpu().attention_forward(out_dev.view(), lse_dev.view(), q_dev.view(), k_dev.view(),
-                            v_dev.view(), docs_on_device, stream());
+                            v_dev.view(), on_device, stream());
 #if STRATA_HAVE_CUDA
     if (on_cuda()) {
       EXPECT_EQ(attention_calls(forward_path), forward_calls + 1)
@@ -578,7 +577,7 @@ void CudaOpsTest::attention_against_host(const AttentionCase& c,
                  dv_dev = empty(c.dtype, ks);
     gpu().attention_backward(dq_dev.view(), dk_dev.view(), dv_dev.view(), dout_dev.view(),
                              q_dev.view(), k_dev.view(), v_dev.view(), out_in.view(), lse_in.view(),
-                             docs_on_device, stream());
+                             on_device, stream());
     // With one key (seq 1) P = 1 and dS = 0: dq and dk are zero in exact arithmetic and up to
     // ~1e-6 of rounding noise on either backend (different noise: the GPU sums in another
     // order), so they are measured against elements of 0.1, the size of real gradients here.
@@ -622,6 +621,39 @@ TEST_F(CudaOpsTest, AttentionOverPackedDocuments) {
         t += n;
       }
     attention_against_host(c, doc_start, rng);
+  }
+}
+
+// A sliding window (Mistral's), alone and over packed documents: windows shorter than, equal to
+// and longer than the kernels' 32- and 64-key tiles, so a window's first key falls inside, at
+// the start and at the end of a tile, and blocks of queries whose windows start in different
+// tiles; every path against the host backend, which test_host_ops checks against each window
+// alone and finite differences.
+TEST_F(CudaOpsTest, AttentionInASlidingWindow) {
+  Rng rng(23);
+  struct WindowCase {
+    AttentionCase c;
+    int64_t window;
+    bool docs;
+  };
+  const std::vector<WindowCase> cases = {
+      {{2, 300, 8, 2, 64, f32}, 50, false},    {{1, 129, 4, 2, 128, f32}, 64, true},
+      {{1, 200, 4, 1, 16, bf16}, 1, false},    {{2, 300, 8, 2, 64, bf16}, 33, true},
+      {{1, 129, 8, 2, 128, bf16}, 100, false}, {{1, 70, 2, 2, 40, bf16}, 31, true},
+      {{1, 150, 4, 2, 64, bf16}, 149, false}};
+  for (const WindowCase& w : cases) {
+    std::vector<int32_t> doc_start;
+    if (w.docs) {
+      doc_start.resize(static_cast<size_t>(w.c.batch * w.c.seq));
+      for (int64_t b = 0; b < w.c.batch; ++b)
+        for (int64_t t = 0; t < w.c.seq;) {
+          const int64_t n = std::min<int64_t>(17 + 40 * (b + t % 3), w.c.seq - t);
+          for (int64_t i = t; i < t + n; ++i)
+            doc_start[static_cast<size_t>(b * w.c.seq + i)] = static_cast<int32_t>(t);
+          t += n;
+        }
+    }
+    attention_against_host(w.c, doc_start, rng, w.window);
   }
 }
 

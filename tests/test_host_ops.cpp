@@ -640,6 +640,81 @@ TEST(HostOps, AttentionGradientsMatchFiniteDifferences) {
   }
 }
 
+// A sliding window (Mistral's): query t sees keys max(its document's start, t - W + 1) .. t.
+// Forward: each row is, bit for bit, the last row of attention over those keys run alone as a
+// sequence of their own. Backward: against finite differences, with and without documents.
+TEST(HostOps, SlidingWindowRowsAreTheirWindowsAlone) {
+  Random rng(37);
+  const int64_t B = 2, T = 11, H = 4, Hkv = 2, hd = 6, W = 4;
+  // Sequence 0: documents at 0, 5 and 6; sequence 1: one document.
+  std::vector<int32_t> doc_start(B * T, 0);
+  for (int64_t t = 0; t < T; ++t) doc_start[size_t(t)] = t < 5 ? 0 : t < 6 ? 5 : 6;
+  for (const bool docs : {false, true}) {
+    const AttentionMask mask(docs ? doc_start.data() : nullptr, W);
+    for (DType dt : {DType::f32, DType::bf16}) {
+      Tensor q = rng.tensor(dt, {B, T, H, hd}, -2.0f, 2.0f), k = rng.tensor(dt, {B, T, Hkv, hd});
+      Tensor v = rng.tensor(dt, {B, T, Hkv, hd});
+      Tensor out(dt, q.shape), lse(DType::f32, {B, H, T});
+      host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view(), mask);
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t first = mask.first_key(b, T, t), n = t - first + 1;
+          EXPECT_EQ(first, std::max<int64_t>(docs ? doc_start[size_t(b * T + t)] : 0, t - W + 1));
+          const auto cut = [&](const Tensor& x) {
+            const int64_t row = x.shape[2] * x.shape[3];
+            Tensor y(x.dtype, {1, n, x.shape[2], x.shape[3]});
+            for (int64_t i = 0; i < n * row; ++i) y.set(i, x.at((b * T + first) * row + i));
+            return y;
+          };
+          Tensor qa = cut(q), ka = cut(k), va = cut(v);
+          Tensor oa(dt, qa.shape), la(DType::f32, {1, H, n});
+          host::attention_forward(oa.view(), la.view(), qa.view(), ka.view(), va.view());
+          for (int64_t i = 0; i < H * hd; ++i)
+            ASSERT_EQ(std::bit_cast<uint32_t>(out.at((b * T + t) * H * hd + i)),
+                      std::bit_cast<uint32_t>(oa.at((n - 1) * H * hd + i)))
+                << dtype_name(dt) << " docs " << docs << ": row " << t << " of sequence " << b;
+          for (int64_t h = 0; h < H; ++h)
+            ASSERT_EQ(std::bit_cast<uint32_t>(lse.at((b * H + h) * T + t)),
+                      std::bit_cast<uint32_t>(la.at(h * n + n - 1)));
+        }
+    }
+    Tensor q = rng.tensor(DType::f32, {B, T, H, hd}, -1.5f, 1.5f);
+    Tensor k = rng.tensor(DType::f32, {B, T, Hkv, hd}, -1.5f, 1.5f);
+    Tensor v = rng.tensor(DType::f32, {B, T, Hkv, hd});
+    const std::vector<double> r = rng.weights(q.numel());
+    Tensor out(DType::f32, q.shape), lse(DType::f32, {B, H, T});
+    auto loss = [&] {
+      host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view(), mask);
+      return dot_loss(out, r);
+    };
+    loss();
+    Tensor dq(DType::f32, q.shape, kNaN), dk(DType::f32, k.shape, kNaN),
+        dv(DType::f32, v.shape, kNaN);
+    host::attention_backward(dq.view(), dk.view(), dv.view(), from_weights(r, q.shape).view(),
+                             q.view(), k.view(), v.view(), out.view(), lse.view(), mask);
+    const std::string what = fmt::format("window {} docs {}", W, docs);
+    expect_grad(as_double(dq), numeric_grad(q, loss), "attention dq " + what);
+    expect_grad(as_double(dk), numeric_grad(k, loss), "attention dk " + what);
+    expect_grad(as_double(dv), numeric_grad(v, loss), "attention dv " + what);
+  }
+  // A window is for whole sequences, and never negative.
+  Tensor q(DType::f32, {B, T, H, hd}), k(DType::f32, {B, T, Hkv, hd});
+  Tensor out(DType::f32, q.shape), lse(DType::f32, {B, H, T});
+  expect_error(
+      [&] {
+        host::attention_forward(out.view(), lse.view(), q.view(), k.view(), k.view(),
+                                AttentionMask(nullptr, -1));
+      },
+      {"attention_forward", "sliding window is -1"});
+  Tensor q1(DType::f32, {B, 2, H, hd}), out1(DType::f32, q1.shape), lse1(DType::f32, {B, H, 2});
+  expect_error(
+      [&] {
+        host::attention_forward(out1.view(), lse1.view(), q1.view(), k.view(), k.view(),
+                                AttentionMask(nullptr, W));
+      },
+      {"attention_forward", "sliding window of 4", "2 queries against 11 keys"});
+}
+
 TEST(HostOps, AttentionBackwardInBf16StaysNearTheF32Gradients) {
   Random rng(10);
   const AttnShape s{1, 5, 4, 2, 8};

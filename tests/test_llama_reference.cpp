@@ -97,6 +97,18 @@ std::vector<Case> cases() {
   mistral.config.architecture = Architecture::mistral;
   mistral.config.sliding_window = 7;
   out.push_back(mistral);
+  // Mistral with a window of 3 in sequences of 9: each query sees itself and the two before.
+  Case slides{"mistral_window_3_of_9", base(36, 6, 2, 8, 70, 97, 2), 2, 9, 97};
+  slides.config.architecture = Architecture::mistral;
+  slides.config.sliding_window = 3;
+  out.push_back(slides);
+  // Qwen2 with use_sliding_window: only the second of three layers slides (layer_types).
+  Case qwen_window{"qwen2_second_layer_slides", base(36, 6, 2, 8, 70, 97, 3), 2, 9, 40};
+  qwen_window.config.architecture = Architecture::qwen2;
+  qwen_window.config.qkv_bias = true;
+  qwen_window.config.sliding_window = 4;
+  qwen_window.config.sliding_layers = {false, true, false};
+  out.push_back(qwen_window);
   // Qwen3: q and k norms over head_dim 8 (≠ hidden / heads), tied; and with attention_bias.
   Case qwen3{"qwen3_qk_norm_tied", base(36, 6, 2, 8, 70, 97, 2), 2, 7, 40};
   qwen3.config.architecture = Architecture::qwen3;

@@ -351,12 +351,16 @@ TEST(LlamaConfigParse, MistralAndQwen2AsTheirHuggingFaceClassesBuildThem) {
   EXPECT_EQ(c.architecture, Architecture::mistral);
   EXPECT_FALSE(c.qkv_bias || c.o_bias || c.mlp_bias);
   EXPECT_EQ(c.sliding_window, 128);
+  EXPECT_TRUE(c.sliding_layers.empty() && c.layer_slides(0) && c.layer_slides(1));
   ModelOptions o;
-  o.seq_len = 128;  // the whole sequence inside the window: the same attention
+  o.seq_len = 129;  // past the window: the attention slides it
+  EXPECT_GT(LlamaModel::workspace_bytes_for(c, o), 0u);
+  o.forward_only = o.kv_cache = true;  // decoding against a cache has no window
+  o.seq_len = 128;
   EXPECT_GT(LlamaModel::workspace_bytes_for(c, o), 0u);
   o.seq_len = 129;
   expect_error([&] { LlamaModel::workspace_bytes_for(c, o); },
-               {"sequence length 129", "sliding attention window of 128", "--seq-len"});
+               {"129 positions", "sliding attention window of 128", "--max-new-tokens"});
 
   // Qwen2: q, k and v biases always; the window only where use_sliding_window is set and a
   // layer uses it.
@@ -373,11 +377,29 @@ TEST(LlamaConfigParse, MistralAndQwen2AsTheirHuggingFaceClassesBuildThem) {
   j["max_window_layers"] = 2;  // = num_hidden_layers: no layer slides
   EXPECT_EQ(parse_llama_config(j, "m.json").sliding_window, 0);
   j["max_window_layers"] = 1;
-  EXPECT_EQ(parse_llama_config(j, "m.json").sliding_window, 64);
+  c = parse_llama_config(j, "m.json");
+  EXPECT_EQ(c.sliding_window, 64);
+  EXPECT_EQ(c.sliding_layers, (std::vector<bool>{false, true}));  // the layers from 1 on
+  EXPECT_FALSE(c.layer_slides(0));
+  EXPECT_TRUE(c.layer_slides(1));
+  // Exported with both forms, and read back the same.
+  json out = to_hf_config_json(c);
+  EXPECT_EQ(out["max_window_layers"], 1);
+  EXPECT_EQ(out["layer_types"], json({"full_attention", "sliding_attention"}));
+  EXPECT_EQ(parse_llama_config(out, "m.json").sliding_layers, c.sliding_layers);
+  j["max_window_layers"] = 0;  // every layer: the plain form
+  EXPECT_TRUE(parse_llama_config(j, "m.json").sliding_layers.empty());
   j["layer_types"] = {"full_attention", "full_attention"};  // layer_types rules when given
   EXPECT_EQ(parse_llama_config(j, "m.json").sliding_window, 0);
-  j["layer_types"] = {"full_attention", "sliding_attention"};
-  EXPECT_EQ(parse_llama_config(j, "m.json").sliding_window, 64);
+  j["layer_types"] = {"sliding_attention", "full_attention"};  // not a suffix
+  c = parse_llama_config(j, "m.json");
+  EXPECT_EQ(c.sliding_layers, (std::vector<bool>{true, false}));
+  out = to_hf_config_json(c);
+  EXPECT_EQ(out["max_window_layers"], 2);  // no suffix slides, as older transformers read it
+  EXPECT_EQ(parse_llama_config(out, "m.json").sliding_layers, c.sliding_layers);  // exactly
+  j["layer_types"] = {"sliding_attention"};
+  expect_error([&] { parse_llama_config(j, "m.json"); },
+               {"m.json", "layer_types has 1 entries for 2 layers"});
 
   // Llama: attention_bias puts biases on q, k, v and o; mlp_bias on gate, up and down.
   j = minimal();

@@ -148,7 +148,8 @@ RopeDims check_rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_
 
 AttentionDims check_attention(const char* op, const TensorView& out, const TensorView& lse_stats,
                               const TensorView& q, const TensorView& k, const TensorView& v,
-                              const int32_t* doc_start) {
+                              AttentionMask mask) {
+  const int32_t* doc_start = mask.doc_start;
   check_rank(op, "q", q, 4, "[batch, seq, heads, head_dim]");
   check_rank(op, "k", k, 4, "[batch, seq, kv_heads, head_dim]");
   AttentionDims d{q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3], k.shape[1]};
@@ -181,7 +182,16 @@ AttentionDims check_attention(const char* op, const TensorView& out, const Tenso
         "{}: doc_start is given with {} queries against {} keys; documents are packed into "
         "whole sequences only (as many keys as queries), not into decoding's cached keys",
         op, d.seq, d.kv_seq);
+  if (mask.window < 0)
+    fail("{}: the sliding window is {} positions; it is 0 (none) or a positive count", op,
+         mask.window);
+  if (mask.window > 0 && d.kv_seq != d.seq)
+    fail(
+        "{}: a sliding window of {} is given with {} queries against {} keys; the window is "
+        "applied to whole sequences only (as many keys as queries), not to decoding's cached keys",
+        op, mask.window, d.seq, d.kv_seq);
   d.doc_start = doc_start;
+  d.window = mask.window;
   return d;
 }
 

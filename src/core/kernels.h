@@ -35,6 +35,23 @@ struct StepConstants;  // cpu_adam/kernels.h
 // Ids of ignored target positions, as in PyTorch's cross_entropy(ignore_index=-100).
 inline constexpr int32_t kIgnoreIndex = -100;
 
+// Which keys a query sees besides the causal rule (Kernels::attention_forward): those of its own
+// packed document (doc_start, device memory, or null for one document a sequence) and, with a
+// sliding window (window > 0, Mistral's), the last `window` positions, itself included. Query t
+// of sequence b sees keys first_key(b, T, t) .. t. Built from a doc_start pointer alone where a
+// call has no window, so the callers that pack documents pass their pointer as before.
+struct AttentionMask {
+  const int32_t* doc_start = nullptr;
+  int64_t window = 0;
+  AttentionMask(const int32_t* starts = nullptr, int64_t w = 0)  // NOLINT: implicit on purpose
+      : doc_start(starts), window(w) {}
+  // For host memory: max(the document's start, t - window + 1).
+  int64_t first_key(int64_t b, int64_t seq, int64_t t) const {
+    const int64_t doc = doc_start != nullptr ? doc_start[b * seq + t] : 0;
+    return window > 0 && t - window + 1 > doc ? t - window + 1 : doc;
+  }
+};
+
 class Kernels {
  public:
   virtual ~Kernels() = default;
@@ -88,17 +105,18 @@ class Kernels {
   // token of query t's document, and query t attends to keys doc_start[b*T + t] .. t alone, so
   // each document's rows are what the document alone would give. Documents are contiguous:
   // doc_start[b*T] = 0 and doc_start[b*T + t] is t (a new document) or doc_start[b*T + t - 1].
-  // The host backend checks that rule; the CUDA kernels rely on it.
+  // The host backend checks that rule; the CUDA kernels rely on it. mask.window > 0 (a sliding
+  // window, Mistral's; Tk = T only) also hides the keys before t - window + 1 from query t.
+  // `mask` converts from a plain doc_start pointer.
   virtual void attention_forward(const TensorView& out, const TensorView& lse_stats,
                                  const TensorView& q, const TensorView& k, const TensorView& v,
-                                 const int32_t* doc_start, Stream& s) = 0;
+                                 AttentionMask mask, Stream& s) = 0;
   // dq, dk, dv (shapes of q, k, v) = the gradients, from dout and the forward's q, k, v, out,
-  // lse_stats and the same doc_start. Training's shapes only: Tk = T.
+  // lse_stats and the same mask. Training's shapes only: Tk = T.
   virtual void attention_backward(const TensorView& dq, const TensorView& dk, const TensorView& dv,
                                   const TensorView& dout, const TensorView& q, const TensorView& k,
                                   const TensorView& v, const TensorView& out,
-                                  const TensorView& lse_stats, const int32_t* doc_start,
-                                  Stream& s) = 0;
+                                  const TensorView& lse_stats, AttentionMask mask, Stream& s) = 0;
 
   // h = silu(gate) * up, all [N,F]; silu(x) = x / (1 + exp(-x)).
   virtual void swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
@@ -184,12 +202,13 @@ struct AttentionDims {
   int64_t kv_seq = -1;  // Tk, the keys' positions; -1 means seq (every backward)
   // The documents packed into each sequence (Kernels::attention_forward), or null for one.
   const int32_t* doc_start = nullptr;
+  int64_t window = 0;  // AttentionMask::window
   int64_t keys() const { return kv_seq < 0 ? seq : kv_seq; }
 };
-// With doc_start, which needs Tk = T (a decoding call packs no documents).
+// With a mask, which needs Tk = T (a decoding call packs no documents and slides no window).
 AttentionDims check_attention(const char* op, const TensorView& out, const TensorView& lse_stats,
                               const TensorView& q, const TensorView& k, const TensorView& v,
-                              const int32_t* doc_start = nullptr);
+                              AttentionMask mask = {});
 // doc_start's rule (Kernels::attention_forward) over host memory; an Error naming the op, the
 // sequence and the position that breaks it.
 void check_doc_start(const char* op, const int32_t* doc_start, int64_t batch, int64_t seq);

@@ -62,6 +62,7 @@ struct Geometry {
   float scale;
   int64_t kv_seq;  // Tk >= seq: the keys' positions (the forward's); the backward's equal seq
   const int32_t* doc_start;  // AttentionDims::doc_start: [batch * seq], or null
+  int64_t window;            // AttentionDims::window: 0, or a sliding window
 };
 
 uint64_t forward_bytes(int64_t hd) {
@@ -172,10 +173,10 @@ __global__ void __launch_bounds__(kBlockThreads)
 #pragma unroll
   for (int rr = 0; rr < R; ++rr) {
     const int64_t t = q0 + warp * R + rr;
-    first[rr] = t < g.seq ? gpu::doc_first(g.doc_start, b, g.seq, t) : 0;
+    first[rr] = t < g.seq ? gpu::doc_first(g.doc_start, g.window, b, g.seq, t) : 0;
   }
   const int64_t q_end = gpu::min64(q0 + Br, g.seq);
-  const int64_t k_begin = gpu::doc_first(g.doc_start, b, g.seq, q0) / kKeys * kKeys;
+  const int64_t k_begin = gpu::doc_first(g.doc_start, g.window, b, g.seq, q0) / kKeys * kKeys;
   for (int64_t k0 = k_begin; k0 < q_end + shift; k0 += kKeys) {
     __syncthreads();  // the previous tile is consumed (and the first time: sq is written)
     load_tile(sk, ks, kh, kvs, k0, kKeys, g.kv_seq, hd);
@@ -253,11 +254,11 @@ __global__ void __launch_bounds__(kBlockThreads)
     if (t >= g.seq) continue;
     row_lse[rr] = lse[(b * g.heads + h) * g.seq + t];
     row_dd[rr] = row_d(sdo + row * hd, out + q_base + t * qs, lane, hd);
-    first[rr] = gpu::doc_first(g.doc_start, b, g.seq, t);
+    first[rr] = gpu::doc_first(g.doc_start, g.window, b, g.seq, t);
   }
 
   const int64_t q_end = gpu::min64(q0 + Br, g.seq);
-  const int64_t k_begin = gpu::doc_first(g.doc_start, b, g.seq, q0) / kKeys * kKeys;
+  const int64_t k_begin = gpu::doc_first(g.doc_start, g.window, b, g.seq, q0) / kKeys * kKeys;
   for (int64_t k0 = k_begin; k0 < q_end; k0 += kKeys) {
     __syncthreads();
     load_tile(sk, ks, kh, kvs, k0, kKeys, g.seq, hd);
@@ -325,7 +326,8 @@ __global__ void __launch_bounds__(kBlockThreads)
     // can see these keys.
     for (int64_t i0 = k0; i0 < g.seq; i0 += brq) {
       // Queries from i0 on belong to documents that start after these keys: none sees them.
-      if (gpu::doc_first(g.doc_start, b, g.seq, i0) >= k0 + kKeys) break;  // the whole block
+      if (gpu::doc_first(g.doc_start, g.window, b, g.seq, i0) >= k0 + kKeys)
+        break;          // the whole block
       __syncthreads();  // phase 2 of the previous tile is done with sq, sdo, sp, sds
       load_tile(sq, hd, q + q_base, qs, i0, brq, g.seq, hd);
       load_tile(sdo, hd, dout + q_base, qs, i0, brq, g.seq, hd);
@@ -340,7 +342,7 @@ __global__ void __launch_bounds__(kBlockThreads)
           float s, dp;
           dot2(sq + row * hd, sk + lane * ks, sdo + row * hd, sv + lane * ks, hd, s, dp);
           const int64_t key = k0 + lane;  // < seq where key <= t, as t is
-          if (key <= t && key >= gpu::doc_first(g.doc_start, b, g.seq, t)) {
+          if (key <= t && key >= gpu::doc_first(g.doc_start, g.window, b, g.seq, t)) {
             p = expf(s * g.scale - row_lse[t]);
             ds = p * (dp - dd);
           }
@@ -352,7 +354,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       // Phase 2: this warp's keys j accumulate sum_i P_ij dout_i and dS_ij q_i.
       const int rows = static_cast<int>(gpu::min64(brq, g.seq - i0));
       for (int i = 0; i < rows; ++i) {
-        const int64_t t = i0 + i, first = gpu::doc_first(g.doc_start, b, g.seq, t);
+        const int64_t t = i0 + i, first = gpu::doc_first(g.doc_start, g.window, b, g.seq, t);
         float qv[NR], dov[NR];
 #pragma unroll
         for (int r = 0; r < NR; ++r) {
@@ -391,7 +393,8 @@ Geometry geometry(const AttentionDims& dims) {
                   static_cast<int>(dims.head_dim),
                   1.0f / sqrtf(static_cast<float>(dims.head_dim)),
                   dims.keys(),
-                  dims.doc_start};
+                  dims.doc_start,
+                  dims.window};
 }
 
 // Calls f.template operator()<NR>() with NR = slots_for(head_dim).

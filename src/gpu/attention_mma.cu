@@ -56,6 +56,7 @@ struct Geometry {
   int64_t seq, heads, kv_heads;
   float scale, scale_log2;   // 1/sqrt(hd), and that over ln 2
   const int32_t* doc_start;  // AttentionDims::doc_start: [batch * seq], or null
+  int64_t window;            // AttentionDims::window: 0, or a sliding window
 };
 
 __host__ __device__ constexpr int row_ld(int hd) {
@@ -206,10 +207,12 @@ __global__ void __launch_bounds__(kThreads)
   int64_t first[2];  // each row's first key: its document's start
 #pragma unroll
   for (int half = 0; half < 2; ++half)
-    first[half] = rows[half] < geo.seq ? gpu::doc_first(geo.doc_start, b, geo.seq, rows[half]) : 0;
+    first[half] = rows[half] < geo.seq
+                      ? gpu::doc_first(geo.doc_start, geo.window, b, geo.seq, rows[half])
+                      : 0;
 
   const int64_t q_end = gpu::min64(q0 + kTile, geo.seq);
-  const int64_t k_begin = gpu::doc_first(geo.doc_start, b, geo.seq, q0) / kTile * kTile;
+  const int64_t k_begin = gpu::doc_first(geo.doc_start, geo.window, b, geo.seq, q0) / kTile * kTile;
   for (int64_t k0 = k_begin; k0 < q_end; k0 += kTile) {
     __syncthreads();  // the previous tile is consumed
     load_tile(sk, ld, kh, kvs, k0, geo.seq, hd);
@@ -326,7 +329,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const bool valid = rows[half] < geo.seq;
-    first[half] = valid ? gpu::doc_first(geo.doc_start, b, geo.seq, rows[half]) : 0;
+    first[half] = valid ? gpu::doc_first(geo.doc_start, geo.window, b, geo.seq, rows[half]) : 0;
     row_lse[half] = valid ? lse[(b * geo.heads + h) * geo.seq + rows[half]] * kLog2e : 0.0f;
     dd[half] =
         row_d(sdo + (warp * 16 + g + 8 * half) * ld, out + q_base + rows[half] * qs, valid, t, hd);
@@ -338,7 +341,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int r = 0; r < 4; ++r) acc[j][r] = 0.0f;
 
   const int64_t q_end = gpu::min64(q0 + kTile, geo.seq);
-  const int64_t k_begin = gpu::doc_first(geo.doc_start, b, geo.seq, q0) / kTile * kTile;
+  const int64_t k_begin = gpu::doc_first(geo.doc_start, geo.window, b, geo.seq, q0) / kTile * kTile;
   for (int64_t k0 = k_begin; k0 < q_end; k0 += kTile) {
     __syncthreads();
     load_tile(sk, ld, kh, kvs, k0, geo.seq, hd);
@@ -404,7 +407,8 @@ __global__ void __launch_bounds__(kThreads)
     // k0 is a multiple of 64: query tiles start at k0, the first row that can see these keys.
     for (int64_t i0 = k0; i0 < geo.seq; i0 += kTile) {
       // Queries from i0 on belong to documents that start after these keys: none sees them.
-      if (gpu::doc_first(geo.doc_start, b, geo.seq, i0) >= k0 + kTile) break;  // the whole block
+      if (gpu::doc_first(geo.doc_start, geo.window, b, geo.seq, i0) >= k0 + kTile)
+        break;          // the whole block
       __syncthreads();  // the previous tile's sq, sdo, tile_lse and tile_d are consumed
       load_tile(sq, ld, q + q_base, qs, i0, geo.seq, hd);
       load_tile(sdo, ld, dout + q_base, qs, i0, geo.seq, hd);
@@ -442,8 +446,9 @@ __global__ void __launch_bounds__(kThreads)
           for (int r = 0; r < 4; ++r) {
             const int col = c0 + 16 * skip + 8 * j + 2 * t + r % 2;
             const int64_t tq = i0 + col;
-            const bool valid = j / 2 < pairs && tq < geo.seq && keys[r / 2] <= tq &&
-                               keys[r / 2] >= gpu::doc_first(geo.doc_start, b, geo.seq, tq);
+            const bool valid =
+                j / 2 < pairs && tq < geo.seq && keys[r / 2] <= tq &&
+                keys[r / 2] >= gpu::doc_first(geo.doc_start, geo.window, b, geo.seq, tq);
             // col may pass 63 only where j / 2 >= pairs: read nothing then.
             const int c_safe = valid ? col : 0;
             const float p = valid ? exp2f(st[j][r] * geo.scale_log2 - tile_lse[c_safe]) : 0.0f;
@@ -463,7 +468,7 @@ __global__ void __launch_bounds__(kThreads)
 
 Geometry geometry(const AttentionDims& d) {
   const float scale = 1.0f / sqrtf(static_cast<float>(d.head_dim));
-  return Geometry{d.seq, d.heads, d.kv_heads, scale, scale * kLog2e, d.doc_start};
+  return Geometry{d.seq, d.heads, d.kv_heads, scale, scale * kLog2e, d.doc_start, d.window};
 }
 
 }  // namespace

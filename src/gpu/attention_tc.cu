@@ -57,6 +57,7 @@ struct Geometry {
   int64_t seq, heads, kv_heads;
   float scale;
   const int32_t* doc_start;  // AttentionDims::doc_start: [batch * seq], or null
+  int64_t window;            // AttentionDims::window: 0, or a sliding window
 };
 
 __host__ __device__ constexpr int tile_ld(int hd) {
@@ -221,11 +222,11 @@ __global__ void __launch_bounds__(kThreads)
   // Row r of the warp's 16 is lanes 2r (keys 0-31 of a tile) and 2r + 1 (keys 32-63).
   const int r = lane / 2, half = lane % 2;
   const int64_t t = row0 + r;
-  const int64_t first = t < g.seq ? gpu::doc_first(g.doc_start, b, g.seq, t) : 0;
+  const int64_t first = t < g.seq ? gpu::doc_first(g.doc_start, g.window, b, g.seq, t) : 0;
   float m = -INFINITY, l = 0.0f;
 
   const int64_t q_end = gpu::min64(q0 + kTile, g.seq);
-  const int64_t k_begin = gpu::doc_first(g.doc_start, b, g.seq, q0) / kTile * kTile;
+  const int64_t k_begin = gpu::doc_first(g.doc_start, g.window, b, g.seq, q0) / kTile * kTile;
   for (int64_t k0 = k_begin; k0 < q_end; k0 += kTile) {
     __syncthreads();  // the previous tile is consumed
     load_tile(sk, ld, kh, kvs, k0, g.seq, hd);
@@ -319,14 +320,14 @@ __global__ void __launch_bounds__(kThreads)
   const int r = lane / 2, half = lane % 2;
   const int64_t t = row0 + r;
   const float row_lse = t < g.seq ? lse[(b * g.heads + h) * g.seq + t] : 0.0f;
-  const int64_t first = t < g.seq ? gpu::doc_first(g.doc_start, b, g.seq, t) : 0;
+  const int64_t first = t < g.seq ? gpu::doc_first(g.doc_start, g.window, b, g.seq, t) : 0;
   const float dd = row_d(sdo + (warp * kSub + r) * ld, out + q_base + t * qs, t < g.seq, half, hd);
   FragC acc[NS];
 #pragma unroll
   for (int j = 0; j < NS; ++j) wmma::fill_fragment(acc[j], 0.0f);
 
   const int64_t q_end = gpu::min64(q0 + kTile, g.seq);
-  const int64_t k_begin = gpu::doc_first(g.doc_start, b, g.seq, q0) / kTile * kTile;
+  const int64_t k_begin = gpu::doc_first(g.doc_start, g.window, b, g.seq, q0) / kTile * kTile;
   for (int64_t k0 = k_begin; k0 < q_end; k0 += kTile) {
     __syncthreads();
     load_tile(sk, ld, kh, kvs, k0, g.seq, hd);
@@ -399,7 +400,8 @@ __global__ void __launch_bounds__(kThreads)
     // k0 is a multiple of 64: query tiles start at k0, the first row that can see these keys.
     for (int64_t i0 = k0; i0 < g.seq; i0 += kTile) {
       // Queries from i0 on belong to documents that start after these keys: none sees them.
-      if (gpu::doc_first(g.doc_start, b, g.seq, i0) >= k0 + kTile) break;  // the whole block
+      if (gpu::doc_first(g.doc_start, g.window, b, g.seq, i0) >= k0 + kTile)
+        break;          // the whole block
       __syncthreads();  // the previous tile's sq, sdo, tile_lse and tile_d are consumed
       load_tile(sq, ld, q + q_base, qs, i0, g.seq, hd);
       load_tile(sdo, ld, dout + q_base, qs, i0, g.seq, hd);
@@ -424,7 +426,7 @@ __global__ void __launch_bounds__(kThreads)
         const int col = half * 32 + c;
         const int64_t t = i0 + col;
         float p = 0.0f, ds = 0.0f;
-        if (t < g.seq && key <= t && key >= gpu::doc_first(g.doc_start, b, g.seq, t)) {
+        if (t < g.seq && key <= t && key >= gpu::doc_first(g.doc_start, g.window, b, g.seq, t)) {
           p = expf(st[r * kScoreLd + col] * g.scale - tile_lse[col]);
           ds = p * (dpt[r * kScoreLd + col] - tile_d[col]);
         }
@@ -443,8 +445,8 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 Geometry geometry(const AttentionDims& d) {
-  return Geometry{d.seq, d.heads, d.kv_heads, 1.0f / sqrtf(static_cast<float>(d.head_dim)),
-                  d.doc_start};
+  return Geometry{d.seq,       d.heads, d.kv_heads, 1.0f / sqrtf(static_cast<float>(d.head_dim)),
+                  d.doc_start, d.window};
 }
 
 }  // namespace

@@ -41,12 +41,12 @@ class CudaKernels final : public Kernels {
   void rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len, bool inverse,
             Stream& s) override;
   void attention_forward(const TensorView& out, const TensorView& lse_stats, const TensorView& q,
-                         const TensorView& k, const TensorView& v, const int32_t* doc_start,
+                         const TensorView& k, const TensorView& v, AttentionMask mask,
                          Stream& s) override;
   void attention_backward(const TensorView& dq, const TensorView& dk, const TensorView& dv,
                           const TensorView& dout, const TensorView& q, const TensorView& k,
                           const TensorView& v, const TensorView& out, const TensorView& lse_stats,
-                          const int32_t* doc_start, Stream& s) override;
+                          AttentionMask mask, Stream& s) override;
   void swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
                       Stream& s) override;
   void swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
@@ -225,13 +225,13 @@ void CudaKernels::rope(const TensorView& x, const TensorView& cos_sin, int64_t s
 
 void CudaKernels::attention_forward(const TensorView& out, const TensorView& lse_stats,
                                     const TensorView& q, const TensorView& k, const TensorView& v,
-                                    const int32_t* doc_start, Stream& s) {
+                                    AttentionMask mask, Stream& s) {
   const char* op = "attention_forward";
-  const AttentionDims d = check_attention(op, out, lse_stats, q, k, v, doc_start);
+  const AttentionDims d = check_attention(op, out, lse_stats, q, k, v, mask);
   check_attention_limits(op, d, {&q, &k, &v, &out});
   operands(op, {{"out", &out}, {"q", &q}, {"k", &k}, {"v", &v}});
   float* lse = stats(op, "lse_stats", lse_stats);
-  if (doc_start != nullptr) ids(op, "doc_start", doc_start, d.batch * d.seq);
+  if (d.doc_start != nullptr) ids(op, "doc_start", d.doc_start, d.batch * d.seq);
   const cudaStream_t stream = device_.enter(s);
   launch_attention_forward(out.data, lse, q.data, k.data, v.data, q.dtype, d, max_shared_bytes(),
                            stream);
@@ -241,10 +241,10 @@ void CudaKernels::attention_backward(const TensorView& dq, const TensorView& dk,
                                      const TensorView& dv, const TensorView& dout,
                                      const TensorView& q, const TensorView& k, const TensorView& v,
                                      const TensorView& out, const TensorView& lse_stats,
-                                     const int32_t* doc_start, Stream& s) {
+                                     AttentionMask mask, Stream& s) {
   const char* op = "attention_backward";
   const AttentionDims d =
-      host::check_attention_backward(dq, dk, dv, dout, q, k, v, out, lse_stats, doc_start);
+      host::check_attention_backward(dq, dk, dv, dout, q, k, v, out, lse_stats, mask);
   check_attention_limits(op, d, {&q, &k, &v, &out, &dq, &dk, &dv, &dout});
   operands(op, {{"dq", &dq},
                 {"dk", &dk},
@@ -255,7 +255,7 @@ void CudaKernels::attention_backward(const TensorView& dq, const TensorView& dk,
                 {"v", &v},
                 {"out", &out}});
   const float* lse = stats(op, "lse_stats", lse_stats);
-  if (doc_start != nullptr) ids(op, "doc_start", doc_start, d.batch * d.seq);
+  if (d.doc_start != nullptr) ids(op, "doc_start", d.doc_start, d.batch * d.seq);
   const cudaStream_t stream = device_.enter(s);
   launch_attention_backward(dq.data, dk.data, dv.data, dout.data, q.data, k.data, v.data, out.data,
                             lse, q.dtype, d, max_shared_bytes(), stream);

@@ -71,23 +71,23 @@ class HostKernels final : public Kernels {
   }
 
   void attention_forward(const TensorView& out, const TensorView& lse_stats, const TensorView& q,
-                         const TensorView& k, const TensorView& v, const int32_t* doc_start,
+                         const TensorView& k, const TensorView& v, AttentionMask mask,
                          Stream& s) override {
     const char* op = "attention_forward";
-    const AttentionDims d = check_attention(op, out, lse_stats, q, k, v, doc_start);
+    const AttentionDims d = check_attention(op, out, lse_stats, q, k, v, mask);
     in_memory(op, {{"out", &out}, {"lse_stats", &lse_stats}, {"q", &q}, {"k", &k}, {"v", &v}});
-    if (doc_start != nullptr) ids_in_memory(op, "doc_start", doc_start, d.batch * d.seq);
-    q_.enqueue(s, [=] { host::attention_forward(out, lse_stats, q, k, v, doc_start); });
+    if (mask.doc_start != nullptr) ids_in_memory(op, "doc_start", mask.doc_start, d.batch * d.seq);
+    q_.enqueue(s, [=] { host::attention_forward(out, lse_stats, q, k, v, mask); });
   }
 
   void attention_backward(const TensorView& dq, const TensorView& dk, const TensorView& dv,
                           const TensorView& dout, const TensorView& q, const TensorView& k,
                           const TensorView& v, const TensorView& out, const TensorView& lse_stats,
-                          const int32_t* doc_start, Stream& s) override {
+                          AttentionMask mask, Stream& s) override {
     const AttentionDims d =
-        check_attention_backward(dq, dk, dv, dout, q, k, v, out, lse_stats, doc_start);
-    if (doc_start != nullptr)
-      ids_in_memory("attention_backward", "doc_start", doc_start, d.batch * d.seq);
+        check_attention_backward(dq, dk, dv, dout, q, k, v, out, lse_stats, mask);
+    if (mask.doc_start != nullptr)
+      ids_in_memory("attention_backward", "doc_start", mask.doc_start, d.batch * d.seq);
     in_memory("attention_backward", {{"dq", &dq},
                                      {"dk", &dk},
                                      {"dv", &dv},
@@ -97,8 +97,8 @@ class HostKernels final : public Kernels {
                                      {"v", &v},
                                      {"out", &out},
                                      {"lse_stats", &lse_stats}});
-    q_.enqueue(
-        s, [=] { host::attention_backward(dq, dk, dv, dout, q, k, v, out, lse_stats, doc_start); });
+    q_.enqueue(s,
+               [=] { host::attention_backward(dq, dk, dv, dout, q, k, v, out, lse_stats, mask); });
   }
 
   void swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,

@@ -307,9 +307,9 @@ void rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len, bool 
 // attention: the T×T scores of each (batch, head) are materialised one query row at a time.
 
 void attention_forward(const TensorView& out, const TensorView& lse_stats, const TensorView& q,
-                       const TensorView& k, const TensorView& v, const int32_t* doc_start) {
-  const AttentionDims d = check_attention("attention_forward", out, lse_stats, q, k, v, doc_start);
-  check_doc_start("attention_forward", doc_start, d.batch, d.seq);
+                       const TensorView& k, const TensorView& v, AttentionMask mask) {
+  const AttentionDims d = check_attention("attention_forward", out, lse_stats, q, k, v, mask);
+  check_doc_start("attention_forward", mask.doc_start, d.batch, d.seq);
   const F32Input qf(q), kf(k), vf(v);
   const int64_t B = d.batch, T = d.seq, H = d.heads, Hkv = d.kv_heads, hd = d.head_dim;
   const int64_t Tk = d.keys(), shift = Tk - T;  // query t sits at position t + shift
@@ -324,8 +324,8 @@ void attention_forward(const TensorView& out, const TensorView& lse_stats, const
         std::vector<double> scores(static_cast<size_t>(Tk)), acc(static_cast<size_t>(hd));
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t t = i % T, h = (i / T) % H, b = i / (T * H), g = h / group;
-          const int64_t last = t + shift;  // the last key this query sees
-          const int64_t first = doc_start != nullptr ? doc_start[b * T + t] : 0;  // and the first
+          const int64_t last = t + shift;                 // the last key this query sees
+          const int64_t first = mask.first_key(b, T, t);  // and the first
           const float* qrow = qf.data() + ((b * T + t) * H + h) * hd;
           double m = -std::numeric_limits<double>::infinity();
           for (int64_t j = first; j <= last; ++j) {
@@ -357,9 +357,9 @@ AttentionDims check_attention_backward(const TensorView& dq, const TensorView& d
                                        const TensorView& dv, const TensorView& dout,
                                        const TensorView& q, const TensorView& k,
                                        const TensorView& v, const TensorView& out,
-                                       const TensorView& lse_stats, const int32_t* doc_start) {
+                                       const TensorView& lse_stats, AttentionMask mask) {
   const char* op = "attention_backward";
-  const AttentionDims d = check_attention(op, out, lse_stats, q, k, v, doc_start);
+  const AttentionDims d = check_attention(op, out, lse_stats, q, k, v, mask);
   if (d.keys() != d.seq)
     fail(
         "{}: k is {} with {} positions but q is {} with {}; the backward takes whole sequences "
@@ -375,10 +375,9 @@ AttentionDims check_attention_backward(const TensorView& dq, const TensorView& d
 void attention_backward(const TensorView& dq, const TensorView& dk, const TensorView& dv,
                         const TensorView& dout, const TensorView& q, const TensorView& k,
                         const TensorView& v, const TensorView& out, const TensorView& lse_stats,
-                        const int32_t* doc_start) {
-  const AttentionDims d =
-      check_attention_backward(dq, dk, dv, dout, q, k, v, out, lse_stats, doc_start);
-  check_doc_start("attention_backward", doc_start, d.batch, d.seq);
+                        AttentionMask mask) {
+  const AttentionDims d = check_attention_backward(dq, dk, dv, dout, q, k, v, out, lse_stats, mask);
+  check_doc_start("attention_backward", mask.doc_start, d.batch, d.seq);
   const F32Input qf(q), kf(k), vf(v), dof(dout);
   const int64_t B = d.batch, T = d.seq, H = d.heads, Hkv = d.kv_heads, hd = d.head_dim;
   const int64_t group = H / Hkv;
@@ -402,7 +401,7 @@ void attention_backward(const TensorView& dq, const TensorView& dk, const Tensor
           const float* qrow = qf.data() + qo;
           const float* dorow = dof.data() + qo;
           const double l = lse[(b * H + h) * T + t];
-          const int64_t first = doc_start != nullptr ? doc_start[b * T + t] : 0;
+          const int64_t first = mask.first_key(b, T, t);
           double D = 0.0;
           for (int64_t j = first; j <= t; ++j) {
             const int64_t ko = ((b * T + j) * Hkv + g) * hd;

@@ -33,14 +33,13 @@ void rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorVi
 
 void rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len, bool inverse);
 
-// doc_start: Kernels::attention_forward's (host memory), or null.
+// mask: Kernels::attention_forward's (its doc_start in host memory), or none.
 void attention_forward(const TensorView& out, const TensorView& lse_stats, const TensorView& q,
-                       const TensorView& k, const TensorView& v,
-                       const int32_t* doc_start = nullptr);
+                       const TensorView& k, const TensorView& v, AttentionMask mask = {});
 void attention_backward(const TensorView& dq, const TensorView& dk, const TensorView& dv,
                         const TensorView& dout, const TensorView& q, const TensorView& k,
                         const TensorView& v, const TensorView& out, const TensorView& lse_stats,
-                        const int32_t* doc_start = nullptr);
+                        AttentionMask mask = {});
 
 void swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up);
 void swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
@@ -78,8 +77,7 @@ AttentionDims check_attention_backward(const TensorView& dq, const TensorView& d
                                        const TensorView& dv, const TensorView& dout,
                                        const TensorView& q, const TensorView& k,
                                        const TensorView& v, const TensorView& out,
-                                       const TensorView& lse_stats,
-                                       const int32_t* doc_start = nullptr);
+                                       const TensorView& lse_stats, AttentionMask mask = {});
 int64_t check_swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
                               const TensorView& gate, const TensorView& up);
 XentDims check_xent_finish(const TensorView& losses, const TensorView& lse,

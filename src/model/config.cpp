@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 #include <limits>
@@ -166,10 +167,11 @@ Architecture parse_architecture(const json& j, std::string_view src) {
 
 // The attention window the model's layers use, 0 for none: Mistral's sliding_window (every
 // layer); Qwen2's and Qwen3's when use_sliding_window is set and a layer uses it (layer_types,
-// or the layers from max_window_layers on, as Hugging Face's configs derive them). Llama has
-// none.
-int64_t parse_sliding_window(const json& j, std::string_view src, Architecture arch,
-                             int64_t layers) {
+// or the layers from max_window_layers on, as Hugging Face's configs derive them), those layers
+// flagged in `sliding` (left empty where every layer slides). Llama has none.
+int64_t parse_sliding_window(const json& j, std::string_view src, Architecture arch, int64_t layers,
+                             std::vector<bool>& sliding) {
+  sliding.clear();
   if (arch == Architecture::llama) return 0;
   const json* w = field(j, "sliding_window");
   int64_t window = w != nullptr ? as_int(*w, src, "sliding_window") : 0;
@@ -182,19 +184,28 @@ int64_t parse_sliding_window(const json& j, std::string_view src, Architecture a
   if (window == 0) return 0;
   if (const json* types = field(j, "layer_types")) {
     if (!types->is_array()) type_error(src, "layer_types", "a list of strings", *types);
-    bool slides = false;
+    if (static_cast<int64_t>(types->size()) != layers)
+      fail("{}: layer_types has {} entries for {} layers (num_hidden_layers); give one a layer",
+           src, types->size(), layers);
     for (const json& t : *types) {
       const std::string& s = as_string(t, src, "layer_types");
       if (s != "full_attention" && s != "sliding_attention")
         fail("{}: layer_types holds '{}'; strata knows full_attention and sliding_attention", src,
              s);
-      slides = slides || s == "sliding_attention";
+      sliding.push_back(s == "sliding_attention");
     }
-    return slides ? window : 0;
+  } else {
+    const json* m = field(j, "max_window_layers");
+    const int64_t first_sliding = m != nullptr ? as_int(*m, src, "max_window_layers") : 28;
+    for (int64_t l = 0; l < layers; ++l) sliding.push_back(l >= first_sliding);
   }
-  const json* m = field(j, "max_window_layers");
-  const int64_t first_sliding = m != nullptr ? as_int(*m, src, "max_window_layers") : 28;
-  return first_sliding < layers ? window : 0;
+  const auto count = std::count(sliding.begin(), sliding.end(), true);
+  if (count == 0) {
+    sliding.clear();
+    return 0;
+  }
+  if (count == layers) sliding.clear();  // every layer: the plain form
+  return window;
 }
 
 LlamaConfig make_preset(std::string name, int64_t hidden, int64_t intermediate, int64_t layers,
@@ -327,6 +338,10 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
     fail(
         "{}: sliding_window = {} is not valid for {}; it is a positive window for Mistral or Qwen2",
         src, c.sliding_window, architecture_class(c.architecture));
+  if (!c.sliding_layers.empty() &&
+      static_cast<int64_t>(c.sliding_layers.size()) != c.num_hidden_layers)
+    fail("{}: {} layers are flagged for the sliding window, but the model has {}", src,
+         c.sliding_layers.size(), c.num_hidden_layers);
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     fail(
         "{}: num_attention_heads = {} is not a multiple of num_key_value_heads = {}; grouped-query "
@@ -379,7 +394,7 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
     if (const json* v = field(j, "mlp_bias")) c.mlp_bias = as_bool(*v, src, "mlp_bias");
   c.qk_norm = arch == Architecture::qwen3;
   c.num_hidden_layers = required(j, "num_hidden_layers", src, as_int);
-  c.sliding_window = parse_sliding_window(j, src, arch, c.num_hidden_layers);
+  c.sliding_window = parse_sliding_window(j, src, arch, c.num_hidden_layers, c.sliding_layers);
   if (const json* v = field(j, "hidden_act")) {
     const std::string& act = as_string(*v, src, "hidden_act");
     if (act != "silu" && act != "swish")  // the same function under two names
@@ -543,13 +558,25 @@ json to_hf_config_json(const LlamaConfig& c) {
     case Architecture::mistral:
       j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
       break;
-    case Architecture::qwen2:  // the window, if any, on every layer
-    case Architecture::qwen3:
+    case Architecture::qwen2:
+    case Architecture::qwen3: {
       if (c.architecture == Architecture::qwen3) j["attention_bias"] = c.qkv_bias;
       j["use_sliding_window"] = c.sliding_window > 0;
       j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
-      j["max_window_layers"] = c.sliding_window > 0 ? 0 : c.num_hidden_layers;
+      // The layers that slide: from max_window_layers on, as older transformers read it, and
+      // each one in layer_types, which newer ones read first (and which also says a pattern
+      // that is not a suffix).
+      int64_t first = c.num_hidden_layers;
+      while (first > 0 && c.layer_slides(first - 1)) --first;
+      j["max_window_layers"] = first;
+      if (c.sliding_window > 0) {
+        json types = json::array();
+        for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+          types.push_back(c.layer_slides(l) ? "sliding_attention" : "full_attention");
+        j["layer_types"] = types;
+      }
       break;
+    }
   }
   j["use_cache"] = true;
   return j;

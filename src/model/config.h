@@ -71,9 +71,15 @@ struct LlamaConfig {
   // head_dim) after their projections and before the rotation.
   bool qk_norm = false;
   // Mistral's sliding window: each query sees the last `sliding_window` positions, itself
-  // included. strata has no windowed attention, so sequences longer than the window are
-  // refused (shorter ones see every earlier position either way). 0: no window.
+  // included (AttentionMask::window), in the layers that slide: `sliding_layers` (one flag a
+  // layer; Qwen2's max_window_layers or layer_types), every layer where it is empty. 0: no
+  // window. Sequences within the window see every earlier position either way.
   int64_t sliding_window = 0;
+  std::vector<bool> sliding_layers;
+  bool layer_slides(int64_t layer) const {
+    return sliding_window > 0 &&
+           (sliding_layers.empty() || sliding_layers[static_cast<size_t>(layer)]);
+  }
   DType torch_dtype = DType::bf16;  // the dtype the checkpoint was saved in
 
   bool operator==(const LlamaConfig&) const = default;

@@ -223,11 +223,11 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
         "sequence length {} is outside 1..{} (max_position_embeddings of model {}); choose a "
         "--seq-len within it",
         T, config.max_position_embeddings, config.name);
-  if (config.sliding_window > 0 && T > config.sliding_window)
+  if (config.sliding_window > 0 && T > config.sliding_window && options.kv_cache)
     fail(
-        "sequence length {} is longer than model {}'s sliding attention window of {} positions; "
-        "strata has no windowed attention (within the window every query sees every earlier "
-        "position, so shorter sequences compute the same thing): choose a --seq-len of at most {}",
+        "{} positions are longer than model {}'s sliding attention window of {}; decoding "
+        "against the KV cache has no window (within it every query sees every earlier position, "
+        "so shorter ones compute the same thing): keep the prompt and --max-new-tokens within {}",
         T, config.name, config.sliding_window, config.sliding_window);
   if (B <= 0) fail("batch size {} must be at least 1", B);
   if (options.vocab_chunk <= 0) fail("vocab chunk {} must be at least 1", options.vocab_chunk);
@@ -544,8 +544,8 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
   k_.rope(q3, rope, T, false, s);
   k_.rope(k3, rope, T, false, s);
   k_.attention_forward(TensorView{att.data, t, {batch, T, H, hd}, &device_}, a.lse,
-                       TensorView{q.data, t, {batch, T, H, hd}, &device_}, keys, values, doc_start,
-                       s);
+                       TensorView{q.data, t, {batch, T, H, hd}, &device_}, keys, values,
+                       attention_mask(u, doc_start), s);
   linear(h, att, "o_proj", c.o_bias);
   k_.add(h, h, x, s);
   k_.rmsnorm_forward(hn, rstd2, h, w("post_attention_layernorm"), eps, s);
@@ -555,6 +555,14 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
   if (out.data == nullptr) return;  // recomputation for backward: the output is not needed
   linear(out, act, "down_proj", c.mlp_bias);
   k_.add(out, out, h, s);
+}
+
+AttentionMask LlamaModel::attention_mask(int u, const int32_t* doc_start) const {
+  // Block u is layer u - 1. Within the window every earlier key is in view already, so the
+  // window is passed only where the sequences outrun it (never to decoding's cache: a model
+  // with one is refused past the window when it is built).
+  const bool window = config_.layer_slides(u - 1) && options_.seq_len > config_.sliding_window;
+  return {doc_start, window ? config_.sliding_window : 0};
 }
 
 void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
@@ -617,7 +625,8 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
                         TensorView{q.data, t, {batch, T, H, hd}, &device_},
                         TensorView{kk.data, t, {batch, T, Hkv, hd}, &device_},
                         TensorView{v.data, t, {batch, T, Hkv, hd}, &device_},
-                        TensorView{att.data, t, {batch, T, H, hd}, &device_}, a.lse, doc_start, s);
+                        TensorView{att.data, t, {batch, T, H, hd}, &device_}, a.lse,
+                        attention_mask(u, doc_start), s);
   k_.rope(TensorView{dq.data, t, {N, H, hd}, &device_}, rope, T, true, s);
   k_.rope(TensorView{dk.data, t, {N, Hkv, hd}, &device_}, rope, T, true, s);
   // dq and dk now reach the norms' outputs (Qwen3) or the projections' (else).

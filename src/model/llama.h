@@ -228,6 +228,9 @@ class LlamaModel {
   void block_backward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
                       const TensorView& dout, const TensorView& din, int64_t batch, int set,
                       Stream& stream, const int32_t* doc_start);
+  // The keys block u's queries see: their documents' (doc_start) and, in a layer with a sliding
+  // window that the sequences outrun, the window's.
+  AttentionMask attention_mask(int u, const int32_t* doc_start) const;
 
   LlamaConfig config_;
   ModelLayout layout_;

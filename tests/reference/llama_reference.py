@@ -4,10 +4,11 @@
 No transformers library: the forward below is Hugging Face's LlamaForCausalLM spelled out
 (RMSNorm, rotary embeddings in the rotate-half layout with optional llama3 frequency scaling,
 causal grouped-query attention, SwiGLU MLP, optional tied embeddings, mean cross-entropy over
-targets that are not -100). MistralForCausalLM is the same equations (its sliding window is
-not modelled: callers keep sequences within it), Qwen2ForCausalLM adds biases to q, k and
+targets that are not -100). MistralForCausalLM is the same equations, each query seeing only
+the last sliding_window positions (itself included), Qwen2ForCausalLM adds biases to q, k and
 v, and Qwen3ForCausalLM an RMSNorm over each head of q and k (shared by the heads) before the
-rotation. Which projections have biases is decided here from config.json as each Hugging Face class
+rotation; with use_sliding_window, their layers from max_window_layers on (or those layer_types
+names "sliding_attention") see the window too. Which projections have biases is decided here from config.json as each Hugging Face class
 decides it, and the checkpoint must hold exactly the tensors that implies.
 
 usage: llama_reference.py MODEL_DIR TOKENS OUT [--batch B] [--seq-len T] [--dtype float64]
@@ -125,6 +126,19 @@ def expected_names(cfg):
     return names
 
 
+def layer_window(cfg, layer):
+    """The sliding window of a layer, None where it sees every earlier position."""
+    kind = cfg.get("model_type")
+    window = cfg.get("sliding_window")
+    if kind == "mistral":
+        return window
+    if kind not in ("qwen2", "qwen3") or not cfg.get("use_sliding_window") or window is None:
+        return None
+    if cfg.get("layer_types") is not None:
+        return window if cfg["layer_types"][layer] == "sliding_attention" else None
+    return window if layer >= cfg.get("max_window_layers", 28) else None
+
+
 def linear(cfg, p, name, x):
     """x @ W.T (+ b): Hugging Face's Linear, with a bias where the class builds one."""
     y = x @ p[name + ".weight"].T
@@ -158,7 +172,11 @@ def forward(cfg, p, ids, dtype):
         k = k * cos + rotate_half(k) * sin
         k = k.repeat_interleave(H // Hkv, dim=1)
         v = v.repeat_interleave(H // Hkv, dim=1)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(hd) + mask
+        layer_mask = mask
+        window = layer_window(cfg, l)
+        if window is not None:  # keys at or before i - window are out of query i's view
+            layer_mask = mask + torch.full((T, T), float("-inf"), dtype=dtype).tril(-window)
+        scores = q @ k.transpose(-1, -2) / math.sqrt(hd) + layer_mask
         att = torch.softmax(scores, dim=-1) @ v
         att = att.transpose(1, 2).reshape(B, T, H * hd)
         h = x + linear(cfg, p, pre + "self_attn.o_proj", att)
