@@ -191,6 +191,9 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     }
     restore_checkpoint(ckpt, ex);
     fmt::print("resumed from {} at step {}\n", ckpt.string(), step);
+    if (step >= s.steps)
+      fail("resume from {}: it is at step {} already and --steps is {}; ask for more steps",
+           ckpt.string(), step, s.steps);
     // The steps after the checkpoint are trained again: what an interrupted run logged of them
     // goes, so each step is in the logs once.
     keep_lines(
@@ -202,9 +205,6 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
         },
         "metrics");
     monitor.resume_at(step * R * s.grad_accum * s.micro_batch);
-    if (step >= s.steps)
-      fail("resume from {}: it is at step {} already and --steps is {}; ask for more steps",
-           ckpt.string(), step, s.steps);
   } else if (fs::is_directory(s.model) && !s.init_random) {
     ex.load(SafetensorsReader::open(s.model));
   } else {
