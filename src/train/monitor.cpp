@@ -2,6 +2,7 @@
 #include "train/monitor.h"
 
 #include "core/error.h"
+#include "model/file_io.h"
 
 #include <fmt/format.h>
 #include <unistd.h>
@@ -71,6 +72,11 @@ std::string event_header(double wall_time, int64_t step) {
   return e;
 }
 
+// Seconds since 1970, as Event.wall_time holds them.
+double unix_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
 std::string host_name() {
   char name[256] = {};
   if (gethostname(name, sizeof name - 1) != 0 || name[0] == '\0') return "localhost";
@@ -103,21 +109,11 @@ void keep_lines(const fs::path& file,
     else
       dropped = true;
   }
+  if (in.bad()) fail("{} {}: reading it failed; check the file and the disk", what, file.string());
   if (!dropped) return;
-  const fs::path tmp = file.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::trunc);
-    out << kept;
-    out.flush();
-    if (!out)
-      fail("{} {}: cannot rewrite it ({}); check the disk's free space", what, file.string(),
-           std::strerror(errno));
-  }
-  std::error_code ec;
-  fs::rename(tmp, file, ec);
-  if (ec)
-    fail("{} {}: cannot replace it ({}); check the directory's permissions", what, file.string(),
-         ec.message());
+  AtomicFile out(file);  // its errors name the file
+  out.write(kept.data(), kept.size());
+  out.commit();
 }
 
 uint32_t crc32c(const void* data, size_t bytes, uint32_t crc) {
@@ -140,7 +136,7 @@ TensorBoardWriter::TensorBoardWriter(const fs::path& dir) {
     fail("tensorboard {}: cannot create the event file ({}); check the directory's permissions",
          file_.string(), std::strerror(errno));
   // The first event says which version of the format follows.
-  std::string e = event_header(static_cast<double>(std::time(nullptr)), 0);
+  std::string e = event_header(unix_seconds(), 0);
   put_bytes(e, 3, "brain.Event:2");
   record(e);
   flush();
@@ -249,8 +245,7 @@ bool Monitor::enabled() const {
 }
 
 void Monitor::write(const std::vector<MonitorEvent>& events) {
-  const double now =
-      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  const double now = unix_seconds();
   for (const MonitorEvent& e : events) {
     if (tensorboard_) tensorboard_->scalar(e.tag, static_cast<float>(e.value), e.step, now);
     if (csv_) csv_->scalar(e.tag, e.value, e.step);
@@ -260,10 +255,8 @@ void Monitor::write(const std::vector<MonitorEvent>& events) {
 }
 
 void Monitor::resume_at(int64_t step) {
-  const double now =
-      std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
   if (tensorboard_) {
-    tensorboard_->restart_at(step + 1, now);
+    tensorboard_->restart_at(step + 1, unix_seconds());
     tensorboard_->flush();
   }
   if (csv_) csv_->trim_after(step);

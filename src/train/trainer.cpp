@@ -155,6 +155,7 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
 
   // Its directories are made before anything is allocated: one that cannot be is refused first.
   Monitor monitor(s.monitor);
+  const int64_t samples_per_step = R * s.grad_accum * s.micro_batch;  // the monitors' step unit
 
   LossScaler scaler(s.scaling);
   auto comm = make_communicator(devices);
@@ -204,7 +205,7 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
                  j["step"].is_number_integer() && j["step"].get<int64_t>() <= step;
         },
         "metrics");
-    monitor.resume_at(step * R * s.grad_accum * s.micro_batch);
+    monitor.resume_at(step * samples_per_step);
   } else if (fs::is_directory(s.model) && !s.init_random) {
     ex.load(SafetensorsReader::open(s.model));
   } else {
@@ -279,7 +280,7 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   if (monitor.enabled()) fmt::print("monitor: {}\n", monitor.describe());
   const bool tty = ::isatty(STDOUT_FILENO) != 0;
   const int64_t rows = s.micro_batch * s.seq_len;
-  const double tokens_per_step = double(R) * double(s.grad_accum) * double(rows);
+  const double tokens_per_step = double(samples_per_step) * double(s.seq_len);
   const auto start = std::chrono::steady_clock::now();
   const int64_t first = step;
   double loss = NAN;
@@ -343,7 +344,7 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     if (monitor.enabled()) {
       // DeepSpeed's tags, at the samples trained so far; the gradient norm (as Hugging Face's
       // Trainer logs it) and the held-out loss besides.
-      const int64_t samples = step * R * s.grad_accum * s.micro_batch;
+      const int64_t samples = step * samples_per_step;
       std::vector<MonitorEvent> events{{"Train/Samples/train_loss", r.loss, samples},
                                        {"Train/Samples/lr", p.adam.lr, samples}};
       if (s.dtype == DType::f16)

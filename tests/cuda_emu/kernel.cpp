@@ -342,53 +342,51 @@ std::string where(const Block& b, const Fiber& f) {
 // returned, present), so a round costs one pass over the warp rather than 32 checks per lane.
 bool complete_warp_shuffle(Block& b, unsigned w) {
   const auto n = static_cast<unsigned>(b.fibers.size());
-  {
-    const unsigned first = w * 32, last = std::min(n, first + 32);
-    unsigned at_shuffle = 0, done = 0, named = 0;  // named: the lanes the waiters' masks name
-    for (unsigned i = first; i < last; ++i) {
-      const Fiber& f = b.fibers[i];
-      if (f.state == State::kAtShuffle) {
-        at_shuffle |= 1u << (i - first);
-        named |= f.mask;
-      }
-      if (f.state == State::kDone) done |= 1u << (i - first);
+  const unsigned first = w * 32, last = std::min(n, first + 32);
+  unsigned at_shuffle = 0, done = 0, named = 0;  // named: the lanes the waiters' masks name
+  for (unsigned i = first; i < last; ++i) {
+    const Fiber& f = b.fibers[i];
+    if (f.state == State::kAtShuffle) {
+      at_shuffle |= 1u << (i - first);
+      named |= f.mask;
     }
-    if (at_shuffle == 0) return false;
-    // Whether every live lane the waiting lanes' masks name waits too (CUDA asks that of the
-    // non-exited lanes of the mask; a lane that has returned, or that the block does not have,
-    // is only an error if some lane reads from it).
-    const unsigned present = last - first == 32 ? ~0u : (1u << (last - first)) - 1;
-    const bool complete = (named & present & ~(at_shuffle | done)) == 0;
-    if (!complete) return false;
-    for (unsigned i = first; i < last; ++i) {
-      Fiber& f = b.fibers[i];
-      if (f.state != State::kAtShuffle) continue;
-      if (f.width <= 0 || f.width > 32 || (f.width & (f.width - 1)) != 0)
-        throw Fault(where(b, f) + ": shuffle width " + std::to_string(f.width) +
-                    " is not a power of two up to 32");
-      const auto width = static_cast<unsigned>(f.width);
-      const unsigned segment = f.lane & ~(width - 1);
-      unsigned source = segment + static_cast<unsigned>(f.param) % width;
-      if (f.xor_mode) {
-        // A lane may read from its own group of `width` lanes or an earlier one; past the end
-        // of its group it gets its own value back (PTX shfl.bfly).
-        source = f.lane ^ static_cast<unsigned>(f.param);
-        if (source > segment + width - 1) source = f.lane;
-      }
-      if (first + source >= last)
-        throw Fault(where(b, f) + ": shuffle reads lane " + std::to_string(source) +
-                    ", which the block does not have");
-      const Fiber& s = b.fibers[first + source];
-      if (s.state != State::kAtShuffle || !(f.mask >> source & 1u))
-        throw Fault(where(b, f) + ": shuffle reads lane " + std::to_string(source) +
-                    ", which is not taking part (mask " + std::to_string(f.mask) + ")");
-      f.result = s.bits;
-    }
-    for (unsigned i = first; i < last; ++i)
-      if (b.fibers[i].state == State::kAtShuffle) b.fibers[i].state = State::kRunnable;
-    b.at_shuffle -= b.warp_at_shuffle[w];
-    b.warp_at_shuffle[w] = 0;
+    if (f.state == State::kDone) done |= 1u << (i - first);
   }
+  if (at_shuffle == 0) return false;
+  // Whether every live lane the waiting lanes' masks name waits too (CUDA asks that of the
+  // non-exited lanes of the mask; a lane that has returned, or that the block does not have,
+  // is only an error if some lane reads from it).
+  const unsigned present = last - first == 32 ? ~0u : (1u << (last - first)) - 1;
+  const bool complete = (named & present & ~(at_shuffle | done)) == 0;
+  if (!complete) return false;
+  for (unsigned i = first; i < last; ++i) {
+    Fiber& f = b.fibers[i];
+    if (f.state != State::kAtShuffle) continue;
+    if (f.width <= 0 || f.width > 32 || (f.width & (f.width - 1)) != 0)
+      throw Fault(where(b, f) + ": shuffle width " + std::to_string(f.width) +
+                  " is not a power of two up to 32");
+    const auto width = static_cast<unsigned>(f.width);
+    const unsigned segment = f.lane & ~(width - 1);
+    unsigned source = segment + static_cast<unsigned>(f.param) % width;
+    if (f.xor_mode) {
+      // A lane may read from its own group of `width` lanes or an earlier one; past the end
+      // of its group it gets its own value back (PTX shfl.bfly).
+      source = f.lane ^ static_cast<unsigned>(f.param);
+      if (source > segment + width - 1) source = f.lane;
+    }
+    if (first + source >= last)
+      throw Fault(where(b, f) + ": shuffle reads lane " + std::to_string(source) +
+                  ", which the block does not have");
+    const Fiber& s = b.fibers[first + source];
+    if (s.state != State::kAtShuffle || !(f.mask >> source & 1u))
+      throw Fault(where(b, f) + ": shuffle reads lane " + std::to_string(source) +
+                  ", which is not taking part (mask " + std::to_string(f.mask) + ")");
+    f.result = s.bits;
+  }
+  for (unsigned i = first; i < last; ++i)
+    if (b.fibers[i].state == State::kAtShuffle) b.fibers[i].state = State::kRunnable;
+  b.at_shuffle -= b.warp_at_shuffle[w];
+  b.warp_at_shuffle[w] = 0;
   return true;
 }
 
