@@ -660,7 +660,8 @@ TEST_F(CudaOpsTest, AttentionInASlidingWindow) {
 // Decoding: the last few queries against more keys (a KV cache), against the host backend. The
 // tensor-core paths take whole sequences only, so every case must run the SIMT kernel, whichever
 // path is asked for; blocks whose rows see different key counts and key tiles past a row's last
-// key are both covered.
+// key are both covered. Each case runs without a window and with one (Mistral's, decoded over a
+// cache of every position) whose first key falls inside a key tile.
 TEST_F(CudaOpsTest, AttentionForwardOfTheLastQueriesAgainstMoreKeys) {
   Rng rng(12);
   // batch, queries, heads, kv heads, head_dim, dtype, keys
@@ -668,27 +669,29 @@ TEST_F(CudaOpsTest, AttentionForwardOfTheLastQueriesAgainstMoreKeys) {
       {2, 1, 8, 2, 64, f32, 37},   {1, 1, 8, 2, 128, bf16, 300}, {1, 5, 4, 1, 16, bf16, 70},
       {2, 40, 4, 2, 32, f32, 100}, {1, 33, 2, 2, 40, bf16, 34},  {1, 1, 4, 4, 64, f32, 1},
       {1, 17, 4, 2, 256, f32, 129}};
-  for (const AttentionCase& c : cases) {
-    SCOPED_TRACE(fmt::format("{} batch {} seq {} kv_seq {} heads {} kv_heads {} head_dim {}",
-                             dtype_name(c.dtype), c.batch, c.seq, c.keys(), c.heads, c.kv_heads,
-                             c.head_dim));
-    const AttentionForward f = host_attention_forward(c, rng);
-    DeviceTensor q_dev = upload(f.q), k_dev = upload(f.k), v_dev = upload(f.v);
-    DeviceTensor out_dev = empty(c.dtype, f.qs), lse_dev = empty(f32, f.ls);
+  for (const AttentionCase& c : cases)
+    for (const int64_t window : {int64_t{0}, std::max<int64_t>(1, c.keys() / 3 + 5)}) {
+      SCOPED_TRACE(fmt::format(
+          "{} batch {} seq {} kv_seq {} heads {} kv_heads {} head_dim {} window {}",
+          dtype_name(c.dtype), c.batch, c.seq, c.keys(), c.heads, c.kv_heads, c.head_dim, window));
+      const AttentionMask mask(nullptr, window);
+      const AttentionForward f = host_attention_forward(c, rng, mask);
+      DeviceTensor q_dev = upload(f.q), k_dev = upload(f.k), v_dev = upload(f.v);
+      DeviceTensor out_dev = empty(c.dtype, f.qs), lse_dev = empty(f32, f.ls);
 #if STRATA_HAVE_CUDA
-    const uint64_t simt_calls = attention_calls(AttentionKernels::kSimt);
+      const uint64_t simt_calls = attention_calls(AttentionKernels::kSimt);
 #endif
-    gpu().attention_forward(out_dev.view(), lse_dev.view(), q_dev.view(), k_dev.view(),
-                            v_dev.view(), nullptr, stream());
+      gpu().attention_forward(out_dev.view(), lse_dev.view(), q_dev.view(), k_dev.view(),
+                              v_dev.view(), mask, stream());
 #if STRATA_HAVE_CUDA
-    if (on_cuda() && c.seq != c.keys()) {
-      EXPECT_EQ(attention_calls(AttentionKernels::kSimt), simt_calls + 1)
-          << "decoding's shapes did not take the SIMT kernel";
+      if (on_cuda() && c.seq != c.keys()) {
+        EXPECT_EQ(attention_calls(AttentionKernels::kSimt), simt_calls + 1)
+            << "decoding's shapes did not take the SIMT kernel";
+      }
+#endif
+      expect_close("out", out_dev.fetch("out"), f.out, tolerance(c.dtype, c.dtype));
+      expect_close("lse", lse_dev.fetch("lse"), f.lse, tolerance(f32, c.dtype));
     }
-#endif
-    expect_close("out", out_dev.fetch("out"), f.out, tolerance(c.dtype, c.dtype));
-    expect_close("lse", lse_dev.fetch("lse"), f.lse, tolerance(f32, c.dtype));
-  }
 }
 
 #if STRATA_HAVE_CUDA

@@ -185,11 +185,6 @@ AttentionDims check_attention(const char* op, const TensorView& out, const Tenso
   if (mask.window < 0)
     fail("{}: the sliding window is {} positions; it is 0 (none) or a positive count", op,
          mask.window);
-  if (mask.window > 0 && d.kv_seq != d.seq)
-    fail(
-        "{}: a sliding window of {} is given with {} queries against {} keys; the window is "
-        "applied to whole sequences only (as many keys as queries), not to decoding's cached keys",
-        op, mask.window, d.seq, d.kv_seq);
   d.doc_start = doc_start;
   d.window = mask.window;
   return d;

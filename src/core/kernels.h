@@ -38,17 +38,20 @@ inline constexpr int32_t kIgnoreIndex = -100;
 // Which keys a query sees besides the causal rule (Kernels::attention_forward): those of its own
 // packed document (doc_start, device memory, or null for one document a sequence) and, with a
 // sliding window (window > 0, Mistral's), the last `window` positions, itself included. Query t
-// of sequence b sees keys first_key(b, T, t) .. t. Built from a doc_start pointer alone where a
-// call has no window, so the callers that pack documents pass their pointer as before.
+// of sequence b, at position t + shift (shift = Tk - T, the cached keys before the queries when
+// decoding), sees keys first_key(b, T, t, shift) .. t + shift. Built from a doc_start pointer
+// alone where a call has no window, so the callers that pack documents pass their pointer as
+// before.
 struct AttentionMask {
   const int32_t* doc_start = nullptr;
   int64_t window = 0;
   AttentionMask(const int32_t* starts = nullptr, int64_t w = 0)  // NOLINT: implicit on purpose
       : doc_start(starts), window(w) {}
-  // For host memory: max(the document's start, t - window + 1).
-  int64_t first_key(int64_t b, int64_t seq, int64_t t) const {
+  // For host memory: max(the document's start, t + shift - window + 1).
+  int64_t first_key(int64_t b, int64_t seq, int64_t t, int64_t shift = 0) const {
     const int64_t doc = doc_start != nullptr ? doc_start[b * seq + t] : 0;
-    return window > 0 && t - window + 1 > doc ? t - window + 1 : doc;
+    const int64_t p = t + shift;
+    return window > 0 && p - window + 1 > doc ? p - window + 1 : doc;
   }
 };
 
@@ -106,7 +109,8 @@ class Kernels {
   // each document's rows are what the document alone would give. Documents are contiguous:
   // doc_start[b*T] = 0 and doc_start[b*T + t] is t (a new document) or doc_start[b*T + t - 1].
   // The host backend checks that rule; the CUDA kernels rely on it. mask.window > 0 (a sliding
-  // window, Mistral's; Tk = T only) also hides the keys before t - window + 1 from query t.
+  // window, Mistral's) also hides the keys before position p - window + 1 from the query at
+  // position p, in training and decoding alike.
   // `mask` converts from a plain doc_start pointer.
   virtual void attention_forward(const TensorView& out, const TensorView& lse_stats,
                                  const TensorView& q, const TensorView& k, const TensorView& v,
@@ -205,7 +209,7 @@ struct AttentionDims {
   int64_t window = 0;  // AttentionMask::window
   int64_t keys() const { return kv_seq < 0 ? seq : kv_seq; }
 };
-// With a mask, which needs Tk = T (a decoding call packs no documents and slides no window).
+// doc_start needs Tk = T (a decoding call packs no documents); a window slides either way.
 AttentionDims check_attention(const char* op, const TensorView& out, const TensorView& lse_stats,
                               const TensorView& q, const TensorView& k, const TensorView& v,
                               AttentionMask mask = {});

@@ -169,14 +169,15 @@ __global__ void __launch_bounds__(kBlockThreads)
     for (int r = 0; r < NR; ++r) acc[rr][r] = 0.0f;
   }
 
-  int64_t first[R];  // each row's first key: its document's start
+  int64_t first[R];  // each row's first key: its document's start or its window's
 #pragma unroll
   for (int rr = 0; rr < R; ++rr) {
     const int64_t t = q0 + warp * R + rr;
-    first[rr] = t < g.seq ? gpu::doc_first(g.doc_start, g.window, b, g.seq, t) : 0;
+    first[rr] = t < g.seq ? gpu::doc_first(g.doc_start, g.window, b, g.seq, t, shift) : 0;
   }
   const int64_t q_end = gpu::min64(q0 + Br, g.seq);
-  const int64_t k_begin = gpu::doc_first(g.doc_start, g.window, b, g.seq, q0) / kKeys * kKeys;
+  const int64_t k_begin =
+      gpu::doc_first(g.doc_start, g.window, b, g.seq, q0, shift) / kKeys * kKeys;
   for (int64_t k0 = k_begin; k0 < q_end + shift; k0 += kKeys) {
     __syncthreads();  // the previous tile is consumed (and the first time: sq is written)
     load_tile(sk, ks, kh, kvs, k0, kKeys, g.kv_seq, hd);

@@ -49,12 +49,14 @@ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) {
 
 // The first key query t of sequence b sees (AttentionMask::first_key): its packed document's
 // first position (AttentionDims::doc_start; 0 where there are no documents), or with a sliding
-// window (AttentionDims::window > 0) t - window + 1 where that is later. Non-decreasing in t,
-// which the kernels' walks over key and query tiles rely on.
+// window (AttentionDims::window > 0) t + shift - window + 1 where that is later (shift: the
+// cached keys before the queries, Tk - T, when decoding). Non-decreasing in t, which the
+// kernels' walks over key and query tiles rely on.
 __device__ __forceinline__ int64_t doc_first(const int32_t* doc_start, int64_t window, int64_t b,
-                                             int64_t seq, int64_t t) {
+                                             int64_t seq, int64_t t, int64_t shift = 0) {
   const int64_t doc = doc_start != nullptr ? doc_start[b * seq + t] : 0;
-  return window > 0 && t - window + 1 > doc ? t - window + 1 : doc;
+  const int64_t p = t + shift;
+  return window > 0 && p - window + 1 > doc ? p - window + 1 : doc;
 }
 
 struct Sum {

@@ -324,8 +324,8 @@ void attention_forward(const TensorView& out, const TensorView& lse_stats, const
         std::vector<double> scores(static_cast<size_t>(Tk)), acc(static_cast<size_t>(hd));
         for (int64_t i = i0; i < i1; ++i) {
           const int64_t t = i % T, h = (i / T) % H, b = i / (T * H), g = h / group;
-          const int64_t last = t + shift;                 // the last key this query sees
-          const int64_t first = mask.first_key(b, T, t);  // and the first
+          const int64_t last = t + shift;                        // the last key this query sees
+          const int64_t first = mask.first_key(b, T, t, shift);  // and the first
           const float* qrow = qf.data() + ((b * T + t) * H + h) * hd;
           double m = -std::numeric_limits<double>::infinity();
           for (int64_t j = first; j <= last; ++j) {

@@ -223,12 +223,6 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
         "sequence length {} is outside 1..{} (max_position_embeddings of model {}); choose a "
         "--seq-len within it",
         T, config.max_position_embeddings, config.name);
-  if (config.sliding_window > 0 && T > config.sliding_window && options.kv_cache)
-    fail(
-        "{} positions are longer than model {}'s sliding attention window of {}; decoding "
-        "against the KV cache has no window (within it every query sees every earlier position, "
-        "so shorter ones compute the same thing): keep the prompt and --max-new-tokens within {}",
-        T, config.name, config.sliding_window, config.sliding_window);
   if (B <= 0) fail("batch size {} must be at least 1", B);
   if (options.vocab_chunk <= 0) fail("vocab chunk {} must be at least 1", options.vocab_chunk);
   if (options.activation_sets < 1)
@@ -559,8 +553,9 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
 
 AttentionMask LlamaModel::attention_mask(int u, const int32_t* doc_start) const {
   // Block u is layer u - 1. Within the window every earlier key is in view already, so the
-  // window is passed only where the sequences outrun it (never to decoding's cache: a model
-  // with one is refused past the window when it is built).
+  // window is passed only where the sequences (or decoding's cache) outrun it. Decoding keeps
+  // every position's keys and values, as transformers' default cache does; the window only
+  // hides the old ones from each new query.
   const bool window = config_.layer_slides(u - 1) && options_.seq_len > config_.sliding_window;
   return {doc_start, window ? config_.sliding_window : 0};
 }
