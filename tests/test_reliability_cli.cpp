@@ -287,11 +287,16 @@ TEST(Reliability, AFlippedByteAnywhereIsNamed) {
             std::string::npos);
 
   // --resume-fallback skips both damaged ones, resumes from step 2 and ends where an
-  // uninterrupted run does.
+  // uninterrupted run does. The damaged ones are set aside whole, not taken for the resumed
+  // run's newest by the --keep rotation.
   r = test::strata(resume + " --resume-fallback");
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("resumed from " + (run / "checkpoints/step-2").string()), std::string::npos)
       << r.out;
+  for (const char* aside : {"abandoned-step-4", "abandoned-step-6"}) {
+    EXPECT_TRUE(fs::exists(run / "checkpoints" / aside / "COMPLETE")) << aside << ": " << r.out;
+    EXPECT_NE(checkpoint_damage(run / "checkpoints" / aside), "") << aside;
+  }
   const fs::path ref = dir.path / "ref";
   r = test::strata(base_args(data, 8) + " --run-dir " + ref.string());
   ASSERT_EQ(r.status, 0) << r.out;

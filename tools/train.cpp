@@ -48,6 +48,7 @@ struct TrainArgs {
   int64_t save_every = 0, steps_per_print = 0;
   int keep = 3;
   bool resume = false, resume_fallback = false;
+  std::string resume_from;
   std::string trace, tensorboard_dir, csv_monitor_dir;
   std::vector<std::string> eval_data;
   int64_t eval_every = 0, eval_sequences = 0;
@@ -239,8 +240,9 @@ int run_train(const TrainArgs& a) {
   s.cpu_adam_threads = a.threads;
   s.save_every = a.save_every;
   s.keep = a.keep;
-  s.resume = a.resume || a.resume_fallback;
+  s.resume = a.resume || a.resume_fallback || !a.resume_from.empty();
   s.resume_fallback = a.resume_fallback;
+  s.resume_from = a.resume_from;
   s.trace = a.trace;
   // The config's monitor sections, each flag enabling its monitor in the directory it names.
   if (ds) s.monitor = ds->monitor;
@@ -379,6 +381,10 @@ Command add_train(CLI::App& app) {
                 "continue from the run directory's newest checkpoint (verified first)");
   cmd->add_flag("--resume-fallback", a->resume_fallback,
                 "--resume, from the newest checkpoint that verifies when newer ones are damaged");
+  cmd->add_option("--resume-from,--resume-from-checkpoint", a->resume_from,
+                  "continue from this checkpoint (RUN/checkpoints/step-N, verified first) or run "
+                  "directory's newest: an earlier one of this run (the later ones are set aside "
+                  "as abandoned-step-M) or another run's, into a new --run-dir");
   cmd->add_option("--steps-per-print", a->steps_per_print, "log every N steps (default 10)");
   cmd->add_option("--trace", a->trace, "write a Chrome/Perfetto trace of the run's steps here");
   cmd->add_option("--tensorboard-dir", a->tensorboard_dir,

@@ -369,6 +369,57 @@ void verify_checkpoint(const fs::path& checkpoint) {
          checkpoint.string(), d);
 }
 
+fs::path resume_checkpoint_at(const fs::path& path, bool fallback) {
+  std::error_code ec;
+  if (!fs::is_directory(path, ec))
+    fail(
+        "--resume-from {}: no such directory; name a checkpoint directory (RUN/checkpoints/"
+        "step-N) or a run directory (--run-dir of `strata train`)",
+        path.string());
+  if (fs::is_regular_file(path / kCheckpointCompleteMarker, ec)) {
+    verify_checkpoint(path);  // names the file and tensor that changed
+    return path;
+  }
+  if (is_run_dir(path)) return resume_checkpoint(path, fallback);
+  if (checkpoint_step(path.filename().string()))
+    fail(
+        "--resume-from {}: the checkpoint has no {} marker, so it was still being written when "
+        "its run stopped and cannot be trusted; name a complete one (or the run directory, for "
+        "its newest complete one)",
+        path.string(), kCheckpointCompleteMarker);
+  fail(
+      "--resume-from {}: neither a checkpoint directory (one holding {}, as RUN/checkpoints/"
+      "step-N does) nor a run directory (one holding {}/); name one of those",
+      path.string(), kCheckpointCompleteMarker, kCheckpointsFolder);
+}
+
+std::vector<fs::path> set_aside_checkpoints_after(const fs::path& run_dir, int64_t step) {
+  const fs::path folder = run_dir / kCheckpointsFolder;
+  std::vector<std::pair<int64_t, fs::path>> later;
+  std::error_code ec;
+  for (const fs::directory_entry& e : fs::directory_iterator(folder, ec)) {
+    const std::optional<int64_t> s = checkpoint_step(e.path().filename().string());
+    if (s && *s > step && e.is_directory(ec)) later.emplace_back(*s, e.path());
+  }
+  std::sort(later.begin(), later.end());
+  std::vector<fs::path> moved;
+  for (const auto& [s, from] : later) {
+    fs::path to = folder / fmt::format("abandoned-{}", from.filename().string());
+    for (int n = 2; fs::exists(to, ec); ++n)
+      to = folder / fmt::format("abandoned-{}.{}", from.filename().string(), n);
+    fs::rename(from, to, ec);
+    if (ec)
+      fail(
+          "resume: cannot set {} aside as {}: {}; it is of a later step than the checkpoint "
+          "resumed from, so the resumed run would mistake it for its own; check the run "
+          "directory's permissions, or move it yourself",
+          from.string(), to.string(), ec.message());
+    moved.push_back(to);
+  }
+  if (!moved.empty()) fsync_path(folder);
+  return moved;
+}
+
 fs::path resume_checkpoint(const fs::path& run_dir, bool fallback) {
   const fs::path newest = newest_checkpoint(run_dir);  // names the run when there is none
   const auto all = complete_checkpoints(run_dir);

@@ -94,6 +94,21 @@ void verify_checkpoint(const std::filesystem::path& checkpoint);
 // the newest intact one (warning for each one skipped). An Error when there is none.
 std::filesystem::path resume_checkpoint(const std::filesystem::path& run_dir, bool fallback);
 
+// The checkpoint `--resume-from PATH` continues from, verified: PATH itself where it is a
+// checkpoint directory (one with the COMPLETE marker: RUN/checkpoints/step-N), or the one
+// resume_checkpoint() picks where it is a run directory. An Error names PATH when it is
+// neither, or a checkpoint that was never completed, or damaged.
+std::filesystem::path resume_checkpoint_at(const std::filesystem::path& path, bool fallback);
+
+// A resumed run's timeline goes on from `step`: the run directory's checkpoints of later steps
+// (complete, damaged or half-written) belong to the run it abandoned, and would otherwise be
+// taken for its newest by `--resume` and by the --keep rotation, or replaced when it reaches
+// their step. Each is renamed, whole, to checkpoints/abandoned-step-<M> (abandoned-step-<M>.2
+// and so on where that name is taken), which nothing of strata reads or removes. Returns the
+// new names, oldest step first.
+std::vector<std::filesystem::path> set_aside_checkpoints_after(const std::filesystem::path& run_dir,
+                                                               int64_t step);
+
 // fsync of a file or directory; an Error naming it on failure.
 void fsync_path(const std::filesystem::path& path);
 

@@ -153,6 +153,46 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     held_out.emplace(s.eval_data, s.seq_len, model.vocab_size, s.eval_sequences, s.data_width,
                      s.loss_masks, s.packing);
 
+  // The checkpoint a resumed run continues from: chosen, verified and checked against this run
+  // before anything is allocated or any log is opened.
+  fs::path ckpt;
+  nlohmann::json resumed;
+  if (s.resume) {
+    ckpt = s.resume_from.empty() ? resume_checkpoint(s.run_dir, s.resume_fallback)
+                                 : resume_checkpoint_at(s.resume_from, s.resume_fallback);
+    std::error_code ec;
+    const fs::path ckpt_run = ckpt.parent_path().parent_path();
+    if (!s.resume_from.empty() && !fs::equivalent(ckpt_run, s.run_dir, ec)) {
+      // Another run's checkpoint starts this run directory, which must hold no run of its own.
+      const auto own = complete_checkpoints(s.run_dir);
+      if (!own.empty() || fs::exists(s.run_dir / "metrics.jsonl", ec))
+        fail(
+            "--resume-from {}: --run-dir {} already holds a run ({}), and the checkpoint is not "
+            "one of its own; continuing another run's checkpoint there would mix the two runs' "
+            "checkpoints and logs: name a new --run-dir, or continue that run with --resume",
+            ckpt.string(), s.run_dir.string(),
+            own.empty()
+                ? std::string("metrics.jsonl")
+                : fmt::format("checkpoints up to {}", own.back().second.filename().string()));
+    }
+    resumed = read_trainer_state(ckpt);
+    const std::string where = (ckpt / "trainer_state.json").string();
+    try {
+      if (resumed.at("model") != to_hf_config_json(model))
+        fail(
+            "resume from {}: the checkpoint is of another model ({}); pass the --model it was "
+            "trained with",
+            ckpt.string(), resumed.at("model").dump());
+      const int64_t at = resumed.at("step").get<int64_t>();
+      if (at >= s.steps)
+        fail("resume from {}: it is at step {} already and --steps is {}; ask for more steps",
+             ckpt.string(), at, s.steps);
+    } catch (const nlohmann::json::exception& e) {
+      fail("resume from {}: {} is damaged ({}); resume from an earlier checkpoint", ckpt.string(),
+           where, e.what());
+    }
+  }
+
   // Its directories are made before anything is allocated: one that cannot be is refused first.
   Monitor monitor(s.monitor);
   const int64_t samples_per_step = R * s.grad_accum * s.micro_batch;  // the monitors' step unit
@@ -173,28 +213,22 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     fail("--run-dir {}: cannot create it: {}; name a writable directory", s.run_dir.string(),
          ec.message());
   if (s.resume) {
-    const fs::path ckpt = resume_checkpoint(s.run_dir, s.resume_fallback);
-    const nlohmann::json st = read_trainer_state(ckpt);
     const std::string where = (ckpt / "trainer_state.json").string();
     try {
-      if (st.at("model") != to_hf_config_json(model))
-        fail(
-            "resume from {}: the checkpoint is of another model ({}); pass the --model it was "
-            "trained with",
-            ckpt.string(), st.at("model").dump());
-      step = st.at("step").get<int64_t>();
-      applied = st.at("applied_updates").get<int64_t>();
-      loader.restore(DataPosition::from_json(st.at("data"), where));
-      scaler.restore(LossScaleState::from_json(st.at("loss_scale"), where));
+      step = resumed.at("step").get<int64_t>();
+      applied = resumed.at("applied_updates").get<int64_t>();
+      loader.restore(DataPosition::from_json(resumed.at("data"), where));
+      scaler.restore(LossScaleState::from_json(resumed.at("loss_scale"), where));
     } catch (const nlohmann::json::exception& e) {
       fail("resume from {}: {} is damaged ({}); resume from an earlier checkpoint", ckpt.string(),
            where, e.what());
     }
     restore_checkpoint(ckpt, ex);
     fmt::print("resumed from {} at step {}\n", ckpt.string(), step);
-    if (step >= s.steps)
-      fail("resume from {}: it is at step {} already and --steps is {}; ask for more steps",
-           ckpt.string(), step, s.steps);
+    // Checkpoints past it are of the timeline it abandons: set aside, never overwritten.
+    for (const fs::path& aside : set_aside_checkpoints_after(s.run_dir, step))
+      fmt::print("set aside {}: of a later step than the checkpoint resumed from\n",
+                 aside.string());
     // The steps after the checkpoint are trained again: what an interrupted run logged of them
     // goes, so each step is in the logs once.
     keep_lines(

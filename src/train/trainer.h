@@ -69,6 +69,10 @@ struct TrainSettings {
   int keep = 3;            // complete checkpoints kept (0: all)
   bool resume = false;
   bool resume_fallback = false;  // resume from the newest intact checkpoint, skipping damaged ones
+  // With resume: the checkpoint directory (or run directory, for its newest) to continue from
+  // instead of run_dir's newest (resume_checkpoint_at); empty: run_dir's. Checkpoints of
+  // run_dir past it are set aside; one of another run needs a run_dir holding no run.
+  std::filesystem::path resume_from;
   int64_t steps_per_print = 10;
   std::string trace;        // Chrome trace of the last step run, when set
   MonitorSettings monitor;  // TensorBoard and CSV files of each step's scalars (monitor.h)
