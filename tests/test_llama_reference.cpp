@@ -121,6 +121,30 @@ std::vector<Case> cases() {
   qwen3_bias.config.qk_norm = true;
   qwen3_bias.config.qkv_bias = qwen3_bias.config.o_bias = true;
   out.push_back(qwen3_bias);
+  // Rotary scalings past llama3's: linear (every frequency over 2.5); YaRN with an original
+  // context of 16 in 64 (so transformers' stretch is 4, whatever factor says) whose ramp runs
+  // from dimension 0 to 2 of 8; and YaRN without one, untruncated betas putting the ramp's ends
+  // inside dimensions, and cos and sin scaled by mscale over mscale_all_dim.
+  Case linear{"linear_rope", base(36, 6, 2, 8, 70, 97, 1), 2, 9, 40};
+  linear.config.rope_scaling.kind = RopeScalingKind::linear;
+  linear.config.rope_scaling.factor = 2.5;
+  out.push_back(linear);
+  Case yarn{"yarn_original_16", base(36, 4, 2, 16, 70, 97, 2), 2, 9, 40};
+  yarn.config.rope_theta = 100.0;
+  yarn.config.rope_scaling.kind = RopeScalingKind::yarn;
+  yarn.config.rope_scaling.factor = 3.0;
+  yarn.config.rope_scaling.original_max_position_embeddings = 16;
+  out.push_back(yarn);
+  Case yarn_m{"yarn_untruncated_mscale", base(36, 4, 2, 16, 70, 97, 1), 2, 9, 40};
+  RopeScaling& m = yarn_m.config.rope_scaling;
+  m.kind = RopeScalingKind::yarn;
+  m.factor = 2.0;
+  m.beta_fast = 4.0;
+  m.beta_slow = 0.25;
+  m.truncate = false;
+  m.mscale = 1.0;
+  m.mscale_all_dim = 0.5;
+  out.push_back(yarn_m);
   return out;
 }
 

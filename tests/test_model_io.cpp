@@ -22,6 +22,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <numbers>
 #include <string>
 #include <vector>
 
@@ -588,21 +589,31 @@ TEST(LlamaConfigParse, EveryRejectionNamesTheField) {
       {"odd head_dim", [](json& j) { j["head_dim"] = 7; }, {"head_dim = 7"}},
       {"zero eps", [](json& j) { j["rms_norm_eps"] = 0.0; }, {"rms_norm_eps = 0"}},
       {"negative theta", [](json& j) { j["rope_theta"] = -1.0; }, {"rope_theta = -1"}},
-      {"rope type linear",
+      {"rope type longrope",
        [](json& j) {
-         j["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};
+         j["rope_scaling"] = {{"type", "longrope"}, {"factor", 2.0}};
        },
-       {"rope_scaling.type", "linear"}},
-      {"rope_type yarn",
-       [](json& j) {
-         j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}};
-       },
-       {"rope_scaling.rope_type", "yarn"}},
-      {"rope_type dynamic",
+       {"rope_scaling.type", "longrope", "'linear'", "'yarn'"}},
+      {"rope_type dynamic without a factor",
        [](json& j) {
          j["rope_scaling"] = {{"rope_type", "dynamic"}};
        },
-       {"rope_scaling.rope_type", "dynamic"}},
+       {"rope_scaling.factor", "missing"}},
+      {"linear factor 0",
+       [](json& j) {
+         j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", 0.0}};
+       },
+       {"rope_scaling.factor = 0"}},
+      {"yarn beta negative",
+       [](json& j) {
+         j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}, {"beta_fast", -1.0}};
+       },
+       {"rope_scaling.beta_fast = -1"}},
+      {"yarn truncate a number",
+       [](json& j) {
+         j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}, {"truncate", 1}};
+       },
+       {"rope_scaling.truncate", "true or false"}},
       {"rope type and rope_type disagree",
        [](json& j) {
          j["rope_scaling"] = {{"rope_type", "llama3"}, {"type", "linear"}};
@@ -795,6 +806,21 @@ TEST(LlamaConfigJson, RoundTripsThroughHuggingFaceJson) {
   odd.torch_dtype = DType::f16;
   odd.rope_scaling = {RopeScalingKind::llama3, 2.5, 0.5, 3.0, 96};
   configs.push_back(odd);
+  // The other scalings, each optional field given and not.
+  for (const RopeScalingKind k :
+       {RopeScalingKind::linear, RopeScalingKind::dynamic, RopeScalingKind::yarn}) {
+    LlamaConfig scaled = *find_preset("tiny");
+    scaled.name = fmt::format("tiny {}", rope_scaling_name(k));
+    scaled.rope_scaling.kind = k;
+    scaled.rope_scaling.factor = 4.0;
+    configs.push_back(scaled);
+  }
+  LlamaConfig yarn = *find_preset("qwen3-8b");
+  yarn.name = "qwen3 yarn";
+  yarn.max_position_embeddings = 131072;
+  yarn.rope_scaling = {
+      RopeScalingKind::yarn, 4.0, 1.0, 4.0, 32768, 1.5, 16.0, 2.0, 0.7, 0.5, false};
+  configs.push_back(yarn);
   LlamaConfig biased = odd;  // Llama's attention_bias and mlp_bias
   biased.name = "biased";
   biased.qkv_bias = biased.o_bias = biased.mlp_bias = true;
@@ -823,6 +849,93 @@ TEST(LlamaConfigJson, RoundTripsThroughHuggingFaceJson) {
   }
   EXPECT_TRUE(to_hf_config_json(*find_preset("llama3-8b"))["rope_scaling"].is_null());
   EXPECT_EQ(to_hf_config_json(*find_preset("llama3.1-8b"))["rope_scaling"]["rope_type"], "llama3");
+  // What was not given is not written.
+  LlamaConfig bare = *find_preset("tiny");
+  bare.rope_scaling.kind = RopeScalingKind::yarn;
+  bare.rope_scaling.factor = 4.0;
+  EXPECT_EQ(to_hf_config_json(bare)["rope_scaling"],
+            (json{{"rope_type", "yarn"}, {"factor", 4.0}}));
+}
+
+// The rotary scalings past llama3's, as transformers derives them. Qwen3's recommended YaRN
+// (factor 4 over 32768 positions, with max_position_embeddings raised to 131072): transformers
+// takes the stretch from the two lengths, the cos/sin factor 0.1 ln 4 + 1, and the ramp from
+// dimension floor(23.6) = 23 to ceil(39.6) = 40 of 128 (worked out by hand from the YaRN
+// paper's formula d(r) = hd ln(L / 2 pi r) / 2 ln theta at r = 32 and 1).
+TEST(LlamaConfigParse, RopeScalingsAsTransformersDerivesThem) {
+  json j = minimal();
+  j["head_dim"] = 128;
+  j["rope_theta"] = 1000000.0;
+  j["max_position_embeddings"] = 131072;
+  j["rope_scaling"] = {
+      {"rope_type", "yarn"}, {"factor", 4.0}, {"original_max_position_embeddings", 32768}};
+  LlamaConfig c = parse_llama_config(j, "q.json");
+  EXPECT_EQ(c.rope_scaling.kind, RopeScalingKind::yarn);
+  EXPECT_FALSE(c.rope_scaling.attention_factor || c.rope_scaling.truncate);
+  YarnParameters y = yarn_parameters(c);
+  EXPECT_DOUBLE_EQ(y.factor, 4.0);
+  EXPECT_NEAR(y.attention_factor, 1.0 + 0.1 * std::log(4.0), 1e-15);
+  EXPECT_EQ(y.low, 23.0);
+  EXPECT_EQ(y.high, 40.0);
+  // The same context untruncated: the ends where the formula puts them.
+  j["rope_scaling"]["truncate"] = false;
+  y = yarn_parameters(parse_llama_config(j, "q.json"));
+  const double two_ln_theta = 2.0 * std::log(1e6);
+  EXPECT_NEAR(y.low, 128.0 * std::log(32768.0 / (32 * 2 * std::numbers::pi)) / two_ln_theta, 1e-12);
+  EXPECT_NEAR(y.high, 128.0 * std::log(32768.0 / (2 * std::numbers::pi)) / two_ln_theta, 1e-12);
+  // An original context the same as max_position_embeddings: no stretch at all, as
+  // transformers computes it (the stated factor gives way), so the plain table.
+  j["max_position_embeddings"] = 32768;
+  c = parse_llama_config(j, "q.json");
+  y = yarn_parameters(c);
+  EXPECT_EQ(y.factor, 1.0);
+  EXPECT_EQ(y.attention_factor, 1.0);
+  LlamaConfig plain = c;
+  plain.rope_scaling = {};
+  EXPECT_EQ(rope_table(c, 300), rope_table(plain, 300));
+  // Without an original context the factor stands; mscale over mscale_all_dim sets the scale;
+  // an attention_factor overrides both; cos and sin are scaled by it.
+  j.erase("rope_scaling");
+  j["max_position_embeddings"] = 4096;
+  j["rope_scaling"] = {
+      {"rope_type", "yarn"}, {"factor", 8.0}, {"mscale", 1.0}, {"mscale_all_dim", 0.5}};
+  c = parse_llama_config(j, "q.json");
+  y = yarn_parameters(c);
+  EXPECT_EQ(y.factor, 8.0);
+  EXPECT_NEAR(y.attention_factor, (1 + 0.1 * std::log(8.0)) / (1 + 0.05 * std::log(8.0)), 1e-15);
+  j["rope_scaling"]["attention_factor"] = 0.75;
+  c = parse_llama_config(j, "q.json");
+  EXPECT_EQ(yarn_parameters(c).attention_factor, 0.75);
+  const std::vector<float> t = rope_table(c, 2);
+  EXPECT_FLOAT_EQ(t[0], 0.75f);  // position 0: cos 1, sin 0, each times the factor
+  EXPECT_EQ(t[64], 0.0f);
+  // Below the ramp's start (dimension 13 here) the frequency is the plain one; past its end
+  // (31) it is divided by the factor; linear divides every one; dynamic none. Position 1's
+  // angle is the frequency itself (under pi / 2), read back through its sine.
+  plain = c;
+  plain.rope_scaling = {};
+  const std::vector<float> p = rope_table(plain, 2);
+  y = yarn_parameters(c);
+  EXPECT_EQ(y.low, 13.0);
+  EXPECT_EQ(y.high, 31.0);
+  auto angle = [](const std::vector<float>& table, int i, float scale = 1.0f) {
+    return std::asin(static_cast<double>(table[128 + 64 + i] / scale));
+  };
+  for (int i : {0, 5, 12}) EXPECT_NEAR(angle(t, i, 0.75f), angle(p, i), 1e-6 * angle(p, i)) << i;
+  for (int i : {32, 50, 63})
+    EXPECT_NEAR(angle(t, i, 0.75f), angle(p, i) / 8.0, 1e-5 * angle(p, i)) << i;
+  const double mid = angle(t, 20, 0.75f);  // inside the ramp: between the two
+  EXPECT_LT(mid, angle(p, 20));
+  EXPECT_GT(mid, angle(p, 20) / 8.0);
+  LlamaConfig linear = plain;
+  linear.rope_scaling.kind = RopeScalingKind::linear;
+  linear.rope_scaling.factor = 2.0;
+  const std::vector<float> l = rope_table(linear, 2);
+  for (int i = 0; i < 64; ++i) EXPECT_NEAR(angle(l, i), angle(p, i) / 2.0, 1e-6 * angle(p, i)) << i;
+  LlamaConfig dynamic = plain;
+  dynamic.rope_scaling.kind = RopeScalingKind::dynamic;
+  dynamic.rope_scaling.factor = 2.0;
+  EXPECT_EQ(rope_table(dynamic, 4096), rope_table(plain, 4096));
 }
 
 TEST(LlamaConfigJson, HuggingFaceTensorNamesAndShapes) {

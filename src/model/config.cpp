@@ -80,6 +80,26 @@ auto required(const json& j, const std::string& key, std::string_view src, Conve
 
 // A rope_scaling (or transformers 5's rope_parameters) object. Hugging Face has written the
 // kind as "type" and later as "rope_type", sometimes both.
+}  // namespace
+
+std::string_view rope_scaling_name(RopeScalingKind k) {
+  switch (k) {
+    case RopeScalingKind::none:
+      return "default";
+    case RopeScalingKind::llama3:
+      return "llama3";
+    case RopeScalingKind::linear:
+      return "linear";
+    case RopeScalingKind::dynamic:
+      return "dynamic";
+    case RopeScalingKind::yarn:
+      return "yarn";
+  }
+  return "default";
+}
+
+namespace {
+
 RopeScaling parse_rope_scaling(const json& r, std::string_view src, const std::string& key) {
   if (!r.is_object()) type_error(src, key, "an object or null", r);
   const json* rope_type = field(r, "rope_type");
@@ -90,23 +110,48 @@ RopeScaling parse_rope_scaling(const json& r, std::string_view src, const std::s
   const std::string kind_key = key + (rope_type != nullptr ? ".rope_type" : ".type");
   const json* kind = rope_type != nullptr ? rope_type : type;
   if (kind == nullptr)
-    fail("{}: {} has no rope_type (or type); set it to \"llama3\" or make {} null", src, key, key);
+    fail(
+        "{}: {} has no rope_type (or type); set it to \"llama3\", \"linear\", \"dynamic\" or "
+        "\"yarn\", or make {} null",
+        src, key, key);
   const std::string& k = as_string(*kind, src, kind_key);
   RopeScaling s;
   if (k == "default") return s;  // Hugging Face's name for plain rotary embeddings
-  if (k != "llama3")
-    fail(
-        "{}: {} '{}' is not supported; strata implements plain rotary embeddings and Llama "
-        "3.1's 'llama3' scaling only",
-        src, kind_key, k);
   const std::string prefix = key + ".";
-  s.kind = RopeScalingKind::llama3;
-  s.factor = required(r, "factor", src, as_number, prefix);
-  s.low_freq_factor = required(r, "low_freq_factor", src, as_number, prefix);
-  s.high_freq_factor = required(r, "high_freq_factor", src, as_number, prefix);
-  s.original_max_position_embeddings =
-      required(r, "original_max_position_embeddings", src, as_int, prefix);
-  return s;
+  auto optional_number = [&](const char* name) -> std::optional<double> {
+    if (const json* v = field(r, name)) return as_number(*v, src, prefix + name);
+    return std::nullopt;
+  };
+  if (k == "llama3") {
+    s.kind = RopeScalingKind::llama3;
+    s.factor = required(r, "factor", src, as_number, prefix);
+    s.low_freq_factor = required(r, "low_freq_factor", src, as_number, prefix);
+    s.high_freq_factor = required(r, "high_freq_factor", src, as_number, prefix);
+    s.original_max_position_embeddings =
+        required(r, "original_max_position_embeddings", src, as_int, prefix);
+    return s;
+  }
+  if (k == "linear" || k == "dynamic" || k == "yarn") {
+    s.kind = k == "linear"    ? RopeScalingKind::linear
+             : k == "dynamic" ? RopeScalingKind::dynamic
+                              : RopeScalingKind::yarn;
+    s.factor = required(r, "factor", src, as_number, prefix);
+    if (const json* v = field(r, "original_max_position_embeddings"))
+      s.original_max_position_embeddings =
+          as_int(*v, src, prefix + "original_max_position_embeddings");
+    if (s.kind != RopeScalingKind::yarn) return s;
+    s.attention_factor = optional_number("attention_factor");
+    s.beta_fast = optional_number("beta_fast");
+    s.beta_slow = optional_number("beta_slow");
+    s.mscale = optional_number("mscale");
+    s.mscale_all_dim = optional_number("mscale_all_dim");
+    if (const json* v = field(r, "truncate")) s.truncate = as_bool(*v, src, prefix + "truncate");
+    return s;
+  }
+  fail(
+      "{}: {} '{}' is not supported; strata implements plain rotary embeddings ('default') and "
+      "the 'llama3', 'linear', 'dynamic' and 'yarn' scalings",
+      src, kind_key, k);
 }
 
 std::string_view hf_dtype_name(DType t) {
@@ -355,6 +400,25 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
   if (!(c.rope_theta > 0) || !std::isfinite(c.rope_theta))
     fail("{}: rope_theta = {} must be a positive number (Llama 2 uses 10000, Llama 3 500000)", src,
          c.rope_theta);
+  const RopeScaling& rs = c.rope_scaling;
+  if (rs.kind != RopeScalingKind::none && rs.kind != RopeScalingKind::llama3) {
+    if (!(rs.factor > 0) || !std::isfinite(rs.factor))
+      fail("{}: rope_scaling.factor = {} must be a positive number (the context's stretch)", src,
+           rs.factor);
+    if (rs.original_max_position_embeddings != 0)
+      in_range("rope_scaling.original_max_position_embeddings", rs.original_max_position_embeddings,
+               kMaxSize);
+    for (const auto& [name, v] : {std::pair{"attention_factor", rs.attention_factor},
+                                  {"beta_fast", rs.beta_fast},
+                                  {"beta_slow", rs.beta_slow},
+                                  {"mscale", rs.mscale},
+                                  {"mscale_all_dim", rs.mscale_all_dim}})
+      if (v && (!std::isfinite(*v) || *v < 0))
+        fail("{}: rope_scaling.{} = {} must be a finite number >= 0", src, name, *v);
+    if (rs.kind == RopeScalingKind::yarn && rs.original_max_position_embeddings != 0 &&
+        c.max_position_embeddings <= 0)
+      fail("{}: yarn's original_max_position_embeddings needs max_position_embeddings", src);
+  }
   if (c.rope_scaling.kind == RopeScalingKind::llama3) {
     const RopeScaling& r = c.rope_scaling;
     if (!(r.factor > 0) || !std::isfinite(r.factor))
@@ -533,13 +597,25 @@ json to_hf_config_json(const LlamaConfig& c) {
   j["max_position_embeddings"] = c.max_position_embeddings;
   j["rms_norm_eps"] = c.rms_norm_eps;
   j["rope_theta"] = c.rope_theta;
-  if (c.rope_scaling.kind == RopeScalingKind::llama3) {
-    const RopeScaling& r = c.rope_scaling;
+  const RopeScaling& r = c.rope_scaling;
+  if (r.kind == RopeScalingKind::llama3) {
     j["rope_scaling"] = {{"rope_type", "llama3"},
                          {"factor", r.factor},
                          {"low_freq_factor", r.low_freq_factor},
                          {"high_freq_factor", r.high_freq_factor},
                          {"original_max_position_embeddings", r.original_max_position_embeddings}};
+  } else if (r.kind != RopeScalingKind::none) {
+    json s = {{"rope_type", rope_scaling_name(r.kind)}, {"factor", r.factor}};
+    if (r.original_max_position_embeddings != 0)
+      s["original_max_position_embeddings"] = r.original_max_position_embeddings;
+    for (const auto& [name, v] : {std::pair{"attention_factor", r.attention_factor},
+                                  {"beta_fast", r.beta_fast},
+                                  {"beta_slow", r.beta_slow},
+                                  {"mscale", r.mscale},
+                                  {"mscale_all_dim", r.mscale_all_dim}})
+      if (v) s[name] = *v;
+    if (r.truncate) s["truncate"] = *r.truncate;
+    j["rope_scaling"] = s;
   } else {
     j["rope_scaling"] = nullptr;
   }

@@ -28,15 +28,29 @@
 
 namespace strata {
 
-enum class RopeScalingKind : uint8_t { none, llama3 };
+enum class RopeScalingKind : uint8_t { none, llama3, linear, dynamic, yarn };
+std::string_view rope_scaling_name(RopeScalingKind k);  // "default", "llama3", "linear", ...
 
-// Hugging Face's rope_scaling; only Llama 3.1's "llama3" frequency scaling is implemented.
+// Hugging Face's rope_scaling (transformers 5: rope_parameters), as transformers computes each
+// kind's frequencies (rope_table in llama.h):
+//   llama3  (Llama 3.1): factor, low_freq_factor, high_freq_factor and
+//           original_max_position_embeddings, all required;
+//   linear  (position interpolation): every frequency divided by factor;
+//   dynamic (dynamic NTK): the frequencies change only for sequences longer than
+//           max_position_embeddings, which strata never runs, so they are the plain ones;
+//   yarn    (YaRN): factor, and optionally original_max_position_embeddings (which then, as in
+//           transformers, makes the factor max_position_embeddings / it), attention_factor (else
+//           from the factor, mscale and mscale_all_dim), beta_fast (32), beta_slow (1) and
+//           truncate (true). The optional fields are kept as given, so that an export writes
+//           back what was read.
 struct RopeScaling {
   RopeScalingKind kind = RopeScalingKind::none;
   double factor = 1.0;
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
-  int64_t original_max_position_embeddings = 0;
+  int64_t original_max_position_embeddings = 0;  // 0: not given (llama3 requires it)
+  std::optional<double> attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim;
+  std::optional<bool> truncate;
 
   bool operator==(const RopeScaling&) const = default;
 };

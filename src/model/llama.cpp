@@ -155,14 +155,84 @@ std::vector<float> rope_table(const LlamaConfig& c, int64_t seq_len) {
       f = static_cast<float>((1.0 - smooth) * f / r.factor + smooth * f);
     }
   }
+  if (c.rope_scaling.kind == RopeScalingKind::linear) {
+    const auto factor = static_cast<float>(c.rope_scaling.factor);
+    for (float& f : inv_freq) f /= factor;  // f32, as transformers divides its tensor
+  }
+  // dynamic: within max_position_embeddings (every sequence strata runs) the plain frequencies.
+  float attention_factor = 1.0f;
+  if (c.rope_scaling.kind == RopeScalingKind::yarn) {
+    const YarnParameters y = yarn_parameters(c);
+    attention_factor = static_cast<float>(y.attention_factor);
+    const auto factor = static_cast<float>(y.factor);
+    const double span = y.high == y.low ? 0.001 : y.high - y.low;  // as transformers: no 0/0
+    for (int64_t i = 0; i < half; ++i) {
+      // Each term in f32 as transformers computes its tensors; the ramp blends each frequency
+      // from the interpolated (divided by the factor) at low dimensions' far end to the
+      // extrapolated (unchanged) one.
+      const float exponent = static_cast<float>(2 * i) / static_cast<float>(hd);
+      const auto pos_freq =
+          static_cast<float>(std::pow(static_cast<double>(c.rope_theta), exponent));
+      const float extrapolated = 1.0f / pos_freq, interpolated = 1.0f / (factor * pos_freq);
+      const float ramp =
+          std::clamp(static_cast<float>((static_cast<double>(i) - y.low) / span), 0.0f, 1.0f);
+      const float keep = 1.0f - ramp;
+      inv_freq[static_cast<size_t>(i)] = interpolated * (1.0f - keep) + extrapolated * keep;
+    }
+  }
   std::vector<float> table(static_cast<size_t>(seq_len * hd));
   for (int64_t t = 0; t < seq_len; ++t)
     for (int64_t i = 0; i < half; ++i) {
       const float angle = static_cast<float>(t) * inv_freq[static_cast<size_t>(i)];  // f32
-      table[static_cast<size_t>(t * hd + i)] = static_cast<float>(std::cos(double{angle}));
-      table[static_cast<size_t>(t * hd + half + i)] = static_cast<float>(std::sin(double{angle}));
+      float cos = static_cast<float>(std::cos(double{angle}));
+      float sin = static_cast<float>(std::sin(double{angle}));
+      if (attention_factor != 1.0f) {  // YaRN's scaling of cos and sin, in f32
+        cos *= attention_factor;
+        sin *= attention_factor;
+      }
+      table[static_cast<size_t>(t * hd + i)] = cos;
+      table[static_cast<size_t>(t * hd + half + i)] = sin;
     }
   return table;
+}
+
+YarnParameters yarn_parameters(const LlamaConfig& c) {
+  const RopeScaling& r = c.rope_scaling;
+  YarnParameters y;
+  y.factor = r.factor;
+  double original = static_cast<double>(c.max_position_embeddings);
+  if (r.original_max_position_embeddings > 0) {
+    // As transformers: the context's stretch is max_position_embeddings over the original.
+    original = static_cast<double>(r.original_max_position_embeddings);
+    y.factor = static_cast<double>(c.max_position_embeddings) / original;
+  }
+  auto mscale = [](double scale, double m) {
+    return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
+  };
+  if (r.attention_factor)
+    y.attention_factor = *r.attention_factor;
+  else if (r.mscale.value_or(0.0) != 0.0 && r.mscale_all_dim.value_or(0.0) != 0.0)
+    y.attention_factor = mscale(y.factor, *r.mscale) / mscale(y.factor, *r.mscale_all_dim);
+  else
+    y.attention_factor = mscale(y.factor, 1.0);
+  // 0 or absent: the defaults (transformers' `or`).
+  const double fast = r.beta_fast.value_or(0.0) != 0.0 ? *r.beta_fast : 32.0;
+  const double slow = r.beta_slow.value_or(0.0) != 0.0 ? *r.beta_slow : 1.0;
+  const auto dim = static_cast<double>(c.head_dim);
+  // The dimension whose wavelength turns `rotations` times over the original context.
+  auto correction_dim = [&](double rotations) {
+    return dim * std::log(original / (rotations * 2.0 * std::numbers::pi)) /
+           (2.0 * std::log(c.rope_theta));
+  };
+  y.low = correction_dim(fast);
+  y.high = correction_dim(slow);
+  if (r.truncate.value_or(true)) {
+    y.low = std::floor(y.low);
+    y.high = std::ceil(y.high);
+  }
+  y.low = std::max(y.low, 0.0);
+  y.high = std::min(y.high, dim - 1.0);
+  return y;
 }
 
 // ---- random initialisation ----

@@ -93,8 +93,18 @@ struct ModelOptions {
 };
 
 // Cosines then sines of every position's rotary angles, [seq_len, head_dim] f32, with the
-// llama3 frequency scaling when the config asks for it (as Hugging Face computes them).
+// config's rope_scaling (llama3, linear, dynamic, yarn; as transformers computes them; YaRN's
+// attention factor multiplies cos and sin).
 std::vector<float> rope_table(const LlamaConfig& config, int64_t seq_len);
+
+// YaRN's constants for config.rope_scaling (kind yarn), as transformers derives them: the
+// factor (max_position_embeddings / original_max_position_embeddings where the latter is
+// given), the scale of cos and sin, and the ramp's dimensions [low, high], below which the
+// frequencies are kept and above which they are divided by the factor.
+struct YarnParameters {
+  double factor = 1.0, attention_factor = 1.0, low = 0.0, high = 0.0;
+};
+YarnParameters yarn_parameters(const LlamaConfig& config);
 
 class LlamaModel {
  public:

@@ -2,7 +2,8 @@
 """The Llama equations written out in PyTorch, the reference strata's model is tested against.
 
 No transformers library: the forward below is Hugging Face's LlamaForCausalLM spelled out
-(RMSNorm, rotary embeddings in the rotate-half layout with optional llama3 frequency scaling,
+(RMSNorm, rotary embeddings in the rotate-half layout with optional llama3, linear or YaRN
+frequency scaling (YaRN's attention factor scaling cos and sin),
 causal grouped-query attention, SwiGLU MLP, optional tied embeddings, mean cross-entropy over
 targets that are not -100). MistralForCausalLM is the same equations, each query seeing only
 the last sliding_window positions (itself included), Qwen2ForCausalLM adds biases to q, k and
@@ -62,10 +63,56 @@ def write_safetensors(path, tensors):
         f.write(struct.pack("<Q", len(text)) + text + b"".join(blobs))
 
 
+def yarn(cfg, rs, inv, head_dim, theta):
+    """YaRN (Peng et al. 2023) with transformers' conventions: (frequencies, cos/sin scale)."""
+    longest = cfg["max_position_embeddings"]
+    stretch = rs["factor"]
+    trained = rs.get("original_max_position_embeddings")
+    if trained:  # transformers then takes the stretch from the two lengths
+        stretch = longest / trained
+    else:
+        trained = longest
+
+    def temperature(s, k):
+        return 1.0 if s <= 1 else 1.0 + 0.1 * k * math.log(s)
+
+    scale = rs.get("attention_factor")
+    if scale is None:
+        if rs.get("mscale") and rs.get("mscale_all_dim"):
+            scale = temperature(stretch, rs["mscale"]) / temperature(stretch, rs["mscale_all_dim"])
+        else:
+            scale = temperature(stretch, 1.0)
+
+    # Dimension index d turns trained / (2 pi theta^(d / head_dim)) times over the trained
+    # context; solved for d at beta_fast and beta_slow rotations, those are the ramp's ends.
+    def dimension(rotations):
+        return head_dim * math.log(trained / (2 * math.pi * rotations)) / (2 * math.log(theta))
+
+    lo, hi = dimension(rs.get("beta_fast") or 32), dimension(rs.get("beta_slow") or 1)
+    if rs.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, head_dim - 1)
+    if lo == hi:
+        hi += 0.001
+    out = []
+    for i, f in enumerate(inv.tolist()):
+        ramp = min(max((i - lo) / (hi - lo), 0.0), 1.0)  # 0: extrapolate (keep), 1: interpolate
+        out.append(f * (1 - ramp) + f / stretch * ramp)
+    return torch.tensor(out, dtype=torch.float32), scale
+
+
 def inv_frequencies(cfg, head_dim):
+    """(inverse frequencies in f32, the factor on cos and sin)."""
     theta = float(cfg.get("rope_theta", 10000.0))
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rs = cfg.get("rope_scaling")
+    kind = rs and (rs.get("rope_type") or rs.get("type"))
+    if kind == "linear":
+        return inv / rs["factor"], 1.0
+    if kind == "dynamic":  # changes nothing within max_position_embeddings
+        return inv, 1.0
+    if kind == "yarn":
+        return yarn(cfg, rs, inv, head_dim, theta)
     if rs and (rs.get("rope_type") or rs.get("type")) == "llama3":
         factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
         old = rs["original_max_position_embeddings"]
@@ -81,7 +128,9 @@ def inv_frequencies(cfg, head_dim):
                 smooth = (old / wavelen - low) / (high - low)
                 out.append((1 - smooth) * f / factor + smooth * f)
         inv = torch.tensor(out, dtype=torch.float32)
-    return inv
+    elif kind not in (None, "default"):
+        sys.exit(f"rope scaling {kind} is not written out here")
+    return inv, 1.0
 
 
 def rotate_half(x):
@@ -152,9 +201,10 @@ def forward(cfg, p, ids, dtype):
     hd = cfg.get("head_dim") or D // H
     eps = cfg["rms_norm_eps"]
     # Angles in f32 as Hugging Face computes them; cos/sin in the working precision.
-    angles = torch.arange(T, dtype=torch.float32)[:, None] * inv_frequencies(cfg, hd)[None, :]
+    inv, scale = inv_frequencies(cfg, hd)
+    angles = torch.arange(T, dtype=torch.float32)[:, None] * inv[None, :]
     angles = torch.cat((angles, angles), dim=-1).to(dtype)
-    cos, sin = angles.cos(), angles.sin()
+    cos, sin = angles.cos() * scale, angles.sin() * scale
     mask = torch.full((T, T), float("-inf"), dtype=dtype).triu(1)
 
     x = p["model.embed_tokens.weight"][ids]
