@@ -16,6 +16,7 @@
 #include "model/tokens.h"
 #include "model/weights.h"
 #include "testing.h"
+#include "train/checkpoint.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -145,6 +146,12 @@ std::vector<Case> cases() {
   m.mscale = 1.0;
   m.mscale_all_dim = 0.5;
   out.push_back(yarn_m);
+  // Phi-3: q, k and v in one tensor of the files, gate and up in another; a window of 4 in
+  // sequences of 9, grouped-query heads (as Phi-4's).
+  Case phi3{"phi3_fused_projections_window", base(36, 6, 2, 8, 70, 97, 2), 2, 9, 40};
+  phi3.config.architecture = Architecture::phi3;
+  phi3.config.sliding_window = 4;
+  out.push_back(phi3);
   return out;
 }
 
@@ -178,7 +185,6 @@ TEST_P(LlamaReference, LossLogitsAndGradientsMatchTorch) {
   std::uniform_real_distribution<float> jitter(0.7f, 1.3f);
   std::normal_distribution<float> bias(0.0f, 0.1f);  // biases start at 0: give them values
   std::vector<std::vector<float>> units(static_cast<size_t>(layout.num_units()));
-  std::vector<SafetensorsTensor> tensors;
   for (int u = 0; u < layout.num_units(); ++u) {
     auto& v = units[static_cast<size_t>(u)];
     v.resize(layout.units[static_cast<size_t>(u)].numel);
@@ -190,12 +196,12 @@ TEST_P(LlamaReference, LossLogitsAndGradientsMatchTorch) {
           float& x = v[p.offset + static_cast<uint64_t>(i)];
           x = is_bias ? bias(rng) : x * jitter(rng);
         }
-      tensors.push_back(
-          {p.name, DType::f32,
-           std::vector<int64_t>(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.rank),
-           v.data() + p.offset});
     }
   }
+  // As the files hold them (Phi-3's fused projections included), through the writer training's
+  // checkpoints use.
+  const std::vector<SafetensorsTensor> tensors = streamed_model_tensors(
+      layout, DType::f32, [&](int u) { return units[static_cast<size_t>(u)]; });
   write_safetensors(dir_ / "model" / "model.safetensors", tensors, {});
   {
     std::ofstream f(dir_ / "model" / "config.json");
@@ -280,7 +286,12 @@ TEST_P(LlamaReference, LossLogitsAndGradientsMatchTorch) {
   for (int u = 0; u < layout.num_units(); ++u) {
     const std::vector<float> grad = w.download(u, true, *stream);
     for (const ParamSlot& p : layout.units[static_cast<size_t>(u)].params) {
-      const std::vector<float> g = ref_tensor("grad." + p.name);
+      // The reference's gradient of the file's tensor: this parameter's rows of it.
+      const std::vector<float> whole = ref_tensor("grad." + p.file_name);
+      const auto row = static_cast<int64_t>(whole.size()) / p.file_shape.at(0);
+      ASSERT_GE(static_cast<int64_t>(whole.size()), (p.file_row + p.shape.dims[0]) * row);
+      const std::vector<float> g(whole.begin() + p.file_row * row,
+                                 whole.begin() + (p.file_row + p.shape.dims[0]) * row);
       ASSERT_EQ(g.size(), static_cast<size_t>(p.numel())) << p.name;
       const std::vector<float> ours(grad.begin() + static_cast<int64_t>(p.offset),
                                     grad.begin() + static_cast<int64_t>(p.offset) + p.numel());

@@ -234,6 +234,38 @@ const char* kMistral7b = R"({
   "vocab_size": 32768
 })";
 
+// Phi-3-mini-4k-instruct's: Phi3ForCausalLM (fused projections in its files), a window of 2047,
+// the dropouts 0, and keys the class reads for longrope (here unused).
+const char* kPhi3Mini = R"({
+  "architectures": ["Phi3ForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 1,
+  "embd_pdrop": 0.0,
+  "eos_token_id": 32000,
+  "hidden_act": "silu",
+  "hidden_size": 3072,
+  "initializer_range": 0.02,
+  "intermediate_size": 8192,
+  "max_position_embeddings": 4096,
+  "model_type": "phi3",
+  "num_attention_heads": 32,
+  "num_hidden_layers": 32,
+  "num_key_value_heads": 32,
+  "original_max_position_embeddings": 4096,
+  "pad_token_id": 32000,
+  "resid_pdrop": 0.0,
+  "rms_norm_eps": 1e-05,
+  "rope_scaling": null,
+  "rope_theta": 10000.0,
+  "sliding_window": 2047,
+  "tie_word_embeddings": false,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.40.2",
+  "use_cache": true,
+  "vocab_size": 32064
+})";
+
 // Qwen3-0.6B's: q and k norms implied by the class, head_dim 128 ≠ 1024 / 16, tied.
 const char* kQwen3_06b = R"({
   "architectures": ["Qwen3ForCausalLM"],
@@ -306,6 +338,31 @@ TEST(LlamaConfigParse, PublishedConfigsMatchPresets) {
   expect_matches_preset(kQwen25_7b, "qwen2.5-7b");
   expect_matches_preset(kMistral7b, "mistral-7b");
   expect_matches_preset(kQwen3_06b, "qwen3-0.6b");
+  expect_matches_preset(kPhi3Mini, "phi3-mini");
+  // Its files: q, k and v in one tensor per layer, gate and up in another, rows in that order.
+  const std::vector<HfFileTensor> files = hf_file_tensors(*find_preset("phi3-mini"));
+  EXPECT_EQ(files.size(), 3u + 32 * 6);
+  const HfFileTensor& qkv = files[2];
+  EXPECT_EQ(qkv.name, "model.layers.0.self_attn.qkv_proj.weight");
+  EXPECT_EQ(qkv.shape, (std::vector<int64_t>{9216, 3072}));
+  EXPECT_EQ(qkv.parts, (std::vector<std::string>{"model.layers.0.self_attn.q_proj.weight",
+                                                 "model.layers.0.self_attn.k_proj.weight",
+                                                 "model.layers.0.self_attn.v_proj.weight"}));
+  const HfFileTensor& gate_up = files[5];
+  EXPECT_EQ(gate_up.name, "model.layers.0.mlp.gate_up_proj.weight");
+  EXPECT_EQ(gate_up.shape, (std::vector<int64_t>{16384, 3072}));
+  EXPECT_EQ(gate_up.parts.size(), 2u);
+  const ModelLayout layout = ModelLayout::build(*find_preset("phi3-mini"));
+  const ParamSlot& v = layout.units[1].slot("self_attn.v_proj");
+  EXPECT_EQ(v.file_name, "model.layers.0.self_attn.qkv_proj.weight");
+  EXPECT_EQ(v.file_row, 6144);
+  const ParamSlot& up = layout.units[1].slot("mlp.up_proj");
+  EXPECT_EQ(up.file_row, 8192);
+  EXPECT_EQ(layout.units[1].slot("self_attn.o_proj").file_name,
+            "model.layers.0.self_attn.o_proj.weight");
+  // Another class's files hold each parameter under its own name.
+  for (const HfFileTensor& f : hf_file_tensors(*find_preset("mistral-7b")))
+    EXPECT_EQ(f.parts, std::vector<std::string>{f.name});
   const LlamaConfig q3 = parse_text(kQwen3_06b);
   EXPECT_TRUE(q3.qk_norm);
   EXPECT_FALSE(q3.qkv_bias || q3.o_bias || q3.mlp_bias);
@@ -614,6 +671,18 @@ TEST(LlamaConfigParse, EveryRejectionNamesTheField) {
          j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}, {"truncate", 1}};
        },
        {"rope_scaling.truncate", "true or false"}},
+      {"phi3 rotating part of each head",
+       [](json& j) {
+         j["architectures"] = {"Phi3ForCausalLM"};
+         j["partial_rotary_factor"] = 0.75;
+       },
+       {"partial_rotary_factor = 0.75", "every dimension"}},
+      {"phi3 residual dropout",
+       [](json& j) {
+         j["architectures"] = {"Phi3ForCausalLM"};
+         j["resid_pdrop"] = 0.1;
+       },
+       {"resid_pdrop = 0.1", "no dropout"}},
       {"rope type and rope_type disagree",
        [](json& j) {
          j["rope_scaling"] = {{"rope_type", "llama3"}, {"type", "linear"}};
@@ -764,6 +833,8 @@ TEST(LlamaConfigPresets, PublishedParameterCounts) {
   EXPECT_EQ(parameter_count(*find_preset("llama3.1-70b")), 70'553'706'496u);
   EXPECT_EQ(parameter_count(*find_preset("llama3.2-1b")), 1'235'814'400u);
   EXPECT_EQ(parameter_count(*find_preset("llama3.2-3b")), 3'212'749'824u);
+  EXPECT_EQ(parameter_count(*find_preset("phi3-mini")), 3'821'079'552u);
+  EXPECT_EQ(parameter_count(*find_preset("phi4")), 14'659'507'200u);
   // Model FLOPs per token at 4096 positions: 6 per parameter, and attention 6 x 32 layers x 32
   // heads x 128 x 4096 (QKᵀ and PV over half the keys, forward and backward).
   EXPECT_EQ(model_flops_per_token(*find_preset("llama2-7b"), 4096),

@@ -6,6 +6,7 @@
 // config as Hugging Face writes it is accepted, and bad input is named.
 #include "hf_tokenizer_testing.h"
 #include "model/config.h"
+#include "model/llama.h"
 #include "model/safetensors.h"
 #include "model/tokens.h"
 #include "train_cli_testing.h"
@@ -464,6 +465,82 @@ TEST(TrainCli, Qwen2TrainsAndExportsAsQwen2AndAMistralWindowIsHonoured) {
     }
   }
   EXPECT_NE(first_loss[0], first_loss[1]) << "the window of 16 changed nothing";
+}
+
+// A Phi-3 checkpoint (fused projections in its files): it trains on 2 devices with its
+// parameters on NVMe, its checkpoints and export hold qkv_proj and gate_up_proj (and no
+// q_proj), the export's rows of q, k and v are the checkpoint's f32 master weights, and the
+// export evaluates; a checkpoint whose fused tensor has another shape is named.
+TEST(TrainCli, Phi3TrainsAndExportsItsFusedProjections) {
+  const test::TempDir dir("strata-phi3");
+  const fs::path data = make_data(dir.path), model = dir.path / "phi3", run = dir.path / "run";
+  LlamaConfig c = *find_preset("tiny");
+  c.architecture = Architecture::phi3;
+  c.sliding_window = 16;
+  fs::create_directories(model);
+  std::ofstream(model / "config.json") << to_hf_config_json(c).dump(2);
+  test::CommandResult r = strata(
+      "train --model " + model.string() + " --init random --seed 5 --seq-len 32 --micro-batch 2 " +
+      "--lr 1e-2 --data " + data.string() + " --steps 2 --devices host:2 --offload-param nvme " +
+      "--persistence-threshold 0 --run-dir " + run.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const fs::path out = dir.path / "hf";
+  r = strata("export " + run.string() + " --out " + out.string() + " --dtype f32");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(json::parse(slurp(out / "config.json"))["architectures"],
+            json::array({"Phi3ForCausalLM"}));
+  const SafetensorsReader st = SafetensorsReader::open(out / "model.safetensors");
+  const int64_t D = c.hidden_size, Hq = c.num_attention_heads * c.head_dim,
+                Hk = c.num_key_value_heads * c.head_dim, F = c.intermediate_size;
+  for (const char* gone :
+       {"model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.up_proj.weight"})
+    EXPECT_EQ(st.find(gone), nullptr) << gone;
+  const SafetensorsEntry* qkv = st.find("model.layers.1.self_attn.qkv_proj.weight");
+  ASSERT_NE(qkv, nullptr);
+  EXPECT_EQ(qkv->shape, (std::vector<int64_t>{Hq + 2 * Hk, D}));
+  ASSERT_NE(st.find("model.layers.0.mlp.gate_up_proj.weight"), nullptr);
+  EXPECT_EQ(st.find("model.layers.0.mlp.gate_up_proj.weight")->shape,
+            (std::vector<int64_t>{2 * F, D}));
+  // The fused rows are the unit's parameters in order: q, k, v as the master weights hold them.
+  const fs::path ckpt = run / "checkpoints/step-2";
+  const SafetensorsReader opt = SafetensorsReader::open(ckpt / "optimizer.safetensors");
+  std::vector<float> master(static_cast<size_t>(opt.find("layers.1.master")->numel()));
+  opt.read("layers.1.master", master.data(), DType::f32);
+  std::vector<float> fused(static_cast<size_t>(qkv->numel()));
+  st.read(qkv->name, fused.data(), DType::f32);
+  const ModelLayout layout = ModelLayout::build(c);
+  for (const char* part : {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"}) {
+    const ParamSlot& p = layout.units[2].slot(part);
+    EXPECT_TRUE(std::equal(fused.begin() + p.file_row * D,
+                           fused.begin() + (p.file_row + p.shape.dims[0]) * D,
+                           master.begin() + static_cast<int64_t>(p.offset)))
+        << part;
+  }
+  r = strata("eval --model " + out.string() + " --data " + data.string() +
+             " --seq-len 32 --max-sequences 4");
+  EXPECT_EQ(r.status, 0) << r.out;
+
+  // The checkpoint's own model file, with one fused tensor cut short, is refused by name.
+  const fs::path bad = dir.path / "bad";
+  fs::create_directories(bad);
+  fs::copy_file(out / "config.json", bad / "config.json");
+  std::vector<SafetensorsTensor> tensors;
+  std::vector<std::vector<float>> values;
+  values.reserve(st.tensors().size());
+  for (const SafetensorsEntry& e : st.tensors()) {
+    std::vector<float>& v = values.emplace_back(static_cast<size_t>(e.numel()));
+    st.read(e.name, v.data(), DType::f32);
+    std::vector<int64_t> shape = e.shape;
+    if (e.name == qkv->name) shape[0] -= Hk;  // v's rows missing
+    tensors.push_back({e.name, DType::f32, shape, v.data()});
+  }
+  write_safetensors(bad / "model.safetensors", tensors);
+  r = strata("eval --model " + bad.string() + " --data " + data.string() +
+             " --seq-len 32 --max-sequences 4");
+  EXPECT_NE(r.status, 0);
+  for (const std::string& part :
+       {qkv->name, fmt::format("[{}, {}]", Hq + Hk, D), fmt::format("[{}, {}]", Hq + 2 * Hk, D)})
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " in " << r.out;
 }
 
 TEST(TrainCli, CheckpointsAndExportsCarryTheModelsTokenizer) {

@@ -168,9 +168,11 @@ constexpr KnownArchitecture kArchitectures[] = {
     {Architecture::mistral, "MistralForCausalLM", "mistral"},
     {Architecture::qwen2, "Qwen2ForCausalLM", "qwen2"},
     {Architecture::qwen3, "Qwen3ForCausalLM", "qwen3"},
+    {Architecture::phi3, "Phi3ForCausalLM", "phi3"},
 };
 constexpr const char* kKnownClasses =
-    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM";
+    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or "
+    "Phi3ForCausalLM";
 
 // The architecture from "architectures" (the first class strata knows) and "model_type", which
 // must agree where both are given.
@@ -196,7 +198,7 @@ Architecture parse_architecture(const json& j, std::string_view src) {
     if (!from_type)
       fail(
           "{}: model_type '{}' is not one strata implements; strata trains the Llama family: "
-          "llama, mistral, qwen2 or qwen3",
+          "llama, mistral, qwen2, qwen3 or phi3",
           src, t);
   }
   if (from_class && from_type && *from_class != *from_type)
@@ -223,7 +225,7 @@ int64_t parse_sliding_window(const json& j, std::string_view src, Architecture a
   if (w != nullptr && window < 1)
     fail("{}: sliding_window = {} must be a positive number of positions, or null; fix config.json",
          src, window);
-  if (arch == Architecture::mistral) return window;
+  if (arch == Architecture::mistral || arch == Architecture::phi3) return window;
   const json* use = field(j, "use_sliding_window");
   if (use == nullptr || !as_bool(*use, src, "use_sliding_window")) return 0;
   if (window == 0) return 0;
@@ -291,6 +293,12 @@ LlamaConfig qwen2(LlamaConfig c) {
   c.rms_norm_eps = 1e-6;
   return c;
 }
+// Phi-3's and Phi-4's class: Mistral's equations, fused projections in the files.
+LlamaConfig phi3(LlamaConfig c, int64_t window) {
+  c.architecture = Architecture::phi3;
+  c.sliding_window = window;
+  return c;
+}
 // Qwen3's: norms on q and k, head_dim 128 whatever hidden / heads is, eps 1e-6.
 LlamaConfig qwen3(LlamaConfig c, bool tied) {
   c.architecture = Architecture::qwen3;
@@ -334,6 +342,10 @@ const std::vector<LlamaConfig>& presets() {
               true),
         qwen3(make_preset("qwen3-8b", 4096, 12288, 36, 32, 8, 151936, 40960, 1e6, DType::bf16),
               false),
+        // Phi-3-mini-4k (a window of 2047) and Phi-4 (14B).
+        phi3(make_preset("phi3-mini", 3072, 8192, 32, 32, 32, 32064, 4096, 10000.0, DType::bf16),
+             2047),
+        phi3(make_preset("phi4", 5120, 17920, 40, 40, 10, 100352, 16384, 250000.0, DType::bf16), 0),
     };
   }();
   return all;
@@ -363,6 +375,7 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
       fits = attention_bias && !c.qk_norm;
       break;
     case Architecture::mistral:
+    case Architecture::phi3:
       fits = !c.qkv_bias && !c.o_bias && !c.mlp_bias && !c.qk_norm;
       break;
     case Architecture::qwen2:
@@ -375,13 +388,14 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
   if (!fits)
     fail(
         "{}: biases on q/k/v {}, o {}, MLP {} and q/k norms {} are not what {} builds (Llama: "
-        "attention_bias puts biases on q, k, v and o together; Mistral: none; Qwen2: q, k and v "
-        "only; Qwen3: q and k norms, attention_bias as Llama's)",
+        "attention_bias puts biases on q, k, v and o together; Mistral and Phi-3: none; Qwen2: "
+        "q, k and v only; Qwen3: q and k norms, attention_bias as Llama's)",
         src, c.qkv_bias, c.o_bias, c.mlp_bias, c.qk_norm, architecture_class(c.architecture));
   if (c.sliding_window < 0 || c.sliding_window > kMaxSize ||
       (c.sliding_window > 0 && c.architecture == Architecture::llama))
     fail(
-        "{}: sliding_window = {} is not valid for {}; it is a positive window for Mistral or Qwen2",
+        "{}: sliding_window = {} is not valid for {}; it is a positive window for Mistral, Qwen2 "
+        "or Phi-3",
         src, c.sliding_window, architecture_class(c.architecture));
   if (!c.sliding_layers.empty() &&
       static_cast<int64_t>(c.sliding_layers.size()) != c.num_hidden_layers)
@@ -465,6 +479,17 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
       fail("{}: hidden_act '{}' is not supported; strata's MLP is SwiGLU (hidden_act \"silu\")",
            src, act);
   }
+  // Phi-3's dropouts and partial rotation (Phi-4-mini rotates 3/4 of each head).
+  for (const char* key : {"resid_pdrop", "embd_pdrop"})
+    if (const json* v = field(j, key); v && as_number(*v, src, key) != 0.0)
+      fail("{}: {} = {} is not supported; strata has no dropout, set it to 0.0", src, key,
+           shown(*v));
+  if (const json* v = field(j, "partial_rotary_factor");
+      v && as_number(*v, src, "partial_rotary_factor") != 1.0)
+    fail(
+        "{}: partial_rotary_factor = {} is not supported; strata rotates every dimension of a "
+        "head (partial_rotary_factor 1.0)",
+        src, shown(*v));
   if (const json* v = field(j, "attention_dropout");
       v && as_number(*v, src, "attention_dropout") != 0.0)
     fail("{}: attention_dropout = {} is not supported; strata has no dropout, set it to 0.0", src,
@@ -634,6 +659,12 @@ json to_hf_config_json(const LlamaConfig& c) {
     case Architecture::mistral:
       j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
       break;
+    case Architecture::phi3:
+      j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
+      j["resid_pdrop"] = 0.0;
+      j["embd_pdrop"] = 0.0;
+      j["partial_rotary_factor"] = 1.0;
+      break;
     case Architecture::qwen2:
     case Architecture::qwen3: {
       if (c.architecture == Architecture::qwen3) j["attention_bias"] = c.qkv_bias;
@@ -693,6 +724,33 @@ std::vector<HfTensor> llama_hf_tensors(const LlamaConfig& c) {
   t.push_back({"model.norm.weight", {D}});
   if (!c.tie_word_embeddings) t.push_back({"lm_head.weight", {V, D}});
   return t;
+}
+
+std::vector<HfFileTensor> hf_file_tensors(const LlamaConfig& c) {
+  std::vector<HfFileTensor> files;
+  for (const HfTensor& t : llama_hf_tensors(c)) {
+    // Phi-3's fused projections: q (k and v follow) and gate (up follows) open them.
+    if (c.architecture == Architecture::phi3) {
+      const auto fused = [&](std::string_view first, const char* name) {
+        if (!t.name.ends_with(first)) return false;
+        const std::string prefix = t.name.substr(0, t.name.size() - first.size());
+        files.push_back({prefix + name, t.shape, {t.name}});
+        return true;
+      };
+      if (fused("self_attn.q_proj.weight", "self_attn.qkv_proj.weight") ||
+          fused("mlp.gate_proj.weight", "mlp.gate_up_proj.weight"))
+        continue;
+      if (t.name.ends_with("self_attn.k_proj.weight") ||
+          t.name.ends_with("self_attn.v_proj.weight") || t.name.ends_with("mlp.up_proj.weight")) {
+        HfFileTensor& f = files.back();  // the fused tensor opened just before
+        f.shape[0] += t.shape[0];
+        f.parts.push_back(t.name);
+        continue;
+      }
+    }
+    files.push_back({t.name, t.shape, {t.name}});
+  }
+  return files;
 }
 
 uint64_t parameter_count(const LlamaConfig& c) {

@@ -2,11 +2,12 @@
 // preset.
 //
 // The family is Llama's decoder (RMSNorm, rotary embeddings, causal grouped-query attention,
-// SwiGLU) as Hugging Face's LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and
-// Qwen3ForCausalLM define it: Mistral is Llama with a sliding attention window, Qwen2 adds
-// biases to the q, k and v projections, Qwen3 an RMSNorm over each head of q and k before the
-// rotation. Llama's (and Qwen3's) attention_bias and Llama's mlp_bias put biases on the other
-// projections too.
+// SwiGLU) as Hugging Face's LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
+// Qwen3ForCausalLM and Phi3ForCausalLM define it: Mistral is Llama with a sliding attention
+// window, Qwen2 adds biases to the q, k and v projections, Qwen3 an RMSNorm over each head of q
+// and k before the rotation, and Phi-3 (Phi-3 and Phi-4) is Mistral with q, k and v stored as
+// one tensor in its files, and gate and up as another (hf_file_tensors). Llama's (and Qwen3's)
+// attention_bias and Llama's mlp_bias put biases on the other projections too.
 //
 // Parsing is strict on purpose: a field that changes the model's math and that strata does not
 // implement (another activation, another rotary scaling, a sliding window that would cut a
@@ -57,7 +58,7 @@ struct RopeScaling {
 
 // The Hugging Face class a checkpoint is written for (its "architectures" and "model_type"),
 // kept so that an exported model loads as the class it came from.
-enum class Architecture : uint8_t { llama, mistral, qwen2, qwen3 };
+enum class Architecture : uint8_t { llama, mistral, qwen2, qwen3, phi3 };
 std::string_view architecture_class(Architecture a);       // "LlamaForCausalLM", ...
 std::string_view architecture_model_type(Architecture a);  // "llama", "mistral", "qwen2", ...
 
@@ -133,6 +134,17 @@ struct HfTensor {
 // q, k, v, o, post-attention norm, gate, up, down, each projection's bias after its weight
 // where the config has one), the final norm, and lm_head unless the embeddings are tied.
 std::vector<HfTensor> llama_hf_tensors(const LlamaConfig& config);
+
+// A tensor of a checkpoint's safetensors files and the parameters (llama_hf_tensors) it holds,
+// their rows one after another in this order: for every class the parameter alone under its
+// own name, but Phi3ForCausalLM's self_attn.qkv_proj (q, k, v) and mlp.gate_up_proj (gate,
+// up). In llama_hf_tensors' order.
+struct HfFileTensor {
+  std::string name;
+  std::vector<int64_t> shape;
+  std::vector<std::string> parts;
+};
+std::vector<HfFileTensor> hf_file_tensors(const LlamaConfig& config);
 // The number of parameters (the sum over llama_hf_tensors): llama2-7b has 6,738,415,616.
 uint64_t parameter_count(const LlamaConfig& config);
 // Model FLOPs of one training step per token at `seq_len` tokens a sequence: 6 per parameter

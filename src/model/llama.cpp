@@ -10,6 +10,7 @@
 #include <array>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <numbers>
 
 namespace strata {
@@ -112,6 +113,19 @@ ModelLayout ModelLayout::build(const LlamaConfig& c) {
     shape.rank = static_cast<int>(t.shape.size());
     std::copy(t.shape.begin(), t.shape.end(), shape.dims.begin());
     add_slot(*unit, t.name, shape);
+  }
+  std::map<std::string, ParamSlot*, std::less<>> by_name;
+  for (UnitLayout& u : layout.units)
+    for (ParamSlot& p : u.params) by_name[p.name] = &p;
+  for (const HfFileTensor& f : hf_file_tensors(c)) {
+    int64_t row = 0;
+    for (const std::string& part : f.parts) {
+      ParamSlot& slot = *by_name.at(part);
+      slot.file_name = f.name;
+      slot.file_shape = f.shape;
+      slot.file_row = row;
+      row += slot.shape.dims[0];
+    }
   }
   for (const UnitLayout& u : layout.units) layout.total_numel += u.numel;
   return layout;

@@ -32,6 +32,12 @@ struct ParamSlot {
   std::string name;     // Hugging Face name, e.g. "model.layers.3.mlp.up_proj.weight"
   Shape shape;          // Hugging Face shape ([out, in] for projections)
   uint64_t offset = 0;  // first element inside the unit's flat buffer
+  // Where checkpoints hold it (hf_file_tensors): the tensor named `file_name`, of
+  // `file_shape`, from its row `file_row`; `name`, `shape` and 0 but for Phi-3's fused
+  // projections.
+  std::string file_name;
+  std::vector<int64_t> file_shape;
+  int64_t file_row = 0;
   int64_t numel() const { return shape.numel(); }
 };
 

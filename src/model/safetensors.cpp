@@ -373,10 +373,29 @@ const SafetensorsEntry& SafetensorsReader::at(std::string_view name) const {
 
 void SafetensorsReader::read(std::string_view name, void* dst, DType dst_dtype) const {
   const SafetensorsEntry& e = at(name);
+  read_elements(e, 0, static_cast<uint64_t>(e.numel()), dst, dst_dtype);
+}
+
+void SafetensorsReader::read_rows(std::string_view name, int64_t row_begin, int64_t rows, void* dst,
+                                  DType dst_dtype) const {
+  const SafetensorsEntry& e = at(name);
+  const int64_t total = e.shape.empty() ? 1 : e.shape[0];
+  if (row_begin < 0 || rows < 0 || row_begin + rows > total)
+    fail(
+        "checkpoint {}: rows [{}, {}) of tensor '{}' are asked for, but it has {} ({}); this is "
+        "a bug in strata",
+        e.file, row_begin, row_begin + rows, e.name, total, e.shape_str());
+  const auto row = total == 0 ? uint64_t{0} : static_cast<uint64_t>(e.numel() / total);
+  read_elements(e, static_cast<uint64_t>(row_begin) * row, static_cast<uint64_t>(rows) * row, dst,
+                dst_dtype);
+}
+
+void SafetensorsReader::read_elements(const SafetensorsEntry& e, uint64_t first, uint64_t n,
+                                      void* dst, DType dst_dtype) const {
   const MappedFile& f = files_[static_cast<size_t>(e.file_index)];
-  const uint64_t n = static_cast<uint64_t>(e.numel()), src_size = dtype_size(e.dtype);
+  const uint64_t src_size = dtype_size(e.dtype);
   if (n == 0) return;
-  const uint8_t* src = f.data() + e.offset;
+  const uint8_t* src = f.data() + e.offset + first * src_size;
   auto* out = static_cast<uint8_t*>(dst);
   // A header whose length is not a multiple of 8 (legal, but not what writers produce) leaves
   // the data unaligned; such chunks go through a small aligned copy.
@@ -392,7 +411,7 @@ void SafetensorsReader::read(std::string_view name, void* dst, DType dst_dtype) 
       p = bounce.data();
     }
     convert(out + i * dtype_size(dst_dtype), dst_dtype, p, e.dtype, m);
-    f.release(e.offset + i * src_size, m * src_size);
+    f.release(e.offset + (first + i) * src_size, m * src_size);
   }
 }
 

@@ -63,9 +63,16 @@ class SafetensorsReader {
   // read(), after checking the shape; a mismatch names the file, tensor and both shapes.
   void read_checked(std::string_view name, void* dst, DType dst_dtype,
                     std::span<const int64_t> expected_shape) const;
+  // read() of rows [row_begin, row_begin + rows) of a tensor (its first dimension): a part of a
+  // fused tensor. Rows outside the tensor are an Error naming it.
+  void read_rows(std::string_view name, int64_t row_begin, int64_t rows, void* dst,
+                 DType dst_dtype) const;
 
  private:
   const SafetensorsEntry& at(std::string_view name) const;
+  // Elements [first, first + count) of `e`, converted into dst.
+  void read_elements(const SafetensorsEntry& e, uint64_t first, uint64_t count, void* dst,
+                     DType dst_dtype) const;
   void add_file(const std::filesystem::path& file);
   void sort_and_check_unique();
 

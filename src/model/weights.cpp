@@ -3,6 +3,9 @@
 #include "core/error.h"
 #include "model/safetensors.h"
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
 #include <algorithm>
 #include <set>
 
@@ -50,13 +53,34 @@ void ResidentWeights::init_random(uint64_t seed, Stream& stream) {
 void check_tensor_names(const ModelLayout& layout, const SafetensorsReader& reader) {
   std::set<std::string> expected;
   for (const UnitLayout& u : layout.units)
-    for (const ParamSlot& p : u.params) expected.insert(p.name);
+    for (const ParamSlot& p : u.params) expected.insert(p.file_name);
   for (const std::string& name : reader.names())
     if (!expected.contains(name) && !name.ends_with("rotary_emb.inv_freq"))
       fail(
           "checkpoint {}: tensor '{}' is not part of a Llama model with this config; check "
           "that config.json and the safetensors files belong to the same model",
           reader.source(), name);
+}
+
+void read_parameter(const SafetensorsReader& reader, const ParamSlot& p, void* dst, DType dtype) {
+  if (p.file_name == p.name) {
+    const std::vector<int64_t> shape(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.rank);
+    reader.read_checked(p.name, dst, dtype, shape);
+    return;
+  }
+  // A part of a fused tensor: the whole tensor's shape is checked, then its rows read.
+  const SafetensorsEntry* e = reader.find(p.file_name);
+  if (e == nullptr)
+    fail(
+        "checkpoint {}: no tensor '{}' (which holds {}); check that config.json and the "
+        "safetensors files belong to the same model",
+        reader.source(), p.file_name, p.name);
+  if (e->shape != p.file_shape)
+    fail(
+        "checkpoint {}: tensor '{}' has shape {}, but the model config expects [{}]; check that "
+        "config.json and the safetensors files belong to the same model",
+        e->file, e->name, e->shape_str(), fmt::format("{}", fmt::join(p.file_shape, ", ")));
+  reader.read_rows(p.file_name, p.file_row, p.shape.dims[0], dst, dtype);
 }
 
 void ResidentWeights::load(const SafetensorsReader& reader, Stream& stream) {
@@ -68,11 +92,8 @@ void ResidentWeights::load(const SafetensorsReader& reader, Stream& stream) {
   for (int u = 0; u < layout_.num_units(); ++u) {
     const UnitLayout& unit = layout_.units[static_cast<size_t>(u)];
     std::fill(staging.begin(), staging.end(), char{0});
-    for (const ParamSlot& p : unit.params) {
-      std::vector<int64_t> shape(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.rank);
-      reader.read_checked(p.name, staging.data() + p.offset * dtype_size(param_dtype_),
-                          param_dtype_, shape);
-    }
+    for (const ParamSlot& p : unit.params)
+      read_parameter(reader, p, staging.data() + p.offset * dtype_size(param_dtype_), param_dtype_);
     device_.copy_to_device(params_[static_cast<size_t>(u)].data(), staging.data(),
                            params_[static_cast<size_t>(u)].bytes(), stream);
     stream.synchronize();

@@ -19,6 +19,11 @@ class SafetensorsReader;
 // (rotary_emb.inv_freq, which some checkpoints carry, aside).
 void check_tensor_names(const ModelLayout& layout, const SafetensorsReader& reader);
 
+// Parameter `p` from a checkpoint into dst (p.numel() elements of dtype): the tensor of its own
+// name, or its rows of a fused one (ParamSlot::file_name). A missing tensor, or one of another
+// shape, is an Error naming the file and tensor (and both shapes).
+void read_parameter(const SafetensorsReader& reader, const ParamSlot& p, void* dst, DType dtype);
+
 class ResidentWeights {
  public:
   // Allocates every unit's parameters in `param_dtype` (and gradients in `grad_dtype` when

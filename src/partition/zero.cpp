@@ -186,10 +186,8 @@ void ZeroModel::load(const SafetensorsReader& reader) {
   std::vector<char> staged(partition_.max_unit_numel() * ps);
   for (int u = 0; u < partition_.num_units(); ++u) {
     std::fill(staged.begin(), staged.end(), char{0});
-    for (const ParamSlot& p : layout_.units[static_cast<size_t>(u)].params) {
-      std::vector<int64_t> shape(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.rank);
-      reader.read_checked(p.name, staged.data() + p.offset * ps, options_.param_dtype, shape);
-    }
+    for (const ParamSlot& p : layout_.units[static_cast<size_t>(u)].params)
+      read_parameter(reader, p, staged.data() + p.offset * ps, options_.param_dtype);
     scatter_staged(u, staged);
   }
 }

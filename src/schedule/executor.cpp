@@ -15,6 +15,7 @@
 #include "core/pinned_pool.h"
 #include "cpu_adam/kernels.h"
 #include "model/safetensors.h"
+#include "model/weights.h"
 #include "nvme/swap_store.h"
 #include "partition/zero.h"
 
@@ -1113,10 +1114,8 @@ void Executor::load(const SafetensorsReader& reader) {
   s.zero->zero_grads();
   for (int u = 0; u < s.U; ++u) {
     std::vector<char> staged(s.up(u).padded * s.ps, char{0});
-    for (const ParamSlot& p : s.layout.units[static_cast<size_t>(u)].params) {
-      std::vector<int64_t> shape(p.shape.dims.begin(), p.shape.dims.begin() + p.shape.rank);
-      reader.read_checked(p.name, staged.data() + p.offset * s.ps, s.pt, shape);
-    }
+    for (const ParamSlot& p : s.layout.units[static_cast<size_t>(u)].params)
+      read_parameter(reader, p, staged.data() + p.offset * s.ps, s.pt);
     s.zero->scatter_staged(u, staged);
     s.write_unit(u, staged);
   }

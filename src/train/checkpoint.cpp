@@ -159,8 +159,29 @@ std::vector<SafetensorsTensor> streamed_model_tensors(
     return held->raw.data();
   };
   std::vector<SafetensorsTensor> tensors;
+  // One buffer for every fused tensor: each source's pointer need only outlive the next call.
+  auto fused = std::make_shared<std::vector<char>>();
   for (int u = 0; u < layout.num_units(); ++u)
     for (const ParamSlot& s : layout.units[static_cast<size_t>(u)].params) {
+      if (s.file_name != s.name) {
+        // Phi-3's fused projections: written once, from the part that opens them, as the
+        // parts' rows one after another (copied together: the unit pads between them).
+        if (s.file_row != 0) continue;
+        std::vector<const ParamSlot*> parts;
+        for (const ParamSlot& p : layout.units[static_cast<size_t>(u)].params)
+          if (p.file_name == s.file_name) parts.push_back(&p);
+        tensors.push_back(
+            {s.file_name, dtype, s.file_shape, nullptr, [unit_bytes, fused, u, parts, dtype] {
+               const char* p = unit_bytes(u);
+               const uint64_t e = dtype_size(dtype);
+               fused->clear();
+               for (const ParamSlot* part : parts)
+                 fused->insert(fused->end(), p + part->offset * e,
+                               p + (part->offset + static_cast<uint64_t>(part->numel())) * e);
+               return static_cast<const void*>(fused->data());
+             }});
+        continue;
+      }
       const uint64_t end = s.offset + static_cast<uint64_t>(s.numel());
       tensors.push_back(
           {s.name, dtype,

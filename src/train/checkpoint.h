@@ -43,7 +43,8 @@ class Executor;
 
 struct ModelLayout;
 
-// The model's tensors as Hugging Face names and shapes them, in `dtype`, for write_safetensors
+// The model's tensors as Hugging Face names and shapes them (Phi-3's fused projections too:
+// hf_file_tensors), in `dtype`, for write_safetensors
 // to stream: each one's source fetches its unit's f32 values with unit_values(u) (the flat
 // buffer of ModelLayout) when the writer first needs a tensor of it, and holds that one unit
 // only. Writing a 70B model this way needs RAM for its largest unit, not for the model. The

@@ -9,7 +9,9 @@ targets that are not -100). MistralForCausalLM is the same equations, each query
 the last sliding_window positions (itself included), Qwen2ForCausalLM adds biases to q, k and
 v, and Qwen3ForCausalLM an RMSNorm over each head of q and k (shared by the heads) before the
 rotation; with use_sliding_window, their layers from max_window_layers on (or those layer_types
-names "sliding_attention") see the window too. Which projections have biases is decided here from config.json as each Hugging Face class
+names "sliding_attention") see the window too. Phi3ForCausalLM is Mistral's equations with q, k
+and v computed by one projection (self_attn.qkv_proj, its output split in that order) and gate
+and up by another (mlp.gate_up_proj, the first half gate). Which projections have biases is decided here from config.json as each Hugging Face class
 decides it, and the checkpoint must hold exactly the tensors that implies.
 
 usage: llama_reference.py MODEL_DIR TOKENS OUT [--batch B] [--seq-len T] [--dtype float64]
@@ -167,6 +169,10 @@ def expected_names(cfg):
         names |= {pre + "input_layernorm.weight", pre + "post_attention_layernorm.weight"}
         if cfg.get("model_type") == "qwen3":
             names |= {pre + "self_attn.q_norm.weight", pre + "self_attn.k_norm.weight"}
+        if cfg.get("model_type") == "phi3":
+            names |= {pre + p + ".weight" for p in
+                      ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+            continue
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
             part = "self_attn." if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp."
             names.add(pre + part + proj + ".weight")
@@ -179,7 +185,7 @@ def layer_window(cfg, layer):
     """The sliding window of a layer, None where it sees every earlier position."""
     kind = cfg.get("model_type")
     window = cfg.get("sliding_window")
-    if kind == "mistral":
+    if kind in ("mistral", "phi3"):
         return window
     if kind not in ("qwen2", "qwen3") or not cfg.get("use_sliding_window") or window is None:
         return None
@@ -211,13 +217,21 @@ def forward(cfg, p, ids, dtype):
     for l in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{l}."
         xn = rms_norm(x, p[pre + "input_layernorm.weight"], eps)
-        q = linear(cfg, p, pre + "self_attn.q_proj", xn).view(B, T, H, hd)
-        k = linear(cfg, p, pre + "self_attn.k_proj", xn).view(B, T, Hkv, hd)
+        phi3 = cfg.get("model_type") == "phi3"
+        if phi3:  # one projection for q, k and v
+            q, k, v = torch.split(linear(cfg, p, pre + "self_attn.qkv_proj", xn),
+                                  [H * hd, Hkv * hd, Hkv * hd], dim=-1)
+            q, k = q.reshape(B, T, H, hd), k.reshape(B, T, Hkv, hd)
+            v = v.reshape(B, T, Hkv, hd).transpose(1, 2)
+        else:
+            q = linear(cfg, p, pre + "self_attn.q_proj", xn).view(B, T, H, hd)
+            k = linear(cfg, p, pre + "self_attn.k_proj", xn).view(B, T, Hkv, hd)
         if cfg.get("model_type") == "qwen3":  # each head normalised over head_dim
             q = rms_norm(q, p[pre + "self_attn.q_norm.weight"], eps)
             k = rms_norm(k, p[pre + "self_attn.k_norm.weight"], eps)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-        v = linear(cfg, p, pre + "self_attn.v_proj", xn).view(B, T, Hkv, hd).transpose(1, 2)
+        if not phi3:
+            v = linear(cfg, p, pre + "self_attn.v_proj", xn).view(B, T, Hkv, hd).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         k = k.repeat_interleave(H // Hkv, dim=1)
@@ -231,8 +245,11 @@ def forward(cfg, p, ids, dtype):
         att = att.transpose(1, 2).reshape(B, T, H * hd)
         h = x + linear(cfg, p, pre + "self_attn.o_proj", att)
         hn = rms_norm(h, p[pre + "post_attention_layernorm.weight"], eps)
-        gate = linear(cfg, p, pre + "mlp.gate_proj", hn)
-        up = linear(cfg, p, pre + "mlp.up_proj", hn)
+        if phi3:  # one projection for gate and up, gate first
+            gate, up = linear(cfg, p, pre + "mlp.gate_up_proj", hn).chunk(2, dim=-1)
+        else:
+            gate = linear(cfg, p, pre + "mlp.gate_proj", hn)
+            up = linear(cfg, p, pre + "mlp.up_proj", hn)
         x = h + linear(cfg, p, pre + "mlp.down_proj", torch.nn.functional.silu(gate) * up)
     xf = rms_norm(x, p["model.norm.weight"], eps)
     w = p["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else p["lm_head.weight"]
