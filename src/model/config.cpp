@@ -78,8 +78,6 @@ auto required(const json& j, const std::string& key, std::string_view src, Conve
   return as(*v, src, name);
 }
 
-// A rope_scaling (or transformers 5's rope_parameters) object. Hugging Face has written the
-// kind as "type" and later as "rope_type", sometimes both.
 }  // namespace
 
 std::string_view rope_scaling_name(RopeScalingKind k) {
@@ -100,6 +98,8 @@ std::string_view rope_scaling_name(RopeScalingKind k) {
 
 namespace {
 
+// A rope_scaling (or transformers 5's rope_parameters) object. Hugging Face has written the
+// kind as "type" and later as "rope_type", sometimes both.
 RopeScaling parse_rope_scaling(const json& r, std::string_view src, const std::string& key) {
   if (!r.is_object()) type_error(src, key, "an object or null", r);
   const json* rope_type = field(r, "rope_type");
