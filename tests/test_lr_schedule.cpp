@@ -10,6 +10,7 @@
 
 #include <cmath>
 #include <numbers>
+#include <utility>
 
 namespace strata {
 namespace {
@@ -216,6 +217,53 @@ TEST(LrSchedule, FromAConfigWithDeepSpeedsDefaults) {
   EXPECT_EQ(c.cos_min_ratio, 1e-4);
   EXPECT_EQ(c.warmup_num_steps, 1000);
   EXPECT_EQ(lr_schedule_name(c.kind), "WarmupCosineLR");
+}
+
+// Hugging Face's schedules (lr_scheduler_type), what its Trainer runs beside a DeepSpeed config
+// without a scheduler: LambdaLR's step k is update k, so the first update of a warmup runs at 0.
+// The literals are transformers' lr_lambda expressions (get_linear_schedule_with_warmup,
+// get_cosine_schedule_with_warmup with half a cycle) times the rate, evaluated by CPython 3.11
+// and printed with repr: the same bits. The cosine is not clamped past the last step, as in
+// transformers, so it rises again there.
+TEST(LrSchedule, HuggingFacesSchedulesWithPythonsBits) {
+  const LrSchedule lin = hugging_face_lr_schedule("linear", 3e-4, 3, 10);
+  EXPECT_EQ(lin.kind, LrScheduleKind::hf_linear);
+  EXPECT_TRUE(is_hugging_face_schedule(lin.kind));
+  EXPECT_EQ(lr_schedule_name(lin.kind), "linear");
+  const std::pair<int64_t, double> linear_bits[] = {{0, 0.0},
+                                                    {1, 9.999999999999999e-05},
+                                                    {3, 0.0003},
+                                                    {4, 0.0002571428571428571},
+                                                    {9, 4.285714285714285e-05},
+                                                    {10, 0.0},
+                                                    {11, 0.0}};
+  for (const auto& [update, want] : linear_bits)
+    EXPECT_EQ(lin.for_update(update), want) << "linear, update " << update;
+  const LrSchedule cos = hugging_face_lr_schedule("cosine", 3e-4, 3, 12);
+  const std::pair<int64_t, double> cosine_bits[] = {{0, 0.0},
+                                                    {1, 9.999999999999999e-05},
+                                                    {2, 0.00019999999999999998},
+                                                    {3, 0.0003},
+                                                    {5, 0.00026490666646784665},
+                                                    {7, 0.00017604722665003956},
+                                                    {11, 9.046106882113751e-06},
+                                                    {12, 0.0},
+                                                    {13, 9.046106882113734e-06}};
+  for (const auto& [update, want] : cosine_bits)
+    EXPECT_EQ(cos.for_update(update), want) << "cosine, update " << update;
+  const LrSchedule held = hugging_face_lr_schedule("constant_with_warmup", 2e-4, 4, 0);
+  EXPECT_EQ(held.for_update(0), 0.0);
+  EXPECT_EQ(held.for_update(2), 2e-4 * 0.5);
+  for (int64_t k : {4, 5, 1000}) EXPECT_EQ(held.for_update(k), 2e-4);
+  // Without a warmup (Hugging Face's default) the first update runs at the full rate.
+  EXPECT_EQ(hugging_face_lr_schedule("linear", 1e-3, 0, 4).for_update(0), 1e-3);
+  EXPECT_EQ(hugging_face_lr_schedule("constant", 1e-3, 0, 4).kind, LrScheduleKind::constant);
+  expect_error([] { hugging_face_lr_schedule("polynomial", 1e-3, 0, 4); },
+               {"polynomial", "linear, cosine, constant and constant_with_warmup"});
+  expect_error([] { hugging_face_lr_schedule("cosine", 1e-3, 0, 0); },
+               {"cosine", "steps are 0", "--steps"});
+  expect_error([] { hugging_face_lr_schedule("linear", 1e-3, -1, 10); },
+               {"linear", "warmup is -1"});
 }
 
 TEST(LrSchedule, BadSettingsAreNamed) {

@@ -598,6 +598,62 @@ TEST(TrainCli, CheckpointsAndExportsCarryTheModelsTokenizer) {
   EXPECT_FALSE(fs::exists(dir.path / "never" / "model.safetensors"));
 }
 
+// Hugging Face Trainer's flag names, as a user of its scripts types them, run what strata's
+// own names run: the same checkpoint files bit for bit, the same steps logged and saved.
+TEST(TrainCli, HuggingFaceTrainersFlagNamesAreStratasFlags) {
+  const test::TempDir dir("strata-hf-flags");
+  const fs::path data = make_data(dir.path), a = dir.path / "a", b = dir.path / "b";
+  const std::string common = "train --model tiny --init random --seed 5 --data " + data.string() +
+                             " --weight-decay 0.1 --warmup-steps 1 --lr-schedule WarmupLR";
+  test::CommandResult r = strata(
+      common + " --seq-len 24 --micro-batch 2 --grad-accum 2 --lr 3e-3 --eps 1e-6 --clip 0.5 " +
+      "--steps 4 --save-every 2 --keep 1 --steps-per-print 2 --eval-data " + data.string() +
+      " --eval-every 2 --eval-sequences 2 --run-dir " + a.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(common +
+             " --max-seq-length 24 --per-device-train-batch-size 2 "
+             "--gradient-accumulation-steps 2 --learning-rate 3e-3 --adam-epsilon 1e-6 "
+             "--max-grad-norm 0.5 --max-steps 4 --save-steps 2 --save-total-limit 1 "
+             "--logging-steps 2 --eval-data " +
+             data.string() + " --eval-steps 2 --eval-sequences 2 --output-dir " + b.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_FALSE(fs::exists(b / "checkpoints/step-2")) << "--save-total-limit 1 keeps one";
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+    EXPECT_TRUE(slurp(a / "checkpoints/step-4" / file) == slurp(b / "checkpoints/step-4" / file))
+        << file << " differs";
+  const std::vector<json> ma = metrics(a), mb = metrics(b);
+  ASSERT_EQ(ma.size(), 4u);
+  ASSERT_EQ(mb.size(), 4u);
+  for (size_t i = 0; i < ma.size(); ++i) {
+    EXPECT_EQ(ma[i]["loss"], mb[i]["loss"]) << "step " << i + 1;
+    EXPECT_EQ(ma[i].contains("eval_loss"), mb[i].contains("eval_loss")) << "step " << i + 1;
+  }
+  EXPECT_TRUE(mb[1].contains("eval_loss")) << "--eval-steps 2 evaluates at step 2";
+  // --num-train-epochs is --epochs.
+  r = strata(common + " --seq-len 24 --micro-batch 2 --num-train-epochs 0.5 --output-dir " +
+             (dir.path / "c").string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(common + " --seq-len 24 --micro-batch 2 --epochs 0.5 --run-dir " +
+             (dir.path / "d").string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(metrics(dir.path / "c").size(), metrics(dir.path / "d").size());
+  EXPECT_GT(metrics(dir.path / "c").size(), 1u);
+  // Hugging Face's lr_scheduler_type: cosine after a warmup of ceil(0.25 x 4) = 1 update, which
+  // runs at 0 as in Hugging Face; then 1, (1 + cos(pi / 3)) / 2 and (1 + cos(2 pi / 3)) / 2.
+  r = strata("train --model tiny --init random --seed 5 --data " + data.string() +
+             " --seq-len 24 --micro-batch 2 --max-steps 4 --learning-rate 2e-3 "
+             "--lr-scheduler-type cosine --warmup-ratio 0.25 --output-dir " +
+             (dir.path / "e").string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(r.out.find("DeepSpeed's default"), std::string::npos) << r.out;
+  const std::vector<json> me = metrics(dir.path / "e");
+  ASSERT_EQ(me.size(), 4u);
+  const double want[] = {0.0, 2e-3, 2e-3 * 0.75, 2e-3 * 0.25};
+  for (size_t i = 0; i < 4; ++i)
+    EXPECT_FLOAT_EQ(static_cast<float>(me[i]["lr"].get<double>()), static_cast<float>(want[i]))
+        << "update " << i << " (the rate Adam takes, in f32)";
+}
+
 TEST(TrainCli, HuggingFaceDeepSpeedConfigIsAccepted) {
   const test::TempDir dir("strata-train-ds");
   const fs::path data = make_data(dir.path), run = dir.path / "run",

@@ -193,29 +193,44 @@ int run_train(const TrainArgs& a) {
   s.adam.eps = static_cast<float>(!std::isnan(a.eps) ? a.eps : opt.eps.value_or(1e-8));
   s.adam.weight_decay = static_cast<float>(
       !std::isnan(a.weight_decay) ? a.weight_decay : opt.weight_decay.value_or(0.0));
-  DsConfig::Scheduler sched = ds ? ds->scheduler : DsConfig::Scheduler{};
-  if (!a.lr_schedule.empty()) {
-    sched = DsConfig::Scheduler{};
-    if (a.lr_schedule != "none") sched.type = a.lr_schedule;
+  const bool hugging_face_schedule = a.lr_schedule == "linear" || a.lr_schedule == "cosine" ||
+                                     a.lr_schedule == "constant" ||
+                                     a.lr_schedule == "constant_with_warmup";
+  if (hugging_face_schedule) {
+    // Hugging Face's lr_scheduler_type, what its Trainer runs where the DeepSpeed config has no
+    // scheduler: a warmup of --warmup-steps, or ceil(--warmup-ratio x steps), 0 by default.
+    int64_t warmup = 0;
+    if (a.warmup_steps != kUnsetFlag)
+      warmup = a.warmup_steps;
+    else if (!std::isnan(a.warmup_ratio))
+      warmup = static_cast<int64_t>(std::ceil(a.warmup_ratio * static_cast<double>(s.steps)));
+    s.schedule = hugging_face_lr_schedule(a.lr_schedule, lr, warmup, s.steps);
+  } else {
+    DsConfig::Scheduler sched = ds ? ds->scheduler : DsConfig::Scheduler{};
+    if (!a.lr_schedule.empty()) {
+      sched = DsConfig::Scheduler{};
+      if (a.lr_schedule != "none") sched.type = a.lr_schedule;
+    }
+    const bool warmup_flag = a.warmup_steps != kUnsetFlag || !std::isnan(a.warmup_ratio);
+    if (warmup_flag && !sched.type)
+      fail(
+          "{}: there is no learning-rate schedule to warm up (the config has no scheduler and "
+          "--lr-schedule is not given); add --lr-schedule WarmupLR, WarmupDecayLR or "
+          "WarmupCosineLR (DeepSpeed's), or linear, cosine or constant_with_warmup (Hugging "
+          "Face's)",
+          a.warmup_steps != kUnsetFlag ? "--warmup-steps" : "--warmup-ratio");
+    if (a.warmup_steps != kUnsetFlag) sched.warmup_num_steps = a.warmup_steps;
+    // Hugging Face's warmup_ratio: ceil(ratio x the run's steps) steps.
+    if (!std::isnan(a.warmup_ratio))
+      sched.warmup_num_steps =
+          static_cast<int64_t>(std::ceil(a.warmup_ratio * static_cast<double>(s.steps)));
+    if (sched.type && !sched.warmup_num_steps)
+      fmt::print(
+          "lr schedule: warmup_num_steps is DeepSpeed's default, 1000, since neither the config "
+          "nor a flag sets it{}; --warmup-steps or --warmup-ratio sets it\n",
+          s.steps <= 1000 ? fmt::format(" (this run's {} steps are all warmup)", s.steps) : "");
+    s.schedule = lr_schedule_from_config(sched, lr, s.steps);
   }
-  const bool warmup_flag = a.warmup_steps != kUnsetFlag || !std::isnan(a.warmup_ratio);
-  if (warmup_flag && !sched.type)
-    fail(
-        "{}: there is no learning-rate schedule to warm up (the config has no scheduler and "
-        "--lr-schedule is not given); add --lr-schedule WarmupLR, WarmupDecayLR or "
-        "WarmupCosineLR",
-        a.warmup_steps != kUnsetFlag ? "--warmup-steps" : "--warmup-ratio");
-  if (a.warmup_steps != kUnsetFlag) sched.warmup_num_steps = a.warmup_steps;
-  // Hugging Face's warmup_ratio: ceil(ratio x the run's steps) steps.
-  if (!std::isnan(a.warmup_ratio))
-    sched.warmup_num_steps =
-        static_cast<int64_t>(std::ceil(a.warmup_ratio * static_cast<double>(s.steps)));
-  if (sched.type && !sched.warmup_num_steps)
-    fmt::print(
-        "lr schedule: warmup_num_steps is DeepSpeed's default, 1000, since neither the config "
-        "nor a flag sets it{}; --warmup-steps or --warmup-ratio sets it\n",
-        s.steps <= 1000 ? fmt::format(" (this run's {} steps are all warmup)", s.steps) : "");
-  s.schedule = lr_schedule_from_config(sched, lr, s.steps);
   s.scaling = loss_scale_settings(ds ? ds->fp16 : DsConfig::Fp16{}, s.dtype == DType::f16);
   s.max_grad_norm = !std::isnan(a.clip) ? a.clip : (ds ? ds->gradient_clipping.value_or(0.0) : 0.0);
   s.steps_per_print =
@@ -302,8 +317,12 @@ Command add_train(CLI::App& app) {
   auto a = std::make_shared<TrainArgs>();
   CLI::App* cmd = app.add_subcommand(
       "train",
-      "train or fine-tune a Llama, Mistral, Qwen2 or Qwen3 model with ZeRO-3 state in GPU, CPU or "
-      "NVMe tiers; checkpoints in Hugging Face format, bit-identical resume");
+      "train or fine-tune a Llama, Mistral, Qwen2, Qwen3 or Phi-3 model with ZeRO-3 state in GPU, "
+      "CPU or NVMe tiers; checkpoints in Hugging Face format, bit-identical resume. Hugging "
+      "Face Trainer's flag names are accepted beside strata's (--learning-rate, "
+      "--max-grad-norm, --per-device-train-batch-size, --gradient-accumulation-steps, "
+      "--num-train-epochs, --max-steps, --save-steps, --save-total-limit, --logging-steps, "
+      "--eval-steps, --output-dir, --adam-epsilon, --max-seq-length)");
   cmd->add_option("--model", a->model, "Hugging Face checkpoint directory or preset")->required();
   cmd->add_option("--init", a->init, "'random': initialise instead of loading weights");
   cmd->add_option("--seed", a->seed, "seed of the initialisation and of the data order")
@@ -332,31 +351,38 @@ Command add_train(CLI::App& app) {
                   "held-out token files (their sequences in order): the loss every "
                   "--eval-every steps and at the end")
       ->delimiter(',');
-  cmd->add_option("--eval-every", a->eval_every, "evaluate every N steps (0: at the end only)");
+  cmd->add_option("--eval-every,--eval-steps", a->eval_every,
+                  "evaluate every N steps (0: at the end only)");
   cmd->add_option("--eval-sequences", a->eval_sequences,
                   "evaluate on at most N held-out sequences (0: all of them)");
   cmd->add_option("--config", a->config, "DeepSpeed JSON config");
-  cmd->add_option("--run-dir", a->run_dir, "run directory (default runs/<model>)");
-  cmd->add_option("--steps", a->steps, "optimizer steps in all (or --epochs)");
-  cmd->add_option("--epochs", a->epochs,
+  cmd->add_option("--run-dir,--output-dir", a->run_dir, "run directory (default runs/<model>)");
+  cmd->add_option("--steps,--max-steps", a->steps, "optimizer steps in all (or --epochs)");
+  cmd->add_option("--epochs,--num-train-epochs", a->epochs,
                   "passes over the --data files instead of --steps: steps = ceil(E x sequences / "
                   "(micro-batch x grad-accum x devices)); fractions allowed");
-  cmd->add_option("--micro-batch", a->micro_batch, "sequences per device per micro-batch");
-  cmd->add_option("--grad-accum", a->grad_accum, "micro-batches per optimizer step");
-  cmd->add_option("--seq-len", a->seq_len, "tokens per sequence (default: context, <= 1024)");
+  cmd->add_option("--micro-batch,--per-device-train-batch-size", a->micro_batch,
+                  "sequences per device per micro-batch");
+  cmd->add_option("--grad-accum,--gradient-accumulation-steps", a->grad_accum,
+                  "micro-batches per optimizer step");
+  cmd->add_option("--seq-len,--max-seq-length", a->seq_len,
+                  "tokens per sequence (default: context, <= 1024)");
   cmd->add_option("--dtype", a->dtype,
                   "parameters: f32, bf16 (default: f32 on host, bf16 on cuda)");
   cmd->add_option("--optimizer", a->optimizer, "adamw or adam (L2 decay)");
-  cmd->add_option("--lr", a->lr, "learning rate (default: the config's, else 1e-3)");
-  cmd->add_option("--lr-schedule", a->lr_schedule,
-                  "none, WarmupLR, WarmupDecayLR or WarmupCosineLR (overrides the config's)");
+  cmd->add_option("--lr,--learning-rate", a->lr,
+                  "learning rate (default: the config's, else 1e-3)");
+  cmd->add_option("--lr-schedule,--lr-scheduler-type", a->lr_schedule,
+                  "none, WarmupLR, WarmupDecayLR or WarmupCosineLR (DeepSpeed's), or linear, "
+                  "cosine, constant or constant_with_warmup (Hugging Face's lr_scheduler_type, "
+                  "from 0 over the warmup, to 0 at the last step); overrides the config's");
   cmd->add_option("--warmup-steps", a->warmup_steps, "warmup_num_steps of the schedule");
   cmd->add_option("--warmup-ratio", a->warmup_ratio,
                   "warm up for this fraction of the run's steps (Hugging Face's warmup_ratio: "
                   "ceil(ratio x steps)) instead of --warmup-steps");
   cmd->add_option("--weight-decay", a->weight_decay, "weight decay (default 0)");
-  cmd->add_option("--eps", a->eps, "Adam's epsilon (default 1e-8)");
-  cmd->add_option("--clip", a->clip, "gradient clipping by global norm (0: none)");
+  cmd->add_option("--eps,--adam-epsilon", a->eps, "Adam's epsilon (default 1e-8)");
+  cmd->add_option("--clip,--max-grad-norm", a->clip, "gradient clipping by global norm (0: none)");
   cmd->add_option("--offload-param", a->offload_param, "none, cpu, nvme or auto");
   cmd->add_option("--offload-optimizer", a->offload_optimizer, "none, cpu, nvme or auto");
   add_gradients_option(cmd, a->offload_gradients);
@@ -375,8 +401,10 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--devices", a->devices, "host:N, cuda or cuda:0,1");
   cmd->add_option("--device-memory", a->device_memory, "cap of each device's memory");
   cmd->add_option("--threads", a->threads, "CPU Adam threads (0: every CPU)");
-  cmd->add_option("--save-every", a->save_every, "checkpoint every N steps (and at the end)");
-  cmd->add_option("--keep", a->keep, "complete checkpoints kept (0: all)")->capture_default_str();
+  cmd->add_option("--save-every,--save-steps", a->save_every,
+                  "checkpoint every N steps (and at the end)");
+  cmd->add_option("--keep,--save-total-limit", a->keep, "complete checkpoints kept (0: all)")
+      ->capture_default_str();
   cmd->add_flag("--resume", a->resume,
                 "continue from the run directory's newest checkpoint (verified first)");
   cmd->add_flag("--resume-fallback", a->resume_fallback,
@@ -385,7 +413,8 @@ Command add_train(CLI::App& app) {
                   "continue from this checkpoint (RUN/checkpoints/step-N, verified first) or run "
                   "directory's newest: an earlier one of this run (the later ones are set aside "
                   "as abandoned-step-M) or another run's, into a new --run-dir");
-  cmd->add_option("--steps-per-print", a->steps_per_print, "log every N steps (default 10)");
+  cmd->add_option("--steps-per-print,--logging-steps", a->steps_per_print,
+                  "log every N steps (default 10)");
   cmd->add_option("--trace", a->trace, "write a Chrome/Perfetto trace of the run's steps here");
   cmd->add_option("--tensorboard-dir", a->tensorboard_dir,
                   "write each step's loss, lr and gradient norm as TensorBoard events here (as "

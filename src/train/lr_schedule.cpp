@@ -41,14 +41,33 @@ std::string lr_schedule_name(LrScheduleKind kind) {
       return "WarmupDecayLR";
     case LrScheduleKind::warmup_cosine:
       return "WarmupCosineLR";
+    case LrScheduleKind::hf_linear:
+      return "linear";
+    case LrScheduleKind::hf_cosine:
+      return "cosine";
+    case LrScheduleKind::hf_constant_with_warmup:
+      return "constant_with_warmup";
   }
   return "?";
+}
+
+bool is_hugging_face_schedule(LrScheduleKind kind) {
+  return kind == LrScheduleKind::hf_linear || kind == LrScheduleKind::hf_cosine ||
+         kind == LrScheduleKind::hf_constant_with_warmup;
 }
 
 void LrSchedule::validate() const {
   check_rate(lr, "optimizer.params.lr");
   if (kind == LrScheduleKind::constant) return;
   const std::string name = lr_schedule_name(kind);
+  if (is_hugging_face_schedule(kind)) {
+    if (warmup_num_steps < 0)
+      fail("lr schedule {}: the warmup is {} steps; it must be 0 or more", name, warmup_num_steps);
+    if (kind != LrScheduleKind::hf_constant_with_warmup && total_num_steps < 1)
+      fail("lr schedule {}: the run's steps are {}; it decays to 0 over them, so give --steps",
+           name, total_num_steps);
+    return;
+  }
   if (warmup_num_steps < 1)
     fail(
         "lr schedule {}: scheduler.params.warmup_num_steps is {}; DeepSpeed requires a positive "
@@ -76,6 +95,24 @@ void LrSchedule::validate() const {
 
 double LrSchedule::at(int64_t i) const {
   if (kind == LrScheduleKind::constant) return lr;
+  if (is_hugging_face_schedule(kind)) {
+    // transformers' lr_lambda at LambdaLR's step, in its order of operations, times the rate.
+    const int64_t step = i + 1, W = warmup_num_steps, T = total_num_steps;
+    double factor;
+    if (step < W)
+      factor = static_cast<double>(step) / static_cast<double>(std::max<int64_t>(1, W));
+    else if (kind == LrScheduleKind::hf_constant_with_warmup)
+      factor = 1.0;
+    else if (kind == LrScheduleKind::hf_linear)
+      factor = std::max(
+          0.0, static_cast<double>(T - step) / static_cast<double>(std::max<int64_t>(1, T - W)));
+    else {
+      const double progress =
+          static_cast<double>(step - W) / static_cast<double>(std::max<int64_t>(1, T - W));
+      factor = std::max(0.0, 0.5 * (1.0 + std::cos(std::numbers::pi * 0.5 * 2.0 * progress)));
+    }
+    return lr * factor;
+  }
   const int64_t W = std::max<int64_t>(2, warmup_num_steps);
 
   if (kind == LrScheduleKind::warmup_cosine) {
@@ -151,6 +188,30 @@ LrSchedule lr_schedule_from_config(const DsConfig::Scheduler& config, double opt
           "has no step count to take it from; set total_num_steps in the config or pass --steps",
           lr_schedule_name(s.kind));
   }
+  s.validate();
+  return s;
+}
+
+LrSchedule hugging_face_lr_schedule(const std::string& type, double lr, int64_t warmup_steps,
+                                    int64_t total_steps) {
+  LrSchedule s;
+  s.lr = lr;
+  if (type == "constant")
+    s.kind = LrScheduleKind::constant;
+  else if (type == "linear")
+    s.kind = LrScheduleKind::hf_linear;
+  else if (type == "cosine")
+    s.kind = LrScheduleKind::hf_cosine;
+  else if (type == "constant_with_warmup")
+    s.kind = LrScheduleKind::hf_constant_with_warmup;
+  else
+    fail(
+        "lr schedule: Hugging Face's lr_scheduler_type \"{}\" is not implemented; strata runs "
+        "linear, cosine, constant and constant_with_warmup (and DeepSpeed's WarmupLR, "
+        "WarmupDecayLR, WarmupCosineLR)",
+        type);
+  s.warmup_num_steps = warmup_steps;
+  s.total_num_steps = total_steps;
   s.validate();
   return s;
 }

@@ -1,5 +1,7 @@
-// lr_schedule.h: DeepSpeed's learning-rate schedulers (WarmupLR, WarmupDecayLR, WarmupCosineLR)
-// and a constant rate, as a pure function of how many optimizer updates have been applied.
+// lr_schedule.h: DeepSpeed's learning-rate schedulers (WarmupLR, WarmupDecayLR, WarmupCosineLR),
+// Hugging Face's (lr_scheduler_type linear, cosine, constant_with_warmup: what its Trainer runs
+// beside a DeepSpeed config that has no scheduler) and a constant rate, as a pure function of how
+// many optimizer updates have been applied.
 //
 // The formulas are those of DeepSpeed's deepspeed/runtime/lr_schedules.py as of its mid-2026
 // master (after PR 8142: WarmupCosineLR floors its cosine window at one step and clamps the
@@ -13,7 +15,9 @@
 // first) uses last_batch_iteration k - 1: the first update runs at -1, where WarmupLR and
 // WarmupDecayLR give warmup_min_lr and WarmupCosineLR gives 0; the second at 0, where the log
 // and linear warmups are also at their minimum. `for_update(k)` does this mapping; `at` takes
-// DeepSpeed's index itself.
+// DeepSpeed's index itself. Hugging Face's schedules are LambdaLR's, whose step count is 0 at
+// the first update: update k runs at its step k, which `at(k - 1)` maps to, so the first update
+// of a warmup runs at rate 0, as in Hugging Face.
 #pragma once
 
 #include "train/ds_config.h"
@@ -24,12 +28,22 @@
 
 namespace strata {
 
-enum class LrScheduleKind : uint8_t { constant, warmup, warmup_decay, warmup_cosine };
+enum class LrScheduleKind : uint8_t {
+  constant,
+  warmup,
+  warmup_decay,
+  warmup_cosine,
+  hf_linear,                // Hugging Face's get_linear_schedule_with_warmup
+  hf_cosine,                // get_cosine_schedule_with_warmup (half a cycle)
+  hf_constant_with_warmup,  // get_constant_schedule_with_warmup
+};
 enum class WarmupShape : uint8_t { log, linear };
 
 // "none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR" (the names of the config's
-// scheduler.type, "none" for no scheduler).
+// scheduler.type, "none" for no scheduler), and Hugging Face's "linear", "cosine",
+// "constant_with_warmup" (its lr_scheduler_type).
 std::string lr_schedule_name(LrScheduleKind kind);
+bool is_hugging_face_schedule(LrScheduleKind kind);
 
 struct LrSchedule {
   LrScheduleKind kind = LrScheduleKind::constant;
@@ -70,5 +84,12 @@ struct LrSchedule {
 // since DeepSpeed requires it). No scheduler type: the constant `optimizer_lr`. Validated.
 LrSchedule lr_schedule_from_config(const DsConfig::Scheduler& config, double optimizer_lr,
                                    std::optional<int64_t> run_steps);
+
+// Hugging Face's schedule of lr_scheduler_type `type` ("linear", "cosine",
+// "constant_with_warmup", or "constant", which is the constant rate): from 0 to `lr` over
+// `warmup_steps` updates (0: none, Hugging Face's default), then down to 0 at `total_steps`
+// (linear, cosine) or held. Validated; an unknown type is an Error listing the known ones.
+LrSchedule hugging_face_lr_schedule(const std::string& type, double lr, int64_t warmup_steps,
+                                    int64_t total_steps);
 
 }  // namespace strata
