@@ -152,6 +152,19 @@ std::vector<Case> cases() {
   phi3.config.architecture = Architecture::phi3;
   phi3.config.sliding_window = 4;
   out.push_back(phi3);
+  // Phi-3.5's LongRoPE: sequences of 9 within an original context of 16 (the short factors)
+  // and past one of 8 (the long ones); the stretch 64 / original sets the cos/sin scale.
+  for (const int64_t original : {16, 8}) {
+    Case lr{original == 16 ? "phi3_longrope_short" : "phi3_longrope_long",
+            base(36, 6, 2, 8, 70, 97, 1), 2, 9, 40};
+    lr.config.architecture = Architecture::phi3;
+    RopeScaling& r = lr.config.rope_scaling;
+    r.kind = RopeScalingKind::longrope;
+    r.original_max_position_embeddings = original;
+    r.short_factor = {1.0, 1.3, 2.5, 4.0};
+    r.long_factor = {1.1, 3.0, 9.5, 30.0};
+    out.push_back(lr);
+  }
   return out;
 }
 

@@ -646,11 +646,11 @@ TEST(LlamaConfigParse, EveryRejectionNamesTheField) {
       {"odd head_dim", [](json& j) { j["head_dim"] = 7; }, {"head_dim = 7"}},
       {"zero eps", [](json& j) { j["rms_norm_eps"] = 0.0; }, {"rms_norm_eps = 0"}},
       {"negative theta", [](json& j) { j["rope_theta"] = -1.0; }, {"rope_theta = -1"}},
-      {"rope type longrope",
+      {"rope type ntk",
        [](json& j) {
-         j["rope_scaling"] = {{"type", "longrope"}, {"factor", 2.0}};
+         j["rope_scaling"] = {{"type", "ntk"}, {"factor", 2.0}};
        },
-       {"rope_scaling.type", "longrope", "'linear'", "'yarn'"}},
+       {"rope_scaling.type", "ntk", "'linear'", "'yarn'", "'longrope'"}},
       {"rope_type dynamic without a factor",
        [](json& j) {
          j["rope_scaling"] = {{"rope_type", "dynamic"}};
@@ -1007,6 +1007,56 @@ TEST(LlamaConfigParse, RopeScalingsAsTransformersDerivesThem) {
   dynamic.rope_scaling.kind = RopeScalingKind::dynamic;
   dynamic.rope_scaling.factor = 2.0;
   EXPECT_EQ(rope_table(dynamic, 4096), rope_table(plain, 4096));
+
+  // LongRoPE as Phi-3.5-mini's config.json writes it: "type" longrope, the factors inside
+  // rope_scaling, the original context at the top level. 131072 / 4096 = 32 sets the scale
+  // sqrt(1 + ln 32 / ln 4096) = sqrt(1 + 5/12); sequences up to 4096 take the short factors.
+  j = minimal();
+  j["architectures"] = {"Phi3ForCausalLM"};
+  j["head_dim"] = 8;
+  j["max_position_embeddings"] = 131072;
+  j["original_max_position_embeddings"] = 4096;
+  j["rope_scaling"] = {{"type", "longrope"},
+                       {"long_factor", {1.0, 2.0, 8.0, 40.0}},
+                       {"short_factor", {1.0, 1.5, 2.0, 3.0}}};
+  c = parse_llama_config(j, "phi.json");
+  EXPECT_EQ(c.rope_scaling.kind, RopeScalingKind::longrope);
+  EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 4096);
+  LongRopeParameters lp = longrope_parameters(c, 4096);
+  EXPECT_FALSE(lp.long_factors);
+  EXPECT_NEAR(lp.attention_factor, std::sqrt(1.0 + 5.0 / 12.0), 1e-15);
+  EXPECT_TRUE(longrope_parameters(c, 4097).long_factors);
+  plain = c;
+  plain.rope_scaling = {};
+  const std::vector<float> sp = rope_table(plain, 2), ss = rope_table(c, 2);
+  const float sc = static_cast<float>(lp.attention_factor);
+  const double shorts[] = {1.0, 1.5, 2.0, 3.0};
+  for (int i = 0; i < 4; ++i)  // position 1: the angle is the frequency
+    EXPECT_NEAR(std::asin(static_cast<double>(ss[8 + 4 + i] / sc)),
+                std::asin(static_cast<double>(sp[8 + 4 + i])) / shorts[i], 1e-6)
+        << i;
+  // Its export puts the original context back at the top level, and reads back the same.
+  json out = to_hf_config_json(c);
+  EXPECT_EQ(out["original_max_position_embeddings"], 4096);
+  EXPECT_EQ(out["rope_scaling"]["rope_type"], "longrope");
+  LlamaConfig back = parse_llama_config(json::parse(out.dump()), "phi.json");
+  EXPECT_EQ(back, c);
+  // "su", Phi-3's first name for it; factors of another count, or two original contexts that
+  // disagree, are named.
+  j["rope_scaling"]["type"] = "su";
+  EXPECT_EQ(parse_llama_config(j, "phi.json").rope_scaling.kind, RopeScalingKind::longrope);
+  j["rope_scaling"]["short_factor"] = {1.0, 1.5, 2.0};
+  expect_error([&] { parse_llama_config(j, "phi.json"); },
+               {"rope_scaling.short_factor", "3 entries", "head_dim / 2 = 4"});
+  j["rope_scaling"]["short_factor"] = {1.0, 1.5, 2.0, 0.0};
+  expect_error([&] { parse_llama_config(j, "phi.json"); }, {"short_factor", "holds 0"});
+  j["rope_scaling"]["short_factor"] = {1.0, 1.5, 2.0, 3.0};
+  j["rope_scaling"]["original_max_position_embeddings"] = 8192;
+  expect_error([&] { parse_llama_config(j, "phi.json"); },
+               {"original_max_position_embeddings is 4096", "8192"});
+  j["rope_scaling"].erase("original_max_position_embeddings");
+  j["rope_scaling"].erase("long_factor");
+  expect_error([&] { parse_llama_config(j, "phi.json"); }, {"rope_scaling.long_factor"});
 }
 
 TEST(LlamaConfigJson, HuggingFaceTensorNamesAndShapes) {

@@ -92,6 +92,8 @@ std::string_view rope_scaling_name(RopeScalingKind k) {
       return "dynamic";
     case RopeScalingKind::yarn:
       return "yarn";
+    case RopeScalingKind::longrope:
+      return "longrope";
   }
   return "default";
 }
@@ -148,9 +150,25 @@ RopeScaling parse_rope_scaling(const json& r, std::string_view src, const std::s
     if (const json* v = field(r, "truncate")) s.truncate = as_bool(*v, src, prefix + "truncate");
     return s;
   }
+  if (k == "longrope" || k == "su") {  // "su": Phi-3's first name for it
+    s.kind = RopeScalingKind::longrope;
+    if (const json* v = field(r, "factor")) s.factor = as_number(*v, src, prefix + "factor");
+    s.attention_factor = optional_number("attention_factor");
+    if (const json* v = field(r, "original_max_position_embeddings"))
+      s.original_max_position_embeddings =
+          as_int(*v, src, prefix + "original_max_position_embeddings");
+    for (const auto& [name, list] :
+         {std::pair{"long_factor", &s.long_factor}, {"short_factor", &s.short_factor}}) {
+      const json& v = required(
+          r, name, src, [](const json& x, auto, auto) { return x; }, prefix);
+      if (!v.is_array()) type_error(src, prefix + name, "a list of numbers", v);
+      for (const json& x : v) list->push_back(as_number(x, src, prefix + name));
+    }
+    return s;
+  }
   fail(
       "{}: {} '{}' is not supported; strata implements plain rotary embeddings ('default') and "
-      "the 'llama3', 'linear', 'dynamic' and 'yarn' scalings",
+      "the 'llama3', 'linear', 'dynamic', 'yarn' and 'longrope' scalings",
       src, kind_key, k);
 }
 
@@ -432,6 +450,19 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
     if (rs.kind == RopeScalingKind::yarn && rs.original_max_position_embeddings != 0 &&
         c.max_position_embeddings <= 0)
       fail("{}: yarn's original_max_position_embeddings needs max_position_embeddings", src);
+    if (rs.kind == RopeScalingKind::longrope)
+      for (const auto& [name, list] :
+           {std::pair{"long_factor", &rs.long_factor}, {"short_factor", &rs.short_factor}}) {
+        if (static_cast<int64_t>(list->size()) != c.head_dim / 2)
+          fail(
+              "{}: rope_scaling.{} has {} entries; longrope needs one per rotated pair of "
+              "dimensions, head_dim / 2 = {}",
+              src, name, list->size(), c.head_dim / 2);
+        for (const double x : *list)
+          if (!(x > 0) || !std::isfinite(x))
+            fail("{}: rope_scaling.{} holds {}; each factor must be a positive number", src, name,
+                 x);
+      }
   }
   if (c.rope_scaling.kind == RopeScalingKind::llama3) {
     const RopeScaling& r = c.rope_scaling;
@@ -543,6 +574,19 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
     c.rope_scaling = s;
     c.rope_theta = theta;
   }
+  // longrope's original context is a top-level key of config.json (transformers reads it
+  // there); one inside rope_scaling must agree with it.
+  if (const json* v = field(j, "original_max_position_embeddings");
+      v != nullptr && c.rope_scaling.kind == RopeScalingKind::longrope) {
+    const int64_t top = as_int(*v, src, "original_max_position_embeddings");
+    int64_t& inner = c.rope_scaling.original_max_position_embeddings;
+    if (inner != 0 && inner != top)
+      fail(
+          "{}: original_max_position_embeddings is {} but rope_scaling's is {}; keep one of "
+          "them",
+          src, top, inner);
+    inner = top;
+  }
   // transformers 4.56 renamed torch_dtype to dtype.
   const std::string dtype_key = field(j, "torch_dtype") != nullptr ? "torch_dtype" : "dtype";
   if (const json* v = field(j, dtype_key)) {
@@ -629,6 +673,15 @@ json to_hf_config_json(const LlamaConfig& c) {
                          {"low_freq_factor", r.low_freq_factor},
                          {"high_freq_factor", r.high_freq_factor},
                          {"original_max_position_embeddings", r.original_max_position_embeddings}};
+  } else if (r.kind == RopeScalingKind::longrope) {
+    json s = {{"rope_type", "longrope"},
+              {"factor", r.factor},
+              {"long_factor", r.long_factor},
+              {"short_factor", r.short_factor}};
+    if (r.attention_factor) s["attention_factor"] = *r.attention_factor;
+    j["rope_scaling"] = s;
+    if (r.original_max_position_embeddings != 0)  // where transformers reads it
+      j["original_max_position_embeddings"] = r.original_max_position_embeddings;
   } else if (r.kind != RopeScalingKind::none) {
     json s = {{"rope_type", rope_scaling_name(r.kind)}, {"factor", r.factor}};
     if (r.original_max_position_embeddings != 0)

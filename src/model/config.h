@@ -29,7 +29,7 @@
 
 namespace strata {
 
-enum class RopeScalingKind : uint8_t { none, llama3, linear, dynamic, yarn };
+enum class RopeScalingKind : uint8_t { none, llama3, linear, dynamic, yarn, longrope };
 std::string_view rope_scaling_name(RopeScalingKind k);  // "default", "llama3", "linear", ...
 
 // Hugging Face's rope_scaling (transformers 5: rope_parameters), as transformers computes each
@@ -42,8 +42,13 @@ std::string_view rope_scaling_name(RopeScalingKind k);  // "default", "llama3", 
 //   yarn    (YaRN): factor, and optionally original_max_position_embeddings (which then, as in
 //           transformers, makes the factor max_position_embeddings / it), attention_factor (else
 //           from the factor, mscale and mscale_all_dim), beta_fast (32), beta_slow (1) and
-//           truncate (true). The optional fields are kept as given, so that an export writes
-//           back what was read.
+//           truncate (true);
+//   longrope (Phi-3's 128k models, Phi-3.5; "su" is its older name): each frequency divided by
+//           its short_factor, or its long_factor where the sequences are longer than
+//           original_max_position_embeddings (config.json's top level, as transformers reads
+//           it; the stretch then max_position_embeddings / it), cos and sin scaled by
+//           attention_factor, else sqrt(1 + ln stretch / ln original) past a stretch of 1.
+// The optional fields are kept as given, so that an export writes back what was read.
 struct RopeScaling {
   RopeScalingKind kind = RopeScalingKind::none;
   double factor = 1.0;
@@ -52,6 +57,7 @@ struct RopeScaling {
   int64_t original_max_position_embeddings = 0;  // 0: not given (llama3 requires it)
   std::optional<double> attention_factor, beta_fast, beta_slow, mscale, mscale_all_dim;
   std::optional<bool> truncate;
+  std::vector<double> long_factor, short_factor;  // longrope: head_dim / 2 each
 
   bool operator==(const RopeScaling&) const = default;
 };

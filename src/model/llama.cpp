@@ -175,6 +175,20 @@ std::vector<float> rope_table(const LlamaConfig& c, int64_t seq_len) {
   }
   // dynamic: within max_position_embeddings (every sequence strata runs) the plain frequencies.
   float attention_factor = 1.0f;
+  if (c.rope_scaling.kind == RopeScalingKind::longrope) {
+    const LongRopeParameters l = longrope_parameters(c, seq_len);
+    attention_factor = static_cast<float>(l.attention_factor);
+    const std::vector<double>& ext =
+        l.long_factors ? c.rope_scaling.long_factor : c.rope_scaling.short_factor;
+    for (int64_t i = 0; i < half; ++i) {
+      // transformers: 1 / (factor * base ** (2i / dim)), each term in f32.
+      const float exponent = static_cast<float>(2 * i) / static_cast<float>(hd);
+      const auto pos_freq =
+          static_cast<float>(std::pow(static_cast<double>(c.rope_theta), exponent));
+      inv_freq[static_cast<size_t>(i)] =
+          1.0f / (static_cast<float>(ext[static_cast<size_t>(i)]) * pos_freq);
+    }
+  }
   if (c.rope_scaling.kind == RopeScalingKind::yarn) {
     const YarnParameters y = yarn_parameters(c);
     attention_factor = static_cast<float>(y.attention_factor);
@@ -200,7 +214,7 @@ std::vector<float> rope_table(const LlamaConfig& c, int64_t seq_len) {
       const float angle = static_cast<float>(t) * inv_freq[static_cast<size_t>(i)];  // f32
       float cos = static_cast<float>(std::cos(double{angle}));
       float sin = static_cast<float>(std::sin(double{angle}));
-      if (attention_factor != 1.0f) {  // YaRN's scaling of cos and sin, in f32
+      if (attention_factor != 1.0f) {  // YaRN's and longrope's scaling of cos and sin, in f32
         cos *= attention_factor;
         sin *= attention_factor;
       }
@@ -208,6 +222,24 @@ std::vector<float> rope_table(const LlamaConfig& c, int64_t seq_len) {
       table[static_cast<size_t>(t * hd + half + i)] = sin;
     }
   return table;
+}
+
+LongRopeParameters longrope_parameters(const LlamaConfig& c, int64_t seq_len) {
+  const RopeScaling& r = c.rope_scaling;
+  LongRopeParameters l;
+  double factor = r.factor;
+  auto original = static_cast<double>(c.max_position_embeddings);
+  if (r.original_max_position_embeddings > 0) {
+    original = static_cast<double>(r.original_max_position_embeddings);
+    factor = static_cast<double>(c.max_position_embeddings) / original;
+  }
+  if (r.attention_factor)
+    l.attention_factor = *r.attention_factor;
+  else
+    l.attention_factor =
+        factor <= 1.0 ? 1.0 : std::sqrt(1.0 + std::log(factor) / std::log(original));
+  l.long_factors = static_cast<double>(seq_len) > original;
+  return l;
 }
 
 YarnParameters yarn_parameters(const LlamaConfig& c) {

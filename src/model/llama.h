@@ -112,6 +112,17 @@ struct YarnParameters {
 };
 YarnParameters yarn_parameters(const LlamaConfig& config);
 
+// longrope's choice for sequences of `seq_len` positions, as transformers makes it: the long
+// factors past original_max_position_embeddings (else the short ones), and the scale of cos and
+// sin. transformers chooses per forward by the longest position in it, so a run of one
+// sequence length matches it; generation, which strata rotates for its whole length at once,
+// differs where transformers' cache crosses that length part-way.
+struct LongRopeParameters {
+  bool long_factors = false;
+  double attention_factor = 1.0;
+};
+LongRopeParameters longrope_parameters(const LlamaConfig& config, int64_t seq_len);
+
 class LlamaModel {
  public:
   LlamaModel(const LlamaConfig& config, const ModelOptions& options, Device& device);

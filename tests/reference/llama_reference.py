@@ -2,8 +2,8 @@
 """The Llama equations written out in PyTorch, the reference strata's model is tested against.
 
 No transformers library: the forward below is Hugging Face's LlamaForCausalLM spelled out
-(RMSNorm, rotary embeddings in the rotate-half layout with optional llama3, linear or YaRN
-frequency scaling (YaRN's attention factor scaling cos and sin),
+(RMSNorm, rotary embeddings in the rotate-half layout with optional llama3, linear, YaRN or
+LongRoPE frequency scaling (their attention factors scaling cos and sin),
 causal grouped-query attention, SwiGLU MLP, optional tied embeddings, mean cross-entropy over
 targets that are not -100). MistralForCausalLM is the same equations, each query seeing only
 the last sliding_window positions (itself included), Qwen2ForCausalLM adds biases to q, k and
@@ -103,8 +103,25 @@ def yarn(cfg, rs, inv, head_dim, theta):
     return torch.tensor(out, dtype=torch.float32), scale
 
 
-def inv_frequencies(cfg, head_dim):
-    """(inverse frequencies in f32, the factor on cos and sin)."""
+def longrope(cfg, rs, head_dim, theta, positions):
+    """LongRoPE (Phi-3): per-dimension divisors, long ones for sequences past the trained context."""
+    longest = cfg["max_position_embeddings"]
+    trained = cfg.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")
+    stretch = rs.get("factor")
+    if trained:
+        stretch = longest / trained
+    else:
+        trained = longest
+    scale = rs.get("attention_factor")
+    if scale is None:
+        scale = 1.0 if stretch <= 1 else math.sqrt(1 + math.log(stretch) / math.log(trained))
+    divisors = rs["long_factor"] if positions > trained else rs["short_factor"]
+    base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    return 1.0 / (torch.tensor(divisors, dtype=torch.float32) * base), scale
+
+
+def inv_frequencies(cfg, head_dim, positions):
+    """(inverse frequencies in f32, the factor on cos and sin) for sequences of `positions`."""
     theta = float(cfg.get("rope_theta", 10000.0))
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     rs = cfg.get("rope_scaling")
@@ -115,6 +132,8 @@ def inv_frequencies(cfg, head_dim):
         return inv, 1.0
     if kind == "yarn":
         return yarn(cfg, rs, inv, head_dim, theta)
+    if kind in ("longrope", "su"):
+        return longrope(cfg, rs, head_dim, theta, positions)
     if rs and (rs.get("rope_type") or rs.get("type")) == "llama3":
         factor, low, high = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
         old = rs["original_max_position_embeddings"]
@@ -207,7 +226,7 @@ def forward(cfg, p, ids, dtype):
     hd = cfg.get("head_dim") or D // H
     eps = cfg["rms_norm_eps"]
     # Angles in f32 as Hugging Face computes them; cos/sin in the working precision.
-    inv, scale = inv_frequencies(cfg, hd)
+    inv, scale = inv_frequencies(cfg, hd, T)
     angles = torch.arange(T, dtype=torch.float32)[:, None] * inv[None, :]
     angles = torch.cat((angles, angles), dim=-1).to(dtype)
     cos, sin = angles.cos() * scale, angles.sin() * scale
