@@ -409,6 +409,43 @@ TEST(HostOps, RopeRotatesHalvesByThePositionsAngles) {
   }
 }
 
+// A partial rotation (Phi-4-mini's partial_rotary_factor): a table of R < head_dim columns turns
+// the pairs (i, i + R/2) of the first R dimensions and leaves the rest bit for bit; tables wider
+// than the head or of odd width are refused.
+TEST(HostOps, RopeOfPartOfEachHead) {
+  Random rng(16);
+  const int64_t seq = 4, N = 8, heads = 3, hd = 10, R = 6, h = R / 2;
+  const Tensor cs = rope_table(seq, R);
+  Tensor x = rng.tensor(DType::f32, {N, heads, hd});
+  const Tensor x0 = x;
+  host::rope(x.view(), Tensor(cs).view(), seq, false);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t hh = 0; hh < heads; ++hh) {
+      const int64_t base = (n * heads + hh) * hd;
+      for (int64_t i = 0; i < h; ++i) {
+        const double th = rope_angle(n % seq, i, R);
+        const double re = x0.at(base + i), im = x0.at(base + h + i);
+        EXPECT_NEAR(x.at(base + i), re * std::cos(th) - im * std::sin(th), 1e-6);
+        EXPECT_NEAR(x.at(base + h + i), im * std::cos(th) + re * std::sin(th), 1e-6);
+      }
+      for (int64_t i = R; i < hd; ++i) EXPECT_EQ(x.at(base + i), x0.at(base + i)) << i;
+    }
+  const std::vector<double> r = rng.weights(x.numel());
+  Tensor y = x0;
+  auto loss = [&] {
+    Tensor z = y;
+    host::rope(z.view(), Tensor(cs).view(), seq, false);
+    return dot_loss(z, r);
+  };
+  Tensor dx = from_weights(r, x.shape);
+  host::rope(dx.view(), Tensor(cs).view(), seq, true);
+  expect_grad(as_double(dx), numeric_grad(y, loss), "partial rope dx");
+  Tensor wide = rope_table(seq, 12), odd(DType::f32, {seq, 5});
+  expect_error([&] { host::rope(x.view(), wide.view(), seq, false); },
+               {"rope", "at most head_dim 10"});
+  expect_error([&] { host::rope(x.view(), odd.view(), seq, false); }, {"rope", "even"});
+}
+
 TEST(HostOps, RopeInverseIsTheGradient) {
   Random rng(7);
   const int64_t seq = 5, N = 10, heads = 3, hd = 4;

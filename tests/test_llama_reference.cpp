@@ -165,6 +165,21 @@ std::vector<Case> cases() {
     r.long_factor = {1.1, 3.0, 9.5, 30.0};
     out.push_back(lr);
   }
+  // Phi-4-mini's partial rotation: 6 of 8 dimensions of each head rotated; and half of them
+  // under LongRoPE, whose factors then count the rotated pairs alone.
+  Case partial{"phi3_partial_rotary", base(36, 6, 2, 8, 70, 97, 2), 2, 9, 40};
+  partial.config.architecture = Architecture::phi3;
+  partial.config.partial_rotary_factor = 0.75;
+  out.push_back(partial);
+  Case mini{"phi4_mini_partial_longrope", base(36, 6, 2, 8, 70, 97, 1), 2, 9, 40};
+  mini.config.architecture = Architecture::phi3;
+  mini.config.tie_word_embeddings = true;
+  mini.config.partial_rotary_factor = 0.5;
+  mini.config.rope_scaling.kind = RopeScalingKind::longrope;
+  mini.config.rope_scaling.original_max_position_embeddings = 8;
+  mini.config.rope_scaling.short_factor = {1.0, 2.0};
+  mini.config.rope_scaling.long_factor = {1.5, 7.0};
+  out.push_back(mini);
   return out;
 }
 

@@ -671,12 +671,22 @@ TEST(LlamaConfigParse, EveryRejectionNamesTheField) {
          j["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 4.0}, {"truncate", 1}};
        },
        {"rope_scaling.truncate", "true or false"}},
-      {"phi3 rotating part of each head",
+      {"llama rotating part of each head",
+       [](json& j) { j["partial_rotary_factor"] = 0.75; },
+       {"partial_rotary_factor = 0.75", "LlamaForCausalLM", "every dimension"}},
+      {"phi3 rotating more than each head",
        [](json& j) {
          j["architectures"] = {"Phi3ForCausalLM"};
-         j["partial_rotary_factor"] = 0.75;
+         j["partial_rotary_factor"] = 1.5;
        },
-       {"partial_rotary_factor = 0.75", "every dimension"}},
+       {"partial_rotary_factor = 1.5", "(0, 1]"}},
+      {"phi3 rotating an odd count",
+       [](json& j) {
+         j["architectures"] = {"Phi3ForCausalLM"};
+         j["head_dim"] = 16;
+         j["partial_rotary_factor"] = 0.3125;
+       },
+       {"partial_rotary_factor = 0.3125", "rotates 5 of head_dim 16", "even"}},
       {"phi3 residual dropout",
        [](json& j) {
          j["architectures"] = {"Phi3ForCausalLM"};
@@ -886,6 +896,15 @@ TEST(LlamaConfigJson, RoundTripsThroughHuggingFaceJson) {
     scaled.rope_scaling.factor = 4.0;
     configs.push_back(scaled);
   }
+  LlamaConfig partial = *find_preset("phi4");  // Phi-4-mini's partial rotation and LongRoPE
+  partial.name = "phi partial";
+  partial.partial_rotary_factor = 0.75;
+  partial.max_position_embeddings = 131072;
+  partial.rope_scaling.kind = RopeScalingKind::longrope;
+  partial.rope_scaling.original_max_position_embeddings = 4096;
+  partial.rope_scaling.short_factor.assign(48, 1.25);
+  partial.rope_scaling.long_factor.assign(48, 3.5);
+  configs.push_back(partial);
   LlamaConfig yarn = *find_preset("qwen3-8b");
   yarn.name = "qwen3 yarn";
   yarn.max_position_embeddings = 131072;

@@ -134,15 +134,21 @@ RowDims check_rmsnorm(const char* op, const TensorView& y, const TensorView& rst
 RopeDims check_rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len) {
   const char* op = "rope";
   check_rank(op, "x", x, 3, "[tokens, heads, head_dim]");
-  const RopeDims r{x.shape[0], x.shape[1], x.shape[2]};
+  check_rank(op, "cos_sin", cos_sin, 2, "[seq_len, rotated dimensions]");
+  const RopeDims r{x.shape[0], x.shape[1], x.shape[2], cos_sin.shape[1]};
   if (r.head_dim % 2 != 0 || r.head_dim == 0)
     fail("rope: x is {}; head_dim {} must be even and positive (rotate-half pairs i, i + {})",
          x.str(), r.head_dim, r.head_dim / 2);
+  if (r.rotary % 2 != 0 || r.rotary <= 0 || r.rotary > r.head_dim)
+    fail(
+        "rope: cos_sin is {}; its width, the dimensions rotated, must be even, positive and at "
+        "most head_dim {} (x {})",
+        cos_sin.str(), r.head_dim, x.str());
   if (seq_len <= 0)
     fail("rope: seq_len is {}; pass the sequence length (> 0) that x's tokens repeat with",
          seq_len);
-  check_stats(op, "cos_sin", cos_sin, Shape{seq_len, r.head_dim},
-              fmt::format("[seq_len {}, head_dim {}]: cosines, then sines", seq_len, r.head_dim));
+  check_stats(op, "cos_sin", cos_sin, Shape{seq_len, r.rotary},
+              fmt::format("[seq_len {}, rotated {}]: cosines, then sines", seq_len, r.rotary));
   return r;
 }
 

@@ -89,9 +89,10 @@ class Kernels {
                                 const TensorView& rstd_stats, Stream& s) = 0;
 
   // Rotary embedding in place, Hugging Face's rotate-half layout: x [N, heads, head_dim],
-  // token n at position n % seq_len; cos_sin [seq_len, head_dim] (f32) holds the cosines of
-  // positions' angles in columns [0, head_dim/2) and the sines in [head_dim/2, head_dim).
-  // For i < h = head_dim/2:  x'[i] = x[i]·c[i] - x[i+h]·s[i];  x'[i+h] = x[i+h]·c[i] + x[i]·s[i].
+  // token n at position n % seq_len; cos_sin [seq_len, R] (f32; R = head_dim, or for a partial
+  // rotation as Phi-4-mini's fewer, even) holds the cosines of positions' angles in columns
+  // [0, R/2) and the sines in [R/2, R). For i < h = R/2:
+  // x'[i] = x[i]·c[i] - x[i+h]·s[i];  x'[i+h] = x[i+h]·c[i] + x[i]·s[i]; x[R..head_dim) unchanged.
   // inverse = true rotates by minus the angle: the backward of the forward (dx from dx').
   virtual void rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len, bool inverse,
                     Stream& s) = 0;
@@ -198,6 +199,7 @@ RowDims check_rmsnorm(const char* op, const TensorView& y, const TensorView& rst
 
 struct RopeDims {
   int64_t tokens = 0, heads = 0, head_dim = 0;
+  int64_t rotary = 0;  // the dimensions rotated: the table's width (head_dim, or fewer)
 };
 RopeDims check_rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len);
 

@@ -220,7 +220,8 @@ void CudaKernels::rope(const TensorView& x, const TensorView& cos_sin, int64_t s
   operands("rope", {{"x", &x}});
   const float* table = stats("rope", "cos_sin", cos_sin);
   const cudaStream_t stream = device_.enter(s);
-  launch_rope(x.data, x.dtype, table, d.tokens, d.heads, d.head_dim, seq_len, inverse, stream);
+  launch_rope(x.data, x.dtype, table, d.tokens, d.heads, d.head_dim, d.rotary, seq_len, inverse,
+              stream);
 }
 
 void CudaKernels::attention_forward(const TensorView& out, const TensorView& lse_stats,

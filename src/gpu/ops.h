@@ -47,7 +47,8 @@ void launch_rmsnorm_backward(void* dx, DType dx_t, void* dw, DType dw_t, const v
 
 // ---- rope.cu ----
 void launch_rope(void* x, DType x_t, const float* cos_sin, int64_t tokens, int64_t heads,
-                 int64_t head_dim, int64_t seq_len, bool inverse, cudaStream_t stream);
+                 int64_t head_dim, int64_t rotary, int64_t seq_len, bool inverse,
+                 cudaStream_t stream);
 
 // ---- attention.cu: tiled (flash-style) causal GQA attention, f32 arithmetic ----
 // head_dim up to kAttentionMaxHeadDim (even); batch and heads up to kAttentionMaxGrid.

@@ -284,12 +284,12 @@ void rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorVi
 
 void rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len, bool inverse) {
   const RopeDims d = check_rope(x, cos_sin, seq_len);
-  const int64_t half = d.head_dim / 2;
+  const int64_t half = d.rotary / 2;  // dimensions past d.rotary pass unrotated
   const float* table = f32(cos_sin);
   const float sign = inverse ? -1.0f : 1.0f;  // the inverse rotates by minus the angle
   parallel_ranges(d.tokens, rows_grain(d.heads * d.head_dim), [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
-      const float* cs = table + (n % seq_len) * d.head_dim;
+      const float* cs = table + (n % seq_len) * d.rotary;
       for (int64_t h = 0; h < d.heads; ++h) {
         const int64_t base = (n * d.heads + h) * d.head_dim;
         for (int64_t i = 0; i < half; ++i) {

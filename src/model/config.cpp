@@ -426,6 +426,17 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
         src, c.num_attention_heads, c.num_key_value_heads);
   if (c.head_dim % 2 != 0)
     fail("{}: head_dim = {} is odd; rotary embeddings rotate pairs of dimensions", src, c.head_dim);
+  if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1))
+    fail("{}: partial_rotary_factor = {} must be in (0, 1]: the fraction of each head rotated", src,
+         c.partial_rotary_factor);
+  if (c.partial_rotary_factor != 1.0 && c.architecture != Architecture::phi3)
+    fail("{}: partial_rotary_factor = {} is Phi-3's; {} rotates every dimension of a head", src,
+         c.partial_rotary_factor, architecture_class(c.architecture));
+  if (c.rotary_dim() < 2 || c.rotary_dim() % 2 != 0)
+    fail(
+        "{}: partial_rotary_factor = {} rotates {} of head_dim {}; rotary embeddings rotate "
+        "pairs, so it must be an even count of at least 2",
+        src, c.partial_rotary_factor, c.rotary_dim(), c.head_dim);
   if (!(c.rms_norm_eps > 0) || !std::isfinite(c.rms_norm_eps))
     fail("{}: rms_norm_eps = {} must be a positive number (Llama uses 1e-5 or 1e-6)", src,
          c.rms_norm_eps);
@@ -453,11 +464,11 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
     if (rs.kind == RopeScalingKind::longrope)
       for (const auto& [name, list] :
            {std::pair{"long_factor", &rs.long_factor}, {"short_factor", &rs.short_factor}}) {
-        if (static_cast<int64_t>(list->size()) != c.head_dim / 2)
+        if (static_cast<int64_t>(list->size()) != c.rotary_dim() / 2)
           fail(
               "{}: rope_scaling.{} has {} entries; longrope needs one per rotated pair of "
               "dimensions, head_dim / 2 = {}",
-              src, name, list->size(), c.head_dim / 2);
+              src, name, list->size(), c.rotary_dim() / 2);
         for (const double x : *list)
           if (!(x > 0) || !std::isfinite(x))
             fail("{}: rope_scaling.{} holds {}; each factor must be a positive number", src, name,
@@ -515,12 +526,14 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
     if (const json* v = field(j, key); v && as_number(*v, src, key) != 0.0)
       fail("{}: {} = {} is not supported; strata has no dropout, set it to 0.0", src, key,
            shown(*v));
-  if (const json* v = field(j, "partial_rotary_factor");
-      v && as_number(*v, src, "partial_rotary_factor") != 1.0)
-    fail(
-        "{}: partial_rotary_factor = {} is not supported; strata rotates every dimension of a "
-        "head (partial_rotary_factor 1.0)",
-        src, shown(*v));
+  if (const json* v = field(j, "partial_rotary_factor")) {
+    c.partial_rotary_factor = as_number(*v, src, "partial_rotary_factor");
+    if (arch != Architecture::phi3 && c.partial_rotary_factor != 1.0)
+      fail(
+          "{}: partial_rotary_factor = {} is not supported for {}; its Hugging Face class "
+          "rotates every dimension of a head (partial_rotary_factor 1.0)",
+          src, shown(*v), architecture_class(arch));
+  }
   if (const json* v = field(j, "attention_dropout");
       v && as_number(*v, src, "attention_dropout") != 0.0)
     fail("{}: attention_dropout = {} is not supported; strata has no dropout, set it to 0.0", src,
@@ -716,7 +729,7 @@ json to_hf_config_json(const LlamaConfig& c) {
       j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
       j["resid_pdrop"] = 0.0;
       j["embd_pdrop"] = 0.0;
-      j["partial_rotary_factor"] = 1.0;
+      j["partial_rotary_factor"] = c.partial_rotary_factor;
       break;
     case Architecture::qwen2:
     case Architecture::qwen3: {

@@ -77,6 +77,12 @@ struct LlamaConfig {
   int64_t num_attention_heads = 0;
   int64_t num_key_value_heads = 0;
   int64_t head_dim = 0;  // hidden_size / num_attention_heads when config.json has none
+  // Phi-3's partial_rotary_factor (Phi-4-mini's 0.75): the first head_dim x it dimensions of
+  // each head are rotated, the rest pass as they are. 1 for every other class.
+  double partial_rotary_factor = 1.0;
+  int64_t rotary_dim() const {
+    return static_cast<int64_t>(static_cast<double>(head_dim) * partial_rotary_factor);
+  }
   int64_t vocab_size = 0;
   int64_t max_position_embeddings = 0;
   double rms_norm_eps = 1e-5;

@@ -144,7 +144,9 @@ std::pair<int, const ParamSlot*> ModelLayout::find(std::string_view hf_name) con
 // ---- rotary table ----
 
 std::vector<float> rope_table(const LlamaConfig& c, int64_t seq_len) {
-  const int64_t hd = c.head_dim, half = hd / 2;
+  // The rotated dimensions (all of head_dim but for Phi-3's partial rotation), which set the
+  // frequencies as transformers' `dim` does.
+  const int64_t hd = c.rotary_dim(), half = hd / 2;
   std::vector<float> inv_freq(static_cast<size_t>(half));
   for (int64_t i = 0; i < half; ++i) {
     // As Hugging Face: theta^(2i/hd) in f32, then its reciprocal.
@@ -264,7 +266,7 @@ YarnParameters yarn_parameters(const LlamaConfig& c) {
   // 0 or absent: the defaults (transformers' `or`).
   const double fast = r.beta_fast.value_or(0.0) != 0.0 ? *r.beta_fast : 32.0;
   const double slow = r.beta_slow.value_or(0.0) != 0.0 ? *r.beta_slow : 1.0;
-  const auto dim = static_cast<double>(c.head_dim);
+  const auto dim = static_cast<double>(c.rotary_dim());
   // The dimension whose wavelength turns `rotations` times over the original context.
   auto correction_dim = [&](double rotations) {
     return dim * std::log(original / (rotations * 2.0 * std::numbers::pi)) /
@@ -362,7 +364,7 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
   // Evaluation keeps no unit's input past the next unit's forward: two slots per set.
   const uint64_t slots = fwd ? 2 : std::max<uint64_t>(units - 1, 2);
   std::vector<WorkspaceBuffer> w = {
-      {&LlamaModel::rope_, static_cast<uint64_t>(T * config.head_dim) * f4, "rotary table"},
+      {&LlamaModel::rope_, static_cast<uint64_t>(T * config.rotary_dim()) * f4, "rotary table"},
       {&LlamaModel::checkpoints_, sets * slots * n * D * a, "activation checkpoints"},
   };
   if (!fwd) {
@@ -626,9 +628,10 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
   const TensorView xn = rows(xn_, t, N, D), hn = rows(hn_, t, N, D), act = rows(act_, t, N, F);
   const TensorView rstd1 = rows(rstd1_, DType::f32, N, 0), rstd2 = rows(rstd2_, DType::f32, N, 0);
   // Rows pos.. of the rotary table: token n of a sequence takes row n % T of this view.
-  const TensorView rope{static_cast<char*>(rope_.data()) + static_cast<uint64_t>(pos * hd) * 4,
+  const int64_t rd = c.rotary_dim();
+  const TensorView rope{static_cast<char*>(rope_.data()) + static_cast<uint64_t>(pos * rd) * 4,
                         DType::f32,
-                        {T, hd},
+                        {T, rd},
                         &device_};
 
   // y = x·Wᵀ, plus the bias where the config has one (broadcast into y, which the matmul adds
@@ -706,7 +709,7 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
   const TensorView dh = rows(d_h_, t, N, D), datt = rows(d_att_, t, N, H * hd);
   const TensorView dq = rows(dq_, t, N, H * hd), dk = rows(dk_, t, N, Hkv * hd);
   const TensorView dv = rows(dv_, t, N, Hkv * hd);
-  const TensorView rope = rope_.view(DType::f32, {T, hd});
+  const TensorView rope = rope_.view(DType::f32, {T, c.rotary_dim()});
 
   // MLP: out = h + down(silu(gate(hn)) * up(hn)).
   k_.matmul(da, dout, false, w("down_proj"), false, 1.0f, 0.0f, s);

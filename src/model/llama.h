@@ -266,7 +266,7 @@ class LlamaModel {
   Kernels& k_;
   uint64_t workspace_bytes_ = 0;
 
-  DeviceBuffer rope_;             // [T, hd] f32
+  DeviceBuffer rope_;             // [T, rotary_dim] f32
   DeviceBuffer checkpoints_;      // inputs of units 1..U-1: sets × (U-1) × [B*T, D]
   DeviceBuffer grad_a_, grad_b_;  // the gradient flowing between units, [B*T, D]
   // Block scratch, [B*T, ·]: normed input, q, k, v, attention out, lse, residual, normed

@@ -11,7 +11,9 @@ v, and Qwen3ForCausalLM an RMSNorm over each head of q and k (shared by the head
 rotation; with use_sliding_window, their layers from max_window_layers on (or those layer_types
 names "sliding_attention") see the window too. Phi3ForCausalLM is Mistral's equations with q, k
 and v computed by one projection (self_attn.qkv_proj, its output split in that order) and gate
-and up by another (mlp.gate_up_proj, the first half gate). Which projections have biases is decided here from config.json as each Hugging Face class
+and up by another (mlp.gate_up_proj, the first half gate), and with partial_rotary_factor
+only the first head_dim x it dimensions of each head rotated. Which projections have biases is
+decided here from config.json as each Hugging Face class
 decides it, and the checkpoint must hold exactly the tensors that implies.
 
 usage: llama_reference.py MODEL_DIR TOKENS OUT [--batch B] [--seq-len T] [--dtype float64]
@@ -226,7 +228,8 @@ def forward(cfg, p, ids, dtype):
     hd = cfg.get("head_dim") or D // H
     eps = cfg["rms_norm_eps"]
     # Angles in f32 as Hugging Face computes them; cos/sin in the working precision.
-    inv, scale = inv_frequencies(cfg, hd, T)
+    rot = int(hd * cfg.get("partial_rotary_factor", 1.0))  # the dimensions rotated
+    inv, scale = inv_frequencies(cfg, rot, T)
     angles = torch.arange(T, dtype=torch.float32)[:, None] * inv[None, :]
     angles = torch.cat((angles, angles), dim=-1).to(dtype)
     cos, sin = angles.cos() * scale, angles.sin() * scale
@@ -251,8 +254,8 @@ def forward(cfg, p, ids, dtype):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if not phi3:
             v = linear(cfg, p, pre + "self_attn.v_proj", xn).view(B, T, Hkv, hd).transpose(1, 2)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        q = torch.cat((q[..., :rot] * cos + rotate_half(q[..., :rot]) * sin, q[..., rot:]), dim=-1)
+        k = torch.cat((k[..., :rot] * cos + rotate_half(k[..., :rot]) * sin, k[..., rot:]), dim=-1)
         k = k.repeat_interleave(H // Hkv, dim=1)
         v = v.repeat_interleave(H // Hkv, dim=1)
         layer_mask = mask
