@@ -369,6 +369,79 @@ TEST(LlamaModel, DecodingWithAKvCacheGivesTheWholeSequencesLogits) {
     }
 }
 
+// LongRoPE while decoding, as transformers chooses per forward: calls whose positions stay
+// within the original context (6 here) rotate with the short factors, so they give the logits of
+// a whole forward of that length; a call past it rotates with the long ones, so a prompt of 8
+// gives those of a whole forward of 11 (which takes the long factors too). The two tables
+// differ, so the choice shows.
+TEST(LlamaModel, DecodingWithLongRopeChoosesItsFactorsPerCall) {
+  LlamaConfig c = small_config(false);
+  c.num_hidden_layers = 2;
+  c.architecture = Architecture::phi3;
+  c.max_position_embeddings = 24;
+  c.rope_scaling.kind = RopeScalingKind::longrope;
+  c.rope_scaling.original_max_position_embeddings = 6;
+  c.rope_scaling.short_factor.assign(static_cast<size_t>(c.head_dim / 2), 1.0);
+  c.rope_scaling.long_factor.assign(static_cast<size_t>(c.head_dim / 2), 6.0);
+  ASSERT_TRUE(decoding_switches_rope(c, 11));
+  ASSERT_FALSE(decoding_switches_rope(c, 6));
+  const int64_t V = c.vocab_size;
+  auto device = open_host_device(0, 64ull << 20);
+  auto stream = device->create_stream("test");
+  std::vector<int32_t> host_ids(11);
+  for (int64_t i = 0; i < 11; ++i) host_ids[static_cast<size_t>(i)] = (i * 7 + 3) % 29;
+  DeviceBuffer ids(*device, 11 * 4, "ids"), targets(*device, 11 * 4, "targets");
+  device->copy_to_device(ids.data(), host_ids.data(), 11 * 4, *stream);
+  const std::vector<int32_t> ignored(11, kIgnoreIndex);
+  device->copy_to_device(targets.data(), ignored.data(), 11 * 4, *stream);
+  auto* i = static_cast<int32_t*>(ids.data());
+  ModelOptions o;
+  o.forward_only = true;
+  o.seq_len = 11;
+  ModelOptions kv = o;
+  kv.kv_cache = true;
+  LlamaModel decoder(c, kv, *device);
+  ResidentWeights w(decoder.layout(), *device, DType::f32, DType::f32, false);
+  w.init_random(3, *stream);
+  // Row p of a whole forward over the first `len` tokens.
+  auto whole = [&](int64_t len) {
+    ModelOptions wo = o;
+    wo.seq_len = len;
+    LlamaModel m(c, wo, *device);
+    DeviceBuffer all(*device, static_cast<uint64_t>(len * V) * 4, "logits");
+    m.forward(w.units(), i, static_cast<int32_t*>(targets.data()), 1, false, *stream);
+    m.logits(w.units(), all.view(DType::f32, {len, V}), 1, *stream);
+    std::vector<float> out(static_cast<size_t>(len * V));
+    device->copy_to_host(out.data(), all.data(), out.size() * 4, *stream);
+    stream->synchronize();
+    return out;
+  };
+  const std::vector<float> short_rows = whole(6), long_rows = whole(11);
+  DeviceBuffer one(*device, static_cast<uint64_t>(V) * 4, "last logits");
+  auto decoded = [&](int64_t pos, int64_t n) {
+    decoder.decode(w.units(), i + pos, pos, n, one.view(DType::f32, {1, V}), *stream);
+    std::vector<float> got(static_cast<size_t>(V));
+    device->copy_to_host(got.data(), one.data(), got.size() * 4, *stream);
+    stream->synchronize();
+    return got;
+  };
+  auto distance = [&](const std::vector<float>& got, const std::vector<float>& rows, int64_t p) {
+    double worst = 0, scale = 0;
+    for (int64_t v = 0; v < V; ++v) {
+      const double x = rows[static_cast<size_t>(p * V + v)];
+      worst = std::max(worst, std::abs(got[static_cast<size_t>(v)] - x));
+      scale = std::max(scale, std::abs(x));
+    }
+    return worst / scale;
+  };
+  std::vector<float> got = decoded(0, 4);
+  EXPECT_LE(distance(got, short_rows, 3), 1e-5);
+  EXPECT_GT(distance(got, long_rows, 3), 1e-4) << "the long factors would change position 3";
+  for (int64_t p = 4; p < 6; ++p) EXPECT_LE(distance(decoded(p, 1), short_rows, p), 1e-5) << p;
+  got = decoded(0, 8);  // a prompt past the original context: long factors for all of it
+  EXPECT_LE(distance(got, long_rows, 7), 1e-5);
+}
+
 TEST(LlamaModel, CheckpointingDoesNotChangeTheLossAndBackwardNeedsIt) {
   const LlamaConfig c = small_config(false);
   auto device = open_host_device(0, 64ull << 20);

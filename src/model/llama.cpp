@@ -143,7 +143,12 @@ std::pair<int, const ParamSlot*> ModelLayout::find(std::string_view hf_name) con
 
 // ---- rotary table ----
 
-std::vector<float> rope_table(const LlamaConfig& c, int64_t seq_len) {
+bool decoding_switches_rope(const LlamaConfig& c, int64_t seq_len) {
+  return c.rope_scaling.kind == RopeScalingKind::longrope &&
+         longrope_parameters(c, seq_len).long_factors;
+}
+
+std::vector<float> rope_table(const LlamaConfig& c, int64_t seq_len, int64_t longest) {
   // The rotated dimensions (all of head_dim but for Phi-3's partial rotation), which set the
   // frequencies as transformers' `dim` does.
   const int64_t hd = c.rotary_dim(), half = hd / 2;
@@ -178,7 +183,7 @@ std::vector<float> rope_table(const LlamaConfig& c, int64_t seq_len) {
   // dynamic: within max_position_embeddings (every sequence strata runs) the plain frequencies.
   float attention_factor = 1.0f;
   if (c.rope_scaling.kind == RopeScalingKind::longrope) {
-    const LongRopeParameters l = longrope_parameters(c, seq_len);
+    const LongRopeParameters l = longrope_parameters(c, longest < 0 ? seq_len : longest);
     attention_factor = static_cast<float>(l.attention_factor);
     const std::vector<double>& ext =
         l.long_factors ? c.rope_scaling.long_factor : c.rope_scaling.short_factor;
@@ -433,6 +438,9 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
   w.push_back({&LlamaModel::row_sum_, n * f4, "cross-entropy state"});
   w.push_back({&LlamaModel::target_logit_, n * f4, "cross-entropy state"});
   w.push_back({&LlamaModel::losses_, n * f4, "per-token losses"});
+  if (options.kv_cache && decoding_switches_rope(config, T))
+    w.push_back({&LlamaModel::rope_short_, static_cast<uint64_t>(T * config.rotary_dim()) * f4,
+                 "rotary table (short factors)"});
   if (options.kv_cache)
     w.push_back({&LlamaModel::kv_, static_cast<uint64_t>(config.num_hidden_layers) * 2 * n * Hk * a,
                  "KV cache"});
@@ -467,6 +475,13 @@ LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options, D
   const std::vector<float> table = rope_table(config, T);
   auto s = device.create_stream("model setup");
   device.copy_to_device(rope_.data(), table.data(), table.size() * sizeof(float), *s);
+  // Rotated with the short factors, all T rows of them; alive until the copy is done.
+  std::vector<float> short_table;
+  if (rope_short_.data() != nullptr) {
+    short_table = rope_table(config, T, config.rope_scaling.original_max_position_embeddings);
+    device.copy_to_device(rope_short_.data(), short_table.data(),
+                          short_table.size() * sizeof(float), *s);
+  }
   s->synchronize();
 }
 
@@ -627,9 +642,15 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
   const TensorView& up = a.up;
   const TensorView xn = rows(xn_, t, N, D), hn = rows(hn_, t, N, D), act = rows(act_, t, N, F);
   const TensorView rstd1 = rows(rstd1_, DType::f32, N, 0), rstd2 = rows(rstd2_, DType::f32, N, 0);
-  // Rows pos.. of the rotary table: token n of a sequence takes row n % T of this view.
+  // Rows pos.. of the rotary table: token n of a sequence takes row n % T of this view. A
+  // LongRoPE decoding call whose positions stay within the original context takes the short
+  // factors' table, as transformers' forward of those positions does.
   const int64_t rd = c.rotary_dim();
-  const TensorView rope{static_cast<char*>(rope_.data()) + static_cast<uint64_t>(pos * rd) * 4,
+  const DeviceBuffer& table = span != nullptr && rope_short_.data() != nullptr &&
+                                      Tk <= c.rope_scaling.original_max_position_embeddings
+                                  ? rope_short_
+                                  : rope_;
+  const TensorView rope{static_cast<char*>(table.data()) + static_cast<uint64_t>(pos * rd) * 4,
                         DType::f32,
                         {T, rd},
                         &device_};

@@ -99,9 +99,17 @@ struct ModelOptions {
 };
 
 // Cosines then sines of every position's rotary angles, [seq_len, head_dim] f32, with the
-// config's rope_scaling (llama3, linear, dynamic, yarn; as transformers computes them; YaRN's
-// attention factor multiplies cos and sin).
-std::vector<float> rope_table(const LlamaConfig& config, int64_t seq_len);
+// config's rope_scaling (llama3, linear, dynamic, yarn, longrope; as transformers computes them;
+// YaRN's and LongRoPE's attention factors multiply cos and sin). LongRoPE's factors are those of
+// a forward whose longest position is `longest` (default seq_len): transformers chooses them per
+// forward.
+std::vector<float> rope_table(const LlamaConfig& config, int64_t seq_len, int64_t longest = -1);
+
+// Whether decoding `config` with a cache of seq_len positions needs a second rotary table: a
+// LongRoPE model generating past its original context, whose calls within that context rotate
+// with the short factors and later ones with the long (transformers switches when a forward's
+// positions pass it, the cached keys staying as they were rotated).
+bool decoding_switches_rope(const LlamaConfig& config, int64_t seq_len);
 
 // YaRN's constants for config.rope_scaling (kind yarn), as transformers derives them: the
 // factor (max_position_embeddings / original_max_position_embeddings where the latter is
@@ -112,11 +120,9 @@ struct YarnParameters {
 };
 YarnParameters yarn_parameters(const LlamaConfig& config);
 
-// longrope's choice for sequences of `seq_len` positions, as transformers makes it: the long
-// factors past original_max_position_embeddings (else the short ones), and the scale of cos and
-// sin. transformers chooses per forward by the longest position in it, so a run of one
-// sequence length matches it; generation, which strata rotates for its whole length at once,
-// differs where transformers' cache crosses that length part-way.
+// longrope's choice for a forward whose longest position is `seq_len`, as transformers makes
+// it: the long factors past original_max_position_embeddings (else the short ones), and the
+// scale of cos and sin. Decoding chooses per call too (decoding_switches_rope).
 struct LongRopeParameters {
   bool long_factors = false;
   double attention_factor = 1.0;
@@ -267,6 +273,7 @@ class LlamaModel {
   uint64_t workspace_bytes_ = 0;
 
   DeviceBuffer rope_;             // [T, rotary_dim] f32
+  DeviceBuffer rope_short_;       // the same with LongRoPE's short factors (decoding_switches_rope)
   DeviceBuffer checkpoints_;      // inputs of units 1..U-1: sets × (U-1) × [B*T, D]
   DeviceBuffer grad_a_, grad_b_;  // the gradient flowing between units, [B*T, D]
   // Block scratch, [B*T, ·]: normed input, q, k, v, attention out, lse, residual, normed
