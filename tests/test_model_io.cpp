@@ -1066,7 +1066,8 @@ TEST(LlamaConfigParse, RopeScalingsAsTransformersDerivesThem) {
   EXPECT_EQ(parse_llama_config(j, "phi.json").rope_scaling.kind, RopeScalingKind::longrope);
   j["rope_scaling"]["short_factor"] = {1.0, 1.5, 2.0};
   expect_error([&] { parse_llama_config(j, "phi.json"); },
-               {"rope_scaling.short_factor", "3 entries", "head_dim / 2 = 4"});
+               {"rope_scaling.short_factor", "3 entries", "rotated pair of dimensions: 4",
+                "head_dim 8 x partial_rotary_factor 1"});
   j["rope_scaling"]["short_factor"] = {1.0, 1.5, 2.0, 0.0};
   expect_error([&] { parse_llama_config(j, "phi.json"); }, {"short_factor", "holds 0"});
   j["rope_scaling"]["short_factor"] = {1.0, 1.5, 2.0, 3.0};

@@ -467,8 +467,8 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
         if (static_cast<int64_t>(list->size()) != c.rotary_dim() / 2)
           fail(
               "{}: rope_scaling.{} has {} entries; longrope needs one per rotated pair of "
-              "dimensions, head_dim / 2 = {}",
-              src, name, list->size(), c.rotary_dim() / 2);
+              "dimensions: {} (head_dim {} x partial_rotary_factor {}, halved)",
+              src, name, list->size(), c.rotary_dim() / 2, c.head_dim, c.partial_rotary_factor);
         for (const double x : *list)
           if (!(x > 0) || !std::isfinite(x))
             fail("{}: rope_scaling.{} holds {}; each factor must be a positive number", src, name,
