@@ -12,6 +12,7 @@
 #include <limits>
 #include <map>
 #include <numbers>
+#include <utility>
 
 namespace strata {
 namespace {
@@ -152,12 +153,14 @@ std::vector<float> rope_table(const LlamaConfig& c, int64_t seq_len, int64_t lon
   // The rotated dimensions (all of head_dim but for Phi-3's partial rotation), which set the
   // frequencies as transformers' `dim` does.
   const int64_t hd = c.rotary_dim(), half = hd / 2;
-  std::vector<float> inv_freq(static_cast<size_t>(half));
+  // As Hugging Face: theta^(2i/hd) in f32 (each pair's wavelength over 2 pi), and its
+  // reciprocal, the plain frequency, which the scalings below change.
+  std::vector<float> pos_freq(static_cast<size_t>(half)), inv_freq(static_cast<size_t>(half));
   for (int64_t i = 0; i < half; ++i) {
-    // As Hugging Face: theta^(2i/hd) in f32, then its reciprocal.
     const float exponent = static_cast<float>(2 * i) / static_cast<float>(hd);
-    inv_freq[static_cast<size_t>(i)] =
-        1.0f / static_cast<float>(std::pow(static_cast<double>(c.rope_theta), exponent));
+    pos_freq[static_cast<size_t>(i)] =
+        static_cast<float>(std::pow(static_cast<double>(c.rope_theta), exponent));
+    inv_freq[static_cast<size_t>(i)] = 1.0f / pos_freq[static_cast<size_t>(i)];
   }
   if (c.rope_scaling.kind == RopeScalingKind::llama3) {
     const RopeScaling& r = c.rope_scaling;
@@ -187,14 +190,9 @@ std::vector<float> rope_table(const LlamaConfig& c, int64_t seq_len, int64_t lon
     attention_factor = static_cast<float>(l.attention_factor);
     const std::vector<double>& ext =
         l.long_factors ? c.rope_scaling.long_factor : c.rope_scaling.short_factor;
-    for (int64_t i = 0; i < half; ++i) {
-      // transformers: 1 / (factor * base ** (2i / dim)), each term in f32.
-      const float exponent = static_cast<float>(2 * i) / static_cast<float>(hd);
-      const auto pos_freq =
-          static_cast<float>(std::pow(static_cast<double>(c.rope_theta), exponent));
-      inv_freq[static_cast<size_t>(i)] =
-          1.0f / (static_cast<float>(ext[static_cast<size_t>(i)]) * pos_freq);
-    }
+    for (int64_t i = 0; i < half; ++i)  // transformers: 1 / (factor * base ** (2i / dim)), f32
+      inv_freq[static_cast<size_t>(i)] = 1.0f / (static_cast<float>(ext[static_cast<size_t>(i)]) *
+                                                 pos_freq[static_cast<size_t>(i)]);
   }
   if (c.rope_scaling.kind == RopeScalingKind::yarn) {
     const YarnParameters y = yarn_parameters(c);
@@ -205,10 +203,8 @@ std::vector<float> rope_table(const LlamaConfig& c, int64_t seq_len, int64_t lon
       // Each term in f32 as transformers computes its tensors; the ramp blends each frequency
       // from the interpolated (divided by the factor) at low dimensions' far end to the
       // extrapolated (unchanged) one.
-      const float exponent = static_cast<float>(2 * i) / static_cast<float>(hd);
-      const auto pos_freq =
-          static_cast<float>(std::pow(static_cast<double>(c.rope_theta), exponent));
-      const float extrapolated = 1.0f / pos_freq, interpolated = 1.0f / (factor * pos_freq);
+      const float p = pos_freq[static_cast<size_t>(i)];
+      const float extrapolated = 1.0f / p, interpolated = 1.0f / (factor * p);
       const float ramp =
           std::clamp(static_cast<float>((static_cast<double>(i) - y.low) / span), 0.0f, 1.0f);
       const float keep = 1.0f - ramp;
@@ -231,15 +227,26 @@ std::vector<float> rope_table(const LlamaConfig& c, int64_t seq_len, int64_t lon
   return table;
 }
 
+namespace {
+
+// YaRN's and LongRoPE's context: (the stretch, the original context). As transformers, where
+// original_max_position_embeddings is given the stretch is max_position_embeddings over it,
+// whatever factor says; otherwise factor, over max_position_embeddings as the original.
+std::pair<double, double> rope_stretch(const LlamaConfig& c) {
+  const RopeScaling& r = c.rope_scaling;
+  if (r.original_max_position_embeddings <= 0)
+    return {r.factor, static_cast<double>(c.max_position_embeddings)};
+  const auto original = static_cast<double>(r.original_max_position_embeddings);
+  return {static_cast<double>(c.max_position_embeddings) / original, original};
+}
+
+}  // namespace
+
 LongRopeParameters longrope_parameters(const LlamaConfig& c, int64_t seq_len) {
   const RopeScaling& r = c.rope_scaling;
   LongRopeParameters l;
-  double factor = r.factor;
-  auto original = static_cast<double>(c.max_position_embeddings);
-  if (r.original_max_position_embeddings > 0) {
-    original = static_cast<double>(r.original_max_position_embeddings);
-    factor = static_cast<double>(c.max_position_embeddings) / original;
-  }
+  const std::pair<double, double> stretch = rope_stretch(c);
+  const double factor = stretch.first, original = stretch.second;
   if (r.attention_factor)
     l.attention_factor = *r.attention_factor;
   else
@@ -252,13 +259,10 @@ LongRopeParameters longrope_parameters(const LlamaConfig& c, int64_t seq_len) {
 YarnParameters yarn_parameters(const LlamaConfig& c) {
   const RopeScaling& r = c.rope_scaling;
   YarnParameters y;
-  y.factor = r.factor;
-  double original = static_cast<double>(c.max_position_embeddings);
-  if (r.original_max_position_embeddings > 0) {
-    // As transformers: the context's stretch is max_position_embeddings over the original.
-    original = static_cast<double>(r.original_max_position_embeddings);
-    y.factor = static_cast<double>(c.max_position_embeddings) / original;
-  }
+  // Plain variables, not a structured binding: clang 14 cannot capture one in a lambda.
+  const std::pair<double, double> stretch = rope_stretch(c);
+  const double original = stretch.second;
+  y.factor = stretch.first;
   auto mscale = [](double scale, double m) {
     return scale <= 1.0 ? 1.0 : 0.1 * m * std::log(scale) + 1.0;
   };

@@ -153,10 +153,11 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     held_out.emplace(s.eval_data, s.seq_len, model.vocab_size, s.eval_sequences, s.data_width,
                      s.loss_masks, s.packing);
 
-  // The checkpoint a resumed run continues from: chosen, verified and checked against this run
-  // before anything is allocated or any log is opened.
+  // The checkpoint a resumed run continues from: chosen, verified, checked against this run and
+  // its trainer state restored before anything is allocated or any log is opened.
+  LossScaler scaler(s.scaling);
   fs::path ckpt;
-  nlohmann::json resumed;
+  int64_t step = 0, applied = 0;
   if (s.resume) {
     ckpt = s.resume_from.empty() ? resume_checkpoint(s.run_dir, s.resume_fallback)
                                  : resume_checkpoint_at(s.resume_from, s.resume_fallback);
@@ -175,7 +176,7 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
                 ? std::string("metrics.jsonl")
                 : fmt::format("checkpoints up to {}", own.back().second.filename().string()));
     }
-    resumed = read_trainer_state(ckpt);
+    const nlohmann::json resumed = read_trainer_state(ckpt);
     const std::string where = (ckpt / "trainer_state.json").string();
     try {
       if (resumed.at("model") != to_hf_config_json(model))
@@ -183,10 +184,13 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
             "resume from {}: the checkpoint is of another model ({}); pass the --model it was "
             "trained with",
             ckpt.string(), resumed.at("model").dump());
-      const int64_t at = resumed.at("step").get<int64_t>();
-      if (at >= s.steps)
+      step = resumed.at("step").get<int64_t>();
+      if (step >= s.steps)
         fail("resume from {}: it is at step {} already and --steps is {}; ask for more steps",
-             ckpt.string(), at, s.steps);
+             ckpt.string(), step, s.steps);
+      applied = resumed.at("applied_updates").get<int64_t>();
+      loader.restore(DataPosition::from_json(resumed.at("data"), where));
+      scaler.restore(LossScaleState::from_json(resumed.at("loss_scale"), where));
     } catch (const nlohmann::json::exception& e) {
       fail("resume from {}: {} is damaged ({}); resume from an earlier checkpoint", ckpt.string(),
            where, e.what());
@@ -197,7 +201,6 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   Monitor monitor(s.monitor);
   const int64_t samples_per_step = R * s.grad_accum * s.micro_batch;  // the monitors' step unit
 
-  LossScaler scaler(s.scaling);
   auto comm = make_communicator(devices);
   ExecutorOptions eo;
   eo.cpu_adam_threads = s.cpu_adam_threads;
@@ -206,23 +209,12 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   const uint64_t pools_before = PinnedPool::pools_created();
   Executor ex(placement, schedule, *comm, eo);
 
-  int64_t step = 0, applied = 0;
   std::error_code ec;
   fs::create_directories(s.run_dir, ec);
   if (ec)
     fail("--run-dir {}: cannot create it: {}; name a writable directory", s.run_dir.string(),
          ec.message());
   if (s.resume) {
-    const std::string where = (ckpt / "trainer_state.json").string();
-    try {
-      step = resumed.at("step").get<int64_t>();
-      applied = resumed.at("applied_updates").get<int64_t>();
-      loader.restore(DataPosition::from_json(resumed.at("data"), where));
-      scaler.restore(LossScaleState::from_json(resumed.at("loss_scale"), where));
-    } catch (const nlohmann::json::exception& e) {
-      fail("resume from {}: {} is damaged ({}); resume from an earlier checkpoint", ckpt.string(),
-           where, e.what());
-    }
     restore_checkpoint(ckpt, ex);
     fmt::print("resumed from {} at step {}\n", ckpt.string(), step);
     // Checkpoints past it are of the timeline it abandons: set aside, never overwritten.
