@@ -321,17 +321,20 @@ TEST_F(CudaOpsTest, EmbeddingForward) {
   ids[7] = static_cast<int32_t>(vocab - 1);
   DeviceInts dids = ints(ids);
 
-  for (const DType table_t : {f32, bf16}) {
-    for (const DType out_t : {f32, bf16}) {
-      SCOPED_TRACE(fmt::format("table {} out {}", dtype_name(table_t), dtype_name(out_t)));
-      HostTensor table = random_tensor(table_t, {vocab, dim}, rng);
-      HostTensor out(out_t, {rows, dim});
-      DeviceTensor dtable = upload(table), dout = empty(out_t, {rows, dim});
-      gpu().embedding_forward(dout.view(), dtable.view(), dids.data(), stream());
-      host::embedding_forward(out.view(), table.view(), ids.data());
-      expect_close("out", dout.fetch("out"), out, 0.0);  // a gather: exact
+  // 1 copies the rows; 55.5 is Gemma 7B's sqrt(3072) in bf16.
+  for (const float scale : {1.0f, 55.5f})
+    for (const DType table_t : {f32, bf16}) {
+      for (const DType out_t : {f32, bf16}) {
+        SCOPED_TRACE(
+            fmt::format("table {} out {} scale {}", dtype_name(table_t), dtype_name(out_t), scale));
+        HostTensor table = random_tensor(table_t, {vocab, dim}, rng);
+        HostTensor out(out_t, {rows, dim});
+        DeviceTensor dtable = upload(table), dout = empty(out_t, {rows, dim});
+        gpu().embedding_forward(dout.view(), dtable.view(), dids.data(), scale, stream());
+        host::embedding_forward(out.view(), table.view(), ids.data(), scale);
+        expect_close("out", dout.fetch("out"), out, 0.0);  // a gather and one product: exact
+      }
     }
-  }
 }
 
 // The backward adds rows sharing an id in token order, as the host does: the same bits, every
@@ -352,13 +355,14 @@ TEST_F(CudaOpsTest, EmbeddingBackwardIsTheHostsBitForBit) {
     DeviceInts dids = ints(ids);
     for (const MatmulTypes types : {MatmulTypes{f32, f32}, {bf16, f32}, {bf16, bf16}}) {
       const DType dout_t = types.ab, dtable_t = types.c;
-      SCOPED_TRACE(fmt::format("vocab {} dim {} rows {}: dtable {} dout {}", c.vocab, c.dim, c.rows,
-                               dtype_name(dtable_t), dtype_name(dout_t)));
+      const float scale = dout_t == bf16 ? 45.25f : 1.0f;  // Gemma's products, rounded to dout's
+      SCOPED_TRACE(fmt::format("vocab {} dim {} rows {}: dtable {} dout {} scale {}", c.vocab,
+                               c.dim, c.rows, dtype_name(dtable_t), dtype_name(dout_t), scale));
       HostTensor dtable = random_tensor(dtable_t, {c.vocab, c.dim}, rng);
       HostTensor dout = random_tensor(dout_t, {c.rows, c.dim}, rng);
       DeviceTensor ddtable = upload(dtable), ddout = upload(dout);
-      gpu().embedding_backward(ddtable.view(), ddout.view(), dids.data(), stream());
-      host::embedding_backward(dtable.view(), dout.view(), ids.data());
+      gpu().embedding_backward(ddtable.view(), ddout.view(), dids.data(), scale, stream());
+      host::embedding_backward(dtable.view(), dout.view(), ids.data(), scale);
       expect_same_bits("dtable", ddtable.fetch("dtable"), dtable);
     }
   }
@@ -372,37 +376,40 @@ TEST_F(CudaOpsTest, RmsnormForwardAndBackward) {
   struct Types {
     DType x, w;  // y, dy, dx take x's dtype; dw is f32 (a gradient accumulator) or w's dtype
   };
-  for (const Types types : {Types{f32, f32}, {bf16, bf16}, {bf16, f32}}) {
-    for (const auto& shape : shapes) {
-      const int64_t rows = shape[0], dim = shape[1];
-      SCOPED_TRACE(fmt::format("x {} w {} rows {} dim {}", dtype_name(types.x), dtype_name(types.w),
-                               rows, dim));
-      const float eps = 1e-5f;
-      HostTensor x = random_tensor(types.x, {rows, dim}, rng, -2.0f, 2.0f);
-      HostTensor w = random_tensor(types.w, {dim}, rng, 0.5f, 1.5f);
-      HostTensor y(types.x, {rows, dim}), rstd(f32, {rows});
-      DeviceTensor x_dev = upload(x), w_dev = upload(w);
-      DeviceTensor y_dev = empty(types.x, {rows, dim}), rstd_dev = empty(f32, {rows});
-      gpu().rmsnorm_forward(y_dev.view(), rstd_dev.view(), x_dev.view(), w_dev.view(), eps,
-                            stream());
-      host::rmsnorm_forward(y.view(), rstd.view(), x.view(), w.view(), eps);
-      expect_close("y", y_dev.fetch("y"), y, tolerance(types.x, types.x));
-      expect_close("rstd", rstd_dev.fetch("rstd"), rstd, tolerance(f32, types.x));
+  // weight_offset 1: Gemma's norms, whose weights are stored as their difference from 1.
+  for (const float offset : {0.0f, 1.0f})
+    for (const Types types : {Types{f32, f32}, {bf16, bf16}, {bf16, f32}}) {
+      for (const auto& shape : shapes) {
+        const int64_t rows = shape[0], dim = shape[1];
+        SCOPED_TRACE(fmt::format("x {} w {} rows {} dim {} offset {}", dtype_name(types.x),
+                                 dtype_name(types.w), rows, dim, offset));
+        const float eps = 1e-5f;
+        HostTensor x = random_tensor(types.x, {rows, dim}, rng, -2.0f, 2.0f);
+        HostTensor w = random_tensor(types.w, {dim}, rng, 0.5f - offset, 1.5f - offset);
+        HostTensor y(types.x, {rows, dim}), rstd(f32, {rows});
+        DeviceTensor x_dev = upload(x), w_dev = upload(w);
+        DeviceTensor y_dev = empty(types.x, {rows, dim}), rstd_dev = empty(f32, {rows});
+        gpu().rmsnorm_forward(y_dev.view(), rstd_dev.view(), x_dev.view(), w_dev.view(), eps,
+                              offset, stream());
+        host::rmsnorm_forward(y.view(), rstd.view(), x.view(), w.view(), eps, offset);
+        expect_close("y", y_dev.fetch("y"), y, tolerance(types.x, types.x));
+        expect_close("rstd", rstd_dev.fetch("rstd"), rstd, tolerance(f32, types.x));
 
-      // Backward from the host's rstd on both sides; dx and dw accumulate (+=).
-      const DType dw_t = types.w == bf16 ? bf16 : f32;
-      HostTensor dy = random_tensor(types.x, {rows, dim}, rng);
-      HostTensor dx = random_tensor(types.x, {rows, dim}, rng);
-      HostTensor dw = random_tensor(dw_t, {dim}, rng);
-      DeviceTensor dy_dev = upload(dy), dx_dev = upload(dx), dw_dev = upload(dw),
-                   rstd_in = upload(rstd);
-      gpu().rmsnorm_backward(dx_dev.view(), dw_dev.view(), dy_dev.view(), x_dev.view(),
-                             w_dev.view(), rstd_in.view(), stream());
-      host::rmsnorm_backward(dx.view(), dw.view(), dy.view(), x.view(), w.view(), rstd.view());
-      expect_close("dx", dx_dev.fetch("dx"), dx, tolerance(types.x, types.x));
-      expect_close("dw", dw_dev.fetch("dw"), dw, tolerance(dw_t, types.x));
+        // Backward from the host's rstd on both sides; dx and dw accumulate (+=).
+        const DType dw_t = types.w == bf16 ? bf16 : f32;
+        HostTensor dy = random_tensor(types.x, {rows, dim}, rng);
+        HostTensor dx = random_tensor(types.x, {rows, dim}, rng);
+        HostTensor dw = random_tensor(dw_t, {dim}, rng);
+        DeviceTensor dy_dev = upload(dy), dx_dev = upload(dx), dw_dev = upload(dw),
+                     rstd_in = upload(rstd);
+        gpu().rmsnorm_backward(dx_dev.view(), dw_dev.view(), dy_dev.view(), x_dev.view(),
+                               w_dev.view(), rstd_in.view(), offset, stream());
+        host::rmsnorm_backward(dx.view(), dw.view(), dy.view(), x.view(), w.view(), rstd.view(),
+                               offset);
+        expect_close("dx", dx_dev.fetch("dx"), dx, tolerance(types.x, types.x));
+        expect_close("dw", dw_dev.fetch("dw"), dw, tolerance(dw_t, types.x));
+      }
     }
-  }
 }
 
 // ---- rope ----
@@ -772,36 +779,38 @@ TEST_F(CudaOpsTest, AttentionBackwardWithSmallerQueryTiles) {
 }
 #endif
 
-// ---- swiglu, add, fill ----
+// ---- glu, add, fill ----
 
-TEST_F(CudaOpsTest, SwigluForwardAndBackward) {
+TEST_F(CudaOpsTest, GluForwardAndBackwardOfEachActivation) {
   Rng rng(8);
   const Shape shape{3, 1001};
-  for (const MatmulTypes types : {MatmulTypes{f32, f32}, {bf16, bf16}, {bf16, f32}}) {
-    const DType in_t = types.ab, out_t = types.c;  // gate, up, dh; h, dgate, dup
-    SCOPED_TRACE(fmt::format("in {} out {}", dtype_name(in_t), dtype_name(out_t)));
-    HostTensor gate = random_tensor(in_t, shape, rng, -8.0f, 8.0f);
-    HostTensor up = random_tensor(in_t, shape, rng, -2.0f, 2.0f);
-    gate.set(0, kNaN);     // propagates
-    gate.set(1, 100.0f);   // exp(-g) underflows to 0
-    gate.set(2, -100.0f);  // exp(-g) overflows to inf: silu is -0
-    up.set(3, kNaN);
-    HostTensor h(out_t, shape);
-    DeviceTensor gate_dev = upload(gate), up_dev = upload(up), h_dev = empty(out_t, shape);
-    gpu().swiglu_forward(h_dev.view(), gate_dev.view(), up_dev.view(), stream());
-    host::swiglu_forward(h.view(), gate.view(), up.view());
-    expect_close("h", h_dev.fetch("h"), h, tolerance(out_t, in_t));
+  for (const Activation act : {Activation::silu, Activation::gelu, Activation::gelu_tanh})
+    for (const MatmulTypes types : {MatmulTypes{f32, f32}, {bf16, bf16}, {bf16, f32}}) {
+      const DType in_t = types.ab, out_t = types.c;  // gate, up, dh; h, dgate, dup
+      SCOPED_TRACE(fmt::format("{}: in {} out {}", activation_name(act), dtype_name(in_t),
+                               dtype_name(out_t)));
+      HostTensor gate = random_tensor(in_t, shape, rng, -8.0f, 8.0f);
+      HostTensor up = random_tensor(in_t, shape, rng, -2.0f, 2.0f);
+      gate.set(0, kNaN);     // propagates
+      gate.set(1, 100.0f);   // exp(-g) underflows to 0
+      gate.set(2, -100.0f);  // exp(-g) overflows to inf: silu is -0 (and GELU's are)
+      up.set(3, kNaN);
+      HostTensor h(out_t, shape);
+      DeviceTensor gate_dev = upload(gate), up_dev = upload(up), h_dev = empty(out_t, shape);
+      gpu().glu_forward(h_dev.view(), gate_dev.view(), up_dev.view(), act, stream());
+      host::glu_forward(h.view(), gate.view(), up.view(), act);
+      expect_close("h", h_dev.fetch("h"), h, tolerance(out_t, in_t));
 
-    HostTensor dh = random_tensor(in_t, shape, rng);
-    HostTensor dgate(out_t, shape), dup(out_t, shape);
-    DeviceTensor dh_dev = upload(dh), dgate_dev = empty(out_t, shape),
-                 dup_dev = empty(out_t, shape);
-    gpu().swiglu_backward(dgate_dev.view(), dup_dev.view(), dh_dev.view(), gate_dev.view(),
-                          up_dev.view(), stream());
-    host::swiglu_backward(dgate.view(), dup.view(), dh.view(), gate.view(), up.view());
-    expect_close("dgate", dgate_dev.fetch("dgate"), dgate, tolerance(out_t, in_t));
-    expect_close("dup", dup_dev.fetch("dup"), dup, tolerance(out_t, in_t));
-  }
+      HostTensor dh = random_tensor(in_t, shape, rng);
+      HostTensor dgate(out_t, shape), dup(out_t, shape);
+      DeviceTensor dh_dev = upload(dh), dgate_dev = empty(out_t, shape),
+                   dup_dev = empty(out_t, shape);
+      gpu().glu_backward(dgate_dev.view(), dup_dev.view(), dh_dev.view(), gate_dev.view(),
+                         up_dev.view(), act, stream());
+      host::glu_backward(dgate.view(), dup.view(), dh.view(), gate.view(), up.view(), act);
+      expect_close("dgate", dgate_dev.fetch("dgate"), dgate, tolerance(out_t, in_t));
+      expect_close("dup", dup_dev.fetch("dup"), dup, tolerance(out_t, in_t));
+    }
 }
 
 TEST_F(CudaOpsTest, AddOutOfPlaceAndInPlace) {
@@ -1085,8 +1094,8 @@ TEST_F(CudaOpsTest, PointersOutsideTheArenaAreRefused) {
   EXPECT_NE(msg.find("not in this device's memory"), std::string::npos) << msg;
   DeviceTensor table = empty(f32, {10, 8});
   std::vector<int32_t> ids(8, 0);
-  msg =
-      error_message([&] { gpu().embedding_forward(x.view(), table.view(), ids.data(), stream()); });
+  msg = error_message(
+      [&] { gpu().embedding_forward(x.view(), table.view(), ids.data(), 1.0f, stream()); });
   EXPECT_NE(msg.find("ids"), std::string::npos) << msg;
   EXPECT_NE(msg.find("not in this device's memory"), std::string::npos) << msg;
   x.fetch("x");  // nothing was queued: the guards are intact
@@ -1117,7 +1126,7 @@ TEST_F(CudaOpsTest, RmsNormOfEmptyRowsGivesFiniteStats) {
   const float eps = 1e-5f;
   DeviceTensor y = empty(f32, {3, 0}), x = empty(f32, {3, 0}), w = empty(f32, {0});
   DeviceTensor rstd = empty(f32, {3});
-  gpu().rmsnorm_forward(y.view(), rstd.view(), x.view(), w.view(), eps, stream());
+  gpu().rmsnorm_forward(y.view(), rstd.view(), x.view(), w.view(), eps, 0.0f, stream());
   const HostTensor got = rstd.fetch("rstd");
   for (int64_t r = 0; r < 3; ++r) EXPECT_FLOAT_EQ(got.at(r), 1.0f / std::sqrt(eps)) << r;
 }

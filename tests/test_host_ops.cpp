@@ -278,15 +278,22 @@ TEST(HostOps, EmbeddingGathersRowsAndScatterAddsGradients) {
   }
   Tensor table = rng.tensor(DType::f32, {V, D});
   const std::vector<double> r = rng.weights(N * D);
-  auto loss = [&] {
-    Tensor out(DType::f32, {N, D});
-    host::embedding_forward(out.view(), table.view(), ids.data());
-    return dot_loss(out, r);
-  };
+  // Scaled as Gemma scales its rows (by sqrt(hidden_size)), and not.
+  for (const float scale : {1.0f, 2.5f}) {
+    auto loss = [&] {
+      Tensor out(DType::f32, {N, D});
+      host::embedding_forward(out.view(), table.view(), ids.data(), scale);
+      return dot_loss(out, r);
+    };
+    Tensor dtable0 = rng.tensor(DType::f32, {V, D});
+    Tensor dtable = dtable0;
+    host::embedding_backward(dtable.view(), from_weights(r, {N, D}).view(), ids.data(), scale);
+    expect_grad(delta(dtable, dtable0), numeric_grad(table, loss),
+                fmt::format("embedding dtable, scale {}", scale));
+  }
   Tensor dtable0 = rng.tensor(DType::f32, {V, D});
   Tensor dtable = dtable0;
   host::embedding_backward(dtable.view(), from_weights(r, {N, D}).view(), ids.data());
-  expect_grad(delta(dtable, dtable0), numeric_grad(table, loss), "embedding dtable");
   // Rows no id names keep their contents exactly.
   for (int64_t j = 0; j < D; ++j) {
     EXPECT_EQ(dtable.at(2 * D + j), dtable0.at(2 * D + j));
@@ -299,6 +306,16 @@ TEST(HostOps, EmbeddingGathersRowsAndScatterAddsGradients) {
   EXPECT_EQ(g16.at(3 * D), 2.0f);
   EXPECT_EQ(g16.at(0), 1.5f);
   EXPECT_EQ(g16.at(2 * D), 1.0f);
+  // Scaled, each product is rounded to dout's dtype before it adds, as torch's backward of the
+  // multiplication rounds it: 0.5 x 1.3 is 0.6484375 in bf16, not f32's 0.65.
+  Tensor g32(DType::f32, {V, D}, 0.0f);
+  host::embedding_backward(g32.view(), dout16.view(), ids.data(), 1.3f);
+  EXPECT_EQ(g32.at(0), 0.6484375f);
+  EXPECT_EQ(g32.at(3 * D), 2 * 0.6484375f);
+  // The forward's product is rounded once, to out's dtype.
+  Tensor row16(DType::bf16, {N, D});
+  host::embedding_forward(row16.view(), g16.view(), ids.data(), 1.3f);
+  EXPECT_EQ(row16.at(0), bf16_to_f32(f32_to_bf16(1.5f * 1.3f)));
 
   const std::vector<int32_t> bad = {0, 1, 6, 2, 0};
   Tensor out(DType::f32, {N, D});
@@ -315,43 +332,51 @@ TEST(HostOps, RmsnormForwardMatchesTheFormula) {
   Random rng(4);
   const int64_t N = 3, D = 7;
   const float eps = 0.05f;  // large enough that leaving it out fails
-  for (DType t : {DType::f32, DType::bf16, DType::f16}) {
-    Tensor x = rng.tensor(t, {N, D}, -2.0f, 2.0f), w = rng.tensor(t, {D}, 0.5f, 1.5f);
-    Tensor y(t, {N, D}, kNaN), rstd(DType::f32, {N}, kNaN);
-    host::rmsnorm_forward(y.view(), rstd.view(), x.view(), w.view(), eps);
-    std::vector<double> want_y(static_cast<size_t>(N * D)), want_r(static_cast<size_t>(N));
-    for (int64_t r = 0; r < N; ++r) {
-      double ss = 0.0;
-      for (int64_t j = 0; j < D; ++j) ss += static_cast<double>(x.at(r * D + j)) * x.at(r * D + j);
-      const double rs = 1.0 / std::sqrt(ss / D + eps);
-      want_r[static_cast<size_t>(r)] = rs;
-      for (int64_t j = 0; j < D; ++j)
-        want_y[static_cast<size_t>(r * D + j)] = x.at(r * D + j) * rs * w.at(j);
+  // weight_offset 1: Gemma's norms, which multiply by 1 + w.
+  for (const float offset : {0.0f, 1.0f})
+    for (DType t : {DType::f32, DType::bf16, DType::f16}) {
+      Tensor x = rng.tensor(t, {N, D}, -2.0f, 2.0f), w = rng.tensor(t, {D}, -0.5f, 1.5f);
+      Tensor y(t, {N, D}, kNaN), rstd(DType::f32, {N}, kNaN);
+      host::rmsnorm_forward(y.view(), rstd.view(), x.view(), w.view(), eps, offset);
+      std::vector<double> want_y(static_cast<size_t>(N * D)), want_r(static_cast<size_t>(N));
+      for (int64_t r = 0; r < N; ++r) {
+        double ss = 0.0;
+        for (int64_t j = 0; j < D; ++j)
+          ss += static_cast<double>(x.at(r * D + j)) * x.at(r * D + j);
+        const double rs = 1.0 / std::sqrt(ss / D + eps);
+        want_r[static_cast<size_t>(r)] = rs;
+        for (int64_t j = 0; j < D; ++j)
+          want_y[static_cast<size_t>(r * D + j)] = x.at(r * D + j) * rs * (w.at(j) + offset);
+      }
+      const std::string what = fmt::format("{} offset {}", dtype_name(t), offset);
+      expect_close(rstd, want_r, 1e-6, "rmsnorm rstd " + what);
+      expect_close(y, want_y, 1e-5, "rmsnorm y " + what);
     }
-    expect_close(rstd, want_r, 1e-6, "rmsnorm rstd " + std::string(dtype_name(t)));
-    expect_close(y, want_y, 1e-5, "rmsnorm y " + std::string(dtype_name(t)));
-  }
 }
 
 TEST(HostOps, RmsnormGradientsMatchFiniteDifferencesAndAccumulate) {
   Random rng(5);
   const int64_t N = 3, D = 8;
   const float eps = 1e-5f;
-  Tensor x = rng.tensor(DType::f32, {N, D}, -2.0f, 2.0f);
-  Tensor w = rng.tensor(DType::f32, {D}, 0.5f, 1.5f);
-  const std::vector<double> r = rng.weights(N * D);
-  Tensor y(DType::f32, {N, D}), rstd(DType::f32, {N});
-  auto loss = [&] {
-    host::rmsnorm_forward(y.view(), rstd.view(), x.view(), w.view(), eps);
-    return dot_loss(y, r);
-  };
-  loss();
-  Tensor dx0 = rng.tensor(DType::f32, {N, D}), dw0 = rng.tensor(DType::f32, {D});
-  Tensor dx = dx0, dw = dw0;
-  host::rmsnorm_backward(dx.view(), dw.view(), from_weights(r, {N, D}).view(), x.view(), w.view(),
-                         rstd.view());
-  expect_grad(delta(dx, dx0), numeric_grad(x, loss), "rmsnorm dx");
-  expect_grad(delta(dw, dw0), numeric_grad(w, loss), "rmsnorm dw");
+  for (const float offset : {0.0f, 1.0f}) {
+    Tensor x = rng.tensor(DType::f32, {N, D}, -2.0f, 2.0f);
+    Tensor w = rng.tensor(DType::f32, {D}, 0.5f - offset, 1.5f - offset);
+    const std::vector<double> r = rng.weights(N * D);
+    Tensor y(DType::f32, {N, D}), rstd(DType::f32, {N});
+    auto loss = [&] {
+      host::rmsnorm_forward(y.view(), rstd.view(), x.view(), w.view(), eps, offset);
+      return dot_loss(y, r);
+    };
+    loss();
+    Tensor dx0 = rng.tensor(DType::f32, {N, D}), dw0 = rng.tensor(DType::f32, {D});
+    Tensor dx = dx0, dw = dw0;
+    host::rmsnorm_backward(dx.view(), dw.view(), from_weights(r, {N, D}).view(), x.view(), w.view(),
+                           rstd.view(), offset);
+    expect_grad(delta(dx, dx0), numeric_grad(x, loss),
+                fmt::format("rmsnorm dx, offset {}", offset));
+    expect_grad(delta(dw, dw0), numeric_grad(w, loss),
+                fmt::format("rmsnorm dw, offset {}", offset));
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -779,33 +804,56 @@ TEST(HostOps, AttentionBackwardInBf16StaysNearTheF32Gradients) {
 }
 
 // ---------------------------------------------------------------------------------------
-// swiglu, add, fill
+// glu, add, fill
 
-TEST(HostOps, SwigluMatchesTheFormulaAndItsGradients) {
+// SiLU, GELU and GELU's tanh approximation in double, as torch defines them.
+double activation_reference(Activation act, double g) {
+  switch (act) {
+    case Activation::silu:
+      return g / (1.0 + std::exp(-g));
+    case Activation::gelu:
+      return 0.5 * g * (1.0 + std::erf(g / std::sqrt(2.0)));
+    case Activation::gelu_tanh:
+      return 0.5 * g *
+             (1.0 + std::tanh(std::sqrt(2.0 / std::numbers::pi) * (g + 0.044715 * g * g * g)));
+  }
+  return 0.0;
+}
+
+TEST(HostOps, GluOfEachActivationMatchesTheFormulaAndItsGradients) {
   Random rng(11);
   const int64_t N = 4, F = 6;
-  for (DType t : {DType::f32, DType::bf16}) {
-    Tensor gate = rng.tensor(t, {N, F}, -4.0f, 4.0f), up = rng.tensor(t, {N, F}, -2.0f, 2.0f);
-    Tensor h(t, {N, F}, kNaN);
-    host::swiglu_forward(h.view(), gate.view(), up.view());
-    std::vector<double> want(static_cast<size_t>(N * F));
-    for (int64_t i = 0; i < N * F; ++i)
-      want[static_cast<size_t>(i)] = gate.at(i) / (1.0 + std::exp(-gate.at(i))) * up.at(i);
-    expect_close(h, want, 1e-6, "swiglu h " + std::string(dtype_name(t)));
+  for (const Activation act : {Activation::silu, Activation::gelu, Activation::gelu_tanh}) {
+    SCOPED_TRACE(activation_name(act));
+    for (DType t : {DType::f32, DType::bf16}) {
+      Tensor gate = rng.tensor(t, {N, F}, -4.0f, 4.0f), up = rng.tensor(t, {N, F}, -2.0f, 2.0f);
+      Tensor h(t, {N, F}, kNaN);
+      host::glu_forward(h.view(), gate.view(), up.view(), act);
+      std::vector<double> want(static_cast<size_t>(N * F));
+      for (int64_t i = 0; i < N * F; ++i)
+        want[static_cast<size_t>(i)] = activation_reference(act, gate.at(i)) * up.at(i);
+      expect_close(h, want, 1e-6, "glu h " + std::string(dtype_name(t)));
+    }
+    Tensor gate = rng.tensor(DType::f32, {N, F}, -4.0f, 4.0f);
+    Tensor up = rng.tensor(DType::f32, {N, F}, -2.0f, 2.0f);
+    const std::vector<double> r = rng.weights(N * F);
+    auto loss = [&] {
+      Tensor h(DType::f32, {N, F});
+      host::glu_forward(h.view(), gate.view(), up.view(), act);
+      return dot_loss(h, r);
+    };
+    Tensor dgate(DType::f32, {N, F}, kNaN), dup(DType::f32, {N, F}, kNaN);
+    host::glu_backward(dgate.view(), dup.view(), from_weights(r, {N, F}).view(), gate.view(),
+                       up.view(), act);
+    expect_grad(as_double(dgate), numeric_grad(gate, loss), "glu dgate");
+    expect_grad(as_double(dup), numeric_grad(up, loss), "glu dup");
   }
-  Tensor gate = rng.tensor(DType::f32, {N, F}, -4.0f, 4.0f);
-  Tensor up = rng.tensor(DType::f32, {N, F}, -2.0f, 2.0f);
-  const std::vector<double> r = rng.weights(N * F);
-  auto loss = [&] {
-    Tensor h(DType::f32, {N, F});
-    host::swiglu_forward(h.view(), gate.view(), up.view());
-    return dot_loss(h, r);
-  };
-  Tensor dgate(DType::f32, {N, F}, kNaN), dup(DType::f32, {N, F}, kNaN);
-  host::swiglu_backward(dgate.view(), dup.view(), from_weights(r, {N, F}).view(), gate.view(),
-                        up.view());
-  expect_grad(as_double(dgate), numeric_grad(gate, loss), "swiglu dgate");
-  expect_grad(as_double(dup), numeric_grad(up, loss), "swiglu dup");
+  // The two GELUs differ by up to 4.7e-4, at |g| = 2.7: a swapped formula shows.
+  Tensor g(DType::f32, {1, 1}, 2.7f), u(DType::f32, {1, 1}, 1.0f), h(DType::f32, {1, 1});
+  host::glu_forward(h.view(), g.view(), u.view(), Activation::gelu);
+  const float exact = h.at(0);
+  host::glu_forward(h.view(), g.view(), u.view(), Activation::gelu_tanh);
+  EXPECT_GT(std::abs(exact - h.at(0)), 4e-4f);
 }
 
 TEST(HostOps, AddAndFill) {
@@ -1054,8 +1102,8 @@ TEST(HostOps, BadShapesThrowNamingTheOpTensorAndShapes) {
       {"attention_backward", "dk is f32[1, 5, 4, 4]", "expected [1, 5, 2, 4]"});
 
   Tensor g = t(DType::f32, {2, 3}), u = t(DType::f32, {3, 2});
-  expect_error([&] { host::swiglu_forward(g.view(), g.view(), u.view()); },
-               {"swiglu_forward", "f32[3, 2]", "[2, 3]"});
+  expect_error([&] { host::glu_forward(g.view(), g.view(), u.view()); },
+               {"glu_forward", "f32[3, 2]", "[2, 3]"});
   expect_error([&] { host::add(g.view(), u.view(), g.view()); }, {"add", "f32[2, 3]", "[3, 2]"});
 
   Tensor logits = t(DType::f32, {2, 3}), m3 = t(DType::f32, {3}), m2 = t(DType::f32, {2}),
@@ -1195,7 +1243,7 @@ TEST(HostKernels, RunOpsOnAStreamLikeTheReference) {
   // An id out of range fails in the task: the stream's synchronize() reports it.
   Tensor table = rng.tensor(DType::f32, {4, 3}), rows(DType::f32, {5, 3});
   OnDevice dtable(*dev, table, *s), drows(*dev, rows, *s);
-  k.embedding_forward(drows.view, dtable.view, dtargets, *s);  // holds -100
+  k.embedding_forward(drows.view, dtable.view, dtargets, 1.0f, *s);  // holds -100
   expect_error([&] { s->synchronize(); }, {"stream 'compute'", "embedding_forward", "ids[1]"});
 }
 
@@ -1221,7 +1269,7 @@ TEST(HostKernels, CheckShapesAndMemoryWhenQueued) {
                {"matmul", "b is f32[3, 4] on host:0"});
   // Ids and targets must be device memory too.
   const std::vector<int32_t> ids = {0, 1};
-  expect_error([&] { k.embedding_forward(dc.view, db.view, ids.data(), *s); },
+  expect_error([&] { k.embedding_forward(dc.view, db.view, ids.data(), 1.0f, *s); },
                {"embedding_forward", "ids (int32[2])", "not inside host:0's memory"});
   // A stream of another device is refused.
   expect_error([&] { k.fill(dc.view, 1.0f, *s_other); }, {"stream 'theirs'", "host:0"});

@@ -99,12 +99,17 @@ TEST(LlamaRope, PlainAndLlama3Scaling) {
 // loss, for a few coordinates of every tensor, with and without tied embeddings.
 // Variants: untied, tied, Qwen2's q/k/v biases with tied embeddings, Llama with a bias on every
 // projection (attention_bias and mlp_bias), Qwen3's q and k norms (tied, as its small models),
-// and Qwen3 with attention_bias.
-enum class Variant { untied, tied, qwen2_tied, every_bias, qwen3_tied, qwen3_bias };
+// Qwen3 with attention_bias, and Gemma (tied; embeddings times sqrt(hidden), norms times
+// 1 + weight, the tanh GELU's gate).
+enum class Variant { untied, tied, qwen2_tied, every_bias, qwen3_tied, qwen3_bias, gemma };
 
 LlamaConfig variant_config(Variant v) {
-  LlamaConfig c =
-      small_config(v == Variant::tied || v == Variant::qwen2_tied || v == Variant::qwen3_tied);
+  LlamaConfig c = small_config(v == Variant::tied || v == Variant::qwen2_tied ||
+                               v == Variant::qwen3_tied || v == Variant::gemma);
+  if (v == Variant::gemma) {
+    c.architecture = Architecture::gemma;
+    c.hidden_act = Activation::gelu_tanh;
+  }
   if (v == Variant::qwen2_tied) {
     c.architecture = Architecture::qwen2;
     c.qkv_bias = true;
@@ -119,7 +124,8 @@ LlamaConfig variant_config(Variant v) {
 }
 
 const char* variant_name(Variant v) {
-  const char* names[] = {"untied", "tied", "qwen2_tied", "every_bias", "qwen3_tied", "qwen3_bias"};
+  const char* names[] = {"untied",     "tied",       "qwen2_tied", "every_bias",
+                         "qwen3_tied", "qwen3_bias", "gemma"};
   return names[static_cast<int>(v)];
 }
 
@@ -231,7 +237,7 @@ TEST_P(LlamaGradient, MatchesFiniteDifferences) {
 INSTANTIATE_TEST_SUITE_P(Variants, LlamaGradient,
                          ::testing::Values(Variant::untied, Variant::tied, Variant::qwen2_tied,
                                            Variant::every_bias, Variant::qwen3_tied,
-                                           Variant::qwen3_bias),
+                                           Variant::qwen3_bias, Variant::gemma),
                          [](const auto& p) { return std::string(variant_name(p.param)); });
 
 // The planner sizes activations with workspace_bytes_for(); it must be what the constructor
@@ -294,13 +300,11 @@ TEST(LlamaModel, DecodingWithAKvCacheGivesTheWholeSequencesLogits) {
     int64_t window;
     std::vector<bool> sliding_layers;
   };
-  const std::vector<Case> cases = {{Variant::untied, 0, {}},
-                                   {Variant::tied, 0, {}},
-                                   {Variant::qwen2_tied, 0, {}},
-                                   {Variant::every_bias, 0, {}},
-                                   {Variant::qwen3_tied, 0, {}},
-                                   {Variant::untied, 4, {}},
-                                   {Variant::qwen2_tied, 3, {false, true, true}}};
+  const std::vector<Case> cases = {
+      {Variant::untied, 0, {}},     {Variant::tied, 0, {}},
+      {Variant::qwen2_tied, 0, {}}, {Variant::every_bias, 0, {}},
+      {Variant::qwen3_tied, 0, {}}, {Variant::gemma, 0, {}},
+      {Variant::untied, 4, {}},     {Variant::qwen2_tied, 3, {false, true, true}}};
   for (const Case& cs : cases)
     for (DType dt : {DType::f32, DType::bf16}) {
       const Variant variant = cs.variant;

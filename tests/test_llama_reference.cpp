@@ -180,6 +180,25 @@ std::vector<Case> cases() {
   mini.config.rope_scaling.short_factor = {1.0, 2.0};
   mini.config.rope_scaling.long_factor = {1.5, 7.0};
   out.push_back(mini);
+  // Gemma: embeddings times sqrt(hidden), norms times 1 + weight, GeGLU (the tanh GELU), tied,
+  // head_dim 8 != hidden / heads; and Gemma 2B's single key/value head with attention_bias and
+  // the exact (erf) GELU, which its hidden_activation may name.
+  Case gemma{"gemma_geglu_tied", base(36, 6, 2, 8, 70, 97, 2), 2, 7, 40};
+  gemma.config.architecture = Architecture::gemma;
+  gemma.config.hidden_act = Activation::gelu_tanh;
+  gemma.config.tie_word_embeddings = true;
+  gemma.config.rms_norm_eps = 1e-6;
+  out.push_back(gemma);
+  Case gemma_mqa{"gemma_one_kv_head_bias_erf_gelu", base(20, 4, 1, 10, 33, 50, 2), 3, 5, 50};
+  gemma_mqa.config.architecture = Architecture::gemma;
+  gemma_mqa.config.hidden_act = Activation::gelu;
+  gemma_mqa.config.qkv_bias = gemma_mqa.config.o_bias = true;
+  gemma_mqa.config.tie_word_embeddings = true;
+  out.push_back(gemma_mqa);
+  // Llama's class with another hidden_act than silu (transformers honours it).
+  Case llama_gelu{"llama_gelu_tanh_mlp", base(20, 4, 2, 10, 33, 50, 1), 2, 6, 24};
+  llama_gelu.config.hidden_act = Activation::gelu_tanh;
+  out.push_back(llama_gelu);
   return out;
 }
 
@@ -208,7 +227,8 @@ TEST_P(LlamaReference, LossLogitsAndGradientsMatchTorch) {
   const LlamaConfig& c = tc.config;
   const ModelLayout layout = ModelLayout::build(c);
 
-  // A checkpoint with random weights; norm weights away from 1 so that they matter.
+  // A checkpoint with random weights; norm weights away from 1 (Gemma's 1 + w too) so that they
+  // matter.
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> jitter(0.7f, 1.3f);
   std::normal_distribution<float> bias(0.0f, 0.1f);  // biases start at 0: give them values
@@ -222,7 +242,8 @@ TEST_P(LlamaReference, LossLogitsAndGradientsMatchTorch) {
       if (p.shape.rank == 1)
         for (int64_t i = 0; i < p.numel(); ++i) {
           float& x = v[p.offset + static_cast<uint64_t>(i)];
-          x = is_bias ? bias(rng) : x * jitter(rng);
+          x = is_bias ? bias(rng)
+                      : (x + 1.0f - layout.norm_init) * jitter(rng) - 1.0f + layout.norm_init;
         }
     }
   }

@@ -399,6 +399,91 @@ json llama3_scaling() {
               {"original_max_position_embeddings", 8192}};
 }
 
+// Gemma 7B's as Google first published it: hidden_act "gelu" (the tanh form the model was
+// trained with, which transformers 4.38 took whatever hidden_act said), no tie_word_embeddings
+// (GemmaConfig ties by default), head_dim 256 != 3072 / 16.
+const char* kGemma7b = R"({
+  "architectures": ["GemmaForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "bos_token_id": 2,
+  "eos_token_id": 1,
+  "head_dim": 256,
+  "hidden_act": "gelu",
+  "hidden_size": 3072,
+  "initializer_range": 0.02,
+  "intermediate_size": 24576,
+  "max_position_embeddings": 8192,
+  "model_type": "gemma",
+  "num_attention_heads": 16,
+  "num_hidden_layers": 28,
+  "num_key_value_heads": 16,
+  "pad_token_id": 0,
+  "rms_norm_eps": 1e-06,
+  "rope_scaling": null,
+  "rope_theta": 10000.0,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.38.0.dev0",
+  "use_cache": true,
+  "vocab_size": 256000
+})";
+
+TEST(LlamaConfigParse, GemmaAsItsHuggingFaceClassBuildsIt) {
+  expect_matches_preset(kGemma7b, "gemma-7b");
+  const LlamaConfig g = parse_text(kGemma7b);
+  EXPECT_EQ(g.architecture, Architecture::gemma);
+  EXPECT_EQ(g.hidden_act, Activation::gelu_tanh);
+  EXPECT_TRUE(g.tie_word_embeddings);
+  EXPECT_EQ(g.head_dim, 256);
+  // Its rules: norms times 1 + w (initialised at 0), embeddings times sqrt(3072) = 55.4256,
+  // rounded as transformers rounds it: 55.5 in bf16.
+  EXPECT_EQ(norm_weight_offset(g), 1.0f);
+  EXPECT_EQ(ModelLayout::build(g).norm_init, 0.0f);
+  EXPECT_EQ(embedding_scale(g, DType::bf16), 55.5f);
+  EXPECT_EQ(embedding_scale(g, DType::f32), static_cast<float>(std::sqrt(3072.0)));
+  EXPECT_EQ(embedding_scale(*find_preset("gemma-2b"), DType::bf16), 45.25f);  // sqrt(2048)
+  for (const char* other : {"llama3-8b", "qwen3-8b", "phi4"}) {
+    EXPECT_EQ(norm_weight_offset(*find_preset(other)), 0.0f) << other;
+    EXPECT_EQ(embedding_scale(*find_preset(other), DType::bf16), 1.0f) << other;
+    EXPECT_EQ(ModelLayout::build(*find_preset(other)).norm_init, 1.0f) << other;
+  }
+
+  // hidden_activation, the key later Gemma configs add, wins; "gelu" there is the exact GELU.
+  json j = json::parse(kGemma7b);
+  j["hidden_activation"] = "gelu_pytorch_tanh";
+  EXPECT_EQ(parse_llama_config(j, "g.json").hidden_act, Activation::gelu_tanh);
+  j["hidden_activation"] = "gelu";
+  EXPECT_EQ(parse_llama_config(j, "g.json").hidden_act, Activation::gelu);
+  j.erase("hidden_activation");
+  j.erase("hidden_act");  // GemmaConfig's default
+  EXPECT_EQ(parse_llama_config(j, "g.json").hidden_act, Activation::gelu_tanh);
+  j["tie_word_embeddings"] = false;
+  j.erase("head_dim");  // GemmaConfig's default, whatever hidden / heads is
+  const LlamaConfig untied = parse_llama_config(j, "g.json");
+  EXPECT_FALSE(untied.tie_word_embeddings);
+  EXPECT_EQ(untied.head_dim, 256);
+  j["attention_bias"] = true;  // as Llama's: q, k, v and o
+  const LlamaConfig biased = parse_llama_config(j, "g.json");
+  EXPECT_TRUE(biased.qkv_bias && biased.o_bias && !biased.mlp_bias);
+  test::expect_error(
+      [&] {
+        j["hidden_activation"] = "relu";
+        parse_llama_config(j, "g.json");
+      },
+      {"g.json", "hidden_activation 'relu'", "silu", "gelu_pytorch_tanh"});
+
+  // Any class's hidden_act: Llama's "gelu" is the exact one, and Llama reads no
+  // hidden_activation.
+  json l = minimal();
+  l["hidden_act"] = "gelu";
+  l["hidden_activation"] = "gelu_pytorch_tanh";
+  EXPECT_EQ(parse_llama_config(l, "l.json").hidden_act, Activation::gelu);
+  l["hidden_act"] = "gelu_new";
+  EXPECT_EQ(parse_llama_config(l, "l.json").hidden_act, Activation::gelu_tanh);
+  l["hidden_act"] = "swish";
+  EXPECT_EQ(parse_llama_config(l, "l.json").hidden_act, Activation::silu);
+}
+
 TEST(LlamaConfigParse, MistralAndQwen2AsTheirHuggingFaceClassesBuildThem) {
   // Mistral: Llama's equations; biases never (the class fixes them), the window kept.
   json j = minimal();
@@ -580,8 +665,8 @@ struct Rejection {
 TEST(LlamaConfigParse, EveryRejectionNamesTheField) {
   const std::vector<Rejection> cases = {
       {"other architecture",
-       [](json& j) { j["architectures"] = {"GemmaForCausalLM"}; },
-       {"architectures", "GemmaForCausalLM", "LlamaForCausalLM", "Qwen2ForCausalLM"}},
+       [](json& j) { j["architectures"] = {"Gemma2ForCausalLM"}; },
+       {"architectures", "Gemma2ForCausalLM", "LlamaForCausalLM", "GemmaForCausalLM"}},
       {"architectures and model_type disagree",
        [](json& j) {
          j["architectures"] = {"MistralForCausalLM"};
@@ -729,7 +814,7 @@ TEST(LlamaConfigParse, EveryRejectionNamesTheField) {
        [](json& j) { j["attention_bias"] = "yes"; },
        {"attention_bias", "string"}},
       {"mlp_bias a number", [](json& j) { j["mlp_bias"] = 1; }, {"mlp_bias", "number"}},
-      {"gelu", [](json& j) { j["hidden_act"] = "gelu"; }, {"hidden_act", "gelu"}},
+      {"relu", [](json& j) { j["hidden_act"] = "relu"; }, {"hidden_act 'relu'", "gelu"}},
       {"dropout", [](json& j) { j["attention_dropout"] = 0.1; }, {"attention_dropout = 0.1"}},
       {"quantized",
        [](json& j) {
@@ -845,6 +930,8 @@ TEST(LlamaConfigPresets, PublishedParameterCounts) {
   EXPECT_EQ(parameter_count(*find_preset("llama3.2-3b")), 3'212'749'824u);
   EXPECT_EQ(parameter_count(*find_preset("phi3-mini")), 3'821'079'552u);
   EXPECT_EQ(parameter_count(*find_preset("phi4")), 14'659'507'200u);
+  EXPECT_EQ(parameter_count(*find_preset("gemma-2b")), 2'506'172'416u);
+  EXPECT_EQ(parameter_count(*find_preset("gemma-7b")), 8'537'680'896u);
   // Model FLOPs per token at 4096 positions: 6 per parameter, and attention 6 x 32 layers x 32
   // heads x 128 x 4096 (QKᵀ and PV over half the keys, forward and backward).
   EXPECT_EQ(model_flops_per_token(*find_preset("llama2-7b"), 4096),
@@ -911,6 +998,16 @@ TEST(LlamaConfigJson, RoundTripsThroughHuggingFaceJson) {
   yarn.rope_scaling = {
       RopeScalingKind::yarn, 4.0, 1.0, 4.0, 32768, 1.5, 16.0, 2.0, 0.7, 0.5, false};
   configs.push_back(yarn);
+  LlamaConfig gelu = *find_preset("gemma-2b");  // Gemma with the exact GELU, untied, biased
+  gelu.name = "gemma erf";
+  gelu.hidden_act = Activation::gelu;
+  gelu.tie_word_embeddings = false;
+  gelu.qkv_bias = gelu.o_bias = true;
+  configs.push_back(gelu);
+  LlamaConfig llama_gelu = *find_preset("tiny");
+  llama_gelu.name = "llama gelu";
+  llama_gelu.hidden_act = Activation::gelu_tanh;
+  configs.push_back(llama_gelu);
   LlamaConfig biased = odd;  // Llama's attention_bias and mlp_bias
   biased.name = "biased";
   biased.qkv_bias = biased.o_bias = biased.mlp_bias = true;
@@ -928,7 +1025,10 @@ TEST(LlamaConfigJson, RoundTripsThroughHuggingFaceJson) {
     const json j = to_hf_config_json(c);
     EXPECT_EQ(j["architectures"], json::array({architecture_class(c.architecture)}));
     EXPECT_EQ(j["model_type"], architecture_model_type(c.architecture));
-    EXPECT_EQ(j["hidden_act"], "silu");
+    EXPECT_EQ(j["hidden_act"], activation_name(c.hidden_act));
+    if (c.architecture == Architecture::gemma) {
+      EXPECT_EQ(j["hidden_activation"], j["hidden_act"]);
+    }
     EXPECT_EQ(j["torch_dtype"], c.torch_dtype == DType::bf16  ? "bfloat16"
                                 : c.torch_dtype == DType::f16 ? "float16"
                                                               : "float32");

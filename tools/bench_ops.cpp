@@ -178,7 +178,7 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
          k.attention_backward(t[6], t[7], t[8], t[3], t[0], t[1], t[2], t[4], t[5], nullptr, s);
        }});
   const double nh = static_cast<double>(N * H) * e;
-  const float eps = static_cast<float>(c.rms_norm_eps);
+  const float eps = static_cast<float>(c.rms_norm_eps), offset = norm_weight_offset(c);
   // An RMSNorm's forward and backward over `rows` rows of `dim`, `count` of each per block.
   const auto rmsnorm_ops = [&](const std::string& label, const std::string& shape, int64_t rows,
                                int64_t dim, int count) {
@@ -191,8 +191,8 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
                    2 * bytes,
                    {in({rows, dim}), in({dim}), out({rows, dim}), out({rows}, true)},
                    {},
-                   [eps](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-                     k.rmsnorm_forward(t[2], t[3], t[0], t[1], eps, s);
+                   [eps, offset](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
+                     k.rmsnorm_forward(t[2], t[3], t[0], t[1], eps, offset, s);
                    }});
     // x, w, dy; y and rstd from the forward (setup); dx, dw (f32).
     ops.push_back({label + " backward",
@@ -203,11 +203,11 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
                    4 * bytes,
                    {in({rows, dim}), in({dim}), in({rows, dim}), out({rows, dim}),
                     out({rows}, true), out({rows, dim}), out({dim}, true)},
-                   [eps](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-                     k.rmsnorm_forward(t[3], t[4], t[0], t[1], eps, s);
+                   [eps, offset](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
+                     k.rmsnorm_forward(t[3], t[4], t[0], t[1], eps, offset, s);
                    },
-                   [](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-                     k.rmsnorm_backward(t[5], t[6], t[2], t[0], t[1], t[4], s);
+                   [offset](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
+                     k.rmsnorm_backward(t[5], t[6], t[2], t[0], t[1], t[4], offset, s);
                    }});
   };
   rmsnorm_ops("rmsnorm", fmt::format("N {} D {}", N, H), N, H, 2);
@@ -227,7 +227,10 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
                    }});
   }
   const double ni = static_cast<double>(N * I) * e;
-  ops.push_back({"swiglu forward",
+  // SwiGLU, or GeGLU for the models whose gate is a GELU (Gemma's).
+  const Activation act = c.hidden_act;
+  const std::string glu = act == Activation::silu ? "swiglu" : "geglu";
+  ops.push_back({glu + " forward",
                  fmt::format("N {} I {}", N, I),
                  Op::kMemory,
                  1,
@@ -235,10 +238,10 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
                  3 * ni,
                  {in({N, I}), in({N, I}), out({N, I})},
                  {},
-                 [](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-                   k.swiglu_forward(t[2], t[0], t[1], s);
+                 [act](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
+                   k.glu_forward(t[2], t[0], t[1], act, s);
                  }});
-  ops.push_back({"swiglu backward",
+  ops.push_back({glu + " backward",
                  fmt::format("N {} I {}", N, I),
                  Op::kMemory,
                  1,
@@ -246,8 +249,8 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
                  5 * ni,
                  {in({N, I}), in({N, I}), in({N, I}), out({N, I}), out({N, I})},
                  {},
-                 [](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-                   k.swiglu_backward(t[3], t[4], t[2], t[0], t[1], s);
+                 [act](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
+                   k.glu_backward(t[3], t[4], t[2], t[0], t[1], act, s);
                  }});
   for (const Linear& l : linears) {
     if (!l.bias) continue;

@@ -317,7 +317,8 @@ Command add_train(CLI::App& app) {
   auto a = std::make_shared<TrainArgs>();
   CLI::App* cmd = app.add_subcommand(
       "train",
-      "train or fine-tune a Llama, Mistral, Qwen2, Qwen3 or Phi-3 model with ZeRO-3 state in GPU, "
+      "train or fine-tune a Llama, Mistral, Qwen2, Qwen3, Phi-3 or Gemma model with ZeRO-3 state "
+      "in GPU, "
       "CPU or NVMe tiers; checkpoints in Hugging Face format, bit-identical resume. Hugging "
       "Face Trainer's flag names are accepted beside strata's (--learning-rate, "
       "--max-grad-norm, --per-device-train-batch-size, --gradient-accumulation-steps, "

@@ -62,6 +62,18 @@ void check_stats(const char* op, std::string_view name, const TensorView& t, con
 
 }  // namespace
 
+const char* activation_name(Activation a) {
+  switch (a) {
+    case Activation::silu:
+      return "silu";
+    case Activation::gelu:
+      return "gelu";
+    case Activation::gelu_tanh:
+      return "gelu_pytorch_tanh";
+  }
+  return "unknown";
+}
+
 MatmulDims check_matmul(const TensorView& c, const TensorView& a, bool trans_a, const TensorView& b,
                         bool trans_b) {
   const char* op = "matmul";

@@ -35,6 +35,12 @@ struct StepConstants;  // cpu_adam/kernels.h
 // Ids of ignored target positions, as in PyTorch's cross_entropy(ignore_index=-100).
 inline constexpr int32_t kIgnoreIndex = -100;
 
+// The activation of the MLP's gate (Kernels::glu_forward): SiLU (Llama's SwiGLU), GELU with
+// erf (torch's gelu) or its tanh approximation (torch's gelu(approximate="tanh"), Gemma's
+// GeGLU).
+enum class Activation : uint8_t { silu, gelu, gelu_tanh };
+const char* activation_name(Activation a);  // "silu", "gelu", "gelu_pytorch_tanh"
+
 // Which keys a query sees besides the causal rule (Kernels::attention_forward): those of its own
 // packed document (doc_start, device memory, or null for one document a sequence) and, with a
 // sliding window (window > 0, Mistral's), the last `window` positions, itself included. Query t
@@ -72,21 +78,27 @@ class Kernels {
   virtual void matmul(const TensorView& c, const TensorView& a, bool trans_a, const TensorView& b,
                       bool trans_b, float alpha, float beta, Stream& s) = 0;
 
-  // out[n,:] = table[ids[n],:]. out [N,D], table [V,D].
+  // out[n,:] = table[ids[n],:] * scale. out [N,D], table [V,D]. scale is 1 but for Gemma,
+  // which multiplies its embeddings by sqrt(hidden_size) rounded to the activations' dtype; the
+  // product is rounded once, as torch rounds it.
   virtual void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids,
-                                 Stream& s) = 0;
-  // dtable[ids[n],:] += dout[n,:]. dtable [V,D] (f32 or dout's dtype), dout [N,D].
+                                 float scale, Stream& s) = 0;
+  // dtable[ids[n],:] += dout[n,:] * scale, each product rounded to dout's dtype first (as
+  // torch's backward of the multiplication rounds it; exact when scale is 1). dtable [V,D] (f32
+  // or dout's dtype), dout [N,D].
   virtual void embedding_backward(const TensorView& dtable, const TensorView& dout,
-                                  const int32_t* ids, Stream& s) = 0;
+                                  const int32_t* ids, float scale, Stream& s) = 0;
 
-  // y = x * rstd * w with rstd[n] = 1 / sqrt(mean_d(x[n,d]^2) + eps). x, y [N,D]; w [D];
-  // rstd_stats [N] (kept for backward).
+  // y = x * rstd * (w + weight_offset) with rstd[n] = 1 / sqrt(mean_d(x[n,d]^2) + eps), in f32
+  // and rounded once. x, y [N,D]; w [D]; rstd_stats [N] (kept for backward). weight_offset is
+  // 0, or 1 for Gemma, whose norms store the weight's difference from 1.
   virtual void rmsnorm_forward(const TensorView& y, const TensorView& rstd_stats,
-                               const TensorView& x, const TensorView& w, float eps, Stream& s) = 0;
-  // dx += ∂L/∂x and dw += ∂L/∂w, from dy and the forward's x, w, rstd_stats.
+                               const TensorView& x, const TensorView& w, float eps,
+                               float weight_offset, Stream& s) = 0;
+  // dx += ∂L/∂x and dw += ∂L/∂w, from dy and the forward's x, w, rstd_stats, weight_offset.
   virtual void rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorView& dy,
                                 const TensorView& x, const TensorView& w,
-                                const TensorView& rstd_stats, Stream& s) = 0;
+                                const TensorView& rstd_stats, float weight_offset, Stream& s) = 0;
 
   // Rotary embedding in place, Hugging Face's rotate-half layout: x [N, heads, head_dim],
   // token n at position n % seq_len; cos_sin [seq_len, R] (f32; R = head_dim, or for a partial
@@ -123,12 +135,15 @@ class Kernels {
                                   const TensorView& v, const TensorView& out,
                                   const TensorView& lse_stats, AttentionMask mask, Stream& s) = 0;
 
-  // h = silu(gate) * up, all [N,F]; silu(x) = x / (1 + exp(-x)).
-  virtual void swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
-                              Stream& s) = 0;
-  // dgate, dup = the gradients of h = silu(gate) * up, from dh.
-  virtual void swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
-                               const TensorView& gate, const TensorView& up, Stream& s) = 0;
+  // The gated MLP's activation: h = act(gate) * up, all [N,F]. silu(x) = x / (1 + exp(-x))
+  // (SwiGLU); gelu(x) = x/2 (1 + erf(x / sqrt 2)); gelu_tanh(x) = x/2 (1 + tanh(sqrt(2/pi)
+  // (x + 0.044715 x^3))) (GeGLU as Gemma computes it). In f32, rounded once.
+  virtual void glu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
+                           Activation act, Stream& s) = 0;
+  // dgate, dup = the gradients of h = act(gate) * up, from dh.
+  virtual void glu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
+                            const TensorView& gate, const TensorView& up, Activation act,
+                            Stream& s) = 0;
 
   // out = a + b, same shapes; out may be a or b (the residual add, in place).
   virtual void add(const TensorView& out, const TensorView& a, const TensorView& b, Stream& s) = 0;
@@ -219,7 +234,7 @@ AttentionDims check_attention(const char* op, const TensorView& out, const Tenso
 // sequence and the position that breaks it.
 void check_doc_start(const char* op, const int32_t* doc_start, int64_t batch, int64_t seq);
 
-// Same element count and shape for every non-null view (swiglu, add).
+// Same element count and shape for every non-null view (glu, add).
 int64_t check_same_shape(const char* op, std::initializer_list<const TensorView*> views);
 
 struct XentDims {

@@ -30,14 +30,14 @@ class CudaKernels final : public Kernels {
   void matmul(const TensorView& c, const TensorView& a, bool trans_a, const TensorView& b,
               bool trans_b, float alpha, float beta, Stream& s) override;
   void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids,
-                         Stream& s) override;
+                         float scale, Stream& s) override;
   void embedding_backward(const TensorView& dtable, const TensorView& dout, const int32_t* ids,
-                          Stream& s) override;
+                          float scale, Stream& s) override;
   void rmsnorm_forward(const TensorView& y, const TensorView& rstd_stats, const TensorView& x,
-                       const TensorView& w, float eps, Stream& s) override;
+                       const TensorView& w, float eps, float weight_offset, Stream& s) override;
   void rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorView& dy,
                         const TensorView& x, const TensorView& w, const TensorView& rstd_stats,
-                        Stream& s) override;
+                        float weight_offset, Stream& s) override;
   void rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len, bool inverse,
             Stream& s) override;
   void attention_forward(const TensorView& out, const TensorView& lse_stats, const TensorView& q,
@@ -47,10 +47,11 @@ class CudaKernels final : public Kernels {
                           const TensorView& dout, const TensorView& q, const TensorView& k,
                           const TensorView& v, const TensorView& out, const TensorView& lse_stats,
                           AttentionMask mask, Stream& s) override;
-  void swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
-                      Stream& s) override;
-  void swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
-                       const TensorView& gate, const TensorView& up, Stream& s) override;
+  void glu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
+                   Activation act, Stream& s) override;
+  void glu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
+                    const TensorView& gate, const TensorView& up, Activation act,
+                    Stream& s) override;
   void add(const TensorView& out, const TensorView& a, const TensorView& b, Stream& s) override;
   void fill(const TensorView& x, float value, Stream& s) override;
   void broadcast_rows(const TensorView& y, const TensorView& b, Stream& s) override;
@@ -163,17 +164,17 @@ void CudaKernels::matmul(const TensorView& c, const TensorView& a, bool trans_a,
 }
 
 void CudaKernels::embedding_forward(const TensorView& out, const TensorView& table,
-                                    const int32_t* id, Stream& s) {
+                                    const int32_t* id, float scale, Stream& s) {
   const RowDims d = check_embedding("embedding_forward", out, table);
   operands("embedding_forward", {{"out", &out}, {"table", &table}});
   ids("embedding_forward", "ids", id, d.rows);
   const cudaStream_t stream = device_.enter(s);
-  launch_embedding_forward(out.data, out.dtype, table.data, table.dtype, id, d.rows, d.cols,
+  launch_embedding_forward(out.data, out.dtype, table.data, table.dtype, id, d.rows, d.cols, scale,
                            stream);
 }
 
 void CudaKernels::embedding_backward(const TensorView& dtable, const TensorView& dout,
-                                     const int32_t* id, Stream& s) {
+                                     const int32_t* id, float scale, Stream& s) {
   const RowDims d = check_embedding("embedding_backward", dout, dtable);
   operands("embedding_backward", {{"dtable", &dtable}, {"dout", &dout}});
   ids("embedding_backward", "ids", id, d.rows);
@@ -184,22 +185,23 @@ void CudaKernels::embedding_backward(const TensorView& dtable, const TensorView&
         name_, d.rows, embedding_backward_scratch_bytes(d.rows), kStreamWorkspaceBytes);
   const cudaStream_t stream = device_.enter(s);
   launch_embedding_backward(dtable.data, dtable.dtype, dout.data, dout.dtype, id, d.rows, d.cols,
-                            device_.workspace(s), stream);
+                            scale, device_.workspace(s), stream);
 }
 
 void CudaKernels::rmsnorm_forward(const TensorView& y, const TensorView& rstd_stats,
-                                  const TensorView& x, const TensorView& w, float eps, Stream& s) {
+                                  const TensorView& x, const TensorView& w, float eps,
+                                  float weight_offset, Stream& s) {
   const RowDims d = check_rmsnorm("rmsnorm_forward", y, rstd_stats, x, w);
   operands("rmsnorm_forward", {{"y", &y}, {"x", &x}, {"w", &w}});
   float* rstd = stats("rmsnorm_forward", "rstd_stats", rstd_stats);
   const cudaStream_t stream = device_.enter(s);
   launch_rmsnorm_forward(y.data, y.dtype, rstd, x.data, x.dtype, w.data, w.dtype, d.rows, d.cols,
-                         eps, stream);
+                         eps, weight_offset, stream);
 }
 
 void CudaKernels::rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorView& dy,
                                    const TensorView& x, const TensorView& w,
-                                   const TensorView& rstd_stats, Stream& s) {
+                                   const TensorView& rstd_stats, float weight_offset, Stream& s) {
   const char* op = "rmsnorm_backward";
   const RowDims d = host::check_rmsnorm_backward(dx, dw, dy, x, w, rstd_stats);
   operands(op, {{"dx", &dx}, {"dw", &dw}, {"dy", &dy}, {"x", &x}, {"w", &w}});
@@ -210,7 +212,7 @@ void CudaKernels::rmsnorm_backward(const TensorView& dx, const TensorView& dw, c
   const cudaStream_t stream = device_.enter(s);
   if (d.rows == 0 || d.cols == 0) return;
   launch_rmsnorm_backward(dx.data, dx.dtype, dw.data, dw.dtype, dy.data, dy.dtype, x.data, x.dtype,
-                          w.data, w.dtype, rstd, d.rows, d.cols,
+                          w.data, w.dtype, weight_offset, rstd, d.rows, d.cols,
                           static_cast<float*>(device_.workspace(s)), kStreamWorkspaceBytes, stream);
 }
 
@@ -262,23 +264,23 @@ void CudaKernels::attention_backward(const TensorView& dq, const TensorView& dk,
                             lse, q.dtype, d, max_shared_bytes(), stream);
 }
 
-void CudaKernels::swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
-                                 Stream& s) {
-  const int64_t n = check_same_shape("swiglu_forward", {&h, &gate, &up});
-  operands("swiglu_forward", {{"h", &h}, {"gate", &gate}, {"up", &up}});
+void CudaKernels::glu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
+                              Activation act, Stream& s) {
+  const int64_t n = check_same_shape("glu_forward", {&h, &gate, &up});
+  operands("glu_forward", {{"h", &h}, {"gate", &gate}, {"up", &up}});
   const cudaStream_t stream = device_.enter(s);
-  launch_swiglu_forward(h.data, h.dtype, gate.data, gate.dtype, up.data, up.dtype, n, stream);
+  launch_glu_forward(h.data, h.dtype, gate.data, gate.dtype, up.data, up.dtype, n, act, stream);
 }
 
-void CudaKernels::swiglu_backward(const TensorView& dgate, const TensorView& dup,
-                                  const TensorView& dh, const TensorView& gate,
-                                  const TensorView& up, Stream& s) {
-  const char* op = "swiglu_backward";
-  const int64_t n = host::check_swiglu_backward(dgate, dup, dh, gate, up);
+void CudaKernels::glu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
+                               const TensorView& gate, const TensorView& up, Activation act,
+                               Stream& s) {
+  const char* op = "glu_backward";
+  const int64_t n = host::check_glu_backward(dgate, dup, dh, gate, up);
   operands(op, {{"dgate", &dgate}, {"dup", &dup}, {"dh", &dh}, {"gate", &gate}, {"up", &up}});
   const cudaStream_t stream = device_.enter(s);
-  launch_swiglu_backward(dgate.data, dgate.dtype, dup.data, dup.dtype, dh.data, dh.dtype, gate.data,
-                         gate.dtype, up.data, up.dtype, n, stream);
+  launch_glu_backward(dgate.data, dgate.dtype, dup.data, dup.dtype, dh.data, dh.dtype, gate.data,
+                      gate.dtype, up.data, up.dtype, n, act, stream);
 }
 
 void CudaKernels::add(const TensorView& out, const TensorView& a, const TensorView& b, Stream& s) {

@@ -1,4 +1,5 @@
-// embedding.cu: the token embedding's forward (a row gather) and backward (a row scatter-add).
+// embedding.cu: the token embedding's forward (a row gather) and backward (a row scatter-add),
+// each row times a scale (1, or Gemma's sqrt(hidden_size)).
 //
 // The backward is deterministic and equals the host's bit for bit: rows sharing an id add in
 // token order, a 16-bit dtable rounding after every add. A first pass links each row to the
@@ -18,12 +19,12 @@ using gpu::to_f32;
 
 template <typename O, typename Tb>
 __global__ void embedding_forward_kernel(O* __restrict__ out, const Tb* __restrict__ table,
-                                         const int32_t* __restrict__ ids, int64_t rows,
-                                         int64_t dim) {
+                                         const int32_t* __restrict__ ids, int64_t rows, int64_t dim,
+                                         float scale) {
   const int64_t n = rows * dim;
   gpu::grid_stride(n, [&](int64_t i) {
     const int64_t row = i / dim, d = i - row * dim;
-    out[i] = from_f32<O>(to_f32(table[int64_t{ids[row]} * dim + d]));
+    out[i] = from_f32<O>(to_f32(table[int64_t{ids[row]} * dim + d]) * scale);
   });
 }
 
@@ -60,13 +61,14 @@ __global__ void embedding_chain_kernel(int32_t* __restrict__ next, int32_t* __re
 }
 
 // One block per (head row, tile of blockDim.x columns): each thread adds its column of every row
-// in the chain, in token order, rounding to G after each add as the host does.
+// in the chain, in token order, rounding to G after each add as the host does. Each row's value
+// is dout * scale rounded to D first, as the host (and torch) round it.
 template <typename G, typename D>
 __global__ void embedding_backward_kernel(G* dtable, const D* __restrict__ dout,
                                           const int32_t* __restrict__ ids,
                                           const int32_t* __restrict__ next,
                                           const int32_t* __restrict__ head, int64_t rows,
-                                          int64_t dim) {
+                                          int64_t dim, float scale) {
   const int64_t tiles = (dim + blockDim.x - 1) / blockDim.x;
   for (int64_t b = blockIdx.x; b < rows * tiles; b += gridDim.x) {
     const int64_t r = b / tiles, d = (b - r * tiles) * blockDim.x + threadIdx.x;
@@ -74,7 +76,7 @@ __global__ void embedding_backward_kernel(G* dtable, const D* __restrict__ dout,
     G* p = dtable + int64_t{ids[r]} * dim + d;
     float acc = to_f32(*p);
     for (int64_t j = r; j >= 0; j = next[j])
-      acc = to_f32(from_f32<G>(acc + to_f32(dout[j * dim + d])));
+      acc = to_f32(from_f32<G>(acc + to_f32(from_f32<D>(to_f32(dout[j * dim + d]) * scale))));
     *p = from_f32<G>(acc);
   }
 }
@@ -82,13 +84,14 @@ __global__ void embedding_backward_kernel(G* dtable, const D* __restrict__ dout,
 }  // namespace
 
 void launch_embedding_forward(void* out, DType out_t, const void* table, DType table_t,
-                              const int32_t* ids, int64_t rows, int64_t dim, cudaStream_t stream) {
+                              const int32_t* ids, int64_t rows, int64_t dim, float scale,
+                              cudaStream_t stream) {
   if (rows * dim == 0) return;
   gpu::dispatch(out_t, [&]<typename O>() {
     gpu::dispatch(table_t, [&]<typename Tb>() {
       embedding_forward_kernel<O, Tb>
           <<<gpu::grid_for(static_cast<uint64_t>(rows * dim)), gpu::kThreads, 0, stream>>>(
-              static_cast<O*>(out), static_cast<const Tb*>(table), ids, rows, dim);
+              static_cast<O*>(out), static_cast<const Tb*>(table), ids, rows, dim, scale);
       CUDA_CHECK_LAUNCH();
     });
   });
@@ -99,8 +102,8 @@ uint64_t embedding_backward_scratch_bytes(int64_t rows) {
 }
 
 void launch_embedding_backward(void* dtable, DType dtable_t, const void* dout, DType dout_t,
-                               const int32_t* ids, int64_t rows, int64_t dim, void* scratch,
-                               cudaStream_t stream) {
+                               const int32_t* ids, int64_t rows, int64_t dim, float scale,
+                               void* scratch, cudaStream_t stream) {
   if (rows * dim == 0) return;
   int32_t* next = static_cast<int32_t*>(scratch);
   int32_t* head = next + rows;
@@ -114,7 +117,7 @@ void launch_embedding_backward(void* dtable, DType dtable_t, const void* dout, D
   gpu::dispatch(dtable_t, [&]<typename G>() {
     gpu::dispatch(dout_t, [&]<typename D>() {
       embedding_backward_kernel<G, D><<<grid, gpu::kThreads, 0, stream>>>(
-          static_cast<G*>(dtable), static_cast<const D*>(dout), ids, next, head, rows, dim);
+          static_cast<G*>(dtable), static_cast<const D*>(dout), ids, next, head, rows, dim, scale);
       CUDA_CHECK_LAUNCH();
     });
   });

@@ -19,20 +19,22 @@
 namespace strata {
 
 // ---- embedding.cu ----
+// scale: Kernels::embedding_forward's (Gemma's sqrt(hidden_size); 1 copies the rows).
 void launch_embedding_forward(void* out, DType out_t, const void* table, DType table_t,
-                              const int32_t* ids, int64_t rows, int64_t dim, cudaStream_t stream);
+                              const int32_t* ids, int64_t rows, int64_t dim, float scale,
+                              cudaStream_t stream);
 // Deterministic: rows sharing an id add in token order, the host's bits exactly. `scratch`
 // (device memory of embedding_backward_scratch_bytes(rows)) holds each row's link to the next
 // row with its id.
 uint64_t embedding_backward_scratch_bytes(int64_t rows);
 void launch_embedding_backward(void* dtable, DType dtable_t, const void* dout, DType dout_t,
-                               const int32_t* ids, int64_t rows, int64_t dim, void* scratch,
-                               cudaStream_t stream);
+                               const int32_t* ids, int64_t rows, int64_t dim, float scale,
+                               void* scratch, cudaStream_t stream);
 
 // ---- rmsnorm.cu ----
 void launch_rmsnorm_forward(void* y, DType y_t, float* rstd, const void* x, DType x_t,
                             const void* w, DType w_t, int64_t rows, int64_t dim, float eps,
-                            cudaStream_t stream);
+                            float weight_offset, cudaStream_t stream);
 // The scratch the backward needs for its per-block dw partials: at least rmsnorm_scratch_min
 // bytes (one partial row); more allows more blocks, up to rmsnorm_scratch_max.
 uint64_t rmsnorm_scratch_min(int64_t dim);
@@ -41,9 +43,9 @@ uint64_t rmsnorm_scratch_max(int64_t rows, int64_t dim);
 // `scratch` is device memory of `scratch_bytes` >= rmsnorm_scratch_min(dim), used only by
 // work queued on `stream`.
 void launch_rmsnorm_backward(void* dx, DType dx_t, void* dw, DType dw_t, const void* dy, DType dy_t,
-                             const void* x, DType x_t, const void* w, DType w_t, const float* rstd,
-                             int64_t rows, int64_t dim, float* scratch, uint64_t scratch_bytes,
-                             cudaStream_t stream);
+                             const void* x, DType x_t, const void* w, DType w_t,
+                             float weight_offset, const float* rstd, int64_t rows, int64_t dim,
+                             float* scratch, uint64_t scratch_bytes, cudaStream_t stream);
 
 // ---- rope.cu ----
 void launch_rope(void* x, DType x_t, const float* cos_sin, int64_t tokens, int64_t heads,
@@ -96,12 +98,12 @@ uint64_t attention_mma_backward_shared_bytes(int64_t head_dim);
 uint64_t attention_tc_backward_shared_bytes(int64_t head_dim);
 // Which attention kernels take the calls they apply to: attention_kernels.h.
 
-// ---- swiglu.cu ----
-void launch_swiglu_forward(void* h, DType h_t, const void* gate, DType gate_t, const void* up,
-                           DType up_t, int64_t n, cudaStream_t stream);
-void launch_swiglu_backward(void* dgate, DType dgate_t, void* dup, DType dup_t, const void* dh,
-                            DType dh_t, const void* gate, DType gate_t, const void* up, DType up_t,
-                            int64_t n, cudaStream_t stream);
+// ---- glu.cu ----
+void launch_glu_forward(void* h, DType h_t, const void* gate, DType gate_t, const void* up,
+                        DType up_t, int64_t n, Activation act, cudaStream_t stream);
+void launch_glu_backward(void* dgate, DType dgate_t, void* dup, DType dup_t, const void* dh,
+                         DType dh_t, const void* gate, DType gate_t, const void* up, DType up_t,
+                         int64_t n, Activation act, cudaStream_t stream);
 
 // ---- elementwise.cu ----
 void launch_add(void* out, DType out_t, const void* a, DType a_t, const void* b, DType b_t,

@@ -28,39 +28,39 @@ class HostKernels final : public Kernels {
   }
 
   void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids,
-                         Stream& s) override {
+                         float scale, Stream& s) override {
     const char* op = "embedding_forward";
     const RowDims d = check_embedding(op, out, table);
     in_memory(op, {{"out", &out}, {"table", &table}});
     ids_in_memory(op, "ids", ids, d.rows);
-    q_.enqueue(s, [=] { host::embedding_forward(out, table, ids); });
+    q_.enqueue(s, [=] { host::embedding_forward(out, table, ids, scale); });
   }
 
   void embedding_backward(const TensorView& dtable, const TensorView& dout, const int32_t* ids,
-                          Stream& s) override {
+                          float scale, Stream& s) override {
     const char* op = "embedding_backward";
     const RowDims d = check_embedding(op, dout, dtable);
     in_memory(op, {{"dtable", &dtable}, {"dout", &dout}});
     ids_in_memory(op, "ids", ids, d.rows);
-    q_.enqueue(s, [=] { host::embedding_backward(dtable, dout, ids); });
+    q_.enqueue(s, [=] { host::embedding_backward(dtable, dout, ids, scale); });
   }
 
   void rmsnorm_forward(const TensorView& y, const TensorView& rstd_stats, const TensorView& x,
-                       const TensorView& w, float eps, Stream& s) override {
+                       const TensorView& w, float eps, float weight_offset, Stream& s) override {
     const char* op = "rmsnorm_forward";
     check_rmsnorm(op, y, rstd_stats, x, w);
     in_memory(op, {{"y", &y}, {"rstd_stats", &rstd_stats}, {"x", &x}, {"w", &w}});
-    q_.enqueue(s, [=] { host::rmsnorm_forward(y, rstd_stats, x, w, eps); });
+    q_.enqueue(s, [=] { host::rmsnorm_forward(y, rstd_stats, x, w, eps, weight_offset); });
   }
 
   void rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorView& dy,
                         const TensorView& x, const TensorView& w, const TensorView& rstd_stats,
-                        Stream& s) override {
+                        float weight_offset, Stream& s) override {
     check_rmsnorm_backward(dx, dw, dy, x, w, rstd_stats);
     in_memory(
         "rmsnorm_backward",
         {{"dx", &dx}, {"dw", &dw}, {"dy", &dy}, {"x", &x}, {"w", &w}, {"rstd_stats", &rstd_stats}});
-    q_.enqueue(s, [=] { host::rmsnorm_backward(dx, dw, dy, x, w, rstd_stats); });
+    q_.enqueue(s, [=] { host::rmsnorm_backward(dx, dw, dy, x, w, rstd_stats, weight_offset); });
   }
 
   void rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len, bool inverse,
@@ -101,20 +101,21 @@ class HostKernels final : public Kernels {
                [=] { host::attention_backward(dq, dk, dv, dout, q, k, v, out, lse_stats, mask); });
   }
 
-  void swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
-                      Stream& s) override {
-    const char* op = "swiglu_forward";
+  void glu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
+                   Activation act, Stream& s) override {
+    const char* op = "glu_forward";
     check_same_shape(op, {&h, &gate, &up});
     in_memory(op, {{"h", &h}, {"gate", &gate}, {"up", &up}});
-    q_.enqueue(s, [=] { host::swiglu_forward(h, gate, up); });
+    q_.enqueue(s, [=] { host::glu_forward(h, gate, up, act); });
   }
 
-  void swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
-                       const TensorView& gate, const TensorView& up, Stream& s) override {
-    check_swiglu_backward(dgate, dup, dh, gate, up);
-    in_memory("swiglu_backward",
+  void glu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
+                    const TensorView& gate, const TensorView& up, Activation act,
+                    Stream& s) override {
+    check_glu_backward(dgate, dup, dh, gate, up);
+    in_memory("glu_backward",
               {{"dgate", &dgate}, {"dup", &dup}, {"dh", &dh}, {"gate", &gate}, {"up", &up}});
-    q_.enqueue(s, [=] { host::swiglu_backward(dgate, dup, dh, gate, up); });
+    q_.enqueue(s, [=] { host::glu_backward(dgate, dup, dh, gate, up, act); });
   }
 
   void add(const TensorView& out, const TensorView& a, const TensorView& b, Stream& s) override {

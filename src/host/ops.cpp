@@ -77,6 +77,12 @@ void put(const TensorView& t, int64_t i, float v) {
 float* f32(const TensorView& t) {
   return static_cast<float*>(t.data);
 }
+// v rounded to t's precision (to nearest even), as a store into a tensor of t rounds it.
+float rounded(DType t, float v) {
+  if (t == DType::bf16) return bf16_to_f32(f32_to_bf16(v));
+  if (t == DType::f16) return f16_to_f32(f32_to_f16(v));
+  return v;
+}
 
 void check_ids(const char* op, const int32_t* ids, int64_t n, int64_t vocab) {
   if (n > 0 && ids == nullptr) fail("{}: ids is null for {} tokens; pass the token ids", op, n);
@@ -185,19 +191,21 @@ void matmul(const TensorView& c, const TensorView& a, bool trans_a, const Tensor
 // ---------------------------------------------------------------------------------------
 // embedding
 
-void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids) {
+void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids,
+                       float scale) {
   const char* op = "embedding_forward";
   const RowDims d = check_embedding(op, out, table);
   check_ids(op, ids, d.rows, table.shape[0]);
   parallel_ranges(d.rows, rows_grain(d.cols), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t src = int64_t{ids[r]} * d.cols, dst = r * d.cols;
-      for (int64_t j = 0; j < d.cols; ++j) put(out, dst + j, get(table, src + j));
+      for (int64_t j = 0; j < d.cols; ++j) put(out, dst + j, get(table, src + j) * scale);
     }
   });
 }
 
-void embedding_backward(const TensorView& dtable, const TensorView& dout, const int32_t* ids) {
+void embedding_backward(const TensorView& dtable, const TensorView& dout, const int32_t* ids,
+                        float scale) {
   const char* op = "embedding_backward";
   const RowDims d = check_embedding(op, dout, dtable);
   check_ids(op, ids, d.rows, dtable.shape[0]);
@@ -207,7 +215,8 @@ void embedding_backward(const TensorView& dtable, const TensorView& dout, const 
     for (int64_t r = 0; r < d.rows; ++r) {
       const int64_t dst = int64_t{ids[r]} * d.cols, src = r * d.cols;
       for (int64_t j = j0; j < j1; ++j)
-        put(dtable, dst + j, get(dtable, dst + j) + get(dout, src + j));
+        put(dtable, dst + j,
+            get(dtable, dst + j) + rounded(dout.dtype, get(dout, src + j) * scale));
     }
   });
 }
@@ -215,10 +224,23 @@ void embedding_backward(const TensorView& dtable, const TensorView& dout, const 
 // ---------------------------------------------------------------------------------------
 // rmsnorm
 
+namespace {
+
+// The norm's weight as it multiplies: w + weight_offset in f32 (Gemma's 1 + w).
+std::vector<float> norm_weight(const TensorView& w, float weight_offset) {
+  const F32Input in(w);
+  std::vector<float> out(static_cast<size_t>(w.numel()));
+  for (size_t j = 0; j < out.size(); ++j) out[j] = in[static_cast<int64_t>(j)] + weight_offset;
+  return out;
+}
+
+}  // namespace
+
 void rmsnorm_forward(const TensorView& y, const TensorView& rstd_stats, const TensorView& x,
-                     const TensorView& w, float eps) {
+                     const TensorView& w, float eps, float weight_offset) {
   const RowDims d = check_rmsnorm("rmsnorm_forward", y, rstd_stats, x, w);
-  const F32Input wf(w);
+  const std::vector<float> weight = norm_weight(w, weight_offset);
+  const float* wf = weight.data();
   parallel_ranges(d.rows, rows_grain(d.cols), [&](int64_t r0, int64_t r1) {
     std::vector<float> row(static_cast<size_t>(d.cols));  // read first: y may alias x
     for (int64_t r = r0; r < r1; ++r) {
@@ -246,9 +268,11 @@ RowDims check_rmsnorm_backward(const TensorView& dx, const TensorView& dw, const
 }
 
 void rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorView& dy,
-                      const TensorView& x, const TensorView& w, const TensorView& rstd_stats) {
+                      const TensorView& x, const TensorView& w, const TensorView& rstd_stats,
+                      float weight_offset) {
   const RowDims d = check_rmsnorm_backward(dx, dw, dy, x, w, rstd_stats);
-  const F32Input wf(w);
+  const std::vector<float> weight = norm_weight(w, weight_offset);
+  const float* wf = weight.data();
   const float* rstd = f32(rstd_stats);
   const auto cols = static_cast<double>(d.cols);
   // y_j = x_j r w_j with r = (mean(x²) + eps)^-1/2 and ∂r/∂x_j = -r³ x_j / D, so
@@ -444,34 +468,69 @@ void attention_backward(const TensorView& dq, const TensorView& dk, const Tensor
 }
 
 // ---------------------------------------------------------------------------------------
-// swiglu, add, fill: elementwise; every element is read before it is written, so an output
+// glu, add, fill: elementwise; every element is read before it is written, so an output
 // may alias an input.
 
-void swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up) {
-  const int64_t n = check_same_shape("swiglu_forward", {&h, &gate, &up});
-  parallel_ranges(n, kGrainElements, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float g = get(gate, i);
-      put(h, i, g / (1.0f + std::exp(-g)) * get(up, i));
+namespace {
+
+// The gate's activation and its derivative in f32, as torch's CPU kernels write them.
+constexpr float kSqrtHalf = 0.70710678118654752f;    // 1 / sqrt(2)
+constexpr float kInvSqrt2Pi = 0.39894228040143268f;  // 1 / sqrt(2 pi)
+constexpr float kTanhBeta = 0.79788456080286536f;    // sqrt(2 / pi)
+constexpr float kTanhKappa = 0.044715f;
+
+float activation(Activation act, float g) {
+  switch (act) {
+    case Activation::silu:
+      return g / (1.0f + std::exp(-g));
+    case Activation::gelu:
+      return g * 0.5f * (1.0f + std::erf(g * kSqrtHalf));
+    case Activation::gelu_tanh:
+      return 0.5f * g * (1.0f + std::tanh(kTanhBeta * (g + kTanhKappa * g * g * g)));
+  }
+  return 0.0f;
+}
+
+float activation_slope(Activation act, float g) {
+  switch (act) {
+    case Activation::silu: {  // σ(g) (1 + g (1 - σ(g)))
+      const float sig = 1.0f / (1.0f + std::exp(-g));
+      return sig * (1.0f + g * (1.0f - sig));
     }
+    case Activation::gelu:  // Φ(g) + g φ(g)
+      return 0.5f * (1.0f + std::erf(g * kSqrtHalf)) + g * std::exp(-0.5f * g * g) * kInvSqrt2Pi;
+    case Activation::gelu_tanh: {
+      const float t = std::tanh(kTanhBeta * (g + kTanhKappa * g * g * g));
+      return 0.5f * (1.0f + t) +
+             0.5f * g * ((1.0f - t * t) * kTanhBeta * (1.0f + 3.0f * kTanhKappa * g * g));
+    }
+  }
+  return 0.0f;
+}
+
+}  // namespace
+
+void glu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
+                 Activation act) {
+  const int64_t n = check_same_shape("glu_forward", {&h, &gate, &up});
+  parallel_ranges(n, kGrainElements, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) put(h, i, activation(act, get(gate, i)) * get(up, i));
   });
 }
 
-int64_t check_swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
-                              const TensorView& gate, const TensorView& up) {
-  return check_same_shape("swiglu_backward", {&dgate, &dup, &dh, &gate, &up});
+int64_t check_glu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
+                           const TensorView& gate, const TensorView& up) {
+  return check_same_shape("glu_backward", {&dgate, &dup, &dh, &gate, &up});
 }
 
-void swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
-                     const TensorView& gate, const TensorView& up) {
-  const int64_t n = check_swiglu_backward(dgate, dup, dh, gate, up);
-  // silu'(g) = σ(g) (1 + g (1 - σ(g))).
+void glu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
+                  const TensorView& gate, const TensorView& up, Activation act) {
+  const int64_t n = check_glu_backward(dgate, dup, dh, gate, up);
   parallel_ranges(n, kGrainElements, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float g = get(gate, i), u = get(up, i), d = get(dh, i);
-      const float sig = 1.0f / (1.0f + std::exp(-g));
-      put(dgate, i, d * u * (sig * (1.0f + g * (1.0f - sig))));
-      put(dup, i, d * g * sig);
+      put(dgate, i, d * u * activation_slope(act, g));
+      put(dup, i, d * activation(act, g));
     }
   });
 }

@@ -23,13 +23,17 @@ void matmul(const TensorView& c, const TensorView& a, bool trans_a, const Tensor
             bool trans_b, float alpha, float beta);
 
 // ids: out.shape[0] (or dout.shape[0]) int32 ids, each in [0, table rows).
-void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids);
-void embedding_backward(const TensorView& dtable, const TensorView& dout, const int32_t* ids);
+// scale and weight_offset: the kernel table's (Gemma's), 1 and 0 for every other model.
+void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids,
+                       float scale = 1.0f);
+void embedding_backward(const TensorView& dtable, const TensorView& dout, const int32_t* ids,
+                        float scale = 1.0f);
 
 void rmsnorm_forward(const TensorView& y, const TensorView& rstd_stats, const TensorView& x,
-                     const TensorView& w, float eps);
+                     const TensorView& w, float eps, float weight_offset = 0.0f);
 void rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorView& dy,
-                      const TensorView& x, const TensorView& w, const TensorView& rstd_stats);
+                      const TensorView& x, const TensorView& w, const TensorView& rstd_stats,
+                      float weight_offset = 0.0f);
 
 void rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len, bool inverse);
 
@@ -41,9 +45,10 @@ void attention_backward(const TensorView& dq, const TensorView& dk, const Tensor
                         const TensorView& v, const TensorView& out, const TensorView& lse_stats,
                         AttentionMask mask = {});
 
-void swiglu_forward(const TensorView& h, const TensorView& gate, const TensorView& up);
-void swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
-                     const TensorView& gate, const TensorView& up);
+void glu_forward(const TensorView& h, const TensorView& gate, const TensorView& up,
+                 Activation act = Activation::silu);
+void glu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
+                  const TensorView& gate, const TensorView& up, Activation act = Activation::silu);
 
 void add(const TensorView& out, const TensorView& a, const TensorView& b);
 void fill(const TensorView& x, float value);
@@ -78,8 +83,8 @@ AttentionDims check_attention_backward(const TensorView& dq, const TensorView& d
                                        const TensorView& q, const TensorView& k,
                                        const TensorView& v, const TensorView& out,
                                        const TensorView& lse_stats, AttentionMask mask = {});
-int64_t check_swiglu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
-                              const TensorView& gate, const TensorView& up);
+int64_t check_glu_backward(const TensorView& dgate, const TensorView& dup, const TensorView& dh,
+                           const TensorView& gate, const TensorView& up);
 XentDims check_xent_finish(const TensorView& losses, const TensorView& lse,
                            const TensorView& row_max, const TensorView& row_sum,
                            const TensorView& target_logit);

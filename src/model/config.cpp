@@ -187,10 +187,11 @@ constexpr KnownArchitecture kArchitectures[] = {
     {Architecture::qwen2, "Qwen2ForCausalLM", "qwen2"},
     {Architecture::qwen3, "Qwen3ForCausalLM", "qwen3"},
     {Architecture::phi3, "Phi3ForCausalLM", "phi3"},
+    {Architecture::gemma, "GemmaForCausalLM", "gemma"},
 };
 constexpr const char* kKnownClasses =
-    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM or "
-    "Phi3ForCausalLM";
+    "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
+    "Phi3ForCausalLM or GemmaForCausalLM";
 
 // The architecture from "architectures" (the first class strata knows) and "model_type", which
 // must agree where both are given.
@@ -216,7 +217,7 @@ Architecture parse_architecture(const json& j, std::string_view src) {
     if (!from_type)
       fail(
           "{}: model_type '{}' is not one strata implements; strata trains the Llama family: "
-          "llama, mistral, qwen2, qwen3 or phi3",
+          "llama, mistral, qwen2, qwen3, phi3 or gemma",
           src, t);
   }
   if (from_class && from_type && *from_class != *from_type)
@@ -237,7 +238,7 @@ Architecture parse_architecture(const json& j, std::string_view src) {
 int64_t parse_sliding_window(const json& j, std::string_view src, Architecture arch, int64_t layers,
                              std::vector<bool>& sliding) {
   sliding.clear();
-  if (arch == Architecture::llama) return 0;
+  if (arch == Architecture::llama || arch == Architecture::gemma) return 0;
   const json* w = field(j, "sliding_window");
   int64_t window = w != nullptr ? as_int(*w, src, "sliding_window") : 0;
   if (w != nullptr && window < 1)
@@ -311,6 +312,16 @@ LlamaConfig qwen2(LlamaConfig c) {
   c.rms_norm_eps = 1e-6;
   return c;
 }
+// Gemma's (the first, 2B and 7B): head_dim 256 whatever hidden / heads is, eps 1e-6, tied, the
+// tanh GELU; its norms and embeddings follow the class (norm_weight_offset, embedding_scale).
+LlamaConfig gemma(LlamaConfig c) {
+  c.architecture = Architecture::gemma;
+  c.head_dim = 256;
+  c.rms_norm_eps = 1e-6;
+  c.tie_word_embeddings = true;
+  c.hidden_act = Activation::gelu_tanh;
+  return c;
+}
 // Phi-3's and Phi-4's class: Mistral's equations, fused projections in the files.
 LlamaConfig phi3(LlamaConfig c, int64_t window) {
   c.architecture = Architecture::phi3;
@@ -364,6 +375,9 @@ const std::vector<LlamaConfig>& presets() {
         phi3(make_preset("phi3-mini", 3072, 8192, 32, 32, 32, 32064, 4096, 10000.0, DType::bf16),
              2047),
         phi3(make_preset("phi4", 5120, 17920, 40, 40, 10, 100352, 16384, 250000.0, DType::bf16), 0),
+        // Gemma 2B (one key/value head) and 7B.
+        gemma(make_preset("gemma-2b", 2048, 16384, 18, 8, 1, 256000, 8192, 10000.0, DType::bf16)),
+        gemma(make_preset("gemma-7b", 3072, 24576, 28, 16, 16, 256000, 8192, 10000.0, DType::bf16)),
     };
   }();
   return all;
@@ -392,6 +406,9 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
     case Architecture::llama:
       fits = attention_bias && !c.qk_norm;
       break;
+    case Architecture::gemma:
+      fits = attention_bias && !c.mlp_bias && !c.qk_norm;
+      break;
     case Architecture::mistral:
     case Architecture::phi3:
       fits = !c.qkv_bias && !c.o_bias && !c.mlp_bias && !c.qk_norm;
@@ -407,10 +424,12 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
     fail(
         "{}: biases on q/k/v {}, o {}, MLP {} and q/k norms {} are not what {} builds (Llama: "
         "attention_bias puts biases on q, k, v and o together; Mistral and Phi-3: none; Qwen2: "
-        "q, k and v only; Qwen3: q and k norms, attention_bias as Llama's)",
+        "q, k and v only; Qwen3: q and k norms, attention_bias as Llama's; Gemma: "
+        "attention_bias as Llama's, no MLP bias)",
         src, c.qkv_bias, c.o_bias, c.mlp_bias, c.qk_norm, architecture_class(c.architecture));
   if (c.sliding_window < 0 || c.sliding_window > kMaxSize ||
-      (c.sliding_window > 0 && c.architecture == Architecture::llama))
+      (c.sliding_window > 0 &&
+       (c.architecture == Architecture::llama || c.architecture == Architecture::gemma)))
     fail(
         "{}: sliding_window = {} is not valid for {}; it is a positive window for Mistral, Qwen2 "
         "or Phi-3",
@@ -506,7 +525,7 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
   // Biases, and what would change the math and is not implemented: refused by name. Mistral
   // and Qwen2 fix their biases in code (none; q, k and v), whatever the keys say.
   if (arch == Architecture::qwen2) c.qkv_bias = true;
-  if (arch == Architecture::llama || arch == Architecture::qwen3) {
+  if (arch == Architecture::llama || arch == Architecture::qwen3 || arch == Architecture::gemma) {
     if (const json* v = field(j, "attention_bias"))
       c.qkv_bias = c.o_bias = as_bool(*v, src, "attention_bias");
   }
@@ -515,11 +534,32 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
   c.qk_norm = arch == Architecture::qwen3;
   c.num_hidden_layers = required(j, "num_hidden_layers", src, as_int);
   c.sliding_window = parse_sliding_window(j, src, arch, c.num_hidden_layers, c.sliding_layers);
-  if (const json* v = field(j, "hidden_act")) {
-    const std::string& act = as_string(*v, src, "hidden_act");
-    if (act != "silu" && act != "swish")  // the same function under two names
-      fail("{}: hidden_act '{}' is not supported; strata's MLP is SwiGLU (hidden_act \"silu\")",
-           src, act);
+  // The MLP's activation. Gemma's configs name it twice: hidden_activation (which transformers
+  // 4.38 to 4.4x read, taking gelu_pytorch_tanh where it was absent, whatever hidden_act said)
+  // and hidden_act ("gelu" in Google's first configs, meaning the tanh approximation the model
+  // was trained with). So for Gemma hidden_activation wins, and a lone hidden_act "gelu" is
+  // read as Gemma's tanh GELU. Exports write both keys, the same.
+  c.hidden_act = arch == Architecture::gemma ? Activation::gelu_tanh : Activation::silu;
+  std::string act_key = "hidden_act";
+  const json* act_field = field(j, act_key);
+  if (const json* v = field(j, "hidden_activation"); v && arch == Architecture::gemma) {
+    act_field = v;
+    act_key = "hidden_activation";
+  }
+  if (act_field != nullptr) {
+    const std::string& act = as_string(*act_field, src, act_key);
+    if (act == "silu" || act == "swish")  // the same function under two names
+      c.hidden_act = Activation::silu;
+    else if (act == "gelu_pytorch_tanh" || act == "gelu_new")  // the same, rounded alike in f32
+      c.hidden_act = Activation::gelu_tanh;
+    else if (act == "gelu")
+      c.hidden_act = arch == Architecture::gemma && act_key == "hidden_act" ? Activation::gelu_tanh
+                                                                            : Activation::gelu;
+    else
+      fail(
+          "{}: {} '{}' is not supported; strata's gated MLP takes silu (SwiGLU), gelu or "
+          "gelu_pytorch_tanh (GeGLU)",
+          src, act_key, act);
   }
   // Phi-3's dropouts and partial rotation (Phi-4-mini rotates 3/4 of each head).
   for (const char* key : {"resid_pdrop", "embd_pdrop"})
@@ -558,6 +598,8 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
       kv != nullptr ? as_int(*kv, src, "num_key_value_heads") : c.num_attention_heads;
   if (const json* v = field(j, "head_dim")) {
     c.head_dim = as_int(*v, src, "head_dim");
+  } else if (arch == Architecture::gemma) {
+    c.head_dim = 256;  // GemmaConfig's default
   } else {
     // Non-positive sizes are left to validate_llama_config, which names them.
     if (c.num_attention_heads > 0 && c.hidden_size % c.num_attention_heads != 0)
@@ -567,6 +609,8 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
           src, c.hidden_size, c.num_attention_heads);
     c.head_dim = c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0;
   }
+  // Gemma's configs leave it out: GemmaConfig ties by default, the others do not.
+  c.tie_word_embeddings = arch == Architecture::gemma;
   if (const json* v = field(j, "tie_word_embeddings"))
     c.tie_word_embeddings = as_bool(*v, src, "tie_word_embeddings");
   if (const json* v = field(j, "rope_theta")) c.rope_theta = as_number(*v, src, "rope_theta");
@@ -713,7 +757,7 @@ json to_hf_config_json(const LlamaConfig& c) {
   j["tie_word_embeddings"] = c.tie_word_embeddings;
   j["torch_dtype"] = hf_dtype_name(c.torch_dtype);
   // What strata computes, spelled out so Hugging Face builds the same model.
-  j["hidden_act"] = "silu";
+  j["hidden_act"] = activation_name(c.hidden_act);
   j["attention_dropout"] = 0.0;
   j["initializer_range"] = 0.02;
   switch (c.architecture) {
@@ -721,6 +765,10 @@ json to_hf_config_json(const LlamaConfig& c) {
       j["attention_bias"] = c.qkv_bias;
       j["mlp_bias"] = c.mlp_bias;
       j["pretraining_tp"] = 1;
+      break;
+    case Architecture::gemma:  // transformers 4.38 to 4.4x read the second key alone
+      j["attention_bias"] = c.qkv_bias;
+      j["hidden_activation"] = activation_name(c.hidden_act);
       break;
     case Architecture::mistral:
       j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
@@ -753,6 +801,19 @@ json to_hf_config_json(const LlamaConfig& c) {
   }
   j["use_cache"] = true;
   return j;
+}
+
+float norm_weight_offset(const LlamaConfig& c) {
+  return c.architecture == Architecture::gemma ? 1.0f : 0.0f;
+}
+
+float embedding_scale(const LlamaConfig& c, DType t) {
+  if (c.architecture != Architecture::gemma) return 1.0f;
+  // Python's hidden_size ** 0.5, a float32 tensor, then the weights' dtype.
+  const auto f = static_cast<float>(std::sqrt(static_cast<double>(c.hidden_size)));
+  if (t == DType::bf16) return bf16_to_f32(f32_to_bf16(f));
+  if (t == DType::f16) return f16_to_f32(f32_to_f16(f));
+  return f;
 }
 
 int64_t HfTensor::numel() const {

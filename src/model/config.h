@@ -3,11 +3,14 @@
 //
 // The family is Llama's decoder (RMSNorm, rotary embeddings, causal grouped-query attention,
 // SwiGLU) as Hugging Face's LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM,
-// Qwen3ForCausalLM and Phi3ForCausalLM define it: Mistral is Llama with a sliding attention
-// window, Qwen2 adds biases to the q, k and v projections, Qwen3 an RMSNorm over each head of q
-// and k before the rotation, and Phi-3 (Phi-3 and Phi-4) is Mistral with q, k and v stored as
-// one tensor in its files, and gate and up as another (hf_file_tensors). Llama's (and Qwen3's)
-// attention_bias and Llama's mlp_bias put biases on the other projections too.
+// Qwen3ForCausalLM, Phi3ForCausalLM and GemmaForCausalLM define it: Mistral is Llama with a
+// sliding attention window, Qwen2 adds biases to the q, k and v projections, Qwen3 an RMSNorm
+// over each head of q and k before the rotation, Phi-3 (Phi-3 and Phi-4) is Mistral with q, k
+// and v stored as one tensor in its files, and gate and up as another (hf_file_tensors), and
+// Gemma (the first Gemma, 2B and 7B) multiplies its embeddings by sqrt(hidden_size), stores
+// each norm's weight as its difference from 1 and gates its MLP with GELU's tanh
+// approximation (GeGLU). Llama's (and Qwen3's) attention_bias and Llama's mlp_bias put biases on
+// the other projections too; any class's hidden_act may be silu, gelu or gelu_pytorch_tanh.
 //
 // Parsing is strict on purpose: a field that changes the model's math and that strata does not
 // implement (another activation, another rotary scaling, a sliding window that would cut a
@@ -17,6 +20,7 @@
 #pragma once
 
 #include "core/dtype.h"
+#include "core/kernels.h"
 
 #include <nlohmann/json.hpp>
 
@@ -64,7 +68,7 @@ struct RopeScaling {
 
 // The Hugging Face class a checkpoint is written for (its "architectures" and "model_type"),
 // kept so that an exported model loads as the class it came from.
-enum class Architecture : uint8_t { llama, mistral, qwen2, qwen3, phi3 };
+enum class Architecture : uint8_t { llama, mistral, qwen2, qwen3, phi3, gemma };
 std::string_view architecture_class(Architecture a);       // "LlamaForCausalLM", ...
 std::string_view architecture_model_type(Architecture a);  // "llama", "mistral", "qwen2", ...
 
@@ -97,6 +101,9 @@ struct LlamaConfig {
   // Qwen3: q and k, each head on its own, through an RMSNorm (weights "q_norm", "k_norm" of
   // head_dim) after their projections and before the rotation.
   bool qk_norm = false;
+  // The MLP's gate: silu (SwiGLU, every class's default but Gemma's) or GELU (Gemma's
+  // gelu_pytorch_tanh; hidden_act, or Gemma's hidden_activation, in config.json).
+  Activation hidden_act = Activation::silu;
   // Mistral's sliding window: each query sees the last `sliding_window` positions, itself
   // included (AttentionMask::window), in the layers that slide: `sliding_layers` (one flag a
   // layer; Qwen2's max_window_layers or layer_types), every layer where it is empty. 0: no
@@ -111,6 +118,13 @@ struct LlamaConfig {
 
   bool operator==(const LlamaConfig&) const = default;
 };
+
+// Gemma's rules, 1 and 0 (or 1) for every other class: the norms multiply by 1 + their stored
+// weight (Kernels::rmsnorm_forward's weight_offset), and the embeddings' rows are multiplied by
+// sqrt(hidden_size) rounded to f32 and then to the activations' dtype `t`, as transformers
+// rounds its normaliser (sqrt(3072) = 55.4256 becomes 55.5 in bf16).
+float norm_weight_offset(const LlamaConfig& config);
+float embedding_scale(const LlamaConfig& config, DType t);
 
 // Checks sizes and their relations; errors name `source`, the field and its value.
 void validate_llama_config(const LlamaConfig& config, std::string_view source);

@@ -97,6 +97,7 @@ ModelLayout ModelLayout::build(const LlamaConfig& c) {
   // Hugging Face's tensors, in their order: the embedding, each layer's nine, then the final
   // norm (and the head unless tied). Units follow the name prefixes.
   ModelLayout layout;
+  layout.norm_init = 1.0f - norm_weight_offset(c);
   layout.units.push_back({UnitKind::embedding, -1, "embedding", {}, 0});
   for (int64_t l = 0; l < c.num_hidden_layers; ++l)
     layout.units.push_back(
@@ -322,8 +323,8 @@ void init_unit_random(const ModelLayout& layout, int u, uint64_t seed, DType dty
                        (0x2545f4914f6cdd1dull * (piece.slot + 1)) ^
                        (0x9fb21c651e98df25ull * (piece.begin / kPiece + 1));
       (void)splitmix(state);       // one step mixes the seed's bits
-      if (slot.shape.rank == 1) {  // norm weights 1, biases 0
-        const float value = slot.name.ends_with(".bias") ? 0.0f : 1.0f;
+      if (slot.shape.rank == 1) {  // norm weights 1 (Gemma's 0), biases 0
+        const float value = slot.name.ends_with(".bias") ? 0.0f : layout.norm_init;
         for (uint64_t i = piece.begin; i < piece.end; ++i)
           store_f32(host, dtype, slot.offset + i, value);
         continue;
@@ -665,14 +666,14 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
     if (bias) k_.broadcast_rows(y, w(fmt::format("{}.bias", name)), s);
     k_.matmul(y, in, false, w(name), true, 1.0f, bias ? 1.0f : 0.0f, s);
   };
-  const float eps = static_cast<float>(c.rms_norm_eps);
-  k_.rmsnorm_forward(xn, rstd1, x, w("input_layernorm"), eps, s);
+  const float eps = static_cast<float>(c.rms_norm_eps), offset = norm_weight_offset(c);
+  k_.rmsnorm_forward(xn, rstd1, x, w("input_layernorm"), eps, offset, s);
   if (c.qk_norm) {
     // Qwen3: each head of q and k through its norm, from the projections' output.
     linear(a.q_raw, xn, "q_proj", c.qkv_bias);
     linear(a.k_raw, xn, "k_proj", c.qkv_bias);
-    k_.rmsnorm_forward(heads(q, H), a.q_rstd, heads(a.q_raw, H), w("q_norm"), eps, s);
-    k_.rmsnorm_forward(heads(kk, Hkv), a.k_rstd, heads(a.k_raw, Hkv), w("k_norm"), eps, s);
+    k_.rmsnorm_forward(heads(q, H), a.q_rstd, heads(a.q_raw, H), w("q_norm"), eps, offset, s);
+    k_.rmsnorm_forward(heads(kk, Hkv), a.k_rstd, heads(a.k_raw, Hkv), w("k_norm"), eps, offset, s);
   } else {
     linear(q, xn, "q_proj", c.qkv_bias);
     linear(kk, xn, "k_proj", c.qkv_bias);
@@ -686,10 +687,10 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
                        attention_mask(u, doc_start), s);
   linear(h, att, "o_proj", c.o_bias);
   k_.add(h, h, x, s);
-  k_.rmsnorm_forward(hn, rstd2, h, w("post_attention_layernorm"), eps, s);
+  k_.rmsnorm_forward(hn, rstd2, h, w("post_attention_layernorm"), eps, offset, s);
   linear(gate, hn, "gate_proj", c.mlp_bias);
   linear(up, hn, "up_proj", c.mlp_bias);
-  k_.swiglu_forward(act, gate, up, s);
+  k_.glu_forward(act, gate, up, c.hidden_act, s);
   if (out.data == nullptr) return;  // recomputation for backward: the output is not needed
   linear(out, act, "down_proj", c.mlp_bias);
   k_.add(out, out, h, s);
@@ -724,9 +725,9 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
     // The forward kept the rest; these three are the same kernels on the same inputs, so the
     // same bits as the forward's.
     const float eps = static_cast<float>(c.rms_norm_eps);
-    k_.rmsnorm_forward(xn, rstd1, x, w("input_layernorm"), eps, s);
-    k_.rmsnorm_forward(hn, rstd2, h, w("post_attention_layernorm"), eps, s);
-    k_.swiglu_forward(act, gate, up, s);
+    k_.rmsnorm_forward(xn, rstd1, x, w("input_layernorm"), eps, norm_weight_offset(c), s);
+    k_.rmsnorm_forward(hn, rstd2, h, w("post_attention_layernorm"), eps, norm_weight_offset(c), s);
+    k_.glu_forward(act, gate, up, c.hidden_act, s);
   }
 
   const TensorView da = rows(d_big_, t, N, F), dgate = rows(d_gate_, t, N, F);
@@ -736,11 +737,12 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
   const TensorView dv = rows(dv_, t, N, Hkv * hd);
   const TensorView rope = rope_.view(DType::f32, {T, c.rotary_dim()});
 
-  // MLP: out = h + down(silu(gate(hn)) * up(hn)).
+  // MLP: out = h + down(act(gate(hn)) * up(hn)).
+  const float offset = norm_weight_offset(c);
   k_.matmul(da, dout, false, w("down_proj"), false, 1.0f, 0.0f, s);
   k_.matmul(g("down_proj"), dout, true, act, false, 1.0f, 1.0f, s);
   if (c.mlp_bias) k_.bias_backward(g("down_proj.bias"), dout, s);
-  k_.swiglu_backward(dgate, dup, da, gate, up, s);
+  k_.glu_backward(dgate, dup, da, gate, up, c.hidden_act, s);
   if (c.mlp_bias) {
     k_.bias_backward(g("gate_proj.bias"), dgate, s);
     k_.bias_backward(g("up_proj.bias"), dup, s);
@@ -751,7 +753,7 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
   k_.matmul(g("up_proj"), dup, true, hn, false, 1.0f, 1.0f, s);
   device_.copy_on_device(dh.data, dout.data, dh.bytes(), s);
   k_.rmsnorm_backward(dh, g("post_attention_layernorm"), dsmall, h, w("post_attention_layernorm"),
-                      rstd2, s);
+                      rstd2, offset, s);
 
   // Attention: h = x + o_proj(attention(rope(q), rope(k), v)).
   k_.matmul(datt, dh, false, w("o_proj"), false, 1.0f, 0.0f, s);
@@ -776,9 +778,9 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
     k_.fill(dq_proj, 0.0f, s);
     k_.fill(dk_proj, 0.0f, s);
     k_.rmsnorm_backward(heads(dq_proj, H), g("q_norm"), heads(dq, H), heads(a.q_raw, H),
-                        w("q_norm"), a.q_rstd, s);
+                        w("q_norm"), a.q_rstd, offset, s);
     k_.rmsnorm_backward(heads(dk_proj, Hkv), g("k_norm"), heads(dk, Hkv), heads(a.k_raw, Hkv),
-                        w("k_norm"), a.k_rstd, s);
+                        w("k_norm"), a.k_rstd, offset, s);
   }
   if (c.qkv_bias) {
     k_.bias_backward(g("q_proj.bias"), dq_proj, s);
@@ -792,7 +794,7 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
   k_.matmul(g("k_proj"), dk_proj, true, xn, false, 1.0f, 1.0f, s);
   k_.matmul(g("v_proj"), dv, true, xn, false, 1.0f, 1.0f, s);
   device_.copy_on_device(din.data, dh.data, din.bytes(), s);
-  k_.rmsnorm_backward(din, g("input_layernorm"), dsmall, x, w("input_layernorm"), rstd1, s);
+  k_.rmsnorm_backward(din, g("input_layernorm"), dsmall, x, w("input_layernorm"), rstd1, offset, s);
 }
 
 void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x,
@@ -813,7 +815,7 @@ void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x
       {N},
       &device_};
   k_.rmsnorm_forward(xf, rstd, x, param(units, head_unit, "norm", false),
-                     static_cast<float>(c.rms_norm_eps), s);
+                     static_cast<float>(c.rms_norm_eps), norm_weight_offset(c), s);
   if (!backward) {
     k_.fill(row_max, -std::numeric_limits<float>::infinity(), s);
     k_.fill(rows(row_sum_, DType::f32, N, 0), 0.0f, s);
@@ -857,7 +859,7 @@ void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x
   }
   device_.fill_zero(dx.data, dx.bytes(), s);
   k_.rmsnorm_backward(dx, param(units, head_unit, "norm", true), dxf, x,
-                      param(units, head_unit, "norm", false), rstd, s);
+                      param(units, head_unit, "norm", false), rstd, norm_weight_offset(c), s);
 }
 
 void LlamaModel::forward_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids,
@@ -867,7 +869,8 @@ void LlamaModel::forward_unit(int u, const std::vector<UnitBuffers>& units, cons
   const UnitLayout& unit = layout_.units.at(static_cast<size_t>(u));
   switch (unit.kind) {
     case UnitKind::embedding:
-      k_.embedding_forward(out, param(units, u, "embed_tokens", false), ids, s);
+      k_.embedding_forward(out, param(units, u, "embed_tokens", false), ids,
+                           embedding_scale(config_, options_.param_dtype), s);
       break;
     case UnitKind::block:
       block_forward(u, units, in, out, batch, set, s, doc_start);
@@ -887,7 +890,8 @@ void LlamaModel::backward_unit(int u, const std::vector<UnitBuffers>& units, con
   const UnitLayout& unit = layout_.units.at(static_cast<size_t>(u));
   switch (unit.kind) {
     case UnitKind::embedding:
-      k_.embedding_backward(param(units, u, "embed_tokens", true), dout, ids, s);
+      k_.embedding_backward(param(units, u, "embed_tokens", true), dout, ids,
+                            embedding_scale(config_, options_.param_dtype), s);
       break;
     case UnitKind::block:
       block_backward(u, units, in, dout, din, batch, set, s, doc_start);
@@ -953,7 +957,7 @@ void LlamaModel::head_logits(const std::vector<UnitBuffers>& units, const Tensor
   const int head_unit = layout_.num_units() - 1;
   const TensorView xf = rows(xn_, t, N, D), rstd = rows(rstd1_, DType::f32, N, 0);
   k_.rmsnorm_forward(xf, rstd, x, param(units, head_unit, "norm", false),
-                     static_cast<float>(c.rms_norm_eps), s);
+                     static_cast<float>(c.rms_norm_eps), norm_weight_offset(c), s);
   const TensorView w = c.tie_word_embeddings ? param(units, 0, "embed_tokens", false)
                                              : param(units, head_unit, "lm_head", false);
   k_.matmul(out, xf, false, w, true, 1.0f, 0.0f, s);
@@ -988,7 +992,8 @@ void LlamaModel::decode_unit(int u, const std::vector<UnitBuffers>& units, const
   const Span span{pos, n};
   switch (unit.kind) {
     case UnitKind::embedding:
-      k_.embedding_forward(out, param(units, u, "embed_tokens", false), ids, s);
+      k_.embedding_forward(out, param(units, u, "embed_tokens", false), ids,
+                           embedding_scale(config_, options_.param_dtype), s);
       break;
     case UnitKind::block:
       block_forward(u, units, in, out, 1, 0, s, nullptr, &span);

@@ -58,6 +58,8 @@ struct ModelLayout {
 
   std::vector<UnitLayout> units;  // embedding, blocks..., head
   uint64_t total_numel = 0;       // sum of units' numel (padding included)
+  // A norm weight's initial value: 1, or 0 for Gemma, whose norms multiply by 1 + the weight.
+  float norm_init = 1.0f;
 
   static ModelLayout build(const LlamaConfig& config);
   int num_units() const { return static_cast<int>(units.size()); }
@@ -277,7 +279,7 @@ class LlamaModel {
   DeviceBuffer checkpoints_;      // inputs of units 1..U-1: sets × (U-1) × [B*T, D]
   DeviceBuffer grad_a_, grad_b_;  // the gradient flowing between units, [B*T, D]
   // Block scratch, [B*T, ·]: normed input, q, k, v, attention out, lse, residual, normed
-  // residual, gate, up, swiglu out, rstd × 2, and gradients of the same.
+  // residual, gate, up, the gate's activation times up, rstd × 2, and gradients of the same.
   DeviceBuffer xn_, q_, k_buf_, v_, att_, lse_, h_, hn_, gate_, up_, act_, rstd1_, rstd2_;
   // Without recompute: per set and block, the BlockActs of one batch (q_ .. up_ above stay
   // empty).
@@ -295,8 +297,8 @@ class LlamaModel {
 };
 
 // Deterministic random initialisation (Hugging Face's: normal(0, 0.02) weights, norm weights
-// 1, biases 0) of one unit's flat buffer, in host memory of `dtype`; the same seed gives the same
-// bits.
+// layout.norm_init, biases 0) of one unit's flat buffer, in host memory of `dtype`; the same seed
+// gives the same bits.
 void init_unit_random(const ModelLayout& layout, int u, uint64_t seed, DType dtype, void* host);
 
 }  // namespace strata

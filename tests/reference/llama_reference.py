@@ -12,9 +12,13 @@ rotation; with use_sliding_window, their layers from max_window_layers on (or th
 names "sliding_attention") see the window too. Phi3ForCausalLM is Mistral's equations with q, k
 and v computed by one projection (self_attn.qkv_proj, its output split in that order) and gate
 and up by another (mlp.gate_up_proj, the first half gate), and with partial_rotary_factor
-only the first head_dim x it dimensions of each head rotated. Which projections have biases is
-decided here from config.json as each Hugging Face class
-decides it, and the checkpoint must hold exactly the tensors that implies.
+only the first head_dim x it dimensions of each head rotated. GemmaForCausalLM multiplies the
+embeddings by sqrt(hidden_size) (a float32 number cast to the working dtype), multiplies each
+norm by 1 + its weight, and gates the MLP with GELU's tanh approximation (its
+hidden_activation, else hidden_act, whose "gelu" means the tanh form for Gemma); any class's
+hidden_act may be silu, gelu or gelu_pytorch_tanh. Which projections have biases is decided
+here from config.json as each Hugging Face class decides it, and the checkpoint must hold
+exactly the tensors that implies.
 
 usage: llama_reference.py MODEL_DIR TOKENS OUT [--batch B] [--seq-len T] [--dtype float64]
   MODEL_DIR  config.json + model.safetensors (read here with json + struct, no safetensors lib)
@@ -161,8 +165,26 @@ def rotate_half(x):
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def rms_norm(x, w, eps):
-    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+def rms_norm(x, w, eps, offset=0.0):
+    return (w + offset) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def activation(cfg):
+    """The MLP gate's function, as config.json names it."""
+    gemma = cfg.get("model_type") == "gemma"
+    name = cfg.get("hidden_act", "gelu_pytorch_tanh" if gemma else "silu")
+    if gemma and cfg.get("hidden_activation"):
+        name = cfg["hidden_activation"]
+    elif gemma and name == "gelu":  # Google's first configs: the tanh form the model used
+        name = "gelu_pytorch_tanh"
+    functions = {
+        "silu": torch.nn.functional.silu,
+        "gelu": torch.nn.functional.gelu,
+        "gelu_pytorch_tanh": lambda x: torch.nn.functional.gelu(x, approximate="tanh"),
+    }
+    if name not in functions:
+        sys.exit(f"activation {name} is not written out here")
+    return functions[name]
 
 
 def biased(cfg):
@@ -234,11 +256,16 @@ def forward(cfg, p, ids, dtype):
     angles = torch.cat((angles, angles), dim=-1).to(dtype)
     cos, sin = angles.cos() * scale, angles.sin() * scale
     mask = torch.full((T, T), float("-inf"), dtype=dtype).triu(1)
+    gemma = cfg.get("model_type") == "gemma"
+    offset = 1.0 if gemma else 0.0  # Gemma's norms store their weight's difference from 1
+    act = activation(cfg)
 
     x = p["model.embed_tokens.weight"][ids]
+    if gemma:  # transformers' normaliser: a float32 tensor, cast to the working dtype
+        x = x * torch.tensor(D**0.5, dtype=torch.float32).to(dtype)
     for l in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{l}."
-        xn = rms_norm(x, p[pre + "input_layernorm.weight"], eps)
+        xn = rms_norm(x, p[pre + "input_layernorm.weight"], eps, offset)
         phi3 = cfg.get("model_type") == "phi3"
         if phi3:  # one projection for q, k and v
             q, k, v = torch.split(linear(cfg, p, pre + "self_attn.qkv_proj", xn),
@@ -266,14 +293,14 @@ def forward(cfg, p, ids, dtype):
         att = torch.softmax(scores, dim=-1) @ v
         att = att.transpose(1, 2).reshape(B, T, H * hd)
         h = x + linear(cfg, p, pre + "self_attn.o_proj", att)
-        hn = rms_norm(h, p[pre + "post_attention_layernorm.weight"], eps)
+        hn = rms_norm(h, p[pre + "post_attention_layernorm.weight"], eps, offset)
         if phi3:  # one projection for gate and up, gate first
             gate, up = linear(cfg, p, pre + "mlp.gate_up_proj", hn).chunk(2, dim=-1)
         else:
             gate = linear(cfg, p, pre + "mlp.gate_proj", hn)
             up = linear(cfg, p, pre + "mlp.up_proj", hn)
-        x = h + linear(cfg, p, pre + "mlp.down_proj", torch.nn.functional.silu(gate) * up)
-    xf = rms_norm(x, p["model.norm.weight"], eps)
+        x = h + linear(cfg, p, pre + "mlp.down_proj", act(gate) * up)
+    xf = rms_norm(x, p["model.norm.weight"], eps, offset)
     w = p["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else p["lm_head.weight"]
     return xf @ w.T
 
