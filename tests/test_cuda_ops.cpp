@@ -235,8 +235,10 @@ class CudaOpsTest : public ::testing::Test {
   DeviceInts ints(const std::vector<int32_t>& v) { return DeviceInts(*device_, *stream_, v); }
   // One attention case against the host backend (below), over documents where doc_start is not
   // empty, with a sliding window where `window` > 0.
+  // scale, softcap: AttentionMask's (Gemma 2's scores), 0 for Llama's.
   void attention_against_host(const AttentionCase& c, const std::vector<int32_t>& doc_start,
-                              Rng& rng, int64_t window = 0);
+                              Rng& rng, int64_t window = 0, float scale = 0.0f,
+                              float softcap = 0.0f);
 
   std::unique_ptr<Device> device_;
   std::unique_ptr<Stream> stream_;
@@ -532,21 +534,24 @@ struct AttentionPath {
 // (a backward whose shared memory this GPU lacks takes the next path).
 void CudaOpsTest::attention_against_host(const AttentionCase& c,
                                          const std::vector<int32_t>& doc_start, Rng& rng,
-                                         int64_t window) {
+                                         int64_t window, float scale, float softcap) {
   const int32_t* docs = doc_start.empty() ? nullptr : doc_start.data();
-  AttentionForward f = host_attention_forward(c, rng, AttentionMask(docs, window));
+  AttentionForward f = host_attention_forward(c, rng, AttentionMask(docs, window, scale, softcap));
   const Shape &qs = f.qs, &ks = f.ks, &ls = f.ls;
   HostTensor &q = f.q, &k = f.k, &v = f.v, &out = f.out, &lse = f.lse;
   HostTensor dout = random_tensor(c.dtype, qs, rng);
   HostTensor dq(c.dtype, qs), dk(c.dtype, ks), dv(c.dtype, ks);
   host::attention_backward(dq.view(), dk.view(), dv.view(), dout.view(), q.view(), k.view(),
-                           v.view(), out.view(), lse.view(), AttentionMask(docs, window));
+                           v.view(), out.view(), lse.view(),
+                           AttentionMask(docs, window, scale, softcap));
   std::optional<DeviceInts> docs_dev;
   if (docs != nullptr) docs_dev.emplace(ints(doc_start));
-  const AttentionMask on_device(docs_dev ? docs_dev->data() : nullptr, window);
+  const AttentionMask on_device(docs_dev ? docs_dev->data() : nullptr, window, scale, softcap);
   DeviceTensor q_dev = upload(q), k_dev = upload(k), v_dev = upload(v);
   DeviceTensor dout_dev = upload(dout), out_in = upload(out), lse_in = upload(lse);
-  const bool all_paths = on_cuda() && on_tensor_cores(c);
+  // Scaled or capped scores run the SIMT path whatever is asked for.
+  const bool plain = scale == 0.0f && softcap == 0.0f;
+  const bool all_paths = on_cuda() && on_tensor_cores(c) && plain;
   const int paths = all_paths ? 3 : 1;
   for (int path = 0; path < paths; ++path) {
 #if STRATA_HAVE_CUDA
@@ -554,9 +559,10 @@ void CudaOpsTest::attention_against_host(const AttentionCase& c,
     if (all_paths) scope.emplace(static_cast<AttentionKernels>(path));
 #endif
     static constexpr const char* kNames[] = {" mma.sync", " wmma", " SIMT"};
-    SCOPED_TRACE(fmt::format("{} batch {} seq {} heads {} kv_heads {} head_dim {}{}{} window {}",
-                             dtype_name(c.dtype), c.batch, c.seq, c.heads, c.kv_heads, c.head_dim,
-                             all_paths ? kNames[path] : "", docs ? " documents" : "", window));
+    SCOPED_TRACE(fmt::format(
+        "{} batch {} seq {} heads {} kv_heads {} head_dim {}{}{} window {} scale {} softcap {}",
+        dtype_name(c.dtype), c.batch, c.seq, c.heads, c.kv_heads, c.head_dim,
+        all_paths ? kNames[path] : "", docs ? " documents" : "", window, scale, softcap));
 #if STRATA_HAVE_CUDA
     // The paths the forward and the backward must take.
     AttentionKernels forward_path = AttentionKernels::kSimt, backward_path = forward_path;
@@ -666,6 +672,45 @@ TEST_F(CudaOpsTest, AttentionInASlidingWindow) {
     }
     attention_against_host(w.c, doc_start, rng, w.window);
   }
+}
+
+// Gemma 2's scores: q·k times another scale than 1/sqrt(head_dim) (its query_pre_attn_scalar),
+// capped by softcap · tanh(s / softcap) (its attn_logit_softcapping, here small enough against
+// the scores to bend them), with a sliding window and packed documents too; the tensor-core
+// shapes among them run the SIMT path, which the call counts check on a GPU.
+TEST_F(CudaOpsTest, AttentionWithScaledAndCappedScores) {
+  Rng rng(29);
+  struct ScoreCase {
+    AttentionCase c;
+    float scale, softcap;
+    int64_t window;
+    bool docs;
+  };
+  const std::vector<ScoreCase> cases = {{{2, 70, 4, 2, 64, f32}, 0.0f, 1.5f, 0, false},
+                                        {{1, 129, 4, 2, 128, bf16}, 0.2f, 2.0f, 0, false},
+                                        {{1, 65, 2, 1, 256, f32}, 1.0f / 12.0f, 1.0f, 40, false},
+                                        {{2, 100, 4, 2, 256, bf16}, 0.0625f, 0.0f, 33, true},
+                                        {{1, 40, 8, 2, 32, bf16}, 0.0f, 0.75f, 0, true}};
+  for (const ScoreCase& sc : cases) {
+    std::vector<int32_t> doc_start;
+    if (sc.docs) {
+      doc_start.resize(static_cast<size_t>(sc.c.batch * sc.c.seq));
+      for (int64_t b = 0; b < sc.c.batch; ++b)
+        for (int64_t t = 0; t < sc.c.seq; ++t)
+          doc_start[static_cast<size_t>(b * sc.c.seq + t)] = static_cast<int32_t>(t / 37 * 37);
+    }
+    attention_against_host(sc.c, doc_start, rng, sc.window, sc.scale, sc.softcap);
+  }
+  // Decoding's shapes take them too.
+  const AttentionCase c{1, 3, 4, 2, 64, f32, 50};
+  const AttentionMask mask(nullptr, 0, 0.3f, 1.25f);
+  const AttentionForward f = host_attention_forward(c, rng, mask);
+  DeviceTensor q_dev = upload(f.q), k_dev = upload(f.k), v_dev = upload(f.v);
+  DeviceTensor out_dev = empty(c.dtype, f.qs), lse_dev = empty(f32, f.ls);
+  gpu().attention_forward(out_dev.view(), lse_dev.view(), q_dev.view(), k_dev.view(), v_dev.view(),
+                          mask, stream());
+  expect_close("out", out_dev.fetch("out"), f.out, tolerance(c.dtype, c.dtype));
+  expect_close("lse", lse_dev.fetch("lse"), f.lse, tolerance(f32, c.dtype));
 }
 
 // Decoding: the last few queries against more keys (a KV cache), against the host backend. The

@@ -498,12 +498,14 @@ std::string str(const AttnShape& s) {
   return fmt::format("B{} T{} H{} Hkv{} hd{}", s.B, s.T, s.H, s.Hkv, s.hd);
 }
 
-// Softmax over all T keys with the causal mask as -inf scores, in double.
+// Softmax over all T keys with the causal mask as -inf scores, in double; scale 0 is
+// 1/sqrt(hd), and softcap > 0 caps each score s at softcap · tanh(s / softcap) (Gemma 2's).
 void naive_attention(const AttnShape& s, const Tensor& q, const Tensor& k, const Tensor& v,
-                     std::vector<double>& out, std::vector<double>& lse) {
+                     std::vector<double>& out, std::vector<double>& lse, double scale_ = 0,
+                     double softcap = 0) {
   out.assign(static_cast<size_t>(s.B * s.T * s.H * s.hd), 0.0);
   lse.assign(static_cast<size_t>(s.B * s.H * s.T), 0.0);
-  const double scale = 1.0 / std::sqrt(static_cast<double>(s.hd));
+  const double scale = scale_ > 0 ? scale_ : 1.0 / std::sqrt(static_cast<double>(s.hd));
   std::vector<double> sc(static_cast<size_t>(s.T));
   for (int64_t b = 0; b < s.B; ++b)
     for (int64_t h = 0; h < s.H; ++h) {
@@ -515,7 +517,9 @@ void naive_attention(const AttnShape& s, const Tensor& q, const Tensor& k, const
           for (int64_t e = 0; e < s.hd; ++e)
             dot += static_cast<double>(q.at(((b * s.T + t) * s.H + h) * s.hd + e)) *
                    k.at(((b * s.T + j) * s.Hkv + g) * s.hd + e);
-          sc[static_cast<size_t>(j)] = j <= t ? dot * scale : -INFINITY;
+          const double scaled =
+              softcap > 0 ? softcap * std::tanh(dot * scale / softcap) : dot * scale;
+          sc[static_cast<size_t>(j)] = j <= t ? scaled : -INFINITY;
           m = std::max(m, sc[static_cast<size_t>(j)]);
         }
         double sum = 0.0;
@@ -546,7 +550,30 @@ TEST(HostOps, AttentionMatchesNaiveCausalSoftmax) {
       naive_attention(s, q, k, v, want_out, want_lse);
       expect_close(out, want_out, 1e-5, "attention out " + what);
       expect_close(lse, want_lse, 1e-5, "attention lse " + what);
+      // Gemma 2's scores: another scale, a cap, both.
+      for (const auto& [scale, cap] : {std::pair{0.3f, 0.0f}, {0.0f, 0.8f}, {0.5f, 1.5f}}) {
+        host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view(),
+                                AttentionMask(nullptr, 0, scale, cap));
+        naive_attention(s, q, k, v, want_out, want_lse, scale, cap);
+        const std::string how = fmt::format("{} scale {} softcap {}", what, scale, cap);
+        expect_close(out, want_out, 1e-5, "attention out " + how);
+        expect_close(lse, want_lse, 1e-5, "attention lse " + how);
+      }
     }
+  // A negative or non-finite scale or cap is refused, naming it.
+  Tensor q(DType::f32, {1, 2, 1, 4}), out(DType::f32, {1, 2, 1, 4}), lse(DType::f32, {1, 1, 2});
+  expect_error(
+      [&] {
+        host::attention_forward(out.view(), lse.view(), q.view(), q.view(), q.view(),
+                                AttentionMask(nullptr, 0, 0.0f, -1.0f));
+      },
+      {"attention_forward", "softcap is -1"});
+  expect_error(
+      [&] {
+        host::attention_forward(out.view(), lse.view(), q.view(), q.view(), q.view(),
+                                AttentionMask(nullptr, 0, INFINITY, 0.0f));
+      },
+      {"attention_forward", "scale is inf"});
 }
 
 // Decoding: the last Tq queries against all Tk keys give the whole sequence's last Tq rows bit
@@ -684,27 +711,31 @@ TEST(HostOps, AttentionOverPackedDocumentsIsEachDocumentAlone) {
 
 TEST(HostOps, AttentionGradientsMatchFiniteDifferences) {
   Random rng(9);
-  for (const AttnShape s :
-       {AttnShape{2, 5, 4, 2, 4}, AttnShape{1, 7, 2, 2, 6}, AttnShape{1, 7, 4, 1, 4}}) {
-    Tensor q = rng.tensor(DType::f32, {s.B, s.T, s.H, s.hd}, -1.5f, 1.5f);
-    Tensor k = rng.tensor(DType::f32, {s.B, s.T, s.Hkv, s.hd}, -1.5f, 1.5f);
-    Tensor v = rng.tensor(DType::f32, {s.B, s.T, s.Hkv, s.hd});
-    const std::vector<double> r = rng.weights(q.numel());
-    Tensor out(DType::f32, q.shape), lse(DType::f32, {s.B, s.H, s.T});
-    auto loss = [&] {
-      host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view());
-      return dot_loss(out, r);
-    };
-    loss();
-    // "=" outputs: NaN garbage must be overwritten.
-    Tensor dq(DType::f32, q.shape, kNaN), dk(DType::f32, k.shape, kNaN),
-        dv(DType::f32, v.shape, kNaN);
-    host::attention_backward(dq.view(), dk.view(), dv.view(), from_weights(r, q.shape).view(),
-                             q.view(), k.view(), v.view(), out.view(), lse.view());
-    expect_grad(as_double(dq), numeric_grad(q, loss), "attention dq " + str(s));
-    expect_grad(as_double(dk), numeric_grad(k, loss), "attention dk " + str(s));
-    expect_grad(as_double(dv), numeric_grad(v, loss), "attention dv " + str(s));
-  }
+  // Llama's scores, and Gemma 2's (another scale and a cap that bends them).
+  for (const AttentionMask mask : {AttentionMask{}, AttentionMask(nullptr, 0, 0.7f, 1.2f)})
+    for (const AttnShape s :
+         {AttnShape{2, 5, 4, 2, 4}, AttnShape{1, 7, 2, 2, 6}, AttnShape{1, 7, 4, 1, 4}}) {
+      Tensor q = rng.tensor(DType::f32, {s.B, s.T, s.H, s.hd}, -1.5f, 1.5f);
+      Tensor k = rng.tensor(DType::f32, {s.B, s.T, s.Hkv, s.hd}, -1.5f, 1.5f);
+      Tensor v = rng.tensor(DType::f32, {s.B, s.T, s.Hkv, s.hd});
+      const std::vector<double> r = rng.weights(q.numel());
+      Tensor out(DType::f32, q.shape), lse(DType::f32, {s.B, s.H, s.T});
+      auto loss = [&] {
+        host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view(), mask);
+        return dot_loss(out, r);
+      };
+      loss();
+      // "=" outputs: NaN garbage must be overwritten.
+      Tensor dq(DType::f32, q.shape, kNaN), dk(DType::f32, k.shape, kNaN),
+          dv(DType::f32, v.shape, kNaN);
+      host::attention_backward(dq.view(), dk.view(), dv.view(), from_weights(r, q.shape).view(),
+                               q.view(), k.view(), v.view(), out.view(), lse.view(), mask);
+      const std::string what =
+          fmt::format("{} scale {} softcap {}", str(s), mask.scale, mask.softcap);
+      expect_grad(as_double(dq), numeric_grad(q, loss), "attention dq " + what);
+      expect_grad(as_double(dk), numeric_grad(k, loss), "attention dk " + what);
+      expect_grad(as_double(dv), numeric_grad(v, loss), "attention dv " + what);
+    }
 }
 
 // A sliding window (Mistral's): query t sees keys max(its document's start, t - W + 1) .. t.

@@ -11,6 +11,7 @@
 #include "core/error.h"
 #include "cpu_adam/cpu_adam.h"
 
+#include <cmath>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -203,8 +204,14 @@ AttentionDims check_attention(const char* op, const TensorView& out, const Tenso
   if (mask.window < 0)
     fail("{}: the sliding window is {} positions; it is 0 (none) or a positive count", op,
          mask.window);
+  for (const auto& [name, value] : {std::pair{"scale", mask.scale}, {"softcap", mask.softcap}})
+    if (!(value >= 0.0f) || !std::isfinite(value))
+      fail("{}: the scores' {} is {}; it is 0 (the default) or a positive finite number", op, name,
+           value);
   d.doc_start = doc_start;
   d.window = mask.window;
+  d.scale = mask.scale;
+  d.softcap = mask.softcap;
   return d;
 }
 

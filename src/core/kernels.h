@@ -48,11 +48,17 @@ const char* activation_name(Activation a);  // "silu", "gelu", "gelu_pytorch_tan
 // decoding), sees keys first_key(b, T, t, shift) .. t + shift. Built from a doc_start pointer
 // alone where a call has no window, so the callers that pack documents pass their pointer as
 // before.
+// And how a score is formed, where a model departs from Llama's q·k / sqrt(head_dim) (Gemma 2):
+// `scale` multiplies q·k (0: 1 / sqrt(head_dim)), and softcap > 0 then passes the scaled score
+// s through softcap · tanh(s / softcap).
 struct AttentionMask {
   const int32_t* doc_start = nullptr;
   int64_t window = 0;
-  AttentionMask(const int32_t* starts = nullptr, int64_t w = 0)  // NOLINT: implicit on purpose
-      : doc_start(starts), window(w) {}
+  float scale = 0.0f;
+  float softcap = 0.0f;
+  AttentionMask(const int32_t* starts = nullptr, int64_t w = 0, float scale_ = 0.0f,
+                float softcap_ = 0.0f)  // NOLINT: implicit on purpose
+      : doc_start(starts), window(w), scale(scale_), softcap(softcap_) {}
   // For host memory: max(the document's start, t + shift - window + 1).
   int64_t first_key(int64_t b, int64_t seq, int64_t t, int64_t shift = 0) const {
     const int64_t doc = doc_start != nullptr ? doc_start[b * seq + t] : 0;
@@ -123,7 +129,10 @@ class Kernels {
   // doc_start[b*T] = 0 and doc_start[b*T + t] is t (a new document) or doc_start[b*T + t - 1].
   // The host backend checks that rule; the CUDA kernels rely on it. mask.window > 0 (a sliding
   // window, Mistral's) also hides the keys before position p - window + 1 from the query at
-  // position p, in training and decoding alike.
+  // position p, in training and decoding alike. mask.scale and mask.softcap replace the scores'
+  // 1/sqrt(hd) and cap them (Gemma 2's query_pre_attn_scalar and attn_logit_softcapping); lse
+  // is then over the capped scores. On CUDA the tensor-core paths take plain scores only: other
+  // calls run the SIMT path.
   // `mask` converts from a plain doc_start pointer.
   virtual void attention_forward(const TensorView& out, const TensorView& lse_stats,
                                  const TensorView& q, const TensorView& k, const TensorView& v,
@@ -224,7 +233,11 @@ struct AttentionDims {
   // The documents packed into each sequence (Kernels::attention_forward), or null for one.
   const int32_t* doc_start = nullptr;
   int64_t window = 0;  // AttentionMask::window
+  // AttentionMask::scale and softcap as given (0: 1 / sqrt(head_dim), and no cap).
+  float scale = 0.0f, softcap = 0.0f;
   int64_t keys() const { return kv_seq < 0 ? seq : kv_seq; }
+  // Whether the scores are Llama's plain q·k / sqrt(head_dim).
+  bool plain_scores() const { return scale == 0.0f && softcap == 0.0f; }
 };
 // doc_start needs Tk = T (a decoding call packs no documents); a window slides either way.
 AttentionDims check_attention(const char* op, const TensorView& out, const TensorView& lse_stats,

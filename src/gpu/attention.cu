@@ -1,10 +1,12 @@
 // attention.cu: causal grouped-query attention, forward and backward, tiled so that the T x T
 // score matrix never exists (the flash-attention algorithm, in plain f32 SIMT code). bf16 calls
-// with head_dim a multiple of 16 up to 128 go to the tensor-core kernels first (attention_mma.cu,
-// then attention_tc.cu).
+// with head_dim a multiple of 16 up to 128 and Llama's plain scores go to the tensor-core kernels
+// first (attention_mma.cu, then attention_tc.cu).
 //
 // Layouts (core/kernels.h): q, out [B,T,H,hd]; k, v [B,Tk,Hkv,hd]; lse [B,H,T] f32; query head h
-// reads kv head h / (H / Hkv). Scores are scale * q.k with scale = 1/sqrt(hd). Query t sits at
+// reads kv head h / (H / Hkv). Scores are scale * q.k with scale = 1/sqrt(hd) or the mask's, and
+// with a softcap c then c * tanh(score / c), whose slope 1 - (score / c)^2 the backward's dS
+// takes (Gemma 2's). Query t sits at
 // position t + Tk - T; only the forward takes Tk > T (decoding against cached keys), the
 // backward has Tk = T.
 //
@@ -63,7 +65,16 @@ struct Geometry {
   int64_t kv_seq;  // Tk >= seq: the keys' positions (the forward's); the backward's equal seq
   const int32_t* doc_start;  // AttentionDims::doc_start: [batch * seq], or null
   int64_t window;            // AttentionDims::window: 0, or a sliding window
+  float softcap;             // AttentionDims::softcap: 0, or the scores' cap
 };
+
+// A scaled score through the cap (none where it is 0), and the cap's slope at it.
+__device__ __forceinline__ float capped(float s, float cap) {
+  return cap > 0.0f ? cap * tanhf(s / cap) : s;
+}
+__device__ __forceinline__ float cap_slope(float capped_s, float cap) {
+  return cap > 0.0f ? 1.0f - (capped_s / cap) * (capped_s / cap) : 1.0f;
+}
 
 uint64_t forward_bytes(int64_t hd) {
   const int64_t br = kWarps * rows_per_warp(slots_for(hd));
@@ -195,7 +206,7 @@ __global__ void __launch_bounds__(kBlockThreads)
       // Every tile that gets here holds a key in [first, last], so m_new is finite for finite
       // input.
       const bool visible = k0 + lane <= last && k0 + lane >= first[rr];
-      s = visible ? s * g.scale : -INFINITY;
+      s = visible ? capped(s * g.scale, g.softcap) : -INFINITY;
       const float m_new = fmaxf(m[rr], warp_max(s));
       const float corr = m[rr] == -INFINITY ? 0.0f : expf(m[rr] - m_new);
       const float p = visible ? expf(s - m_new) : 0.0f;
@@ -273,8 +284,10 @@ __global__ void __launch_bounds__(kBlockThreads)
       float s, dp;
       dot2(sq + row * hd, sk + lane * ks, sdo + row * hd, sv + lane * ks, hd, s, dp);
       float ds = 0.0f;
-      if (k0 + lane <= t && k0 + lane >= first[rr])
-        ds = expf(s * g.scale - row_lse[rr]) * (dp - row_dd[rr]);
+      if (k0 + lane <= t && k0 + lane >= first[rr]) {
+        const float sc = capped(s * g.scale, g.softcap);
+        ds = expf(sc - row_lse[rr]) * (dp - row_dd[rr]) * cap_slope(sc, g.softcap);
+      }
       const int visible_keys = static_cast<int>(gpu::min64(kKeys, t - k0 + 1));
       const int j0 = first[rr] > k0 ? static_cast<int>(first[rr] - k0) : 0;
       accumulate(acc[rr], ds, sk, ks, j0, visible_keys, lane, hd);
@@ -344,8 +357,9 @@ __global__ void __launch_bounds__(kBlockThreads)
           dot2(sq + row * hd, sk + lane * ks, sdo + row * hd, sv + lane * ks, hd, s, dp);
           const int64_t key = k0 + lane;  // < seq where key <= t, as t is
           if (key <= t && key >= gpu::doc_first(g.doc_start, g.window, b, g.seq, t)) {
-            p = expf(s * g.scale - row_lse[t]);
-            ds = p * (dp - dd);
+            const float sc = capped(s * g.scale, g.softcap);
+            p = expf(sc - row_lse[t]);
+            ds = p * (dp - dd) * cap_slope(sc, g.softcap);
           }
         }
         sp[row * kKeys + lane] = p;
@@ -392,10 +406,11 @@ Geometry geometry(const AttentionDims& dims) {
                   dims.heads,
                   dims.kv_heads,
                   static_cast<int>(dims.head_dim),
-                  1.0f / sqrtf(static_cast<float>(dims.head_dim)),
+                  dims.scale > 0.0f ? dims.scale : 1.0f / sqrtf(static_cast<float>(dims.head_dim)),
                   dims.keys(),
                   dims.doc_start,
-                  dims.window};
+                  dims.window,
+                  dims.softcap};
 }
 
 // Calls f.template operator()<NR>() with NR = slots_for(head_dim).
@@ -451,9 +466,12 @@ void launch_attention_forward(void* out, float* lse, const void* q, const void* 
                               DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
                               cudaStream_t stream) {
   if (dims.batch * dims.seq * dims.heads == 0) return;
-  if (attention_mma_forward(out, lse, q, k, v, t, dims, max_shared_bytes, stream))
+  // The tensor-core paths compute Llama's plain scores only.
+  if (dims.plain_scores() &&
+      attention_mma_forward(out, lse, q, k, v, t, dims, max_shared_bytes, stream))
     return count(AttentionKernels::kMma);
-  if (attention_tc_forward(out, lse, q, k, v, t, dims, max_shared_bytes, stream))
+  if (dims.plain_scores() &&
+      attention_tc_forward(out, lse, q, k, v, t, dims, max_shared_bytes, stream))
     return count(AttentionKernels::kWmma);
   count(AttentionKernels::kSimt);
   const Geometry g = geometry(dims);
@@ -478,10 +496,11 @@ void launch_attention_backward(void* dq, void* dk, void* dv, const void* dout, c
                                DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
                                cudaStream_t stream) {
   if (dims.batch * dims.seq * dims.heads == 0) return;
-  if (attention_mma_backward(dq, dk, dv, dout, q, k, v, out, lse, t, dims, max_shared_bytes,
-                             stream))
+  if (dims.plain_scores() && attention_mma_backward(dq, dk, dv, dout, q, k, v, out, lse, t, dims,
+                                                    max_shared_bytes, stream))
     return count(AttentionKernels::kMma);
-  if (attention_tc_backward(dq, dk, dv, dout, q, k, v, out, lse, t, dims, max_shared_bytes, stream))
+  if (dims.plain_scores() &&
+      attention_tc_backward(dq, dk, dv, dout, q, k, v, out, lse, t, dims, max_shared_bytes, stream))
     return count(AttentionKernels::kWmma);
   count(AttentionKernels::kSimt);
   const Geometry g = geometry(dims);

@@ -330,6 +330,20 @@ void rope(const TensorView& x, const TensorView& cos_sin, int64_t seq_len, bool 
 // ---------------------------------------------------------------------------------------
 // attention: the T×T scores of each (batch, head) are materialised one query row at a time.
 
+namespace {
+
+// The factor on q·k: the mask's, or 1 / sqrt(head_dim).
+double score_scale(const AttentionMask& mask, int64_t hd) {
+  return mask.scale > 0 ? static_cast<double>(mask.scale)
+                        : 1.0 / std::sqrt(static_cast<double>(hd));
+}
+// A scaled score through the softcap c (none where c is 0): c tanh(s / c).
+double capped_score(double s, double cap) {
+  return cap > 0 ? cap * std::tanh(s / cap) : s;
+}
+
+}  // namespace
+
 void attention_forward(const TensorView& out, const TensorView& lse_stats, const TensorView& q,
                        const TensorView& k, const TensorView& v, AttentionMask mask) {
   const AttentionDims d = check_attention("attention_forward", out, lse_stats, q, k, v, mask);
@@ -338,7 +352,7 @@ void attention_forward(const TensorView& out, const TensorView& lse_stats, const
   const int64_t B = d.batch, T = d.seq, H = d.heads, Hkv = d.kv_heads, hd = d.head_dim;
   const int64_t Tk = d.keys(), shift = Tk - T;  // query t sits at position t + shift
   const int64_t group = H / Hkv;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  const double scale = score_scale(mask, hd), cap = mask.softcap;
   float* lse = f32(lse_stats);
   // One task row per (b, h, t), in lse_stats' [B, H, T] order. A row's arithmetic depends only
   // on its query and the keys it sees, so decoding's rows equal the whole sequence's bit for
@@ -356,8 +370,9 @@ void attention_forward(const TensorView& out, const TensorView& lse_stats, const
             const float* krow = kf.data() + ((b * Tk + j) * Hkv + g) * hd;
             double dot = 0.0;
             for (int64_t e = 0; e < hd; ++e) dot += static_cast<double>(qrow[e]) * krow[e];
-            scores[static_cast<size_t>(j)] = dot * scale;
-            m = std::max(m, dot * scale);
+            const double s = capped_score(dot * scale, cap);
+            scores[static_cast<size_t>(j)] = s;
+            m = std::max(m, s);
           }
           double sum = 0.0;
           for (int64_t j = first; j <= last; ++j)
@@ -405,16 +420,18 @@ void attention_backward(const TensorView& dq, const TensorView& dk, const Tensor
   const F32Input qf(q), kf(k), vf(v), dof(dout);
   const int64_t B = d.batch, T = d.seq, H = d.heads, Hkv = d.kv_heads, hd = d.head_dim;
   const int64_t group = H / Hkv;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  const double scale = score_scale(mask, hd), cap = mask.softcap;
   const float* lse = f32(lse_stats);
   // One task per (batch, kv head): it owns dk and dv of that head, summed over the query
   // heads of its group in a fixed order, and dq of those query heads.
   // With P = exp(s - lse), dP = dO·v, D = Σ P dP: ds = P (dP - D), dq = scale Σ ds k,
   // dk = scale Σ ds q, dv = Σ P dO. D is summed from P and dP rather than taken as dO·out,
-  // so a rounded 16-bit `out` does not bias it.
+  // so a rounded 16-bit `out` does not bias it. With a softcap c, s = c tanh(r / c) of the
+  // scaled product r, and ds is multiplied by ds/dr = 1 - (s / c)^2.
   parallel_ranges(B * Hkv, 1, [&](int64_t i0, int64_t i1) {
     const auto tsz = static_cast<size_t>(T), hsz = static_cast<size_t>(hd);
-    std::vector<double> p(tsz), dp(tsz), dq_acc(hsz), dk_acc(tsz * hsz), dv_acc(tsz * hsz);
+    std::vector<double> p(tsz), dp(tsz), slope(tsz), dq_acc(hsz), dk_acc(tsz * hsz),
+        dv_acc(tsz * hsz);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / Hkv, g = i % Hkv;
       std::fill(dk_acc.begin(), dk_acc.end(), 0.0);
@@ -435,7 +452,9 @@ void attention_backward(const TensorView& dq, const TensorView& dk, const Tensor
               dpj += static_cast<double>(dorow[e]) * vf[ko + e];
             }
             const auto js = static_cast<size_t>(j);
-            p[js] = std::exp(s * scale - l);
+            const double sc = capped_score(s * scale, cap);
+            p[js] = std::exp(sc - l);
+            slope[js] = cap > 0 ? 1.0 - (sc / cap) * (sc / cap) : 1.0;
             dp[js] = dpj;
             D += p[js] * dpj;
           }
@@ -443,7 +462,7 @@ void attention_backward(const TensorView& dq, const TensorView& dk, const Tensor
           for (int64_t j = first; j <= t; ++j) {
             const auto js = static_cast<size_t>(j);
             const int64_t ko = ((b * T + j) * Hkv + g) * hd;
-            const double ds = p[js] * (dp[js] - D);
+            const double ds = p[js] * (dp[js] - D) * slope[js];
             for (int64_t e = 0; e < hd; ++e) {
               const auto je = js * hsz + static_cast<size_t>(e);
               dq_acc[static_cast<size_t>(e)] += ds * kf[ko + e];
