@@ -944,60 +944,67 @@ TEST_F(CudaOpsTest, CrossEntropyOverChunksWithIgnoredTargets) {
   DeviceInts dtargets = ints(targets);
   const float scale = 1.0f / static_cast<float>(valid);
 
-  for (const DType t : {f32, bf16}) {
-    SCOPED_TRACE(dtype_name(t));
-    HostTensor logits = random_tensor(t, {rows, vocab}, rng, -6.0f, 6.0f);
-    std::vector<HostTensor> chunks;
-    std::vector<DeviceTensor> dchunks;
-    for (int64_t v0 = 0; v0 < vocab; v0 += chunk) {
-      const int64_t c = std::min(chunk, vocab - v0);
-      HostTensor part(t, {rows, c});
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < c; ++j) part.set(r * c + j, logits.at(r * vocab + v0 + j));
-      dchunks.push_back(upload(part));
-      chunks.push_back(std::move(part));
-    }
+  // cap 3.5: Gemma 2's softcapped logits (softcap, and the backward through it).
+  for (const float cap : {0.0f, 3.5f})
+    for (const DType t : {f32, bf16}) {
+      SCOPED_TRACE(fmt::format("{} softcap {}", dtype_name(t), cap));
+      HostTensor logits = random_tensor(t, {rows, vocab}, rng, -6.0f, 6.0f);
+      std::vector<HostTensor> chunks;
+      std::vector<DeviceTensor> dchunks;
+      for (int64_t v0 = 0; v0 < vocab; v0 += chunk) {
+        const int64_t c = std::min(chunk, vocab - v0);
+        HostTensor part(t, {rows, c});
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < c; ++j) part.set(r * c + j, logits.at(r * vocab + v0 + j));
+        dchunks.push_back(upload(part));
+        if (cap > 0.0f) {
+          gpu().softcap(dchunks.back().view(), cap, stream());
+          host::softcap(part.view(), cap);
+          expect_close("capped logits", dchunks.back().fetch("capped"), part, tolerance(t, t));
+        }
+        chunks.push_back(std::move(part));
+      }
 
-    HostTensor row_max(f32, {rows}), row_sum(f32, {rows}), target(f32, {rows});
-    HostTensor losses(f32, {rows});
-    DeviceTensor drow_max = empty(f32, {rows}), drow_sum = empty(f32, {rows});
-    DeviceTensor dtarget = empty(f32, {rows}), dlosses = empty(f32, {rows});
-    gpu().fill(drow_max.view(), -kInf, stream());
-    gpu().fill(drow_sum.view(), 0.0f, stream());
-    gpu().fill(dtarget.view(), 0.0f, stream());
-    host::fill(row_max.view(), -kInf);
-    host::fill(row_sum.view(), 0.0f);
-    host::fill(target.view(), 0.0f);
-    for (size_t i = 0; i < chunks.size(); ++i) {
-      const int64_t v0 = static_cast<int64_t>(i) * chunk;
-      gpu().xent_forward_chunk(dchunks[i].view(), v0, dtargets.data(), drow_max.view(),
-                               drow_sum.view(), dtarget.view(), stream());
-      host::xent_forward_chunk(chunks[i].view(), v0, targets.data(), row_max.view(), row_sum.view(),
-                               target.view());
-    }
-    expect_close("target_logit", dtarget.fetch("target_logit"), target, 0.0);
-    // lse aliases row_max, as in the model.
-    gpu().xent_finish(dlosses.view(), drow_max.view(), drow_max.view(), drow_sum.view(),
-                      dtarget.view(), dtargets.data(), stream());
-    host::xent_finish(losses.view(), row_max.view(), row_max.view(), row_sum.view(), target.view(),
-                      targets.data());
-    expect_close("losses", dlosses.fetch("losses"), losses, 1e-5);
-    expect_close("lse", drow_max.fetch("lse"), row_max, 1e-5);
-    for (int64_t r = 0; r < rows; ++r) {
-      if (targets[static_cast<size_t>(r)] == kIgnoreIndex) {
-        EXPECT_EQ(losses.at(r), 0.0f) << r;
+      HostTensor row_max(f32, {rows}), row_sum(f32, {rows}), target(f32, {rows});
+      HostTensor losses(f32, {rows});
+      DeviceTensor drow_max = empty(f32, {rows}), drow_sum = empty(f32, {rows});
+      DeviceTensor dtarget = empty(f32, {rows}), dlosses = empty(f32, {rows});
+      gpu().fill(drow_max.view(), -kInf, stream());
+      gpu().fill(drow_sum.view(), 0.0f, stream());
+      gpu().fill(dtarget.view(), 0.0f, stream());
+      host::fill(row_max.view(), -kInf);
+      host::fill(row_sum.view(), 0.0f);
+      host::fill(target.view(), 0.0f);
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        const int64_t v0 = static_cast<int64_t>(i) * chunk;
+        gpu().xent_forward_chunk(dchunks[i].view(), v0, dtargets.data(), drow_max.view(),
+                                 drow_sum.view(), dtarget.view(), stream());
+        host::xent_forward_chunk(chunks[i].view(), v0, targets.data(), row_max.view(),
+                                 row_sum.view(), target.view());
+      }
+      expect_close("target_logit", dtarget.fetch("target_logit"), target, 0.0);
+      // lse aliases row_max, as in the model.
+      gpu().xent_finish(dlosses.view(), drow_max.view(), drow_max.view(), drow_sum.view(),
+                        dtarget.view(), dtargets.data(), stream());
+      host::xent_finish(losses.view(), row_max.view(), row_max.view(), row_sum.view(),
+                        target.view(), targets.data());
+      expect_close("losses", dlosses.fetch("losses"), losses, 1e-5);
+      expect_close("lse", drow_max.fetch("lse"), row_max, 1e-5);
+      for (int64_t r = 0; r < rows; ++r) {
+        if (targets[static_cast<size_t>(r)] == kIgnoreIndex) {
+          EXPECT_EQ(losses.at(r), 0.0f) << r;
+        }
+      }
+
+      for (size_t i = 0; i < chunks.size(); ++i) {
+        const int64_t v0 = static_cast<int64_t>(i) * chunk;
+        gpu().xent_backward_chunk(dchunks[i].view(), v0, dtargets.data(), drow_max.view(), scale,
+                                  cap, stream());
+        host::xent_backward_chunk(chunks[i].view(), v0, targets.data(), row_max.view(), scale, cap);
+        expect_close(fmt::format("dlogits of chunk {}", i), dchunks[i].fetch("dlogits"), chunks[i],
+                     tolerance(t, t));
       }
     }
-
-    for (size_t i = 0; i < chunks.size(); ++i) {
-      const int64_t v0 = static_cast<int64_t>(i) * chunk;
-      gpu().xent_backward_chunk(dchunks[i].view(), v0, dtargets.data(), drow_max.view(), scale,
-                                stream());
-      host::xent_backward_chunk(chunks[i].view(), v0, targets.data(), row_max.view(), scale);
-      expect_close(fmt::format("dlogits of chunk {}", i), dchunks[i].fetch("dlogits"), chunks[i],
-                   tolerance(t, t));
-    }
-  }
 }
 
 // ---- the optimizer: CpuAdam's bits (host::adam_update runs its scalar path), no tolerance ----
@@ -1160,7 +1167,8 @@ TEST_F(CudaOpsTest, NegativeVocabularyChunkStartIsRefused) {
       {"xent_forward_chunk", "v0 = -1"});
   test::expect_error(
       [&] {
-        gpu().xent_backward_chunk(logits.view(), -2, targets.data(), lse.view(), 1.0f, stream());
+        gpu().xent_backward_chunk(logits.view(), -2, targets.data(), lse.view(), 1.0f, 0.0f,
+                                  stream());
       },
       {"xent_backward_chunk", "v0 = -2"});
 }

@@ -983,6 +983,51 @@ void chunked_xent(const Tensor& logits, int64_t chunk, DType t, Tensor& losses, 
                     kTargets.data());
 }
 
+// Gemma 2's final_logit_softcapping: softcap() caps the logits in place, and
+// xent_backward_chunk given the capped chunk and the cap takes the gradient back through it,
+// against finite differences of the mean loss over the raw logits (chunks of 4: 4, 4, 3).
+TEST(HostOps, SoftcappedLogitsAndTheirGradients) {
+  Random rng(31);
+  const float cap = 2.5f;  // below the logits' reach, so the cap bends them
+  Tensor x = rng.tensor(DType::f32, {kRows, kVocab}, -6.0f, 6.0f);
+  Tensor capped = x;
+  host::softcap(capped.view(), cap);
+  for (int64_t i = 0; i < x.numel(); ++i)
+    EXPECT_NEAR(capped.at(i), cap * std::tanh(static_cast<double>(x.at(i)) / cap), 1e-6) << i;
+  const int64_t chunk = 4;
+  auto loss = [&] {
+    Tensor y = x, losses, lse;
+    host::softcap(y.view(), cap);
+    chunked_xent(y, chunk, DType::f32, losses, lse);
+    double sum = 0;
+    for (int64_t r = 0; r < kRows; ++r) sum += losses.at(r);
+    return sum / 3;  // three targets count
+  };
+  Tensor y = x, losses, lse;
+  host::softcap(y.view(), cap);
+  chunked_xent(y, chunk, DType::f32, losses, lse);
+  std::vector<double> grad(static_cast<size_t>(kRows * kVocab));
+  for (int64_t v0 = 0; v0 < kVocab; v0 += chunk) {
+    const int64_t c = std::min(chunk, kVocab - v0);
+    Tensor part(DType::f32, {kRows, c});
+    for (int64_t r = 0; r < kRows; ++r)
+      for (int64_t j = 0; j < c; ++j) part.set(r * c + j, x.at(r * kVocab + v0 + j));
+    host::softcap(part.view(), cap);  // as the head recomputes a chunk
+    host::xent_backward_chunk(part.view(), v0, kTargets.data(), lse.view(), 1.0f / 3, cap);
+    for (int64_t r = 0; r < kRows; ++r)
+      for (int64_t j = 0; j < c; ++j)
+        grad[static_cast<size_t>(r * kVocab + v0 + j)] = part.at(r * c + j);
+  }
+  expect_grad(grad, numeric_grad(x, loss), "softcapped cross-entropy");
+  Tensor logits(DType::f32, {2, 3}, 0.0f), stats(DType::f32, {2}, 0.0f);
+  expect_error([&] { host::softcap(logits.view(), 0.0f); }, {"softcap", "softcap = 0"});
+  expect_error(
+      [&] {
+        host::xent_backward_chunk(logits.view(), 0, kTargets.data(), stats.view(), 1.0f, -2.0f);
+      },
+      {"xent_backward_chunk", "softcap = -2"});
+}
+
 TEST(HostOps, ChunkedCrossEntropyEqualsDirectLogSoftmax) {
   Random rng(13);
   for (DType t : {DType::f32, DType::bf16}) {
@@ -1264,7 +1309,7 @@ TEST(HostKernels, RunOpsOnAStreamLikeTheReference) {
   s->synchronize();
   k.xent_forward_chunk(dlogits.view, 0, dtargets, dmx.view, dsm.view, dtl.view, *s);
   k.xent_finish(dlosses.view, dmx.view, dmx.view, dsm.view, dtl.view, dtargets, *s);
-  k.xent_backward_chunk(dlogits.view, 0, dtargets, dmx.view, 0.25f, *s);
+  k.xent_backward_chunk(dlogits.view, 0, dtargets, dmx.view, 0.25f, 0.0f, *s);
   host::xent_forward_chunk(logits.view(), 0, kTargets.data(), mx.view(), sm.view(), tl.view());
   host::xent_finish(losses.view(), mx.view(), mx.view(), sm.view(), tl.view(), kTargets.data());
   host::xent_backward_chunk(logits.view(), 0, kTargets.data(), mx.view(), 0.25f);

@@ -247,6 +247,12 @@ int64_t check_same_shape(const char* op, std::initializer_list<const TensorView*
   return first == nullptr ? 0 : first->numel();
 }
 
+void check_softcap(const char* op, float cap, bool zero_ok) {
+  if (!std::isfinite(cap) || cap < 0.0f || (cap == 0.0f && !zero_ok))
+    fail("{}: softcap = {}; it is a positive finite cap{}", op, cap,
+         zero_ok ? ", or 0 for uncapped logits" : "");
+}
+
 void check_chunk_start(const char* op, int64_t v0) {
   if (v0 < 0) fail("{}: v0 = {} is negative; pass the chunk's first vocabulary column", op, v0);
 }

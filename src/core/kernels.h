@@ -158,6 +158,9 @@ class Kernels {
   virtual void add(const TensorView& out, const TensorView& a, const TensorView& b, Stream& s) = 0;
   // Every element of x = value (e.g. -inf for the cross-entropy running maximum).
   virtual void fill(const TensorView& x, float value, Stream& s) = 0;
+  // In place, x = cap · tanh(x / cap) (cap > 0): Gemma 2's final_logit_softcapping, on a chunk
+  // of logits before the cross-entropy or sampling reads it.
+  virtual void softcap(const TensorView& x, float cap, Stream& s) = 0;
 
   // A projection's bias (Hugging Face's Linear with bias=True): y[n,:] = b, y [N,C], b [C] of
   // y's dtype. The matmul that follows with beta = 1 adds x·Wᵀ to it in f32, so y is rounded
@@ -181,9 +184,12 @@ class Kernels {
                            const TensorView& row_max, const TensorView& row_sum,
                            const TensorView& target_logit, const int32_t* targets, Stream& s) = 0;
   // In place, on the same chunk's logits recomputed: logits = scale * (softmax - onehot), i.e.
-  // scale * (exp(logit - lse[n]) - [v0 + j == targets[n]]), and 0 on ignored rows.
+  // scale * (exp(logit - lse[n]) - [v0 + j == targets[n]]), and 0 on ignored rows. With
+  // softcap > 0 the logits given are softcap(x, cap)'s output y, and the gradient goes on back
+  // to its input: times 1 - (y / cap)^2.
   virtual void xent_backward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
-                                   const TensorView& lse, float scale, Stream& s) = 0;
+                                   const TensorView& lse, float scale, float softcap,
+                                   Stream& s) = 0;
 
   // ---- the optimizer, where its home is this device (DESIGN §2) ----
   // One Adam/AdamW step, elementwise over master, m, v (f32 [n]) with grad [n] (f32, bf16 or
@@ -258,6 +264,8 @@ struct XentDims {
 // A vocabulary chunk's first column: refused when negative (a target would be read from the
 // wrong column).
 void check_chunk_start(const char* op, int64_t v0);
+// softcap's and xent_backward_chunk's cap: positive and finite (or 0 where `zero_ok`).
+void check_softcap(const char* op, float cap, bool zero_ok);
 XentDims check_xent(const char* op, const TensorView& logits,
                     std::initializer_list<const TensorView*> stats);
 

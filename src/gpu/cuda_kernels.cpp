@@ -54,6 +54,7 @@ class CudaKernels final : public Kernels {
                     Stream& s) override;
   void add(const TensorView& out, const TensorView& a, const TensorView& b, Stream& s) override;
   void fill(const TensorView& x, float value, Stream& s) override;
+  void softcap(const TensorView& x, float cap, Stream& s) override;
   void broadcast_rows(const TensorView& y, const TensorView& b, Stream& s) override;
   void bias_backward(const TensorView& db, const TensorView& dy, Stream& s) override;
   void xent_forward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
@@ -63,7 +64,7 @@ class CudaKernels final : public Kernels {
                    const TensorView& row_sum, const TensorView& target_logit,
                    const int32_t* targets, Stream& s) override;
   void xent_backward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
-                           const TensorView& lse, float scale, Stream& s) override;
+                           const TensorView& lse, float scale, float softcap, Stream& s) override;
   void adam_update(const TensorView& master, const TensorView& m, const TensorView& v,
                    const TensorView& grad, const TensorView& param_copy,
                    const cpu_adam::StepConstants& k, Stream& s) override;
@@ -296,6 +297,14 @@ void CudaKernels::fill(const TensorView& x, float value, Stream& s) {
   launch_fill(x.data, x.dtype, value, x.numel(), stream);
 }
 
+void CudaKernels::softcap(const TensorView& x, float cap, Stream& s) {
+  check_same_shape("softcap", {&x});
+  check_softcap("softcap", cap, false);
+  operands("softcap", {{"x", &x}});
+  const cudaStream_t stream = device_.enter(s);
+  launch_softcap(x.data, x.dtype, cap, x.numel(), stream);
+}
+
 void CudaKernels::broadcast_rows(const TensorView& y, const TensorView& b, Stream& s) {
   const RowDims d = check_bias("broadcast_rows", y, b);
   operands("broadcast_rows", {{"y", &y}, {"b", &b}});
@@ -342,16 +351,18 @@ void CudaKernels::xent_finish(const TensorView& losses, const TensorView& lse,
 }
 
 void CudaKernels::xent_backward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
-                                      const TensorView& lse, float scale, Stream& s) {
+                                      const TensorView& lse, float scale, float softcap,
+                                      Stream& s) {
   const char* op = "xent_backward_chunk";
   const XentDims d = check_xent(op, logits, {&lse});
   check_chunk_start(op, v0);
+  check_softcap(op, softcap, true);
   operands(op, {{"logits", &logits}});
   const float* l = stats(op, "lse", lse);
   ids(op, "targets", targets, d.rows);
   const cudaStream_t stream = device_.enter(s);
   launch_xent_backward_chunk(logits.data, logits.dtype, d.rows, d.chunk, v0, targets, l, scale,
-                             stream);
+                             softcap, stream);
 }
 
 void CudaKernels::adam_update(const TensorView& master, const TensorView& m, const TensorView& v,

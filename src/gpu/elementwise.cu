@@ -34,6 +34,11 @@ __global__ void scale_kernel(T* x, float beta, int64_t n) {
 }
 
 template <typename T>
+__global__ void softcap_kernel(T* x, float cap, int64_t n) {
+  gpu::grid_stride(n, [&](int64_t i) { x[i] = from_f32<T>(cap * tanhf(to_f32(x[i]) / cap)); });
+}
+
+template <typename T>
 __global__ void broadcast_rows_kernel(T* y, const T* __restrict__ b, int64_t rows, int64_t cols) {
   gpu::grid_stride(rows * cols, [&](int64_t i) { y[i] = b[i % cols]; });
 }
@@ -104,6 +109,15 @@ void launch_fill(void* x, DType x_t, float value, int64_t n, cudaStream_t stream
   gpu::dispatch(x_t, [&]<typename T>() {
     fill_kernel<T><<<gpu::grid_for(static_cast<uint64_t>(n)), gpu::kThreads, 0, stream>>>(
         static_cast<T*>(x), value, n);
+    CUDA_CHECK_LAUNCH();
+  });
+}
+
+void launch_softcap(void* x, DType x_t, float cap, int64_t n, cudaStream_t stream) {
+  if (n == 0) return;
+  gpu::dispatch(x_t, [&]<typename T>() {
+    softcap_kernel<T><<<gpu::grid_for(static_cast<uint64_t>(n)), gpu::kThreads, 0, stream>>>(
+        static_cast<T*>(x), cap, n);
     CUDA_CHECK_LAUNCH();
   });
 }

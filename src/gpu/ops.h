@@ -116,6 +116,8 @@ void launch_bias_backward(void* db, DType db_t, const void* dy, DType dy_t, int6
                           int64_t cols, cudaStream_t stream);
 // x = beta * x, with beta == 0 writing zeros whatever x holds (a matmul with k == 0).
 void launch_scale(void* x, DType x_t, float beta, int64_t n, cudaStream_t stream);
+// x = cap * tanh(x / cap), in place (Kernels::softcap).
+void launch_softcap(void* x, DType x_t, float cap, int64_t n, cudaStream_t stream);
 
 // ---- xent.cu: chunked softmax cross-entropy, one block per row ----
 void launch_xent_forward_chunk(const void* logits, DType logits_t, int64_t rows, int64_t chunk,
@@ -126,7 +128,7 @@ void launch_xent_finish(float* losses, float* lse, const float* row_max, const f
                         cudaStream_t stream);
 void launch_xent_backward_chunk(void* logits, DType logits_t, int64_t rows, int64_t chunk,
                                 int64_t v0, const int32_t* targets, const float* lse, float scale,
-                                cudaStream_t stream);
+                                float softcap, cudaStream_t stream);
 
 // ---- optimizer.cu: the optimizer, where its home is the GPU (exactly CpuAdam's bits) ----
 // master, m, v: n floats updated in place; grad: n elements of grad_t; copy: n elements of

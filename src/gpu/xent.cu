@@ -65,14 +65,15 @@ __global__ void xent_finish_kernel(float* losses, float* lse, const float* row_m
 template <typename T>
 __global__ void xent_backward_kernel(T* logits, int64_t rows, int64_t chunk, int64_t v0,
                                      const int32_t* __restrict__ targets,
-                                     const float* __restrict__ lse, float scale) {
+                                     const float* __restrict__ lse, float scale, float softcap) {
   const int64_t n = rows * chunk;
   gpu::grid_stride(n, [&](int64_t i) {
     const int64_t row = i / chunk, j = i - row * chunk;
     const int64_t t = targets[row];
+    const float y = to_f32(logits[i]);
     float g = 0.0f;
-    if (t != kIgnoreIndex)
-      g = scale * (expf(to_f32(logits[i]) - lse[row]) - (v0 + j == t ? 1.0f : 0.0f));
+    if (t != kIgnoreIndex) g = scale * (expf(y - lse[row]) - (v0 + j == t ? 1.0f : 0.0f));
+    if (softcap > 0.0f) g *= 1.0f - (y / softcap) * (y / softcap);  // back through the cap
     logits[i] = from_f32<T>(g);
   });
 }
@@ -101,12 +102,12 @@ void launch_xent_finish(float* losses, float* lse, const float* row_max, const f
 
 void launch_xent_backward_chunk(void* logits, DType logits_t, int64_t rows, int64_t chunk,
                                 int64_t v0, const int32_t* targets, const float* lse, float scale,
-                                cudaStream_t stream) {
+                                float softcap, cudaStream_t stream) {
   const int64_t n = rows * chunk;
   if (n == 0) return;
   gpu::dispatch(logits_t, [&]<typename T>() {
     xent_backward_kernel<T><<<gpu::grid_for(static_cast<uint64_t>(n)), gpu::kThreads, 0, stream>>>(
-        static_cast<T*>(logits), rows, chunk, v0, targets, lse, scale);
+        static_cast<T*>(logits), rows, chunk, v0, targets, lse, scale, softcap);
     CUDA_CHECK_LAUNCH();
   });
 }

@@ -130,6 +130,13 @@ class HostKernels final : public Kernels {
     q_.enqueue(s, [=] { host::fill(x, value); });
   }
 
+  void softcap(const TensorView& x, float cap, Stream& s) override {
+    check_same_shape("softcap", {&x});
+    check_softcap("softcap", cap, false);
+    in_memory("softcap", {{"x", &x}});
+    q_.enqueue(s, [=] { host::softcap(x, cap); });
+  }
+
   void broadcast_rows(const TensorView& y, const TensorView& b, Stream& s) override {
     check_bias("broadcast_rows", y, b);
     in_memory("broadcast_rows", {{"y", &y}, {"b", &b}});
@@ -172,13 +179,14 @@ class HostKernels final : public Kernels {
   }
 
   void xent_backward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
-                           const TensorView& lse, float scale, Stream& s) override {
+                           const TensorView& lse, float scale, float softcap, Stream& s) override {
     const char* op = "xent_backward_chunk";
     const XentDims d = check_xent(op, logits, {&lse});
     check_chunk_start(op, v0);
+    check_softcap(op, softcap, true);
     in_memory(op, {{"logits", &logits}, {"lse", &lse}});
     ids_in_memory(op, "targets", targets, d.rows);
-    q_.enqueue(s, [=] { host::xent_backward_chunk(logits, v0, targets, lse, scale); });
+    q_.enqueue(s, [=] { host::xent_backward_chunk(logits, v0, targets, lse, scale, softcap); });
   }
 
   void adam_update(const TensorView& master, const TensorView& m, const TensorView& v,

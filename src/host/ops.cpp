@@ -571,6 +571,14 @@ void fill(const TensorView& x, float value) {
   std::fill(static_cast<uint16_t*>(x.data), static_cast<uint16_t*>(x.data) + n, bits);
 }
 
+void softcap(const TensorView& x, float cap) {
+  const int64_t n = check_same_shape("softcap", {&x});
+  check_softcap("softcap", cap, false);
+  parallel_ranges(n, kGrainElements, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) put(x, i, cap * std::tanh(get(x, i) / cap));
+  });
+}
+
 void broadcast_rows(const TensorView& y, const TensorView& b) {
   const RowDims d = check_bias("broadcast_rows", y, b);
   parallel_ranges(d.rows, rows_grain(d.cols), [&](int64_t r0, int64_t r1) {
@@ -648,10 +656,11 @@ void xent_finish(const TensorView& losses, const TensorView& lse, const TensorVi
 }
 
 void xent_backward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
-                         const TensorView& lse, float scale) {
+                         const TensorView& lse, float scale, float softcap) {
   const char* op = "xent_backward_chunk";
   const XentDims d = check_xent(op, logits, {&lse});
   check_chunk_start(op, v0);
+  check_softcap(op, softcap, true);
   check_targets(op, targets, d.rows);
   parallel_ranges(d.rows, rows_grain(d.chunk), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -659,8 +668,9 @@ void xent_backward_chunk(const TensorView& logits, int64_t v0, const int32_t* ta
       const double l = f32(lse)[r];
       for (int64_t j = 0; j < d.chunk; ++j) {
         double g = 0.0;
-        if (t != kIgnoreIndex)
-          g = scale * (std::exp(get(logits, base + j) - l) - (v0 + j == t ? 1.0 : 0.0));
+        const double y = get(logits, base + j);
+        if (t != kIgnoreIndex) g = scale * (std::exp(y - l) - (v0 + j == t ? 1.0 : 0.0));
+        if (softcap > 0) g *= 1.0 - (y / softcap) * (y / softcap);
         put(logits, base + j, static_cast<float>(g));
       }
     }

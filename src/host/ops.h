@@ -52,6 +52,7 @@ void glu_backward(const TensorView& dgate, const TensorView& dup, const TensorVi
 
 void add(const TensorView& out, const TensorView& a, const TensorView& b);
 void fill(const TensorView& x, float value);
+void softcap(const TensorView& x, float cap);
 
 void broadcast_rows(const TensorView& y, const TensorView& b);
 void bias_backward(const TensorView& db, const TensorView& dy);
@@ -63,7 +64,7 @@ void xent_forward_chunk(const TensorView& logits, int64_t v0, const int32_t* tar
 void xent_finish(const TensorView& losses, const TensorView& lse, const TensorView& row_max,
                  const TensorView& row_sum, const TensorView& target_logit, const int32_t* targets);
 void xent_backward_chunk(const TensorView& logits, int64_t v0, const int32_t* targets,
-                         const TensorView& lse, float scale);
+                         const TensorView& lse, float scale, float softcap = 0.0f);
 
 // The optimizer's ops (host/optimizer.cpp): CpuAdam's scalar path (cpu_adam/kernels_scalar.cpp)
 // over the same spans and chunks, so the bits are CpuAdam::update's and grad_stats' own.

@@ -837,7 +837,7 @@ void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x
       continue;
     }
     // row_max holds the log-sum-exp since the forward's xent_finish.
-    k_.xent_backward_chunk(logits, v0, targets, row_max, loss_scale, s);
+    k_.xent_backward_chunk(logits, v0, targets, row_max, loss_scale, 0.0f, s);
     TensorView dlogits = logits;
     if (t != DType::f32) {
       dlogits = chunk_act_.view(t, {N, C});
