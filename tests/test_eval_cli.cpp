@@ -12,6 +12,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <string>
 
 namespace strata {
 namespace {
@@ -541,6 +543,32 @@ TEST(BenchOpsCli, ListsTheBiasesAndQkNormsOfTheModelsThatHaveThem) {
     EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << want;
   EXPECT_EQ(std::find(names.begin(), names.end(), "gate_proj up_proj bias"), names.end());
   EXPECT_EQ(names.size(), 25u + 3 * 2 + 2 * 2);  // Llama's, three biases, two norms
+}
+
+// Gemma 2's block: GeGLU, four norms, attention with its scale and cap, each verified against the
+// host backend before it is timed.
+TEST(BenchOpsCli, Gemma2sBlockHasItsOwnOps) {
+  const test::TempDir dir("strata-bench-ops-gemma2");
+  LlamaConfig c = *find_preset("tiny");
+  c.architecture = Architecture::gemma2;
+  c.hidden_act = Activation::gelu_tanh;
+  c.tie_word_embeddings = true;
+  c.query_pre_attn_scalar = 20;
+  c.attn_logit_softcapping = 1.0;  // small: the cap bends the scores
+  c.final_logit_softcapping = 30;
+  std::ofstream(dir.path / "config.json") << to_hf_config_json(c).dump(2);
+  const test::CommandResult r = bench_ops("--devices host --model " + dir.path.string() +
+                                          " --seq-len 40 --square 64 --steps 1 --json");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_TRUE(j["verified"].get<bool>());
+  std::map<std::string, int> count;
+  for (const auto& o : j["ops"]) count[o["op"].get<std::string>()] = o["count"].get<int>();
+  EXPECT_EQ(count.count("geglu forward"), 1u);
+  EXPECT_EQ(count.count("geglu backward"), 1u);
+  EXPECT_EQ(count.count("swiglu forward"), 0u);
+  EXPECT_EQ(count["rmsnorm forward"], 4);
 }
 
 TEST(BenchOpsCli, BadInputIsNamed) {

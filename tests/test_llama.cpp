@@ -99,16 +99,25 @@ TEST(LlamaRope, PlainAndLlama3Scaling) {
 // loss, for a few coordinates of every tensor, with and without tied embeddings.
 // Variants: untied, tied, Qwen2's q/k/v biases with tied embeddings, Llama with a bias on every
 // projection (attention_bias and mlp_bias), Qwen3's q and k norms (tied, as its small models),
-// Qwen3 with attention_bias, and Gemma (tied; embeddings times sqrt(hidden), norms times
-// 1 + weight, the tanh GELU's gate).
-enum class Variant { untied, tied, qwen2_tied, every_bias, qwen3_tied, qwen3_bias, gemma };
+// Qwen3 with attention_bias, Gemma (tied; embeddings times sqrt(hidden), norms times
+// 1 + weight, the tanh GELU's gate) and Gemma 2 (Gemma's, with norms on the sublayers' outputs,
+// a window of 3, scores scaled by 5^-1/2 and capped at 1.5, logits capped at 2).
+enum class Variant { untied, tied, qwen2_tied, every_bias, qwen3_tied, qwen3_bias, gemma, gemma2 };
 
 LlamaConfig variant_config(Variant v) {
-  LlamaConfig c = small_config(v == Variant::tied || v == Variant::qwen2_tied ||
-                               v == Variant::qwen3_tied || v == Variant::gemma);
-  if (v == Variant::gemma) {
+  LlamaConfig c =
+      small_config(v == Variant::tied || v == Variant::qwen2_tied || v == Variant::qwen3_tied ||
+                   v == Variant::gemma || v == Variant::gemma2);
+  if (v == Variant::gemma || v == Variant::gemma2) {
     c.architecture = Architecture::gemma;
     c.hidden_act = Activation::gelu_tanh;
+  }
+  if (v == Variant::gemma2) {
+    c.architecture = Architecture::gemma2;
+    c.sliding_window = 3;
+    c.query_pre_attn_scalar = 5;
+    c.attn_logit_softcapping = 1.5;
+    c.final_logit_softcapping = 2.0;
   }
   if (v == Variant::qwen2_tied) {
     c.architecture = Architecture::qwen2;
@@ -125,7 +134,7 @@ LlamaConfig variant_config(Variant v) {
 
 const char* variant_name(Variant v) {
   const char* names[] = {"untied",     "tied",       "qwen2_tied", "every_bias",
-                         "qwen3_tied", "qwen3_bias", "gemma"};
+                         "qwen3_tied", "qwen3_bias", "gemma",      "gemma2"};
   return names[static_cast<int>(v)];
 }
 
@@ -237,13 +246,13 @@ TEST_P(LlamaGradient, MatchesFiniteDifferences) {
 INSTANTIATE_TEST_SUITE_P(Variants, LlamaGradient,
                          ::testing::Values(Variant::untied, Variant::tied, Variant::qwen2_tied,
                                            Variant::every_bias, Variant::qwen3_tied,
-                                           Variant::qwen3_bias, Variant::gemma),
+                                           Variant::qwen3_bias, Variant::gemma, Variant::gemma2),
                          [](const auto& p) { return std::string(variant_name(p.param)); });
 
 // The planner sizes activations with workspace_bytes_for(); it must be what the constructor
 // allocates, in every dtype (bf16 adds the logits-gradient chunk) and with the arena's rounding.
 TEST(LlamaModel, WorkspaceBytesForIsWhatTheConstructorAllocates) {
-  for (Variant variant : {Variant::untied, Variant::tied, Variant::qwen3_tied})
+  for (Variant variant : {Variant::untied, Variant::tied, Variant::qwen3_tied, Variant::gemma2})
     for (DType t : {DType::f32, DType::bf16})
       for (int64_t batch : {1, 3})
         for (int mode : {0, 1, 2, 3}) {  // recompute, keep the activations, forward only, KV
@@ -300,11 +309,15 @@ TEST(LlamaModel, DecodingWithAKvCacheGivesTheWholeSequencesLogits) {
     int64_t window;
     std::vector<bool> sliding_layers;
   };
-  const std::vector<Case> cases = {
-      {Variant::untied, 0, {}},     {Variant::tied, 0, {}},
-      {Variant::qwen2_tied, 0, {}}, {Variant::every_bias, 0, {}},
-      {Variant::qwen3_tied, 0, {}}, {Variant::gemma, 0, {}},
-      {Variant::untied, 4, {}},     {Variant::qwen2_tied, 3, {false, true, true}}};
+  const std::vector<Case> cases = {{Variant::untied, 0, {}},
+                                   {Variant::tied, 0, {}},
+                                   {Variant::qwen2_tied, 0, {}},
+                                   {Variant::every_bias, 0, {}},
+                                   {Variant::qwen3_tied, 0, {}},
+                                   {Variant::gemma, 0, {}},
+                                   {Variant::gemma2, 4, {true, false, true}},
+                                   {Variant::untied, 4, {}},
+                                   {Variant::qwen2_tied, 3, {false, true, true}}};
   for (const Case& cs : cases)
     for (DType dt : {DType::f32, DType::bf16}) {
       const Variant variant = cs.variant;
@@ -625,7 +638,9 @@ TEST(LlamaModel, WithoutRecomputeTheGradientsAreTheSameBits) {
                                     {DType::f32, Variant::every_bias},
                                     {DType::bf16, Variant::qwen2_tied},
                                     {DType::f32, Variant::qwen3_bias},
-                                    {DType::bf16, Variant::qwen3_tied}}) {
+                                    {DType::bf16, Variant::qwen3_tied},
+                                    {DType::f32, Variant::gemma2},
+                                    {DType::bf16, Variant::gemma2}}) {
     LlamaConfig c = variant_config(variant);
     c.num_hidden_layers = 3;
     auto device = open_host_device(0, 64ull << 20);

@@ -195,6 +195,26 @@ std::vector<Case> cases() {
   gemma_mqa.config.qkv_bias = gemma_mqa.config.o_bias = true;
   gemma_mqa.config.tie_word_embeddings = true;
   out.push_back(gemma_mqa);
+  // Gemma 2: norms on each sublayer's input and output, a window of 4 in the first and third of
+  // three layers, scores scaled by 12^-1/2 (not head_dim 8's) and capped, logits capped; the
+  // caps small against this init's scores and logits so that they bend them. And Gemma 2
+  // untied, without caps (null in config.json), its scale head_dim's.
+  Case gemma2{"gemma2_sandwich_window_caps", base(36, 6, 2, 8, 70, 97, 3), 2, 9, 40};
+  gemma2.config.architecture = Architecture::gemma2;
+  gemma2.config.hidden_act = Activation::gelu_tanh;
+  gemma2.config.tie_word_embeddings = true;
+  gemma2.config.rms_norm_eps = 1e-6;
+  gemma2.config.sliding_window = 4;
+  gemma2.config.sliding_layers = {true, false, true};
+  gemma2.config.query_pre_attn_scalar = 12;
+  gemma2.config.attn_logit_softcapping = 0.04;
+  gemma2.config.final_logit_softcapping = 0.1;
+  out.push_back(gemma2);
+  Case gemma2_plain{"gemma2_untied_uncapped", base(20, 4, 2, 10, 33, 50, 2), 2, 6, 24};
+  gemma2_plain.config.architecture = Architecture::gemma2;
+  gemma2_plain.config.hidden_act = Activation::gelu_tanh;
+  gemma2_plain.config.query_pre_attn_scalar = 10;
+  out.push_back(gemma2_plain);
   // Llama's class with another hidden_act than silu (transformers honours it).
   Case llama_gelu{"llama_gelu_tanh_mlp", base(20, 4, 2, 10, 33, 50, 1), 2, 6, 24};
   llama_gelu.config.hidden_act = Activation::gelu_tanh;

@@ -484,6 +484,101 @@ TEST(LlamaConfigParse, GemmaAsItsHuggingFaceClassBuildsIt) {
   EXPECT_EQ(parse_llama_config(l, "l.json").hidden_act, Activation::silu);
 }
 
+// Gemma 2 9B's: the window in every other layer, the caps, query_pre_attn_scalar, f32 weights,
+// and keys the class reads for its cache (harmless here).
+const char* kGemma2_9b = R"({
+  "architectures": ["Gemma2ForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "attn_logit_softcapping": 50.0,
+  "bos_token_id": 2,
+  "cache_implementation": "hybrid",
+  "eos_token_id": 1,
+  "final_logit_softcapping": 30.0,
+  "head_dim": 256,
+  "hidden_act": "gelu_pytorch_tanh",
+  "hidden_activation": "gelu_pytorch_tanh",
+  "hidden_size": 3584,
+  "initializer_range": 0.02,
+  "intermediate_size": 14336,
+  "max_position_embeddings": 8192,
+  "model_type": "gemma2",
+  "num_attention_heads": 16,
+  "num_hidden_layers": 42,
+  "num_key_value_heads": 8,
+  "pad_token_id": 0,
+  "query_pre_attn_scalar": 256,
+  "rms_norm_eps": 1e-06,
+  "rope_theta": 10000.0,
+  "sliding_window": 4096,
+  "sliding_window_size": 4096,
+  "torch_dtype": "float32",
+  "transformers_version": "4.42.0.dev0",
+  "use_cache": true,
+  "vocab_size": 256000
+})";
+
+TEST(LlamaConfigParse, Gemma2AsItsHuggingFaceClassBuildsIt) {
+  expect_matches_preset(kGemma2_9b, "gemma2-9b");
+  const LlamaConfig g = parse_text(kGemma2_9b);
+  EXPECT_EQ(g.architecture, Architecture::gemma2);
+  EXPECT_TRUE(sandwich_norms(g));
+  EXPECT_FALSE(sandwich_norms(*find_preset("gemma-7b")));
+  EXPECT_EQ(norm_weight_offset(g), 1.0f);
+  EXPECT_EQ(g.sliding_window, 4096);
+  for (int64_t l = 0; l < 42; ++l) EXPECT_EQ(g.layer_slides(l), l % 2 == 0) << l;
+  EXPECT_EQ(g.attn_logit_softcapping, 50.0);
+  EXPECT_EQ(g.final_logit_softcapping, 30.0);
+  EXPECT_EQ(g.query_pre_attn_scalar, 256.0);
+  EXPECT_TRUE(g.tie_word_embeddings);
+  // Four norms a layer: the sublayers' inputs and outputs.
+  const ModelLayout layout = ModelLayout::build(g);
+  for (const char* norm : {"input_layernorm", "post_attention_layernorm",
+                           "pre_feedforward_layernorm", "post_feedforward_layernorm"})
+    EXPECT_EQ(layout.units[1].slot(norm).shape.dims[0], 3584) << norm;
+
+  // Null caps are none; layer_types says which layers slide; the defaults where keys are absent.
+  json j = json::parse(kGemma2_9b);
+  j["attn_logit_softcapping"] = nullptr;
+  j["final_logit_softcapping"] = nullptr;
+  j["layer_types"] = json::array();
+  for (int l = 0; l < 42; ++l)
+    j["layer_types"].push_back(l < 21 ? "sliding_attention" : "full_attention");
+  const LlamaConfig uncapped = parse_llama_config(j, "g2.json");
+  EXPECT_EQ(uncapped.attn_logit_softcapping, 0.0);
+  EXPECT_EQ(uncapped.final_logit_softcapping, 0.0);
+  EXPECT_TRUE(uncapped.layer_slides(20) && !uncapped.layer_slides(21));
+  for (const char* key : {"attn_logit_softcapping", "final_logit_softcapping",
+                          "query_pre_attn_scalar", "sliding_window", "layer_types"})
+    j.erase(key);
+  const LlamaConfig defaults = parse_llama_config(j, "g2.json");
+  EXPECT_EQ(defaults.attn_logit_softcapping, 50.0);
+  EXPECT_EQ(defaults.final_logit_softcapping, 30.0);
+  EXPECT_EQ(defaults.query_pre_attn_scalar, 256.0);
+  EXPECT_EQ(defaults.sliding_window, 4096);
+  EXPECT_TRUE(defaults.layer_slides(0) && !defaults.layer_slides(1));
+  test::expect_error(
+      [&] {
+        j["query_pre_attn_scalar"] = nullptr;
+        parse_llama_config(j, "g2.json");
+      },
+      {"g2.json", "query_pre_attn_scalar is null"});
+  test::expect_error(
+      [&] {
+        j["query_pre_attn_scalar"] = -4;
+        parse_llama_config(j, "g2.json");
+      },
+      {"g2.json", "query_pre_attn_scalar = -4"});
+  // Another class's keys of these names change nothing it computes: not read.
+  json l = minimal();
+  l["final_logit_softcapping"] = 30.0;
+  EXPECT_EQ(parse_llama_config(l, "l.json").final_logit_softcapping, 0.0);
+  LlamaConfig capped_llama = *find_preset("tiny");
+  capped_llama.attn_logit_softcapping = 10;
+  test::expect_error([&] { validate_llama_config(capped_llama, "tiny"); },
+                     {"attn_logit_softcapping = 10", "Gemma 2's"});
+}
+
 TEST(LlamaConfigParse, MistralAndQwen2AsTheirHuggingFaceClassesBuildThem) {
   // Mistral: Llama's equations; biases never (the class fixes them), the window kept.
   json j = minimal();
@@ -665,8 +760,8 @@ struct Rejection {
 TEST(LlamaConfigParse, EveryRejectionNamesTheField) {
   const std::vector<Rejection> cases = {
       {"other architecture",
-       [](json& j) { j["architectures"] = {"Gemma2ForCausalLM"}; },
-       {"architectures", "Gemma2ForCausalLM", "LlamaForCausalLM", "GemmaForCausalLM"}},
+       [](json& j) { j["architectures"] = {"Gemma3ForCausalLM"}; },
+       {"architectures", "Gemma3ForCausalLM", "LlamaForCausalLM", "Gemma2ForCausalLM"}},
       {"architectures and model_type disagree",
        [](json& j) {
          j["architectures"] = {"MistralForCausalLM"};
@@ -932,6 +1027,9 @@ TEST(LlamaConfigPresets, PublishedParameterCounts) {
   EXPECT_EQ(parameter_count(*find_preset("phi4")), 14'659'507'200u);
   EXPECT_EQ(parameter_count(*find_preset("gemma-2b")), 2'506'172'416u);
   EXPECT_EQ(parameter_count(*find_preset("gemma-7b")), 8'537'680'896u);
+  EXPECT_EQ(parameter_count(*find_preset("gemma2-2b")), 2'614'341'888u);
+  EXPECT_EQ(parameter_count(*find_preset("gemma2-9b")), 9'241'705'984u);
+  EXPECT_EQ(parameter_count(*find_preset("gemma2-27b")), 27'227'128'320u);
   // Model FLOPs per token at 4096 positions: 6 per parameter, and attention 6 x 32 layers x 32
   // heads x 128 x 4096 (QKᵀ and PV over half the keys, forward and backward).
   EXPECT_EQ(model_flops_per_token(*find_preset("llama2-7b"), 4096),
@@ -1004,6 +1102,12 @@ TEST(LlamaConfigJson, RoundTripsThroughHuggingFaceJson) {
   gelu.tie_word_embeddings = false;
   gelu.qkv_bias = gelu.o_bias = true;
   configs.push_back(gelu);
+  LlamaConfig gemma2 = *find_preset("gemma2-27b");  // uncapped, its layers' own pattern
+  gemma2.name = "gemma2 uncapped";
+  gemma2.attn_logit_softcapping = gemma2.final_logit_softcapping = 0;
+  gemma2.sliding_layers.assign(46, false);
+  gemma2.sliding_layers[3] = true;
+  configs.push_back(gemma2);
   LlamaConfig llama_gelu = *find_preset("tiny");
   llama_gelu.name = "llama gelu";
   llama_gelu.hidden_act = Activation::gelu_tanh;

@@ -543,48 +543,67 @@ TEST(TrainCli, Phi3TrainsAndExportsItsFusedProjections) {
     EXPECT_NE(r.out.find(part), std::string::npos) << part << " in " << r.out;
 }
 
-// Gemma through the executor with its parameters on NVMe: its norms start at 0 (they multiply by
-// 1 + w), the export names the class and both activation keys, its head is the embedding, and
-// the export evaluates to the loss the run's checkpoint gives.
+// Gemma and Gemma 2 through the executor with their parameters on NVMe: the norms start at 0
+// (they multiply by 1 + w), the export names the class and both activation keys (and Gemma 2's
+// caps, scale and sliding layers), the head is the embedding, and the export evaluates to the
+// loss the run's checkpoint gives.
 TEST(TrainCli, GemmaTrainsAndExportsAsItsClass) {
-  const test::TempDir dir("strata-gemma");
-  const fs::path data = make_data(dir.path), model = dir.path / "gemma", run = dir.path / "run";
-  LlamaConfig c = *find_preset("tiny");
-  c.architecture = Architecture::gemma;
-  c.hidden_act = Activation::gelu_tanh;
-  c.tie_word_embeddings = true;
-  c.head_dim = 24;  // not hidden / heads, as Gemma's 256
-  fs::create_directories(model);
-  std::ofstream(model / "config.json") << to_hf_config_json(c).dump(2);
-  test::CommandResult r = strata(
-      "train --model " + model.string() + " --init random --seed 5 --seq-len 32 --micro-batch 2 " +
-      "--lr 1e-3 --data " + data.string() + " --steps 2 --devices host:2 --offload-param nvme " +
-      "--persistence-threshold 0 --run-dir " + run.string());
-  ASSERT_EQ(r.status, 0) << r.out;
-  const fs::path out = dir.path / "hf";
-  r = strata("export " + run.string() + " --out " + out.string() + " --dtype f32");
-  ASSERT_EQ(r.status, 0) << r.out;
-  const json config = json::parse(slurp(out / "config.json"));
-  EXPECT_EQ(config["architectures"], json::array({"GemmaForCausalLM"}));
-  EXPECT_EQ(config["hidden_act"], "gelu_pytorch_tanh");
-  EXPECT_EQ(config["hidden_activation"], "gelu_pytorch_tanh");
-  const SafetensorsReader st = SafetensorsReader::open(out / "model.safetensors");
-  EXPECT_EQ(st.find("lm_head.weight"), nullptr);
-  for (const char* norm : {"model.norm.weight", "model.layers.1.input_layernorm.weight"}) {
-    std::vector<float> w(static_cast<size_t>(c.hidden_size));
-    st.read(norm, w.data(), DType::f32);
-    // Two AdamW steps of 1e-3 from 0: each weight moved by at most about 2e-3.
-    for (const float x : w) EXPECT_LT(std::abs(x), 0.01f) << norm;
+  for (const Architecture arch : {Architecture::gemma, Architecture::gemma2}) {
+    SCOPED_TRACE(architecture_class(arch));
+    const test::TempDir dir("strata-gemma");
+    const fs::path data = make_data(dir.path), model = dir.path / "gemma", run = dir.path / "run";
+    LlamaConfig c = *find_preset("tiny");
+    c.architecture = arch;
+    c.hidden_act = Activation::gelu_tanh;
+    c.tie_word_embeddings = true;
+    c.head_dim = 24;  // not hidden / heads, as Gemma's 256
+    if (arch == Architecture::gemma2) {
+      c.sliding_window = 8;
+      c.sliding_layers = {true, false};
+      c.query_pre_attn_scalar = 16;
+      c.attn_logit_softcapping = 50;
+      c.final_logit_softcapping = 30;
+    }
+    fs::create_directories(model);
+    std::ofstream(model / "config.json") << to_hf_config_json(c).dump(2);
+    test::CommandResult r = strata(
+        "train --model " + model.string() + " --init random --seed 5 --seq-len 32 " +
+        "--micro-batch 2 --lr 1e-3 --data " + data.string() + " --steps 2 --devices host:2 " +
+        "--offload-param nvme --persistence-threshold 0 --run-dir " + run.string());
+    ASSERT_EQ(r.status, 0) << r.out;
+    const fs::path out = dir.path / "hf";
+    r = strata("export " + run.string() + " --out " + out.string() + " --dtype f32");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const json config = json::parse(slurp(out / "config.json"));
+    EXPECT_EQ(config["architectures"], json::array({architecture_class(arch)}));
+    EXPECT_EQ(config["hidden_act"], "gelu_pytorch_tanh");
+    EXPECT_EQ(config["hidden_activation"], "gelu_pytorch_tanh");
+    if (arch == Architecture::gemma2) {
+      EXPECT_EQ(config["final_logit_softcapping"], 30.0);
+      EXPECT_EQ(config["query_pre_attn_scalar"], 16.0);
+      EXPECT_EQ(config["layer_types"], json::array({"sliding_attention", "full_attention"}));
+    }
+    const SafetensorsReader st = SafetensorsReader::open(out / "model.safetensors");
+    EXPECT_EQ(st.find("lm_head.weight"), nullptr);
+    std::vector<std::string> norms = {"model.norm.weight", "model.layers.1.input_layernorm.weight"};
+    if (arch == Architecture::gemma2)
+      norms.push_back("model.layers.0.post_feedforward_layernorm.weight");
+    for (const std::string& norm : norms) {
+      std::vector<float> w(static_cast<size_t>(c.hidden_size));
+      st.read(norm, w.data(), DType::f32);
+      // Two AdamW steps of 1e-3 from 0: each weight moved by at most about 2e-3.
+      for (const float x : w) EXPECT_LT(std::abs(x), 0.01f) << norm;
+    }
+    r = strata("eval --model " + out.string() + " --data " + data.string() +
+               " --seq-len 32 --max-sequences 4 --json 2>/dev/null");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const double exported = json::parse(r.out)["loss"].get<double>();
+    r = strata("eval --model " + (run / "checkpoints/step-2").string() + " --data " +
+               data.string() + " --seq-len 32 --max-sequences 4 --json 2>/dev/null");
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_EQ(json::parse(r.out)["loss"].get<double>(), exported);
+    EXPECT_NEAR(exported, std::log(static_cast<double>(c.vocab_size)), 1.0);
   }
-  r = strata("eval --model " + out.string() + " --data " + data.string() +
-             " --seq-len 32 --max-sequences 4 --json 2>/dev/null");
-  ASSERT_EQ(r.status, 0) << r.out;
-  const double exported = json::parse(r.out)["loss"].get<double>();
-  r = strata("eval --model " + (run / "checkpoints/step-2").string() + " --data " + data.string() +
-             " --seq-len 32 --max-sequences 4 --json 2>/dev/null");
-  ASSERT_EQ(r.status, 0) << r.out;
-  EXPECT_EQ(json::parse(r.out)["loss"].get<double>(), exported);
-  EXPECT_NEAR(exported, std::log(static_cast<double>(c.vocab_size)), 1.0);
 }
 
 TEST(TrainCli, CheckpointsAndExportsCarryTheModelsTokenizer) {

@@ -151,6 +151,14 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
                      static_cast<double>(T);
   const std::string att_shape =
       fmt::format("B {} T {} heads {} kv {} hd {}", batch, T, heads, kv, hd);
+  // The model's scores (Gemma 2's scale and cap, which the CUDA backend runs on its SIMT path);
+  // no window: the bench's sequences are the whole context.
+  const double qpas = c.query_pre_attn_scalar;
+  const AttentionMask scores(nullptr, 0,
+                             qpas > 0 && qpas != static_cast<double>(hd)
+                                 ? static_cast<float>(1.0 / std::sqrt(qpas))
+                                 : 0.0f,
+                             static_cast<float>(c.attn_logit_softcapping));
   ops.push_back({"attention forward",
                  att_shape,
                  Op::kAttention,
@@ -159,8 +167,8 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
                  0,
                  {in(qs), in(ks), in(ks), out(qs), out(ls, true)},
                  {},
-                 [](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-                   k.attention_forward(t[3], t[4], t[0], t[1], t[2], nullptr, s);
+                 [scores](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
+                   k.attention_forward(t[3], t[4], t[0], t[1], t[2], scores, s);
                  }});
   // q, k, v, dout; out and lse from the forward (setup); dq, dk, dv.
   ops.push_back(
@@ -171,11 +179,11 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
        2 * att,
        0,
        {in(qs), in(ks), in(ks), in(qs), out(qs), out(ls, true), out(qs), out(ks), out(ks)},
-       [](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-         k.attention_forward(t[4], t[5], t[0], t[1], t[2], nullptr, s);
+       [scores](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
+         k.attention_forward(t[4], t[5], t[0], t[1], t[2], scores, s);
        },
-       [](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
-         k.attention_backward(t[6], t[7], t[8], t[3], t[0], t[1], t[2], t[4], t[5], nullptr, s);
+       [scores](Kernels& k, const std::vector<TensorView>& t, Stream& s) {
+         k.attention_backward(t[6], t[7], t[8], t[3], t[0], t[1], t[2], t[4], t[5], scores, s);
        }});
   const double nh = static_cast<double>(N * H) * e;
   const float eps = static_cast<float>(c.rms_norm_eps), offset = norm_weight_offset(c);
@@ -210,7 +218,8 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
                      k.rmsnorm_backward(t[5], t[6], t[2], t[0], t[1], t[4], offset, s);
                    }});
   };
-  rmsnorm_ops("rmsnorm", fmt::format("N {} D {}", N, H), N, H, 2);
+  // Two norms a block, four with Gemma 2's on the sublayers' outputs.
+  rmsnorm_ops("rmsnorm", fmt::format("N {} D {}", N, H), N, H, sandwich_norms(c) ? 4 : 2);
   for (const auto& [label, n_heads] : {std::pair{"rope q", heads}, std::pair{"rope k", kv}}) {
     // In place: x is both what is read and what is checked.
     ops.push_back({label,

@@ -188,10 +188,11 @@ constexpr KnownArchitecture kArchitectures[] = {
     {Architecture::qwen3, "Qwen3ForCausalLM", "qwen3"},
     {Architecture::phi3, "Phi3ForCausalLM", "phi3"},
     {Architecture::gemma, "GemmaForCausalLM", "gemma"},
+    {Architecture::gemma2, "Gemma2ForCausalLM", "gemma2"},
 };
 constexpr const char* kKnownClasses =
     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-    "Phi3ForCausalLM or GemmaForCausalLM";
+    "Phi3ForCausalLM, GemmaForCausalLM or Gemma2ForCausalLM";
 
 // The architecture from "architectures" (the first class strata knows) and "model_type", which
 // must agree where both are given.
@@ -217,7 +218,7 @@ Architecture parse_architecture(const json& j, std::string_view src) {
     if (!from_type)
       fail(
           "{}: model_type '{}' is not one strata implements; strata trains the Llama family: "
-          "llama, mistral, qwen2, qwen3, phi3 or gemma",
+          "llama, mistral, qwen2, qwen3, phi3, gemma or gemma2",
           src, t);
   }
   if (from_class && from_type && *from_class != *from_type)
@@ -233,8 +234,10 @@ Architecture parse_architecture(const json& j, std::string_view src) {
 
 // The attention window the model's layers use, 0 for none: Mistral's sliding_window (every
 // layer); Qwen2's and Qwen3's when use_sliding_window is set and a layer uses it (layer_types,
-// or the layers from max_window_layers on, as Hugging Face's configs derive them), those layers
-// flagged in `sliding` (left empty where every layer slides). Llama has none.
+// or the layers from max_window_layers on, as Hugging Face's configs derive them); Gemma 2's in
+// the layers layer_types names, else every other layer from the first (4096 where
+// sliding_window is absent, as Gemma2Config's default); those layers flagged in `sliding` (left
+// empty where every layer slides). Llama and Gemma have none.
 int64_t parse_sliding_window(const json& j, std::string_view src, Architecture arch, int64_t layers,
                              std::vector<bool>& sliding) {
   sliding.clear();
@@ -245,9 +248,13 @@ int64_t parse_sliding_window(const json& j, std::string_view src, Architecture a
     fail("{}: sliding_window = {} must be a positive number of positions, or null; fix config.json",
          src, window);
   if (arch == Architecture::mistral || arch == Architecture::phi3) return window;
-  const json* use = field(j, "use_sliding_window");
-  if (use == nullptr || !as_bool(*use, src, "use_sliding_window")) return 0;
-  if (window == 0) return 0;
+  if (arch == Architecture::gemma2) {
+    if (w == nullptr) window = 4096;
+  } else {
+    const json* use = field(j, "use_sliding_window");
+    if (use == nullptr || !as_bool(*use, src, "use_sliding_window")) return 0;
+    if (window == 0) return 0;
+  }
   if (const json* types = field(j, "layer_types")) {
     if (!types->is_array()) type_error(src, "layer_types", "a list of strings", *types);
     if (static_cast<int64_t>(types->size()) != layers)
@@ -260,6 +267,8 @@ int64_t parse_sliding_window(const json& j, std::string_view src, Architecture a
              s);
       sliding.push_back(s == "sliding_attention");
     }
+  } else if (arch == Architecture::gemma2) {
+    for (int64_t l = 0; l < layers; ++l) sliding.push_back(l % 2 == 0);
   } else {
     const json* m = field(j, "max_window_layers");
     const int64_t first_sliding = m != nullptr ? as_int(*m, src, "max_window_layers") : 28;
@@ -322,6 +331,19 @@ LlamaConfig gemma(LlamaConfig c) {
   c.hidden_act = Activation::gelu_tanh;
   return c;
 }
+// Gemma 2's: Gemma's, with a window of 4096 in every other layer (the first included), scores
+// capped at 50 and scaled by query_pre_attn_scalar^-1/2, logits capped at 30.
+LlamaConfig gemma2(LlamaConfig c, int64_t head_dim, double query_pre_attn_scalar) {
+  c = gemma(c);
+  c.architecture = Architecture::gemma2;
+  c.head_dim = head_dim;
+  c.query_pre_attn_scalar = query_pre_attn_scalar;
+  c.attn_logit_softcapping = 50.0;
+  c.final_logit_softcapping = 30.0;
+  c.sliding_window = 4096;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) c.sliding_layers.push_back(l % 2 == 0);
+  return c;
+}
 // Phi-3's and Phi-4's class: Mistral's equations, fused projections in the files.
 LlamaConfig phi3(LlamaConfig c, int64_t window) {
   c.architecture = Architecture::phi3;
@@ -378,6 +400,14 @@ const std::vector<LlamaConfig>& presets() {
         // Gemma 2B (one key/value head) and 7B.
         gemma(make_preset("gemma-2b", 2048, 16384, 18, 8, 1, 256000, 8192, 10000.0, DType::bf16)),
         gemma(make_preset("gemma-7b", 3072, 24576, 28, 16, 16, 256000, 8192, 10000.0, DType::bf16)),
+        // Gemma 2 2B, 9B and 27B (whose scores scale by 144^-1/2, hidden / heads, not head_dim's).
+        gemma2(make_preset("gemma2-2b", 2304, 9216, 26, 8, 4, 256000, 8192, 10000.0, DType::f32),
+               256, 256),
+        gemma2(make_preset("gemma2-9b", 3584, 14336, 42, 16, 8, 256000, 8192, 10000.0, DType::f32),
+               256, 256),
+        gemma2(
+            make_preset("gemma2-27b", 4608, 36864, 46, 32, 16, 256000, 8192, 10000.0, DType::f32),
+            128, 144),
     };
   }();
   return all;
@@ -407,6 +437,7 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
       fits = attention_bias && !c.qk_norm;
       break;
     case Architecture::gemma:
+    case Architecture::gemma2:
       fits = attention_bias && !c.mlp_bias && !c.qk_norm;
       break;
     case Architecture::mistral:
@@ -431,9 +462,18 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
       (c.sliding_window > 0 &&
        (c.architecture == Architecture::llama || c.architecture == Architecture::gemma)))
     fail(
-        "{}: sliding_window = {} is not valid for {}; it is a positive window for Mistral, Qwen2 "
-        "or Phi-3",
+        "{}: sliding_window = {} is not valid for {}; it is a positive window for Mistral, Qwen2, "
+        "Phi-3 or Gemma 2",
         src, c.sliding_window, architecture_class(c.architecture));
+  for (const auto& [name, v] : {std::pair{"query_pre_attn_scalar", c.query_pre_attn_scalar},
+                                {"attn_logit_softcapping", c.attn_logit_softcapping},
+                                {"final_logit_softcapping", c.final_logit_softcapping}}) {
+    if (!std::isfinite(v) || v < 0)
+      fail("{}: {} = {} must be a positive number (or null for none)", src, name, v);
+    if (v != 0 && c.architecture != Architecture::gemma2)
+      fail("{}: {} = {} is Gemma 2's; {} has no such setting", src, name, v,
+           architecture_class(c.architecture));
+  }
   if (!c.sliding_layers.empty() &&
       static_cast<int64_t>(c.sliding_layers.size()) != c.num_hidden_layers)
     fail("{}: {} layers are flagged for the sliding window, but the model has {}", src,
@@ -525,7 +565,8 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
   // Biases, and what would change the math and is not implemented: refused by name. Mistral
   // and Qwen2 fix their biases in code (none; q, k and v), whatever the keys say.
   if (arch == Architecture::qwen2) c.qkv_bias = true;
-  if (arch == Architecture::llama || arch == Architecture::qwen3 || arch == Architecture::gemma) {
+  const bool gemma_like = arch == Architecture::gemma || arch == Architecture::gemma2;
+  if (arch == Architecture::llama || arch == Architecture::qwen3 || gemma_like) {
     if (const json* v = field(j, "attention_bias"))
       c.qkv_bias = c.o_bias = as_bool(*v, src, "attention_bias");
   }
@@ -539,10 +580,10 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
   // and hidden_act ("gelu" in Google's first configs, meaning the tanh approximation the model
   // was trained with). So for Gemma hidden_activation wins, and a lone hidden_act "gelu" is
   // read as Gemma's tanh GELU. Exports write both keys, the same.
-  c.hidden_act = arch == Architecture::gemma ? Activation::gelu_tanh : Activation::silu;
+  c.hidden_act = gemma_like ? Activation::gelu_tanh : Activation::silu;
   std::string act_key = "hidden_act";
   const json* act_field = field(j, act_key);
-  if (const json* v = field(j, "hidden_activation"); v && arch == Architecture::gemma) {
+  if (const json* v = field(j, "hidden_activation"); v && gemma_like) {
     act_field = v;
     act_key = "hidden_activation";
   }
@@ -553,8 +594,8 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
     else if (act == "gelu_pytorch_tanh" || act == "gelu_new")  // the same, rounded alike in f32
       c.hidden_act = Activation::gelu_tanh;
     else if (act == "gelu")
-      c.hidden_act = arch == Architecture::gemma && act_key == "hidden_act" ? Activation::gelu_tanh
-                                                                            : Activation::gelu;
+      c.hidden_act =
+          gemma_like && act_key == "hidden_act" ? Activation::gelu_tanh : Activation::gelu;
     else
       fail(
           "{}: {} '{}' is not supported; strata's gated MLP takes silu (SwiGLU), gelu or "
@@ -598,8 +639,8 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
       kv != nullptr ? as_int(*kv, src, "num_key_value_heads") : c.num_attention_heads;
   if (const json* v = field(j, "head_dim")) {
     c.head_dim = as_int(*v, src, "head_dim");
-  } else if (arch == Architecture::gemma) {
-    c.head_dim = 256;  // GemmaConfig's default
+  } else if (gemma_like) {
+    c.head_dim = 256;  // GemmaConfig's and Gemma2Config's default
   } else {
     // Non-positive sizes are left to validate_llama_config, which names them.
     if (c.num_attention_heads > 0 && c.hidden_size % c.num_attention_heads != 0)
@@ -610,7 +651,7 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
     c.head_dim = c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0;
   }
   // Gemma's configs leave it out: GemmaConfig ties by default, the others do not.
-  c.tie_word_embeddings = arch == Architecture::gemma;
+  c.tie_word_embeddings = gemma_like;
   if (const json* v = field(j, "tie_word_embeddings"))
     c.tie_word_embeddings = as_bool(*v, src, "tie_word_embeddings");
   if (const json* v = field(j, "rope_theta")) c.rope_theta = as_number(*v, src, "rope_theta");
@@ -643,6 +684,22 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
           "them",
           src, top, inner);
     inner = top;
+  }
+  // Gemma 2's scores and logits (Gemma2Config's defaults where absent; null: no cap).
+  if (arch == Architecture::gemma2) {
+    c.query_pre_attn_scalar = 256;
+    c.attn_logit_softcapping = 50;
+    c.final_logit_softcapping = 30;
+    for (const auto& [key, v] :
+         {std::pair<const char*, double*>{"query_pre_attn_scalar", &c.query_pre_attn_scalar},
+          {"attn_logit_softcapping", &c.attn_logit_softcapping},
+          {"final_logit_softcapping", &c.final_logit_softcapping}}) {
+      const auto it = j.find(key);
+      if (it != j.end()) *v = it->is_null() ? 0.0 : as_number(*it, src, key);
+    }
+    if (c.query_pre_attn_scalar == 0)
+      fail("{}: query_pre_attn_scalar is null; Gemma 2 scales its scores by its -1/2 power, set it",
+           src);
   }
   // transformers 4.56 renamed torch_dtype to dtype.
   const std::string dtype_key = field(j, "torch_dtype") != nullptr ? "torch_dtype" : "dtype";
@@ -770,6 +827,22 @@ json to_hf_config_json(const LlamaConfig& c) {
       j["attention_bias"] = c.qkv_bias;
       j["hidden_activation"] = activation_name(c.hidden_act);
       break;
+    case Architecture::gemma2: {
+      j["attention_bias"] = c.qkv_bias;
+      j["hidden_activation"] = activation_name(c.hidden_act);
+      j["query_pre_attn_scalar"] = c.query_pre_attn_scalar;
+      const auto cap = [](double v) { return v > 0 ? json(v) : json(nullptr); };
+      j["attn_logit_softcapping"] = cap(c.attn_logit_softcapping);
+      j["final_logit_softcapping"] = cap(c.final_logit_softcapping);
+      // The window and, for transformers 4.5x, the layers it applies to; older versions slide
+      // every other layer from the first, which is what Gemma 2's checkpoints do.
+      j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
+      json types = json::array();
+      for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+        types.push_back(c.layer_slides(l) ? "sliding_attention" : "full_attention");
+      j["layer_types"] = types;
+      break;
+    }
     case Architecture::mistral:
       j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
       break;
@@ -803,12 +876,22 @@ json to_hf_config_json(const LlamaConfig& c) {
   return j;
 }
 
+namespace {
+bool gemma_family(const LlamaConfig& c) {
+  return c.architecture == Architecture::gemma || c.architecture == Architecture::gemma2;
+}
+}  // namespace
+
 float norm_weight_offset(const LlamaConfig& c) {
-  return c.architecture == Architecture::gemma ? 1.0f : 0.0f;
+  return gemma_family(c) ? 1.0f : 0.0f;
+}
+
+bool sandwich_norms(const LlamaConfig& c) {
+  return c.architecture == Architecture::gemma2;
 }
 
 float embedding_scale(const LlamaConfig& c, DType t) {
-  if (c.architecture != Architecture::gemma) return 1.0f;
+  if (!gemma_family(c)) return 1.0f;
   // Python's hidden_size ** 0.5, a float32 tensor, then the weights' dtype.
   const auto f = static_cast<float>(std::sqrt(static_cast<double>(c.hidden_size)));
   if (t == DType::bf16) return bf16_to_f32(f32_to_bf16(f));
@@ -844,9 +927,11 @@ std::vector<HfTensor> llama_hf_tensors(const LlamaConfig& c) {
       t.push_back({p + "self_attn.k_norm.weight", {c.head_dim}});
     }
     t.push_back({p + "post_attention_layernorm.weight", {D}});
+    if (sandwich_norms(c)) t.push_back({p + "pre_feedforward_layernorm.weight", {D}});
     linear("mlp.gate_proj", F, D, c.mlp_bias);
     linear("mlp.up_proj", F, D, c.mlp_bias);
     linear("mlp.down_proj", D, F, c.mlp_bias);
+    if (sandwich_norms(c)) t.push_back({p + "post_feedforward_layernorm.weight", {D}});
   }
   t.push_back({"model.norm.weight", {D}});
   if (!c.tie_word_embeddings) t.push_back({"lm_head.weight", {V, D}});

@@ -9,8 +9,13 @@
 // and v stored as one tensor in its files, and gate and up as another (hf_file_tensors), and
 // Gemma (the first Gemma, 2B and 7B) multiplies its embeddings by sqrt(hidden_size), stores
 // each norm's weight as its difference from 1 and gates its MLP with GELU's tanh
-// approximation (GeGLU). Llama's (and Qwen3's) attention_bias and Llama's mlp_bias put biases on
-// the other projections too; any class's hidden_act may be silu, gelu or gelu_pytorch_tanh.
+// approximation (GeGLU). Gemma 2 (Gemma2ForCausalLM) is Gemma with a sliding window in every
+// other layer, a norm on each sublayer's output as well as its input (post_attention_layernorm
+// then normalises the attention's output, pre_ and post_feedforward_layernorm the MLP's input
+// and output), attention scores scaled by query_pre_attn_scalar^-1/2 and capped by
+// attn_logit_softcapping, and logits capped by final_logit_softcapping. Llama's (and Qwen3's)
+// attention_bias and Llama's mlp_bias put biases on the other projections too; any class's
+// hidden_act may be silu, gelu or gelu_pytorch_tanh.
 //
 // Parsing is strict on purpose: a field that changes the model's math and that strata does not
 // implement (another activation, another rotary scaling, a sliding window that would cut a
@@ -68,7 +73,7 @@ struct RopeScaling {
 
 // The Hugging Face class a checkpoint is written for (its "architectures" and "model_type"),
 // kept so that an exported model loads as the class it came from.
-enum class Architecture : uint8_t { llama, mistral, qwen2, qwen3, phi3, gemma };
+enum class Architecture : uint8_t { llama, mistral, qwen2, qwen3, phi3, gemma, gemma2 };
 std::string_view architecture_class(Architecture a);       // "LlamaForCausalLM", ...
 std::string_view architecture_model_type(Architecture a);  // "llama", "mistral", "qwen2", ...
 
@@ -104,6 +109,12 @@ struct LlamaConfig {
   // The MLP's gate: silu (SwiGLU, every class's default but Gemma's) or GELU (Gemma's
   // gelu_pytorch_tanh; hidden_act, or Gemma's hidden_activation, in config.json).
   Activation hidden_act = Activation::silu;
+  // Gemma 2's: the attention's scores times query_pre_attn_scalar^-1/2 (0: head_dim's), capped
+  // at attn_logit_softcapping, and the logits capped at final_logit_softcapping (c · tanh(x / c);
+  // 0: no cap).
+  double query_pre_attn_scalar = 0;
+  double attn_logit_softcapping = 0;
+  double final_logit_softcapping = 0;
   // Mistral's sliding window: each query sees the last `sliding_window` positions, itself
   // included (AttentionMask::window), in the layers that slide: `sliding_layers` (one flag a
   // layer; Qwen2's max_window_layers or layer_types), every layer where it is empty. 0: no
@@ -125,6 +136,9 @@ struct LlamaConfig {
 // rounds its normaliser (sqrt(3072) = 55.4256 becomes 55.5 in bf16).
 float norm_weight_offset(const LlamaConfig& config);
 float embedding_scale(const LlamaConfig& config, DType t);
+// Gemma 2's norms on each sublayer's output too (post_attention_layernorm on the attention's,
+// post_feedforward_layernorm on the MLP's; pre_feedforward_layernorm is the MLP's input norm).
+bool sandwich_norms(const LlamaConfig& config);
 
 // Checks sizes and their relations; errors name `source`, the field and its value.
 void validate_llama_config(const LlamaConfig& config, std::string_view source);
@@ -138,8 +152,8 @@ LlamaConfig load_llama_config(const std::filesystem::path& path);
 // Presets with the published shapes: tiny, llama2-7b/13b/70b, llama3-8b/70b (Llama 3: 8192
 // positions, no rope scaling), llama3.1-8b/70b (131072 positions, llama3 rope scaling),
 // llama3.2-1b/3b (tied, rope scaling factor 32),
-// mistral-7b (v0.3: no sliding window), qwen2.5-7b/72b (q, k, v biases) and qwen3-0.6b/8b
-// (q and k norms).
+// mistral-7b (v0.3: no sliding window), qwen2.5-7b/72b (q, k, v biases), qwen3-0.6b/8b
+// (q and k norms), phi3-mini, phi4, gemma-2b/7b and gemma2-2b/9b/27b.
 std::vector<std::string> preset_names();
 std::optional<LlamaConfig> find_preset(std::string_view name);
 // A checkpoint directory (or config.json) when the path exists, otherwise a preset name; an

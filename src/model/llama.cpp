@@ -40,10 +40,18 @@ double uniform01(uint64_t& state) {  // (0, 1]
 }
 
 // Without recompute, each block keeps q, k, v, the attention output, its log-sum-exp, the
-// residual, gate and up for options.max_batch sequences, and with qk_norm q and k before their
-// norms and the norms' statistics: their byte offsets in the block's part of the stash, each on
-// 256 bytes (as a device arena aligns a buffer), and [12] the part's size.
-constexpr size_t kStashParts = 12;
+// residual, gate and up for options.max_batch sequences, with qk_norm q and k before their
+// norms and the norms' statistics, and with sandwich norms o_proj's and down_proj's outputs:
+// their byte offsets in the block's part of the stash, each on 256 bytes (as a device arena
+// aligns a buffer), and [14] the part's size.
+constexpr size_t kStashParts = 14;
+
+// The MLP's input norm: post_attention_layernorm, or with sandwich norms (Gemma 2, whose
+// post_attention_layernorm norms the attention's output) pre_feedforward_layernorm.
+const char* mlp_norm(const LlamaConfig& c) {
+  return sandwich_norms(c) ? "pre_feedforward_layernorm" : "post_attention_layernorm";
+}
+
 std::array<uint64_t, kStashParts + 1> stash_offsets(const LlamaConfig& c, const ModelOptions& o) {
   const auto n = static_cast<uint64_t>(o.max_batch * o.seq_len);
   const uint64_t a = dtype_size(o.param_dtype);
@@ -51,7 +59,7 @@ std::array<uint64_t, kStashParts + 1> stash_offsets(const LlamaConfig& c, const 
              F = static_cast<uint64_t>(c.intermediate_size);
   const auto Hq = static_cast<uint64_t>(c.num_attention_heads * c.head_dim);
   const auto Hk = static_cast<uint64_t>(c.num_key_value_heads * c.head_dim);
-  const uint64_t qk = c.qk_norm ? 1 : 0;
+  const uint64_t qk = c.qk_norm ? 1 : 0, sw = sandwich_norms(c) ? 1 : 0;
   const uint64_t bytes[kStashParts] = {n * Hq * a,
                                        n * Hk * a,
                                        n * Hk * a,
@@ -63,7 +71,9 @@ std::array<uint64_t, kStashParts + 1> stash_offsets(const LlamaConfig& c, const 
                                        qk * n * Hq * a,
                                        qk * n * Hk * a,
                                        qk * n * static_cast<uint64_t>(c.num_attention_heads) * 4,
-                                       qk * n * static_cast<uint64_t>(c.num_key_value_heads) * 4};
+                                       qk * n * static_cast<uint64_t>(c.num_key_value_heads) * 4,
+                                       sw * n * D * a,
+                                       sw * n * D * a};
   std::array<uint64_t, kStashParts + 1> off{};
   for (size_t i = 0; i < kStashParts; ++i) off[i + 1] = off[i] + align_up(bytes[i], 256);
   return off;
@@ -388,6 +398,10 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
                         {&LlamaModel::rstd1_, n * f4, "RMSNorm statistics"},
                         {&LlamaModel::rstd2_, n * f4, "RMSNorm statistics"},
                     });
+  const bool sandwich = sandwich_norms(config);
+  if (sandwich)
+    w.insert(w.end(), {{&LlamaModel::rstd3_, n * f4, "RMSNorm statistics"},
+                       {&LlamaModel::rstd4_, n * f4, "RMSNorm statistics"}});
   if (options.recompute || fwd) {
     w.insert(w.end(),
              {
@@ -411,6 +425,9 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
               {&LlamaModel::k_rstd_, n * static_cast<uint64_t>(config.num_key_value_heads) * f4,
                "key norm statistics"},
           });
+    if (sandwich)
+      w.insert(w.end(), {{&LlamaModel::o_raw_, n * D * a, "attention output before its norm"},
+                         {&LlamaModel::m_raw_, n * D * a, "MLP output before its norm"}});
   } else {
     w.push_back({&LlamaModel::stash_,
                  sets * static_cast<uint64_t>(config.num_hidden_layers) *
@@ -429,6 +446,7 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
                           {&LlamaModel::d_h_, n * D * a, "residual gradient"},
                           {&LlamaModel::d_small_, n * D * a, "normed-input gradient"},
                       });
+  if (!fwd && sandwich) w.push_back({&LlamaModel::d_sub_, n * D * a, "sublayer output gradient"});
   if (!fwd && config.qk_norm)
     w.insert(w.end(), {
                           {&LlamaModel::dq_raw_, n * Hq * a, "query gradient before its norm"},
@@ -567,6 +585,10 @@ LlamaModel::BlockActs LlamaModel::acts(int u, int64_t batch, int set) const {
       a.q_rstd = rows(q_rstd_, DType::f32, N * H, 0);
       a.k_rstd = rows(k_rstd_, DType::f32, N * Hkv, 0);
     }
+    if (sandwich_norms(c)) {
+      a.o_raw = rows(o_raw_, t, N, D);
+      a.m_raw = rows(m_raw_, t, N, D);
+    }
     return a;
   }
   if (u < 1 || u > c.num_hidden_layers || batch < 1 || batch > options_.max_batch || set < 0 ||
@@ -595,6 +617,10 @@ LlamaModel::BlockActs LlamaModel::acts(int u, int64_t batch, int set) const {
     a.k_raw = at(9, t, {N, Hk});
     a.q_rstd = at(10, DType::f32, {N * H});
     a.k_rstd = at(11, DType::f32, {N * Hkv});
+  }
+  if (sandwich_norms(c)) {
+    a.o_raw = at(12, t, {N, D});
+    a.m_raw = at(13, t, {N, D});
   }
   return a;
 }
@@ -642,6 +668,10 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
       a.q_rstd = first(whole.q_rstd, {N * H});
       a.k_rstd = first(whole.k_rstd, {N * Hkv});
     }
+    if (sandwich_norms(c)) {
+      a.o_raw = first(whole.o_raw, {N, D});
+      a.m_raw = first(whole.m_raw, {N, D});
+    }
   }
   const TensorView &q = a.q, &kk = a.k, &v = a.v, &att = a.att, &h = a.h, &gate = a.gate;
   const TensorView& up = a.up;
@@ -685,14 +715,29 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
   k_.attention_forward(TensorView{att.data, t, {batch, T, H, hd}, &device_}, a.lse,
                        TensorView{q.data, t, {batch, T, H, hd}, &device_}, keys, values,
                        attention_mask(u, doc_start), s);
-  linear(h, att, "o_proj", c.o_bias);
+  // With sandwich norms (Gemma 2) each sublayer's output is normed before it joins the
+  // residual, and the MLP's input norm is pre_feedforward_layernorm.
+  const bool sandwich = sandwich_norms(c);
+  if (sandwich) {
+    linear(a.o_raw, att, "o_proj", c.o_bias);
+    k_.rmsnorm_forward(h, rows(rstd3_, DType::f32, N, 0), a.o_raw, w("post_attention_layernorm"),
+                       eps, offset, s);
+  } else {
+    linear(h, att, "o_proj", c.o_bias);
+  }
   k_.add(h, h, x, s);
-  k_.rmsnorm_forward(hn, rstd2, h, w("post_attention_layernorm"), eps, offset, s);
+  k_.rmsnorm_forward(hn, rstd2, h, w(mlp_norm(c)), eps, offset, s);
   linear(gate, hn, "gate_proj", c.mlp_bias);
   linear(up, hn, "up_proj", c.mlp_bias);
   k_.glu_forward(act, gate, up, c.hidden_act, s);
   if (out.data == nullptr) return;  // recomputation for backward: the output is not needed
-  linear(out, act, "down_proj", c.mlp_bias);
+  if (sandwich) {
+    linear(a.m_raw, act, "down_proj", c.mlp_bias);
+    k_.rmsnorm_forward(out, rows(rstd4_, DType::f32, N, 0), a.m_raw,
+                       w("post_feedforward_layernorm"), eps, offset, s);
+  } else {
+    linear(out, act, "down_proj", c.mlp_bias);
+  }
   k_.add(out, out, h, s);
 }
 
@@ -702,7 +747,13 @@ AttentionMask LlamaModel::attention_mask(int u, const int32_t* doc_start) const 
   // every position's keys and values, as transformers' default cache does; the window only
   // hides the old ones from each new query.
   const bool window = config_.layer_slides(u - 1) && options_.seq_len > config_.sliding_window;
-  return {doc_start, window ? config_.sliding_window : 0};
+  // Gemma 2's scores: scaled by query_pre_attn_scalar^-1/2 (passed where it is not head_dim's
+  // own 1/sqrt(head_dim)) and capped.
+  const double qpas = config_.query_pre_attn_scalar;
+  const bool scaled = qpas > 0 && qpas != static_cast<double>(config_.head_dim);
+  return {doc_start, window ? config_.sliding_window : 0,
+          scaled ? static_cast<float>(1.0 / std::sqrt(qpas)) : 0.0f,
+          static_cast<float>(config_.attn_logit_softcapping)};
 }
 
 void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
@@ -726,7 +777,7 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
     // same bits as the forward's.
     const float eps = static_cast<float>(c.rms_norm_eps);
     k_.rmsnorm_forward(xn, rstd1, x, w("input_layernorm"), eps, norm_weight_offset(c), s);
-    k_.rmsnorm_forward(hn, rstd2, h, w("post_attention_layernorm"), eps, norm_weight_offset(c), s);
+    k_.rmsnorm_forward(hn, rstd2, h, w(mlp_norm(c)), eps, norm_weight_offset(c), s);
     k_.glu_forward(act, gate, up, c.hidden_act, s);
   }
 
@@ -737,11 +788,30 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
   const TensorView dv = rows(dv_, t, N, Hkv * hd);
   const TensorView rope = rope_.view(DType::f32, {T, c.rotary_dim()});
 
-  // MLP: out = h + down(act(gate(hn)) * up(hn)).
-  const float offset = norm_weight_offset(c);
-  k_.matmul(da, dout, false, w("down_proj"), false, 1.0f, 0.0f, s);
-  k_.matmul(g("down_proj"), dout, true, act, false, 1.0f, 1.0f, s);
-  if (c.mlp_bias) k_.bias_backward(g("down_proj.bias"), dout, s);
+  // MLP: out = h + down(act(gate(hn)) * up(hn)), or with sandwich norms h + norm(down(...)).
+  const float offset = norm_weight_offset(c), eps = static_cast<float>(c.rms_norm_eps);
+  const bool sandwich = sandwich_norms(c);
+  const TensorView rstd3 = sandwich ? rows(rstd3_, DType::f32, N, 0) : TensorView{};
+  const TensorView rstd4 = sandwich ? rows(rstd4_, DType::f32, N, 0) : TensorView{};
+  TensorView dm = dout;  // the gradient at down_proj's output
+  if (sandwich) {
+    // The forward that recomputed the block stopped before down_proj; then both output norms'
+    // statistics again (the same kernels on the same inputs: the forward's bits), their
+    // outputs into dsmall, which the MLP's backward overwrites.
+    if (options_.recompute) {
+      if (c.mlp_bias) k_.broadcast_rows(a.m_raw, w("down_proj.bias"), s);
+      k_.matmul(a.m_raw, act, false, w("down_proj"), true, 1.0f, c.mlp_bias ? 1.0f : 0.0f, s);
+    }
+    k_.rmsnorm_forward(dsmall, rstd3, a.o_raw, w("post_attention_layernorm"), eps, offset, s);
+    k_.rmsnorm_forward(dsmall, rstd4, a.m_raw, w("post_feedforward_layernorm"), eps, offset, s);
+    dm = rows(d_sub_, t, N, D);
+    k_.fill(dm, 0.0f, s);
+    k_.rmsnorm_backward(dm, g("post_feedforward_layernorm"), dout, a.m_raw,
+                        w("post_feedforward_layernorm"), rstd4, offset, s);
+  }
+  k_.matmul(da, dm, false, w("down_proj"), false, 1.0f, 0.0f, s);
+  k_.matmul(g("down_proj"), dm, true, act, false, 1.0f, 1.0f, s);
+  if (c.mlp_bias) k_.bias_backward(g("down_proj.bias"), dm, s);
   k_.glu_backward(dgate, dup, da, gate, up, c.hidden_act, s);
   if (c.mlp_bias) {
     k_.bias_backward(g("gate_proj.bias"), dgate, s);
@@ -752,13 +822,20 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
   k_.matmul(g("gate_proj"), dgate, true, hn, false, 1.0f, 1.0f, s);
   k_.matmul(g("up_proj"), dup, true, hn, false, 1.0f, 1.0f, s);
   device_.copy_on_device(dh.data, dout.data, dh.bytes(), s);
-  k_.rmsnorm_backward(dh, g("post_attention_layernorm"), dsmall, h, w("post_attention_layernorm"),
-                      rstd2, offset, s);
+  k_.rmsnorm_backward(dh, g(mlp_norm(c)), dsmall, h, w(mlp_norm(c)), rstd2, offset, s);
 
-  // Attention: h = x + o_proj(attention(rope(q), rope(k), v)).
-  k_.matmul(datt, dh, false, w("o_proj"), false, 1.0f, 0.0f, s);
-  k_.matmul(g("o_proj"), dh, true, att, false, 1.0f, 1.0f, s);
-  if (c.o_bias) k_.bias_backward(g("o_proj.bias"), dh, s);
+  // Attention: h = x + o_proj(attention(rope(q), rope(k), v)), or with sandwich norms
+  // x + norm(o_proj(...)).
+  TensorView d_o = dh;  // the gradient at o_proj's output
+  if (sandwich) {
+    d_o = rows(d_sub_, t, N, D);
+    k_.fill(d_o, 0.0f, s);
+    k_.rmsnorm_backward(d_o, g("post_attention_layernorm"), dh, a.o_raw,
+                        w("post_attention_layernorm"), rstd3, offset, s);
+  }
+  k_.matmul(datt, d_o, false, w("o_proj"), false, 1.0f, 0.0f, s);
+  k_.matmul(g("o_proj"), d_o, true, att, false, 1.0f, 1.0f, s);
+  if (c.o_bias) k_.bias_backward(g("o_proj.bias"), d_o, s);
   k_.attention_backward(TensorView{dq.data, t, {batch, T, H, hd}, &device_},
                         TensorView{dk.data, t, {batch, T, Hkv, hd}, &device_},
                         TensorView{dv.data, t, {batch, T, Hkv, hd}, &device_},
@@ -823,6 +900,7 @@ void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x
   }
   const TensorView dxf = backward ? rows(d_small_, t, N, D) : TensorView{};
   const int64_t chunk = std::min(options_.vocab_chunk, V);
+  const auto cap = static_cast<float>(c.final_logit_softcapping);
   for (int64_t v0 = 0; v0 < V; v0 += chunk) {
     const int64_t C = std::min(chunk, V - v0);
     const TensorView wc{static_cast<char*>(w.data) + static_cast<uint64_t>(v0 * D) * dtype_size(t),
@@ -831,13 +909,14 @@ void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x
                         &device_};
     const TensorView logits = chunk_.view(DType::f32, {N, C});
     k_.matmul(logits, xf, false, wc, true, 1.0f, 0.0f, s);
+    if (cap > 0.0f) k_.softcap(logits, cap, s);  // Gemma 2's final_logit_softcapping
     if (!backward) {
       k_.xent_forward_chunk(logits, v0, targets, row_max, rows(row_sum_, DType::f32, N, 0),
                             rows(target_logit_, DType::f32, N, 0), s);
       continue;
     }
     // row_max holds the log-sum-exp since the forward's xent_finish.
-    k_.xent_backward_chunk(logits, v0, targets, row_max, loss_scale, 0.0f, s);
+    k_.xent_backward_chunk(logits, v0, targets, row_max, loss_scale, cap, s);
     TensorView dlogits = logits;
     if (t != DType::f32) {
       dlogits = chunk_act_.view(t, {N, C});
@@ -961,6 +1040,8 @@ void LlamaModel::head_logits(const std::vector<UnitBuffers>& units, const Tensor
   const TensorView w = c.tie_word_embeddings ? param(units, 0, "embed_tokens", false)
                                              : param(units, head_unit, "lm_head", false);
   k_.matmul(out, xf, false, w, true, 1.0f, 0.0f, s);
+  if (c.final_logit_softcapping > 0)
+    k_.softcap(out, static_cast<float>(c.final_logit_softcapping), s);
 }
 
 TensorView LlamaModel::decode_slot(int u, int64_t n) const {

@@ -234,6 +234,9 @@ class LlamaModel {
     // With qk_norm: q and k as projected (before their norms) and the norms' statistics, which
     // the norms' backward reads; null views otherwise.
     TensorView q_raw, k_raw, q_rstd, k_rstd;
+    // With sandwich norms (Gemma 2): the attention's and the MLP's outputs before their norms
+    // (o_proj's and down_proj's); null views otherwise.
+    TensorView o_raw, m_raw;
   };
   BlockActs acts(int u, int64_t batch, int set) const;
   void check_set(int set) const;                        // throws unless 0 <= set < activation_sets
@@ -288,6 +291,9 @@ class LlamaModel {
   // With qk_norm: q and k before their norms with the norms' statistics (the forward's scratch),
   // and the gradients reaching the projections through the norms.
   DeviceBuffer q_raw_, k_raw_, q_rstd_, k_rstd_, dq_raw_, dk_raw_;
+  // With sandwich norms: o_proj's and down_proj's outputs (the scratch's; without recompute the
+  // stash keeps them), their norms' statistics, and the gradient reaching either.
+  DeviceBuffer o_raw_, m_raw_, rstd3_, rstd4_, d_sub_;
   // Head: logits chunk [B*T, C], online-softmax state and per-token losses, [B*T] f32 each.
   DeviceBuffer chunk_, chunk_act_, row_max_, row_sum_, target_logit_, losses_;
   DeviceBuffer kv_;     // decoding: per block, keys then values, [seq_len, kv_heads * head_dim]

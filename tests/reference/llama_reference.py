@@ -16,7 +16,12 @@ only the first head_dim x it dimensions of each head rotated. GemmaForCausalLM m
 embeddings by sqrt(hidden_size) (a float32 number cast to the working dtype), multiplies each
 norm by 1 + its weight, and gates the MLP with GELU's tanh approximation (its
 hidden_activation, else hidden_act, whose "gelu" means the tanh form for Gemma); any class's
-hidden_act may be silu, gelu or gelu_pytorch_tanh. Which projections have biases is decided
+hidden_act may be silu, gelu or gelu_pytorch_tanh. Gemma2ForCausalLM is Gemma with a norm on
+each sublayer's output (post_attention_layernorm on the attention's, post_feedforward_layernorm
+on the MLP's; pre_feedforward_layernorm before the MLP), scores times query_pre_attn_scalar^-1/2
+then capped as c tanh(s / c) with c = attn_logit_softcapping, logits capped likewise by
+final_logit_softcapping, and the sliding window in the layers layer_types names (else every
+other layer from the first). Which projections have biases is decided
 here from config.json as each Hugging Face class decides it, and the checkpoint must hold
 exactly the tensors that implies.
 
@@ -212,6 +217,8 @@ def expected_names(cfg):
         names |= {pre + "input_layernorm.weight", pre + "post_attention_layernorm.weight"}
         if cfg.get("model_type") == "qwen3":
             names |= {pre + "self_attn.q_norm.weight", pre + "self_attn.k_norm.weight"}
+        if cfg.get("model_type") == "gemma2":
+            names |= {pre + "pre_feedforward_layernorm.weight", pre + "post_feedforward_layernorm.weight"}
         if cfg.get("model_type") == "phi3":
             names |= {pre + p + ".weight" for p in
                       ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
@@ -230,6 +237,10 @@ def layer_window(cfg, layer):
     window = cfg.get("sliding_window")
     if kind in ("mistral", "phi3"):
         return window
+    if kind == "gemma2":
+        if cfg.get("layer_types") is not None:
+            return window if cfg["layer_types"][layer] == "sliding_attention" else None
+        return window if layer % 2 == 0 else None
     if kind not in ("qwen2", "qwen3") or not cfg.get("use_sliding_window") or window is None:
         return None
     if cfg.get("layer_types") is not None:
@@ -256,8 +267,12 @@ def forward(cfg, p, ids, dtype):
     angles = torch.cat((angles, angles), dim=-1).to(dtype)
     cos, sin = angles.cos() * scale, angles.sin() * scale
     mask = torch.full((T, T), float("-inf"), dtype=dtype).triu(1)
-    gemma = cfg.get("model_type") == "gemma"
+    gemma2 = cfg.get("model_type") == "gemma2"
+    gemma = cfg.get("model_type") == "gemma" or gemma2
     offset = 1.0 if gemma else 0.0  # Gemma's norms store their weight's difference from 1
+    scaling = cfg["query_pre_attn_scalar"] ** -0.5 if gemma2 else 1 / math.sqrt(hd)
+    attn_cap = cfg.get("attn_logit_softcapping") if gemma2 else None
+    final_cap = cfg.get("final_logit_softcapping") if gemma2 else None
     act = activation(cfg)
 
     x = p["model.embed_tokens.weight"][ids]
@@ -289,20 +304,34 @@ def forward(cfg, p, ids, dtype):
         window = layer_window(cfg, l)
         if window is not None:  # keys at or before i - window are out of query i's view
             layer_mask = mask + torch.full((T, T), float("-inf"), dtype=dtype).tril(-window)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(hd) + layer_mask
+        scores = q @ k.transpose(-1, -2) * scaling
+        if attn_cap:
+            scores = torch.tanh(scores / attn_cap) * attn_cap
+        scores = scores + layer_mask
         att = torch.softmax(scores, dim=-1) @ v
         att = att.transpose(1, 2).reshape(B, T, H * hd)
-        h = x + linear(cfg, p, pre + "self_attn.o_proj", att)
-        hn = rms_norm(h, p[pre + "post_attention_layernorm.weight"], eps, offset)
+        o = linear(cfg, p, pre + "self_attn.o_proj", att)
+        if gemma2:  # the attention's output normed, then the MLP's input by its own norm
+            h = x + rms_norm(o, p[pre + "post_attention_layernorm.weight"], eps, offset)
+            hn = rms_norm(h, p[pre + "pre_feedforward_layernorm.weight"], eps, offset)
+        else:
+            h = x + o
+            hn = rms_norm(h, p[pre + "post_attention_layernorm.weight"], eps, offset)
         if phi3:  # one projection for gate and up, gate first
             gate, up = linear(cfg, p, pre + "mlp.gate_up_proj", hn).chunk(2, dim=-1)
         else:
             gate = linear(cfg, p, pre + "mlp.gate_proj", hn)
             up = linear(cfg, p, pre + "mlp.up_proj", hn)
-        x = h + linear(cfg, p, pre + "mlp.down_proj", act(gate) * up)
+        m = linear(cfg, p, pre + "mlp.down_proj", act(gate) * up)
+        if gemma2:
+            m = rms_norm(m, p[pre + "post_feedforward_layernorm.weight"], eps, offset)
+        x = h + m
     xf = rms_norm(x, p["model.norm.weight"], eps, offset)
     w = p["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else p["lm_head.weight"]
-    return xf @ w.T
+    logits = xf @ w.T
+    if final_cap:
+        logits = torch.tanh(logits / final_cap) * final_cap
+    return logits
 
 
 def main():
