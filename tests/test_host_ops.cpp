@@ -709,33 +709,37 @@ TEST(HostOps, AttentionOverPackedDocumentsIsEachDocumentAlone) {
       {"attention_forward", "doc_start", "2 queries against 13 keys", "whole sequences"});
 }
 
+// dq, dk and dv under `mask` against central differences of a random linear function of the
+// output, in f32; the backward's "=" outputs start as NaN garbage, which must be overwritten.
+void expect_attention_gradients(Random& rng, const AttnShape& s, const AttentionMask& mask,
+                                const std::string& what) {
+  Tensor q = rng.tensor(DType::f32, {s.B, s.T, s.H, s.hd}, -1.5f, 1.5f);
+  Tensor k = rng.tensor(DType::f32, {s.B, s.T, s.Hkv, s.hd}, -1.5f, 1.5f);
+  Tensor v = rng.tensor(DType::f32, {s.B, s.T, s.Hkv, s.hd});
+  const std::vector<double> r = rng.weights(q.numel());
+  Tensor out(DType::f32, q.shape), lse(DType::f32, {s.B, s.H, s.T});
+  auto loss = [&] {
+    host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view(), mask);
+    return dot_loss(out, r);
+  };
+  loss();
+  Tensor dq(DType::f32, q.shape, kNaN), dk(DType::f32, k.shape, kNaN),
+      dv(DType::f32, v.shape, kNaN);
+  host::attention_backward(dq.view(), dk.view(), dv.view(), from_weights(r, q.shape).view(),
+                           q.view(), k.view(), v.view(), out.view(), lse.view(), mask);
+  expect_grad(as_double(dq), numeric_grad(q, loss), "attention dq " + what);
+  expect_grad(as_double(dk), numeric_grad(k, loss), "attention dk " + what);
+  expect_grad(as_double(dv), numeric_grad(v, loss), "attention dv " + what);
+}
+
 TEST(HostOps, AttentionGradientsMatchFiniteDifferences) {
   Random rng(9);
   // Llama's scores, and Gemma 2's (another scale and a cap that bends them).
   for (const AttentionMask mask : {AttentionMask{}, AttentionMask(nullptr, 0, 0.7f, 1.2f)})
     for (const AttnShape s :
-         {AttnShape{2, 5, 4, 2, 4}, AttnShape{1, 7, 2, 2, 6}, AttnShape{1, 7, 4, 1, 4}}) {
-      Tensor q = rng.tensor(DType::f32, {s.B, s.T, s.H, s.hd}, -1.5f, 1.5f);
-      Tensor k = rng.tensor(DType::f32, {s.B, s.T, s.Hkv, s.hd}, -1.5f, 1.5f);
-      Tensor v = rng.tensor(DType::f32, {s.B, s.T, s.Hkv, s.hd});
-      const std::vector<double> r = rng.weights(q.numel());
-      Tensor out(DType::f32, q.shape), lse(DType::f32, {s.B, s.H, s.T});
-      auto loss = [&] {
-        host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view(), mask);
-        return dot_loss(out, r);
-      };
-      loss();
-      // "=" outputs: NaN garbage must be overwritten.
-      Tensor dq(DType::f32, q.shape, kNaN), dk(DType::f32, k.shape, kNaN),
-          dv(DType::f32, v.shape, kNaN);
-      host::attention_backward(dq.view(), dk.view(), dv.view(), from_weights(r, q.shape).view(),
-                               q.view(), k.view(), v.view(), out.view(), lse.view(), mask);
-      const std::string what =
-          fmt::format("{} scale {} softcap {}", str(s), mask.scale, mask.softcap);
-      expect_grad(as_double(dq), numeric_grad(q, loss), "attention dq " + what);
-      expect_grad(as_double(dk), numeric_grad(k, loss), "attention dk " + what);
-      expect_grad(as_double(dv), numeric_grad(v, loss), "attention dv " + what);
-    }
+         {AttnShape{2, 5, 4, 2, 4}, AttnShape{1, 7, 2, 2, 6}, AttnShape{1, 7, 4, 1, 4}})
+      expect_attention_gradients(
+          rng, s, mask, fmt::format("{} scale {} softcap {}", str(s), mask.scale, mask.softcap));
 }
 
 // A sliding window (Mistral's): query t sees keys max(its document's start, t - W + 1) .. t.
@@ -776,24 +780,8 @@ TEST(HostOps, SlidingWindowRowsAreTheirWindowsAlone) {
                       std::bit_cast<uint32_t>(la.at(h * n + n - 1)));
         }
     }
-    Tensor q = rng.tensor(DType::f32, {B, T, H, hd}, -1.5f, 1.5f);
-    Tensor k = rng.tensor(DType::f32, {B, T, Hkv, hd}, -1.5f, 1.5f);
-    Tensor v = rng.tensor(DType::f32, {B, T, Hkv, hd});
-    const std::vector<double> r = rng.weights(q.numel());
-    Tensor out(DType::f32, q.shape), lse(DType::f32, {B, H, T});
-    auto loss = [&] {
-      host::attention_forward(out.view(), lse.view(), q.view(), k.view(), v.view(), mask);
-      return dot_loss(out, r);
-    };
-    loss();
-    Tensor dq(DType::f32, q.shape, kNaN), dk(DType::f32, k.shape, kNaN),
-        dv(DType::f32, v.shape, kNaN);
-    host::attention_backward(dq.view(), dk.view(), dv.view(), from_weights(r, q.shape).view(),
-                             q.view(), k.view(), v.view(), out.view(), lse.view(), mask);
-    const std::string what = fmt::format("window {} docs {}", W, docs);
-    expect_grad(as_double(dq), numeric_grad(q, loss), "attention dq " + what);
-    expect_grad(as_double(dk), numeric_grad(k, loss), "attention dk " + what);
-    expect_grad(as_double(dv), numeric_grad(v, loss), "attention dv " + what);
+    expect_attention_gradients(rng, AttnShape{B, T, H, Hkv, hd}, mask,
+                               fmt::format("window {} docs {}", W, docs));
   }
   // A window is never negative. (Decoding's shapes, fewer queries than keys, slide it too:
   // AttentionOfTheLastQueriesEqualsTheWholeSequencesRows.)

@@ -101,14 +101,25 @@ TEST(LlamaRope, PlainAndLlama3Scaling) {
 // projection (attention_bias and mlp_bias), Qwen3's q and k norms (tied, as its small models),
 // Qwen3 with attention_bias, Gemma (tied; embeddings times sqrt(hidden), norms times
 // 1 + weight, the tanh GELU's gate) and Gemma 2 (Gemma's, with norms on the sublayers' outputs,
-// a window of 3, scores scaled by 5^-1/2 and capped at 1.5, logits capped at 2).
-enum class Variant { untied, tied, qwen2_tied, every_bias, qwen3_tied, qwen3_bias, gemma, gemma2 };
+// a window of 3, scores scaled by 5^-1/2 and capped at 1.5, logits capped at 2) and Gemma 3
+// (Gemma 2's without caps, with q and k norms and the sliding layers rotating with base 100).
+enum class Variant {
+  untied,
+  tied,
+  qwen2_tied,
+  every_bias,
+  qwen3_tied,
+  qwen3_bias,
+  gemma,
+  gemma2,
+  gemma3
+};
 
 LlamaConfig variant_config(Variant v) {
   LlamaConfig c =
       small_config(v == Variant::tied || v == Variant::qwen2_tied || v == Variant::qwen3_tied ||
-                   v == Variant::gemma || v == Variant::gemma2);
-  if (v == Variant::gemma || v == Variant::gemma2) {
+                   v == Variant::gemma || v == Variant::gemma2 || v == Variant::gemma3);
+  if (v == Variant::gemma || v == Variant::gemma2 || v == Variant::gemma3) {
     c.architecture = Architecture::gemma;
     c.hidden_act = Activation::gelu_tanh;
   }
@@ -118,6 +129,13 @@ LlamaConfig variant_config(Variant v) {
     c.query_pre_attn_scalar = 5;
     c.attn_logit_softcapping = 1.5;
     c.final_logit_softcapping = 2.0;
+  }
+  if (v == Variant::gemma3) {
+    c.architecture = Architecture::gemma3;
+    c.qk_norm = true;
+    c.sliding_window = 3;
+    c.query_pre_attn_scalar = 5;
+    c.rope_local_base_freq = 100.0;
   }
   if (v == Variant::qwen2_tied) {
     c.architecture = Architecture::qwen2;
@@ -133,8 +151,8 @@ LlamaConfig variant_config(Variant v) {
 }
 
 const char* variant_name(Variant v) {
-  const char* names[] = {"untied",     "tied",       "qwen2_tied", "every_bias",
-                         "qwen3_tied", "qwen3_bias", "gemma",      "gemma2"};
+  const char* names[] = {"untied",     "tied",  "qwen2_tied", "every_bias", "qwen3_tied",
+                         "qwen3_bias", "gemma", "gemma2",     "gemma3"};
   return names[static_cast<int>(v)];
 }
 
@@ -246,7 +264,8 @@ TEST_P(LlamaGradient, MatchesFiniteDifferences) {
 INSTANTIATE_TEST_SUITE_P(Variants, LlamaGradient,
                          ::testing::Values(Variant::untied, Variant::tied, Variant::qwen2_tied,
                                            Variant::every_bias, Variant::qwen3_tied,
-                                           Variant::qwen3_bias, Variant::gemma, Variant::gemma2),
+                                           Variant::qwen3_bias, Variant::gemma, Variant::gemma2,
+                                           Variant::gemma3),
                          [](const auto& p) { return std::string(variant_name(p.param)); });
 
 // The planner sizes activations with workspace_bytes_for(); it must be what the constructor
@@ -316,6 +335,7 @@ TEST(LlamaModel, DecodingWithAKvCacheGivesTheWholeSequencesLogits) {
                                    {Variant::qwen3_tied, 0, {}},
                                    {Variant::gemma, 0, {}},
                                    {Variant::gemma2, 4, {true, false, true}},
+                                   {Variant::gemma3, 4, {true, false, true}},
                                    {Variant::untied, 4, {}},
                                    {Variant::qwen2_tied, 3, {false, true, true}}};
   for (const Case& cs : cases)
@@ -640,7 +660,8 @@ TEST(LlamaModel, WithoutRecomputeTheGradientsAreTheSameBits) {
                                     {DType::f32, Variant::qwen3_bias},
                                     {DType::bf16, Variant::qwen3_tied},
                                     {DType::f32, Variant::gemma2},
-                                    {DType::bf16, Variant::gemma2}}) {
+                                    {DType::bf16, Variant::gemma2},
+                                    {DType::bf16, Variant::gemma3}}) {
     LlamaConfig c = variant_config(variant);
     c.num_hidden_layers = 3;
     auto device = open_host_device(0, 64ull << 20);

@@ -215,6 +215,23 @@ std::vector<Case> cases() {
   gemma2_plain.config.hidden_act = Activation::gelu_tanh;
   gemma2_plain.config.query_pre_attn_scalar = 10;
   out.push_back(gemma2_plain);
+  // Gemma 3's text model: Gemma 2's sandwich norms with q and k norms (1 + w), a window of 4
+  // in the first two of three layers (sliding_window_pattern 3), which rotate with a base of
+  // 100 and no scaling while the third takes rope_theta with linear scaling 2; scores scaled by
+  // 6^-1/2; no caps.
+  Case gemma3{"gemma3_qk_norms_local_rope", base(36, 6, 2, 8, 70, 97, 3), 2, 9, 40};
+  gemma3.config.architecture = Architecture::gemma3;
+  gemma3.config.qk_norm = true;
+  gemma3.config.hidden_act = Activation::gelu_tanh;
+  gemma3.config.tie_word_embeddings = true;
+  gemma3.config.rms_norm_eps = 1e-6;
+  gemma3.config.sliding_window = 4;
+  gemma3.config.sliding_layers = {true, true, false};
+  gemma3.config.query_pre_attn_scalar = 6;
+  gemma3.config.rope_local_base_freq = 100.0;
+  gemma3.config.rope_scaling.kind = RopeScalingKind::linear;
+  gemma3.config.rope_scaling.factor = 2.0;
+  out.push_back(gemma3);
   // Llama's class with another hidden_act than silu (transformers honours it).
   Case llama_gelu{"llama_gelu_tanh_mlp", base(20, 4, 2, 10, 33, 50, 1), 2, 6, 24};
   llama_gelu.config.hidden_act = Activation::gelu_tanh;

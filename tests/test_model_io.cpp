@@ -579,6 +579,86 @@ TEST(LlamaConfigParse, Gemma2AsItsHuggingFaceClassBuildsIt) {
                      {"attn_logit_softcapping = 10", "Gemma 2's"});
 }
 
+// Gemma 3 1B's: the text model's class, q and k norms implied, no caps (null), a window of 512
+// in five layers of six, the sliding layers' rotary base.
+const char* kGemma3_1b = R"({
+  "architectures": ["Gemma3ForCausalLM"],
+  "attention_bias": false,
+  "attention_dropout": 0.0,
+  "attn_logit_softcapping": null,
+  "bos_token_id": 2,
+  "cache_implementation": "hybrid",
+  "eos_token_id": [1, 106],
+  "final_logit_softcapping": null,
+  "head_dim": 256,
+  "hidden_activation": "gelu_pytorch_tanh",
+  "hidden_size": 1152,
+  "initializer_range": 0.02,
+  "intermediate_size": 6912,
+  "max_position_embeddings": 32768,
+  "model_type": "gemma3_text",
+  "num_attention_heads": 4,
+  "num_hidden_layers": 26,
+  "num_key_value_heads": 1,
+  "pad_token_id": 0,
+  "query_pre_attn_scalar": 256,
+  "rms_norm_eps": 1e-06,
+  "rope_local_base_freq": 10000,
+  "rope_scaling": null,
+  "rope_theta": 1000000,
+  "sliding_window": 512,
+  "sliding_window_pattern": 6,
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.50.0.dev0",
+  "use_cache": true,
+  "vocab_size": 262144
+})";
+
+TEST(LlamaConfigParse, Gemma3AsItsHuggingFaceClassBuildsIt) {
+  expect_matches_preset(kGemma3_1b, "gemma3-1b");
+  const LlamaConfig g = parse_text(kGemma3_1b);
+  EXPECT_EQ(g.architecture, Architecture::gemma3);
+  EXPECT_TRUE(g.qk_norm && sandwich_norms(g));
+  EXPECT_EQ(g.attn_logit_softcapping, 0.0);
+  EXPECT_EQ(g.final_logit_softcapping, 0.0);
+  for (int64_t l = 0; l < 26; ++l) {
+    EXPECT_EQ(g.layer_slides(l), (l + 1) % 6 != 0) << l;
+    EXPECT_EQ(g.layer_rotates_locally(l), (l + 1) % 6 != 0) << l;
+  }
+  EXPECT_EQ(g.rope_local_base_freq, 10000.0);
+  EXPECT_EQ(g.rope_theta, 1e6);
+  // Its export writes the pattern back for transformers 4.50, and layer_types for later ones.
+  const json out = to_hf_config_json(g);
+  EXPECT_EQ(out["model_type"], "gemma3_text");
+  EXPECT_EQ(out["sliding_window_pattern"], 6);
+  EXPECT_EQ(out["layer_types"][5], "full_attention");
+  // Another pattern, and Gemma3TextConfig's defaults.
+  json j = json::parse(kGemma3_1b);
+  j["sliding_window_pattern"] = 2;
+  EXPECT_TRUE(parse_llama_config(j, "g3.json").layer_slides(0));
+  EXPECT_FALSE(parse_llama_config(j, "g3.json").layer_slides(1));
+  for (const char* key : {"sliding_window_pattern", "rope_local_base_freq", "rope_theta",
+                          "attn_logit_softcapping", "final_logit_softcapping"})
+    j.erase(key);
+  const LlamaConfig d = parse_llama_config(j, "g3.json");
+  EXPECT_EQ(d.rope_theta, 1e6);
+  EXPECT_EQ(d.rope_local_base_freq, 10000.0);
+  EXPECT_EQ(d.final_logit_softcapping, 0.0);
+  EXPECT_FALSE(d.layer_slides(5));
+  test::expect_error(
+      [&] {
+        j["sliding_window_pattern"] = 0;
+        parse_llama_config(j, "g3.json");
+      },
+      {"g3.json", "sliding_window_pattern = 0"});
+  // The image-text Gemma 3s are another class, named in the refusal.
+  j = json::parse(kGemma3_1b);
+  j["architectures"] = {"Gemma3ForConditionalGeneration"};
+  j["model_type"] = "gemma3";
+  test::expect_error([&] { parse_llama_config(j, "g3.json"); },
+                     {"Gemma3ForConditionalGeneration", "Gemma3ForCausalLM"});
+}
+
 TEST(LlamaConfigParse, MistralAndQwen2AsTheirHuggingFaceClassesBuildThem) {
   // Mistral: Llama's equations; biases never (the class fixes them), the window kept.
   json j = minimal();
@@ -760,8 +840,9 @@ struct Rejection {
 TEST(LlamaConfigParse, EveryRejectionNamesTheField) {
   const std::vector<Rejection> cases = {
       {"other architecture",
-       [](json& j) { j["architectures"] = {"Gemma3ForCausalLM"}; },
-       {"architectures", "Gemma3ForCausalLM", "LlamaForCausalLM", "Gemma2ForCausalLM"}},
+       [](json& j) { j["architectures"] = {"Gemma3ForConditionalGeneration"}; },
+       {"architectures", "Gemma3ForConditionalGeneration", "LlamaForCausalLM",
+        "Gemma3ForCausalLM"}},
       {"architectures and model_type disagree",
        [](json& j) {
          j["architectures"] = {"MistralForCausalLM"};
@@ -1030,6 +1111,7 @@ TEST(LlamaConfigPresets, PublishedParameterCounts) {
   EXPECT_EQ(parameter_count(*find_preset("gemma2-2b")), 2'614'341'888u);
   EXPECT_EQ(parameter_count(*find_preset("gemma2-9b")), 9'241'705'984u);
   EXPECT_EQ(parameter_count(*find_preset("gemma2-27b")), 27'227'128'320u);
+  EXPECT_EQ(parameter_count(*find_preset("gemma3-1b")), 999'885'952u);
   // Model FLOPs per token at 4096 positions: 6 per parameter, and attention 6 x 32 layers x 32
   // heads x 128 x 4096 (QKᵀ and PV over half the keys, forward and backward).
   EXPECT_EQ(model_flops_per_token(*find_preset("llama2-7b"), 4096),
@@ -1108,6 +1190,13 @@ TEST(LlamaConfigJson, RoundTripsThroughHuggingFaceJson) {
   gemma2.sliding_layers.assign(46, false);
   gemma2.sliding_layers[3] = true;
   configs.push_back(gemma2);
+  LlamaConfig gemma3 = *find_preset("gemma3-1b");  // caps, global scaling, another pattern
+  gemma3.name = "gemma3 capped";
+  gemma3.final_logit_softcapping = 30;
+  gemma3.rope_scaling.kind = RopeScalingKind::linear;
+  gemma3.rope_scaling.factor = 8.0;
+  for (int64_t l = 0; l < 26; ++l) gemma3.sliding_layers[static_cast<size_t>(l)] = l % 3 != 1;
+  configs.push_back(gemma3);
   LlamaConfig llama_gelu = *find_preset("tiny");
   llama_gelu.name = "llama gelu";
   llama_gelu.hidden_act = Activation::gelu_tanh;

@@ -543,12 +543,13 @@ TEST(TrainCli, Phi3TrainsAndExportsItsFusedProjections) {
     EXPECT_NE(r.out.find(part), std::string::npos) << part << " in " << r.out;
 }
 
-// Gemma and Gemma 2 through the executor with their parameters on NVMe: the norms start at 0
-// (they multiply by 1 + w), the export names the class and both activation keys (and Gemma 2's
+// Gemma, Gemma 2 and Gemma 3 through the executor with their parameters on NVMe: the norms start at
+// 0 (they multiply by 1 + w), the export names the class and both activation keys (and Gemma 2's
 // caps, scale and sliding layers), the head is the embedding, and the export evaluates to the
 // loss the run's checkpoint gives.
 TEST(TrainCli, GemmaTrainsAndExportsAsItsClass) {
-  for (const Architecture arch : {Architecture::gemma, Architecture::gemma2}) {
+  for (const Architecture arch :
+       {Architecture::gemma, Architecture::gemma2, Architecture::gemma3}) {
     SCOPED_TRACE(architecture_class(arch));
     const test::TempDir dir("strata-gemma");
     const fs::path data = make_data(dir.path), model = dir.path / "gemma", run = dir.path / "run";
@@ -557,12 +558,17 @@ TEST(TrainCli, GemmaTrainsAndExportsAsItsClass) {
     c.hidden_act = Activation::gelu_tanh;
     c.tie_word_embeddings = true;
     c.head_dim = 24;  // not hidden / heads, as Gemma's 256
-    if (arch == Architecture::gemma2) {
+    if (arch != Architecture::gemma) {
       c.sliding_window = 8;
       c.sliding_layers = {true, false};
       c.query_pre_attn_scalar = 16;
       c.attn_logit_softcapping = 50;
       c.final_logit_softcapping = 30;
+    }
+    if (arch == Architecture::gemma3) {
+      c.qk_norm = true;
+      c.attn_logit_softcapping = 0;
+      c.rope_local_base_freq = 100.0;
     }
     fs::create_directories(model);
     std::ofstream(model / "config.json") << to_hf_config_json(c).dump(2);
@@ -578,7 +584,7 @@ TEST(TrainCli, GemmaTrainsAndExportsAsItsClass) {
     EXPECT_EQ(config["architectures"], json::array({architecture_class(arch)}));
     EXPECT_EQ(config["hidden_act"], "gelu_pytorch_tanh");
     EXPECT_EQ(config["hidden_activation"], "gelu_pytorch_tanh");
-    if (arch == Architecture::gemma2) {
+    if (arch != Architecture::gemma) {
       EXPECT_EQ(config["final_logit_softcapping"], 30.0);
       EXPECT_EQ(config["query_pre_attn_scalar"], 16.0);
       EXPECT_EQ(config["layer_types"], json::array({"sliding_attention", "full_attention"}));
@@ -586,10 +592,12 @@ TEST(TrainCli, GemmaTrainsAndExportsAsItsClass) {
     const SafetensorsReader st = SafetensorsReader::open(out / "model.safetensors");
     EXPECT_EQ(st.find("lm_head.weight"), nullptr);
     std::vector<std::string> norms = {"model.norm.weight", "model.layers.1.input_layernorm.weight"};
-    if (arch == Architecture::gemma2)
+    if (arch != Architecture::gemma)
       norms.push_back("model.layers.0.post_feedforward_layernorm.weight");
+    if (arch == Architecture::gemma3) norms.push_back("model.layers.1.self_attn.q_norm.weight");
     for (const std::string& norm : norms) {
-      std::vector<float> w(static_cast<size_t>(c.hidden_size));
+      ASSERT_NE(st.find(norm), nullptr) << norm;
+      std::vector<float> w(static_cast<size_t>(st.find(norm)->numel()));
       st.read(norm, w.data(), DType::f32);
       // Two AdamW steps of 1e-3 from 0: each weight moved by at most about 2e-3.
       for (const float x : w) EXPECT_LT(std::abs(x), 0.01f) << norm;

@@ -189,10 +189,11 @@ constexpr KnownArchitecture kArchitectures[] = {
     {Architecture::phi3, "Phi3ForCausalLM", "phi3"},
     {Architecture::gemma, "GemmaForCausalLM", "gemma"},
     {Architecture::gemma2, "Gemma2ForCausalLM", "gemma2"},
+    {Architecture::gemma3, "Gemma3ForCausalLM", "gemma3_text"},
 };
 constexpr const char* kKnownClasses =
     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-    "Phi3ForCausalLM, GemmaForCausalLM or Gemma2ForCausalLM";
+    "Phi3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM or Gemma3ForCausalLM";
 
 // The architecture from "architectures" (the first class strata knows) and "model_type", which
 // must agree where both are given.
@@ -218,7 +219,7 @@ Architecture parse_architecture(const json& j, std::string_view src) {
     if (!from_type)
       fail(
           "{}: model_type '{}' is not one strata implements; strata trains the Llama family: "
-          "llama, mistral, qwen2, qwen3, phi3, gemma or gemma2",
+          "llama, mistral, qwen2, qwen3, phi3, gemma, gemma2 or gemma3_text",
           src, t);
   }
   if (from_class && from_type && *from_class != *from_type)
@@ -248,7 +249,7 @@ int64_t parse_sliding_window(const json& j, std::string_view src, Architecture a
     fail("{}: sliding_window = {} must be a positive number of positions, or null; fix config.json",
          src, window);
   if (arch == Architecture::mistral || arch == Architecture::phi3) return window;
-  if (arch == Architecture::gemma2) {
+  if (arch == Architecture::gemma2 || arch == Architecture::gemma3) {
     if (w == nullptr) window = 4096;
   } else {
     const json* use = field(j, "use_sliding_window");
@@ -269,6 +270,13 @@ int64_t parse_sliding_window(const json& j, std::string_view src, Architecture a
     }
   } else if (arch == Architecture::gemma2) {
     for (int64_t l = 0; l < layers; ++l) sliding.push_back(l % 2 == 0);
+  } else if (arch == Architecture::gemma3) {
+    // Gemma3TextConfig's sliding_window_pattern: every pattern-th layer sees everything.
+    const json* p = field(j, "sliding_window_pattern");
+    const int64_t pattern = p != nullptr ? as_int(*p, src, "sliding_window_pattern") : 6;
+    if (pattern < 1)
+      fail("{}: sliding_window_pattern = {} must be at least 1; fix config.json", src, pattern);
+    for (int64_t l = 0; l < layers; ++l) sliding.push_back((l + 1) % pattern != 0);
   } else {
     const json* m = field(j, "max_window_layers");
     const int64_t first_sliding = m != nullptr ? as_int(*m, src, "max_window_layers") : 28;
@@ -344,6 +352,19 @@ LlamaConfig gemma2(LlamaConfig c, int64_t head_dim, double query_pre_attn_scalar
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) c.sliding_layers.push_back(l % 2 == 0);
   return c;
 }
+// Gemma 3 1B's text model: Gemma 2's with q and k norms, no caps, a window of 512 in five layers
+// of six, the sliding layers rotating with base 10000 and the others with rope_theta.
+LlamaConfig gemma3(LlamaConfig c, int64_t window) {
+  c = gemma2(c, 256, 256);
+  c.architecture = Architecture::gemma3;
+  c.qk_norm = true;
+  c.attn_logit_softcapping = c.final_logit_softcapping = 0;
+  c.sliding_window = window;
+  c.rope_local_base_freq = 10000.0;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    c.sliding_layers[static_cast<size_t>(l)] = (l + 1) % 6 != 0;
+  return c;
+}
 // Phi-3's and Phi-4's class: Mistral's equations, fused projections in the files.
 LlamaConfig phi3(LlamaConfig c, int64_t window) {
   c.architecture = Architecture::phi3;
@@ -408,6 +429,9 @@ const std::vector<LlamaConfig>& presets() {
         gemma2(
             make_preset("gemma2-27b", 4608, 36864, 46, 32, 16, 256000, 8192, 10000.0, DType::f32),
             128, 144),
+        // Gemma 3 1B (its text model; the larger Gemma 3s are image-text models).
+        gemma3(make_preset("gemma3-1b", 1152, 6912, 26, 4, 1, 262144, 32768, 1e6, DType::bf16),
+               512),
     };
   }();
   return all;
@@ -440,6 +464,9 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
     case Architecture::gemma2:
       fits = attention_bias && !c.mlp_bias && !c.qk_norm;
       break;
+    case Architecture::gemma3:
+      fits = attention_bias && !c.mlp_bias && c.qk_norm;
+      break;
     case Architecture::mistral:
     case Architecture::phi3:
       fits = !c.qkv_bias && !c.o_bias && !c.mlp_bias && !c.qk_norm;
@@ -455,25 +482,29 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
     fail(
         "{}: biases on q/k/v {}, o {}, MLP {} and q/k norms {} are not what {} builds (Llama: "
         "attention_bias puts biases on q, k, v and o together; Mistral and Phi-3: none; Qwen2: "
-        "q, k and v only; Qwen3: q and k norms, attention_bias as Llama's; Gemma: "
-        "attention_bias as Llama's, no MLP bias)",
+        "q, k and v only; Qwen3: q and k norms, attention_bias as Llama's; Gemma and Gemma 2: "
+        "attention_bias as Llama's, no MLP bias; Gemma 3: those and q and k norms)",
         src, c.qkv_bias, c.o_bias, c.mlp_bias, c.qk_norm, architecture_class(c.architecture));
   if (c.sliding_window < 0 || c.sliding_window > kMaxSize ||
       (c.sliding_window > 0 &&
        (c.architecture == Architecture::llama || c.architecture == Architecture::gemma)))
     fail(
         "{}: sliding_window = {} is not valid for {}; it is a positive window for Mistral, Qwen2, "
-        "Phi-3 or Gemma 2",
+        "Phi-3, Gemma 2 or Gemma 3",
         src, c.sliding_window, architecture_class(c.architecture));
   for (const auto& [name, v] : {std::pair{"query_pre_attn_scalar", c.query_pre_attn_scalar},
                                 {"attn_logit_softcapping", c.attn_logit_softcapping},
                                 {"final_logit_softcapping", c.final_logit_softcapping}}) {
     if (!std::isfinite(v) || v < 0)
       fail("{}: {} = {} must be a positive number (or null for none)", src, name, v);
-    if (v != 0 && c.architecture != Architecture::gemma2)
-      fail("{}: {} = {} is Gemma 2's; {} has no such setting", src, name, v,
+    if (v != 0 && c.architecture != Architecture::gemma2 && c.architecture != Architecture::gemma3)
+      fail("{}: {} = {} is Gemma 2's and Gemma 3's; {} has no such setting", src, name, v,
            architecture_class(c.architecture));
   }
+  if (!std::isfinite(c.rope_local_base_freq) || c.rope_local_base_freq < 0 ||
+      (c.rope_local_base_freq != 0 && c.architecture != Architecture::gemma3))
+    fail("{}: rope_local_base_freq = {} is Gemma 3's positive base for its sliding layers", src,
+         c.rope_local_base_freq);
   if (!c.sliding_layers.empty() &&
       static_cast<int64_t>(c.sliding_layers.size()) != c.num_hidden_layers)
     fail("{}: {} layers are flagged for the sliding window, but the model has {}", src,
@@ -565,14 +596,15 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
   // Biases, and what would change the math and is not implemented: refused by name. Mistral
   // and Qwen2 fix their biases in code (none; q, k and v), whatever the keys say.
   if (arch == Architecture::qwen2) c.qkv_bias = true;
-  const bool gemma_like = arch == Architecture::gemma || arch == Architecture::gemma2;
+  const bool gemma_like =
+      arch == Architecture::gemma || arch == Architecture::gemma2 || arch == Architecture::gemma3;
   if (arch == Architecture::llama || arch == Architecture::qwen3 || gemma_like) {
     if (const json* v = field(j, "attention_bias"))
       c.qkv_bias = c.o_bias = as_bool(*v, src, "attention_bias");
   }
   if (arch == Architecture::llama)
     if (const json* v = field(j, "mlp_bias")) c.mlp_bias = as_bool(*v, src, "mlp_bias");
-  c.qk_norm = arch == Architecture::qwen3;
+  c.qk_norm = arch == Architecture::qwen3 || arch == Architecture::gemma3;
   c.num_hidden_layers = required(j, "num_hidden_layers", src, as_int);
   c.sliding_window = parse_sliding_window(j, src, arch, c.num_hidden_layers, c.sliding_layers);
   // The MLP's activation. Gemma's configs name it twice: hidden_activation (which transformers
@@ -686,10 +718,11 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
     inner = top;
   }
   // Gemma 2's scores and logits (Gemma2Config's defaults where absent; null: no cap).
-  if (arch == Architecture::gemma2) {
+  if (arch == Architecture::gemma2 || arch == Architecture::gemma3) {
     c.query_pre_attn_scalar = 256;
-    c.attn_logit_softcapping = 50;
-    c.final_logit_softcapping = 30;
+    const double cap = arch == Architecture::gemma2 ? 1.0 : 0.0;  // Gemma 3: none by default
+    c.attn_logit_softcapping = 50 * cap;
+    c.final_logit_softcapping = 30 * cap;
     for (const auto& [key, v] :
          {std::pair<const char*, double*>{"query_pre_attn_scalar", &c.query_pre_attn_scalar},
           {"attn_logit_softcapping", &c.attn_logit_softcapping},
@@ -700,6 +733,15 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
     if (c.query_pre_attn_scalar == 0)
       fail("{}: query_pre_attn_scalar is null; Gemma 2 scales its scores by its -1/2 power, set it",
            src);
+  }
+  if (arch == Architecture::gemma3) {
+    // The sliding layers' rotary base (Gemma3TextConfig's default 10000), and the global one's
+    // default of 1e6 where rope_theta is absent.
+    c.rope_local_base_freq = 10000.0;
+    if (const json* v = field(j, "rope_local_base_freq"))
+      c.rope_local_base_freq = as_number(*v, src, "rope_local_base_freq");
+    if (field(j, "rope_theta") == nullptr && field(j, "rope_parameters") == nullptr)
+      c.rope_theta = 1e6;
   }
   // transformers 4.56 renamed torch_dtype to dtype.
   const std::string dtype_key = field(j, "torch_dtype") != nullptr ? "torch_dtype" : "dtype";
@@ -827,7 +869,8 @@ json to_hf_config_json(const LlamaConfig& c) {
       j["attention_bias"] = c.qkv_bias;
       j["hidden_activation"] = activation_name(c.hidden_act);
       break;
-    case Architecture::gemma2: {
+    case Architecture::gemma2:
+    case Architecture::gemma3: {
       j["attention_bias"] = c.qkv_bias;
       j["hidden_activation"] = activation_name(c.hidden_act);
       j["query_pre_attn_scalar"] = c.query_pre_attn_scalar;
@@ -841,6 +884,20 @@ json to_hf_config_json(const LlamaConfig& c) {
       for (int64_t l = 0; l < c.num_hidden_layers; ++l)
         types.push_back(c.layer_slides(l) ? "sliding_attention" : "full_attention");
       j["layer_types"] = types;
+      if (c.architecture == Architecture::gemma3) {
+        j["rope_local_base_freq"] = c.rope_local_base_freq;
+        // For transformers 4.50 to 4.52, which read the pattern: written where the layers
+        // follow one.
+        for (int64_t p = 1; p <= c.num_hidden_layers + 1; ++p) {
+          bool follows = true;
+          for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+            follows = follows && c.layer_slides(l) == ((l + 1) % p != 0);
+          if (follows) {
+            j["sliding_window_pattern"] = p;
+            break;
+          }
+        }
+      }
       break;
     }
     case Architecture::mistral:
@@ -878,7 +935,8 @@ json to_hf_config_json(const LlamaConfig& c) {
 
 namespace {
 bool gemma_family(const LlamaConfig& c) {
-  return c.architecture == Architecture::gemma || c.architecture == Architecture::gemma2;
+  return c.architecture == Architecture::gemma || c.architecture == Architecture::gemma2 ||
+         c.architecture == Architecture::gemma3;
 }
 }  // namespace
 
@@ -887,7 +945,7 @@ float norm_weight_offset(const LlamaConfig& c) {
 }
 
 bool sandwich_norms(const LlamaConfig& c) {
-  return c.architecture == Architecture::gemma2;
+  return c.architecture == Architecture::gemma2 || c.architecture == Architecture::gemma3;
 }
 
 float embedding_scale(const LlamaConfig& c, DType t) {

@@ -13,7 +13,10 @@
 // other layer, a norm on each sublayer's output as well as its input (post_attention_layernorm
 // then normalises the attention's output, pre_ and post_feedforward_layernorm the MLP's input
 // and output), attention scores scaled by query_pre_attn_scalar^-1/2 and capped by
-// attn_logit_softcapping, and logits capped by final_logit_softcapping. Llama's (and Qwen3's)
+// attn_logit_softcapping, and logits capped by final_logit_softcapping. Gemma 3's text model
+// (Gemma3ForCausalLM, model_type gemma3_text: Gemma 3 1B) is Gemma 2 with Qwen3's q and k norms
+// (Gemma's 1 + w), no caps by default, the window in five layers of six, and the sliding layers
+// rotating with their own base, rope_local_base_freq, unscaled. Llama's (and Qwen3's)
 // attention_bias and Llama's mlp_bias put biases on the other projections too; any class's
 // hidden_act may be silu, gelu or gelu_pytorch_tanh.
 //
@@ -73,7 +76,7 @@ struct RopeScaling {
 
 // The Hugging Face class a checkpoint is written for (its "architectures" and "model_type"),
 // kept so that an exported model loads as the class it came from.
-enum class Architecture : uint8_t { llama, mistral, qwen2, qwen3, phi3, gemma, gemma2 };
+enum class Architecture : uint8_t { llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3 };
 std::string_view architecture_class(Architecture a);       // "LlamaForCausalLM", ...
 std::string_view architecture_model_type(Architecture a);  // "llama", "mistral", "qwen2", ...
 
@@ -115,6 +118,13 @@ struct LlamaConfig {
   double query_pre_attn_scalar = 0;
   double attn_logit_softcapping = 0;
   double final_logit_softcapping = 0;
+  // Gemma 3's: the sliding layers' rotary base (rope_local_base_freq), without rope_scaling,
+  // which applies to the other layers alone. 0: every layer rotates alike.
+  double rope_local_base_freq = 0;
+  // Whether layer l rotates with the local base.
+  bool layer_rotates_locally(int64_t layer) const {
+    return rope_local_base_freq > 0 && layer_slides(layer);
+  }
   // Mistral's sliding window: each query sees the last `sliding_window` positions, itself
   // included (AttentionMask::window), in the layers that slide: `sliding_layers` (one flag a
   // layer; Qwen2's max_window_layers or layer_types), every layer where it is empty. 0: no

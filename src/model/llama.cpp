@@ -461,6 +461,9 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
   w.push_back({&LlamaModel::row_sum_, n * f4, "cross-entropy state"});
   w.push_back({&LlamaModel::target_logit_, n * f4, "cross-entropy state"});
   w.push_back({&LlamaModel::losses_, n * f4, "per-token losses"});
+  if (config.rope_local_base_freq > 0)
+    w.push_back({&LlamaModel::rope_local_, static_cast<uint64_t>(T * config.rotary_dim()) * f4,
+                 "rotary table (sliding layers)"});
   if (options.kv_cache && decoding_switches_rope(config, T))
     w.push_back({&LlamaModel::rope_short_, static_cast<uint64_t>(T * config.rotary_dim()) * f4,
                  "rotary table (short factors)"});
@@ -504,6 +507,16 @@ LlamaModel::LlamaModel(const LlamaConfig& config, const ModelOptions& options, D
     short_table = rope_table(config, T, config.rope_scaling.original_max_position_embeddings);
     device.copy_to_device(rope_short_.data(), short_table.data(),
                           short_table.size() * sizeof(float), *s);
+  }
+  // Gemma 3's sliding layers: their own base, unscaled.
+  std::vector<float> local_table;
+  if (rope_local_.data() != nullptr) {
+    LlamaConfig local = config;
+    local.rope_theta = config.rope_local_base_freq;
+    local.rope_scaling = RopeScaling{};
+    local_table = rope_table(local, T);
+    device.copy_to_device(rope_local_.data(), local_table.data(),
+                          local_table.size() * sizeof(float), *s);
   }
   s->synchronize();
 }
@@ -681,7 +694,8 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
   // LongRoPE decoding call whose positions stay within the original context takes the short
   // factors' table, as transformers' forward of those positions does.
   const int64_t rd = c.rotary_dim();
-  const DeviceBuffer& table = span != nullptr && rope_short_.data() != nullptr &&
+  const DeviceBuffer& table = c.layer_rotates_locally(u - 1) ? rope_local_
+                              : span != nullptr && rope_short_.data() != nullptr &&
                                       Tk <= c.rope_scaling.original_max_position_embeddings
                                   ? rope_short_
                                   : rope_;
@@ -786,13 +800,23 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
   const TensorView dh = rows(d_h_, t, N, D), datt = rows(d_att_, t, N, H * hd);
   const TensorView dq = rows(dq_, t, N, H * hd), dk = rows(dk_, t, N, Hkv * hd);
   const TensorView dv = rows(dv_, t, N, Hkv * hd);
-  const TensorView rope = rope_.view(DType::f32, {T, c.rotary_dim()});
+  const TensorView rope =
+      (c.layer_rotates_locally(u - 1) ? rope_local_ : rope_).view(DType::f32, {T, c.rotary_dim()});
 
   // MLP: out = h + down(act(gate(hn)) * up(hn)), or with sandwich norms h + norm(down(...)).
   const float offset = norm_weight_offset(c), eps = static_cast<float>(c.rms_norm_eps);
   const bool sandwich = sandwich_norms(c);
   const TensorView rstd3 = sandwich ? rows(rstd3_, DType::f32, N, 0) : TensorView{};
   const TensorView rstd4 = sandwich ? rows(rstd4_, DType::f32, N, 0) : TensorView{};
+  // With sandwich norms: the gradient at a sublayer's output, before its norm, from dy after it
+  // (into d_sub_, which holds one at a time).
+  auto before_norm = [&](const TensorView& dy, const TensorView& raw, const char* norm,
+                         const TensorView& rstd) {
+    const TensorView d = rows(d_sub_, t, N, D);
+    k_.fill(d, 0.0f, s);
+    k_.rmsnorm_backward(d, g(norm), dy, raw, w(norm), rstd, offset, s);
+    return d;
+  };
   TensorView dm = dout;  // the gradient at down_proj's output
   if (sandwich) {
     // The forward that recomputed the block stopped before down_proj; then both output norms'
@@ -804,10 +828,7 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
     }
     k_.rmsnorm_forward(dsmall, rstd3, a.o_raw, w("post_attention_layernorm"), eps, offset, s);
     k_.rmsnorm_forward(dsmall, rstd4, a.m_raw, w("post_feedforward_layernorm"), eps, offset, s);
-    dm = rows(d_sub_, t, N, D);
-    k_.fill(dm, 0.0f, s);
-    k_.rmsnorm_backward(dm, g("post_feedforward_layernorm"), dout, a.m_raw,
-                        w("post_feedforward_layernorm"), rstd4, offset, s);
+    dm = before_norm(dout, a.m_raw, "post_feedforward_layernorm", rstd4);
   }
   k_.matmul(da, dm, false, w("down_proj"), false, 1.0f, 0.0f, s);
   k_.matmul(g("down_proj"), dm, true, act, false, 1.0f, 1.0f, s);
@@ -826,13 +847,9 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
 
   // Attention: h = x + o_proj(attention(rope(q), rope(k), v)), or with sandwich norms
   // x + norm(o_proj(...)).
-  TensorView d_o = dh;  // the gradient at o_proj's output
-  if (sandwich) {
-    d_o = rows(d_sub_, t, N, D);
-    k_.fill(d_o, 0.0f, s);
-    k_.rmsnorm_backward(d_o, g("post_attention_layernorm"), dh, a.o_raw,
-                        w("post_attention_layernorm"), rstd3, offset, s);
-  }
+  // The gradient at o_proj's output.
+  const TensorView d_o =
+      sandwich ? before_norm(dh, a.o_raw, "post_attention_layernorm", rstd3) : dh;
   k_.matmul(datt, d_o, false, w("o_proj"), false, 1.0f, 0.0f, s);
   k_.matmul(g("o_proj"), d_o, true, att, false, 1.0f, 1.0f, s);
   if (c.o_bias) k_.bias_backward(g("o_proj.bias"), d_o, s);

@@ -279,6 +279,7 @@ class LlamaModel {
 
   DeviceBuffer rope_;             // [T, rotary_dim] f32
   DeviceBuffer rope_short_;       // the same with LongRoPE's short factors (decoding_switches_rope)
+  DeviceBuffer rope_local_;       // Gemma 3's sliding layers': rope_local_base_freq, unscaled
   DeviceBuffer checkpoints_;      // inputs of units 1..U-1: sets × (U-1) × [B*T, D]
   DeviceBuffer grad_a_, grad_b_;  // the gradient flowing between units, [B*T, D]
   // Block scratch, [B*T, ·]: normed input, q, k, v, attention out, lse, residual, normed

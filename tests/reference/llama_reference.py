@@ -21,7 +21,10 @@ each sublayer's output (post_attention_layernorm on the attention's, post_feedfo
 on the MLP's; pre_feedforward_layernorm before the MLP), scores times query_pre_attn_scalar^-1/2
 then capped as c tanh(s / c) with c = attn_logit_softcapping, logits capped likewise by
 final_logit_softcapping, and the sliding window in the layers layer_types names (else every
-other layer from the first). Which projections have biases is decided
+other layer from the first). Gemma3ForCausalLM (model_type gemma3_text) is Gemma 2 with q and k
+norms (1 + w, as Qwen3's), caps only where given, the window in the layers layer_types names
+(else all but every sliding_window_pattern-th), and the sliding layers' rotary angles from
+rope_local_base_freq without rope_scaling. Which projections have biases is decided
 here from config.json as each Hugging Face class decides it, and the checkpoint must hold
 exactly the tensors that implies.
 
@@ -215,9 +218,9 @@ def expected_names(cfg):
     for l in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{l}."
         names |= {pre + "input_layernorm.weight", pre + "post_attention_layernorm.weight"}
-        if cfg.get("model_type") == "qwen3":
+        if cfg.get("model_type") in ("qwen3", "gemma3_text"):
             names |= {pre + "self_attn.q_norm.weight", pre + "self_attn.k_norm.weight"}
-        if cfg.get("model_type") == "gemma2":
+        if cfg.get("model_type") in ("gemma2", "gemma3_text"):
             names |= {pre + "pre_feedforward_layernorm.weight", pre + "post_feedforward_layernorm.weight"}
         if cfg.get("model_type") == "phi3":
             names |= {pre + p + ".weight" for p in
@@ -237,9 +240,11 @@ def layer_window(cfg, layer):
     window = cfg.get("sliding_window")
     if kind in ("mistral", "phi3"):
         return window
-    if kind == "gemma2":
+    if kind in ("gemma2", "gemma3_text"):
         if cfg.get("layer_types") is not None:
             return window if cfg["layer_types"][layer] == "sliding_attention" else None
+        if kind == "gemma3_text":
+            return window if (layer + 1) % cfg.get("sliding_window_pattern", 6) else None
         return window if layer % 2 == 0 else None
     if kind not in ("qwen2", "qwen3") or not cfg.get("use_sliding_window") or window is None:
         return None
@@ -262,17 +267,25 @@ def forward(cfg, p, ids, dtype):
     eps = cfg["rms_norm_eps"]
     # Angles in f32 as Hugging Face computes them; cos/sin in the working precision.
     rot = int(hd * cfg.get("partial_rotary_factor", 1.0))  # the dimensions rotated
-    inv, scale = inv_frequencies(cfg, rot, T)
-    angles = torch.arange(T, dtype=torch.float32)[:, None] * inv[None, :]
-    angles = torch.cat((angles, angles), dim=-1).to(dtype)
-    cos, sin = angles.cos() * scale, angles.sin() * scale
+    def cos_sin(c):
+        inv, scale = inv_frequencies(c, rot, T)
+        angles = torch.arange(T, dtype=torch.float32)[:, None] * inv[None, :]
+        angles = torch.cat((angles, angles), dim=-1).to(dtype)
+        return angles.cos() * scale, angles.sin() * scale
+
+    rotations = cos_sin(cfg)
+    local_rotations = rotations
+    if cfg.get("model_type") == "gemma3_text":  # the sliding layers' own base, unscaled
+        local_cfg = dict(cfg, rope_theta=cfg.get("rope_local_base_freq", 10000.0), rope_scaling=None)
+        local_rotations = cos_sin(local_cfg)
     mask = torch.full((T, T), float("-inf"), dtype=dtype).triu(1)
-    gemma2 = cfg.get("model_type") == "gemma2"
+    gemma3 = cfg.get("model_type") == "gemma3_text"
+    gemma2 = cfg.get("model_type") == "gemma2" or gemma3  # norms on each sublayer's output too
     gemma = cfg.get("model_type") == "gemma" or gemma2
     offset = 1.0 if gemma else 0.0  # Gemma's norms store their weight's difference from 1
     scaling = cfg["query_pre_attn_scalar"] ** -0.5 if gemma2 else 1 / math.sqrt(hd)
-    attn_cap = cfg.get("attn_logit_softcapping") if gemma2 else None
-    final_cap = cfg.get("final_logit_softcapping") if gemma2 else None
+    attn_cap = cfg.get("attn_logit_softcapping", None if gemma3 else 50.0) if gemma2 else None
+    final_cap = cfg.get("final_logit_softcapping", None if gemma3 else 30.0) if gemma2 else None
     act = activation(cfg)
 
     x = p["model.embed_tokens.weight"][ids]
@@ -290,18 +303,19 @@ def forward(cfg, p, ids, dtype):
         else:
             q = linear(cfg, p, pre + "self_attn.q_proj", xn).view(B, T, H, hd)
             k = linear(cfg, p, pre + "self_attn.k_proj", xn).view(B, T, Hkv, hd)
-        if cfg.get("model_type") == "qwen3":  # each head normalised over head_dim
-            q = rms_norm(q, p[pre + "self_attn.q_norm.weight"], eps)
-            k = rms_norm(k, p[pre + "self_attn.k_norm.weight"], eps)
+        if cfg.get("model_type") in ("qwen3", "gemma3_text"):  # each head normalised over head_dim
+            q = rms_norm(q, p[pre + "self_attn.q_norm.weight"], eps, offset)
+            k = rms_norm(k, p[pre + "self_attn.k_norm.weight"], eps, offset)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if not phi3:
             v = linear(cfg, p, pre + "self_attn.v_proj", xn).view(B, T, Hkv, hd).transpose(1, 2)
+        window = layer_window(cfg, l)
+        cos, sin = local_rotations if gemma3 and window is not None else rotations
         q = torch.cat((q[..., :rot] * cos + rotate_half(q[..., :rot]) * sin, q[..., rot:]), dim=-1)
         k = torch.cat((k[..., :rot] * cos + rotate_half(k[..., :rot]) * sin, k[..., rot:]), dim=-1)
         k = k.repeat_interleave(H // Hkv, dim=1)
         v = v.repeat_interleave(H // Hkv, dim=1)
         layer_mask = mask
-        window = layer_window(cfg, l)
         if window is not None:  # keys at or before i - window are out of query i's view
             layer_mask = mask + torch.full((T, T), float("-inf"), dtype=dtype).tril(-window)
         scores = q @ k.transpose(-1, -2) * scaling
