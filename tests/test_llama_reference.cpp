@@ -123,9 +123,10 @@ std::vector<Case> cases() {
   qwen3_bias.config.qkv_bias = qwen3_bias.config.o_bias = true;
   out.push_back(qwen3_bias);
   // Rotary scalings past llama3's: linear (every frequency over 2.5); YaRN with an original
-  // context of 16 in 64 (so transformers' stretch is 4, whatever factor says) whose ramp runs
-  // from dimension 0 to 2 of 8; and YaRN without one, untruncated betas putting the ramp's ends
-  // inside dimensions, and cos and sin scaled by mscale over mscale_all_dim.
+  // context of 16 in 64 and a factor of 3 (the stretch, as transformers 5 takes it; 4.5x took the
+  // lengths' 4) whose ramp, counted over the original context, runs from dimension 0 to 2 of 8; and
+  // YaRN without one, untruncated betas putting the ramp's ends inside dimensions, and cos and sin
+  // scaled by mscale over mscale_all_dim.
   Case linear{"linear_rope", base(36, 6, 2, 8, 70, 97, 1), 2, 9, 40};
   linear.config.rope_scaling.kind = RopeScalingKind::linear;
   linear.config.rope_scaling.factor = 2.5;

@@ -1240,9 +1240,9 @@ TEST(LlamaConfigJson, RoundTripsThroughHuggingFaceJson) {
             (json{{"rope_type", "yarn"}, {"factor", 4.0}}));
 }
 
-// The rotary scalings past llama3's, as transformers derives them. Qwen3's recommended YaRN
-// (factor 4 over 32768 positions, with max_position_embeddings raised to 131072): transformers
-// takes the stretch from the two lengths, the cos/sin factor 0.1 ln 4 + 1, and the ramp from
+// The rotary scalings past llama3's, as transformers 5 derives them. Qwen3's recommended YaRN
+// (factor 4 over 32768 positions, here with max_position_embeddings raised to 131072): the
+// stretch 4, the cos/sin factor 0.1 ln 4 + 1, and the ramp from
 // dimension floor(23.6) = 23 to ceil(39.6) = 40 of 128 (worked out by hand from the YaRN
 // paper's formula d(r) = hd ln(L / 2 pi r) / 2 ln theta at r = 32 and 1).
 TEST(LlamaConfigParse, RopeScalingsAsTransformersDerivesThem) {
@@ -1266,16 +1266,20 @@ TEST(LlamaConfigParse, RopeScalingsAsTransformersDerivesThem) {
   const double two_ln_theta = 2.0 * std::log(1e6);
   EXPECT_NEAR(y.low, 128.0 * std::log(32768.0 / (32 * 2 * std::numbers::pi)) / two_ln_theta, 1e-12);
   EXPECT_NEAR(y.high, 128.0 * std::log(32768.0 / (2 * std::numbers::pi)) / two_ln_theta, 1e-12);
-  // An original context the same as max_position_embeddings: no stretch at all, as
-  // transformers computes it (the stated factor gives way), so the plain table.
+  // Qwen's snippet as its model cards give it, max_position_embeddings left at the original
+  // 32768: the stated factor stands, as in transformers 5 (4.5x took the lengths' ratio, 1, and
+  // so the plain table), and the ramp is the same, counted over the original context.
   j["max_position_embeddings"] = 32768;
+  j["rope_scaling"].erase("truncate");
   c = parse_llama_config(j, "q.json");
   y = yarn_parameters(c);
-  EXPECT_EQ(y.factor, 1.0);
-  EXPECT_EQ(y.attention_factor, 1.0);
+  EXPECT_EQ(y.factor, 4.0);
+  EXPECT_NEAR(y.attention_factor, 1.0 + 0.1 * std::log(4.0), 1e-15);
+  EXPECT_EQ(y.low, 23.0);
+  EXPECT_EQ(y.high, 40.0);
   LlamaConfig plain = c;
   plain.rope_scaling = {};
-  EXPECT_EQ(rope_table(c, 300), rope_table(plain, 300));
+  EXPECT_NE(rope_table(c, 300), rope_table(plain, 300));
   // Without an original context the factor stands; mscale over mscale_all_dim sets the scale;
   // an attention_factor overrides both; cos and sin are scaled by it.
   j.erase("rope_scaling");
@@ -1353,6 +1357,15 @@ TEST(LlamaConfigParse, RopeScalingsAsTransformersDerivesThem) {
   EXPECT_EQ(out["rope_scaling"]["rope_type"], "longrope");
   LlamaConfig back = parse_llama_config(json::parse(out.dump()), "phi.json");
   EXPECT_EQ(back, c);
+  // No factor is written where none was read: transformers 5 would take a written one (say 1)
+  // as the stretch instead of the lengths' 32. A given factor stands there, and here.
+  EXPECT_FALSE(out["rope_scaling"].contains("factor"));
+  json given = j;
+  given["rope_scaling"]["factor"] = 16.0;
+  const LlamaConfig g16 = parse_llama_config(given, "phi.json");
+  EXPECT_NEAR(longrope_parameters(g16, 4096).attention_factor,
+              std::sqrt(1.0 + std::log(16.0) / std::log(4096.0)), 1e-15);
+  EXPECT_EQ(to_hf_config_json(g16)["rope_scaling"]["factor"], 16.0);
   // "su", Phi-3's first name for it; factors of another count, or two original contexts that
   // disagree, are named.
   j["rope_scaling"]["type"] = "su";

@@ -535,7 +535,8 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
          c.rope_theta);
   const RopeScaling& rs = c.rope_scaling;
   if (rs.kind != RopeScalingKind::none && rs.kind != RopeScalingKind::llama3) {
-    if (!(rs.factor > 0) || !std::isfinite(rs.factor))
+    const bool absent = rs.kind == RopeScalingKind::longrope && rs.factor == 0;
+    if (!absent && (!(rs.factor > 0) || !std::isfinite(rs.factor)))
       fail("{}: rope_scaling.factor = {} must be a positive number (the context's stretch)", src,
            rs.factor);
     if (rs.original_max_position_embeddings != 0)
@@ -830,10 +831,12 @@ json to_hf_config_json(const LlamaConfig& c) {
                          {"high_freq_factor", r.high_freq_factor},
                          {"original_max_position_embeddings", r.original_max_position_embeddings}};
   } else if (r.kind == RopeScalingKind::longrope) {
+    // factor only where the source gave one: transformers 5 takes a written factor as the
+    // stretch, where Phi-3's configs leave it to the two lengths.
     json s = {{"rope_type", "longrope"},
-              {"factor", r.factor},
               {"long_factor", r.long_factor},
               {"short_factor", r.short_factor}};
+    if (r.factor > 0) s["factor"] = r.factor;
     if (r.attention_factor) s["attention_factor"] = *r.attention_factor;
     j["rope_scaling"] = s;
     if (r.original_max_position_embeddings != 0)  // where transformers reads it

@@ -51,19 +51,21 @@ std::string_view rope_scaling_name(RopeScalingKind k);  // "default", "llama3", 
 //   linear  (position interpolation): every frequency divided by factor;
 //   dynamic (dynamic NTK): the frequencies change only for sequences longer than
 //           max_position_embeddings, which strata never runs, so they are the plain ones;
-//   yarn    (YaRN): factor, and optionally original_max_position_embeddings (which then, as in
-//           transformers, makes the factor max_position_embeddings / it), attention_factor (else
-//           from the factor, mscale and mscale_all_dim), beta_fast (32), beta_slow (1) and
-//           truncate (true);
+//   yarn    (YaRN): factor (the stretch), and optionally original_max_position_embeddings (the
+//           context the ramp's dimensions are counted over; else max_position_embeddings),
+//           attention_factor (else from the factor, mscale and mscale_all_dim), beta_fast (32),
+//           beta_slow (1) and truncate (true), as transformers 5 computes it (4.5x took the
+//           stretch from max_position_embeddings / original_max_position_embeddings instead);
 //   longrope (Phi-3's 128k models, Phi-3.5; "su" is its older name): each frequency divided by
 //           its short_factor, or its long_factor where the sequences are longer than
 //           original_max_position_embeddings (config.json's top level, as transformers reads
-//           it; the stretch then max_position_embeddings / it), cos and sin scaled by
-//           attention_factor, else sqrt(1 + ln stretch / ln original) past a stretch of 1.
+//           it), cos and sin scaled by attention_factor, else sqrt(1 + ln stretch / ln original)
+//           past a stretch of 1; the stretch is factor where given (0 here: not given, as in
+//           Phi-3's configs), else max_position_embeddings / original.
 // The optional fields are kept as given, so that an export writes back what was read.
 struct RopeScaling {
   RopeScalingKind kind = RopeScalingKind::none;
-  double factor = 1.0;
+  double factor = 0.0;  // 0: not given (LongRoPE's may be absent; the other kinds require it)
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
   int64_t original_max_position_embeddings = 0;  // 0: not given (llama3 requires it)

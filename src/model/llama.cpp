@@ -240,15 +240,19 @@ std::vector<float> rope_table(const LlamaConfig& c, int64_t seq_len, int64_t lon
 
 namespace {
 
-// YaRN's and LongRoPE's context: (the stretch, the original context). As transformers, where
-// original_max_position_embeddings is given the stretch is max_position_embeddings over it,
-// whatever factor says; otherwise factor, over max_position_embeddings as the original.
+// YaRN's and LongRoPE's context: (the stretch, the original context), as transformers 5 takes
+// them: the stretch is factor where given (LongRoPE's may be absent: then
+// max_position_embeddings over the original), the original context
+// original_max_position_embeddings where given, else max_position_embeddings. (transformers
+// 4.5x let the two lengths' ratio override a given factor, which made Qwen's recommended YaRN,
+// factor 4 over an unchanged max_position_embeddings, a no-op there.)
 std::pair<double, double> rope_stretch(const LlamaConfig& c) {
   const RopeScaling& r = c.rope_scaling;
-  if (r.original_max_position_embeddings <= 0)
-    return {r.factor, static_cast<double>(c.max_position_embeddings)};
-  const auto original = static_cast<double>(r.original_max_position_embeddings);
-  return {static_cast<double>(c.max_position_embeddings) / original, original};
+  const auto longest = static_cast<double>(c.max_position_embeddings);
+  const double original = r.original_max_position_embeddings > 0
+                              ? static_cast<double>(r.original_max_position_embeddings)
+                              : longest;
+  return {r.factor > 0 ? r.factor : longest / original, original};
 }
 
 }  // namespace

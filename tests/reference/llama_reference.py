@@ -80,14 +80,10 @@ def write_safetensors(path, tensors):
 
 
 def yarn(cfg, rs, inv, head_dim, theta):
-    """YaRN (Peng et al. 2023) with transformers' conventions: (frequencies, cos/sin scale)."""
+    """YaRN (Peng et al. 2023) with transformers 5's conventions: (frequencies, cos/sin scale)."""
     longest = cfg["max_position_embeddings"]
-    stretch = rs["factor"]
-    trained = rs.get("original_max_position_embeddings")
-    if trained:  # transformers then takes the stretch from the two lengths
-        stretch = longest / trained
-    else:
-        trained = longest
+    trained = rs.get("original_max_position_embeddings") or longest  # the ramp's context
+    stretch = rs.get("factor") or longest / trained
 
     def temperature(s, k):
         return 1.0 if s <= 1 else 1.0 + 0.1 * k * math.log(s)
@@ -121,11 +117,8 @@ def longrope(cfg, rs, head_dim, theta, positions):
     """LongRoPE (Phi-3): per-dimension divisors, long ones for sequences past the trained context."""
     longest = cfg["max_position_embeddings"]
     trained = cfg.get("original_max_position_embeddings") or rs.get("original_max_position_embeddings")
-    stretch = rs.get("factor")
-    if trained:
-        stretch = longest / trained
-    else:
-        trained = longest
+    trained = trained or longest
+    stretch = rs.get("factor") or longest / trained  # a given factor stands (transformers 5)
     scale = rs.get("attention_factor")
     if scale is None:
         scale = 1.0 if stretch <= 1 else math.sqrt(1 + math.log(stretch) / math.log(trained))
