@@ -656,7 +656,8 @@ TEST(LlamaConfigParse, Gemma3AsItsHuggingFaceClassBuildsIt) {
   j["architectures"] = {"Gemma3ForConditionalGeneration"};
   j["model_type"] = "gemma3";
   test::expect_error([&] { parse_llama_config(j, "g3.json"); },
-                     {"Gemma3ForConditionalGeneration", "Gemma3ForCausalLM"});
+                     {"g3.json", "Gemma3ForConditionalGeneration is Gemma 3's image-text model",
+                      "Gemma3ForCausalLM", "text_config as config.json"});
 }
 
 TEST(LlamaConfigParse, MistralAndQwen2AsTheirHuggingFaceClassesBuildThem) {
@@ -840,9 +841,8 @@ struct Rejection {
 TEST(LlamaConfigParse, EveryRejectionNamesTheField) {
   const std::vector<Rejection> cases = {
       {"other architecture",
-       [](json& j) { j["architectures"] = {"Gemma3ForConditionalGeneration"}; },
-       {"architectures", "Gemma3ForConditionalGeneration", "LlamaForCausalLM",
-        "Gemma3ForCausalLM"}},
+       [](json& j) { j["architectures"] = {"Olmo2ForCausalLM"}; },
+       {"architectures", "Olmo2ForCausalLM", "LlamaForCausalLM", "Gemma3ForCausalLM"}},
       {"architectures and model_type disagree",
        [](json& j) {
          j["architectures"] = {"MistralForCausalLM"};

@@ -206,6 +206,15 @@ Architecture parse_architecture(const json& j, std::string_view src) {
     for (const json& a : *arch)
       for (const KnownArchitecture& k : kArchitectures)
         if (!from_class && a.is_string() && a == k.cls) from_class = k.arch;
+    if (!from_class &&
+        std::find(arch->begin(), arch->end(), "Gemma3ForConditionalGeneration") != arch->end())
+      fail(
+          "{}: Gemma3ForConditionalGeneration is Gemma 3's image-text model (4B, 12B, 27B), whose "
+          "vision tower strata does not train; strata trains Gemma 3's text model, "
+          "Gemma3ForCausalLM (as Gemma 3 1B ships): a checkpoint of the language model alone "
+          "(its text_config as config.json, its language_model tensors named model.*) loads as "
+          "that class",
+          src);
     if (!from_class)
       fail(
           "{}: architectures {} names no class strata implements; strata trains the Llama "
