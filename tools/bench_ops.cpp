@@ -153,12 +153,7 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
       fmt::format("B {} T {} heads {} kv {} hd {}", batch, T, heads, kv, hd);
   // The model's scores (Gemma 2's scale and cap, which the CUDA backend runs on its SIMT path);
   // no window: the bench's sequences are the whole context.
-  const double qpas = c.query_pre_attn_scalar;
-  const AttentionMask scores(nullptr, 0,
-                             qpas > 0 && qpas != static_cast<double>(hd)
-                                 ? static_cast<float>(1.0 / std::sqrt(qpas))
-                                 : 0.0f,
-                             static_cast<float>(c.attn_logit_softcapping));
+  const AttentionMask scores = attention_scores(c);
   ops.push_back({"attention forward",
                  att_shape,
                  Op::kAttention,

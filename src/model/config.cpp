@@ -960,6 +960,13 @@ bool sandwich_norms(const LlamaConfig& c) {
   return c.architecture == Architecture::gemma2 || c.architecture == Architecture::gemma3;
 }
 
+AttentionMask attention_scores(const LlamaConfig& c) {
+  const double qpas = c.query_pre_attn_scalar;
+  const bool scaled = qpas > 0 && qpas != static_cast<double>(c.head_dim);
+  return {nullptr, 0, scaled ? static_cast<float>(1.0 / std::sqrt(qpas)) : 0.0f,
+          static_cast<float>(c.attn_logit_softcapping)};
+}
+
 float embedding_scale(const LlamaConfig& c, DType t) {
   if (!gemma_family(c)) return 1.0f;
   // Python's hidden_size ** 0.5, a float32 tensor, then the weights' dtype.

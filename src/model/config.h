@@ -151,6 +151,10 @@ float embedding_scale(const LlamaConfig& config, DType t);
 // Gemma 2's norms on each sublayer's output too (post_attention_layernorm on the attention's,
 // post_feedforward_layernorm on the MLP's; pre_feedforward_layernorm is the MLP's input norm).
 bool sandwich_norms(const LlamaConfig& config);
+// How the model's attention forms its scores (AttentionMask's scale and softcap; no documents,
+// no window): Gemma 2's and 3's query_pre_attn_scalar^-1/2 where it is not head_dim's own
+// 1/sqrt(head_dim) (0 then), and attn_logit_softcapping.
+AttentionMask attention_scores(const LlamaConfig& config);
 
 // Checks sizes and their relations; errors name `source`, the field and its value.
 void validate_llama_config(const LlamaConfig& config, std::string_view source);

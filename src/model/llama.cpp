@@ -765,13 +765,10 @@ AttentionMask LlamaModel::attention_mask(int u, const int32_t* doc_start) const 
   // every position's keys and values, as transformers' default cache does; the window only
   // hides the old ones from each new query.
   const bool window = config_.layer_slides(u - 1) && options_.seq_len > config_.sliding_window;
-  // Gemma 2's scores: scaled by query_pre_attn_scalar^-1/2 (passed where it is not head_dim's
-  // own 1/sqrt(head_dim)) and capped.
-  const double qpas = config_.query_pre_attn_scalar;
-  const bool scaled = qpas > 0 && qpas != static_cast<double>(config_.head_dim);
-  return {doc_start, window ? config_.sliding_window : 0,
-          scaled ? static_cast<float>(1.0 / std::sqrt(qpas)) : 0.0f,
-          static_cast<float>(config_.attn_logit_softcapping)};
+  AttentionMask mask = attention_scores(config_);  // Gemma 2's scale and cap
+  mask.doc_start = doc_start;
+  mask.window = window ? config_.sliding_window : 0;
+  return mask;
 }
 
 void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
@@ -823,14 +820,15 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
   };
   TensorView dm = dout;  // the gradient at down_proj's output
   if (sandwich) {
-    // The forward that recomputed the block stopped before down_proj; then both output norms'
-    // statistics again (the same kernels on the same inputs: the forward's bits), their
-    // outputs into dsmall, which the MLP's backward overwrites.
+    // The forward that recomputed the block stopped before down_proj; then the output norms'
+    // statistics it did not leave (the same kernels on the same inputs: the forward's bits),
+    // their outputs into dsmall, which the MLP's backward overwrites.
     if (options_.recompute) {
       if (c.mlp_bias) k_.broadcast_rows(a.m_raw, w("down_proj.bias"), s);
       k_.matmul(a.m_raw, act, false, w("down_proj"), true, 1.0f, c.mlp_bias ? 1.0f : 0.0f, s);
     }
-    k_.rmsnorm_forward(dsmall, rstd3, a.o_raw, w("post_attention_layernorm"), eps, offset, s);
+    if (!options_.recompute)  // a recomputing forward left rstd3 already
+      k_.rmsnorm_forward(dsmall, rstd3, a.o_raw, w("post_attention_layernorm"), eps, offset, s);
     k_.rmsnorm_forward(dsmall, rstd4, a.m_raw, w("post_feedforward_layernorm"), eps, offset, s);
     dm = before_norm(dout, a.m_raw, "post_feedforward_layernorm", rstd4);
   }
