@@ -499,15 +499,19 @@ std::vector<AttentionCase> attention_cases() {
   cases.push_back({1, 129, 4, 2, 96, f32});  // other multiples of 8, up to 256
   cases.push_back({1, 33, 2, 2, 40, f32});
   cases.push_back({1, 65, 2, 1, 256, f32});
-  cases.push_back({1, 40, 2, 1, 256, bf16});
+  cases.push_back({1, 40, 2, 1, 256, bf16});  // Gemma's head_dim: mma.sync, else SIMT
+  cases.push_back({2, 129, 4, 2, 256, bf16});
   cases.push_back({1, 33, 2, 2, 40, bf16});  // not a multiple of 16: SIMT in bf16
   return cases;
 }
 
-// Whether the CUDA backend's tensor-core attention (attention_mma.cu, attention_tc.cu) takes a
-// case.
-bool on_tensor_cores(const AttentionCase& c) {
-  return c.dtype == bf16 && c.head_dim % 16 == 0 && c.head_dim <= 128;
+// Whether the CUDA backend's tensor-core attention takes a case: attention_mma.cu's (head_dim a
+// multiple of 16 up to 128, or 256; any scores), attention_tc.cu's (up to 128, plain scores).
+bool on_mma(const AttentionCase& c) {
+  return c.dtype == bf16 && c.head_dim % 16 == 0 && (c.head_dim <= 128 || c.head_dim == 256);
+}
+bool on_wmma(const AttentionCase& c, bool plain_scores) {
+  return plain_scores && c.dtype == bf16 && c.head_dim % 16 == 0 && c.head_dim <= 128;
 }
 
 #if STRATA_HAVE_CUDA
@@ -531,7 +535,8 @@ struct AttentionPath {
 
 // Each case against the host backend; bf16 cases the tensor cores take run on each path in turn
 // (mma.sync, wmma, SIMT), which must all pass, and the path asked for must be the one that ran
-// (a backward whose shared memory this GPU lacks takes the next path).
+// (a call the path does not take, or whose shared memory this GPU lacks, takes the next path:
+// wmma refuses head_dim 256 and scaled or capped scores).
 void CudaOpsTest::attention_against_host(const AttentionCase& c,
                                          const std::vector<int32_t>& doc_start, Rng& rng,
                                          int64_t window, float scale, float softcap) {
@@ -549,9 +554,8 @@ void CudaOpsTest::attention_against_host(const AttentionCase& c,
   const AttentionMask on_device(docs_dev ? docs_dev->data() : nullptr, window, scale, softcap);
   DeviceTensor q_dev = upload(q), k_dev = upload(k), v_dev = upload(v);
   DeviceTensor dout_dev = upload(dout), out_in = upload(out), lse_in = upload(lse);
-  // Scaled or capped scores run the SIMT path whatever is asked for.
   const bool plain = scale == 0.0f && softcap == 0.0f;
-  const bool all_paths = on_cuda() && on_tensor_cores(c) && plain;
+  const bool all_paths = on_cuda() && on_mma(c);
   const int paths = all_paths ? 3 : 1;
   for (int path = 0; path < paths; ++path) {
 #if STRATA_HAVE_CUDA
@@ -567,11 +571,15 @@ void CudaOpsTest::attention_against_host(const AttentionCase& c,
     // The paths the forward and the backward must take.
     AttentionKernels forward_path = AttentionKernels::kSimt, backward_path = forward_path;
     if (all_paths) {
-      forward_path = static_cast<AttentionKernels>(path);
+      const bool wmma = on_wmma(c, plain);
       backward_path = AttentionKernels::kSimt;
+      if (path == 0 && backward_fits(attention_mma_forward_shared_bytes(c.head_dim)))
+        forward_path = AttentionKernels::kMma;
+      else if (path <= 1 && wmma)
+        forward_path = AttentionKernels::kWmma;
       if (path == 0 && backward_fits(attention_mma_backward_shared_bytes(c.head_dim)))
         backward_path = AttentionKernels::kMma;
-      else if (path <= 1 && backward_fits(attention_tc_backward_shared_bytes(c.head_dim)))
+      else if (path <= 1 && wmma && backward_fits(attention_tc_backward_shared_bytes(c.head_dim)))
         backward_path = AttentionKernels::kWmma;
     }
     const uint64_t forward_calls = attention_calls(forward_path);
@@ -677,7 +685,8 @@ TEST_F(CudaOpsTest, AttentionInASlidingWindow) {
 // Gemma 2's scores: q·k times another scale than 1/sqrt(head_dim) (its query_pre_attn_scalar),
 // capped by softcap · tanh(s / softcap) (its attn_logit_softcapping, here small enough against
 // the scores to bend them), with a sliding window and packed documents too; the tensor-core
-// shapes among them run the SIMT path, which the call counts check on a GPU.
+// shapes among them run mma.sync and SIMT (wmma computes plain scores only), which the call
+// counts check.
 TEST_F(CudaOpsTest, AttentionWithScaledAndCappedScores) {
   Rng rng(29);
   struct ScoreCase {
@@ -690,7 +699,9 @@ TEST_F(CudaOpsTest, AttentionWithScaledAndCappedScores) {
                                         {{1, 129, 4, 2, 128, bf16}, 0.2f, 2.0f, 0, false},
                                         {{1, 65, 2, 1, 256, f32}, 1.0f / 12.0f, 1.0f, 40, false},
                                         {{2, 100, 4, 2, 256, bf16}, 0.0625f, 0.0f, 33, true},
-                                        {{1, 40, 8, 2, 32, bf16}, 0.0f, 0.75f, 0, true}};
+                                        {{1, 40, 8, 2, 32, bf16}, 0.0f, 0.75f, 0, true},
+                                        {{2, 150, 8, 4, 256, bf16}, 0.0625f, 1.5f, 100, false},
+                                        {{1, 300, 4, 2, 64, bf16}, 0.0f, 1.0f, 0, true}};
   for (const ScoreCase& sc : cases) {
     std::vector<int32_t> doc_start;
     if (sc.docs) {

@@ -442,6 +442,23 @@ TEST(BenchAttentionCli, VerifiesThenReports) {
   }
 }
 
+// Gemma 2's scores, scaled and capped: verified against the host backend's with the same mask.
+TEST(BenchAttentionCli, ScaledAndCappedScores) {
+  const test::CommandResult r = bench_attention(
+      "--devices host --seq-len 40 --heads 2 --kv-heads 1 --head-dim 32 --steps 1 --scale 0.25 "
+      "--softcap 1.5 --json");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_TRUE(j["verified"].get<bool>());
+  EXPECT_DOUBLE_EQ(j["scale"].get<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(j["softcap"].get<double>(), 1.5);
+  const test::CommandResult text = bench_attention(
+      "--devices host --seq-len 20 --heads 2 --kv-heads 1 --head-dim 16 --steps 1 --softcap 2");
+  ASSERT_EQ(text.status, 0) << text.out;
+  EXPECT_NE(text.out.find("head_dim 16, softcap 2, f32"), std::string::npos) << text.out;
+}
+
 TEST(BenchAttentionCli, BadShapesAreNamed) {
   test::CommandResult r = bench_attention("--devices host --heads 6 --kv-heads 4");
   EXPECT_EQ(r.status, 1) << r.out;
@@ -449,6 +466,9 @@ TEST(BenchAttentionCli, BadShapesAreNamed) {
   r = bench_attention("--devices host --seq-len 0");
   EXPECT_EQ(r.status, 1) << r.out;
   EXPECT_NE(r.out.find("--seq-len 0"), std::string::npos) << r.out;
+  r = bench_attention("--devices host --softcap -1");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("--softcap -1 must be finite and at least 0"), std::string::npos) << r.out;
 }
 
 // On a GPU in bf16: both tensor-core paths and the SIMT kernels, each verified, side by side.
@@ -464,6 +484,22 @@ TEST(BenchAttentionCli, OnAGpuTensorCoresBesideSimt) {
   EXPECT_EQ(j["runs"][0]["kernels"], "mma.sync");
   EXPECT_EQ(j["runs"][1]["kernels"], "wmma");
   EXPECT_EQ(j["runs"][2]["kernels"], "SIMT");
+}
+
+// Gemma's head_dim 256 with capped scores: mma.sync beside SIMT (wmma takes neither), each run
+// named by the kernels that took its calls.
+TEST(BenchAttentionCli, OnAGpuGemmasAttentionOnTensorCores) {
+  STRATA_SKIP_UNLESS_THE_BINARY_HAS_A_GPU();
+  const test::CommandResult r = bench_attention(
+      "--devices cuda:0 --seq-len 70 --heads 4 --kv-heads 2 --head-dim 256 --steps 1 --scale "
+      "0.0625 --softcap 1 --json");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_TRUE(j["verified"].get<bool>());
+  ASSERT_EQ(j["runs"].size(), 2u) << r.out;
+  EXPECT_EQ(j["runs"][0]["kernels"], "mma.sync");
+  EXPECT_EQ(j["runs"][1]["kernels"], "SIMT");
 }
 
 test::CommandResult bench_ops(const std::string& args) {

@@ -1,7 +1,9 @@
 // bench_attention.cpp: `strata bench attention`, the causal grouped-query attention kernels
 // forward and backward at one shape on one device: time and model TFLOP/s, and on a GPU in bf16
 // the two tensor-core paths (attention_mma.cu's mma.sync, attention_tc.cu's wmma) beside the
-// SIMT kernels (attention.cu), the same calls in one run.
+// SIMT kernels (attention.cu), the same calls in one run. Scores may be scaled and capped as
+// Gemma 2's (`--scale`, `--softcap`). Each run is labelled with the kernels that ran, counted by
+// the backend, not the ones asked for: a path that does not take the call passes it on.
 //
 // Before it reports a speed it verifies each kernel against the host backend in f32 on the same
 // heads over at most 192 positions (three of the tensor cores' 64-row tiles, so the diagonal and
@@ -31,6 +33,7 @@ namespace {
 
 struct BenchAttentionArgs {
   int64_t batch = 1, seq_len = 2048, heads = 32, kv_heads = 8, head_dim = 128;
+  float scale = 0.0f, softcap = 0.0f;
   int steps = 5;
   std::string devices, device_memory, dtype;
   bool json = false;
@@ -38,6 +41,8 @@ struct BenchAttentionArgs {
 
 struct Dims {
   int64_t batch, seq, heads, kv_heads, head_dim;
+  float scale, softcap;  // AttentionMask's: 0 for 1/sqrt(head_dim), 0 for no cap
+  AttentionMask mask() const { return AttentionMask(nullptr, 0, scale, softcap); }
   Shape q() const { return {batch, seq, heads, head_dim}; }
   Shape kv() const { return {batch, seq, kv_heads, head_dim}; }
   Shape lse() const { return {batch, heads, seq}; }
@@ -57,7 +62,7 @@ void select(Path p) {
 class Problem {
  public:
   Problem(Device& device, Stream& s, DType dtype, const Dims& d, uint32_t seed, bool keep_inputs)
-      : device_(device) {
+      : device_(device), mask_(d.mask()) {
     std::mt19937 gen(seed);
     // q spans a wider range than k so that some rows' softmax is sharp; the last is dout.
     const Shape in_shapes[] = {d.q(), d.kv(), d.kv(), d.q()};
@@ -86,11 +91,11 @@ class Problem {
   }
 
   void forward(Stream& s) {
-    device_.kernels().attention_forward(out(), lse(), in(0), in(1), in(2), nullptr, s);
+    device_.kernels().attention_forward(out(), lse(), in(0), in(1), in(2), mask_, s);
   }
   void backward(Stream& s) {
     device_.kernels().attention_backward(out_views_[2], out_views_[3], out_views_[4], in(3), in(0),
-                                         in(1), in(2), out(), lse(), nullptr, s);
+                                         in(1), in(2), out(), lse(), mask_, s);
   }
   // out, lse, dq, dk, dv as f32 on the host.
   std::vector<std::vector<float>> results(Stream& s) {
@@ -110,6 +115,7 @@ class Problem {
   const TensorView& lse() const { return out_views_[1]; }
 
   Device& device_;
+  AttentionMask mask_;
   std::vector<float> host_f32_[4];
   DeviceBuffer inputs_[4], outputs_[5];
   TensorView in_views_[4], out_views_[5];
@@ -126,10 +132,10 @@ std::vector<std::vector<float>> reference(const Problem& p, const Dims& d) {
     return TensorView{v.data(), DType::f32, shape, nullptr};
   };
   host::attention_forward(view(r[0], d.q()), view(r[1], d.lse()), view(in[0], d.q()),
-                          view(in[1], d.kv()), view(in[2], d.kv()));
+                          view(in[1], d.kv()), view(in[2], d.kv()), d.mask());
   host::attention_backward(view(r[2], d.q()), view(r[3], d.kv()), view(r[4], d.kv()),
                            view(in[3], d.q()), view(in[0], d.q()), view(in[1], d.kv()),
-                           view(in[2], d.kv()), view(r[0], d.q()), view(r[1], d.lse()));
+                           view(in[2], d.kv()), view(r[0], d.q()), view(r[1], d.lse()), d.mask());
   return r;
 }
 
@@ -164,23 +170,50 @@ struct Timing {
   double forward_s = 0, backward_s = 0;
 };
 
+// The CUDA kernels that took the calls since `before` (each path's call counts), or "" for none
+// (the host backend).
+std::string kernels_since(const uint64_t (&before)[3]) {
+  static constexpr const char* kNames[] = {"mma.sync", "wmma", "SIMT"};
+  for (int k = 0; k < 3; ++k)
+    if (attention_calls(static_cast<AttentionKernels>(k)) > before[k]) return kNames[k];
+  return "";
+}
+void count_calls(uint64_t (&calls)[3]) {
+  for (int k = 0; k < 3; ++k) calls[k] = attention_calls(static_cast<AttentionKernels>(k));
+}
+
+// Times the calls on `path`, labelled with the kernels the warm-up's forward and backward took:
+// "mma.sync", or "mma.sync/SIMT" where the backward took another path (its shared memory).
 Timing time_kernels(Problem& p, Stream& s, Path path, int steps, const std::string& label) {
   select(path);
   std::vector<double> fwd, bwd;
+  std::string ran[2];
   for (int k = 0; k <= steps; ++k) {  // k = 0 warms up
+    uint64_t calls[3];
+    count_calls(calls);
     const auto t0 = std::chrono::steady_clock::now();
     p.forward(s);
     s.synchronize();
     const auto t1 = std::chrono::steady_clock::now();
+    if (k == 0) {
+      ran[0] = kernels_since(calls);
+      count_calls(calls);
+    }
     p.backward(s);
     s.synchronize();
     const auto t2 = std::chrono::steady_clock::now();
-    if (k == 0) continue;
+    if (k == 0) {
+      ran[1] = kernels_since(calls);
+      continue;
+    }
     fwd.push_back(std::chrono::duration<double>(t1 - t0).count());
     bwd.push_back(std::chrono::duration<double>(t2 - t1).count());
   }
   select(Path::kDefault);
-  return {label, median(fwd), median(bwd)};
+  const std::string kernels = ran[0].empty()     ? label
+                              : ran[0] == ran[1] ? ran[0]
+                                                 : ran[0] + "/" + ran[1];
+  return {kernels, median(fwd), median(bwd)};
 }
 
 int run_bench_attention(const BenchAttentionArgs& a) {
@@ -195,18 +228,28 @@ int run_bench_attention(const BenchAttentionArgs& a) {
         "it",
         a.heads, a.kv_heads);
   if (a.steps < 1) fail("bench attention: --steps {} must be at least 1", a.steps);
+  if (!(a.scale >= 0.0f) || !std::isfinite(a.scale) || !(a.softcap >= 0.0f) ||
+      !std::isfinite(a.softcap))
+    fail(
+        "bench attention: --scale {} and --softcap {} must be finite and at least 0 (0: "
+        "1/sqrt(head_dim), and no cap)",
+        a.scale, a.softcap);
   auto devices = open_cli_devices(a.devices, a.device_memory, 1);
   Device& device = *devices.at(0);
   const DType dtype = model_dtype(device, a.dtype);
-  const Dims d{a.batch, a.seq_len, a.heads, a.kv_heads, a.head_dim};
+  const Dims d{a.batch, a.seq_len, a.heads, a.kv_heads, a.head_dim, a.scale, a.softcap};
 
-  // The host backend's one kernel; on a GPU the SIMT kernels, and first the two tensor-core
-  // paths where they apply (bf16, head_dim a multiple of 16 up to 128).
+  // The host backend's one kernel; on a GPU the SIMT kernels, and first the tensor-core paths
+  // where they apply (bf16, head_dim a multiple of 16: mma.sync up to 128 and at 256, wmma up to
+  // 128 with plain scores).
   std::vector<std::pair<Path, std::string>> paths = {{Path::kDefault, "host"}};
   if (device.backend() == Backend::cuda) {
     paths = {{Path::kSimt, "SIMT"}};
-    if (dtype == DType::bf16 && a.head_dim % 16 == 0 && a.head_dim <= 128)
-      paths.insert(paths.begin(), {{Path::kDefault, "mma.sync"}, {Path::kWmma, "wmma"}});
+    const bool sixteens = dtype == DType::bf16 && a.head_dim % 16 == 0;
+    if (sixteens && a.head_dim <= 128 && a.scale == 0.0f && a.softcap == 0.0f)
+      paths.insert(paths.begin(), {Path::kWmma, "wmma"});
+    if (sixteens && (a.head_dim <= 128 || a.head_dim == 256))
+      paths.insert(paths.begin(), {Path::kDefault, "mma.sync"});
   }
   for (const auto& [path, label] : paths) verify(device, dtype, d, path, label.c_str());
 
@@ -234,6 +277,8 @@ int run_bench_attention(const BenchAttentionArgs& a) {
                         {"heads", a.heads},
                         {"kv_heads", a.kv_heads},
                         {"head_dim", a.head_dim},
+                        {"scale", a.scale},
+                        {"softcap", a.softcap},
                         {"forward_flops", fwd_flops},
                         {"backward_flops", bwd_flops},
                         {"runs", runs},
@@ -242,9 +287,12 @@ int run_bench_attention(const BenchAttentionArgs& a) {
     return 0;
   }
   fmt::print(
-      "bench attention: batch {} x {} positions, {} heads ({} kv), head_dim {}, {} on {}; each "
-      "kernel verified against the host backend\n",
-      a.batch, a.seq_len, a.heads, a.kv_heads, a.head_dim, dtype_name(dtype), device.name());
+      "bench attention: batch {} x {} positions, {} heads ({} kv), head_dim {}{}{}, {} on {}; "
+      "each kernel verified against the host backend\n",
+      a.batch, a.seq_len, a.heads, a.kv_heads, a.head_dim,
+      a.scale > 0.0f ? fmt::format(", scale {}", a.scale) : "",
+      a.softcap > 0.0f ? fmt::format(", softcap {}", a.softcap) : "", dtype_name(dtype),
+      device.name());
   for (const Timing& t : timings)
     fmt::print(
         "  {:<13} forward {:8.3f} ms {:7.2f} TFLOP/s   backward {:8.3f} ms {:7.2f} TFLOP/s\n",
@@ -271,6 +319,12 @@ Command add_bench_attention(CLI::App& bench) {
   cmd->add_option("--kv-heads", args->kv_heads, "key/value heads (divides --heads)")
       ->capture_default_str();
   cmd->add_option("--head-dim", args->head_dim, "elements per head")->capture_default_str();
+  cmd->add_option("--scale", args->scale,
+                  "the scores' scale (0: 1/sqrt(head_dim); Gemma 2's query_pre_attn_scalar^-1/2)")
+      ->capture_default_str();
+  cmd->add_option("--softcap", args->softcap,
+                  "cap the scores at c tanh(s / c) (0: none; Gemma 2's attn_logit_softcapping)")
+      ->capture_default_str();
   cmd->add_option("--steps", args->steps, "timed calls of each (after one warm-up)")
       ->capture_default_str();
   cmd->add_option("--devices", args->devices, "host or cuda:N (default: cuda:0 if usable)");

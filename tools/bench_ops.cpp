@@ -151,8 +151,8 @@ std::vector<Op> block_ops(const LlamaConfig& c, int64_t batch, int64_t T, int64_
                      static_cast<double>(T);
   const std::string att_shape =
       fmt::format("B {} T {} heads {} kv {} hd {}", batch, T, heads, kv, hd);
-  // The model's scores (Gemma 2's scale and cap, which the CUDA backend runs on its SIMT path);
-  // no window: the bench's sequences are the whole context.
+  // The model's scores (Gemma 2's scale and cap); no window: the bench's sequences are the whole
+  // context.
   const AttentionMask scores = attention_scores(c);
   ops.push_back({"attention forward",
                  att_shape,

@@ -462,13 +462,21 @@ uint64_t attention_backward_shared_bytes(int64_t head_dim, int64_t query_rows) {
   return dkdv_bytes(head_dim, query_rows);
 }
 
+bool attention_backward_on_tensor_cores(const AttentionDims& dims, uint64_t max_shared_bytes) {
+  const int64_t hd = dims.head_dim;
+  if (hd <= 0 || hd % 16 != 0) return false;
+  if ((hd <= 128 || hd == 256) && attention_mma_backward_shared_bytes(hd) <= max_shared_bytes)
+    return true;
+  return dims.plain_scores() && hd <= 128 &&
+         attention_tc_backward_shared_bytes(hd) <= max_shared_bytes;
+}
+
 void launch_attention_forward(void* out, float* lse, const void* q, const void* k, const void* v,
                               DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
                               cudaStream_t stream) {
   if (dims.batch * dims.seq * dims.heads == 0) return;
-  // The tensor-core paths compute Llama's plain scores only.
-  if (dims.plain_scores() &&
-      attention_mma_forward(out, lse, q, k, v, t, dims, max_shared_bytes, stream))
+  // The wmma path computes Llama's plain scores only.
+  if (attention_mma_forward(out, lse, q, k, v, t, dims, max_shared_bytes, stream))
     return count(AttentionKernels::kMma);
   if (dims.plain_scores() &&
       attention_tc_forward(out, lse, q, k, v, t, dims, max_shared_bytes, stream))
@@ -496,8 +504,8 @@ void launch_attention_backward(void* dq, void* dk, void* dv, const void* dout, c
                                DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
                                cudaStream_t stream) {
   if (dims.batch * dims.seq * dims.heads == 0) return;
-  if (dims.plain_scores() && attention_mma_backward(dq, dk, dv, dout, q, k, v, out, lse, t, dims,
-                                                    max_shared_bytes, stream))
+  if (attention_mma_backward(dq, dk, dv, dout, q, k, v, out, lse, t, dims, max_shared_bytes,
+                             stream))
     return count(AttentionKernels::kMma);
   if (dims.plain_scores() &&
       attention_tc_backward(dq, dk, dv, dout, q, k, v, out, lse, t, dims, max_shared_bytes, stream))

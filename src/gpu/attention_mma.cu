@@ -1,7 +1,8 @@
 // attention_mma.cu: causal grouped-query attention on tensor cores with every score kept in
 // registers (mma.sync and ldmatrix, whose layouts mma_sync.cuh documents), forward and
-// backward, for bf16 tensors whose head_dim is a multiple of 16 up to 128. The launchers in
-// attention.cu call these first; attention_tc.cu's wmma kernels take a call these refuse.
+// backward, for bf16 tensors whose head_dim is a multiple of 16 up to 128, or 256 (Gemma's). The
+// launchers in attention.cu call these first; attention_tc.cu's wmma kernels take a call these
+// refuse.
 //
 // Why a second tensor-core path: a wmma fragment's layout is unspecified, so attention_tc.cu
 // stores every 16 x 16 block of scores to shared memory, works on it there and loads it back.
@@ -24,8 +25,20 @@
 // Blocks are numbered so that the tiles with the most work start first (causal attention's
 // last query tiles, the first key tiles).
 //
+// At head_dim 256 a warp's 16 x 256 f32 accumulator alone takes 128 registers of the 255 a
+// thread has, so the kernels there work in smaller pieces: the forward reads its query
+// fragments from shared memory for each key tile instead of keeping them in registers, dq walks
+// each key tile in two halves of 32 keys, and dk/dv splits head_dim in two, one block per half
+// (each block computes the whole of S^T and dP^T, whose dot products span head_dim, and
+// accumulates its half of dk and dv: half as much tensor-core work again in that kernel, in
+// exchange for keeping every accumulator in registers).
+//
+// Scores are attention.cu's: q.k times AttentionDims::scale (1/sqrt(hd) by default), then with
+// a softcap c, c tanh(s / c) (Gemma 2's), whose slope 1 - (s / c)^2 multiplies dS.
+//
 // As attention_tc.cu: P and dS are rounded to bf16 before their products; the softmax
-// denominator sums P in f32. Scores are scaled by scale / ln 2 and exponentiated with exp2.
+// denominator sums P in f32. Scores are kept in log2 units (times 1 / ln 2) and exponentiated
+// with exp2.
 // A masked key is skipped or multiplied by zero, never read as a score. Documents packed into
 // sequences (AttentionDims::doc_start) mask the keys before each query's document too; the
 // forward and dq walks start at the key tile of the block's first row's document, and the
@@ -54,10 +67,39 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 struct Geometry {
   int64_t seq, heads, kv_heads;
-  float scale, scale_log2;   // 1/sqrt(hd), and that over ln 2
+  float scale, scale_log2;   // the scores' scale (AttentionDims::scale or 1/sqrt(hd)); over ln 2
+  float cap_log2, cap_in;    // a softcap c: c / ln 2 and scale / c; 0 and 0 for none
   const int32_t* doc_start;  // AttentionDims::doc_start: [batch * seq], or null
   int64_t window;            // AttentionDims::window: 0, or a sliding window
 };
+
+// A score q.k in log2 units: q.k scale / ln 2, or with the cap (Cap: the kernels are compiled
+// apart for capped scores, so that Llama's keep their registers) c tanh(q.k scale / c) / ln 2.
+template <bool Cap>
+__device__ __forceinline__ float score_log2(float dot, const Geometry& g) {
+  if constexpr (Cap)
+    return g.cap_log2 * tanhf(dot * g.cap_in);
+  else
+    return dot * g.scale_log2;
+}
+// d score / d (q.k scale) at a score in log2 units: the cap's slope 1 - (s / c)^2, or 1.
+template <bool Cap>
+__device__ __forceinline__ float cap_slope(float s_log2, const Geometry& g) {
+  if constexpr (Cap) {
+    const float th = s_log2 / g.cap_log2;
+    return 1.0f - th * th;
+  } else {
+    return 1.0f;
+  }
+}
+
+// The head_dims these kernels take: multiples of 16 up to 128, and 256.
+__host__ __device__ constexpr bool mma_head_dim(int64_t hd) {
+  return hd > 0 && hd % 16 == 0 && (hd <= 128 || hd == 256);
+}
+// Whether a kernel of NS slices keeps fewer things in registers at once (head_dim 256).
+template <int NS>
+constexpr bool kWide = NS > 8;
 
 __host__ __device__ constexpr int row_ld(int hd) {
   return hd + 8;
@@ -172,7 +214,7 @@ __device__ __forceinline__ int64_t heavy_first(bool last_is_heaviest) {
   return last_is_heaviest ? int64_t{gridDim.x} - 1 - blockIdx.x : int64_t{blockIdx.x};
 }
 
-template <int NS>
+template <int NS, bool Cap>
 __global__ void __launch_bounds__(kThreads)
     attention_mma_forward_kernel(bf16* __restrict__ out, float* __restrict__ lse,
                                  const bf16* __restrict__ q, const bf16* __restrict__ k,
@@ -192,9 +234,13 @@ __global__ void __launch_bounds__(kThreads)
   const bf16* vh = v + b * geo.seq * kvs + hk * hd;
   load_tile(sq, ld, q + b * geo.seq * qs + h * hd, qs, q0, geo.seq, hd);
   __syncthreads();
-  uint32_t qa[NS][4];  // this warp's 16 query rows, for every key tile
+  // This warp's 16 query rows as A fragments, kept for every key tile; at head_dim 256 read
+  // again from sq for each (64 more registers would not fit beside the accumulators).
+  uint32_t qa[kWide<NS> ? 1 : NS][4];
+  if constexpr (!kWide<NS>) {
 #pragma unroll
-  for (int kk = 0; kk < NS; ++kk) load_a(qa[kk], sq, ld, warp * 16, kk * 16, lane);
+    for (int kk = 0; kk < NS; ++kk) load_a(qa[kk], sq, ld, warp * 16, kk * 16, lane);
+  }
 
   float o[2 * NS][4];
 #pragma unroll
@@ -225,15 +271,18 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int r = 0; r < 4; ++r) s[j][r] = 0.0f;
 #pragma unroll
-    for (int kk = 0; kk < NS; ++kk)
+    for (int kk = 0; kk < NS; ++kk) {
+      if constexpr (kWide<NS>) load_a(qa[0], sq, ld, warp * 16, kk * 16, lane);
+      const uint32_t(&a)[4] = qa[kWide<NS> ? 0 : kk];
 #pragma unroll
       for (int p = 0; p < 4; ++p)
         if (p < pairs) {
           uint32_t bf[4];
           load_b_transposed(bf, sk, ld, p * 16, kk * 16, lane);
-          mma_16816(s[2 * p], qa[kk], bf[0], bf[1]);
-          mma_16816(s[2 * p + 1], qa[kk], bf[2], bf[3]);
+          mma_16816(s[2 * p], a, bf[0], bf[1]);
+          mma_16816(s[2 * p + 1], a, bf[2], bf[3]);
         }
+    }
 
     float tile_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
@@ -244,7 +293,7 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t key = k0 + 8 * j + 2 * t + r % 2;
         const bool valid =
             j / 2 < pairs && rows[half] < geo.seq && key <= rows[half] && key >= first[half];
-        s[j][r] = valid ? s[j][r] * geo.scale_log2 : -INFINITY;
+        s[j][r] = valid ? score_log2<Cap>(s[j][r], geo) : -INFINITY;
         tile_max[half] = fmaxf(tile_max[half], s[j][r]);
       }
     float corr[2], base[2], sum[2] = {0.0f, 0.0f};
@@ -298,7 +347,7 @@ __device__ __forceinline__ float row_d(const bf16* dout_row, const bf16* out_row
   return quad_sum(sum);
 }
 
-template <int NS>
+template <int NS, bool Cap>
 __global__ void __launch_bounds__(kThreads)
     attention_mma_dq_kernel(bf16* __restrict__ dq, const bf16* __restrict__ dout,
                             const bf16* __restrict__ q, const bf16* __restrict__ k,
@@ -347,29 +396,39 @@ __global__ void __launch_bounds__(kThreads)
     load_tile(sk, ld, kh, kvs, k0, geo.seq, hd);
     load_tile(sv, ld, vh, kvs, k0, geo.seq, hd);
     __syncthreads();
-    const int pairs = visible_pairs(row0, k0);
-    float s[8][4], dp[8][4];
-    scores<NS, 4>(s, sq, warp * 16, sk, 0, ld, pairs, lane);
-    scores<NS, 4>(dp, sdo, warp * 16, sv, 0, ld, pairs, lane);
+    // The tile in parts of KP pairs of n-tiles (16 keys each): one part of 64 keys, or at
+    // head_dim 256 two of 32, so that S and dP of a part fit beside the accumulators.
+    constexpr int KP = kWide<NS> ? 2 : 4;
+    const int visible = visible_pairs(row0, k0);
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int part = 0; part < 4 / KP; ++part) {
+      const int pairs = visible - part * KP < KP ? visible - part * KP : KP;
+      if (pairs <= 0) break;
+      const int key0 = part * KP * 16;  // the part's first key in the tile
+      float s[2 * KP][4], dp[2 * KP][4];
+      scores<NS, KP>(s, sq, warp * 16, sk, key0, ld, pairs, lane);
+      scores<NS, KP>(dp, sdo, warp * 16, sv, key0, ld, pairs, lane);
 #pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int half = r / 2;
-        const int64_t key = k0 + 8 * j + 2 * t + r % 2;
-        const bool valid =
-            j / 2 < pairs && rows[half] < geo.seq && key <= rows[half] && key >= first[half];
-        const float p = valid ? exp2f(s[j][r] * geo.scale_log2 - row_lse[half]) : 0.0f;
-        s[j][r] = valid ? p * (dp[j][r] - dd[half]) : 0.0f;  // dS
-      }
-    accumulate<NS, 4>(acc, s, sk, 0, ld, pairs, lane);
+      for (int j = 0; j < 2 * KP; ++j)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int half = r / 2;
+          const int64_t key = k0 + key0 + 8 * j + 2 * t + r % 2;
+          const bool valid =
+              j / 2 < pairs && rows[half] < geo.seq && key <= rows[half] && key >= first[half];
+          const float sl = valid ? score_log2<Cap>(s[j][r], geo) : 0.0f;
+          const float p = valid ? exp2f(sl - row_lse[half]) : 0.0f;
+          s[j][r] = valid ? p * (dp[j][r] - dd[half]) * cap_slope<Cap>(sl, geo) : 0.0f;  // dS
+        }
+      accumulate<NS, KP>(acc, s, sk, key0, ld, pairs, lane);
+    }
   }
   const int n_rows = static_cast<int>(gpu::min64(16, geo.seq - gpu::min64(row0, geo.seq)));
   const float factor[2] = {geo.scale, geo.scale};
   store_rows<NS>(dq + q_base + row0 * qs, qs, n_rows, acc, factor, lane);
 }
 
-template <int NS>
+template <int NS, bool Cap>
 __global__ void __launch_bounds__(kThreads)
     attention_mma_dkdv_kernel(bf16* __restrict__ dk, bf16* __restrict__ dv,
                               const bf16* __restrict__ dout, const bf16* __restrict__ q,
@@ -378,6 +437,9 @@ __global__ void __launch_bounds__(kThreads)
                               Geometry geo) {
   extern __shared__ __align__(128) unsigned char mma_smem[];
   constexpr int hd = NS * 16, ld = row_ld(hd);
+  // The slices of dk and dv this block accumulates: all, or at head_dim 256 one half of them
+  // (blockIdx.y's lowest bit says which).
+  constexpr int NA = kWide<NS> ? NS / 2 : NS, split = NS / NA;
   bf16* sk = reinterpret_cast<bf16*>(mma_smem);
   bf16* sv = sk + kTile * ld;
   bf16* sq = sv + kTile * ld;
@@ -387,16 +449,17 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
   const int g = lane / 4, t = lane % 4;
 
-  const int64_t b = blockIdx.z, hk = blockIdx.y;
+  const int64_t b = blockIdx.z, hk = blockIdx.y / split;
+  const int col0 = static_cast<int>(blockIdx.y % split) * NA * 16;  // this block's dk, dv columns
   const int64_t k0 = heavy_first(false) * kTile, key_row0 = k0 + warp * 16;
   const int64_t qs = geo.heads * hd, kvs = geo.kv_heads * hd;
   const int64_t kv_base = b * geo.seq * kvs + hk * hd;
   load_tile(sk, ld, k + kv_base, kvs, k0, geo.seq, hd);
   load_tile(sv, ld, v + kv_base, kvs, k0, geo.seq, hd);
 
-  float dk_acc[2 * NS][4], dv_acc[2 * NS][4];
+  float dk_acc[2 * NA][4], dv_acc[2 * NA][4];
 #pragma unroll
-  for (int j = 0; j < 2 * NS; ++j)
+  for (int j = 0; j < 2 * NA; ++j)
 #pragma unroll
     for (int r = 0; r < 4; ++r) dk_acc[j][r] = dv_acc[j][r] = 0.0f;
   const int64_t keys[2] = {key_row0 + g, key_row0 + g + 8};
@@ -451,27 +514,57 @@ __global__ void __launch_bounds__(kThreads)
                 keys[r / 2] >= gpu::doc_first(geo.doc_start, geo.window, b, geo.seq, tq);
             // col may pass 63 only where j / 2 >= pairs: read nothing then.
             const int c_safe = valid ? col : 0;
-            const float p = valid ? exp2f(st[j][r] * geo.scale_log2 - tile_lse[c_safe]) : 0.0f;
+            const float sl = valid ? score_log2<Cap>(st[j][r], geo) : 0.0f;
+            const float p = valid ? exp2f(sl - tile_lse[c_safe]) : 0.0f;
             st[j][r] = p;
-            dpt[j][r] = valid ? p * (dpt[j][r] - tile_d[c_safe]) : 0.0f;
+            dpt[j][r] = valid ? p * (dpt[j][r] - tile_d[c_safe]) * cap_slope<Cap>(sl, geo) : 0.0f;
           }
-        accumulate<NS, 2>(dv_acc, st, sdo, c0 + 16 * skip, ld, pairs, lane);
-        accumulate<NS, 2>(dk_acc, dpt, sq, c0 + 16 * skip, ld, pairs, lane);
+        accumulate<NA, 2>(dv_acc, st, sdo + col0, c0 + 16 * skip, ld, pairs, lane);
+        accumulate<NA, 2>(dk_acc, dpt, sq + col0, c0 + 16 * skip, ld, pairs, lane);
       }
     }
   }
   const int n_rows = static_cast<int>(gpu::min64(16, geo.seq - gpu::min64(key_row0, geo.seq)));
   const float dk_factor[2] = {geo.scale, geo.scale}, dv_factor[2] = {1.0f, 1.0f};
-  store_rows<NS>(dk + kv_base + key_row0 * kvs, kvs, n_rows, dk_acc, dk_factor, lane);
-  store_rows<NS>(dv + kv_base + key_row0 * kvs, kvs, n_rows, dv_acc, dv_factor, lane);
+  store_rows<NA>(dk + kv_base + key_row0 * kvs + col0, kvs, n_rows, dk_acc, dk_factor, lane);
+  store_rows<NA>(dv + kv_base + key_row0 * kvs + col0, kvs, n_rows, dv_acc, dv_factor, lane);
 }
 
 Geometry geometry(const AttentionDims& d) {
-  const float scale = 1.0f / sqrtf(static_cast<float>(d.head_dim));
-  return Geometry{d.seq, d.heads, d.kv_heads, scale, scale * kLog2e, d.doc_start, d.window};
+  const float scale = d.scale > 0.0f ? d.scale : 1.0f / sqrtf(static_cast<float>(d.head_dim));
+  const float cap = d.softcap;
+  return Geometry{d.seq,
+                  d.heads,
+                  d.kv_heads,
+                  scale,
+                  scale * kLog2e,
+                  cap > 0.0f ? cap * kLog2e : 0.0f,
+                  cap > 0.0f ? scale / cap : 0.0f,
+                  d.doc_start,
+                  d.window};
+}
+
+// Calls f.template operator()<NS, Cap>() with NS = head_dim / 16, for the head_dims
+// mma_head_dim takes, and Cap whether the scores are capped.
+template <typename F>
+void dispatch_mma(const AttentionDims& d, F&& f) {
+  const auto with_cap = [&]<int NS>() {
+    if (d.softcap > 0.0f)
+      f.template operator()<NS, true>();
+    else
+      f.template operator()<NS, false>();
+  };
+  if (d.head_dim == 256)
+    with_cap.template operator()<16>();
+  else
+    dispatch_slices(d.head_dim, with_cap);
 }
 
 }  // namespace
+
+uint64_t attention_mma_forward_shared_bytes(int64_t head_dim) {
+  return forward_bytes(static_cast<int>(head_dim));
+}
 
 uint64_t attention_mma_backward_shared_bytes(int64_t head_dim) {
   return std::max(dq_bytes(static_cast<int>(head_dim)), dkdv_bytes(static_cast<int>(head_dim)));
@@ -481,11 +574,11 @@ bool attention_mma_forward(void* out, float* lse, const void* q, const void* k, 
                            DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
                            cudaStream_t stream) {
   const uint64_t bytes = dims.head_dim > 0 ? forward_bytes(static_cast<int>(dims.head_dim)) : 0;
-  if (!applies(attention_kernels() == AttentionKernels::kMma, t, dims, bytes, max_shared_bytes,
-               {out, q, k, v}))
+  if (!applies(attention_kernels() == AttentionKernels::kMma, mma_head_dim(dims.head_dim), t, dims,
+               bytes, max_shared_bytes, {out, q, k, v}))
     return false;
-  dispatch_slices(dims.head_dim, [&]<int NS>() {
-    auto* kernel = attention_mma_forward_kernel<NS>;
+  dispatch_mma(dims, [&]<int NS, bool Cap>() {
+    auto* kernel = attention_mma_forward_kernel<NS, Cap>;
     gpu::allow_dynamic_shared(kernel, bytes);
     kernel<<<grid_of(dims.seq, dims.heads, dims.batch), kThreads, bytes, stream>>>(
         static_cast<bf16*>(out), lse, static_cast<const bf16*>(q), static_cast<const bf16*>(k),
@@ -501,24 +594,27 @@ bool attention_mma_backward(void* dq, void* dk, void* dv, const void* dout, cons
                             cudaStream_t stream) {
   const int hd = static_cast<int>(dims.head_dim);
   const uint64_t bytes = hd > 0 ? attention_mma_backward_shared_bytes(hd) : 0;
-  if (!applies(attention_kernels() == AttentionKernels::kMma, t, dims, bytes, max_shared_bytes,
-               {dq, dk, dv, dout, q, k, v, out}))
+  if (!applies(attention_kernels() == AttentionKernels::kMma, mma_head_dim(dims.head_dim), t, dims,
+               bytes, max_shared_bytes, {dq, dk, dv, dout, q, k, v, out}))
     return false;
   const Geometry g = geometry(dims);
-  dispatch_slices(dims.head_dim, [&]<int NS>() {
-    auto* dq_kernel = attention_mma_dq_kernel<NS>;
+  dispatch_mma(dims, [&]<int NS, bool Cap>() {
+    auto* dq_kernel = attention_mma_dq_kernel<NS, Cap>;
     gpu::allow_dynamic_shared(dq_kernel, dq_bytes(hd));
     dq_kernel<<<grid_of(dims.seq, dims.heads, dims.batch), kThreads, dq_bytes(hd), stream>>>(
         static_cast<bf16*>(dq), static_cast<const bf16*>(dout), static_cast<const bf16*>(q),
         static_cast<const bf16*>(k), static_cast<const bf16*>(v), static_cast<const bf16*>(out),
         lse, g);
     CUDA_CHECK_LAUNCH();
-    auto* kv_kernel = attention_mma_dkdv_kernel<NS>;
+    auto* kv_kernel = attention_mma_dkdv_kernel<NS, Cap>;
     gpu::allow_dynamic_shared(kv_kernel, dkdv_bytes(hd));
-    kv_kernel<<<grid_of(dims.seq, dims.kv_heads, dims.batch), kThreads, dkdv_bytes(hd), stream>>>(
-        static_cast<bf16*>(dk), static_cast<bf16*>(dv), static_cast<const bf16*>(dout),
-        static_cast<const bf16*>(q), static_cast<const bf16*>(k), static_cast<const bf16*>(v),
-        static_cast<const bf16*>(out), lse, g);
+    // At head_dim 256 two blocks per tile of keys, each accumulating half of dk and dv.
+    const int64_t split = kWide<NS> ? 2 : 1;
+    kv_kernel<<<grid_of(dims.seq, dims.kv_heads * split, dims.batch), kThreads, dkdv_bytes(hd),
+                stream>>>(static_cast<bf16*>(dk), static_cast<bf16*>(dv),
+                          static_cast<const bf16*>(dout), static_cast<const bf16*>(q),
+                          static_cast<const bf16*>(k), static_cast<const bf16*>(v),
+                          static_cast<const bf16*>(out), lse, g);
     CUDA_CHECK_LAUNCH();
   });
   return true;

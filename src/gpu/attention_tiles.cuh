@@ -14,8 +14,12 @@ namespace strata::gpu::attention_tiles {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kTile = 64;  // query rows or keys of a block, and of the tiles it walks
-constexpr int kMaxHeadDim = 128;
+constexpr int kTile = 64;         // query rows or keys of a block, and of the tiles it walks
+constexpr int kMaxHeadDim = 128;  // of dispatch_slices, and of attention_tc.cu
+
+inline bool up_to_max_head_dim(int64_t hd) {
+  return hd > 0 && hd % 16 == 0 && hd <= kMaxHeadDim;
+}
 
 // 16 bytes from src to dst, both 16-byte aligned (the emulator copies bytes, which C++ allows).
 __device__ __forceinline__ void copy16(void* dst, const void* src) {
@@ -58,14 +62,15 @@ void dispatch_slices(int64_t head_dim, F&& f) {
   f.template operator()<NS>();
 }
 
-// Whether a tensor-core path that is switched on (`enabled`) takes a call of dtype t needing
-// `bytes` of shared memory per block: bf16, head_dim a multiple of 16 up to 128, the device
-// allowing the memory, every pointer 16-byte aligned, and as many queries as keys (their tiles
-// walk whole sequences; decoding's few queries against cached keys go to the SIMT kernel).
-inline bool applies(bool enabled, DType t, const AttentionDims& d, uint64_t bytes,
+// Whether a tensor-core path that is switched on (`enabled`) and takes this head_dim
+// (`head_dim_ok`: a multiple of 16 up to 128, and for attention_mma.cu 256 too) takes a call of
+// dtype t needing `bytes` of shared memory per block: bf16, the device allowing the memory, every
+// pointer 16-byte aligned, and as many queries as keys (their tiles walk whole sequences;
+// decoding's few queries against cached keys go to the SIMT kernel).
+inline bool applies(bool enabled, bool head_dim_ok, DType t, const AttentionDims& d, uint64_t bytes,
                     uint64_t max_shared_bytes, std::initializer_list<const void*> pointers) {
-  if (!enabled || t != DType::bf16 || d.keys() != d.seq) return false;
-  if (d.head_dim % 16 != 0 || d.head_dim > kMaxHeadDim || bytes > max_shared_bytes) return false;
+  if (!enabled || !head_dim_ok || t != DType::bf16 || d.keys() != d.seq) return false;
+  if (bytes > max_shared_bytes) return false;
   for (const void* p : pointers)
     if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
   return true;

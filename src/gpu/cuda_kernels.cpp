@@ -237,14 +237,16 @@ void CudaKernels::attention_forward(const TensorView& out, const TensorView& lse
   operands(op, {{"out", &out}, {"q", &q}, {"k", &k}, {"v", &v}});
   float* lse = stats(op, "lse_stats", lse_stats);
   if (d.doc_start != nullptr) ids(op, "doc_start", d.doc_start, d.batch * d.seq);
-  // bf16 training whose attention the tensor cores cannot take (Gemma's head_dim 256, Gemma 2's
-  // capped scores): said once, as it sets the step's speed.
+  // bf16 training whose attention the tensor cores cannot take (a head_dim other than a
+  // multiple of 16 up to 128 or 256, or a GPU without the shared memory for its backward): said
+  // once, as it sets the step's speed.
   if (q.dtype == DType::bf16 && d.keys() == d.seq &&
-      (!d.plain_scores() || d.head_dim > 128 || d.head_dim % 16 != 0) &&
+      !attention_backward_on_tensor_cores(d, max_shared_bytes()) &&
       first_time("attention on the SIMT path"))
     log_info(
         "{}: attention at head_dim {}{} runs the f32 SIMT kernels (the tensor-core ones take "
-        "Llama's plain scores at head_dim a multiple of 16 up to 128): slower per FLOP",
+        "head_dim a multiple of 16 up to 128, and 256, where the GPU's shared memory per block "
+        "holds their tiles): slower per FLOP",
         name_, d.head_dim, d.plain_scores() ? "" : " with scaled or capped scores");
   const cudaStream_t stream = device_.enter(s);
   launch_attention_forward(out.data, lse, q.data, k.data, v.data, q.dtype, d, max_shared_bytes(),

@@ -74,10 +74,12 @@ void launch_attention_backward(void* dq, void* dk, void* dv, const void* dout, c
                                cudaStream_t stream);
 
 // ---- attention_mma.cu and attention_tc.cu: the same on tensor cores, for bf16 with head_dim a
-// multiple of 16 up to 128, where the device's shared memory allows and every pointer is 16-byte
-// aligned. attention_mma.cu keeps the scores in registers (mma.sync, sm_80+); attention_tc.cu
-// passes them through shared memory (wmma). The launchers above call the mma kernels first,
-// then the wmma ones; each launches nothing and returns false where it does not apply.
+// multiple of 16 up to 128 (and 256 for attention_mma.cu), where the device's shared memory
+// allows and every pointer is 16-byte aligned. attention_mma.cu keeps the scores in registers
+// (mma.sync, sm_80+) and takes any AttentionDims::scale and softcap; attention_tc.cu passes them
+// through shared memory (wmma) and computes plain scores only. The launchers above call the mma
+// kernels first, then the wmma ones; each launches nothing and returns false where it does not
+// apply.
 bool attention_mma_forward(void* out, float* lse, const void* q, const void* k, const void* v,
                            DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
                            cudaStream_t stream);
@@ -92,8 +94,13 @@ bool attention_tc_backward(void* dq, void* dk, void* dv, const void* dout, const
                            const void* k, const void* v, const void* out, const float* lse, DType t,
                            const AttentionDims& dims, uint64_t max_shared_bytes,
                            cudaStream_t stream);
-// The dynamic shared memory each tensor-core backward needs per block at `head_dim` (a GPU
-// allowing less takes the next path; every forward needs less than every sm_80+ GPU allows).
+// The dynamic shared memory each tensor-core kernel needs per block at `head_dim` (a GPU
+// allowing less takes the next path; every forward up to head_dim 128 needs less than every
+// sm_80+ GPU allows, and attention_mma.cu's at 256 needs 99 KiB, what sm_86 and sm_89 allow).
+uint64_t attention_mma_forward_shared_bytes(int64_t head_dim);
+// Whether a bf16 backward of `dims` (as many queries as keys) runs on one of the tensor-core
+// paths of a GPU allowing `max_shared_bytes` per block (the forward then does too).
+bool attention_backward_on_tensor_cores(const AttentionDims& dims, uint64_t max_shared_bytes);
 uint64_t attention_mma_backward_shared_bytes(int64_t head_dim);
 uint64_t attention_tc_backward_shared_bytes(int64_t head_dim);
 // Which attention kernels take the calls they apply to: attention_kernels.h.
