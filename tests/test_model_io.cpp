@@ -651,13 +651,86 @@ TEST(LlamaConfigParse, Gemma3AsItsHuggingFaceClassBuildsIt) {
         parse_llama_config(j, "g3.json");
       },
       {"g3.json", "sliding_window_pattern = 0"});
-  // The image-text Gemma 3s are another class, named in the refusal.
-  j = json::parse(kGemma3_1b);
-  j["architectures"] = {"Gemma3ForConditionalGeneration"};
-  j["model_type"] = "gemma3";
-  test::expect_error([&] { parse_llama_config(j, "g3.json"); },
-                     {"g3.json", "Gemma3ForConditionalGeneration is Gemma 3's image-text model",
-                      "Gemma3ForCausalLM", "text_config as config.json"});
+}
+
+// Gemma 3 4B's (google/gemma-3-4b-it): an image-text model whose text_config holds only the keys
+// that differ from Gemma3TextConfig's defaults.
+const char* kGemma3_4b = R"({
+  "architectures": ["Gemma3ForConditionalGeneration"],
+  "boi_token_index": 255999,
+  "eoi_token_index": 256000,
+  "eos_token_id": [1, 106],
+  "image_token_index": 262144,
+  "initializer_range": 0.02,
+  "mm_tokens_per_image": 256,
+  "model_type": "gemma3",
+  "text_config": {
+    "hidden_size": 2560,
+    "intermediate_size": 10240,
+    "model_type": "gemma3_text",
+    "num_hidden_layers": 34,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    "sliding_window": 1024
+  },
+  "torch_dtype": "bfloat16",
+  "transformers_version": "4.50.0.dev0",
+  "vision_config": {
+    "hidden_size": 1152,
+    "image_size": 896,
+    "intermediate_size": 4304,
+    "model_type": "siglip_vision_model",
+    "num_attention_heads": 16,
+    "num_hidden_layers": 27,
+    "patch_size": 14,
+    "vision_use_head": false
+  }
+})";
+
+// The image-text Gemma 3s: their language model, from the text_config completed with
+// Gemma3TextConfig's defaults, marked as read from an image-text checkpoint.
+TEST(LlamaConfigParse, Gemma3sImageTextConfigBuildsItsLanguageModel) {
+  LlamaConfig c = parse_text(kGemma3_4b);
+  EXPECT_TRUE(c.image_text_checkpoint);
+  EXPECT_EQ(c.name, "cfg.json");
+  c.image_text_checkpoint = false;
+  c.name = "gemma3-4b";
+  EXPECT_EQ(c, *find_preset("gemma3-4b"));
+  EXPECT_EQ(c.vocab_size, 262208);
+  EXPECT_EQ(c.num_attention_heads, 8);
+  EXPECT_EQ(c.num_key_value_heads, 4);
+  EXPECT_TRUE(c.tie_word_embeddings && c.qk_norm);
+  EXPECT_EQ(c.rope_scaling.kind, RopeScalingKind::linear);
+  EXPECT_EQ(c.torch_dtype, DType::bf16);  // the top level's
+  EXPECT_FALSE(c.layer_slides(5));
+  EXPECT_TRUE(c.layer_slides(6));
+  // Its exports are the language model alone.
+  const json out = to_hf_config_json(c);
+  EXPECT_EQ(out["architectures"], json::array({"Gemma3ForCausalLM"}));
+  EXPECT_EQ(out["model_type"], "gemma3_text");
+  // 27B's text_config names its own head_dim and score scale; model_type alone identifies it.
+  json j = json::parse(kGemma3_4b);
+  j.erase("architectures");
+  j["text_config"] = {{"head_dim", 128},
+                      {"hidden_size", 5376},
+                      {"intermediate_size", 21504},
+                      {"model_type", "gemma3_text"},
+                      {"num_attention_heads", 32},
+                      {"num_hidden_layers", 62},
+                      {"num_key_value_heads", 16},
+                      {"query_pre_attn_scalar", 168},
+                      {"rope_scaling", {{"factor", 8.0}, {"rope_type", "linear"}}},
+                      {"sliding_window", 1024}};
+  LlamaConfig big = parse_llama_config(j, "27b.json");
+  big.image_text_checkpoint = false;
+  big.name = "gemma3-27b";
+  EXPECT_EQ(big, *find_preset("gemma3-27b"));
+  // A text_config of another model, or none, is named.
+  j["text_config"]["model_type"] = "gemma2";
+  test::expect_error([&] { parse_llama_config(j, "27b.json"); },
+                     {"27b.json", "text_config.model_type is \"gemma2\"", "gemma3_text"});
+  j.erase("text_config");
+  test::expect_error([&] { parse_llama_config(j, "27b.json"); },
+                     {"27b.json", "without a text_config"});
 }
 
 TEST(LlamaConfigParse, MistralAndQwen2AsTheirHuggingFaceClassesBuildThem) {
@@ -1112,6 +1185,11 @@ TEST(LlamaConfigPresets, PublishedParameterCounts) {
   EXPECT_EQ(parameter_count(*find_preset("gemma2-9b")), 9'241'705'984u);
   EXPECT_EQ(parameter_count(*find_preset("gemma2-27b")), 27'227'128'320u);
   EXPECT_EQ(parameter_count(*find_preset("gemma3-1b")), 999'885'952u);
+  // The image-text Gemma 3s' language models: Keras's published text-only counts, which use a
+  // vocabulary of 262144 where Hugging Face's embeddings have 64 more rows.
+  EXPECT_EQ(parameter_count(*find_preset("gemma3-4b")), 3'880'099'328u + 64u * 2560u);
+  EXPECT_EQ(parameter_count(*find_preset("gemma3-12b")), 11'765'788'416u + 64u * 3840u);
+  EXPECT_EQ(parameter_count(*find_preset("gemma3-27b")), 27'009'002'240u + 64u * 5376u);
   // Model FLOPs per token at 4096 positions: 6 per parameter, and attention 6 x 32 layers x 32
   // heads x 128 x 4096 (QKᵀ and PV over half the keys, forward and backward).
   EXPECT_EQ(model_flops_per_token(*find_preset("llama2-7b"), 4096),
@@ -1546,6 +1624,31 @@ TEST(Safetensors, ReadCheckedAndMissingTensorsNameEverything) {
                {(tmp / "model.safetensors").string(), "'w'", "[3, 5]", "[5, 3]"});
   expect_error([&] { r.read("v", out.data(), DType::f32); }, {tmp.path.string(), "'v'"});
   expect_error([&] { r.read_checked("v", out.data(), DType::f32, right); }, {"'v'"});
+}
+
+// select(): the tensors given a name are read under it, the rest are gone; two given one name are
+// refused naming both files.
+TEST(Safetensors, SelectRenamesAndDropsTensors) {
+  TempDir tmp;
+  const std::vector<float> a = pattern(6, 0.4f), b = pattern(6, 1.5f);
+  write_safetensors(tmp / "model.safetensors",
+                    std::vector<SafetensorsTensor>{{"outer.x", DType::f32, {6}, a.data()},
+                                                   {"outer.y", DType::f32, {2, 3}, b.data()},
+                                                   {"other.z", DType::f32, {6}, b.data()}});
+  SafetensorsReader r = SafetensorsReader::open(tmp.path);
+  r.select([](const std::string& name) -> std::optional<std::string> {
+    if (name.starts_with("outer.")) return "inner." + name.substr(6);
+    return std::nullopt;
+  });
+  EXPECT_EQ(r.names(), (std::vector<std::string>{"inner.x", "inner.y"}));
+  std::vector<float> out(6);
+  r.read("inner.y", out.data(), DType::f32);
+  EXPECT_EQ(out, b);
+  EXPECT_EQ(r.find("other.z"), nullptr);
+  EXPECT_EQ(r.find("outer.x"), nullptr);
+  expect_error(
+      [&] { r.select([](const std::string&) -> std::optional<std::string> { return "same"; }); },
+      {"'same' appears twice"});
 }
 
 // Resident kB of this process's mappings of `path`, from /proc/self/smaps.

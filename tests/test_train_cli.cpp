@@ -614,6 +614,108 @@ TEST(TrainCli, GemmaTrainsAndExportsAsItsClass) {
   }
 }
 
+// The language model of an image-text Gemma 3 (Gemma3ForConditionalGeneration, as 4B, 12B and
+// 27B ship) in either layout transformers saves: it evaluates to the text model's loss bit for
+// bit, trains, and exports as the language model alone, the vision tower left out with a warning.
+TEST(TrainCli, Gemma3sImageTextCheckpointTrainsItsLanguageModel) {
+  const test::TempDir dir("strata-gemma3-image-text");
+  const fs::path data = make_data(dir.path), text = dir.path / "text", run = dir.path / "run";
+  LlamaConfig c = *find_preset("tiny");
+  c.architecture = Architecture::gemma3;
+  c.hidden_act = Activation::gelu_tanh;
+  c.tie_word_embeddings = c.qk_norm = true;
+  c.head_dim = 24;
+  c.sliding_window = 8;
+  c.sliding_layers = {true, false};
+  c.query_pre_attn_scalar = 16;
+  c.rope_local_base_freq = 100.0;
+  fs::create_directories(text);
+  std::ofstream(text / "config.json") << to_hf_config_json(c).dump(2);
+  test::CommandResult r =
+      strata("train --model " + text.string() +
+             " --init random --seed 3 --seq-len 32 --micro-batch 2 --data " + data.string() +
+             " --steps 1 --run-dir " + (dir.path / "r0").string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata("export " + (dir.path / "r0").string() + " --out " + text.string() + " --dtype f32");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const json text_config = json::parse(slurp(text / "config.json"));
+  const SafetensorsReader st = SafetensorsReader::open(text / "model.safetensors");
+  std::vector<std::vector<float>> values;
+  values.reserve(st.tensors().size() + 2);
+  const std::vector<float> vision(8, 0.5f);
+  // transformers 4.50's layout and 4.52's.
+  for (const bool nested : {false, true}) {
+    SCOPED_TRACE(nested ? "model.language_model.*" : "language_model.model.*");
+    const fs::path mm = dir.path / (nested ? "mm-new" : "mm-old");
+    fs::create_directories(mm);
+    json cfg = {{"architectures", {"Gemma3ForConditionalGeneration"}},
+                {"model_type", "gemma3"},
+                {"mm_tokens_per_image", 4},
+                {"torch_dtype", "float32"},
+                {"vision_config", {{"hidden_size", 8}, {"model_type", "siglip_vision_model"}}},
+                {"text_config", text_config}};
+    cfg["text_config"].erase("architectures");
+    std::ofstream(mm / "config.json") << cfg.dump(2);
+    std::vector<SafetensorsTensor> tensors;
+    for (const SafetensorsEntry& e : st.tensors()) {
+      std::vector<float>& v = values.emplace_back(static_cast<size_t>(e.numel()));
+      st.read(e.name, v.data(), DType::f32);
+      const std::string name =
+          nested ? "model.language_model." + e.name.substr(6) : "language_model." + e.name;
+      tensors.push_back({name, DType::f32, e.shape, v.data()});
+    }
+    const std::string pre = nested ? "model." : "";
+    tensors.push_back(
+        {pre + "vision_tower.vision_model.post_layernorm.weight", DType::f32, {8}, vision.data()});
+    tensors.push_back(
+        {pre + "multi_modal_projector.mm_soft_emb_norm.weight", DType::f32, {8}, vision.data()});
+    write_safetensors(mm / "model.safetensors", tensors);
+
+    // --log error: the warning below goes to stderr, which strata() keeps beside the JSON.
+    const std::string eval =
+        " --data " + data.string() + " --seq-len 32 --max-sequences 4 --json --devices host";
+    r = strata("--log error eval --model " + text.string() + eval);
+    ASSERT_EQ(r.status, 0) << r.out;
+    const double want = json::parse(r.out)["loss"].get<double>();
+    r = strata("--log error eval --model " + mm.string() + eval);
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_EQ(json::parse(r.out)["loss"].get<double>(), want);
+
+    const fs::path run_dir = run / (nested ? "new" : "old");
+    r = strata("train --model " + mm.string() + " --seq-len 32 --micro-batch 2 --lr 1e-3 --data " +
+               data.string() + " --steps 1 --run-dir " + run_dir.string());
+    ASSERT_EQ(r.status, 0) << r.out;
+    for (const char* part : {"image-text checkpoint", "vision tower and projector (2 tensors)",
+                             nested ? "transformers 4.52+" : "transformers 4.50"})
+      EXPECT_NE(r.out.find(part), std::string::npos) << part << " in " << r.out;
+    const fs::path out = dir.path / (nested ? "hf-new" : "hf-old");
+    r = strata("export " + run_dir.string() + " --out " + out.string() + " --dtype f32");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const json exported = json::parse(slurp(out / "config.json"));
+    EXPECT_EQ(exported["architectures"], json::array({"Gemma3ForCausalLM"}));
+    const SafetensorsReader got = SafetensorsReader::open(out / "model.safetensors");
+    EXPECT_EQ(got.names().size(), st.names().size());
+    EXPECT_NE(got.find("model.layers.1.self_attn.q_norm.weight"), nullptr);
+    r = strata("--log error eval --model " + out.string() + eval);
+    ASSERT_EQ(r.status, 0) << r.out;
+    const double trained = json::parse(r.out)["loss"].get<double>();
+    EXPECT_NE(trained, want);
+    EXPECT_NEAR(trained, want, 0.5);
+  }
+  // Files without the language model under either name are refused, naming both.
+  const fs::path empty = dir.path / "mm-none";
+  fs::create_directories(empty);
+  fs::copy_file(dir.path / "mm-old/config.json", empty / "config.json");
+  const std::vector<SafetensorsTensor> only_vision = {
+      {"vision_tower.vision_model.post_layernorm.weight", DType::f32, {8}, vision.data()}};
+  write_safetensors(empty / "model.safetensors", only_vision);
+  r = strata("eval --model " + empty.string() + " --data " + data.string() + " --seq-len 32");
+  EXPECT_NE(r.status, 0);
+  for (const char* part : {"Gemma3ForConditionalGeneration", "language_model.model.embed_tokens",
+                           "model.language_model.embed_tokens"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " in " << r.out;
+}
+
 TEST(TrainCli, CheckpointsAndExportsCarryTheModelsTokenizer) {
   const test::TempDir dir("strata-carry-tokenizer");
   const fs::path data = make_data(dir.path), model = dir.path / "hf", run = dir.path / "run";

@@ -21,6 +21,7 @@
 #include "core/log.h"
 #include "model/config.h"
 #include "model/safetensors.h"
+#include "model/weights.h"
 #include "model/tokens.h"
 #include "partition/communicator.h"
 #include "schedule/executor.h"
@@ -99,7 +100,7 @@ int run_eval(const EvalArgs& a) {
   const int depth = run.prefetch_depth;
   Executor& executor = *run.executor;
   if (load) {
-    executor.load(SafetensorsReader::open(a.model));
+    executor.load(open_model_weights(a.model, config));
   } else {
     executor.init_random(a.seed);
   }

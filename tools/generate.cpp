@@ -284,7 +284,7 @@ int run_generate(const GenerateArgs& a) {
     weights = std::make_unique<ResidentWeights>(model->layout(), device, dtype, dtype, false);
     stream = device.create_stream("generate");
     if (load)
-      weights->load(SafetensorsReader::open(checkpoint), *stream);
+      weights->load(open_model_weights(checkpoint, config), *stream);
     else
       weights->init_random(a.seed, *stream);
     d_ids.emplace(device, static_cast<uint64_t>(T) * 4, "token ids", MemoryKind::activations);
@@ -308,7 +308,7 @@ int run_generate(const GenerateArgs& a) {
     shape.kv_cache = true;
     run = place_forward_run(shape, a.placement, plan, ranks);
     if (load)
-      run.executor->load(SafetensorsReader::open(checkpoint));
+      run.executor->load(open_model_weights(checkpoint, config));
     else
       run.executor->init_random(a.seed);
     placed = homes_text(run.placement);

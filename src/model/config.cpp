@@ -206,15 +206,6 @@ Architecture parse_architecture(const json& j, std::string_view src) {
     for (const json& a : *arch)
       for (const KnownArchitecture& k : kArchitectures)
         if (!from_class && a.is_string() && a == k.cls) from_class = k.arch;
-    if (!from_class &&
-        std::find(arch->begin(), arch->end(), "Gemma3ForConditionalGeneration") != arch->end())
-      fail(
-          "{}: Gemma3ForConditionalGeneration is Gemma 3's image-text model (4B, 12B, 27B), whose "
-          "vision tower strata does not train; strata trains Gemma 3's text model, "
-          "Gemma3ForCausalLM (as Gemma 3 1B ships): a checkpoint of the language model alone "
-          "(its text_config as config.json, its language_model tensors named model.*) loads as "
-          "that class",
-          src);
     if (!from_class)
       fail(
           "{}: architectures {} names no class strata implements; strata trains the Llama "
@@ -374,6 +365,16 @@ LlamaConfig gemma3(LlamaConfig c, int64_t window) {
     c.sliding_layers[static_cast<size_t>(l)] = (l + 1) % 6 != 0;
   return c;
 }
+// The language model of Gemma 3 4B, 12B and 27B (Gemma3ForConditionalGeneration's text_config):
+// a window of 1024, linear rope scaling by 8 on the global layers.
+LlamaConfig gemma3_image_text(LlamaConfig c, int64_t head_dim, double query_pre_attn_scalar) {
+  c = gemma3(c, 1024);
+  c.head_dim = head_dim;
+  c.query_pre_attn_scalar = query_pre_attn_scalar;
+  c.rope_scaling.kind = RopeScalingKind::linear;
+  c.rope_scaling.factor = 8.0;
+  return c;
+}
 // Phi-3's and Phi-4's class: Mistral's equations, fused projections in the files.
 LlamaConfig phi3(LlamaConfig c, int64_t window) {
   c.architecture = Architecture::phi3;
@@ -441,6 +442,17 @@ const std::vector<LlamaConfig>& presets() {
         // Gemma 3 1B (its text model; the larger Gemma 3s are image-text models).
         gemma3(make_preset("gemma3-1b", 1152, 6912, 26, 4, 1, 262144, 32768, 1e6, DType::bf16),
                512),
+        // The language models of the image-text Gemma 3s (their text_config): a window of
+        // 1024, the global layers' rotation stretched 8 times (linear).
+        gemma3_image_text(
+            make_preset("gemma3-4b", 2560, 10240, 34, 8, 4, 262208, 131072, 1e6, DType::bf16), 256,
+            256),
+        gemma3_image_text(
+            make_preset("gemma3-12b", 3840, 15360, 48, 16, 8, 262208, 131072, 1e6, DType::bf16),
+            256, 256),
+        gemma3_image_text(
+            make_preset("gemma3-27b", 5376, 21504, 62, 32, 16, 262208, 131072, 1e6, DType::bf16),
+            128, 168),
     };
   }();
   return all;
@@ -593,10 +605,69 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
   }
 }
 
+// Whether `j` is a Gemma3ForConditionalGeneration's config (Gemma 3 4B, 12B and 27B: a text
+// model and a vision tower).
+bool image_text_gemma3(const json& j) {
+  const json* arch = field(j, "architectures");
+  const json* type = field(j, "model_type");
+  const bool by_class =
+      arch != nullptr && arch->is_array() &&
+      std::find(arch->begin(), arch->end(), "Gemma3ForConditionalGeneration") != arch->end();
+  return by_class || (type != nullptr && type->is_string() && *type == "gemma3");
+}
+
+// The text model of a Gemma3ForConditionalGeneration config: its text_config, which such
+// configs write as the keys that differ from Gemma3TextConfig's defaults (Gemma 3 4B's holds
+// six), completed with those defaults, as transformers builds it; the checkpoint's dtype where
+// the text_config has none.
+json gemma3_text_config(const json& j, std::string_view src) {
+  const json* text = field(j, "text_config");
+  if (text == nullptr || !text->is_object())
+    fail(
+        "{}: a Gemma3ForConditionalGeneration config without a text_config object; strata trains "
+        "its language model, described there",
+        src);
+  json t = *text;
+  const json defaults = {{"vocab_size", 262208},
+                         {"hidden_size", 2304},
+                         {"intermediate_size", 9216},
+                         {"num_hidden_layers", 26},
+                         {"num_attention_heads", 8},
+                         {"num_key_value_heads", 4},
+                         {"head_dim", 256},
+                         {"hidden_activation", "gelu_pytorch_tanh"},
+                         {"max_position_embeddings", 131072},
+                         {"rms_norm_eps", 1e-6},
+                         {"tie_word_embeddings", true},
+                         {"rope_theta", 1e6},
+                         {"query_pre_attn_scalar", 256},
+                         {"sliding_window", 4096},
+                         {"rope_local_base_freq", 10000.0},
+                         {"sliding_window_pattern", 6}};
+  for (const auto& [key, value] : defaults.items())
+    if (!t.contains(key)) t[key] = value;
+  if (const json* type = field(t, "model_type");
+      type != nullptr && !(type->is_string() && *type == "gemma3_text"))
+    fail("{}: text_config.model_type is {}, where Gemma 3's text model is gemma3_text", src,
+         shown(*type));
+  t["model_type"] = "gemma3_text";
+  t.erase("architectures");
+  for (const char* key : {"torch_dtype", "dtype"})
+    if (!t.contains("torch_dtype") && !t.contains("dtype") && j.contains(key)) t[key] = j[key];
+  return t;
+}
+
 LlamaConfig parse_llama_config(const json& j, std::string_view src) {
   if (!j.is_object())
     fail("{}: a config.json holds a JSON object, got {}; pass a Hugging Face config.json", src,
          j.type_name());
+  if (image_text_gemma3(j)) {
+    LlamaConfig c =
+        parse_llama_config(gemma3_text_config(j, src), fmt::format("{} (text_config)", src));
+    c.name = std::string(src);
+    c.image_text_checkpoint = true;
+    return c;
+  }
 
   const Architecture arch = parse_architecture(j, src);
   LlamaConfig c;

@@ -138,6 +138,12 @@ struct LlamaConfig {
            (sliding_layers.empty() || sliding_layers[static_cast<size_t>(layer)]);
   }
   DType torch_dtype = DType::bf16;  // the dtype the checkpoint was saved in
+  // Where the weights were read from a Gemma3ForConditionalGeneration checkpoint (Gemma 3 4B,
+  // 12B, 27B): this is its text_config, and the files hold the language model's tensors under
+  // language_model.model.* (or model.language_model.*, as transformers 4.52 saves them) beside
+  // a vision tower, which strata neither trains nor writes (open_model_weights). Checkpoints and
+  // exports are the language model alone, a Gemma3ForCausalLM.
+  bool image_text_checkpoint = false;
 
   bool operator==(const LlamaConfig&) const = default;
 };
@@ -169,7 +175,8 @@ LlamaConfig load_llama_config(const std::filesystem::path& path);
 // positions, no rope scaling), llama3.1-8b/70b (131072 positions, llama3 rope scaling),
 // llama3.2-1b/3b (tied, rope scaling factor 32),
 // mistral-7b (v0.3: no sliding window), qwen2.5-7b/72b (q, k, v biases), qwen3-0.6b/8b
-// (q and k norms), phi3-mini, phi4, gemma-2b/7b and gemma2-2b/9b/27b.
+// (q and k norms), phi3-mini, phi4, gemma-2b/7b, gemma2-2b/9b/27b, gemma3-1b and gemma3-4b/12b/27b
+// (the image-text models' language models).
 std::vector<std::string> preset_names();
 std::optional<LlamaConfig> find_preset(std::string_view name);
 // A checkpoint directory (or config.json) when the path exists, otherwise a preset name; an

@@ -347,6 +347,18 @@ void SafetensorsReader::sort_and_check_unique() {
            tensors_[i].name, tensors_[i - 1].file, tensors_[i].file);
 }
 
+void SafetensorsReader::select(
+    const std::function<std::optional<std::string>(const std::string&)>& rename) {
+  std::vector<SafetensorsEntry> kept;
+  for (SafetensorsEntry& e : tensors_)
+    if (std::optional<std::string> name = rename(e.name)) {
+      e.name = std::move(*name);
+      kept.push_back(std::move(e));
+    }
+  tensors_ = std::move(kept);
+  sort_and_check_unique();
+}
+
 std::vector<std::string> SafetensorsReader::names() const {
   std::vector<std::string> names;
   names.reserve(tensors_.size());

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <functional>
 #include <map>
 #include <span>
@@ -53,6 +54,10 @@ class SafetensorsReader {
   std::vector<std::string> names() const;
   // The tensor, or null when the checkpoint has none of that name.
   const SafetensorsEntry* find(std::string_view name) const;
+  // Keeps the tensors `rename` gives a name, under that name, and drops the rest: a model nested
+  // in a bigger checkpoint (Gemma 3's language model beside its vision tower) read under the
+  // names of the model alone. Two tensors given one name are an Error naming both files.
+  void select(const std::function<std::optional<std::string>(const std::string&)>& rename);
   // String metadata of the files ("format": "pt", ...); with shards, the first one's value of
   // a key wins.
   const std::map<std::string, std::string>& metadata() const { return metadata_; }

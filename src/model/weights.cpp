@@ -1,6 +1,7 @@
 #include "model/weights.h"
 
 #include "core/error.h"
+#include "core/log.h"
 #include "model/safetensors.h"
 
 #include <fmt/format.h>
@@ -48,6 +49,40 @@ void ResidentWeights::init_random(uint64_t seed, Stream& stream) {
                            params_[static_cast<size_t>(u)].bytes(), stream);
     stream.synchronize();  // the staging buffer is reused by the next unit
   }
+}
+
+SafetensorsReader open_model_weights(const std::filesystem::path& path, const LlamaConfig& config) {
+  SafetensorsReader reader = SafetensorsReader::open(path);
+  if (!config.image_text_checkpoint) return reader;
+  // transformers 4.50 and 4.51 save Gemma3ForConditionalGeneration's language model as
+  // language_model (a Gemma3ForCausalLM) beside vision_tower and multi_modal_projector; 4.52
+  // and later as model.language_model (a Gemma3TextModel) beside model.vision_tower, with
+  // lm_head at the top (tied, so usually absent).
+  const bool nested_model = reader.find("model.language_model.embed_tokens.weight") != nullptr;
+  if (!nested_model && reader.find("language_model.model.embed_tokens.weight") == nullptr)
+    fail(
+        "checkpoint {}: config.json describes a Gemma3ForConditionalGeneration, but its files "
+        "hold neither language_model.model.embed_tokens.weight nor "
+        "model.language_model.embed_tokens.weight; check that config.json and the safetensors "
+        "files belong to the same model",
+        reader.source());
+  const std::string model = nested_model ? "model.language_model." : "language_model.model.";
+  const std::string head = nested_model ? "lm_head.weight" : "language_model.lm_head.weight";
+  int64_t left_out = 0;
+  reader.select([&](const std::string& name) -> std::optional<std::string> {
+    if (name.starts_with(model)) return "model." + name.substr(model.size());
+    if (name == head) return std::string("lm_head.weight");
+    // What else the language model's part holds stays, for check_tensor_names to name.
+    if (name.starts_with(nested_model ? "model.language_model" : "language_model")) return name;
+    ++left_out;
+    return std::nullopt;
+  });
+  log_warn(
+      "{}: Gemma 3's image-text checkpoint: its language model is read ({} layout) and trained; "
+      "its vision tower and projector ({} tensors) are left out of checkpoints and exports, "
+      "which are the language model alone (Gemma3ForCausalLM)",
+      reader.source(), nested_model ? "transformers 4.52+" : "transformers 4.50", left_out);
+  return reader;
 }
 
 void check_tensor_names(const ModelLayout& layout, const SafetensorsReader& reader) {

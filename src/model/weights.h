@@ -15,6 +15,14 @@ namespace strata {
 
 class SafetensorsReader;
 
+// The weights of the model `config` describes, from `path` (a model directory, or what
+// SafetensorsReader::open takes). For a Gemma3ForConditionalGeneration checkpoint
+// (config.image_text_checkpoint) the language model's tensors, under the names of a
+// Gemma3ForCausalLM's (model.*, lm_head.weight), from either layout transformers saves
+// (language_model.model.*, or model.language_model.* since 4.52); the vision tower and its
+// projector are left out, which is logged as a warning.
+SafetensorsReader open_model_weights(const std::filesystem::path& path, const LlamaConfig& config);
+
 // Throws Error naming the first tensor of `reader` that is no part of a model of `layout`
 // (rotary_emb.inv_freq, which some checkpoints carry, aside).
 void check_tensor_names(const ModelLayout& layout, const SafetensorsReader& reader);

@@ -8,6 +8,7 @@
 #include "core/pinned_pool.h"
 #include "core/system.h"
 #include "model/safetensors.h"
+#include "model/weights.h"
 #include "partition/communicator.h"
 #include "schedule/executor.h"
 #include "schedule/schedule.h"
@@ -233,7 +234,7 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
         "metrics");
     monitor.resume_at(step * samples_per_step);
   } else if (fs::is_directory(s.model) && !s.init_random) {
-    ex.load(SafetensorsReader::open(s.model));
+    ex.load(open_model_weights(s.model, model));
   } else {
     ex.init_random(s.seed);
   }
