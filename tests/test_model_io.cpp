@@ -692,7 +692,19 @@ TEST(LlamaConfigParse, Gemma3sImageTextConfigBuildsItsLanguageModel) {
   LlamaConfig c = parse_text(kGemma3_4b);
   EXPECT_TRUE(c.image_text_checkpoint);
   EXPECT_EQ(c.name, "cfg.json");
+  EXPECT_EQ(c.image_text_config, json::parse(kGemma3_4b));
+  // Written back whole, its text_config the language model's every key.
+  const json back = to_hf_image_text_config_json(c);
+  EXPECT_EQ(back["vision_config"], c.image_text_config["vision_config"]);
+  EXPECT_EQ(back["architectures"], json::array({"Gemma3ForConditionalGeneration"}));
+  EXPECT_EQ(back["text_config"]["num_attention_heads"], 8);
+  EXPECT_FALSE(back["text_config"].contains("architectures"));
+  LlamaConfig again = parse_llama_config(back, "cfg.json");
+  EXPECT_EQ(again.image_text_config, back);
+  again.image_text_config = c.image_text_config;
+  EXPECT_EQ(again, c);
   c.image_text_checkpoint = false;
+  c.image_text_config = nullptr;
   c.name = "gemma3-4b";
   EXPECT_EQ(c, *find_preset("gemma3-4b"));
   EXPECT_EQ(c.vocab_size, 262208);
@@ -722,6 +734,7 @@ TEST(LlamaConfigParse, Gemma3sImageTextConfigBuildsItsLanguageModel) {
                       {"sliding_window", 1024}};
   LlamaConfig big = parse_llama_config(j, "27b.json");
   big.image_text_checkpoint = false;
+  big.image_text_config = nullptr;
   big.name = "gemma3-27b";
   EXPECT_EQ(big, *find_preset("gemma3-27b"));
   // A text_config of another model, or none, is named.

@@ -616,7 +616,9 @@ TEST(TrainCli, GemmaTrainsAndExportsAsItsClass) {
 
 // The language model of an image-text Gemma 3 (Gemma3ForConditionalGeneration, as 4B, 12B and
 // 27B ship) in either layout transformers saves: it evaluates to the text model's loss bit for
-// bit, trains, and exports as the language model alone, the vision tower left out with a warning.
+// bit and trains (the vision tower frozen, with a warning), and its checkpoints, resumed ones
+// too, and exports are that image-text model again: its config whole, the language model under
+// the same names, the vision tower's tensors unchanged.
 TEST(TrainCli, Gemma3sImageTextCheckpointTrainsItsLanguageModel) {
   const test::TempDir dir("strata-gemma3-image-text");
   const fs::path data = make_data(dir.path), text = dir.path / "text", run = dir.path / "run";
@@ -642,7 +644,7 @@ TEST(TrainCli, Gemma3sImageTextCheckpointTrainsItsLanguageModel) {
   const SafetensorsReader st = SafetensorsReader::open(text / "model.safetensors");
   std::vector<std::vector<float>> values;
   values.reserve(st.tensors().size() + 2);
-  const std::vector<float> vision(8, 0.5f);
+  const std::vector<float> vision(8, 0.5f), projector = {1, 2, 3, 4, 5, 6, 7, 8};
   // transformers 4.50's layout and 4.52's.
   for (const bool nested : {false, true}) {
     SCOPED_TRACE(nested ? "model.language_model.*" : "language_model.model.*");
@@ -668,7 +670,7 @@ TEST(TrainCli, Gemma3sImageTextCheckpointTrainsItsLanguageModel) {
     tensors.push_back(
         {pre + "vision_tower.vision_model.post_layernorm.weight", DType::f32, {8}, vision.data()});
     tensors.push_back(
-        {pre + "multi_modal_projector.mm_soft_emb_norm.weight", DType::f32, {8}, vision.data()});
+        {pre + "multi_modal_projector.mm_soft_emb_norm.weight", DType::f32, {8}, projector.data()});
     write_safetensors(mm / "model.safetensors", tensors);
 
     // --log error: the warning below goes to stderr, which strata() keeps beside the JSON.
@@ -680,28 +682,75 @@ TEST(TrainCli, Gemma3sImageTextCheckpointTrainsItsLanguageModel) {
     r = strata("--log error eval --model " + mm.string() + eval);
     ASSERT_EQ(r.status, 0) << r.out;
     EXPECT_EQ(json::parse(r.out)["loss"].get<double>(), want);
+    // And samples the text model's tokens.
+    const std::string sample =
+        " --prompt 'to be' --max-new-tokens 6 --temperature 0 --json --devices host";
+    r = strata("--log error generate --model " + text.string() + sample);
+    ASSERT_EQ(r.status, 0) << r.out;
+    const json text_sample = json::parse(r.out)["tokens"];
+    ASSERT_TRUE(text_sample.is_array() && text_sample.size() == 6u) << r.out;
+    r = strata("--log error generate --model " + mm.string() + sample);
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_EQ(json::parse(r.out)["tokens"], text_sample);
 
     const fs::path run_dir = run / (nested ? "new" : "old");
-    r = strata("train --model " + mm.string() + " --seq-len 32 --micro-batch 2 --lr 1e-3 --data " +
-               data.string() + " --steps 1 --run-dir " + run_dir.string());
+    const std::string train = "train --model " + mm.string() +
+                              " --seq-len 32 --micro-batch 2 --lr 1e-3 --data " + data.string() +
+                              " --run-dir " + run_dir.string();
+    r = strata(train + " --steps 1");
     ASSERT_EQ(r.status, 0) << r.out;
     for (const char* part : {"image-text checkpoint", "vision tower and projector (2 tensors)",
                              nested ? "transformers 4.52+" : "transformers 4.50"})
       EXPECT_NE(r.out.find(part), std::string::npos) << part << " in " << r.out;
+    // Resumed, the vision tower comes from the checkpoint.
+    r = strata(train + " --steps 2 --resume");
+    ASSERT_EQ(r.status, 0) << r.out;
+    const std::string lm = nested ? "model.language_model." : "language_model.model.";
     const fs::path out = dir.path / (nested ? "hf-new" : "hf-old");
     r = strata("export " + run_dir.string() + " --out " + out.string() + " --dtype f32");
     ASSERT_EQ(r.status, 0) << r.out;
-    const json exported = json::parse(slurp(out / "config.json"));
-    EXPECT_EQ(exported["architectures"], json::array({"Gemma3ForCausalLM"}));
-    const SafetensorsReader got = SafetensorsReader::open(out / "model.safetensors");
-    EXPECT_EQ(got.names().size(), st.names().size());
-    EXPECT_NE(got.find("model.layers.1.self_attn.q_norm.weight"), nullptr);
+    for (const fs::path& model : {run_dir / "checkpoints/step-2", out}) {
+      SCOPED_TRACE(model.string());
+      const json written = json::parse(slurp(model / "config.json"));
+      EXPECT_EQ(written["architectures"], json::array({"Gemma3ForConditionalGeneration"}));
+      EXPECT_EQ(written["vision_config"], cfg["vision_config"]);
+      EXPECT_EQ(written["mm_tokens_per_image"], 4);
+      EXPECT_EQ(written["text_config"]["num_attention_heads"], 4);
+      EXPECT_EQ(written["text_config"]["model_type"], "gemma3_text");
+      EXPECT_EQ(written["torch_dtype"], "float32");
+      EXPECT_EQ(written["text_config"]["torch_dtype"], "float32");
+      const SafetensorsReader got = SafetensorsReader::open(model / "model.safetensors");
+      EXPECT_EQ(got.names().size(), st.names().size() + 2);
+      EXPECT_NE(got.find(lm + "layers.1.self_attn.q_norm.weight"), nullptr);
+      EXPECT_EQ(got.find("model.layers.1.self_attn.q_norm.weight"), nullptr);
+      // The vision tower's tensors unchanged, in the dtype they were read in.
+      for (const auto& [name, want_values] :
+           {std::pair{pre + "vision_tower.vision_model.post_layernorm.weight", &vision},
+            std::pair{pre + "multi_modal_projector.mm_soft_emb_norm.weight", &projector}}) {
+        const SafetensorsEntry* e = got.find(name);
+        ASSERT_NE(e, nullptr) << name;
+        EXPECT_EQ(e->dtype, DType::f32) << name;
+        std::vector<float> v(8);
+        got.read(name, v.data(), DType::f32);
+        EXPECT_EQ(v, *want_values) << name;
+      }
+    }
     r = strata("--log error eval --model " + out.string() + eval);
     ASSERT_EQ(r.status, 0) << r.out;
     const double trained = json::parse(r.out)["loss"].get<double>();
     EXPECT_NE(trained, want);
     EXPECT_NEAR(trained, want, 0.5);
+    r = strata("--log error eval --model " + (run_dir / "checkpoints/step-2").string() + eval);
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_EQ(json::parse(r.out)["loss"].get<double>(), trained);
   }
+  // From --init random there is no vision tower to carry: the language model alone.
+  r = strata("train --model " + (dir.path / "mm-old").string() +
+             " --init random --seq-len 32 --micro-batch 2 --data " + data.string() +
+             " --steps 1 --run-dir " + (run / "random").string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(json::parse(slurp(run / "random/checkpoints/step-1/config.json"))["architectures"],
+            json::array({"Gemma3ForCausalLM"}));
   // Files without the language model under either name are refused, naming both.
   const fs::path empty = dir.path / "mm-none";
   fs::create_directories(empty);

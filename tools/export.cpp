@@ -6,7 +6,8 @@
 // run's parameters bit for bit (they are the master rounded to nearest even). Past
 // --max-shard-size the model is sharded with model.safetensors.index.json, as Hugging Face
 // writes it. The tokenizer and generation files the checkpoint carries (copied from the model
-// directory the run started from) are copied beside them.
+// directory the run started from) are copied beside them. A checkpoint of an image-text Gemma 3
+// exports as that model again: its language model beside the vision tower the checkpoint carries.
 #include "commands.h"
 #include "core/bytes.h"
 #include "core/error.h"
@@ -21,6 +22,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 namespace strata::cli {
 namespace {
@@ -55,7 +57,7 @@ int run_export(const ExportArgs& a) {
     if (optimizer.find(unit.name + ".master") == nullptr)
       fail("export {}: optimizer.safetensors has no {}.master; the checkpoint is damaged",
            ckpt.string(), unit.name);
-  const std::vector<SafetensorsTensor> tensors = streamed_model_tensors(layout, dtype, [&](int u) {
+  std::vector<SafetensorsTensor> tensors = streamed_model_tensors(layout, dtype, [&](int u) {
     const UnitLayout& unit = layout.units[static_cast<size_t>(u)];
     const std::string name = unit.name + ".master";
     const auto n = static_cast<uint64_t>(optimizer.find(name)->numel());
@@ -66,15 +68,21 @@ int run_export(const ExportArgs& a) {
     optimizer.read(name, master.data(), DType::f32);
     return master;
   });
+  nlohmann::json cfg = to_hf_config_json(config);
+  cfg["torch_dtype"] = dtype == DType::f32    ? "float32"
+                       : dtype == DType::bf16 ? "bfloat16"
+                                              : "float16";
+  // An image-text Gemma 3's checkpoint: its vision tower, as the checkpoint carries it (in the
+  // dtype it was read in), beside the language model under the same names, and its config.
+  std::optional<SafetensorsReader> image_text;
+  if (config.image_text_checkpoint)
+    image_text.emplace(SafetensorsReader::open(ckpt / "model.safetensors"));
+  add_image_text_parts(config, image_text ? &*image_text : nullptr, tensors, cfg);
   const fs::path out = a.out;
   std::error_code ec;
   fs::create_directories(out, ec);
   if (ec) fail("--out {}: cannot create it: {}", out.string(), ec.message());
   const auto files = write_safetensors_sharded(out, tensors, max_shard, {{"format", "pt"}});
-  nlohmann::json cfg = to_hf_config_json(config);
-  cfg["torch_dtype"] = dtype == DType::f32    ? "float32"
-                       : dtype == DType::bf16 ? "bfloat16"
-                                              : "float16";
   {
     std::ofstream f(out / "config.json");
     f << cfg.dump(2) << "\n";

@@ -666,6 +666,7 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
         parse_llama_config(gemma3_text_config(j, src), fmt::format("{} (text_config)", src));
     c.name = std::string(src);
     c.image_text_checkpoint = true;
+    c.image_text_config = j;
     return c;
   }
 
@@ -1014,6 +1015,18 @@ json to_hf_config_json(const LlamaConfig& c) {
   }
   j["use_cache"] = true;
   return j;
+}
+
+json to_hf_image_text_config_json(const LlamaConfig& c) {
+  if (!c.image_text_checkpoint || !c.image_text_config.is_object())
+    fail("{}: not read from an image-text checkpoint; this is a bug in strata", c.name);
+  json outer = c.image_text_config;
+  json text = to_hf_config_json(c);
+  text.erase("architectures");
+  outer["torch_dtype"] = text["torch_dtype"];
+  outer.erase("dtype");  // transformers 4.56's name for it: one of the two is written
+  outer["text_config"] = std::move(text);
+  return outer;
 }
 
 namespace {

@@ -141,9 +141,11 @@ struct LlamaConfig {
   // Where the weights were read from a Gemma3ForConditionalGeneration checkpoint (Gemma 3 4B,
   // 12B, 27B): this is its text_config, and the files hold the language model's tensors under
   // language_model.model.* (or model.language_model.*, as transformers 4.52 saves them) beside
-  // a vision tower, which strata neither trains nor writes (open_model_weights). Checkpoints and
-  // exports are the language model alone, a Gemma3ForCausalLM.
+  // a vision tower, which strata does not train (open_model_weights). Checkpoints and exports
+  // carry the vision tower's tensors unchanged and are that class again
+  // (to_hf_image_text_config_json), as long as a run has them (not with --init random).
   bool image_text_checkpoint = false;
+  nlohmann::json image_text_config;  // the image-text config.json, whole; null otherwise
 
   bool operator==(const LlamaConfig&) const = default;
 };
@@ -186,6 +188,10 @@ LlamaConfig resolve_model(std::string_view dir_or_preset);
 // A config.json that Hugging Face's class for the config's architecture loads;
 // parse_llama_config reads it back to the same config (name aside).
 nlohmann::json to_hf_config_json(const LlamaConfig& config);
+// For a config read from an image-text Gemma 3's (image_text_checkpoint): that config.json with
+// its text_config written as to_hf_config_json writes the language model's (every key, no
+// architectures) and its dtype the language model's.
+nlohmann::json to_hf_image_text_config_json(const LlamaConfig& config);
 
 // One parameter tensor as Hugging Face names and shapes it ([out, in] for projections).
 struct HfTensor {

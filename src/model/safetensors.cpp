@@ -347,6 +347,10 @@ void SafetensorsReader::sort_and_check_unique() {
            tensors_[i].name, tensors_[i - 1].file, tensors_[i].file);
 }
 
+const void* SafetensorsReader::stored_bytes(const SafetensorsEntry& e) const {
+  return files_.at(static_cast<size_t>(e.file_index)).data() + e.offset;
+}
+
 void SafetensorsReader::select(
     const std::function<std::optional<std::string>(const std::string&)>& rename) {
   std::vector<SafetensorsEntry> kept;

@@ -54,6 +54,9 @@ class SafetensorsReader {
   std::vector<std::string> names() const;
   // The tensor, or null when the checkpoint has none of that name.
   const SafetensorsEntry* find(std::string_view name) const;
+  // The tensor's bytes as stored (e.bytes of them, in e.dtype), valid while the reader lives:
+  // for copying a tensor into another file unchanged.
+  const void* stored_bytes(const SafetensorsEntry& e) const;
   // Keeps the tensors `rename` gives a name, under that name, and drops the rest: a model nested
   // in a bigger checkpoint (Gemma 3's language model beside its vision tower) read under the
   // names of the model alone. Two tensors given one name are an Error naming both files.

@@ -51,37 +51,79 @@ void ResidentWeights::init_random(uint64_t seed, Stream& stream) {
   }
 }
 
+namespace {
+
+// transformers 4.50 and 4.51 save Gemma3ForConditionalGeneration's language model as
+// language_model (a Gemma3ForCausalLM) beside vision_tower and multi_modal_projector; 4.52 and
+// later as model.language_model (a Gemma3TextModel) beside model.vision_tower, with lm_head at
+// the top (tied, so usually absent).
+struct ImageTextNames {
+  std::string model, head, part;  // model.* and lm_head.weight's names; the language model's part
+  explicit ImageTextNames(bool nested)
+      : model(nested ? "model.language_model." : "language_model.model."),
+        head(nested ? "lm_head.weight" : "language_model.lm_head.weight"),
+        part(nested ? "model.language_model" : "language_model") {}
+  bool language(const std::string& name) const { return name == head || name.starts_with(part); }
+};
+
+}  // namespace
+
+std::optional<bool> image_text_nested_names(const SafetensorsReader& reader) {
+  if (reader.find("model.language_model.embed_tokens.weight") != nullptr) return true;
+  if (reader.find("language_model.model.embed_tokens.weight") != nullptr) return false;
+  return std::nullopt;
+}
+
+std::vector<SafetensorsTensor> image_text_extras(const SafetensorsReader& reader) {
+  std::vector<SafetensorsTensor> extras;
+  const std::optional<bool> nested = image_text_nested_names(reader);
+  if (!nested) return extras;
+  const ImageTextNames names(*nested);
+  for (const SafetensorsEntry& e : reader.tensors())
+    if (!names.language(e.name))
+      extras.push_back({e.name, e.dtype, e.shape, reader.stored_bytes(e)});
+  return extras;
+}
+
+void nest_language_model(std::vector<SafetensorsTensor>& tensors, bool nested) {
+  const ImageTextNames names(nested);
+  for (SafetensorsTensor& t : tensors) {
+    if (t.name == "lm_head.weight")
+      t.name = names.head;
+    else if (t.name.starts_with("model."))
+      t.name = names.model + t.name.substr(6);
+    else
+      fail("image-text checkpoint: tensor '{}' is no Gemma3ForCausalLM's; this is a bug in strata",
+           t.name);
+  }
+}
+
 SafetensorsReader open_model_weights(const std::filesystem::path& path, const LlamaConfig& config) {
   SafetensorsReader reader = SafetensorsReader::open(path);
   if (!config.image_text_checkpoint) return reader;
-  // transformers 4.50 and 4.51 save Gemma3ForConditionalGeneration's language model as
-  // language_model (a Gemma3ForCausalLM) beside vision_tower and multi_modal_projector; 4.52
-  // and later as model.language_model (a Gemma3TextModel) beside model.vision_tower, with
-  // lm_head at the top (tied, so usually absent).
-  const bool nested_model = reader.find("model.language_model.embed_tokens.weight") != nullptr;
-  if (!nested_model && reader.find("language_model.model.embed_tokens.weight") == nullptr)
+  const std::optional<bool> nested = image_text_nested_names(reader);
+  if (!nested)
     fail(
         "checkpoint {}: config.json describes a Gemma3ForConditionalGeneration, but its files "
         "hold neither language_model.model.embed_tokens.weight nor "
         "model.language_model.embed_tokens.weight; check that config.json and the safetensors "
         "files belong to the same model",
         reader.source());
-  const std::string model = nested_model ? "model.language_model." : "language_model.model.";
-  const std::string head = nested_model ? "lm_head.weight" : "language_model.lm_head.weight";
-  int64_t left_out = 0;
+  const ImageTextNames names(*nested);
+  int64_t others = 0;
   reader.select([&](const std::string& name) -> std::optional<std::string> {
-    if (name.starts_with(model)) return "model." + name.substr(model.size());
-    if (name == head) return std::string("lm_head.weight");
+    if (name.starts_with(names.model)) return "model." + name.substr(names.model.size());
+    if (name == names.head) return std::string("lm_head.weight");
     // What else the language model's part holds stays, for check_tensor_names to name.
-    if (name.starts_with(nested_model ? "model.language_model" : "language_model")) return name;
-    ++left_out;
+    if (names.language(name)) return name;
+    ++others;
     return std::nullopt;
   });
   log_warn(
       "{}: Gemma 3's image-text checkpoint: its language model is read ({} layout) and trained; "
-      "its vision tower and projector ({} tensors) are left out of checkpoints and exports, "
-      "which are the language model alone (Gemma3ForCausalLM)",
-      reader.source(), nested_model ? "transformers 4.52+" : "transformers 4.50", left_out);
+      "its vision tower and projector ({} tensors) are not trained: checkpoints and exports "
+      "carry them unchanged",
+      reader.source(), *nested ? "transformers 4.52+" : "transformers 4.50", others);
   return reader;
 }
 

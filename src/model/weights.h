@@ -9,11 +9,13 @@
 #include "model/llama.h"
 
 #include <filesystem>
+#include <optional>
 #include <vector>
 
 namespace strata {
 
 class SafetensorsReader;
+struct SafetensorsTensor;
 
 // The weights of the model `config` describes, from `path` (a model directory, or what
 // SafetensorsReader::open takes). For a Gemma3ForConditionalGeneration checkpoint
@@ -22,6 +24,18 @@ class SafetensorsReader;
 // (language_model.model.*, or model.language_model.* since 4.52); the vision tower and its
 // projector are left out, which is logged as a warning.
 SafetensorsReader open_model_weights(const std::filesystem::path& path, const LlamaConfig& config);
+
+// How an image-text Gemma 3's files name its language model: true for model.language_model.*
+// (transformers 4.52 and later), false for language_model.model.* (4.50, 4.51, the published
+// checkpoints); nullopt where `reader` holds neither's embeddings.
+std::optional<bool> image_text_nested_names(const SafetensorsReader& reader);
+// The tensors of an image-text Gemma 3's files that are not its language model's (the vision
+// tower and projector), as stored: their bytes point into `reader`'s mapping. Empty where the
+// reader holds no image-text checkpoint.
+std::vector<SafetensorsTensor> image_text_extras(const SafetensorsReader& reader);
+// Renames a Gemma3ForCausalLM's tensors (model.*, lm_head.weight) to those of the language model
+// inside an image-text checkpoint of that layout (image_text_nested_names).
+void nest_language_model(std::vector<SafetensorsTensor>& tensors, bool nested);
 
 // Throws Error naming the first tensor of `reader` that is no part of a model of `layout`
 // (rotary_emb.inv_freq, which some checkpoints carry, aside).

@@ -6,6 +6,7 @@
 #include "model/file_io.h"
 #include "model/llama.h"
 #include "model/safetensors.h"
+#include "model/weights.h"
 #include "schedule/executor.h"
 #include "train/checkpoint_dir.h"
 
@@ -208,10 +209,24 @@ std::vector<fs::path> model_side_files(const std::string& model) {
   return found;
 }
 
+void add_image_text_parts(const LlamaConfig& config, const SafetensorsReader* image_text,
+                          std::vector<SafetensorsTensor>& tensors, nlohmann::json& config_json) {
+  if (image_text == nullptr || !config.image_text_checkpoint) return;
+  const std::optional<bool> nested = image_text_nested_names(*image_text);
+  if (!nested) return;  // not an image-text model's files: the language model alone
+  nest_language_model(tensors, *nested);
+  for (SafetensorsTensor& t : image_text_extras(*image_text)) tensors.push_back(std::move(t));
+  const nlohmann::json dtype = config_json["torch_dtype"];
+  config_json = to_hf_image_text_config_json(config);
+  config_json["torch_dtype"] = dtype;
+  config_json["text_config"]["torch_dtype"] = dtype;
+}
+
 fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& executor,
                          const LlamaConfig& config, DType model_dtype,
                          const nlohmann::json& trainer_state, int keep,
-                         const std::vector<fs::path>& carried) {
+                         const std::vector<fs::path>& carried,
+                         const SafetensorsReader* image_text) {
   const fs::path dir = run_dir / kCheckpointsFolder;
   const fs::path final_dir = dir / checkpoint_dir_name(step);
   const fs::path tmp = dir / fmt::format(".tmp-step-{}", step);
@@ -235,11 +250,14 @@ fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& 
   // Both files stream one unit at a time (streamed_model_tensors): a checkpoint of a 70B model
   // with its optimizer state on NVMe needs one unit's state in RAM, not 840 GB.
   // The model, as Hugging Face names and shapes it, in the run's dtype.
-  files[kModel] = digest_json(write_safetensors(
-      tmp / kModel,
-      streamed_model_tensors(layout, model_dtype, [&](int u) { return executor.parameters(u); }),
-      {{"format", "pt"}}));
-  files[kConfig] = digest_json(write_text(tmp / kConfig, to_hf_config_json(config).dump(2) + "\n"));
+  // An image-text Gemma 3's: its language model under that checkpoint's names beside its
+  // vision tower, and its config.
+  std::vector<SafetensorsTensor> model_tensors =
+      streamed_model_tensors(layout, model_dtype, [&](int u) { return executor.parameters(u); });
+  nlohmann::json config_json = to_hf_config_json(config);
+  add_image_text_parts(config, image_text, model_tensors, config_json);
+  files[kModel] = digest_json(write_safetensors(tmp / kModel, model_tensors, {{"format", "pt"}}));
+  files[kConfig] = digest_json(write_text(tmp / kConfig, config_json.dump(2) + "\n"));
   // The optimizer state, one unit held at a time the same way (its three tensors sort together).
   {
     int held = -1;

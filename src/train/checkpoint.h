@@ -57,22 +57,36 @@ std::vector<SafetensorsTensor> streamed_model_tensors(
 // The files a Hugging Face model directory holds besides its weights and config.json that a
 // checkpoint carries along: the tokenizer (tokenizer.json, tokenizer_config.json,
 // tokenizer.model, special_tokens_map.json), its chat template (chat_template.jinja, where
-// transformers keeps it apart) and generation_config.json.
-inline constexpr const char* kModelSideFiles[] = {"tokenizer.json",      "tokenizer_config.json",
-                                                  "tokenizer.model",     "special_tokens_map.json",
-                                                  "chat_template.jinja", "generation_config.json"};
+// transformers keeps it apart, or chat_template.json, where processors do),
+// generation_config.json, and an image-text model's processor files (preprocessor_config.json,
+// processor_config.json), which its export needs to take images.
+inline constexpr const char* kModelSideFiles[] = {
+    "tokenizer.json",          "tokenizer_config.json",    "tokenizer.model",
+    "special_tokens_map.json", "chat_template.jinja",      "generation_config.json",
+    "chat_template.json",      "preprocessor_config.json", "processor_config.json"};
 // Those of kModelSideFiles present in `model` when it is a directory (none for a preset name).
 std::vector<std::filesystem::path> model_side_files(const std::string& model);
 
 // Writes checkpoint `step` of the executor's state under run_dir/checkpoints/ and removes all
 // but the newest `keep` complete checkpoints (keep <= 0: keeps all). `carried` (paths whose
 // names are among kModelSideFiles) are copied in and listed in COMPLETE like the rest; one
-// that cannot be read is an Error naming it. Returns its directory.
+// that cannot be read is an Error naming it. With `image_text` (the files of the image-text
+// Gemma 3 the run's language model was read from: image_text_extras finds its vision tower),
+// model.safetensors holds the language model under that checkpoint's names beside the vision
+// tower's tensors, unchanged, and config.json is the image-text config: the checkpoint is that
+// model again. Returns its directory.
 std::filesystem::path save_checkpoint(const std::filesystem::path& run_dir, int64_t step,
                                       const Executor& executor, const LlamaConfig& config,
                                       DType model_dtype, const nlohmann::json& trainer_state,
                                       int keep,
-                                      const std::vector<std::filesystem::path>& carried = {});
+                                      const std::vector<std::filesystem::path>& carried = {},
+                                      const SafetensorsReader* image_text = nullptr);
+
+// The model tensors and config.json of a checkpoint or export of `config` (its language model's
+// tensors, `tensors`, as streamed_model_tensors gives them): those, or with `image_text` (see
+// save_checkpoint) the image-text model's, the vision tower's tensors pointing into its mapping.
+void add_image_text_parts(const LlamaConfig& config, const SafetensorsReader* image_text,
+                          std::vector<SafetensorsTensor>& tensors, nlohmann::json& config_json);
 
 // The trainer state of a complete checkpoint directory; an Error naming the file when it is
 // missing or not JSON.

@@ -238,6 +238,15 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   } else {
     ex.init_random(s.seed);
   }
+  // An image-text Gemma 3's vision tower, which checkpoints carry: from the model read, or from
+  // the checkpoint resumed from (which carries it, unless the run began from --init random).
+  std::optional<SafetensorsReader> image_text;
+  if (model.image_text_checkpoint) {
+    const fs::path from = s.resume                                      ? ckpt / "model.safetensors"
+                          : fs::is_directory(s.model) && !s.init_random ? fs::path(s.model)
+                                                                        : fs::path();
+    if (!from.empty()) image_text.emplace(SafetensorsReader::open(from));
+  }
 
   const TierBytes need = placement.needs();
   fmt::print(
@@ -408,8 +417,9 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
                                     {"loss_scale", scaler.state().to_json()},
                                     {"model", to_hf_config_json(model)},
                                     {"settings", s.echo}};
-      const fs::path dir = save_checkpoint(s.run_dir, step, ex, model, s.dtype, state, s.keep,
-                                           model_side_files(s.model));
+      const fs::path dir =
+          save_checkpoint(s.run_dir, step, ex, model, s.dtype, state, s.keep,
+                          model_side_files(s.model), image_text ? &*image_text : nullptr);
       fmt::print("checkpoint: {}\n", dir.string());
       std::fflush(stdout);
     }
