@@ -694,9 +694,12 @@ TEST(TrainCli, Gemma3sImageTextCheckpointTrainsItsLanguageModel) {
     EXPECT_EQ(json::parse(r.out)["tokens"], text_sample);
 
     const fs::path run_dir = run / (nested ? "new" : "old");
-    const std::string train = "train --model " + mm.string() +
-                              " --seq-len 32 --micro-batch 2 --lr 1e-3 --data " + data.string() +
-                              " --run-dir " + run_dir.string();
+    // The second layout's run ZeRO-3 partitioned over 2 devices with its parameters on NVMe:
+    // each rank loads its shards from the renamed tensors.
+    const std::string train =
+        "train --model " + mm.string() + " --seq-len 32 --micro-batch 2 --lr 1e-3 --data " +
+        data.string() + " --run-dir " + run_dir.string() +
+        (nested ? " --devices host:2 --offload-param nvme --persistence-threshold 0" : "");
     r = strata(train + " --steps 1");
     ASSERT_EQ(r.status, 0) << r.out;
     for (const char* part : {"image-text checkpoint", "vision tower and projector (2 tensors)",
