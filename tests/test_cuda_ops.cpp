@@ -499,8 +499,8 @@ std::vector<AttentionCase> attention_cases() {
   cases.push_back({1, 129, 4, 2, 96, f32});  // other multiples of 8, up to 256
   cases.push_back({1, 33, 2, 2, 40, f32});
   cases.push_back({1, 65, 2, 1, 256, f32});
-  cases.push_back({1, 40, 2, 1, 256, bf16});  // Gemma's head_dim: mma.sync, else SIMT
-  cases.push_back({2, 129, 4, 2, 256, bf16});
+  for (const int64_t t : {1, 40, 64, 129})  // Gemma's head_dim: mma.sync, else SIMT
+    cases.push_back({t == 129 ? 2 : 1, t, 4, t == 40 ? 1 : 2, 256, bf16});
   cases.push_back({1, 33, 2, 2, 40, bf16});  // not a multiple of 16: SIMT in bf16
   return cases;
 }
