@@ -1198,6 +1198,7 @@ TEST(LlamaConfigPresets, PublishedParameterCounts) {
   EXPECT_EQ(parameter_count(*find_preset("gemma2-9b")), 9'241'705'984u);
   EXPECT_EQ(parameter_count(*find_preset("gemma2-27b")), 27'227'128'320u);
   EXPECT_EQ(parameter_count(*find_preset("gemma3-1b")), 999'885'952u);
+  EXPECT_EQ(parameter_count(*find_preset("gemma3-270m")), 268'098'176u);
   // The image-text Gemma 3s' language models: Keras's published text-only counts, which use a
   // vocabulary of 262144 where Hugging Face's embeddings have 64 more rows.
   EXPECT_EQ(parameter_count(*find_preset("gemma3-4b")), 3'880'099'328u + 64u * 2560u);

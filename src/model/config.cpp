@@ -439,7 +439,9 @@ const std::vector<LlamaConfig>& presets() {
         gemma2(
             make_preset("gemma2-27b", 4608, 36864, 46, 32, 16, 256000, 8192, 10000.0, DType::f32),
             128, 144),
-        // Gemma 3 1B (its text model; the larger Gemma 3s are image-text models).
+        // Gemma 3 270M and 1B (text models; the larger Gemma 3s are image-text models).
+        gemma3(make_preset("gemma3-270m", 640, 2048, 18, 4, 1, 262144, 32768, 1e6, DType::bf16),
+               512),
         gemma3(make_preset("gemma3-1b", 1152, 6912, 26, 4, 1, 262144, 32768, 1e6, DType::bf16),
                512),
         // The language models of the image-text Gemma 3s (their text_config): a window of

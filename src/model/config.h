@@ -177,8 +177,8 @@ LlamaConfig load_llama_config(const std::filesystem::path& path);
 // positions, no rope scaling), llama3.1-8b/70b (131072 positions, llama3 rope scaling),
 // llama3.2-1b/3b (tied, rope scaling factor 32),
 // mistral-7b (v0.3: no sliding window), qwen2.5-7b/72b (q, k, v biases), qwen3-0.6b/8b
-// (q and k norms), phi3-mini, phi4, gemma-2b/7b, gemma2-2b/9b/27b, gemma3-1b and gemma3-4b/12b/27b
-// (the image-text models' language models).
+// (q and k norms), phi3-mini, phi4, gemma-2b/7b, gemma2-2b/9b/27b, gemma3-270m/1b and
+// gemma3-4b/12b/27b (the image-text models' language models).
 std::vector<std::string> preset_names();
 std::optional<LlamaConfig> find_preset(std::string_view name);
 // A checkpoint directory (or config.json) when the path exists, otherwise a preset name; an
