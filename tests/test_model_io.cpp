@@ -1697,6 +1697,15 @@ TEST(Safetensors, LargeTensorStreamsInChunks) {
   EXPECT_LT(mapped_rss_kb((tmp / "big.safetensors").string()), 1024);
   // Read twice: the pages released after the first read fault back in.
   EXPECT_TRUE(same_bytes(read_tensor(r, "big", DType::f32), big));
+  // Stored bytes copied out as they are (an image-text model's vision tower into a checkpoint)
+  // fault pages in; release_pages drops them.
+  const SafetensorsEntry& e = *r.find("big");
+  std::vector<char> copy(e.bytes);
+  std::memcpy(copy.data(), r.stored_bytes(e), e.bytes);
+  EXPECT_EQ(std::memcmp(copy.data(), big.data(), e.bytes), 0);
+  EXPECT_GT(mapped_rss_kb((tmp / "big.safetensors").string()), 8 * 1024);
+  r.release_pages();
+  EXPECT_LT(mapped_rss_kb((tmp / "big.safetensors").string()), 1024);
 }
 
 // A file made by hand: the length, the header text exactly as given, then the data.

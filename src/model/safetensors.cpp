@@ -351,6 +351,10 @@ const void* SafetensorsReader::stored_bytes(const SafetensorsEntry& e) const {
   return files_.at(static_cast<size_t>(e.file_index)).data() + e.offset;
 }
 
+void SafetensorsReader::release_pages() const {
+  for (const MappedFile& f : files_) f.release(0, f.size());
+}
+
 void SafetensorsReader::select(
     const std::function<std::optional<std::string>(const std::string&)>& rename) {
   std::vector<SafetensorsEntry> kept;

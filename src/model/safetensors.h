@@ -57,6 +57,9 @@ class SafetensorsReader {
   // The tensor's bytes as stored (e.bytes of them, in e.dtype), valid while the reader lives:
   // for copying a tensor into another file unchanged.
   const void* stored_bytes(const SafetensorsEntry& e) const;
+  // Drops the pages stored_bytes' readers faulted in from this process's mappings (they stay in
+  // the page cache): a long run that copies tensors into each checkpoint keeps its RSS.
+  void release_pages() const;
   // Keeps the tensors `rename` gives a name, under that name, and drops the rest: a model nested
   // in a bigger checkpoint (Gemma 3's language model beside its vision tower) read under the
   // names of the model alone. Two tensors given one name are an Error naming both files.

@@ -257,6 +257,7 @@ fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& 
   nlohmann::json config_json = to_hf_config_json(config);
   add_image_text_parts(config, image_text, model_tensors, config_json);
   files[kModel] = digest_json(write_safetensors(tmp / kModel, model_tensors, {{"format", "pt"}}));
+  if (image_text != nullptr) image_text->release_pages();  // the vision tower's, just copied
   files[kConfig] = digest_json(write_text(tmp / kConfig, config_json.dump(2) + "\n"));
   // The optimizer state, one unit held at a time the same way (its three tensors sort together).
   {
