@@ -512,6 +512,31 @@ TEST(Conversations, RepliesAreTheAssistantTurns) {
   EXPECT_TRUE(whole[0].replies.empty());
 }
 
+// Gemma 3's shape of template (the corpus's): the system text opens the first user turn and a
+// message's content may be a list of parts with images among them. The replies are the model's
+// turns with their end marker, in a conversation of parts as in one of strings.
+TEST(Conversations, RepliesOfAGemma3StyleTemplate) {
+  std::ifstream in(std::string(STRATA_CHAT_TEMPLATE_DIR) + "/families/gemma3.jinja");
+  std::stringstream source;
+  source << in.rdbuf();
+  ASSERT_FALSE(source.str().empty());
+  const ChatOptions chat = chat_options(source.str().c_str());
+  const std::vector<Document> docs = split_documents(
+      "{\"messages\": [{\"role\": \"system\", \"content\": \"be brief\"}, {\"role\": \"user\", "
+      "\"content\": [{\"type\": \"image\"}, {\"type\": \"text\", \"text\": \"what is it?\"}]}, "
+      "{\"role\": \"assistant\", \"content\": [{\"type\": \"text\", \"text\": \"a cat\"}]}, "
+      "{\"role\": \"user\", \"content\": \"and?\"}, {\"role\": \"assistant\", \"content\": "
+      "\"a mat\"}]}\n",
+      DocumentFormat::jsonl, "chat.jsonl", &chat);
+  ASSERT_EQ(docs.size(), 1u);
+  EXPECT_EQ(docs[0].text,
+            "<start_of_turn>user\nbe brief\n\n<start_of_image>what is it?<end_of_turn>\n"
+            "<start_of_turn>model\na cat<end_of_turn>\n<start_of_turn>user\nand?<end_of_turn>\n"
+            "<start_of_turn>model\na mat<end_of_turn>\n");
+  EXPECT_EQ(reply_texts(docs[0]),
+            (std::vector<std::string>{"a cat<end_of_turn>\n", "a mat<end_of_turn>\n"}));
+}
+
 // A template that writes a reply differently once another turn follows (as Qwen3's drops the
 // empty <think></think> of all but the last): the last reply is found by the turns-before rule,
 // the earlier ones by their content, each with the end of its turn ("</a>\n"). A content that
