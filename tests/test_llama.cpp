@@ -102,7 +102,8 @@ TEST(LlamaRope, PlainAndLlama3Scaling) {
 // Qwen3 with attention_bias, Gemma (tied; embeddings times sqrt(hidden), norms times
 // 1 + weight, the tanh GELU's gate) and Gemma 2 (Gemma's, with norms on the sublayers' outputs,
 // a window of 3, scores scaled by 5^-1/2 and capped at 1.5, logits capped at 2) and Gemma 3
-// (Gemma 2's without caps, with q and k norms and the sliding layers rotating with base 100).
+// (Gemma 2's without caps, with q and k norms and the sliding layers rotating with base 100) and
+// SmolLM3 (Llama's, tied, with MLP biases, its second layer a NoPE layer: no rotary embeddings).
 enum class Variant {
   untied,
   tied,
@@ -112,13 +113,14 @@ enum class Variant {
   qwen3_bias,
   gemma,
   gemma2,
-  gemma3
+  gemma3,
+  smollm3
 };
 
 LlamaConfig variant_config(Variant v) {
-  LlamaConfig c =
-      small_config(v == Variant::tied || v == Variant::qwen2_tied || v == Variant::qwen3_tied ||
-                   v == Variant::gemma || v == Variant::gemma2 || v == Variant::gemma3);
+  LlamaConfig c = small_config(
+      v == Variant::tied || v == Variant::qwen2_tied || v == Variant::qwen3_tied ||
+      v == Variant::gemma || v == Variant::gemma2 || v == Variant::gemma3 || v == Variant::smollm3);
   if (v == Variant::gemma || v == Variant::gemma2 || v == Variant::gemma3) {
     c.architecture = Architecture::gemma;
     c.hidden_act = Activation::gelu_tanh;
@@ -142,6 +144,11 @@ LlamaConfig variant_config(Variant v) {
     c.qkv_bias = true;
   }
   if (v == Variant::every_bias) c.qkv_bias = c.o_bias = c.mlp_bias = true;
+  if (v == Variant::smollm3) {
+    c.architecture = Architecture::smollm3;
+    c.mlp_bias = true;
+    c.nope_layers = {false, true};
+  }
   if (v == Variant::qwen3_tied || v == Variant::qwen3_bias) {
     c.architecture = Architecture::qwen3;
     c.qk_norm = true;
@@ -152,7 +159,7 @@ LlamaConfig variant_config(Variant v) {
 
 const char* variant_name(Variant v) {
   const char* names[] = {"untied",     "tied",  "qwen2_tied", "every_bias", "qwen3_tied",
-                         "qwen3_bias", "gemma", "gemma2",     "gemma3"};
+                         "qwen3_bias", "gemma", "gemma2",     "gemma3",     "smollm3"};
   return names[static_cast<int>(v)];
 }
 
@@ -265,7 +272,7 @@ INSTANTIATE_TEST_SUITE_P(Variants, LlamaGradient,
                          ::testing::Values(Variant::untied, Variant::tied, Variant::qwen2_tied,
                                            Variant::every_bias, Variant::qwen3_tied,
                                            Variant::qwen3_bias, Variant::gemma, Variant::gemma2,
-                                           Variant::gemma3),
+                                           Variant::gemma3, Variant::smollm3),
                          [](const auto& p) { return std::string(variant_name(p.param)); });
 
 // The planner sizes activations with workspace_bytes_for(); it must be what the constructor
@@ -336,6 +343,8 @@ TEST(LlamaModel, DecodingWithAKvCacheGivesTheWholeSequencesLogits) {
                                    {Variant::gemma, 0, {}},
                                    {Variant::gemma2, 4, {true, false, true}},
                                    {Variant::gemma3, 4, {true, false, true}},
+                                   {Variant::smollm3, 0, {}},
+                                   {Variant::smollm3, 4, {false, true, false}},
                                    {Variant::untied, 4, {}},
                                    {Variant::qwen2_tied, 3, {false, true, true}}};
   for (const Case& cs : cases)
@@ -345,6 +354,7 @@ TEST(LlamaModel, DecodingWithAKvCacheGivesTheWholeSequencesLogits) {
           fmt::format("{} {} window {}", dtype_name(dt), variant_name(variant), cs.window));
       LlamaConfig c = variant_config(variant);
       c.num_hidden_layers = 3;
+      if (!c.nope_layers.empty()) c.nope_layers.resize(3, false);
       c.sliding_window = cs.window;
       c.sliding_layers = cs.sliding_layers;
       const int64_t T = 11, V = c.vocab_size, prompt = 4;
@@ -661,9 +671,11 @@ TEST(LlamaModel, WithoutRecomputeTheGradientsAreTheSameBits) {
                                     {DType::bf16, Variant::qwen3_tied},
                                     {DType::f32, Variant::gemma2},
                                     {DType::bf16, Variant::gemma2},
-                                    {DType::bf16, Variant::gemma3}}) {
+                                    {DType::bf16, Variant::gemma3},
+                                    {DType::bf16, Variant::smollm3}}) {
     LlamaConfig c = variant_config(variant);
     c.num_hidden_layers = 3;
+    if (!c.nope_layers.empty()) c.nope_layers.resize(3, false);
     auto device = open_host_device(0, 64ull << 20);
     auto stream = device->create_stream("test");
     ModelOptions o;

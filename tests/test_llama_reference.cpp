@@ -216,6 +216,16 @@ std::vector<Case> cases() {
   gemma2_plain.config.hidden_act = Activation::gelu_tanh;
   gemma2_plain.config.query_pre_attn_scalar = 10;
   out.push_back(gemma2_plain);
+  // SmolLM3: Llama's block, its third layer a NoPE layer (no rotary embeddings) that also
+  // slides a window of 4 (use_sliding_window), tied, with MLP biases.
+  Case smollm3{"smollm3_nope_layer_window", base(36, 6, 2, 8, 70, 97, 3), 2, 9, 40};
+  smollm3.config.architecture = Architecture::smollm3;
+  smollm3.config.tie_word_embeddings = true;
+  smollm3.config.mlp_bias = true;
+  smollm3.config.nope_layers = {false, false, true};
+  smollm3.config.sliding_window = 4;
+  smollm3.config.sliding_layers = {false, false, true};
+  out.push_back(smollm3);
   // Gemma 3's text model: Gemma 2's sandwich norms with q and k norms (1 + w), a window of 4
   // in the first two of three layers (sliding_window_pattern 3), which rotate with a base of
   // 100 and no scaling while the third takes rope_theta with linear scaling 2; scores scaled by

@@ -653,6 +653,96 @@ TEST(LlamaConfigParse, Gemma3AsItsHuggingFaceClassBuildsIt) {
       {"g3.json", "sliding_window_pattern = 0"});
 }
 
+// SmolLM3-3B's (HuggingFaceTB/SmolLM3-3B), its 36-entry lists built below: NoPE in every fourth
+// layer, no window, tied by SmolLM3Config's default.
+json smollm3_3b() {
+  json rope = json::array(), types = json::array();
+  for (int l = 0; l < 36; ++l) {
+    rope.push_back((l + 1) % 4 != 0 ? 1 : 0);
+    types.push_back("full_attention");
+  }
+  return json{{"architectures", {"SmolLM3ForCausalLM"}},
+              {"attention_bias", false},
+              {"attention_dropout", 0.0},
+              {"bos_token_id", nullptr},
+              {"eos_token_id", 128012},
+              {"hidden_act", "silu"},
+              {"hidden_size", 2048},
+              {"initializer_range", 0.02},
+              {"intermediate_size", 11008},
+              {"layer_types", types},
+              {"max_position_embeddings", 65536},
+              {"max_window_layers", 28},
+              {"mlp_bias", false},
+              {"model_type", "smollm3"},
+              {"no_rope_layer_interval", 4},
+              {"no_rope_layers", rope},
+              {"num_attention_heads", 16},
+              {"num_hidden_layers", 36},
+              {"num_key_value_heads", 4},
+              {"pad_token_id", 128004},
+              {"pretraining_tp", 2},
+              {"rms_norm_eps", 1e-6},
+              {"rope_scaling", nullptr},
+              {"rope_theta", 5000000.0},
+              {"sliding_window", nullptr},
+              {"torch_dtype", "bfloat16"},
+              {"use_cache", false},
+              {"use_sliding_window", false},
+              {"vocab_size", 128256}};
+}
+
+// SmolLM3: Llama's block with NoPE layers from no_rope_layers, else every
+// no_rope_layer_interval-th; with use_sliding_window the NoPE layers slide unless layer_types
+// says otherwise; exports write the list back.
+TEST(LlamaConfigParse, SmolLM3AsItsHuggingFaceClassBuildsIt) {
+  LlamaConfig c = parse_llama_config(smollm3_3b(), "cfg.json");
+  c.name = "smollm3-3b";
+  EXPECT_EQ(c, *find_preset("smollm3-3b"));
+  EXPECT_EQ(c.architecture, Architecture::smollm3);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_TRUE(c.layer_rotates(2));
+  EXPECT_FALSE(c.layer_rotates(3));
+  EXPECT_EQ(c.sliding_window, 0);
+  const json out = to_hf_config_json(c);
+  EXPECT_EQ(out["architectures"], json::array({"SmolLM3ForCausalLM"}));
+  EXPECT_EQ(out["no_rope_layers"], smollm3_3b()["no_rope_layers"]);
+  LlamaConfig back = parse_llama_config(out, "cfg.json");
+  back.name = c.name;
+  EXPECT_EQ(back, c);
+  // SmolLM3Config's defaults: the interval, the base, tied.
+  json j = smollm3_3b();
+  for (const char* key : {"no_rope_layers", "rope_theta", "layer_types"}) j.erase(key);
+  j["no_rope_layer_interval"] = 3;
+  const LlamaConfig d = parse_llama_config(j, "s.json");
+  EXPECT_EQ(d.rope_theta, 2e6);
+  for (int64_t l = 0; l < 36; ++l) EXPECT_EQ(d.layer_rotates(l), (l + 1) % 3 != 0) << l;
+  // A window slides the NoPE layers.
+  j["use_sliding_window"] = true;
+  j["sliding_window"] = 512;
+  const LlamaConfig w = parse_llama_config(j, "s.json");
+  EXPECT_EQ(w.sliding_window, 512);
+  for (int64_t l = 0; l < 36; ++l) EXPECT_EQ(w.layer_slides(l), !w.layer_rotates(l)) << l;
+  const LlamaConfig w_back = parse_llama_config(to_hf_config_json(w), "s.json");
+  EXPECT_EQ(w_back.sliding_layers, w.sliding_layers);
+  EXPECT_EQ(w_back.nope_layers, w.nope_layers);
+  // Bad lists are named.
+  j = smollm3_3b();
+  j["no_rope_layers"][5] = 2;
+  test::expect_error([&] { parse_llama_config(j, "s.json"); }, {"s.json", "no_rope_layers[5] = 2"});
+  j["no_rope_layers"] = json::array({1, 0});
+  test::expect_error([&] { parse_llama_config(j, "s.json"); },
+                     {"s.json", "no_rope_layers has 2 entries for 36 layers"});
+  j.erase("no_rope_layers");
+  j["no_rope_layer_interval"] = 0;
+  test::expect_error([&] { parse_llama_config(j, "s.json"); },
+                     {"s.json", "no_rope_layer_interval = 0"});
+  // Another class's NoPE layers cannot be asked for.
+  LlamaConfig llama = *find_preset("tiny");
+  llama.nope_layers = {false, true};
+  test::expect_error([&] { validate_llama_config(llama, "tiny"); }, {"NoPE", "SmolLM3"});
+}
+
 // Gemma 3 4B's (google/gemma-3-4b-it): an image-text model whose text_config holds only the keys
 // that differ from Gemma3TextConfig's defaults.
 const char* kGemma3_4b = R"({
@@ -1199,6 +1289,7 @@ TEST(LlamaConfigPresets, PublishedParameterCounts) {
   EXPECT_EQ(parameter_count(*find_preset("gemma2-27b")), 27'227'128'320u);
   EXPECT_EQ(parameter_count(*find_preset("gemma3-1b")), 999'885'952u);
   EXPECT_EQ(parameter_count(*find_preset("gemma3-270m")), 268'098'176u);
+  EXPECT_EQ(parameter_count(*find_preset("smollm3-3b")), 3'075'098'624u);
   // The image-text Gemma 3s' language models: Keras's published text-only counts, which use a
   // vocabulary of 262144 where Hugging Face's embeddings have 64 more rows.
   EXPECT_EQ(parameter_count(*find_preset("gemma3-4b")), 3'880'099'328u + 64u * 2560u);

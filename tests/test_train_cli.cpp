@@ -614,6 +614,42 @@ TEST(TrainCli, GemmaTrainsAndExportsAsItsClass) {
   }
 }
 
+// SmolLM3 through the executor with its parameters on NVMe: its NoPE layer and window written
+// back, the export evaluating to the checkpoint's loss.
+TEST(TrainCli, SmolLM3TrainsAndExportsAsItsClass) {
+  const test::TempDir dir("strata-smollm3");
+  const fs::path data = make_data(dir.path), model = dir.path / "smol", run = dir.path / "run";
+  LlamaConfig c = *find_preset("tiny");
+  c.architecture = Architecture::smollm3;
+  c.tie_word_embeddings = true;
+  c.nope_layers = {false, true};
+  c.sliding_window = 8;
+  c.sliding_layers = {false, true};
+  fs::create_directories(model);
+  std::ofstream(model / "config.json") << to_hf_config_json(c).dump(2);
+  test::CommandResult r = strata(
+      "train --model " + model.string() + " --init random --seed 5 --seq-len 32 --micro-batch 2 " +
+      "--lr 1e-3 --data " + data.string() + " --steps 2 --devices host:2 --offload-param nvme " +
+      "--persistence-threshold 0 --run-dir " + run.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const fs::path out = dir.path / "hf";
+  r = strata("export " + run.string() + " --out " + out.string() + " --dtype f32");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const json config = json::parse(slurp(out / "config.json"));
+  EXPECT_EQ(config["architectures"], json::array({"SmolLM3ForCausalLM"}));
+  EXPECT_EQ(config["no_rope_layers"], json::array({1, 0}));
+  EXPECT_EQ(config["layer_types"], json::array({"full_attention", "sliding_attention"}));
+  EXPECT_EQ(config["sliding_window"], 8);
+  const std::string eval = " --data " + data.string() + " --seq-len 32 --max-sequences 4 --json";
+  r = strata("eval --model " + out.string() + eval);
+  ASSERT_EQ(r.status, 0) << r.out;
+  const double exported = json::parse(r.out)["loss"].get<double>();
+  r = strata("eval --model " + (run / "checkpoints/step-2").string() + eval);
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(json::parse(r.out)["loss"].get<double>(), exported);
+  EXPECT_NEAR(exported, std::log(static_cast<double>(c.vocab_size)), 1.0);
+}
+
 // The language model of an image-text Gemma 3 (Gemma3ForConditionalGeneration, as 4B, 12B and
 // 27B ship) in either layout transformers saves: it evaluates to the text model's loss bit for
 // bit and trains (the vision tower frozen, with a warning), and its checkpoints, resumed ones

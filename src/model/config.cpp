@@ -190,10 +190,12 @@ constexpr KnownArchitecture kArchitectures[] = {
     {Architecture::gemma, "GemmaForCausalLM", "gemma"},
     {Architecture::gemma2, "Gemma2ForCausalLM", "gemma2"},
     {Architecture::gemma3, "Gemma3ForCausalLM", "gemma3_text"},
+    {Architecture::smollm3, "SmolLM3ForCausalLM", "smollm3"},
 };
 constexpr const char* kKnownClasses =
     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-    "Phi3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM or Gemma3ForCausalLM";
+    "Phi3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM or "
+    "SmolLM3ForCausalLM";
 
 // The architecture from "architectures" (the first class strata knows) and "model_type", which
 // must agree where both are given.
@@ -219,7 +221,7 @@ Architecture parse_architecture(const json& j, std::string_view src) {
     if (!from_type)
       fail(
           "{}: model_type '{}' is not one strata implements; strata trains the Llama family: "
-          "llama, mistral, qwen2, qwen3, phi3, gemma, gemma2 or gemma3_text",
+          "llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text or smollm3",
           src, t);
   }
   if (from_class && from_type && *from_class != *from_type)
@@ -238,9 +240,10 @@ Architecture parse_architecture(const json& j, std::string_view src) {
 // or the layers from max_window_layers on, as Hugging Face's configs derive them); Gemma 2's in
 // the layers layer_types names, else every other layer from the first (4096 where
 // sliding_window is absent, as Gemma2Config's default); those layers flagged in `sliding` (left
-// empty where every layer slides). Llama and Gemma have none.
+// empty where every layer slides). Llama and Gemma have none. SmolLM3's, with use_sliding_window,
+// in the layers layer_types names, else its NoPE layers (`nope`, one flag a layer).
 int64_t parse_sliding_window(const json& j, std::string_view src, Architecture arch, int64_t layers,
-                             std::vector<bool>& sliding) {
+                             std::vector<bool>& sliding, const std::vector<bool>& nope) {
   sliding.clear();
   if (arch == Architecture::llama || arch == Architecture::gemma) return 0;
   const json* w = field(j, "sliding_window");
@@ -268,6 +271,9 @@ int64_t parse_sliding_window(const json& j, std::string_view src, Architecture a
              s);
       sliding.push_back(s == "sliding_attention");
     }
+  } else if (arch == Architecture::smollm3) {
+    // SmolLM3Config: the NoPE layers slide.
+    for (int64_t l = 0; l < layers; ++l) sliding.push_back(nope[static_cast<size_t>(l)]);
   } else if (arch == Architecture::gemma2) {
     for (int64_t l = 0; l < layers; ++l) sliding.push_back(l % 2 == 0);
   } else if (arch == Architecture::gemma3) {
@@ -289,6 +295,33 @@ int64_t parse_sliding_window(const json& j, std::string_view src, Architecture a
   }
   if (count == layers) sliding.clear();  // every layer: the plain form
   return window;
+}
+
+// SmolLM3's NoPE layers: the zeros of no_rope_layers (one entry a layer, at least; extra ones
+// ignored, as SmolLM3Config indexes it), else every no_rope_layer_interval-th layer (4). Empty
+// where every layer rotates.
+std::vector<bool> parse_nope_layers(const json& j, std::string_view src, int64_t layers) {
+  std::vector<bool> nope;
+  if (const json* list = field(j, "no_rope_layers")) {
+    if (!list->is_array()) type_error(src, "no_rope_layers", "a list of 0 and 1", *list);
+    if (static_cast<int64_t>(list->size()) < layers)
+      fail("{}: no_rope_layers has {} entries for {} layers (num_hidden_layers); give one a layer",
+           src, list->size(), layers);
+    for (int64_t l = 0; l < layers; ++l) {
+      const int64_t v = as_int((*list)[static_cast<size_t>(l)], src, "no_rope_layers");
+      if (v != 0 && v != 1)
+        fail("{}: no_rope_layers[{}] = {}; each is 1 (rotary embeddings) or 0 (none)", src, l, v);
+      nope.push_back(v == 0);
+    }
+  } else {
+    const json* i = field(j, "no_rope_layer_interval");
+    const int64_t interval = i != nullptr ? as_int(*i, src, "no_rope_layer_interval") : 4;
+    if (interval < 1)
+      fail("{}: no_rope_layer_interval = {} must be at least 1; fix config.json", src, interval);
+    for (int64_t l = 0; l < layers; ++l) nope.push_back((l + 1) % interval == 0);
+  }
+  if (std::find(nope.begin(), nope.end(), true) == nope.end()) nope.clear();
+  return nope;
 }
 
 LlamaConfig make_preset(std::string name, int64_t hidden, int64_t intermediate, int64_t layers,
@@ -375,6 +408,14 @@ LlamaConfig gemma3_image_text(LlamaConfig c, int64_t head_dim, double query_pre_
   c.rope_scaling.factor = 8.0;
   return c;
 }
+// SmolLM3's: Llama's, tied, eps 1e-6, NoPE in every fourth layer (no_rope_layer_interval 4).
+LlamaConfig smollm3(LlamaConfig c) {
+  c.architecture = Architecture::smollm3;
+  c.tie_word_embeddings = true;
+  c.rms_norm_eps = 1e-6;
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) c.nope_layers.push_back((l + 1) % 4 == 0);
+  return c;
+}
 // Phi-3's and Phi-4's class: Mistral's equations, fused projections in the files.
 LlamaConfig phi3(LlamaConfig c, int64_t window) {
   c.architecture = Architecture::phi3;
@@ -439,6 +480,8 @@ const std::vector<LlamaConfig>& presets() {
         gemma2(
             make_preset("gemma2-27b", 4608, 36864, 46, 32, 16, 256000, 8192, 10000.0, DType::f32),
             128, 144),
+        // SmolLM3 3B: Llama's block, tied, every fourth layer without rotary embeddings.
+        smollm3(make_preset("smollm3-3b", 2048, 11008, 36, 16, 4, 128256, 65536, 5e6, DType::bf16)),
         // Gemma 3 270M and 1B (text models; the larger Gemma 3s are image-text models).
         gemma3(make_preset("gemma3-270m", 640, 2048, 18, 4, 1, 262144, 32768, 1e6, DType::bf16),
                512),
@@ -481,6 +524,7 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
   bool fits = false;
   switch (c.architecture) {
     case Architecture::llama:
+    case Architecture::smollm3:
       fits = attention_bias && !c.qk_norm;
       break;
     case Architecture::gemma:
@@ -506,14 +550,15 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
         "{}: biases on q/k/v {}, o {}, MLP {} and q/k norms {} are not what {} builds (Llama: "
         "attention_bias puts biases on q, k, v and o together; Mistral and Phi-3: none; Qwen2: "
         "q, k and v only; Qwen3: q and k norms, attention_bias as Llama's; Gemma and Gemma 2: "
-        "attention_bias as Llama's, no MLP bias; Gemma 3: those and q and k norms)",
+        "attention_bias as Llama's, no MLP bias; Gemma 3: those and q and k norms; SmolLM3: "
+        "Llama's)",
         src, c.qkv_bias, c.o_bias, c.mlp_bias, c.qk_norm, architecture_class(c.architecture));
   if (c.sliding_window < 0 || c.sliding_window > kMaxSize ||
       (c.sliding_window > 0 &&
        (c.architecture == Architecture::llama || c.architecture == Architecture::gemma)))
     fail(
         "{}: sliding_window = {} is not valid for {}; it is a positive window for Mistral, Qwen2, "
-        "Phi-3, Gemma 2 or Gemma 3",
+        "Phi-3, Gemma 2, Gemma 3 or SmolLM3",
         src, c.sliding_window, architecture_class(c.architecture));
   for (const auto& [name, v] : {std::pair{"query_pre_attn_scalar", c.query_pre_attn_scalar},
                                 {"attn_logit_softcapping", c.attn_logit_softcapping},
@@ -528,6 +573,12 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
       (c.rope_local_base_freq != 0 && c.architecture != Architecture::gemma3))
     fail("{}: rope_local_base_freq = {} is Gemma 3's positive base for its sliding layers", src,
          c.rope_local_base_freq);
+  if (!c.nope_layers.empty() && (c.architecture != Architecture::smollm3 ||
+                                 static_cast<int64_t>(c.nope_layers.size()) != c.num_hidden_layers))
+    fail(
+        "{}: {} layers are flagged as NoPE (no rotary embeddings), which only SmolLM3's {} "
+        "layers can be; {} rotates every layer",
+        src, c.nope_layers.size(), c.num_hidden_layers, architecture_class(c.architecture));
   if (!c.sliding_layers.empty() &&
       static_cast<int64_t>(c.sliding_layers.size()) != c.num_hidden_layers)
     fail("{}: {} layers are flagged for the sliding window, but the model has {}", src,
@@ -682,15 +733,20 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
   if (arch == Architecture::qwen2) c.qkv_bias = true;
   const bool gemma_like =
       arch == Architecture::gemma || arch == Architecture::gemma2 || arch == Architecture::gemma3;
-  if (arch == Architecture::llama || arch == Architecture::qwen3 || gemma_like) {
+  if (arch == Architecture::llama || arch == Architecture::qwen3 || arch == Architecture::smollm3 ||
+      gemma_like) {
     if (const json* v = field(j, "attention_bias"))
       c.qkv_bias = c.o_bias = as_bool(*v, src, "attention_bias");
   }
-  if (arch == Architecture::llama)
+  if (arch == Architecture::llama || arch == Architecture::smollm3)
     if (const json* v = field(j, "mlp_bias")) c.mlp_bias = as_bool(*v, src, "mlp_bias");
   c.qk_norm = arch == Architecture::qwen3 || arch == Architecture::gemma3;
   c.num_hidden_layers = required(j, "num_hidden_layers", src, as_int);
-  c.sliding_window = parse_sliding_window(j, src, arch, c.num_hidden_layers, c.sliding_layers);
+  if (arch == Architecture::smollm3) c.nope_layers = parse_nope_layers(j, src, c.num_hidden_layers);
+  std::vector<bool> nope = c.nope_layers;
+  nope.resize(static_cast<size_t>(std::max<int64_t>(c.num_hidden_layers, 0)), false);
+  c.sliding_window =
+      parse_sliding_window(j, src, arch, c.num_hidden_layers, c.sliding_layers, nope);
   // The MLP's activation. Gemma's configs name it twice: hidden_activation (which transformers
   // 4.38 to 4.4x read, taking gelu_pytorch_tanh where it was absent, whatever hidden_act said)
   // and hidden_act ("gelu" in Google's first configs, meaning the tanh approximation the model
@@ -766,8 +822,8 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
           src, c.hidden_size, c.num_attention_heads);
     c.head_dim = c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0;
   }
-  // Gemma's configs leave it out: GemmaConfig ties by default, the others do not.
-  c.tie_word_embeddings = gemma_like;
+  // Gemma's configs leave it out: GemmaConfig and SmolLM3Config tie by default, the others do not.
+  c.tie_word_embeddings = gemma_like || arch == Architecture::smollm3;
   if (const json* v = field(j, "tie_word_embeddings"))
     c.tie_word_embeddings = as_bool(*v, src, "tie_word_embeddings");
   if (const json* v = field(j, "rope_theta")) c.rope_theta = as_number(*v, src, "rope_theta");
@@ -818,6 +874,10 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
       fail("{}: query_pre_attn_scalar is null; Gemma 2 scales its scores by its -1/2 power, set it",
            src);
   }
+  // SmolLM3Config's rotary base where none is given.
+  if (arch == Architecture::smollm3 && field(j, "rope_theta") == nullptr &&
+      field(j, "rope_parameters") == nullptr)
+    c.rope_theta = 2e6;
   if (arch == Architecture::gemma3) {
     // The sliding layers' rotary base (Gemma3TextConfig's default 10000), and the global one's
     // default of 1e6 where rope_theta is absent.
@@ -989,6 +1049,22 @@ json to_hf_config_json(const LlamaConfig& c) {
     case Architecture::mistral:
       j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
       break;
+    case Architecture::smollm3: {
+      j["attention_bias"] = c.qkv_bias;
+      j["mlp_bias"] = c.mlp_bias;
+      json rope = json::array();  // 1: rotary embeddings, 0: a NoPE layer
+      for (int64_t l = 0; l < c.num_hidden_layers; ++l) rope.push_back(c.layer_rotates(l) ? 1 : 0);
+      j["no_rope_layers"] = rope;
+      j["use_sliding_window"] = c.sliding_window > 0;
+      j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
+      if (c.sliding_window > 0) {
+        json types = json::array();
+        for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+          types.push_back(c.layer_slides(l) ? "sliding_attention" : "full_attention");
+        j["layer_types"] = types;
+      }
+      break;
+    }
     case Architecture::phi3:
       j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
       j["resid_pdrop"] = 0.0;

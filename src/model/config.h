@@ -78,7 +78,17 @@ struct RopeScaling {
 
 // The Hugging Face class a checkpoint is written for (its "architectures" and "model_type"),
 // kept so that an exported model loads as the class it came from.
-enum class Architecture : uint8_t { llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3 };
+enum class Architecture : uint8_t {
+  llama,
+  mistral,
+  qwen2,
+  qwen3,
+  phi3,
+  gemma,
+  gemma2,
+  gemma3,
+  smollm3
+};
 std::string_view architecture_class(Architecture a);       // "LlamaForCausalLM", ...
 std::string_view architecture_model_type(Architecture a);  // "llama", "mistral", "qwen2", ...
 
@@ -126,6 +136,12 @@ struct LlamaConfig {
   // Whether layer l rotates with the local base.
   bool layer_rotates_locally(int64_t layer) const {
     return rope_local_base_freq > 0 && layer_slides(layer);
+  }
+  // SmolLM3's NoPE layers (no_rope_layers' zeros, every fourth by default): their q and k are
+  // not rotated at all. Empty: every layer rotates.
+  std::vector<bool> nope_layers;
+  bool layer_rotates(int64_t layer) const {
+    return nope_layers.empty() || !nope_layers[static_cast<size_t>(layer)];
   }
   // Mistral's sliding window: each query sees the last `sliding_window` positions, itself
   // included (AttentionMask::window), in the layers that slide: `sliding_layers` (one flag a
@@ -177,8 +193,9 @@ LlamaConfig load_llama_config(const std::filesystem::path& path);
 // positions, no rope scaling), llama3.1-8b/70b (131072 positions, llama3 rope scaling),
 // llama3.2-1b/3b (tied, rope scaling factor 32),
 // mistral-7b (v0.3: no sliding window), qwen2.5-7b/72b (q, k, v biases), qwen3-0.6b/8b
-// (q and k norms), phi3-mini, phi4, gemma-2b/7b, gemma2-2b/9b/27b, gemma3-270m/1b and
-// gemma3-4b/12b/27b (the image-text models' language models).
+// (q and k norms), phi3-mini, phi4, gemma-2b/7b, gemma2-2b/9b/27b, gemma3-270m/1b,
+// gemma3-4b/12b/27b (the image-text models' language models) and smollm3-3b (NoPE every fourth
+// layer).
 std::vector<std::string> preset_names();
 std::optional<LlamaConfig> find_preset(std::string_view name);
 // A checkpoint directory (or config.json) when the path exists, otherwise a preset name; an

@@ -728,8 +728,10 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
   }
   linear(v, xn, "v_proj", c.qkv_bias);
   const TensorView q3{q.data, t, {N, H, hd}, &device_}, k3{kk.data, t, {N, Hkv, hd}, &device_};
-  k_.rope(q3, rope, T, false, s);
-  k_.rope(k3, rope, T, false, s);
+  if (c.layer_rotates(u - 1)) {  // SmolLM3's NoPE layers attend without positions
+    k_.rope(q3, rope, T, false, s);
+    k_.rope(k3, rope, T, false, s);
+  }
   k_.attention_forward(TensorView{att.data, t, {batch, T, H, hd}, &device_}, a.lse,
                        TensorView{q.data, t, {batch, T, H, hd}, &device_}, keys, values,
                        attention_mask(u, doc_start), s);
@@ -864,8 +866,10 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
                         TensorView{v.data, t, {batch, T, Hkv, hd}, &device_},
                         TensorView{att.data, t, {batch, T, H, hd}, &device_}, a.lse,
                         attention_mask(u, doc_start), s);
-  k_.rope(TensorView{dq.data, t, {N, H, hd}, &device_}, rope, T, true, s);
-  k_.rope(TensorView{dk.data, t, {N, Hkv, hd}, &device_}, rope, T, true, s);
+  if (c.layer_rotates(u - 1)) {
+    k_.rope(TensorView{dq.data, t, {N, H, hd}, &device_}, rope, T, true, s);
+    k_.rope(TensorView{dk.data, t, {N, Hkv, hd}, &device_}, rope, T, true, s);
+  }
   // dq and dk now reach the norms' outputs (Qwen3) or the projections' (else).
   TensorView dq_proj = dq, dk_proj = dk;
   if (c.qk_norm) {

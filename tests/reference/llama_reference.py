@@ -24,7 +24,10 @@ final_logit_softcapping, and the sliding window in the layers layer_types names 
 other layer from the first). Gemma3ForCausalLM (model_type gemma3_text) is Gemma 2 with q and k
 norms (1 + w, as Qwen3's), caps only where given, the window in the layers layer_types names
 (else all but every sliding_window_pattern-th), and the sliding layers' rotary angles from
-rope_local_base_freq without rope_scaling. Which projections have biases is decided
+rope_local_base_freq without rope_scaling. SmolLM3ForCausalLM is Llama's block whose NoPE layers
+(the zeros of no_rope_layers, else every no_rope_layer_interval-th layer) rotate neither q nor k,
+with use_sliding_window a window in the layers layer_types names (else the NoPE layers), and
+biases as Llama's. Which projections have biases is decided
 here from config.json as each Hugging Face class decides it, and the checkpoint must hold
 exactly the tensors that implies.
 
@@ -198,7 +201,7 @@ def biased(cfg):
     out = set()
     if cfg.get("attention_bias"):
         out |= {"q_proj", "k_proj", "v_proj", "o_proj"}
-    if cfg.get("mlp_bias") and kind == "llama":
+    if cfg.get("mlp_bias") and kind in ("llama", "smollm3"):
         out |= {"gate_proj", "up_proj", "down_proj"}
     return out
 
@@ -239,11 +242,22 @@ def layer_window(cfg, layer):
         if kind == "gemma3_text":
             return window if (layer + 1) % cfg.get("sliding_window_pattern", 6) else None
         return window if layer % 2 == 0 else None
-    if kind not in ("qwen2", "qwen3") or not cfg.get("use_sliding_window") or window is None:
+    if kind not in ("qwen2", "qwen3", "smollm3") or not cfg.get("use_sliding_window") or window is None:
         return None
     if cfg.get("layer_types") is not None:
         return window if cfg["layer_types"][layer] == "sliding_attention" else None
+    if kind == "smollm3":
+        return None if rotates(cfg, layer) else window
     return window if layer >= cfg.get("max_window_layers", 28) else None
+
+
+def rotates(cfg, layer):
+    """Whether a layer's q and k are rotated: all but SmolLM3's NoPE layers."""
+    if cfg.get("model_type") != "smollm3":
+        return True
+    if cfg.get("no_rope_layers") is not None:
+        return cfg["no_rope_layers"][layer] == 1
+    return (layer + 1) % cfg.get("no_rope_layer_interval", 4) != 0
 
 
 def linear(cfg, p, name, x):
@@ -304,8 +318,9 @@ def forward(cfg, p, ids, dtype):
             v = linear(cfg, p, pre + "self_attn.v_proj", xn).view(B, T, Hkv, hd).transpose(1, 2)
         window = layer_window(cfg, l)
         cos, sin = local_rotations if gemma3 and window is not None else rotations
-        q = torch.cat((q[..., :rot] * cos + rotate_half(q[..., :rot]) * sin, q[..., rot:]), dim=-1)
-        k = torch.cat((k[..., :rot] * cos + rotate_half(k[..., :rot]) * sin, k[..., rot:]), dim=-1)
+        if rotates(cfg, l):
+            q = torch.cat((q[..., :rot] * cos + rotate_half(q[..., :rot]) * sin, q[..., rot:]), dim=-1)
+            k = torch.cat((k[..., :rot] * cos + rotate_half(k[..., :rot]) * sin, k[..., rot:]), dim=-1)
         k = k.repeat_interleave(H // Hkv, dim=1)
         v = v.repeat_interleave(H // Hkv, dim=1)
         layer_mask = mask
