@@ -952,6 +952,16 @@ LlamaConfig resolve_model(std::string_view dir_or_preset) {
       dir_or_preset, fmt::join(preset_names(), ", "));
 }
 
+namespace {
+// Each layer's attention as config.json's layer_types names it.
+json layer_types_json(const LlamaConfig& c) {
+  json types = json::array();
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    types.push_back(c.layer_slides(l) ? "sliding_attention" : "full_attention");
+  return types;
+}
+}  // namespace
+
 json to_hf_config_json(const LlamaConfig& c) {
   json j;
   j["architectures"] = json::array({architecture_class(c.architecture)});
@@ -1026,10 +1036,7 @@ json to_hf_config_json(const LlamaConfig& c) {
       // The window and, for transformers 4.5x, the layers it applies to; older versions slide
       // every other layer from the first, which is what Gemma 2's checkpoints do.
       j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
-      json types = json::array();
-      for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-        types.push_back(c.layer_slides(l) ? "sliding_attention" : "full_attention");
-      j["layer_types"] = types;
+      j["layer_types"] = layer_types_json(c);
       if (c.architecture == Architecture::gemma3) {
         j["rope_local_base_freq"] = c.rope_local_base_freq;
         // For transformers 4.50 to 4.52, which read the pattern: written where the layers
@@ -1058,10 +1065,7 @@ json to_hf_config_json(const LlamaConfig& c) {
       j["use_sliding_window"] = c.sliding_window > 0;
       j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
       if (c.sliding_window > 0) {
-        json types = json::array();
-        for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-          types.push_back(c.layer_slides(l) ? "sliding_attention" : "full_attention");
-        j["layer_types"] = types;
+        j["layer_types"] = layer_types_json(c);
       }
       break;
     }
@@ -1083,10 +1087,7 @@ json to_hf_config_json(const LlamaConfig& c) {
       while (first > 0 && c.layer_slides(first - 1)) --first;
       j["max_window_layers"] = first;
       if (c.sliding_window > 0) {
-        json types = json::array();
-        for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-          types.push_back(c.layer_slides(l) ? "sliding_attention" : "full_attention");
-        j["layer_types"] = types;
+        j["layer_types"] = layer_types_json(c);
       }
       break;
     }
