@@ -707,7 +707,12 @@ TEST(TrainCli, Gemma3sImageTextCheckpointTrainsItsLanguageModel) {
         {pre + "vision_tower.vision_model.post_layernorm.weight", DType::f32, {8}, vision.data()});
     tensors.push_back(
         {pre + "multi_modal_projector.mm_soft_emb_norm.weight", DType::f32, {8}, projector.data()});
-    write_safetensors(mm / "model.safetensors", tensors);
+    // The second layout sharded (model.safetensors.index.json): the vision tower's tensors are
+    // carried out of several files.
+    if (nested)
+      write_safetensors_sharded(mm, tensors, 64 * 1024);
+    else
+      write_safetensors(mm / "model.safetensors", tensors);
 
     // --log error: the warning below goes to stderr, which strata() keeps beside the JSON.
     const std::string eval =
