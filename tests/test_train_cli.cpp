@@ -640,6 +640,11 @@ TEST(TrainCli, SmolLM3TrainsAndExportsAsItsClass) {
   EXPECT_EQ(config["no_rope_layers"], json::array({1, 0}));
   EXPECT_EQ(config["layer_types"], json::array({"full_attention", "sliding_attention"}));
   EXPECT_EQ(config["sliding_window"], 8);
+  r = strata("export " + run.string() + " --out " + (dir.path / "t").string() + " --text-only");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--text-only is for a checkpoint of an image-text Gemma 3"),
+            std::string::npos)
+      << r.out;
   const std::string eval = " --data " + data.string() + " --seq-len 32 --max-sequences 4 --json";
   r = strata("eval --model " + out.string() + eval);
   ASSERT_EQ(r.status, 0) << r.out;
@@ -785,6 +790,18 @@ TEST(TrainCli, Gemma3sImageTextCheckpointTrainsItsLanguageModel) {
     EXPECT_NE(trained, want);
     EXPECT_NEAR(trained, want, 0.5);
     r = strata("--log error eval --model " + (run_dir / "checkpoints/step-2").string() + eval);
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_EQ(json::parse(r.out)["loss"].get<double>(), trained);
+    // --text-only: the language model alone, which evaluates alike.
+    const fs::path text_out = dir.path / (nested ? "text-new" : "text-old");
+    r = strata("export " + run_dir.string() + " --out " + text_out.string() +
+               " --dtype f32 --text-only");
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_EQ(json::parse(slurp(text_out / "config.json"))["architectures"],
+              json::array({"Gemma3ForCausalLM"}));
+    const SafetensorsReader text_st = SafetensorsReader::open(text_out / "model.safetensors");
+    EXPECT_EQ(text_st.names(), st.names());
+    r = strata("--log error eval --model " + text_out.string() + eval);
     ASSERT_EQ(r.status, 0) << r.out;
     EXPECT_EQ(json::parse(r.out)["loss"].get<double>(), trained);
   }

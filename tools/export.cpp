@@ -31,6 +31,7 @@ namespace fs = std::filesystem;
 
 struct ExportArgs {
   std::string checkpoint, out, dtype = "bf16", max_shard_size = "5GB";
+  bool text_only = false;
 };
 
 int run_export(const ExportArgs& a) {
@@ -74,8 +75,15 @@ int run_export(const ExportArgs& a) {
                                               : "float16";
   // An image-text Gemma 3's checkpoint: its vision tower, as the checkpoint carries it (in the
   // dtype it was read in), beside the language model under the same names, and its config.
+  // --text-only: the language model alone, a Gemma3ForCausalLM (as text-only releases of these
+  // models ship), whatever the checkpoint carries.
+  if (a.text_only && !config.image_text_checkpoint)
+    fail(
+        "export {}: --text-only is for a checkpoint of an image-text Gemma 3, and this one is of "
+        "{} alone; leave --text-only out",
+        ckpt.string(), architecture_class(config.architecture));
   std::optional<SafetensorsReader> image_text;
-  if (config.image_text_checkpoint)
+  if (config.image_text_checkpoint && !a.text_only)
     image_text.emplace(SafetensorsReader::open(ckpt / "model.safetensors"));
   add_image_text_parts(config, image_text ? &*image_text : nullptr, tensors, cfg);
   const fs::path out = a.out;
@@ -115,6 +123,8 @@ Command add_export(CLI::App& app) {
       ->required();
   cmd->add_option("--out", a->out, "the directory to write")->required();
   cmd->add_option("--dtype", a->dtype, "f32, bf16 or f16")->capture_default_str();
+  cmd->add_flag("--text-only", a->text_only,
+                "an image-text Gemma 3's language model alone, as Gemma3ForCausalLM");
   cmd->add_option("--max-shard-size", a->max_shard_size, "shard the weights past this size")
       ->capture_default_str();
   return {cmd, [a] { return run_export(*a); }};
