@@ -22,7 +22,8 @@ struct SafetensorsTensor;
 // (config.image_text_checkpoint) the language model's tensors, under the names of a
 // Gemma3ForCausalLM's (model.*, lm_head.weight), from either layout transformers saves
 // (language_model.model.*, or model.language_model.* since 4.52); the vision tower and its
-// projector are left out, which is logged as a warning.
+// projector are left out of this reader (they are not trained, which is logged as a warning;
+// checkpoints carry them through image_text_extras).
 SafetensorsReader open_model_weights(const std::filesystem::path& path, const LlamaConfig& config);
 
 // How an image-text Gemma 3's files name its language model: true for model.language_model.*
