@@ -780,7 +780,7 @@ const char* kGemma3_4b = R"({
 // Gemma3TextConfig's defaults, marked as read from an image-text checkpoint.
 TEST(LlamaConfigParse, Gemma3sImageTextConfigBuildsItsLanguageModel) {
   LlamaConfig c = parse_text(kGemma3_4b);
-  EXPECT_TRUE(c.image_text_checkpoint);
+  EXPECT_TRUE(c.image_text_checkpoint());
   EXPECT_EQ(c.name, "cfg.json");
   EXPECT_EQ(c.image_text_config, json::parse(kGemma3_4b));
   // Written back whole, its text_config the language model's every key.
@@ -793,7 +793,6 @@ TEST(LlamaConfigParse, Gemma3sImageTextConfigBuildsItsLanguageModel) {
   EXPECT_EQ(again.image_text_config, back);
   again.image_text_config = c.image_text_config;
   EXPECT_EQ(again, c);
-  c.image_text_checkpoint = false;
   c.image_text_config = nullptr;
   c.name = "gemma3-4b";
   EXPECT_EQ(c, *find_preset("gemma3-4b"));
@@ -823,7 +822,6 @@ TEST(LlamaConfigParse, Gemma3sImageTextConfigBuildsItsLanguageModel) {
                       {"rope_scaling", {{"factor", 8.0}, {"rope_type", "linear"}}},
                       {"sliding_window", 1024}};
   LlamaConfig big = parse_llama_config(j, "27b.json");
-  big.image_text_checkpoint = false;
   big.image_text_config = nullptr;
   big.name = "gemma3-27b";
   EXPECT_EQ(big, *find_preset("gemma3-27b"));

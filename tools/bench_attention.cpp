@@ -245,10 +245,10 @@ int run_bench_attention(const BenchAttentionArgs& a) {
   std::vector<std::pair<Path, std::string>> paths = {{Path::kDefault, "host"}};
   if (device.backend() == Backend::cuda) {
     paths = {{Path::kSimt, "SIMT"}};
-    const bool sixteens = dtype == DType::bf16 && a.head_dim % 16 == 0;
-    if (sixteens && a.head_dim <= 128 && a.scale == 0.0f && a.softcap == 0.0f)
+    const bool bf16 = dtype == DType::bf16;
+    if (bf16 && wmma_attention_head_dim(a.head_dim) && a.scale == 0.0f && a.softcap == 0.0f)
       paths.insert(paths.begin(), {Path::kWmma, "wmma"});
-    if (sixteens && (a.head_dim <= 128 || a.head_dim == 256))
+    if (bf16 && mma_attention_head_dim(a.head_dim))
       paths.insert(paths.begin(), {Path::kDefault, "mma.sync"});
   }
   for (const auto& [path, label] : paths) verify(device, dtype, d, path, label.c_str());

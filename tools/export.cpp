@@ -77,13 +77,13 @@ int run_export(const ExportArgs& a) {
   // dtype it was read in), beside the language model under the same names, and its config.
   // --text-only: the language model alone, a Gemma3ForCausalLM (as text-only releases of these
   // models ship), whatever the checkpoint carries.
-  if (a.text_only && !config.image_text_checkpoint)
+  if (a.text_only && !config.image_text_checkpoint())
     fail(
         "export {}: --text-only is for a checkpoint of an image-text Gemma 3, and this one is of "
         "{} alone; leave --text-only out",
         ckpt.string(), architecture_class(config.architecture));
   std::optional<SafetensorsReader> image_text;
-  if (config.image_text_checkpoint && !a.text_only)
+  if (config.image_text_checkpoint() && !a.text_only)
     image_text.emplace(SafetensorsReader::open(ckpt / "model.safetensors"));
   add_image_text_parts(config, image_text ? &*image_text : nullptr, tensors, cfg);
   const fs::path out = a.out;

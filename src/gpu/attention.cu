@@ -464,10 +464,9 @@ uint64_t attention_backward_shared_bytes(int64_t head_dim, int64_t query_rows) {
 
 bool attention_backward_on_tensor_cores(const AttentionDims& dims, uint64_t max_shared_bytes) {
   const int64_t hd = dims.head_dim;
-  if (hd <= 0 || hd % 16 != 0) return false;
-  if ((hd <= 128 || hd == 256) && attention_mma_backward_shared_bytes(hd) <= max_shared_bytes)
+  if (mma_attention_head_dim(hd) && attention_mma_backward_shared_bytes(hd) <= max_shared_bytes)
     return true;
-  return dims.plain_scores() && hd <= 128 &&
+  return dims.plain_scores() && wmma_attention_head_dim(hd) &&
          attention_tc_backward_shared_bytes(hd) <= max_shared_bytes;
 }
 

@@ -16,4 +16,14 @@ AttentionKernels attention_kernels();
 // the path they asked for ran). Always 0 without the CUDA backend.
 uint64_t attention_calls(AttentionKernels k);
 
+// The head_dims each tensor-core path takes (in bf16, where the GPU's shared memory allows):
+// attention_mma.cu's multiples of 16 up to 128, and 256; attention_tc.cu's (wmma) multiples of 16
+// up to 128. Every other call runs the SIMT kernels.
+constexpr bool mma_attention_head_dim(int64_t hd) {
+  return hd > 0 && hd % 16 == 0 && (hd <= 128 || hd == 256);
+}
+constexpr bool wmma_attention_head_dim(int64_t hd) {
+  return hd > 0 && hd % 16 == 0 && hd <= 128;
+}
+
 }  // namespace strata

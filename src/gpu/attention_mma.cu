@@ -93,10 +93,6 @@ __device__ __forceinline__ float cap_slope(float s_log2, const Geometry& g) {
   }
 }
 
-// The head_dims these kernels take: multiples of 16 up to 128, and 256.
-__host__ __device__ constexpr bool mma_head_dim(int64_t hd) {
-  return hd > 0 && hd % 16 == 0 && (hd <= 128 || hd == 256);
-}
 // Whether a kernel of NS slices keeps fewer things in registers at once (head_dim 256).
 template <int NS>
 constexpr bool kWide = NS > 8;
@@ -545,7 +541,7 @@ Geometry geometry(const AttentionDims& d) {
 }
 
 // Calls f.template operator()<NS, Cap>() with NS = head_dim / 16, for the head_dims
-// mma_head_dim takes, and Cap whether the scores are capped.
+// mma_attention_head_dim takes, and Cap whether the scores are capped.
 template <typename F>
 void dispatch_mma(const AttentionDims& d, F&& f) {
   const auto with_cap = [&]<int NS>() {
@@ -574,8 +570,8 @@ bool attention_mma_forward(void* out, float* lse, const void* q, const void* k, 
                            DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
                            cudaStream_t stream) {
   const uint64_t bytes = dims.head_dim > 0 ? forward_bytes(static_cast<int>(dims.head_dim)) : 0;
-  if (!applies(attention_kernels() == AttentionKernels::kMma, mma_head_dim(dims.head_dim), t, dims,
-               bytes, max_shared_bytes, {out, q, k, v}))
+  if (!applies(attention_kernels() == AttentionKernels::kMma, mma_attention_head_dim(dims.head_dim),
+               t, dims, bytes, max_shared_bytes, {out, q, k, v}))
     return false;
   dispatch_mma(dims, [&]<int NS, bool Cap>() {
     auto* kernel = attention_mma_forward_kernel<NS, Cap>;
@@ -594,8 +590,8 @@ bool attention_mma_backward(void* dq, void* dk, void* dv, const void* dout, cons
                             cudaStream_t stream) {
   const int hd = static_cast<int>(dims.head_dim);
   const uint64_t bytes = hd > 0 ? attention_mma_backward_shared_bytes(hd) : 0;
-  if (!applies(attention_kernels() == AttentionKernels::kMma, mma_head_dim(dims.head_dim), t, dims,
-               bytes, max_shared_bytes, {dq, dk, dv, dout, q, k, v, out}))
+  if (!applies(attention_kernels() == AttentionKernels::kMma, mma_attention_head_dim(dims.head_dim),
+               t, dims, bytes, max_shared_bytes, {dq, dk, dv, dout, q, k, v, out}))
     return false;
   const Geometry g = geometry(dims);
   dispatch_mma(dims, [&]<int NS, bool Cap>() {

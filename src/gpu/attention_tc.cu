@@ -459,8 +459,9 @@ bool attention_tc_forward(void* out, float* lse, const void* q, const void* k, c
                           DType t, const AttentionDims& dims, uint64_t max_shared_bytes,
                           cudaStream_t stream) {
   const uint64_t bytes = dims.head_dim > 0 ? forward_bytes(static_cast<int>(dims.head_dim)) : 0;
-  if (!applies(attention_kernels() != AttentionKernels::kSimt, up_to_max_head_dim(dims.head_dim), t,
-               dims, bytes, max_shared_bytes, {out, q, k, v}))
+  if (!applies(attention_kernels() != AttentionKernels::kSimt,
+               wmma_attention_head_dim(dims.head_dim), t, dims, bytes, max_shared_bytes,
+               {out, q, k, v}))
     return false;
   dispatch_slices(dims.head_dim, [&]<int NS>() {
     auto* kernel = attention_tc_forward_kernel<NS>;
@@ -479,8 +480,9 @@ bool attention_tc_backward(void* dq, void* dk, void* dv, const void* dout, const
                            cudaStream_t stream) {
   const int hd = static_cast<int>(dims.head_dim);
   const uint64_t bytes = hd > 0 ? attention_tc_backward_shared_bytes(hd) : 0;
-  if (!applies(attention_kernels() != AttentionKernels::kSimt, up_to_max_head_dim(dims.head_dim), t,
-               dims, bytes, max_shared_bytes, {dq, dk, dv, dout, q, k, v, out}))
+  if (!applies(attention_kernels() != AttentionKernels::kSimt,
+               wmma_attention_head_dim(dims.head_dim), t, dims, bytes, max_shared_bytes,
+               {dq, dk, dv, dout, q, k, v, out}))
     return false;
   const Geometry g = geometry(dims);
   dispatch_slices(dims.head_dim, [&]<int NS>() {

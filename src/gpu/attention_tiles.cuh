@@ -15,11 +15,7 @@ namespace strata::gpu::attention_tiles {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTile = 64;         // query rows or keys of a block, and of the tiles it walks
-constexpr int kMaxHeadDim = 128;  // of dispatch_slices, and of attention_tc.cu
-
-inline bool up_to_max_head_dim(int64_t hd) {
-  return hd > 0 && hd % 16 == 0 && hd <= kMaxHeadDim;
-}
+constexpr int kMaxHeadDim = 128;  // of dispatch_slices (wmma_attention_head_dim's largest)
 
 // 16 bytes from src to dst, both 16-byte aligned (the emulator copies bytes, which C++ allows).
 __device__ __forceinline__ void copy16(void* dst, const void* src) {
@@ -63,7 +59,7 @@ void dispatch_slices(int64_t head_dim, F&& f) {
 }
 
 // Whether a tensor-core path that is switched on (`enabled`) and takes this head_dim
-// (`head_dim_ok`: a multiple of 16 up to 128, and for attention_mma.cu 256 too) takes a call of
+// (`head_dim_ok`: attention_kernels.h's rule for that path) takes a call of
 // dtype t needing `bytes` of shared memory per block: bf16, the device allowing the memory, every
 // pointer 16-byte aligned, and as many queries as keys (their tiles walk whole sequences;
 // decoding's few queries against cached keys go to the SIMT kernel).

@@ -718,7 +718,6 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
     LlamaConfig c =
         parse_llama_config(gemma3_text_config(j, src), fmt::format("{} (text_config)", src));
     c.name = std::string(src);
-    c.image_text_checkpoint = true;
     c.image_text_config = j;
     return c;
   }
@@ -1097,7 +1096,7 @@ json to_hf_config_json(const LlamaConfig& c) {
 }
 
 json to_hf_image_text_config_json(const LlamaConfig& c) {
-  if (!c.image_text_checkpoint || !c.image_text_config.is_object())
+  if (!c.image_text_checkpoint())
     fail("{}: not read from an image-text checkpoint; this is a bug in strata", c.name);
   json outer = c.image_text_config;
   json text = to_hf_config_json(c);

@@ -160,8 +160,8 @@ struct LlamaConfig {
   // a vision tower, which strata does not train (open_model_weights). Checkpoints and exports
   // carry the vision tower's tensors unchanged and are that class again
   // (to_hf_image_text_config_json), as long as a run has them (not with --init random).
-  bool image_text_checkpoint = false;
   nlohmann::json image_text_config;  // the image-text config.json, whole; null otherwise
+  bool image_text_checkpoint() const { return image_text_config.is_object(); }
 
   bool operator==(const LlamaConfig&) const = default;
 };

@@ -100,7 +100,7 @@ void nest_language_model(std::vector<SafetensorsTensor>& tensors, bool nested) {
 
 SafetensorsReader open_model_weights(const std::filesystem::path& path, const LlamaConfig& config) {
   SafetensorsReader reader = SafetensorsReader::open(path);
-  if (!config.image_text_checkpoint) return reader;
+  if (!config.image_text_checkpoint()) return reader;
   const std::optional<bool> nested = image_text_nested_names(reader);
   if (!nested)
     fail(

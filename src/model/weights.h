@@ -19,7 +19,7 @@ struct SafetensorsTensor;
 
 // The weights of the model `config` describes, from `path` (a model directory, or what
 // SafetensorsReader::open takes). For a Gemma3ForConditionalGeneration checkpoint
-// (config.image_text_checkpoint) the language model's tensors, under the names of a
+// (config.image_text_checkpoint()) the language model's tensors, under the names of a
 // Gemma3ForCausalLM's (model.*, lm_head.weight), from either layout transformers saves
 // (language_model.model.*, or model.language_model.* since 4.52); the vision tower and its
 // projector are left out of this reader (they are not trained, which is logged as a warning;

@@ -211,7 +211,7 @@ std::vector<fs::path> model_side_files(const std::string& model) {
 
 void add_image_text_parts(const LlamaConfig& config, const SafetensorsReader* image_text,
                           std::vector<SafetensorsTensor>& tensors, nlohmann::json& config_json) {
-  if (image_text == nullptr || !config.image_text_checkpoint) return;
+  if (image_text == nullptr || !config.image_text_checkpoint()) return;
   const std::optional<bool> nested = image_text_nested_names(*image_text);
   if (!nested) return;  // not an image-text model's files: the language model alone
   nest_language_model(tensors, *nested);

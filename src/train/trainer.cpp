@@ -241,7 +241,7 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   // An image-text Gemma 3's vision tower, which checkpoints carry: from the model read, or from
   // the checkpoint resumed from (which carries it, unless the run began from --init random).
   std::optional<SafetensorsReader> image_text;
-  if (model.image_text_checkpoint) {
+  if (model.image_text_checkpoint()) {
     const fs::path from = s.resume                                      ? ckpt / "model.safetensors"
                           : fs::is_directory(s.model) && !s.init_random ? fs::path(s.model)
                                                                         : fs::path();
