@@ -455,6 +455,17 @@ TEST_P(ZeroLlama, ForwardBackwardOverNRanksMatchesOne) {
         relative_error(one.grads[static_cast<size_t>(u)], resident_grads[static_cast<size_t>(u)]),
         1e-6)
         << "unit " << u;
+  {
+    // One rank uses each unit where it lies: its working buffers hold gradients alone.
+    uint64_t grads_numel = 0, own = 0;
+    for (const UnitPartition& up : one.partition.units) {
+      if (!up.replicated) grads_numel = std::max(grads_numel, up.padded);
+      if (up.replicated) own += round_up(up.numel * 4, 256);
+    }
+    EXPECT_EQ(one.memory[0].peak_of(MemoryKind::gathered),
+              2 * round_up(grads_numel * 4, 256) + own);
+    EXPECT_EQ(one.memory[0].peak_of(MemoryKind::communication), 0u);  // adds in place
+  }
 
   for (int N = 2; N <= 4; ++N) {
     SCOPED_TRACE("N = " + std::to_string(N));

@@ -163,8 +163,9 @@ TEST_P(PlacementAllocations, GpuFiguresEqualTheArenasPeaks) {
   const TierBytes t = p.needs();
 
   // By hand: every unit's resident elements in f32, each buffer rounded to 256 bytes.
-  // The working buffers: a pool of two for gathered units (parameters and gradients), and the
-  // working gradients of each replicated unit.
+  // The working buffers: a pool of two for gathered units (parameters and gradients; one rank
+  // uses a unit's parameters where they lie, so gradients alone), and the working gradients of
+  // each replicated unit. The staging of the sums added into sharded G: several ranks only.
   uint64_t params = 0, gather = 0, replicated = 0;
   for (const UnitPartition& up : p.partition.units) {
     params += round256(up.resident() * 4);
@@ -173,8 +174,10 @@ TEST_P(PlacementAllocations, GpuFiguresEqualTheArenasPeaks) {
   }
   EXPECT_EQ(t.at(Tier::gpu, StateKind::parameters), params);
   EXPECT_EQ(t.at(Tier::gpu, StateKind::gradients), params);
-  EXPECT_EQ(t.at(Tier::gpu, StateKind::working), 2 * 2 * round256(gather * 4) + replicated);
-  EXPECT_EQ(t.at(Tier::gpu, StateKind::other), round256(p.partition.max_shard_numel() * 4));
+  EXPECT_EQ(t.at(Tier::gpu, StateKind::working),
+            (N > 1 ? 2 : 1) * 2 * round256(gather * 4) + replicated);
+  EXPECT_EQ(t.at(Tier::gpu, StateKind::other),
+            N > 1 && gather > 0 ? round256(p.partition.max_shard_numel() * 4) : 0);
   uint64_t optimizer = 0;
   for (const UnitPartition& up : p.partition.units) optimizer += 3 * round256(up.resident() * 4);
   EXPECT_EQ(t.at(Tier::gpu, StateKind::optimizer), optimizer);
@@ -328,15 +331,23 @@ TEST(Placement, HostAndNvmeBytesByHand) {
   EXPECT_EQ(tg.at(Tier::cpu, StateKind::optimizer), optimizer);
   EXPECT_EQ(g.pinned_buffer_bytes, page(largest_g));
   EXPECT_EQ(g.pinned_need(), g.pinned_bytes());
-  // Automatic: on the GPU while its budget allows, in forward order.
+  // Automatic: on the GPU while its budget allows, in forward order. With three ranks the
+  // first G on the GPU brings ZeroModel's staging of the sums it adds there.
   r.grads = GradHome::automatic;
   TierBudgets b = roomy();
-  b.gpu_memory = p.needs().total(Tier::gpu) + round256(g.partition.units[0].shard * 4) +
+  const uint64_t staging = round256(g.partition.max_shard_numel() * 4);
+  EXPECT_EQ(p.needs().at(Tier::gpu, StateKind::other), staging);  // the executor's alone
+  EXPECT_EQ(g.needs().at(Tier::gpu, StateKind::other), staging);  // ZeroModel's alone
+  b.gpu_memory = p.needs().total(Tier::gpu) + round256(g.partition.units[0].shard * 4) + staging +
                  round256(g.partition.units[1].shard * 4) / 2;
   const Placement part = Placement::make(s, r, b);
   EXPECT_EQ(part.homes[0].grad, Tier::gpu);
   for (size_t u = 1; u < part.homes.size(); ++u) EXPECT_EQ(part.homes[u].grad, Tier::cpu) << u;
+  EXPECT_EQ(part.needs().at(Tier::gpu, StateKind::other), 2 * staging);  // both
   EXPECT_NO_THROW(part.check(b));
+  b.gpu_memory -= staging;  // without room for ZeroModel's staging, unit 0's G stays on the host
+  EXPECT_EQ(Placement::make(s, r, b).homes[0].grad, Tier::cpu);
+  b.gpu_memory += staging;
   // Asked for on the GPU where it does not fit: check() refuses it.
   r.grads = GradHome::gpu;
   expect_error([&] { Placement::make(s, r, b).check(b); }, {"gpu (per device)", "gradients"});

@@ -77,11 +77,11 @@ ZeroModel::ZeroModel(const ModelLayout& layout, Communicator& comm, const ZeroOp
         rank->grads.emplace_back(d, grad_resident(u) ? up.resident() * gs : 0,
                                  "gradients of " + what, MemoryKind::gradients);
     }
-    // Only units whose G is resident and sharded add through the staging; without such a
-    // unit nothing is allocated for it.
+    // Only units whose G is resident and sharded add through the staging, and only with
+    // several ranks (one adds its working gradients in place); else nothing is allocated.
     bool staged_adds = false;
     for (int u = 0; u < partition_.num_units(); ++u)
-      staged_adds = staged_adds || (!partition_.units[static_cast<size_t>(u)].replicated &&
+      staged_adds = staged_adds || (N > 1 && !partition_.units[static_cast<size_t>(u)].replicated &&
                                     options.with_grads && grad_resident(u));
     if (staged_adds)
       rank->scratch = DeviceBuffer(d, partition_.max_shard_numel() * gs, "reduce-scatter staging",
@@ -104,8 +104,11 @@ ZeroModel::ZeroModel(const ModelLayout& layout, Communicator& comm, const ZeroOp
     slots_.push_back(std::move(slot));
     return static_cast<int>(slots_.size()) - 1;
   };
+  // One rank uses a sharded unit where its parameters are (gather()): its working buffers hold
+  // gradients only.
+  const uint64_t gathered_bytes = N == 1 ? 0 : gather_numel * ps;
   for (int i = 0; i < options.working_buffers; ++i)
-    add_slot(gather_numel * ps, grad_numel * gs,
+    add_slot(gathered_bytes, grad_numel * gs,
              fmt::format("working buffer {} (gathered parameters)", i),
              fmt::format("working buffer {} (unit gradients)", i));
   rep_slot_.assign(U, -1);
@@ -380,7 +383,12 @@ std::vector<UnitBuffers> ZeroModel::gather(int u, const std::vector<Stream*>& st
     }
   }
   const DType pt = options_.param_dtype;
-  if (!up.replicated) {
+  if (!up.replicated && N == 1) {
+    // One rank's shard is the whole (padded) unit: the all-gather would copy it unchanged, so
+    // the unit is used where it lies, resident or in the caller's buffer.
+    out[0].params =
+        shards.empty() ? ranks_[0]->params[static_cast<size_t>(u)].data() : shards[0].data;
+  } else if (!up.replicated) {
     Slot& slot = *slots_[static_cast<size_t>(s)];
     std::vector<TensorView> send, recv;
     for (int r = 0; r < N; ++r) {

@@ -623,6 +623,13 @@ void Executor::State::resolve(bool allocate_staging) {
           if (up(x).replicated) continue;  // used in place, never gathered
           const int g = latest_for(TaskKind::gather, x, t.rank, t);
           need(g, t, "gather");
+          if (N == 1 && !zero->param_resident(x)) {
+            // One rank computes on the landing buffer itself (ZeroModel::gather), so it is
+            // read until the run's last compute, not just by the gather.
+            const int landed = latest_for(TaskKind::param_h2d, x, t.rank, t);
+            need(landed, t, "param_h2d");
+            read(landed, t.id);
+          }
           const int leader = group_of[static_cast<size_t>(g)].first;
           uses[id].push_back(leader);
           if (t.kind == TaskKind::backward) gather_bwd[static_cast<size_t>(leader)] = 1;

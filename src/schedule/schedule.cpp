@@ -114,7 +114,8 @@
 // what one rank moves in a ring, which is what a bus bandwidth (NCCL's busbw) is the rate of:
 // gather (R-1)/R of the padded unit in param dtype, reduce_scatter (R-1)/R of it in grad dtype,
 // the all-reduce of a replicated unit 2(R-1)/R of it; with one rank they move nothing over a
-// link (bytes: what the device copies). Their local_bytes, the working gradients zeroed in the
+// link (bytes: what the device copies, none for a gather, which uses the unit where it lies).
+// Their local_bytes, the working gradients zeroed in the
 // device's own memory, go at its copy rate, not the link's. Forward
 // FLOPs per rank, with t = micro_batch x seq_len tokens: a block 2 x (its q, k, v, o, gate, up,
 // down weights) x t + causal attention 2 x micro_batch x seq_len^2 x heads x head_dim (QK^T and
@@ -686,7 +687,8 @@ class Builder {
                                   : gate(r);
       const int g = add(TaskKind::gather, LaneKind::comm, r, u, m, deps);
       task(g).group = group;
-      task(g).bytes = R_ > 1 ? up.padded * ps_ * uint64_t(R_ - 1) / uint64_t(R_) : up.padded * ps_;
+      // One rank uses the unit where it lies (ZeroModel::gather): nothing to copy.
+      task(g).bytes = R_ > 1 ? up.padded * ps_ * uint64_t(R_ - 1) / uint64_t(R_) : 0;
       if (backward) task(g).local_bytes = up.padded * gs_;  // the working gradients zeroed
       wait_for_slot(g, run.slot, r);
       if (first && home == Tier::gpu) wait_for_param_writer(g, u, r);

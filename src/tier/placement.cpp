@@ -80,15 +80,17 @@ struct FixedGpu {
 FixedGpu fixed_gpu(const RunShape& s, const Partition& p) {
   const Sizes z = sizes_of(s);
   // The pool gathers sharded units (parameters and working gradients); a replicated unit is
-  // used in place, with working gradients of its own (as ZeroModel allocates them).
+  // used in place, with working gradients of its own (as ZeroModel allocates them). One rank
+  // uses a sharded unit in place too (its shard is the whole unit): the pool holds gradients
+  // alone.
   // Without training there are no gradients: ZeroModel allocates no working gradients and no
   // reduce-scatter staging, and the executor no activation gradients.
   const uint64_t gather_numel = p.max_gathered_numel();
   const uint64_t grads = s.training ? 1 : 0;
   FixedGpu f;
   const auto wb = static_cast<uint64_t>(s.working_buffers);
-  f.working = wb * (device_buffer(gather_numel * z.ps, z.align) +
-                    grads * device_buffer(gather_numel * z.gs, z.align));
+  const uint64_t gathered = s.ranks > 1 ? device_buffer(gather_numel * z.ps, z.align) : 0;
+  f.working = wb * (gathered + grads * device_buffer(gather_numel * z.gs, z.align));
   for (const UnitPartition& up : p.units)
     if (up.replicated) f.working += grads * device_buffer(up.numel * z.gs, z.align);
   f.landing = wb * device_buffer(p.max_shard_numel() * z.ps, z.align);
@@ -108,8 +110,29 @@ FixedGpu fixed_gpu(const RunShape& s, const Partition& p) {
                   grads * 2 * device_buffer(flow, z.align);
   if (s.kv_cache)  // the executor's buffer of the last position's logits
     f.activations += device_buffer(static_cast<uint64_t>(s.model.vocab_size) * 4, z.align);
-  f.other = grads * device_buffer(p.max_shard_numel() * z.gs, z.align);
+  // A shard of gradients: the executor's staging of the summed shard on its way to the host
+  // (units whose G is off the GPU) and, with several ranks, ZeroModel's staging of the sum it
+  // adds into a GPU-homed G. Which of them exist depends on the homes (gpu_staging); this is
+  // the most they take.
+  f.other = grads * static_cast<uint64_t>(s.ranks > 1 ? 2 : 1) *
+            device_buffer(p.max_shard_numel() * z.gs, z.align);
   return f;
+}
+
+// The gradient staging the homes call for (FixedGpu::other is its bound): a shard for the
+// executor's transfers of units whose G is off the GPU, and with several ranks one for
+// ZeroModel's adds into sharded units' GPU-homed G.
+uint64_t gpu_staging(const RunShape& s, const Partition& p, const std::vector<UnitHomes>& homes) {
+  if (!s.training) return 0;
+  const Sizes z = sizes_of(s);
+  bool off = false, added = false;
+  for (size_t u = 0; u < homes.size(); ++u) {
+    if (p.units[u].replicated) continue;
+    off = off || homes[u].grad != Tier::gpu;
+    added = added || (s.ranks > 1 && homes[u].grad == Tier::gpu);
+  }
+  return static_cast<uint64_t>((off ? 1 : 0) + (added ? 1 : 0)) *
+         device_buffer(p.max_shard_numel() * z.gs, z.align);
 }
 
 // The homes of the gradient accumulators of units whose optimizer is off the GPU (GradHome):
@@ -121,6 +144,12 @@ void place_gradients(Placement& p, const TierBudgets& budgets) {
   for (UnitHomes& h : p.homes) h.grad = h.optimizer == Tier::gpu ? Tier::gpu : Tier::cpu;
   if (r.grads == GradHome::cpu) return;
   uint64_t gpu = p.needs().total(Tier::gpu);
+  // With several ranks the first sharded unit whose G comes to the GPU brings ZeroModel's
+  // staging of the sums it adds (gpu_staging).
+  bool staging = false;
+  for (size_t u = 0; u < p.homes.size(); ++u)
+    staging = staging || (!p.partition.units[u].replicated && p.homes[u].grad == Tier::gpu);
+  staging = staging || p.shape.ranks == 1;
   for (size_t u = 0; u < p.homes.size(); ++u) {
     UnitHomes& h = p.homes[u];
     const UnitPartition& up = p.partition.units[u];
@@ -138,10 +167,12 @@ void place_gradients(Placement& p, const TierBudgets& budgets) {
       continue;
     }
     // A replicated unit's gradients are resident on every GPU whatever their home.
-    const uint64_t more = up.replicated ? 0 : device_buffer(up.resident() * z.gs, z.align);
+    uint64_t more = up.replicated ? 0 : device_buffer(up.resident() * z.gs, z.align);
+    if (more > 0 && !staging) more += device_buffer(p.partition.max_shard_numel() * z.gs, z.align);
     if (r.grads == GradHome::automatic && more > 0 && gpu + more > budgets.gpu_memory) continue;
     gpu += more;
     h.grad = Tier::gpu;
+    staging = staging || !up.replicated;
   }
 }
 
@@ -474,7 +505,7 @@ TierBytes Placement::needs() const {
                                          [](const UnitHomes& h) { return h.param != Tier::gpu; });
   t.at(Tier::gpu, StateKind::working) = f.working + (param_off_gpu ? f.landing : 0);
   t.at(Tier::gpu, StateKind::activations) = f.activations;
-  t.at(Tier::gpu, StateKind::other) = f.other;
+  t.at(Tier::gpu, StateKind::other) = gpu_staging(shape, partition, homes);
   uint64_t stripes = 0;
   const uint64_t stripe = request.nvme_stripe;
   for (size_t u = 0; u < homes.size(); ++u) {

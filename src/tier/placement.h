@@ -208,10 +208,12 @@ struct Placement {
   // Exact bytes per tier and kind, as the allocations round them. GPU, per device:
   // parameters (gpu-homed shards; replicated units whole), gradients (gpu-homed G),
   // optimizer (gpu-homed O: master, m, v as three f32 buffers), working (working_buffers ×
-  // (the largest gathered unit in param dtype + the largest unit's working gradient in grad
-  // dtype), plus working_buffers landing buffers of the largest shard when some P lives off
-  // the GPU), activations (LlamaModel::workspace_bytes_for + the two activation gradients
-  // ZeroRunner passes between units), other (ZeroModel's reduce-scatter staging). CPU (node):
+  // (the largest gathered unit in param dtype, but for one rank, which uses units where they
+  // lie + the largest unit's working gradient in grad dtype), plus working_buffers landing
+  // buffers of the largest shard when some P lives off the GPU), activations
+  // (LlamaModel::workspace_bytes_for + the two activation gradients ZeroRunner passes between
+  // units), other (a shard of gradients for the executor's transfers of G homed off the GPU,
+  // and with several ranks one for ZeroModel's adds into GPU-homed G). CPU (node):
   // cpu-homed P, G, O of every rank (a replicated unit's once), each shard rounded up to a
   // 4 KiB page as the pinned pool hands it out, and the pinned buffers.
   // NVMe: nvme-homed P and O of every rank, one swap-store shard per (unit, rank, kind),
