@@ -408,7 +408,7 @@ TEST(Placement, CheckRefusesWithATable) {
   expect_error([&] { p.check(b); },
                {"does not fit", "tier", "needed", "available", "over by", "gpu (per device)",
                 format_bytes(t.total(Tier::gpu)), "1 B", "optimizer", "activations",
-                "--offload-optimizer cpu", "micro-batch"});
+                "--offload-optimizer cpu", "micro-batch", "--offload-param cpu or nvme"});
 
   const Placement host = Placement::make(s, request(Tier::cpu, Tier::cpu), roomy());
   b = roomy();
@@ -421,6 +421,24 @@ TEST(Placement, CheckRefusesWithATable) {
   expect_error([&] { host.check(b); }, {"pinned", "ulimit -l", "pin_memory false"});
   b.pinned_limit = kUnlimited;
   EXPECT_NO_THROW(host.check(b));
+  // Short of GPU memory with the parameters offloaded: the replicated units left on the GPU
+  // are no reason to suggest offloading them, but a lower persistence threshold would move
+  // them.
+  const Placement norms =
+      Placement::make(tiny_shape(2, 40000), request(Tier::cpu, Tier::cpu), roomy());
+  ASSERT_GT(norms.needs().at(Tier::gpu, StateKind::parameters), 0u);
+  b.gpu_memory = norms.needs().total(Tier::gpu) - 1;
+  try {
+    norms.check(b);
+    ADD_FAILURE() << "a GPU one byte short fits";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("gpu (per device)"), std::string::npos) << e.what();
+    EXPECT_EQ(std::string(e.what()).find("offload the parameters"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("a lower --persistence-threshold (now 40000"),
+              std::string::npos)
+        << e.what();
+  }
+  b = roomy();
 
   const Placement nvme = Placement::make(s, request(Tier::nvme, Tier::nvme), roomy());
   b = roomy();

@@ -221,8 +221,9 @@ std::string buffer_reuse_violation(const Schedule& s) {
         }
     if (t.slot >= 0) {
       auto& list = holdings[{100 + t.slot, t.rank}];
+      // One rank's grad_d2h reads the working gradients of the holding it follows.
       const bool joins =
-          t.kind == TaskKind::reduce_scatter ||
+          t.kind == TaskKind::reduce_scatter || t.kind == TaskKind::grad_d2h ||
           (t.kind == TaskKind::gather && !list.empty() &&
            s.tasks[static_cast<size_t>(list.back().back())].kind == TaskKind::param_h2d &&
            s.tasks[static_cast<size_t>(list.back().back())].unit == t.unit);
@@ -239,8 +240,10 @@ std::string buffer_reuse_violation(const Schedule& s) {
     for (size_t k = 0; k + 1 < list.size(); ++k)
       for (int a : list[k])
         for (int b : list[k + 1]) {
-          // A param_h2d fills the parameter part; a reduce-scatter reads the gradient part.
-          if (s.tasks[static_cast<size_t>(a)].kind == TaskKind::reduce_scatter &&
+          // A param_h2d fills the parameter part; a reduce-scatter or a grad_d2h reads the
+          // gradient part.
+          const TaskKind ka = s.tasks[static_cast<size_t>(a)].kind;
+          if ((ka == TaskKind::reduce_scatter || ka == TaskKind::grad_d2h) &&
               s.tasks[static_cast<size_t>(b)].kind == TaskKind::param_h2d)
             continue;
           if (!before[static_cast<size_t>(b)][static_cast<size_t>(a)])
@@ -1340,9 +1343,11 @@ TEST(Schedule, OneRankCollectivesCountTheDeviceCopies) {
         EXPECT_TRUE(t.local_bytes == 0 || t.local_bytes == up.padded * gs) << t.local_bytes;
         for_backward += t.local_bytes == up.padded * gs;
       } else if (t.kind == TaskKind::reduce_scatter) {
-        // Out to the host: one copy; into a resident shard: an add in place (a copy and a half
-        // of traffic).
-        EXPECT_EQ(t.bytes, g_gpu ? up.padded * gs * 3 / 2 : up.padded * gs) << up.name;
+        // Out to the host: nothing (the grad_d2h reads the working gradients); into a resident
+        // shard: an add in place (a copy and a half of traffic).
+        EXPECT_EQ(t.bytes, g_gpu ? up.padded * gs * 3 / 2 : 0) << up.name;
+      } else if (t.kind == TaskKind::grad_d2h) {
+        EXPECT_EQ(t.slot >= 0, !up.replicated) << up.name;  // from the working buffer
       }
     }
     EXPECT_EQ(for_backward, s.units);  // every unit is gathered once for its backward

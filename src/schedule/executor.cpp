@@ -284,7 +284,12 @@ struct Executor::State {
   // Gather leaders: the compute tasks and reduce-scatters that use the gathered unit; the
   // last of them to finish releases it.
   std::vector<int> holders;
-  std::vector<int> rs_gather;                 // reduce-scatter leaders: the gather leader they read
+  // Reduce-scatter leaders, and one rank's direct grad_d2h tasks: the gather leader they read.
+  std::vector<int> rs_gather;
+  // One rank's grad_d2h tasks that copy the working gradients themselves to the host (the
+  // schedule gives them the working buffer, Task::slot), and their reduce-scatters, which then
+  // do nothing: the unit stays gathered until the copy is done.
+  std::vector<char> direct;
   std::vector<char> d2h_staged;               // grad_d2h: via a pinned buffer (accumulated)
   std::vector<std::vector<int>> lanes;        // tasks per lane
   std::vector<std::pair<int, int>> group_of;  // per task: [first, end) of its group
@@ -300,7 +305,7 @@ struct Executor::State {
     const Schedule* sc = nullptr;
     std::vector<int> slot, holders, rs_gather;
     std::vector<std::vector<int>> src, uses, lanes;
-    std::vector<char> gather_bwd, rs_clear, d2h_staged, front;
+    std::vector<char> gather_bwd, rs_clear, d2h_staged, front, direct;
     std::vector<std::pair<int, int>> group_of;
     std::vector<std::vector<int>> xprev;
     std::vector<int64_t> done_at;
@@ -319,6 +324,7 @@ struct Executor::State {
     gather_bwd.swap(r.gather_bwd);
     rs_clear.swap(r.rs_clear);
     d2h_staged.swap(r.d2h_staged);
+    direct.swap(r.direct);
     group_of.swap(r.group_of);
     front.swap(r.front);
     xprev.swap(r.xprev);
@@ -527,6 +533,7 @@ void Executor::State::resolve(bool allocate_staging) {
   holders.assign(T, 0);
   rs_gather.assign(T, -1);
   d2h_staged.assign(T, 0);
+  direct.assign(T, 0);
   group_of.assign(T, {0, 0});
   xprev.assign(T, {});
   done_at.assign(T, -1);
@@ -638,13 +645,14 @@ void Executor::State::resolve(bool allocate_staging) {
         if (t.kind == TaskKind::backward)
           for (int d : t.deps) {
             const Task& p = sc->tasks[static_cast<size_t>(d)];
-            if (p.kind == TaskKind::reduce_scatter && p.unit == u && !up(u).replicated)
+            if (p.unit != u || up(u).replicated) continue;
+            if (p.kind == TaskKind::reduce_scatter)
               rs_clear[static_cast<size_t>(group_of[static_cast<size_t>(d)].first)] = 1;
           }
         break;
       }
       case TaskKind::reduce_scatter:
-        if (!zero->grad_resident(u)) pool_of[id] = 1 + N + t.rank;
+        if (!zero->grad_resident(u)) pool_of[id] = 1 + N + t.rank;  // unless direct (below)
         if (!up(u).replicated) {
           const int g = latest_for(TaskKind::gather, u, t.rank, t);
           need(g, t, "gather");
@@ -655,8 +663,23 @@ void Executor::State::resolve(bool allocate_staging) {
         }
         break;
       case TaskKind::grad_d2h:
-        if (!up(u).replicated) {
+        if (t.slot >= 0) {
+          if (N != 1 || zero->grad_resident(u) || up(u).replicated)
+            fail(
+                "schedule: {} reads a working buffer, which only one rank's grad_d2h of a "
+                "sharded unit with G off the GPU does",
+                task_label(*sc, t));
           const int p = latest_for(TaskKind::reduce_scatter, u, t.rank, t);
+          need(p, t, "reduce_scatter");
+          pool_of[static_cast<size_t>(p)] = -1;  // no staging: this copy reads the gradients
+          direct[static_cast<size_t>(p)] = 1;
+          direct[id] = 1;
+          const int g = latest_for(TaskKind::gather, u, t.rank, t);
+          need(g, t, "gather");
+          rs_gather[id] = group_of[static_cast<size_t>(g)].first;
+          ++holders[static_cast<size_t>(rs_gather[id])];
+        } else if (!up(u).replicated) {
+          const int p = latest_for(TaskKind::reduce_scatter, u, t.rank, t);  // its staging
           need(p, t, "reduce_scatter");
           src[id] = {p};
           read(p, t.id);
@@ -1253,6 +1276,14 @@ void Executor::State::run_group(int first, int end) {
       views[static_cast<size_t>(r)][static_cast<size_t>(u)] = g[static_cast<size_t>(r)];
     users_left[static_cast<size_t>(first)] = holders[static_cast<size_t>(first)];
   } else if (t.kind == TaskKind::reduce_scatter) {
+    if (direct[static_cast<size_t>(first)]) {  // the grad_d2h reads the working gradients
+      if (rs_clear[static_cast<size_t>(first)] != 0)
+        fail("schedule: a backward adds into unit {}'s working gradients before {} reads them",
+             up(u).name, task_label(*sc, t));
+      std::lock_guard lock(mu);
+      if (rs_gather[static_cast<size_t>(first)] >= 0) let_go(rs_gather[static_cast<size_t>(first)]);
+      return;
+    }
     std::vector<TensorView> out;
     if (!zero->grad_resident(u))
       for (int i = first; i < end; ++i) {
@@ -1494,8 +1525,23 @@ void Executor::State::run_task(const Task& t, int64_t k) {
       char* to = d2h_staged[static_cast<size_t>(t.id)]
                      ? pin(t.id) + rank_part(r, n * gs)
                      : host_g[static_cast<size_t>(u)][static_cast<size_t>(r)];
-      const int p = src[static_cast<size_t>(t.id)][0];
       Stream& st = *streams[static_cast<size_t>(r)].d2h;
+      if (direct[static_cast<size_t>(t.id)]) {
+        const void* g = nullptr;
+        {
+          std::lock_guard lock(mu);
+          g = views[0][static_cast<size_t>(u)].grads;
+        }
+        if (g == nullptr)
+          fail("executor: {} finds unit {} not gathered; this is a bug in strata's schedule",
+               task_label(*sc, t), up(u).name);
+        dev(0).copy_to_host(to, g, n * gs, st);
+        st.synchronize();
+        std::lock_guard lock(mu);
+        let_go(rs_gather[static_cast<size_t>(t.id)]);
+        return;
+      }
+      const int p = src[static_cast<size_t>(t.id)][0];
       dev(r).copy_to_host(
           to,
           dev_grad[static_cast<size_t>(r)][static_cast<size_t>(slot[static_cast<size_t>(p)])]

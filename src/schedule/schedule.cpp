@@ -67,10 +67,15 @@
 // G home cpu: grad_d2h per rank (replicated units: rank 0 only, all ranks hold the same
 // sum); m == 0 writes G directly, m > 0 stages into a pinned buffer and a grad_accumulate on
 // cpu.adam adds it into G. A reduce_scatter on rank r waits for that rank's previous grad_d2h (the
-// reduce-scatter output on the GPU is one buffer per rank). After the last micro-batch: one
-// grad_stats per unit on cpu.adam (G home cpu; emitted right after the unit's gradients are
-// final) or one per rank on gpu[r].compute (emitted after the last backward, in backward
-// order).
+// reduce-scatter output on the GPU is one buffer per rank). One rank has nothing to reduce: its
+// grad_d2h of a sharded unit copies the working gradients from the working buffer (its
+// Task::slot), the reduce_scatter moves nothing, and the buffer's next gather (which zeroes the
+// gradients; not a param_h2d, which fills its own landing buffer) waits for that grad_d2h as
+// for a last user; but where a later backward of the run adds into the gradients (a micro-batch
+// group reduced per micro-batch) they go through the staging as with several ranks. After the last
+// micro-batch: one grad_stats per unit on cpu.adam (G home cpu; emitted right after the unit's
+// gradients are final) or one per rank on gpu[r].compute (emitted after the last backward, in
+// backward order).
 //
 // Optimizer, u = 0..U-1: O home nvme -> optim_read, then adam (cpu.adam over all ranks'
 // shards when O is on the host, else one per rank on gpu[r].compute) after every grad_stats,
@@ -279,7 +284,11 @@ class BufferPool {
  public:
   BufferPool() = default;
   explicit BufferPool(int n, int first = 0)
-      : first_(first), last_users_(static_cast<size_t>(n)), used_(static_cast<size_t>(n)) {
+      : first_(first),
+        last_users_(static_cast<size_t>(n)),
+        used_(static_cast<size_t>(n)),
+        late_(static_cast<size_t>(n)),
+        holdings_(static_cast<size_t>(n), 0) {
     for (int b = 0; b < n; ++b) free_.push_back(first + b);
   }
   int size() const { return static_cast<int>(used_.size()); }
@@ -296,16 +305,40 @@ class BufferPool {
     return last_users_[static_cast<size_t>(b - first_)];
   }
   void give_back(int b, std::vector<int> users) {
-    last_users_[static_cast<size_t>(b - first_)] = std::move(users);
-    used_[static_cast<size_t>(b - first_)] = true;
+    const size_t i = static_cast<size_t>(b - first_);
+    last_users_[i] = std::move(users);
+    used_[i] = true;
     free_.push_back(b);
+    // The previous holding's late readers come before this one's users (its first writer
+    // waited for them); this holding's own stay.
+    std::erase_if(late_[i], [&](const Late& l) { return l.holding < holdings_[i]; });
+  }
+  // A working buffer's holding: counts the takes of b, so late readers know whose they are.
+  void took(int b) { ++holdings_[static_cast<size_t>(b - first_)]; }
+  // A reader of b's working gradients outside the computes, whose last one gives b back: one
+  // rank's grad_d2h, which copies the gradients to the host from there. A later writer of the
+  // gradient part (a gather that zeroes them) waits for it too.
+  void add_late_reader(int b, int id) {
+    const size_t i = static_cast<size_t>(b - first_);
+    late_[i].push_back({id, holdings_[i]});
+  }
+  std::vector<int> late_readers(int b) const {
+    std::vector<int> out;
+    for (const Late& l : late_[static_cast<size_t>(b - first_)]) out.push_back(l.id);
+    return out;
   }
 
  private:
+  struct Late {
+    int id = -1;
+    int holding = 0;
+  };
   int first_ = 0;
   std::deque<int> free_;
   std::vector<std::vector<int>> last_users_;
   std::vector<bool> used_;
+  std::vector<std::vector<Late>> late_;
+  std::vector<int> holdings_;
 };
 
 struct Use {
@@ -333,8 +366,9 @@ struct PrevFix {
   enum class What { param_writer, optim_write, grad_offload, working_buffer, pinned_buffer };
   int task = 0;
   What what = What::param_writer;
-  int index = 0;  // unit, or buffer
-  int rank = -1;  // the user's rank; -1: wait for every last user
+  int index = 0;       // unit, or buffer
+  int rank = -1;       // the user's rank; -1: wait for every last user
+  bool grads = false;  // working_buffer: the task writes its gradient part (wait_for_slot)
 };
 
 class Builder {
@@ -544,12 +578,16 @@ class Builder {
   }
 
   // ---- buffers ----
-  // Makes `id` (a first writer of working buffer `slot` on `rank`) wait for its last user.
-  void wait_for_slot(int id, int slot, int rank) {
-    if (slots_.used_this_step(slot))
+  // Makes `id` (a first writer of working buffer `slot` on `rank`) wait for its last user,
+  // and, if it writes the gradient part (`grads`: a gather, which zeroes them), for the late
+  // readers of the previous holding's gradients.
+  void wait_for_slot(int id, int slot, int rank, bool grads) {
+    if (slots_.used_this_step(slot)) {
       add_deps(id, {slots_.last_users(slot)[static_cast<size_t>(rank)]});
-    else
-      fixes_.push_back({id, PrevFix::What::working_buffer, slot, rank});
+      if (grads) add_deps(id, slots_.late_readers(slot));
+    } else {
+      fixes_.push_back({id, PrevFix::What::working_buffer, slot, rank, grads});
+    }
     task(id).slot = slot;
   }
   BufferPool& pool_of(int buffer) { return pinned_.holds(buffer) ? pinned_ : optim_pinned_; }
@@ -644,6 +682,7 @@ class Builder {
     const bool first = !first_use_done_[static_cast<size_t>(u)];
     first_use_done_[static_cast<size_t>(u)] = true;
     run.slot = slots_.take();
+    slots_.took(run.slot);
     // The prefetch depth: the fetch for a run starting at unit step p (a use, with groups of 1)
     // starts once step p - d - 1 has been computed.
     const int gate_pos = pos_of(run.first_use) - d_ - 1;
@@ -665,7 +704,7 @@ class Builder {
         h2d[static_cast<size_t>(r)] = add(TaskKind::param_h2d, LaneKind::h2d, r, u, m, {read});
         task(h2d[static_cast<size_t>(r)]).bytes = up.shard * ps_;
         task(h2d[static_cast<size_t>(r)]).buffer = buf;
-        wait_for_slot(h2d[static_cast<size_t>(r)], run.slot, r);
+        wait_for_slot(h2d[static_cast<size_t>(r)], run.slot, r, false);
       }
       pinned_.give_back(buf, h2d);
       --param_reads_left_;
@@ -673,7 +712,7 @@ class Builder {
       for (int r = 0; r < R_; ++r) {
         h2d[static_cast<size_t>(r)] = add(TaskKind::param_h2d, LaneKind::h2d, r, u, m, gate(r));
         task(h2d[static_cast<size_t>(r)]).bytes = up.shard * ps_;
-        wait_for_slot(h2d[static_cast<size_t>(r)], run.slot, r);
+        wait_for_slot(h2d[static_cast<size_t>(r)], run.slot, r, false);
         if (first) wait_for_param_writer(h2d[static_cast<size_t>(r)], u, r);
       }
     }
@@ -690,7 +729,7 @@ class Builder {
       // One rank uses the unit where it lies (ZeroModel::gather): nothing to copy.
       task(g).bytes = R_ > 1 ? up.padded * ps_ * uint64_t(R_ - 1) / uint64_t(R_) : 0;
       if (backward) task(g).local_bytes = up.padded * gs_;  // the working gradients zeroed
-      wait_for_slot(g, run.slot, r);
+      wait_for_slot(g, run.slot, r, true);
       if (first && home == Tier::gpu) wait_for_param_writer(g, u, r);
       run.gather.push_back(g);
     }
@@ -789,6 +828,12 @@ class Builder {
         if (more) run_rs_first_[static_cast<size_t>(u)] = run->first_use;
       }
     const bool g_host = homes(u).grad == Tier::cpu;
+    // One rank copies a sharded unit's gradients to the host from its working buffer: the
+    // reduce-scatter moves nothing, and the grad_d2h is a late reader of the buffer. Not where
+    // a later backward of the run adds into them (micro-batch groups reduced per micro-batch),
+    // which would wait for the copy where a device copy into a staging buffer is quicker: the
+    // placement counts that staging.
+    const bool direct = R_ == 1 && g_host && !up.replicated && !more;
     const int group = next_group_++;
     std::vector<int> rs;
     for (int r = 0; r < R_; ++r) {
@@ -802,10 +847,13 @@ class Builder {
       if (R_ > 1)
         task(id).bytes = up.replicated ? 2 * up.numel * gs_ * uint64_t(R_ - 1) / uint64_t(R_)
                                        : up.padded * gs_ * uint64_t(R_ - 1) / uint64_t(R_);
-      else  // one rank: the add into the replicated shard; a copy out, or an add of the working
-        // gradients into the resident shard (two read, one written: a copy and a half)
-        task(id).bytes =
-            up.replicated ? up.numel * gs_ : (g_host ? up.padded * gs_ : up.padded * gs_ * 3 / 2);
+      else  // one rank: the add into the replicated shard; nothing where the grad_d2h reads the
+        // working gradients, else a copy out, or an add of them into the resident shard (two
+        // read, one written: a copy and a half)
+        task(id).bytes = up.replicated ? up.numel * gs_
+                         : direct      ? 0
+                         : g_host      ? up.padded * gs_
+                                       : up.padded * gs_ * 3 / 2;
       if (more) task(id).local_bytes = up.padded * gs_;  // the working gradients cleared
       task(id).slot = slot;
       rs.push_back(id);
@@ -827,6 +875,10 @@ class Builder {
       const int id = add(TaskKind::grad_d2h, LaneKind::d2h, r, u, m, {rs[static_cast<size_t>(r)]});
       task(id).bytes = up.shard * gs_;
       if (staged) wait_for_pinned(id, buf);
+      if (direct) {  // the buffer's next gather (which zeroes the gradients) waits for it
+        task(id).slot = slot;
+        slots_.add_late_reader(slot, id);
+      }
       last_grad_d2h_[static_cast<size_t>(r)] = id;
       d2h.push_back(id);
     }
@@ -1035,8 +1087,13 @@ class Builder {
           break;
         }
         case PrevFix::What::working_buffer:
-          if (slots_.used_this_step(f.index))
+          if (slots_.used_this_step(f.index)) {
             ids.push_back(slots_.last_users(f.index)[static_cast<size_t>(f.rank)]);
+            if (f.grads) {
+              const std::vector<int> late = slots_.late_readers(f.index);
+              ids.insert(ids.end(), late.begin(), late.end());
+            }
+          }
           break;
         case PrevFix::What::pinned_buffer:
           if (pool_of(f.index).used_this_step(f.index)) ids = pool_of(f.index).last_users(f.index);

@@ -74,14 +74,16 @@ struct Task {
   int micro_batch = -1;  // forward/backward and what serves them; -1 for the optimizer
   int group = -1;        // collectives: the tasks of one call share it; -1 otherwise
   // The GPU working buffer (0..working_buffers-1) a gather fills (and the param_h2d before it
-  // lands in), or a reduce-scatter reads the unit's working gradients from; -1 otherwise.
+  // lands in), or a reduce-scatter, or one rank's grad_d2h, reads the unit's working gradients
+  // from; -1 otherwise.
   int slot = -1;
   // The pinned host buffer (0..pinned_buffers-1) the task writes or reads; -1 when none.
   int buffer = -1;
   // The work, for the simulator: bytes moved (transfers; collectives: what one rank moves in
-  // a ring, (R-1)/R of the unit; with one rank, what the device copies in its own memory: the
-  // unit into its working buffer; the gradients into their shard, or, added to a resident
-  // shard in place, 1.5 times their bytes: an add reads two and writes one), FLOPs
+  // a ring, (R-1)/R of the unit; with one rank, what the device copies in its own memory:
+  // nothing for a gather, which uses the unit where it lies, nor for a reduce-scatter whose
+  // grad_d2h reads the working gradients; the gradients into a staging shard, or, added to a
+  // resident shard in place, 1.5 times their bytes: an add reads two and writes one), FLOPs
   // (compute), elements updated (Adam, grad stats).
   uint64_t bytes = 0;
   // Collectives: bytes the rank also writes in its own memory, at the device's copy rate, not

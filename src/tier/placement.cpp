@@ -110,20 +110,23 @@ FixedGpu fixed_gpu(const RunShape& s, const Partition& p) {
                   grads * 2 * device_buffer(flow, z.align);
   if (s.kv_cache)  // the executor's buffer of the last position's logits
     f.activations += device_buffer(static_cast<uint64_t>(s.model.vocab_size) * 4, z.align);
-  // A shard of gradients: the executor's staging of the summed shard on its way to the host
-  // (units whose G is off the GPU) and, with several ranks, ZeroModel's staging of the sum it
-  // adds into a GPU-homed G. Which of them exist depends on the homes (gpu_staging); this is
-  // the most they take.
-  f.other = grads * static_cast<uint64_t>(s.ranks > 1 ? 2 : 1) *
-            device_buffer(p.max_shard_numel() * z.gs, z.align);
+  // With several ranks, a shard of gradients each for the executor's staging of the summed
+  // shard on its way to the host (units whose G is off the GPU) and ZeroModel's staging of the
+  // sum it adds into a GPU-homed G. Which of them exist depends on the homes (gpu_staging);
+  // this is the most they take. One rank adds its working gradients in place and copies them to
+  // the host from the working buffer, but in micro-batch groups (unless reduced once per group,
+  // which the shape does not say) through the staging (Schedule's file comment).
+  const int staged = s.ranks > 1 ? 2 : s.micro_batch_group > 1 ? 1 : 0;
+  f.other =
+      grads * static_cast<uint64_t>(staged) * device_buffer(p.max_shard_numel() * z.gs, z.align);
   return f;
 }
 
 // The gradient staging the homes call for (FixedGpu::other is its bound): a shard for the
-// executor's transfers of units whose G is off the GPU, and with several ranks one for
-// ZeroModel's adds into sharded units' GPU-homed G.
+// executor's transfers of units whose G is off the GPU (one rank: in micro-batch groups only),
+// and with several ranks one for ZeroModel's adds into sharded units' GPU-homed G.
 uint64_t gpu_staging(const RunShape& s, const Partition& p, const std::vector<UnitHomes>& homes) {
-  if (!s.training) return 0;
+  if (!s.training || (s.ranks == 1 && s.micro_batch_group == 1)) return 0;
   const Sizes z = sizes_of(s);
   bool off = false, added = false;
   for (size_t u = 0; u < homes.size(); ++u) {
@@ -638,8 +641,23 @@ void Placement::check(const TierBudgets& budgets) const {
           "offload_optimizer.device \"cpu\"): frees {} per device with its gradients\n",
           format_bytes(t.at(Tier::gpu, StateKind::optimizer) +
                        t.at(Tier::gpu, StateKind::gradients)));
-    if (param_on(Tier::gpu) && t.at(Tier::gpu, StateKind::parameters) > 0)
-      m += "  - offload the parameters (--offload-param cpu or nvme)\n";
+    // Replicated units (norms, below the persistence threshold) stay on the GPU wherever the
+    // parameters are offloaded: they are no reason to suggest it.
+    bool sharded_on_gpu = false;
+    for (size_t u = 0; u < homes.size(); ++u)
+      sharded_on_gpu =
+          sharded_on_gpu || (homes[u].param == Tier::gpu && !partition.units[u].replicated);
+    if (sharded_on_gpu) m += "  - offload the parameters (--offload-param cpu or nvme)\n";
+    // Replicated units whose weight counts (over 1% of the GPU): offloading moves them only
+    // once they are sharded.
+    uint64_t replicated = 0;
+    for (const UnitPartition& up : partition.units)
+      if (up.replicated) replicated += device_buffer(up.numel * sizes_of(shape).ps, 1);
+    if (replicated > rows[0].have / 100)
+      m += fmt::format(
+          "  - a lower --persistence-threshold (now {} elements): units at or below it stay "
+          "whole on every GPU, {} of parameters here, whatever --offload-param says\n",
+          partition.persistence_threshold, format_bytes(replicated));
     if (shape.working_buffers > 2)
       m += "  - a smaller --prefetch-depth (each level is a working buffer)\n";
     m += "  - more GPUs (--gpus in plan, --devices in train and eval), or a larger "

@@ -212,8 +212,9 @@ struct Placement {
   // lie + the largest unit's working gradient in grad dtype), plus working_buffers landing
   // buffers of the largest shard when some P lives off the GPU), activations
   // (LlamaModel::workspace_bytes_for + the two activation gradients ZeroRunner passes between
-  // units), other (a shard of gradients for the executor's transfers of G homed off the GPU,
-  // and with several ranks one for ZeroModel's adds into GPU-homed G). CPU (node):
+  // units), other (with several ranks, a shard of gradients for the executor's transfers of G
+  // homed off the GPU and one for ZeroModel's adds into GPU-homed G; one rank stages none).
+  // CPU (node):
   // cpu-homed P, G, O of every rank (a replicated unit's once), each shard rounded up to a
   // 4 KiB page as the pinned pool hands it out, and the pinned buffers.
   // NVMe: nvme-homed P and O of every rank, one swap-store shard per (unit, rank, kind),
