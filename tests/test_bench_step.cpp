@@ -40,6 +40,12 @@ TEST(BenchStepCli, VerifiesThenReportsMeasuredAndPredicted) {
   const double overlap = j["overlap"].get<double>();
   EXPECT_GT(overlap, 0.0);
   EXPECT_LE(overlap, 1.0 + 1e-9);  // a lane cannot be busy longer than the step
+  // What the executor holds on a device: the plan's figure, give or take its own small buffers
+  // (token ids, targets, chunk sums, the in-process communicator's staging).
+  const auto held = j["device_bytes"].get<uint64_t>();
+  const auto planned = j["planned_device_bytes"].get<uint64_t>();
+  EXPECT_GT(held, planned / 2) << r.out;
+  EXPECT_LE(held, planned + (256u << 10)) << r.out;
   // Both the measured and the predicted busy time of every lane of the schedule.
   std::set<std::string> lanes;
   for (const json& l : j["lanes"]) {

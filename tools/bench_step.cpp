@@ -127,6 +127,9 @@ struct Measured {
   std::vector<std::vector<double>> lane_busy_s;  // [lane][step]
   std::vector<std::vector<float>> master, params;
   std::vector<double> losses;
+  // The most device memory the executor held on any device: its allocations (made when it is
+  // built) and whatever its steps allocate beside them.
+  uint64_t device_bytes = 0;
 };
 
 // Progress on stderr (stdout holds the report or the JSON): a large model's run takes minutes
@@ -147,7 +150,17 @@ Measured run_steps(const Placement& placement, const Schedule& schedule, Communi
                    const ExecutorOptions& eo, const BenchStepArgs& a, const std::string& trace,
                    const std::string& what, bool keep_weights = true) {
   const Clock::time_point t0 = Clock::now();
+  // The devices outlive each run; their high-water marks span them all, so the executor's part
+  // is measured from what is in use before it is built.
+  std::vector<uint64_t> before;
+  for (int r = 0; r < comm.size(); ++r) before.push_back(comm.device(r).memory().in_use);
   Executor ex(placement, schedule, comm, eo);
+  auto held = [&] {
+    uint64_t most = 0;
+    for (int r = 0; r < comm.size(); ++r)
+      most = std::max(most, comm.device(r).memory().in_use - before[static_cast<size_t>(r)]);
+    return most;
+  };
   ex.init_random(7);
   progress(t0, "{}: state allocated and initialised", what);
   Measured out;
@@ -162,6 +175,7 @@ Measured run_steps(const Placement& placement, const Schedule& schedule, Communi
       fail("bench step: step {} gave loss {} (skipped: {}); not reporting a speed", s + 1, r.loss,
            r.skipped);
     out.losses.push_back(r.loss);
+    out.device_bytes = std::max(out.device_bytes, held());
     progress(t0, "{}: step {} of {}, loss {:.4f}, {}", what, s + 1, a.steps + 1, r.loss,
              secs(r.step_s));
     if (s == 0) continue;
@@ -355,6 +369,7 @@ int run_bench_step(const BenchStepArgs& a) {
     Prediction once, steady;
     double step = 0, nvme_busy = 0, overlap = 0, error = 0;
     std::vector<double> busy;  // per lane, the median over the round's steps
+    uint64_t device_bytes = 0;
   };
   std::vector<Round> rounds;
   for (int r = 0; r < a.rounds; ++r) {
@@ -388,6 +403,7 @@ int run_bench_step(const BenchStepArgs& a) {
     for (const auto& l : got.lane_busy_s) rd.busy.push_back(median(l));
     rd.nvme_busy = median(got.nvme_busy_s);
     rd.overlap = median(got.overlap);
+    rd.device_bytes = got.device_bytes;
     rd.error = rd.step > 0 ? (rd.steady.step_s - rd.step) / rd.step : 0;
     rounds.push_back(std::move(rd));
   }
@@ -456,6 +472,8 @@ int run_bench_step(const BenchStepArgs& a) {
         {"busiest_lane", busiest_name},
         {"nvme_busy_s", nvme_busy},
         {"overlap", overlap},
+        {"device_bytes", mid.device_bytes},
+        {"planned_device_bytes", placement.needs().total(Tier::gpu)},
         {"predicted_step_s", steady.step_s},
         {"predicted_nvme_busy_s", steady.nvme_busy_s},
         {"predicted_critical_lane", critical},
@@ -491,6 +509,8 @@ int run_bench_step(const BenchStepArgs& a) {
           ? fmt::format(" = {:.1f}% of {} TFLOP/s", 100 * tflops / a.peak_tflops, a.peak_tflops)
           : std::string(),
       secs(steady.step_s), 100 * error);
+  fmt::print("  device memory: {} held by the executor on the busiest device; the plan counts {}\n",
+             format_bytes(mid.device_bytes), format_bytes(placement.needs().total(Tier::gpu)));
   fmt::print("  busiest {} at {:.0f}% of the step (overlap {:.2f}); predicted critical {}\n",
              busiest_name, 100 * overlap, overlap, critical);
   fmt::print("  {:<20} {:>12} {:>12}\n", "lane", "busy", "predicted");
