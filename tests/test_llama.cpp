@@ -103,7 +103,9 @@ TEST(LlamaRope, PlainAndLlama3Scaling) {
 // 1 + weight, the tanh GELU's gate) and Gemma 2 (Gemma's, with norms on the sublayers' outputs,
 // a window of 3, scores scaled by 5^-1/2 and capped at 1.5, logits capped at 2) and Gemma 3
 // (Gemma 2's without caps, with q and k norms and the sliding layers rotating with base 100) and
-// SmolLM3 (Llama's, tied, with MLP biases, its second layer a NoPE layer: no rotary embeddings).
+// SmolLM3 (Llama's, tied, with MLP biases, its second layer a NoPE layer: no rotary embeddings)
+// and Granite (tied; embeddings times 4, sublayer outputs times 0.4, scores times 0.3, logits
+// divided by 3).
 enum class Variant {
   untied,
   tied,
@@ -114,13 +116,15 @@ enum class Variant {
   gemma,
   gemma2,
   gemma3,
-  smollm3
+  smollm3,
+  granite
 };
 
 LlamaConfig variant_config(Variant v) {
-  LlamaConfig c = small_config(
-      v == Variant::tied || v == Variant::qwen2_tied || v == Variant::qwen3_tied ||
-      v == Variant::gemma || v == Variant::gemma2 || v == Variant::gemma3 || v == Variant::smollm3);
+  LlamaConfig c =
+      small_config(v == Variant::tied || v == Variant::qwen2_tied || v == Variant::qwen3_tied ||
+                   v == Variant::gemma || v == Variant::gemma2 || v == Variant::gemma3 ||
+                   v == Variant::smollm3 || v == Variant::granite);
   if (v == Variant::gemma || v == Variant::gemma2 || v == Variant::gemma3) {
     c.architecture = Architecture::gemma;
     c.hidden_act = Activation::gelu_tanh;
@@ -149,6 +153,14 @@ LlamaConfig variant_config(Variant v) {
     c.mlp_bias = true;
     c.nope_layers = {false, true};
   }
+  if (v == Variant::granite) {
+    c.architecture = Architecture::granite;
+    c.head_dim = c.hidden_size / c.num_attention_heads;  // Granite's rule
+    c.embedding_multiplier = 4.0;
+    c.residual_multiplier = 0.4;
+    c.attention_multiplier = 0.3;
+    c.logits_scaling = 3.0;
+  }
   if (v == Variant::qwen3_tied || v == Variant::qwen3_bias) {
     c.architecture = Architecture::qwen3;
     c.qk_norm = true;
@@ -158,8 +170,8 @@ LlamaConfig variant_config(Variant v) {
 }
 
 const char* variant_name(Variant v) {
-  const char* names[] = {"untied",     "tied",  "qwen2_tied", "every_bias", "qwen3_tied",
-                         "qwen3_bias", "gemma", "gemma2",     "gemma3",     "smollm3"};
+  const char* names[] = {"untied", "tied",   "qwen2_tied", "every_bias", "qwen3_tied", "qwen3_bias",
+                         "gemma",  "gemma2", "gemma3",     "smollm3",    "granite"};
   return names[static_cast<int>(v)];
 }
 
@@ -272,7 +284,7 @@ INSTANTIATE_TEST_SUITE_P(Variants, LlamaGradient,
                          ::testing::Values(Variant::untied, Variant::tied, Variant::qwen2_tied,
                                            Variant::every_bias, Variant::qwen3_tied,
                                            Variant::qwen3_bias, Variant::gemma, Variant::gemma2,
-                                           Variant::gemma3, Variant::smollm3),
+                                           Variant::gemma3, Variant::smollm3, Variant::granite),
                          [](const auto& p) { return std::string(variant_name(p.param)); });
 
 // The planner sizes activations with workspace_bytes_for(); it must be what the constructor
@@ -345,6 +357,7 @@ TEST(LlamaModel, DecodingWithAKvCacheGivesTheWholeSequencesLogits) {
                                    {Variant::gemma3, 4, {true, false, true}},
                                    {Variant::smollm3, 0, {}},
                                    {Variant::smollm3, 4, {false, true, false}},
+                                   {Variant::granite, 0, {}},
                                    {Variant::untied, 4, {}},
                                    {Variant::qwen2_tied, 3, {false, true, true}}};
   for (const Case& cs : cases)
@@ -672,7 +685,8 @@ TEST(LlamaModel, WithoutRecomputeTheGradientsAreTheSameBits) {
                                     {DType::f32, Variant::gemma2},
                                     {DType::bf16, Variant::gemma2},
                                     {DType::bf16, Variant::gemma3},
-                                    {DType::bf16, Variant::smollm3}}) {
+                                    {DType::bf16, Variant::smollm3},
+                                    {DType::bf16, Variant::granite}}) {
     LlamaConfig c = variant_config(variant);
     c.num_hidden_layers = 3;
     if (!c.nope_layers.empty()) c.nope_layers.resize(3, false);

@@ -243,6 +243,16 @@ std::vector<Case> cases() {
   gemma3.config.rope_scaling.kind = RopeScalingKind::linear;
   gemma3.config.rope_scaling.factor = 2.0;
   out.push_back(gemma3);
+  // Granite: tied, embeddings times 3, each sublayer's output times 0.5 before the residual,
+  // scores times 0.2 (not 8^-1/2), logits divided by 4.
+  Case granite{"granite_multipliers", base(48, 6, 2, 8, 70, 97, 2), 2, 9, 40};
+  granite.config.architecture = Architecture::granite;
+  granite.config.tie_word_embeddings = true;
+  granite.config.embedding_multiplier = 3.0;
+  granite.config.residual_multiplier = 0.5;
+  granite.config.attention_multiplier = 0.2;
+  granite.config.logits_scaling = 4.0;
+  out.push_back(granite);
   // Llama's class with another hidden_act than silu (transformers honours it).
   Case llama_gelu{"llama_gelu_tanh_mlp", base(20, 4, 2, 10, 33, 50, 1), 2, 6, 24};
   llama_gelu.config.hidden_act = Activation::gelu_tanh;

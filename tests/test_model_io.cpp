@@ -743,6 +743,90 @@ TEST(LlamaConfigParse, SmolLM3AsItsHuggingFaceClassBuildsIt) {
   test::expect_error([&] { validate_llama_config(llama, "tiny"); }, {"NoPE", "SmolLM3"});
 }
 
+// Granite 3.1 8B's (ibm-granite/granite-3.1-8b-instruct), as its config.json gives it.
+json granite_31_8b() {
+  return json{{"architectures", {"GraniteForCausalLM"}},
+              {"attention_bias", false},
+              {"attention_multiplier", 0.0078125},
+              {"bos_token_id", 0},
+              {"embedding_multiplier", 12.0},
+              {"eos_token_id", 0},
+              {"hidden_act", "silu"},
+              {"hidden_size", 4096},
+              {"initializer_range", 0.02},
+              {"intermediate_size", 12800},
+              {"logits_scaling", 16.0},
+              {"max_position_embeddings", 131072},
+              {"mlp_bias", false},
+              {"model_type", "granite"},
+              {"num_attention_heads", 32},
+              {"num_hidden_layers", 40},
+              {"num_key_value_heads", 8},
+              {"pad_token_id", 0},
+              {"residual_multiplier", 0.22},
+              {"rms_norm_eps", 1e-5},
+              {"rope_scaling", nullptr},
+              {"rope_theta", 10000000.0},
+              {"tie_word_embeddings", true},
+              {"torch_dtype", "bfloat16"},
+              {"use_cache", true},
+              {"vocab_size", 49155}};
+}
+
+// Granite: Llama's block with its four multipliers, GraniteConfig's 1s where a key is absent,
+// head_dim always hidden / heads, no biases; exports write the multipliers back.
+TEST(LlamaConfigParse, GraniteAsItsHuggingFaceClassBuildsIt) {
+  LlamaConfig c = parse_llama_config(granite_31_8b(), "cfg.json");
+  c.name = "granite-3.1-8b";
+  EXPECT_EQ(c, *find_preset("granite-3.1-8b"));
+  EXPECT_EQ(c.architecture, Architecture::granite);
+  EXPECT_EQ(c.head_dim, 128);
+  EXPECT_EQ(attention_scores(c).scale, 0.0078125f);   // 1/128, not 128^-1/2
+  EXPECT_EQ(embedding_scale(c, DType::bf16), 12.0f);  // a Python float: not rounded to bf16
+  EXPECT_EQ(residual_scale(c), 0.22f);
+  EXPECT_EQ(logits_scale(c), 1.0f / 16.0f);
+  const json out = to_hf_config_json(c);
+  EXPECT_EQ(out["architectures"], json::array({"GraniteForCausalLM"}));
+  for (const char* key :
+       {"embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"})
+    EXPECT_EQ(out[key], granite_31_8b()[key]) << key;
+  LlamaConfig back = parse_llama_config(out, "cfg.json");
+  back.name = c.name;
+  EXPECT_EQ(back, c);
+  // GraniteConfig's defaults: every multiplier 1, the scores' too; head_dim is not read.
+  json j = granite_31_8b();
+  for (const char* key :
+       {"embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"})
+    j.erase(key);
+  j["head_dim"] = 64;
+  const LlamaConfig d = parse_llama_config(j, "g.json");
+  EXPECT_EQ(d.embedding_multiplier, 1.0);
+  EXPECT_EQ(d.residual_multiplier, 1.0);
+  EXPECT_EQ(d.attention_multiplier, 1.0);
+  EXPECT_EQ(d.logits_scaling, 1.0);
+  EXPECT_EQ(d.head_dim, 128);
+  EXPECT_EQ(attention_scores(d).scale, 1.0f);
+  // Biases are not built for Granite; bad multipliers and other classes' are named.
+  for (const char* bias : {"attention_bias", "mlp_bias"}) {
+    j = granite_31_8b();
+    j[bias] = true;
+    test::expect_error([&] { parse_llama_config(j, "g.json"); }, {"g.json", "Granite"});
+  }
+  for (const double bad : {0.0, -2.0}) {
+    j = granite_31_8b();
+    j["logits_scaling"] = bad;
+    test::expect_error([&] { parse_llama_config(j, "g.json"); },
+                       {"g.json", "logits_scaling", "positive"});
+  }
+  LlamaConfig llama = *find_preset("tiny");
+  llama.residual_multiplier = 0.5;
+  test::expect_error([&] { validate_llama_config(llama, "tiny"); },
+                     {"residual_multiplier = 0.5", "Granite's", "LlamaForCausalLM"});
+  LlamaConfig uneven = c;
+  uneven.head_dim = 64;
+  test::expect_error([&] { validate_llama_config(uneven, "g"); }, {"head_dim = 64", "Granite"});
+}
+
 // Gemma 3 4B's (google/gemma-3-4b-it): an image-text model whose text_config holds only the keys
 // that differ from Gemma3TextConfig's defaults.
 const char* kGemma3_4b = R"({
@@ -1288,6 +1372,7 @@ TEST(LlamaConfigPresets, PublishedParameterCounts) {
   EXPECT_EQ(parameter_count(*find_preset("gemma3-1b")), 999'885'952u);
   EXPECT_EQ(parameter_count(*find_preset("gemma3-270m")), 268'098'176u);
   EXPECT_EQ(parameter_count(*find_preset("smollm3-3b")), 3'075'098'624u);
+  EXPECT_EQ(parameter_count(*find_preset("granite-3.1-8b")), 8'170'848'256u);  // 8.17B
   // The image-text Gemma 3s' language models: Keras's published text-only counts, which use a
   // vocabulary of 262144 where Hugging Face's embeddings have 64 more rows.
   EXPECT_EQ(parameter_count(*find_preset("gemma3-4b")), 3'880'099'328u + 64u * 2560u);

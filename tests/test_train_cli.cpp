@@ -655,6 +655,44 @@ TEST(TrainCli, SmolLM3TrainsAndExportsAsItsClass) {
   EXPECT_NEAR(exported, std::log(static_cast<double>(c.vocab_size)), 1.0);
 }
 
+// Granite: its multipliers trained on one device with the optimizer on the CPU, and exported as
+// its class with them; the export evaluates to the checkpoint's loss.
+TEST(TrainCli, GraniteTrainsAndExportsAsItsClass) {
+  const test::TempDir dir("strata-granite");
+  const fs::path data = make_data(dir.path), model = dir.path / "granite", run = dir.path / "run";
+  LlamaConfig c = *find_preset("tiny");
+  c.architecture = Architecture::granite;
+  c.tie_word_embeddings = true;
+  c.embedding_multiplier = 6.0;
+  c.residual_multiplier = 0.3;
+  c.attention_multiplier = 1.0 / 16;
+  c.logits_scaling = 4.0;
+  fs::create_directories(model);
+  std::ofstream(model / "config.json") << to_hf_config_json(c).dump(2);
+  test::CommandResult r = strata(
+      "train --model " + model.string() + " --init random --seed 5 --seq-len 32 --micro-batch 2 " +
+      "--lr 1e-3 --data " + data.string() + " --steps 2 --offload-param cpu " +
+      "--offload-optimizer cpu --persistence-threshold 0 --run-dir " + run.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const fs::path out = dir.path / "hf";
+  r = strata("export " + run.string() + " --out " + out.string() + " --dtype f32");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const json config = json::parse(slurp(out / "config.json"));
+  EXPECT_EQ(config["architectures"], json::array({"GraniteForCausalLM"}));
+  EXPECT_EQ(config["embedding_multiplier"], 6.0);
+  EXPECT_EQ(config["residual_multiplier"], 0.3);
+  EXPECT_EQ(config["attention_multiplier"], 1.0 / 16);
+  EXPECT_EQ(config["logits_scaling"], 4.0);
+  const std::string eval = " --data " + data.string() + " --seq-len 32 --max-sequences 4 --json";
+  r = strata("eval --model " + out.string() + eval);
+  ASSERT_EQ(r.status, 0) << r.out;
+  const double exported = json::parse(r.out)["loss"].get<double>();
+  r = strata("eval --model " + (run / "checkpoints/step-2").string() + eval);
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(json::parse(r.out)["loss"].get<double>(), exported);
+  EXPECT_NEAR(exported, std::log(static_cast<double>(c.vocab_size)), 1.0);
+}
+
 // The language model of an image-text Gemma 3 (Gemma3ForConditionalGeneration, as 4B, 12B and
 // 27B ship) in either layout transformers saves: it evaluates to the text model's loss bit for
 // bit and trains (the vision tower frozen, with a warning), and its checkpoints, resumed ones

@@ -191,11 +191,12 @@ constexpr KnownArchitecture kArchitectures[] = {
     {Architecture::gemma2, "Gemma2ForCausalLM", "gemma2"},
     {Architecture::gemma3, "Gemma3ForCausalLM", "gemma3_text"},
     {Architecture::smollm3, "SmolLM3ForCausalLM", "smollm3"},
+    {Architecture::granite, "GraniteForCausalLM", "granite"},
 };
 constexpr const char* kKnownClasses =
     "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, "
-    "Phi3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM or "
-    "SmolLM3ForCausalLM";
+    "Phi3ForCausalLM, GemmaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, "
+    "SmolLM3ForCausalLM or GraniteForCausalLM";
 
 // The architecture from "architectures" (the first class strata knows) and "model_type", which
 // must agree where both are given.
@@ -221,7 +222,7 @@ Architecture parse_architecture(const json& j, std::string_view src) {
     if (!from_type)
       fail(
           "{}: model_type '{}' is not one strata implements; strata trains the Llama family: "
-          "llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text or smollm3",
+          "llama, mistral, qwen2, qwen3, phi3, gemma, gemma2, gemma3_text, smollm3 or granite",
           src, t);
   }
   if (from_class && from_type && *from_class != *from_type)
@@ -245,7 +246,8 @@ Architecture parse_architecture(const json& j, std::string_view src) {
 int64_t parse_sliding_window(const json& j, std::string_view src, Architecture arch, int64_t layers,
                              std::vector<bool>& sliding, const std::vector<bool>& nope) {
   sliding.clear();
-  if (arch == Architecture::llama || arch == Architecture::gemma) return 0;
+  if (arch == Architecture::llama || arch == Architecture::gemma || arch == Architecture::granite)
+    return 0;
   const json* w = field(j, "sliding_window");
   int64_t window = w != nullptr ? as_int(*w, src, "sliding_window") : 0;
   if (w != nullptr && window < 1)
@@ -416,6 +418,17 @@ LlamaConfig smollm3(LlamaConfig c) {
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) c.nope_layers.push_back((l + 1) % 4 == 0);
   return c;
 }
+// Granite 3's: Llama's, tied, with its four multipliers.
+LlamaConfig granite3(LlamaConfig c, double embedding, double residual, double attention,
+                     double logits) {
+  c.architecture = Architecture::granite;
+  c.tie_word_embeddings = true;
+  c.embedding_multiplier = embedding;
+  c.residual_multiplier = residual;
+  c.attention_multiplier = attention;
+  c.logits_scaling = logits;
+  return c;
+}
 // Phi-3's and Phi-4's class: Mistral's equations, fused projections in the files.
 LlamaConfig phi3(LlamaConfig c, int64_t window) {
   c.architecture = Architecture::phi3;
@@ -482,6 +495,11 @@ const std::vector<LlamaConfig>& presets() {
             128, 144),
         // SmolLM3 3B: Llama's block, tied, every fourth layer without rotary embeddings.
         smollm3(make_preset("smollm3-3b", 2048, 11008, 36, 16, 4, 128256, 65536, 5e6, DType::bf16)),
+        // Granite 3.1 8B: scores times 1/128 (not 1/sqrt(128)), embeddings times 12, each
+        // sublayer's output times 0.22, logits divided by 16.
+        granite3(
+            make_preset("granite-3.1-8b", 4096, 12800, 40, 32, 8, 49155, 131072, 1e7, DType::bf16),
+            12.0, 0.22, 0.0078125, 16.0),
         // Gemma 3 270M and 1B (text models; the larger Gemma 3s are image-text models).
         gemma3(make_preset("gemma3-270m", 640, 2048, 18, 4, 1, 262144, 32768, 1e6, DType::bf16),
                512),
@@ -536,6 +554,7 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
       break;
     case Architecture::mistral:
     case Architecture::phi3:
+    case Architecture::granite:  // its biases would be scaled with the outputs: not built here
       fits = !c.qkv_bias && !c.o_bias && !c.mlp_bias && !c.qk_norm;
       break;
     case Architecture::qwen2:
@@ -551,7 +570,8 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
         "attention_bias puts biases on q, k, v and o together; Mistral and Phi-3: none; Qwen2: "
         "q, k and v only; Qwen3: q and k norms, attention_bias as Llama's; Gemma and Gemma 2: "
         "attention_bias as Llama's, no MLP bias; Gemma 3: those and q and k norms; SmolLM3: "
-        "Llama's)",
+        "Llama's; Granite: none, as its published checkpoints: strata does not build Granite's "
+        "attention_bias or mlp_bias)",
         src, c.qkv_bias, c.o_bias, c.mlp_bias, c.qk_norm, architecture_class(c.architecture));
   if (c.sliding_window < 0 || c.sliding_window > kMaxSize ||
       (c.sliding_window > 0 &&
@@ -569,6 +589,23 @@ void validate_llama_config(const LlamaConfig& c, std::string_view src) {
       fail("{}: {} = {} is Gemma 2's and Gemma 3's; {} has no such setting", src, name, v,
            architecture_class(c.architecture));
   }
+  const bool granite = c.architecture == Architecture::granite;
+  for (const auto& [name, v, plain] :
+       {std::tuple{"embedding_multiplier", c.embedding_multiplier, 1.0},
+        {"residual_multiplier", c.residual_multiplier, 1.0},
+        {"attention_multiplier", c.attention_multiplier, 0.0},
+        {"logits_scaling", c.logits_scaling, 1.0}}) {
+    if (granite && !(std::isfinite(v) && v > 0 && v < 1e6))
+      fail("{}: {} = {} must be a positive number below 1e6; fix config.json", src, name, v);
+    if (!granite && v != plain)
+      fail("{}: {} = {} is Granite's; {} has no such setting", src, name, v,
+           architecture_class(c.architecture));
+  }
+  if (granite && c.head_dim * c.num_attention_heads != c.hidden_size)
+    fail(
+        "{}: head_dim = {} with {} heads for hidden_size {}; Granite's attention splits the "
+        "hidden size among the heads (head_dim = hidden_size / num_attention_heads)",
+        src, c.head_dim, c.num_attention_heads, c.hidden_size);
   if (!std::isfinite(c.rope_local_base_freq) || c.rope_local_base_freq < 0 ||
       (c.rope_local_base_freq != 0 && c.architecture != Architecture::gemma3))
     fail("{}: rope_local_base_freq = {} is Gemma 3's positive base for its sliding layers", src,
@@ -732,13 +769,24 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
   if (arch == Architecture::qwen2) c.qkv_bias = true;
   const bool gemma_like =
       arch == Architecture::gemma || arch == Architecture::gemma2 || arch == Architecture::gemma3;
+  const bool granite = arch == Architecture::granite;
   if (arch == Architecture::llama || arch == Architecture::qwen3 || arch == Architecture::smollm3 ||
-      gemma_like) {
+      gemma_like || granite) {
     if (const json* v = field(j, "attention_bias"))
       c.qkv_bias = c.o_bias = as_bool(*v, src, "attention_bias");
   }
-  if (arch == Architecture::llama || arch == Architecture::smollm3)
+  if (arch == Architecture::llama || arch == Architecture::smollm3 || granite)
     if (const json* v = field(j, "mlp_bias")) c.mlp_bias = as_bool(*v, src, "mlp_bias");
+  if (granite) {
+    // GraniteConfig's defaults where a key is absent: 1 each, scores included.
+    c.attention_multiplier = 1.0;
+    for (const auto& [key, v] :
+         {std::pair<const char*, double*>{"embedding_multiplier", &c.embedding_multiplier},
+          {"residual_multiplier", &c.residual_multiplier},
+          {"attention_multiplier", &c.attention_multiplier},
+          {"logits_scaling", &c.logits_scaling}})
+      if (const json* x = field(j, key)) *v = as_number(*x, src, key);
+  }
   c.qk_norm = arch == Architecture::qwen3 || arch == Architecture::gemma3;
   c.num_hidden_layers = required(j, "num_hidden_layers", src, as_int);
   if (arch == Architecture::smollm3) c.nope_layers = parse_nope_layers(j, src, c.num_hidden_layers);
@@ -808,7 +856,7 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
   const json* kv = field(j, "num_key_value_heads");
   c.num_key_value_heads =
       kv != nullptr ? as_int(*kv, src, "num_key_value_heads") : c.num_attention_heads;
-  if (const json* v = field(j, "head_dim")) {
+  if (const json* v = field(j, "head_dim"); v != nullptr && !granite) {
     c.head_dim = as_int(*v, src, "head_dim");
   } else if (gemma_like) {
     c.head_dim = 256;  // GemmaConfig's and Gemma2Config's default
@@ -1068,6 +1116,14 @@ json to_hf_config_json(const LlamaConfig& c) {
       }
       break;
     }
+    case Architecture::granite:
+      j["attention_bias"] = false;
+      j["mlp_bias"] = false;
+      j["embedding_multiplier"] = c.embedding_multiplier;
+      j["residual_multiplier"] = c.residual_multiplier;
+      j["attention_multiplier"] = c.attention_multiplier;
+      j["logits_scaling"] = c.logits_scaling;
+      break;
     case Architecture::phi3:
       j["sliding_window"] = c.sliding_window > 0 ? json(c.sliding_window) : json(nullptr);
       j["resid_pdrop"] = 0.0;
@@ -1123,13 +1179,25 @@ bool sandwich_norms(const LlamaConfig& c) {
 }
 
 AttentionMask attention_scores(const LlamaConfig& c) {
+  if (c.architecture == Architecture::granite)
+    return {nullptr, 0, static_cast<float>(c.attention_multiplier), 0.0f};
   const double qpas = c.query_pre_attn_scalar;
   const bool scaled = qpas > 0 && qpas != static_cast<double>(c.head_dim);
   return {nullptr, 0, scaled ? static_cast<float>(1.0 / std::sqrt(qpas)) : 0.0f,
           static_cast<float>(c.attn_logit_softcapping)};
 }
 
+float residual_scale(const LlamaConfig& c) {
+  return static_cast<float>(c.residual_multiplier);
+}
+
+float logits_scale(const LlamaConfig& c) {
+  return static_cast<float>(1.0 / c.logits_scaling);
+}
+
 float embedding_scale(const LlamaConfig& c, DType t) {
+  // Granite's: a Python float times the embeddings, computed in f32 and rounded once.
+  if (c.architecture == Architecture::granite) return static_cast<float>(c.embedding_multiplier);
   if (!gemma_family(c)) return 1.0f;
   // Python's hidden_size ** 0.5, a float32 tensor, then the weights' dtype.
   const auto f = static_cast<float>(std::sqrt(static_cast<double>(c.hidden_size)));

@@ -16,7 +16,10 @@
 // attn_logit_softcapping, and logits capped by final_logit_softcapping. Gemma 3's text model
 // (Gemma3ForCausalLM, model_type gemma3_text: Gemma 3 1B) is Gemma 2 with Qwen3's q and k norms
 // (Gemma's 1 + w), no caps by default, the window in five layers of six, and the sliding layers
-// rotating with their own base, rope_local_base_freq, unscaled. Llama's (and Qwen3's)
+// rotating with their own base, rope_local_base_freq, unscaled. Granite (GraniteForCausalLM:
+// IBM's Granite 3) is Llama with four multipliers: on the embeddings, on each sublayer's output
+// before it joins the residual, on the attention's scores (in place of 1/sqrt(head_dim)), and a
+// divisor of the logits. Llama's (and Qwen3's)
 // attention_bias and Llama's mlp_bias put biases on the other projections too; any class's
 // hidden_act may be silu, gelu or gelu_pytorch_tanh.
 //
@@ -87,7 +90,8 @@ enum class Architecture : uint8_t {
   gemma,
   gemma2,
   gemma3,
-  smollm3
+  smollm3,
+  granite
 };
 std::string_view architecture_class(Architecture a);       // "LlamaForCausalLM", ...
 std::string_view architecture_model_type(Architecture a);  // "llama", "mistral", "qwen2", ...
@@ -130,6 +134,14 @@ struct LlamaConfig {
   double query_pre_attn_scalar = 0;
   double attn_logit_softcapping = 0;
   double final_logit_softcapping = 0;
+  // Granite's: the embeddings times embedding_multiplier, each sublayer's output times
+  // residual_multiplier before it is added to the residual, the attention's scores times
+  // attention_multiplier (0: 1/sqrt(head_dim), every other class's), the logits divided by
+  // logits_scaling. 1, 1, 0 and 1 for every other class.
+  double embedding_multiplier = 1.0;
+  double residual_multiplier = 1.0;
+  double attention_multiplier = 0.0;
+  double logits_scaling = 1.0;
   // Gemma 3's: the sliding layers' rotary base (rope_local_base_freq), without rope_scaling,
   // which applies to the other layers alone. 0: every layer rotates alike.
   double rope_local_base_freq = 0;
@@ -172,12 +184,17 @@ struct LlamaConfig {
 // rounds its normaliser (sqrt(3072) = 55.4256 becomes 55.5 in bf16).
 float norm_weight_offset(const LlamaConfig& config);
 float embedding_scale(const LlamaConfig& config, DType t);
+// Granite's residual_multiplier and 1 / logits_scaling as f32, 1 for every other class: the
+// matmuls that make a sublayer's output and the logits multiply by them (their alpha), forward
+// and backward.
+float residual_scale(const LlamaConfig& config);
+float logits_scale(const LlamaConfig& config);
 // Gemma 2's norms on each sublayer's output too (post_attention_layernorm on the attention's,
 // post_feedforward_layernorm on the MLP's; pre_feedforward_layernorm is the MLP's input norm).
 bool sandwich_norms(const LlamaConfig& config);
 // How the model's attention forms its scores (AttentionMask's scale and softcap; no documents,
 // no window): Gemma 2's and 3's query_pre_attn_scalar^-1/2 where it is not head_dim's own
-// 1/sqrt(head_dim) (0 then), and attn_logit_softcapping.
+// 1/sqrt(head_dim) (0 then), Granite's attention_multiplier, and attn_logit_softcapping.
 AttentionMask attention_scores(const LlamaConfig& config);
 
 // Checks sizes and their relations; errors name `source`, the field and its value.
@@ -194,8 +211,8 @@ LlamaConfig load_llama_config(const std::filesystem::path& path);
 // llama3.2-1b/3b (tied, rope scaling factor 32),
 // mistral-7b (v0.3: no sliding window), qwen2.5-7b/72b (q, k, v biases), qwen3-0.6b/8b
 // (q and k norms), phi3-mini, phi4, gemma-2b/7b, gemma2-2b/9b/27b, gemma3-270m/1b,
-// gemma3-4b/12b/27b (the image-text models' language models) and smollm3-3b (NoPE every fourth
-// layer).
+// gemma3-4b/12b/27b (the image-text models' language models), smollm3-3b (NoPE every fourth
+// layer) and granite-3.1-8b.
 std::vector<std::string> preset_names();
 std::optional<LlamaConfig> find_preset(std::string_view name);
 // A checkpoint directory (or config.json) when the path exists, otherwise a preset name; an

@@ -708,12 +708,15 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
                         {T, rd},
                         &device_};
 
-  // y = x·Wᵀ, plus the bias where the config has one (broadcast into y, which the matmul adds
-  // to: one rounding, as torch's addmm).
-  auto linear = [&](const TensorView& y, const TensorView& in, std::string_view name, bool bias) {
+  // y = alpha·x·Wᵀ, plus the bias where the config has one (broadcast into y, which the matmul
+  // adds to: one rounding, as torch's addmm). alpha is 1 but for Granite's sublayer outputs
+  // (residual_scale), which have no biases.
+  auto linear = [&](const TensorView& y, const TensorView& in, std::string_view name, bool bias,
+                    float alpha = 1.0f) {
     if (bias) k_.broadcast_rows(y, w(fmt::format("{}.bias", name)), s);
-    k_.matmul(y, in, false, w(name), true, 1.0f, bias ? 1.0f : 0.0f, s);
+    k_.matmul(y, in, false, w(name), true, alpha, bias ? 1.0f : 0.0f, s);
   };
+  const float residual = residual_scale(c);
   const float eps = static_cast<float>(c.rms_norm_eps), offset = norm_weight_offset(c);
   k_.rmsnorm_forward(xn, rstd1, x, w("input_layernorm"), eps, offset, s);
   if (c.qk_norm) {
@@ -743,7 +746,7 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
     k_.rmsnorm_forward(h, rows(rstd3_, DType::f32, N, 0), a.o_raw, w("post_attention_layernorm"),
                        eps, offset, s);
   } else {
-    linear(h, att, "o_proj", c.o_bias);
+    linear(h, att, "o_proj", c.o_bias, residual);
   }
   k_.add(h, h, x, s);
   k_.rmsnorm_forward(hn, rstd2, h, w(mlp_norm(c)), eps, offset, s);
@@ -756,7 +759,7 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
     k_.rmsnorm_forward(out, rows(rstd4_, DType::f32, N, 0), a.m_raw,
                        w("post_feedforward_layernorm"), eps, offset, s);
   } else {
-    linear(out, act, "down_proj", c.mlp_bias);
+    linear(out, act, "down_proj", c.mlp_bias, residual);
   }
   k_.add(out, out, h, s);
 }
@@ -834,8 +837,11 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
     k_.rmsnorm_forward(dsmall, rstd4, a.m_raw, w("post_feedforward_layernorm"), eps, offset, s);
     dm = before_norm(dout, a.m_raw, "post_feedforward_layernorm", rstd4);
   }
-  k_.matmul(da, dm, false, w("down_proj"), false, 1.0f, 0.0f, s);
-  k_.matmul(g("down_proj"), dm, true, act, false, 1.0f, 1.0f, s);
+  // Granite's sublayer outputs were scaled by residual_scale (1 elsewhere): so are their
+  // gradients.
+  const float residual = residual_scale(c);
+  k_.matmul(da, dm, false, w("down_proj"), false, residual, 0.0f, s);
+  k_.matmul(g("down_proj"), dm, true, act, false, residual, 1.0f, s);
   if (c.mlp_bias) k_.bias_backward(g("down_proj.bias"), dm, s);
   k_.glu_backward(dgate, dup, da, gate, up, c.hidden_act, s);
   if (c.mlp_bias) {
@@ -854,8 +860,8 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
   // The gradient at o_proj's output.
   const TensorView d_o =
       sandwich ? before_norm(dh, a.o_raw, "post_attention_layernorm", rstd3) : dh;
-  k_.matmul(datt, d_o, false, w("o_proj"), false, 1.0f, 0.0f, s);
-  k_.matmul(g("o_proj"), d_o, true, att, false, 1.0f, 1.0f, s);
+  k_.matmul(datt, d_o, false, w("o_proj"), false, residual, 0.0f, s);
+  k_.matmul(g("o_proj"), d_o, true, att, false, residual, 1.0f, s);
   if (c.o_bias) k_.bias_backward(g("o_proj.bias"), d_o, s);
   k_.attention_backward(TensorView{dq.data, t, {batch, T, H, hd}, &device_},
                         TensorView{dk.data, t, {batch, T, Hkv, hd}, &device_},
@@ -924,6 +930,7 @@ void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x
   const TensorView dxf = backward ? rows(d_small_, t, N, D) : TensorView{};
   const int64_t chunk = std::min(options_.vocab_chunk, V);
   const auto cap = static_cast<float>(c.final_logit_softcapping);
+  const float scale = logits_scale(c);  // Granite's 1 / logits_scaling, 1 elsewhere
   for (int64_t v0 = 0; v0 < V; v0 += chunk) {
     const int64_t C = std::min(chunk, V - v0);
     const TensorView wc{static_cast<char*>(w.data) + static_cast<uint64_t>(v0 * D) * dtype_size(t),
@@ -931,7 +938,7 @@ void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x
                         {C, D},
                         &device_};
     const TensorView logits = chunk_.view(DType::f32, {N, C});
-    k_.matmul(logits, xf, false, wc, true, 1.0f, 0.0f, s);
+    k_.matmul(logits, xf, false, wc, true, scale, 0.0f, s);
     if (cap > 0.0f) k_.softcap(logits, cap, s);  // Gemma 2's final_logit_softcapping
     if (!backward) {
       k_.xent_forward_chunk(logits, v0, targets, row_max, rows(row_sum_, DType::f32, N, 0),
@@ -951,8 +958,8 @@ void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x
         gw.dtype,
         {C, D},
         &device_};
-    k_.matmul(dxf, dlogits, false, wc, false, 1.0f, v0 == 0 ? 0.0f : 1.0f, s);
-    k_.matmul(gwc, dlogits, true, xf, false, 1.0f, 1.0f, s);
+    k_.matmul(dxf, dlogits, false, wc, false, scale, v0 == 0 ? 0.0f : 1.0f, s);
+    k_.matmul(gwc, dlogits, true, xf, false, scale, 1.0f, s);
   }
   if (!backward) {
     k_.xent_finish(losses(batch), row_max, row_max, rows(row_sum_, DType::f32, N, 0),
@@ -1062,7 +1069,7 @@ void LlamaModel::head_logits(const std::vector<UnitBuffers>& units, const Tensor
                      static_cast<float>(c.rms_norm_eps), norm_weight_offset(c), s);
   const TensorView w = c.tie_word_embeddings ? param(units, 0, "embed_tokens", false)
                                              : param(units, head_unit, "lm_head", false);
-  k_.matmul(out, xf, false, w, true, 1.0f, 0.0f, s);
+  k_.matmul(out, xf, false, w, true, logits_scale(c), 0.0f, s);
   if (c.final_logit_softcapping > 0)
     k_.softcap(out, static_cast<float>(c.final_logit_softcapping), s);
 }

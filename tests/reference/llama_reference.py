@@ -27,7 +27,11 @@ norms (1 + w, as Qwen3's), caps only where given, the window in the layers layer
 rope_local_base_freq without rope_scaling. SmolLM3ForCausalLM is Llama's block whose NoPE layers
 (the zeros of no_rope_layers, else every no_rope_layer_interval-th layer) rotate neither q nor k,
 with use_sliding_window a window in the layers layer_types names (else the NoPE layers), and
-biases as Llama's. Which projections have biases is decided
+biases as Llama's. GraniteForCausalLM is Llama's block with the embeddings times
+embedding_multiplier, each sublayer's output times residual_multiplier before it joins the
+residual, scores times attention_multiplier (not 1/sqrt(head_dim); 1 where absent, as
+GraniteConfig's default), head_dim always hidden_size / num_attention_heads, and the logits
+divided by logits_scaling. Which projections have biases is decided
 here from config.json as each Hugging Face class decides it, and the checkpoint must hold
 exactly the tensors that implies.
 
@@ -201,7 +205,7 @@ def biased(cfg):
     out = set()
     if cfg.get("attention_bias"):
         out |= {"q_proj", "k_proj", "v_proj", "o_proj"}
-    if cfg.get("mlp_bias") and kind in ("llama", "smollm3"):
+    if cfg.get("mlp_bias") and kind in ("llama", "smollm3", "granite"):
         out |= {"gate_proj", "up_proj", "down_proj"}
     return out
 
@@ -270,7 +274,8 @@ def forward(cfg, p, ids, dtype):
     B, T = ids.shape
     D = cfg["hidden_size"]
     H, Hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    hd = cfg.get("head_dim") or D // H
+    # GraniteAttention takes hidden_size / num_attention_heads whatever head_dim says.
+    hd = D // H if cfg.get("model_type") == "granite" else (cfg.get("head_dim") or D // H)
     eps = cfg["rms_norm_eps"]
     # Angles in f32 as Hugging Face computes them; cos/sin in the working precision.
     rot = int(hd * cfg.get("partial_rotary_factor", 1.0))  # the dimensions rotated
@@ -290,7 +295,11 @@ def forward(cfg, p, ids, dtype):
     gemma2 = cfg.get("model_type") == "gemma2" or gemma3  # norms on each sublayer's output too
     gemma = cfg.get("model_type") == "gemma" or gemma2
     offset = 1.0 if gemma else 0.0  # Gemma's norms store their weight's difference from 1
+    granite = cfg.get("model_type") == "granite"
     scaling = cfg["query_pre_attn_scalar"] ** -0.5 if gemma2 else 1 / math.sqrt(hd)
+    if granite:
+        scaling = cfg.get("attention_multiplier", 1.0)
+    residual = cfg.get("residual_multiplier", 1.0) if granite else 1.0
     attn_cap = cfg.get("attn_logit_softcapping", None if gemma3 else 50.0) if gemma2 else None
     final_cap = cfg.get("final_logit_softcapping", None if gemma3 else 30.0) if gemma2 else None
     act = activation(cfg)
@@ -298,6 +307,8 @@ def forward(cfg, p, ids, dtype):
     x = p["model.embed_tokens.weight"][ids]
     if gemma:  # transformers' normaliser: a float32 tensor, cast to the working dtype
         x = x * torch.tensor(D**0.5, dtype=torch.float32).to(dtype)
+    if granite:  # a Python float
+        x = x * cfg.get("embedding_multiplier", 1.0)
     for l in range(cfg["num_hidden_layers"]):
         pre = f"model.layers.{l}."
         xn = rms_norm(x, p[pre + "input_layernorm.weight"], eps, offset)
@@ -337,7 +348,7 @@ def forward(cfg, p, ids, dtype):
             h = x + rms_norm(o, p[pre + "post_attention_layernorm.weight"], eps, offset)
             hn = rms_norm(h, p[pre + "pre_feedforward_layernorm.weight"], eps, offset)
         else:
-            h = x + o
+            h = x + o * residual
             hn = rms_norm(h, p[pre + "post_attention_layernorm.weight"], eps, offset)
         if phi3:  # one projection for gate and up, gate first
             gate, up = linear(cfg, p, pre + "mlp.gate_up_proj", hn).chunk(2, dim=-1)
@@ -347,12 +358,14 @@ def forward(cfg, p, ids, dtype):
         m = linear(cfg, p, pre + "mlp.down_proj", act(gate) * up)
         if gemma2:
             m = rms_norm(m, p[pre + "post_feedforward_layernorm.weight"], eps, offset)
-        x = h + m
+        x = h + m * residual
     xf = rms_norm(x, p["model.norm.weight"], eps, offset)
     w = p["model.embed_tokens.weight"] if cfg.get("tie_word_embeddings") else p["lm_head.weight"]
     logits = xf @ w.T
     if final_cap:
         logits = torch.tanh(logits / final_cap) * final_cap
+    if granite:
+        logits = logits / cfg.get("logits_scaling", 1.0)
     return logits
 
 
