@@ -424,6 +424,16 @@ TEST(Placement, CheckRefusesWithATable) {
   // Short of GPU memory with the parameters offloaded: the replicated units left on the GPU
   // are no reason to suggest offloading them, but a lower persistence threshold would move
   // them.
+  // Working buffers that weigh: their f32 gradients named with the largest unit, and the halving.
+  {
+    const Placement one = Placement::make(tiny_shape(1), request(Tier::cpu, Tier::cpu), roomy());
+    TierBudgets small = roomy();
+    small.gpu_memory = one.needs().total(Tier::gpu) - 1;
+    ASSERT_GT(one.needs().at(Tier::gpu, StateKind::working), small.gpu_memory / 4);
+    expect_error([&] { one.check(small); },
+                 {"--grad-dtype bf16", "sized to the largest unit (layers.0, 45568 parameters)",
+                  "their f32 gradients take 356 KiB"});
+  }
   const Placement norms =
       Placement::make(tiny_shape(2, 40000), request(Tier::cpu, Tier::cpu), roomy());
   ASSERT_GT(norms.needs().at(Tier::gpu, StateKind::parameters), 0u);
