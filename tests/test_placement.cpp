@@ -424,15 +424,27 @@ TEST(Placement, CheckRefusesWithATable) {
   // Short of GPU memory with the parameters offloaded: the replicated units left on the GPU
   // are no reason to suggest offloading them, but a lower persistence threshold would move
   // them.
-  // Working buffers that weigh: their f32 gradients named with the largest unit, and the halving.
+  // Fewer working buffers where the model allows (two with tied embeddings), naming the unit
+  // they are sized to.
   {
-    const Placement one = Placement::make(tiny_shape(1), request(Tier::cpu, Tier::cpu), roomy());
+    RunShape shape = tiny_shape(1);
+    const Placement one = Placement::make(shape, request(Tier::cpu, Tier::cpu), roomy());
     TierBudgets small = roomy();
     small.gpu_memory = one.needs().total(Tier::gpu) - 1;
-    ASSERT_GT(one.needs().at(Tier::gpu, StateKind::working), small.gpu_memory / 4);
-    expect_error([&] { one.check(small); },
-                 {"--grad-dtype bf16", "sized to the largest unit (layers.0, 45568 parameters)",
-                  "their f32 gradients take 356 KiB"});
+    const uint64_t each = one.needs().at(Tier::gpu, StateKind::working) / 2;
+    expect_error(
+        [&] { one.check(small); },
+        {"a smaller --prefetch-depth (now 1: 2 working buffers",
+         "sized to the largest unit (layers.0, 45568 parameters), about " + format_bytes(each)});
+    shape.model.tie_word_embeddings = true;
+    const Placement tied = Placement::make(shape, request(Tier::cpu, Tier::cpu), roomy());
+    small.gpu_memory = tied.needs().total(Tier::gpu) - 1;
+    try {
+      tied.check(small);
+      ADD_FAILURE() << "a GPU one byte short fits";
+    } catch (const Error& e) {
+      EXPECT_EQ(std::string(e.what()).find("--prefetch-depth"), std::string::npos) << e.what();
+    }
   }
   const Placement norms =
       Placement::make(tiny_shape(2, 40000), request(Tier::cpu, Tier::cpu), roomy());

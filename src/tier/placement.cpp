@@ -658,27 +658,25 @@ void Placement::check(const TierBudgets& budgets) const {
           "  - a lower --persistence-threshold (now {} elements): units at or below it stay "
           "whole on every GPU, {} of parameters here, whatever --offload-param says\n",
           partition.persistence_threshold, format_bytes(replicated));
-    if (shape.working_buffers > 2)
-      m += "  - a smaller --prefetch-depth (each level is a working buffer)\n";
-    // Every working buffer is sized to the largest unit (often the embedding): name it, and
-    // the halving that 16-bit working gradients give.
-    const uint64_t working = t.at(Tier::gpu, StateKind::working);
-    if (shape.training && working > rows[0].have / 4) {
+    // Every working buffer is sized to the largest unit (often the embedding): say so, with
+    // what one takes, where fewer of them are possible (tied embeddings need two).
+    const int fewest = shape.model.tie_word_embeddings ? 2 : 1;
+    if (shape.working_buffers > fewest) {
       const UnitPartition* largest = nullptr;
       for (const UnitPartition& up : partition.units)
         if (!up.replicated && (largest == nullptr || up.padded > largest->padded)) largest = &up;
-      const Sizes z = sizes_of(shape);
-      const uint64_t grads = static_cast<uint64_t>(shape.working_buffers) *
-                             device_buffer(partition.max_gathered_numel() * z.gs, z.align);
+      const uint64_t each =
+          t.at(Tier::gpu, StateKind::working) / static_cast<uint64_t>(shape.working_buffers);
       const auto n = static_cast<double>(largest != nullptr ? largest->numel : 0);
       const std::string count = n >= 1e9   ? fmt::format("{:.2f}B", n / 1e9)
                                 : n >= 1e6 ? fmt::format("{:.1f}M", n / 1e6)
                                            : fmt::format("{}", n);
-      if (largest != nullptr && shape.grad_dtype == DType::f32)
-        m += fmt::format(
-            "  - bf16 gradients (--grad-dtype bf16): the {} working buffers are sized to the "
-            "largest unit ({}, {} parameters), and their f32 gradients take {}\n",
-            shape.working_buffers, largest->name, count, format_bytes(grads));
+      m += fmt::format(
+          "  - a smaller --prefetch-depth (now {}: {} working buffers, each sized to the largest "
+          "unit{}, about {}; fewer overlap less of the fetches with compute)\n",
+          shape.working_buffers - 1, shape.working_buffers,
+          largest != nullptr ? fmt::format(" ({}, {} parameters)", largest->name, count) : "",
+          format_bytes(each));
     }
     m += "  - more GPUs (--gpus in plan, --devices in train and eval), or a larger "
          "--gpu-memory / --device-memory if the GPUs have it\n";
