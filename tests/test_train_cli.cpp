@@ -693,6 +693,41 @@ TEST(TrainCli, GraniteTrainsAndExportsAsItsClass) {
   EXPECT_NEAR(exported, std::log(static_cast<double>(c.vocab_size)), 1.0);
 }
 
+// 16-bit gradients and accumulators: from --grad-dtype, or from a DeepSpeed config's
+// data_types.grad_accum_dtype, the same run (the same weights bit for bit), recorded in the
+// checkpoint's settings and counted by plan; refused beside parameters of another dtype.
+TEST(TrainCli, SixteenBitGradientsFromTheFlagOrTheConfig) {
+  const test::TempDir dir("strata-grad-dtype");
+  const fs::path data = make_data(dir.path);
+  const fs::path config = dir.path / "ds.json";
+  std::ofstream(config) << R"({"bf16": {"enabled": true}, "train_micro_batch_size_per_gpu": 2,
+                               "data_types": {"grad_accum_dtype": "bf16"}})";
+  const std::string base =
+      "train --model tiny --init random --seed 5 --seq-len 32 --lr 1e-3 "
+      "--steps 2 --grad-accum 2 --offload-optimizer cpu --data " +
+      data.string();
+  test::CommandResult r = strata(base + " --micro-batch 2 --dtype bf16 --grad-dtype bf16 " +
+                                 "--run-dir " + (dir.path / "flag").string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(base + " --config " + config.string() + " --run-dir " + (dir.path / "cfg").string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  for (const char* run : {"flag", "cfg"}) {
+    const json state = json::parse(slurp(dir.path / run / "checkpoints/step-2/trainer_state.json"));
+    EXPECT_EQ(state["settings"]["grad_dtype"], "bf16") << run;
+    EXPECT_EQ(state["settings"]["dtype"], "bf16") << run;
+  }
+  EXPECT_EQ(slurp(dir.path / "flag/checkpoints/step-2/model.safetensors"),
+            slurp(dir.path / "cfg/checkpoints/step-2/model.safetensors"));
+  r = strata(base + " --micro-batch 2 --dtype f32 --grad-dtype bf16 --run-dir " +
+             (dir.path / "bad").string());
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("--grad-dtype bf16: bf16 gradients with f32 parameters"), std::string::npos)
+      << r.out;
+  r = strata("plan --model tiny --gpu-memory 1GiB --config " + config.string() + " --json");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(json::parse(r.out)["grad_dtype"], "bf16");
+}
+
 // The language model of an image-text Gemma 3 (Gemma3ForConditionalGeneration, as 4B, 12B and
 // 27B ship) in either layout transformers saves: it evaluates to the text model's loss bit for
 // bit and trains (the vision tower frozen, with a warning), and its checkpoints, resumed ones

@@ -44,6 +44,24 @@ void check_model_dtype(const Device& device, DType dtype, std::string_view sourc
         source, device.name());
 }
 
+DType grad_dtype_for(const std::string& flag, std::optional<DType> from_config, DType params,
+                     const std::string& config_path) {
+  DType t = from_config.value_or(DType::f32);
+  std::string source = fmt::format("{}: data_types.grad_accum_dtype", config_path);
+  if (!flag.empty()) {
+    if (flag != "f32" && flag != "bf16" && flag != "f16")
+      fail("--grad-dtype '{}' is not one of f32, bf16, f16", flag);
+    t = parse_dtype(flag);
+    source = "--grad-dtype " + flag;
+  }
+  if (t != DType::f32 && t != params)
+    fail(
+        "{}: {} gradients with {} parameters; 16-bit gradients need parameters of the same "
+        "dtype (--dtype {}), or keep them in f32 (--grad-dtype f32)",
+        source, dtype_name(t), dtype_name(params), dtype_name(t));
+  return t;
+}
+
 bool weights_from_model_dir(const std::string& model, const std::string& init,
                             std::string_view use) {
   if (!init.empty() && init != "random")

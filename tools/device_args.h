@@ -41,6 +41,12 @@ void check_model_dtype(const Device& device, DType dtype, std::string_view sourc
 DType run_dtype(const Device& device, const std::string& dtype, const DsPlanSettings& plan,
                 const std::string& config_path);
 
+// --grad-dtype, else the DeepSpeed config's data_types.grad_accum_dtype (`from_config`, read from
+// `config_path`), else f32; an Error unless it is f32 or the parameters' dtype `params` (the
+// backward writes 16-bit gradients from 16-bit activations, and the kernels take no other mix).
+DType grad_dtype_for(const std::string& flag, std::optional<DType> from_config, DType params,
+                     const std::string& config_path);
+
 // Whether the weights come from the directory --model names (true) or from --init random
 // (false). An Error for an --init other than 'random', and for a preset (no weights) without
 // --init random; `use` is what the model is for in that message ("evaluate", "sample from").

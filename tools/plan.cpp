@@ -46,7 +46,7 @@ struct PlanArgs {
   int64_t micro_batch_group = kUnsetFlag;
   bool update_during_backward = false;
   bool reduce_per_group = false;
-  std::string dtype, grad_dtype = "f32";
+  std::string dtype, grad_dtype;
   int64_t persistence_threshold = -1;
   std::string hardware;
   int gpus = 0;
@@ -135,9 +135,9 @@ int run_plan(const PlanArgs& a) {
     dtype = cfg.param_dtype ? std::string(dtype_name(*cfg.param_dtype)) : std::string("bf16");
   RunShape shape = run_shape_for(
       a.model, gpus, micro, count_flag("--seq-len", a.seq_len, 0, "tokens per sequence"), dtype);
-  if (a.grad_dtype != "f32" && a.grad_dtype != "bf16" && a.grad_dtype != "f16")
-    fail("--grad-dtype '{}' is not one of f32, bf16, f16", a.grad_dtype);
-  shape.grad_dtype = parse_dtype(a.grad_dtype);
+  // As `strata train` takes it: the flag, else the config's data_types.grad_accum_dtype.
+  shape.grad_dtype = grad_dtype_for(a.grad_dtype, cfg.grad_dtype, shape.param_dtype,
+                                    a.config.empty() ? "config" : a.config);
   if (a.update_during_backward)
     check_update_during_backward(ds ? ds->gradient_clipping.value_or(0.0) : 0.0, shape.param_dtype,
                                  "gradient_clipping in " + a.config);
@@ -225,7 +225,7 @@ int run_plan(const PlanArgs& a) {
         {"grad_accum", accum},
         {"seq_len", shape.seq_len},
         {"dtype", dtype},
-        {"grad_dtype", a.grad_dtype},
+        {"grad_dtype", dtype_name(shape.grad_dtype)},
         {"prefetch_depth", schedule.prefetch_depth},
         {"activation_checkpointing", shape.recompute},
         {"micro_batch_group", shape.micro_batch_group},
@@ -304,8 +304,9 @@ Command add_plan(CLI::App& app) {
   add_reduce_per_group_option(cmd, a->reduce_per_group);
   cmd->add_option("--dtype", a->dtype, "parameter dtype: bf16, f16 or f32");
   cmd->add_option("--grad-dtype", a->grad_dtype,
-                  "gradient accumulators: f32 (default), or bf16/f16 (half the host RAM; for "
-                  "runs that accumulate little)");
+                  "gradients and their accumulators: f32 (default; the config's "
+                  "data_types.grad_accum_dtype where it sets it), or the parameters' bf16/f16 "
+                  "(half the memory of both, for runs that accumulate little)");
   cmd->add_option("--persistence-threshold", a->persistence_threshold,
                   "units of at most this many elements stay whole on every GPU (100000)");
   cmd->add_option("--hardware", a->hardware,

@@ -27,7 +27,7 @@ namespace {
 namespace fs = std::filesystem;
 
 struct TrainArgs {
-  std::string model, init, config, data_dtype, run_dir, dtype, devices, device_memory;
+  std::string model, init, config, data_dtype, run_dir, dtype, grad_dtype, devices, device_memory;
   std::string loss_mask = "auto", packing = "auto";
   std::vector<std::string> data, nvme_paths;
   uint64_t seed = 1;
@@ -174,6 +174,8 @@ int run_train(const TrainArgs& a) {
   } else {
     s.dtype = model_dtype(*ptrs.front(), "");
   }
+  s.grad_dtype = grad_dtype_for(a.grad_dtype, plan.grad_dtype, s.dtype,
+                                a.config.empty() ? "config" : a.config);
 
   // The optimizer: DeepSpeed's Adam is AdamW unless adam_w_mode is false.
   const DsConfig::Optimizer opt = ds ? ds->optimizer : DsConfig::Optimizer{};
@@ -279,6 +281,7 @@ int run_train(const TrainArgs& a) {
             {"seq_len", s.seq_len},
             {"packing", packing_name(s.packing)},
             {"dtype", dtype_name(s.dtype)},
+            {"grad_dtype", dtype_name(s.grad_dtype)},
             {"optimizer", adamw ? "adamw" : "adam"},
             {"lr", lr},
             {"lr_schedule", lr_schedule_name(s.schedule.kind)},
@@ -370,6 +373,10 @@ Command add_train(CLI::App& app) {
                   "tokens per sequence (default: context, <= 1024)");
   cmd->add_option("--dtype", a->dtype,
                   "parameters: f32, bf16 (default: f32 on host, bf16 on cuda)");
+  cmd->add_option("--grad-dtype", a->grad_dtype,
+                  "gradients and their accumulators: f32 (default; DeepSpeed's "
+                  "data_types.grad_accum_dtype where the config sets it), or the parameters' "
+                  "bf16/f16 (half the memory of both, for runs that accumulate little)");
   cmd->add_option("--optimizer", a->optimizer, "adamw or adam (L2 decay)");
   cmd->add_option("--lr,--learning-rate", a->lr,
                   "learning rate (default: the config's, else 1e-3)");

@@ -375,6 +375,25 @@ DsConfig parse_ds_config(const json& j, std::string_view source) {
       }
     } else if (key == "fp16") {
       read_fp16(r, value, c.fp16);
+    } else if (key == "data_types") {
+      r.object(value, key);
+      for (const auto& [k, x] : value.items()) {
+        const std::string p = path_of(key, k);
+        if (k != "grad_accum_dtype") {
+          r.ignore(p);
+          continue;
+        }
+        const std::string t = r.text(x, p, "\"fp32\", \"bf16\" or \"fp16\"");
+        if (t == "fp32" || t == "float32")
+          c.grad_accum_dtype = DType::f32;
+        else if (t == "bf16" || t == "bfloat16")
+          c.grad_accum_dtype = DType::bf16;
+        else if (t == "fp16" || t == "float16")
+          c.grad_accum_dtype = DType::f16;
+        else
+          fail("DeepSpeed config {}: {} is '{}'; expected \"fp32\", \"bf16\" or \"fp16\"", source,
+               p, t);
+      }
     } else if (key == "optimizer") {
       read_optimizer(r, value, c.optimizer);
     } else if (key == "scheduler") {
@@ -520,6 +539,7 @@ DsPlanSettings ds_plan_settings(const DsConfig& c, int world, const LlamaConfig&
     s.param_dtype = DType::f16;
   else if (c.bf16_enabled.has_value() && c.fp16.enabled.has_value())
     s.param_dtype = DType::f32;  // both explicitly false: an fp32 run
+  s.grad_dtype = c.grad_accum_dtype;
   s.persistence_threshold = c.zero.stage3_param_persistence_threshold;
 
   if (c.zero.stage3_prefetch_bucket_size) {

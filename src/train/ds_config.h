@@ -48,6 +48,8 @@ struct DsConfig {
   std::optional<int64_t> steps_per_print;
 
   std::optional<bool> bf16_enabled;  // bf16.enabled (or bfloat16.enabled)
+  // data_types.grad_accum_dtype: "fp32", "bf16" or "fp16", the dtype gradients accumulate in.
+  std::optional<DType> grad_accum_dtype;
   struct Fp16 {
     std::optional<bool> enabled;
     std::optional<double> loss_scale;  // 0: dynamic
@@ -117,6 +119,7 @@ struct DsPlanSettings {
   OffloadRequest offload;  // devices, nvme paths (both sections', in order, once each), ...
   DsBatch batch;
   std::optional<DType> param_dtype;  // bf16 / f16 when enabled, f32 when both are false
+  std::optional<DType> grad_dtype;   // data_types.grad_accum_dtype
   std::optional<uint64_t> persistence_threshold;
   // stage3_prefetch_bucket_size is how many elements DeepSpeed fetches ahead; strata fetches
   // whole units, so the depth is bucket ÷ the largest unit's elements, at least 1 and at most

@@ -48,6 +48,9 @@ struct TrainSettings {
   int64_t steps = 0;  // optimizer steps, in all (a resumed run counts the ones done)
   int64_t micro_batch = 1, grad_accum = 1, seq_len = 0;
   DType dtype = DType::f32;
+  // The working gradients and their accumulators (RunShape::grad_dtype): f32, or the
+  // parameters' 16-bit dtype (half the memory of both, for runs that accumulate little).
+  DType grad_dtype = DType::f32;
   AdamParams adam;  // lr is the schedule's base; each step's lr comes from `schedule`
   LrSchedule schedule;
   LossScaleSettings scaling;
