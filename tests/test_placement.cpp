@@ -435,7 +435,20 @@ TEST(Placement, CheckRefusesWithATable) {
     expect_error(
         [&] { one.check(small); },
         {"a smaller --prefetch-depth (now 1: 2 working buffers",
-         "sized to the largest unit (layers.0, 45568 parameters), about " + format_bytes(each)});
+         "sized to the largest unit (layers.0, 45568 parameters), about " + format_bytes(each),
+         "bf16 gradients (--grad-dtype bf16"});
+    // Gradients in the parameters' dtype already, or f32 parameters: no such hint.
+    for (const auto& [params, grads] :
+         {std::pair{DType::bf16, DType::bf16}, std::pair{DType::f32, DType::f32}}) {
+      RunShape other = shape;
+      other.param_dtype = params;
+      other.grad_dtype = grads;
+      const Placement o = Placement::make(other, request(Tier::cpu, Tier::cpu), roomy());
+      TierBudgets short_by_one = roomy();
+      short_by_one.gpu_memory = o.needs().total(Tier::gpu) - 1;
+      const std::string msg = test::error_message([&] { o.check(short_by_one); });
+      EXPECT_EQ(msg.find("--grad-dtype"), std::string::npos) << msg;
+    }
     shape.model.tie_word_embeddings = true;
     const Placement tied = Placement::make(shape, request(Tier::cpu, Tier::cpu), roomy());
     small.gpu_memory = tied.needs().total(Tier::gpu) - 1;

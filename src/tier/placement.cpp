@@ -678,6 +678,20 @@ void Placement::check(const TierBudgets& budgets) const {
           largest != nullptr ? fmt::format(" ({}, {} parameters)", largest->name, count) : "",
           format_bytes(each));
     }
+    // f32 gradients beside 16-bit parameters: the working buffers' gradients and the GPU-homed
+    // accumulators halve in the parameters' dtype.
+    if (shape.training && shape.grad_dtype == DType::f32 && shape.param_dtype != DType::f32) {
+      const Sizes z = sizes_of(shape);
+      const uint64_t grads = static_cast<uint64_t>(shape.working_buffers) *
+                                 device_buffer(partition.max_gathered_numel() * z.gs, z.align) +
+                             t.at(Tier::gpu, StateKind::gradients);
+      if (grads > rows[0].have / 8)
+        m += fmt::format(
+            "  - {} gradients (--grad-dtype {}, or data_types.grad_accum_dtype in the DeepSpeed "
+            "config): the f32 ones take {} here, working buffers and accumulators; for runs "
+            "that accumulate little\n",
+            dtype_name(shape.param_dtype), dtype_name(shape.param_dtype), format_bytes(grads));
+    }
     m += "  - more GPUs (--gpus in plan, --devices in train and eval), or a larger "
          "--gpu-memory / --device-memory if the GPUs have it\n";
   }
