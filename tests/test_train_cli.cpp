@@ -614,6 +614,20 @@ TEST(TrainCli, GemmaTrainsAndExportsAsItsClass) {
   }
 }
 
+// An export evaluates to its checkpoint's loss bit for bit, near ln(vocab) after a short run
+// from random weights.
+void expect_export_evaluates_as_checkpoint(const fs::path& data, const fs::path& exported,
+                                           const fs::path& checkpoint, int64_t vocab) {
+  const std::string eval = " --data " + data.string() + " --seq-len 32 --max-sequences 4 --json";
+  test::CommandResult r = strata("eval --model " + exported.string() + eval);
+  ASSERT_EQ(r.status, 0) << r.out;
+  const double loss = json::parse(r.out)["loss"].get<double>();
+  r = strata("eval --model " + checkpoint.string() + eval);
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(json::parse(r.out)["loss"].get<double>(), loss);
+  EXPECT_NEAR(loss, std::log(static_cast<double>(vocab)), 1.0);
+}
+
 // SmolLM3 through the executor with its parameters on NVMe: its NoPE layer and window written
 // back, the export evaluating to the checkpoint's loss.
 TEST(TrainCli, SmolLM3TrainsAndExportsAsItsClass) {
@@ -645,14 +659,7 @@ TEST(TrainCli, SmolLM3TrainsAndExportsAsItsClass) {
   EXPECT_NE(r.out.find("--text-only is for a checkpoint of an image-text Gemma 3"),
             std::string::npos)
       << r.out;
-  const std::string eval = " --data " + data.string() + " --seq-len 32 --max-sequences 4 --json";
-  r = strata("eval --model " + out.string() + eval);
-  ASSERT_EQ(r.status, 0) << r.out;
-  const double exported = json::parse(r.out)["loss"].get<double>();
-  r = strata("eval --model " + (run / "checkpoints/step-2").string() + eval);
-  ASSERT_EQ(r.status, 0) << r.out;
-  EXPECT_EQ(json::parse(r.out)["loss"].get<double>(), exported);
-  EXPECT_NEAR(exported, std::log(static_cast<double>(c.vocab_size)), 1.0);
+  expect_export_evaluates_as_checkpoint(data, out, run / "checkpoints/step-2", c.vocab_size);
 }
 
 // Granite: its multipliers trained on one device with the optimizer on the CPU, and exported as
@@ -683,14 +690,7 @@ TEST(TrainCli, GraniteTrainsAndExportsAsItsClass) {
   EXPECT_EQ(config["residual_multiplier"], 0.3);
   EXPECT_EQ(config["attention_multiplier"], 1.0 / 16);
   EXPECT_EQ(config["logits_scaling"], 4.0);
-  const std::string eval = " --data " + data.string() + " --seq-len 32 --max-sequences 4 --json";
-  r = strata("eval --model " + out.string() + eval);
-  ASSERT_EQ(r.status, 0) << r.out;
-  const double exported = json::parse(r.out)["loss"].get<double>();
-  r = strata("eval --model " + (run / "checkpoints/step-2").string() + eval);
-  ASSERT_EQ(r.status, 0) << r.out;
-  EXPECT_EQ(json::parse(r.out)["loss"].get<double>(), exported);
-  EXPECT_NEAR(exported, std::log(static_cast<double>(c.vocab_size)), 1.0);
+  expect_export_evaluates_as_checkpoint(data, out, run / "checkpoints/step-2", c.vocab_size);
 }
 
 // 16-bit gradients and accumulators: from --grad-dtype, or from a DeepSpeed config's
