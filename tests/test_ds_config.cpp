@@ -343,6 +343,17 @@ TEST(DsConfig, PrecisionAndAutomaticPlacement) {
   EXPECT_TRUE(a.offload.automatic);
   EXPECT_EQ(a.offload.nvme_paths, (std::vector<std::string>{"/a", "/b"}));
   EXPECT_FALSE(a.offload.pin_memory);  // DeepSpeed's default once a section is given
+  // data_types.grad_accum_dtype: the gradients' dtype; its other keys are not acted on.
+  EXPECT_FALSE(ds_plan_settings(parse("{}"), 1, tiny).grad_dtype);
+  for (const auto& [text, dtype] : {std::pair{"fp32", DType::f32}, std::pair{"bf16", DType::bf16},
+                                    std::pair{"fp16", DType::f16}}) {
+    const DsConfig c = parse(fmt::format(
+        R"({{"data_types": {{"grad_accum_dtype": "{}", "params_dtype": "bf16"}}}})", text));
+    EXPECT_EQ(ds_plan_settings(c, 1, tiny).grad_dtype, dtype) << text;
+    EXPECT_TRUE(has(c.ignored, "data_types.params_dtype")) << text;
+  }
+  test::expect_error([&] { parse(R"({"data_types": {"grad_accum_dtype": "int8"}})"); },
+                     {"data_types.grad_accum_dtype", "'int8'", "\"fp32\", \"bf16\" or \"fp16\""});
 }
 
 // DeepSpeed's monitor sections: TensorBoard and CSV files where output_path/job_name say, each
