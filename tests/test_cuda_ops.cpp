@@ -80,6 +80,15 @@ class Rng {
   std::mt19937 gen_;
 };
 
+// Rows [first, first + n) of a [rows, cols] tensor.
+HostTensor rows_of(const HostTensor& h, int64_t first, int64_t n) {
+  HostTensor part(h.dtype, {n, h.shape[1]});
+  const size_t row = static_cast<size_t>(h.shape[1]) * dtype_size(h.dtype);
+  std::memcpy(part.bytes.data(), h.bytes.data() + static_cast<size_t>(first) * row,
+              static_cast<size_t>(n) * row);
+  return part;
+}
+
 HostTensor random_tensor(DType t, const Shape& s, Rng& rng, float lo = -1.0f, float hi = 1.0f) {
   HostTensor h(t, s);
   for (int64_t i = 0; i < h.numel(); ++i) h.set(i, rng.uniform(lo, hi));
@@ -332,9 +341,20 @@ TEST_F(CudaOpsTest, EmbeddingForward) {
         HostTensor table = random_tensor(table_t, {vocab, dim}, rng);
         HostTensor out(out_t, {rows, dim});
         DeviceTensor dtable = upload(table), dout = empty(out_t, {rows, dim});
-        gpu().embedding_forward(dout.view(), dtable.view(), dids.data(), scale, stream());
+        gpu().embedding_forward(dout.view(), dtable.view(), dids.data(), scale, {}, stream());
         host::embedding_forward(out.view(), table.view(), ids.data(), scale);
         expect_close("out", dout.fetch("out"), out, 0.0);  // a gather and one product: exact
+        // The same table as three vocabulary pieces (uneven, the last shorter), each a buffer of
+        // its own: the first zeroes the rows it does not hold, the others fill theirs.
+        DeviceTensor pieced = empty(out_t, {rows, dim});
+        const int64_t bounds[] = {0, 17, 34, vocab};
+        for (int p = 0; p < 3; ++p) {
+          const int64_t first = bounds[p], n = bounds[p + 1] - first;
+          DeviceTensor dpart = upload(rows_of(table, first, n));
+          gpu().embedding_forward(pieced.view(), dpart.view(), dids.data(), scale,
+                                  TableRows{first, vocab, p == 0}, stream());
+        }
+        expect_same_bits("out from pieces", pieced.fetch("out"), out);
       }
     }
 }
@@ -363,9 +383,16 @@ TEST_F(CudaOpsTest, EmbeddingBackwardIsTheHostsBitForBit) {
       HostTensor dtable = random_tensor(dtable_t, {c.vocab, c.dim}, rng);
       HostTensor dout = random_tensor(dout_t, {c.rows, c.dim}, rng);
       DeviceTensor ddtable = upload(dtable), ddout = upload(dout);
-      gpu().embedding_backward(ddtable.view(), ddout.view(), dids.data(), scale, stream());
+      // The table's middle third as a piece of its own, before the whole table changes.
+      const int64_t first = c.vocab / 3, n = c.vocab / 3;
+      DeviceTensor dpart = upload(rows_of(dtable, first, n));
+      gpu().embedding_backward(ddtable.view(), ddout.view(), dids.data(), scale, {}, stream());
+      gpu().embedding_backward(dpart.view(), ddout.view(), dids.data(), scale,
+                               TableRows{first, c.vocab, true}, stream());
       host::embedding_backward(dtable.view(), dout.view(), ids.data(), scale);
       expect_same_bits("dtable", ddtable.fetch("dtable"), dtable);
+      // The piece: the whole table's rows, the same bits.
+      expect_same_bits("dtable piece", dpart.fetch("dtable piece"), rows_of(dtable, first, n));
     }
   }
 }
@@ -1158,7 +1185,7 @@ TEST_F(CudaOpsTest, PointersOutsideTheArenaAreRefused) {
   DeviceTensor table = empty(f32, {10, 8});
   std::vector<int32_t> ids(8, 0);
   msg = error_message(
-      [&] { gpu().embedding_forward(x.view(), table.view(), ids.data(), 1.0f, stream()); });
+      [&] { gpu().embedding_forward(x.view(), table.view(), ids.data(), 1.0f, {}, stream()); });
   EXPECT_NE(msg.find("ids"), std::string::npos) << msg;
   EXPECT_NE(msg.find("not in this device's memory"), std::string::npos) << msg;
   x.fetch("x");  // nothing was queued: the guards are intact

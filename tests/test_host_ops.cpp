@@ -325,6 +325,67 @@ TEST(HostOps, EmbeddingGathersRowsAndScatterAddsGradients) {
                {"embedding_backward", "ids[2] = 6"});
 }
 
+// A table cut into vocabulary pieces (rows [0, 2), [2, 5), [5, 6)) computes the whole table's
+// rows and gradients exactly: each token's row comes from the one piece that holds its id.
+TEST(HostOps, EmbeddingPiecesComputeTheWholeTablesBits) {
+  Random rng(5);
+  const int64_t V = 6, D = 5, N = 6;
+  const std::vector<int32_t> ids = {0, 3, 5, 3, 1, 4};
+  const int64_t bounds[] = {0, 2, 5, V};
+  auto rows = [&](const Tensor& t, int p) {
+    const int64_t first = bounds[p], n = bounds[p + 1] - first;
+    Tensor part(t.dtype, {n, D});
+    for (int64_t i = 0; i < n * D; ++i) part.set(i, t.at(first * D + i));
+    return part;
+  };
+  const float scale = 1.7f;
+  Tensor table = rng.tensor(DType::bf16, {V, D});
+  Tensor whole(DType::bf16, {N, D}), pieced(DType::bf16, {N, D}, kNaN);
+  host::embedding_forward(whole.view(), table.view(), ids.data(), scale);
+  for (int p = 0; p < 3; ++p) {
+    Tensor part = rows(table, p);
+    host::embedding_forward(pieced.view(), part.view(), ids.data(), scale,
+                            TableRows{bounds[p], V, p == 0});
+  }
+  for (int64_t i = 0; i < N * D; ++i) EXPECT_EQ(pieced.at(i), whole.at(i)) << i;
+  // Only the first piece zeroes the rows it does not hold; the others leave them.
+  Tensor last = rows(table, 2);
+  Tensor alone(DType::bf16, {N, D}, 3.0f);
+  host::embedding_forward(alone.view(), last.view(), ids.data(), scale, TableRows{5, V, false});
+  EXPECT_EQ(alone.at(0), 3.0f);
+  EXPECT_EQ(alone.at(2 * D), whole.at(2 * D));  // id 5
+  host::embedding_forward(alone.view(), last.view(), ids.data(), scale, TableRows{5, V, true});
+  EXPECT_EQ(alone.at(0), 0.0f);
+
+  const Tensor dout = rng.tensor(DType::bf16, {N, D});
+  Tensor dtable = rng.tensor(DType::f32, {V, D});
+  std::vector<Tensor> parts;
+  for (int p = 0; p < 3; ++p) parts.push_back(rows(dtable, p));
+  Tensor d = dout;
+  host::embedding_backward(dtable.view(), d.view(), ids.data(), scale);
+  for (int p = 0; p < 3; ++p) {
+    host::embedding_backward(parts[static_cast<size_t>(p)].view(), d.view(), ids.data(), scale,
+                             TableRows{bounds[p], V, true});
+    const Tensor want = rows(dtable, p);
+    for (int64_t i = 0; i < want.numel(); ++i)
+      EXPECT_EQ(parts[static_cast<size_t>(p)].at(i), want.at(i)) << "piece " << p << " " << i;
+  }
+
+  // Ids are checked against the whole vocabulary, and a piece must lie inside it.
+  const std::vector<int32_t> bad = {0, 1, 6, 2, 0, 1};
+  Tensor part = rows(table, 1);
+  expect_error(
+      [&] {
+        host::embedding_forward(whole.view(), part.view(), bad.data(), 1.0f, TableRows{2, V, true});
+      },
+      {"embedding_forward", "ids[2] = 6", "[0, 6)"});
+  expect_error(
+      [&] {
+        host::embedding_forward(whole.view(), part.view(), ids.data(), 1.0f, TableRows{4, V, true});
+      },
+      {"embedding_forward", "holds ids [4, 7)", "vocabulary of 6"});
+}
+
 // ---------------------------------------------------------------------------------------
 // rmsnorm
 
@@ -1307,7 +1368,7 @@ TEST(HostKernels, RunOpsOnAStreamLikeTheReference) {
   // An id out of range fails in the task: the stream's synchronize() reports it.
   Tensor table = rng.tensor(DType::f32, {4, 3}), rows(DType::f32, {5, 3});
   OnDevice dtable(*dev, table, *s), drows(*dev, rows, *s);
-  k.embedding_forward(drows.view, dtable.view, dtargets, 1.0f, *s);  // holds -100
+  k.embedding_forward(drows.view, dtable.view, dtargets, 1.0f, {}, *s);  // holds -100
   expect_error([&] { s->synchronize(); }, {"stream 'compute'", "embedding_forward", "ids[1]"});
 }
 
@@ -1333,7 +1394,7 @@ TEST(HostKernels, CheckShapesAndMemoryWhenQueued) {
                {"matmul", "b is f32[3, 4] on host:0"});
   // Ids and targets must be device memory too.
   const std::vector<int32_t> ids = {0, 1};
-  expect_error([&] { k.embedding_forward(dc.view, db.view, ids.data(), 1.0f, *s); },
+  expect_error([&] { k.embedding_forward(dc.view, db.view, ids.data(), 1.0f, {}, *s); },
                {"embedding_forward", "ids (int32[2])", "not inside host:0's memory"});
   // A stream of another device is refused.
   expect_error([&] { k.fill(dc.view, 1.0f, *s_other); }, {"stream 'theirs'", "host:0"});

@@ -105,7 +105,8 @@ TEST(LlamaRope, PlainAndLlama3Scaling) {
 // (Gemma 2's without caps, with q and k norms and the sliding layers rotating with base 100) and
 // SmolLM3 (Llama's, tied, with MLP biases, its second layer a NoPE layer: no rotary embeddings)
 // and Granite (tied; embeddings times 4, sublayer outputs times 0.4, scores times 0.3, logits
-// divided by 3).
+// divided by 3) and pieces (untied, the embedding and the head each in three vocabulary pieces
+// of 10, 10 and 9 rows).
 enum class Variant {
   untied,
   tied,
@@ -117,7 +118,8 @@ enum class Variant {
   gemma2,
   gemma3,
   smollm3,
-  granite
+  granite,
+  pieces
 };
 
 LlamaConfig variant_config(Variant v) {
@@ -161,6 +163,7 @@ LlamaConfig variant_config(Variant v) {
     c.attention_multiplier = 0.3;
     c.logits_scaling = 3.0;
   }
+  if (v == Variant::pieces) c.vocab_pieces = 3;
   if (v == Variant::qwen3_tied || v == Variant::qwen3_bias) {
     c.architecture = Architecture::qwen3;
     c.qk_norm = true;
@@ -171,7 +174,7 @@ LlamaConfig variant_config(Variant v) {
 
 const char* variant_name(Variant v) {
   const char* names[] = {"untied", "tied",   "qwen2_tied", "every_bias", "qwen3_tied", "qwen3_bias",
-                         "gemma",  "gemma2", "gemma3",     "smollm3",    "granite"};
+                         "gemma",  "gemma2", "gemma3",     "smollm3",    "granite",    "pieces"};
   return names[static_cast<int>(v)];
 }
 
@@ -284,13 +287,15 @@ INSTANTIATE_TEST_SUITE_P(Variants, LlamaGradient,
                          ::testing::Values(Variant::untied, Variant::tied, Variant::qwen2_tied,
                                            Variant::every_bias, Variant::qwen3_tied,
                                            Variant::qwen3_bias, Variant::gemma, Variant::gemma2,
-                                           Variant::gemma3, Variant::smollm3, Variant::granite),
+                                           Variant::gemma3, Variant::smollm3, Variant::granite,
+                                           Variant::pieces),
                          [](const auto& p) { return std::string(variant_name(p.param)); });
 
 // The planner sizes activations with workspace_bytes_for(); it must be what the constructor
 // allocates, in every dtype (bf16 adds the logits-gradient chunk) and with the arena's rounding.
 TEST(LlamaModel, WorkspaceBytesForIsWhatTheConstructorAllocates) {
-  for (Variant variant : {Variant::untied, Variant::tied, Variant::qwen3_tied, Variant::gemma2})
+  for (Variant variant :
+       {Variant::untied, Variant::tied, Variant::qwen3_tied, Variant::gemma2, Variant::pieces})
     for (DType t : {DType::f32, DType::bf16})
       for (int64_t batch : {1, 3})
         for (int mode : {0, 1, 2, 3}) {  // recompute, keep the activations, forward only, KV
@@ -686,7 +691,8 @@ TEST(LlamaModel, WithoutRecomputeTheGradientsAreTheSameBits) {
                                     {DType::bf16, Variant::gemma2},
                                     {DType::bf16, Variant::gemma3},
                                     {DType::bf16, Variant::smollm3},
-                                    {DType::bf16, Variant::granite}}) {
+                                    {DType::bf16, Variant::granite},
+                                    {DType::bf16, Variant::pieces}}) {
     LlamaConfig c = variant_config(variant);
     c.num_hidden_layers = 3;
     if (!c.nope_layers.empty()) c.nope_layers.resize(3, false);
@@ -743,6 +749,174 @@ TEST(LlamaModel, WithoutRecomputeTheGradientsAreTheSameBits) {
     EXPECT_GT(nonzero, grads[0].size() / 2);
     EXPECT_GT(workspace[1], workspace[0]);
   }
+}
+
+// The embedding and the head cut into vocabulary pieces compute what the whole model computes
+// from the same weights: the same losses bit for bit (the pieces' rows are whole chunks of the
+// loss), the head's gradients the same bits, the others' to rounding (the pieces add the normed
+// input's gradient in another order); decoding gives the same logits. A layout's units, names
+// and file rows; the pieces chosen for Llama 3 8B; bad counts refused.
+TEST(LlamaModel, VocabularyPiecesComputeTheWholeModelsLossAndGradients) {
+  LlamaConfig whole_c = small_config(false);
+  whole_c.vocab_size = 30;
+  LlamaConfig cut_c = whole_c;
+  cut_c.vocab_pieces = 3;
+  const ModelLayout whole_l = ModelLayout::build(whole_c), cut_l = ModelLayout::build(cut_c);
+  ASSERT_EQ(cut_l.num_units(), 2 + 2 * 3);
+  EXPECT_EQ(cut_l.first_block(), 3);
+  EXPECT_EQ(cut_l.first_head(), 5);
+  const char* names[] = {"embedding", "embedding.1", "embedding.2", "layers.0",
+                         "layers.1",  "head",        "head.1",      "head.2"};
+  for (int u = 0; u < cut_l.num_units(); ++u) {
+    const UnitLayout& unit = cut_l.units[static_cast<size_t>(u)];
+    EXPECT_EQ(unit.name, names[u]);
+    EXPECT_EQ(cut_l.input_position(u), u < 3 ? 0 : u < 5 ? u - 3 : u == 5 ? 2 : 3) << unit.name;
+    if (unit.kind == UnitKind::block) continue;
+    EXPECT_EQ(unit.vocab_first, 10 * unit.piece);
+    EXPECT_EQ(unit.vocab_rows, 10);
+    const ParamSlot& table = unit.slot(unit.kind == UnitKind::head ? "lm_head" : "embed_tokens");
+    EXPECT_EQ(table.file_name,
+              unit.kind == UnitKind::head ? "lm_head.weight" : "model.embed_tokens.weight");
+    EXPECT_EQ(table.file_row, unit.vocab_first);
+    EXPECT_EQ(table.file_shape, (std::vector<int64_t>{30, 16}));
+    EXPECT_EQ(table.shape, (Shape{10, 16}));
+    EXPECT_EQ(unit.params.size(), unit.kind == UnitKind::head && unit.piece == 0 ? 2u : 1u);
+  }
+  EXPECT_EQ(cut_l.units[6].params[0].name, "lm_head.weight[10:20]");
+
+  for (const DType dt : {DType::f32, DType::bf16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    auto device = open_host_device(0, 64ull << 20);
+    auto stream = device->create_stream("test");
+    ModelOptions o;
+    o.param_dtype = dt;
+    o.max_batch = 2;
+    o.seq_len = 6;
+    o.vocab_chunk = 5;  // two chunks a piece, the whole head's chunks
+    std::vector<int32_t> host_ids(12), host_targets(12);
+    for (int i = 0; i < 12; ++i) {
+      host_ids[static_cast<size_t>(i)] = (i * 11 + 2) % 30;
+      host_targets[static_cast<size_t>(i)] = i % 5 == 3 ? kIgnoreIndex : (i * 7 + 5) % 30;
+    }
+    DeviceBuffer ids(*device, 48, "ids"), targets(*device, 48, "targets");
+    device->copy_to_device(ids.data(), host_ids.data(), 48, *stream);
+    device->copy_to_device(targets.data(), host_targets.data(), 48, *stream);
+    auto* i = static_cast<int32_t*>(ids.data());
+    auto* t = static_cast<int32_t*>(targets.data());
+
+    LlamaModel whole(whole_c, o, *device), cut(cut_c, o, *device);
+    ResidentWeights ww(whole_l, *device, dt, DType::f32, true),
+        cw(cut_l, *device, dt, DType::f32, true);
+    ww.init_random(9, *stream);
+    std::vector<std::vector<float>> whole_values;
+    for (int u = 0; u < whole_l.num_units(); ++u)
+      whole_values.push_back(ww.download(u, false, *stream));
+    auto whole_unit = [&](int v) -> const std::vector<float>& {
+      return whole_values[static_cast<size_t>(v)];
+    };
+    for (int u = 0; u < cut_l.num_units(); ++u)
+      cw.upload(u, relaid_unit(whole_l, whole_unit, cut_l, u), *stream);
+    ww.zero_grads(*stream);
+    cw.zero_grads(*stream);
+    std::vector<float> loss[2];
+    for (int run = 0; run < 2; ++run) {
+      LlamaModel& m = run == 0 ? whole : cut;
+      ResidentWeights& w = run == 0 ? ww : cw;
+      m.forward(w.units(), i, t, 2, true, *stream);
+      loss[run].resize(12);
+      device->copy_to_host(loss[run].data(), m.losses(2).data, 48, *stream);
+      m.backward(w.units(), i, t, 2, 0.1f, *stream);
+      stream->synchronize();
+    }
+    EXPECT_EQ(loss[0], loss[1]);
+    EXPECT_GT(loss[0][0], 0.0f);
+    // The gradients, laid out as the whole model's.
+    std::vector<std::vector<float>> cut_grads;
+    for (int u = 0; u < cut_l.num_units(); ++u) cut_grads.push_back(cw.download(u, true, *stream));
+    for (int u = 0; u < whole_l.num_units(); ++u) {
+      const std::vector<float> want = ww.download(u, true, *stream);
+      const std::vector<float> got = relaid_unit(
+          cut_l, [&](int v) -> const std::vector<float>& { return cut_grads[size_t(v)]; }, whole_l,
+          u);
+      const bool head = whole_l.units[static_cast<size_t>(u)].kind == UnitKind::head;
+      double worst = 0, scale = 0;
+      size_t differ = 0;
+      for (size_t k = 0; k < want.size(); ++k) {
+        worst = std::max(worst, std::abs(double(got[k]) - double(want[k])));
+        scale = std::max(scale, std::abs(double(want[k])));
+        differ += std::memcmp(&got[k], &want[k], 4) != 0;
+      }
+      EXPECT_GT(scale, 0.0) << whole_l.units[static_cast<size_t>(u)].name;
+      if (head) {  // its own rows' gradients are the same products; the norm's comes after
+        const ParamSlot& lm = whole_l.units[static_cast<size_t>(u)].slot("lm_head");
+        for (int64_t k = 0; k < lm.numel(); ++k)
+          EXPECT_EQ(got[lm.offset + uint64_t(k)], want[lm.offset + uint64_t(k)]) << "lm_head " << k;
+      }
+      // bf16 rounds the normed input's gradient after every piece's sum.
+      EXPECT_LE(worst, (dt == DType::f32 ? 1e-5 : 2e-2) * scale)
+          << whole_l.units[static_cast<size_t>(u)].name << ": " << differ << " elements differ";
+    }
+  }
+
+  // Decoding: the pieces write their columns of the last token's logits.
+  {
+    auto device = open_host_device(0, 64ull << 20);
+    auto stream = device->create_stream("test");
+    ModelOptions o;
+    o.seq_len = 6;
+    o.forward_only = true;
+    o.kv_cache = true;
+    LlamaModel whole(whole_c, o, *device), cut(cut_c, o, *device);
+    ResidentWeights ww(whole_l, *device, DType::f32, DType::f32, false),
+        cw(cut_l, *device, DType::f32, DType::f32, false);
+    ww.init_random(3, *stream);
+    std::vector<std::vector<float>> values;
+    for (int u = 0; u < whole_l.num_units(); ++u) values.push_back(ww.download(u, false, *stream));
+    for (int u = 0; u < cut_l.num_units(); ++u)
+      cw.upload(u,
+                relaid_unit(
+                    whole_l, [&](int v) -> const std::vector<float>& { return values[size_t(v)]; },
+                    cut_l, u),
+                *stream);
+    const std::vector<int32_t> prompt = {4, 17, 29, 0, 12};
+    DeviceBuffer ids(*device, 20, "ids"), logits(*device, 30 * 4, "logits");
+    device->copy_to_device(ids.data(), prompt.data(), 20, *stream);
+    std::vector<float> got[2];
+    for (int run = 0; run < 2; ++run) {
+      LlamaModel& m = run == 0 ? whole : cut;
+      ResidentWeights& w = run == 0 ? ww : cw;
+      m.decode(w.units(), static_cast<int32_t*>(ids.data()), 0, 4, logits.view(DType::f32, {1, 30}),
+               *stream);
+      m.decode(w.units(), static_cast<int32_t*>(ids.data()) + 4, 4, 1,
+               logits.view(DType::f32, {1, 30}), *stream);
+      got[run].resize(30);
+      device->copy_to_host(got[run].data(), logits.data(), 120, *stream);
+      stream->synchronize();
+      EXPECT_EQ(m.cached_positions(), 5);
+    }
+    for (int k = 0; k < 30; ++k) EXPECT_NEAR(got[1][size_t(k)], got[0][size_t(k)], 1e-6) << k;
+  }
+
+  // Chosen: Llama 3 8B's 525M-element tables in three pieces of 6 x 8192 rows (the last
+  // 29,952), each smaller than a block (218M); Llama 2 7B's table (131M) is smaller than a
+  // block, a tied table is the head's too: whole.
+  const ModelLayout l3 = ModelLayout::build(*find_preset("llama3-8b"));
+  EXPECT_EQ(l3.vocab_pieces, 3);
+  EXPECT_EQ(l3.units[0].vocab_rows, 49152);
+  EXPECT_EQ(l3.units[2].vocab_rows, 128256 - 2 * 49152);
+  uint64_t largest = 0;
+  for (const UnitLayout& u : l3.units) largest = std::max(largest, u.numel);
+  EXPECT_EQ(largest, l3.units[static_cast<size_t>(l3.first_block())].numel);
+  EXPECT_EQ(ModelLayout::build(*find_preset("llama2-7b")).vocab_pieces, 1);
+  EXPECT_EQ(ModelLayout::build(*find_preset("gemma2-9b")).vocab_pieces, 1);
+  LlamaConfig bad = whole_c;
+  bad.vocab_pieces = 31;
+  test::expect_error([&] { (void)ModelLayout::build(bad); }, {"31 vocabulary pieces", "30"});
+  bad.vocab_pieces = 7;  // pieces of 5 rows make 6
+  test::expect_error([&] { (void)ModelLayout::build(bad); }, {"7 vocabulary pieces", "choose 6"});
+  bad.vocab_pieces = 2;
+  bad.tie_word_embeddings = true;
+  test::expect_error([&] { (void)ModelLayout::build(bad); }, {"tied embeddings", "use 1"});
 }
 
 TEST(LlamaModel, RandomInitIsDeterministicAndScaled) {

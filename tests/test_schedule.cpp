@@ -316,7 +316,7 @@ template <typename Fn>
 int for_every_placement(Fn&& fn) {
   const std::array<Tier, 3> tiers = {Tier::gpu, Tier::cpu, Tier::nvme};
   int cases = 0;
-  for (bool tied : {false, true})
+  for (int variant : {0, 1, 2})  // untied, tied, untied in three vocabulary pieces
     for (uint64_t threshold : {uint64_t{0}, uint64_t{40000}, uint64_t{1} << 40})
       for (Tier p : tiers)
         for (Tier o : tiers)
@@ -325,9 +325,12 @@ int for_every_placement(Fn&& fn) {
               for (int M : {1, 2})
                 for (int d = 0; d <= 2; ++d) {
                   if (o == Tier::gpu && g_gpu) continue;  // the same placement
-                  SCOPED_TRACE(fmt::format("tied={} threshold={} P={} O={} G gpu={} R={} M={} d={}",
-                                           tied, threshold, int(p), int(o), g_gpu, R, M, d));
-                  fn(make_placement(tiny(tied), R, p, o, threshold, 3, 4, g_gpu), M, d);
+                  SCOPED_TRACE(
+                      fmt::format("variant={} threshold={} P={} O={} G gpu={} R={} M={} d={}",
+                                  variant, threshold, int(p), int(o), g_gpu, R, M, d));
+                  LlamaConfig c = tiny(variant == 1);
+                  if (variant == 2) c.vocab_pieces = 3;
+                  fn(make_placement(c, R, p, o, threshold, 3, 4, g_gpu), M, d);
                   ++cases;
                 }
   return cases;
@@ -408,7 +411,7 @@ TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
         EXPECT_LE(m.overlap, 1.0 + 1e-9) << mixed;
       }
   });
-  EXPECT_EQ(built, 2 * 3 * 3 * 5 * 2 * 2 * 3);  // O gpu with G gpu, O cpu or nvme with G either
+  EXPECT_EQ(built, 3 * 3 * 3 * 5 * 2 * 2 * 3);  // O gpu with G gpu, O cpu or nvme with G either
 }
 
 // Evaluation's schedule: each micro-batch's forwards and what fetches and gathers them; every
@@ -873,7 +876,7 @@ TEST(Schedule, UpdatingDuringTheBackwardForEveryPlacement) {
       EXPECT_EQ(Schedule::build(pl, eval).str(), Schedule::build(pl, eval0).str());
     }
   });
-  EXPECT_EQ(built, 2 * 3 * 3 * 5 * 2 * 2 * 3);
+  EXPECT_EQ(built, 3 * 3 * 3 * 5 * 2 * 2 * 3);
   EXPECT_GT(early_adams, 0);
 }
 

@@ -102,6 +102,11 @@ TEST(TrainCli, ResumeIsBitIdenticalWithEveryPlacement) {
       "--devices host:3 --persistence-threshold 0 --lr-schedule WarmupLR "
       "--warmup-steps 4",
       6, 1);
+  // The embedding and the head in vocabulary pieces (units of their own), offloaded.
+  expect_resume_identical(
+      "--vocab-pieces 3 --devices host:3 --persistence-threshold 0 --offload-param cpu "
+      "--offload-optimizer cpu",
+      4, 2);
 }
 
 // --resume-from (Hugging Face's resume_from_checkpoint): an earlier checkpoint of another run
@@ -626,6 +631,74 @@ void expect_export_evaluates_as_checkpoint(const fs::path& data, const fs::path&
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_EQ(json::parse(r.out)["loss"].get<double>(), loss);
   EXPECT_NEAR(loss, std::log(static_cast<double>(vocab)), 1.0);
+}
+
+// --vocab-pieces: checkpoints hold the tables whole, as Hugging Face names them (an export
+// evaluates to the checkpoint's loss), and a run resumes in another cut: each parameter's
+// optimizer state is carried over row by row, so the resumed run follows the uninterrupted
+// one to rounding (state lost would move the next steps' losses by far more). Bad counts are
+// refused naming the flag; plan and train echo the cut.
+TEST(TrainCli, VocabularyPiecesCheckpointWholeTablesAndResumeInAnotherCut) {
+  const test::TempDir dir("strata-pieces");
+  const fs::path data = make_data(dir.path);
+  const std::string base = "train " + kTiny + "--data " + data.string() +
+                           " --lr 2e-3 --offload-optimizer cpu --threads 1";
+  const fs::path whole = dir.path / "whole", cut = dir.path / "cut";
+  test::CommandResult r = strata(base + " --steps 4 --run-dir " + whole.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(base + " --steps 2 --vocab-pieces 3 --run-dir " + cut.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const json settings = json::parse(slurp(cut / "checkpoints/step-2/trainer_state.json"));
+  EXPECT_EQ(settings["settings"]["vocab_pieces"], 3) << settings.dump();
+  const SafetensorsReader st =
+      SafetensorsReader::open(cut / "checkpoints/step-2/model.safetensors");
+  for (const char* name : {"model.embed_tokens.weight", "lm_head.weight"}) {
+    const SafetensorsEntry* e = st.find(name);
+    ASSERT_NE(e, nullptr) << name;
+    EXPECT_EQ(e->shape, (std::vector<int64_t>{512, 64})) << name;
+  }
+  const fs::path out = dir.path / "hf";
+  r = strata("export " + cut.string() + " --out " + out.string() + " --dtype f32");
+  ASSERT_EQ(r.status, 0) << r.out;
+  expect_export_evaluates_as_checkpoint(data, out, cut / "checkpoints/step-2", 512);
+
+  // The whole run's step 2, resumed in three pieces; the cut run's, resumed whole.
+  const fs::path a = dir.path / "a", b = dir.path / "b";
+  r = strata(base + " --steps 2 --run-dir " + a.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(base + " --steps 4 --vocab-pieces 3 --resume --run-dir " + a.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("carried over row by row"), std::string::npos) << r.out;
+  const std::vector<json> mw = metrics(whole), ma = metrics(a);
+  ASSERT_EQ(ma.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    const double w = mw[i]["loss"].get<double>(), got = ma[i]["loss"].get<double>();
+    EXPECT_NEAR(got, w, 2e-5 * w) << "step " << i + 1;
+  }
+  r = strata(base + " --steps 4 --vocab-pieces 1 --resume --run-dir " + cut.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("carried over row by row"), std::string::npos) << r.out;
+  const std::vector<json> mc = metrics(cut);
+  ASSERT_EQ(mc.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    const double w = mw[i]["loss"].get<double>(), got = mc[i]["loss"].get<double>();
+    EXPECT_NEAR(got, w, 2e-5 * w) << "step " << i + 1;
+  }
+
+  r = strata(base + " --steps 1 --vocab-pieces 28 --run-dir " + (dir.path / "bad").string());
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--vocab-pieces 28"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("choose 27"), std::string::npos) << r.out;
+  r = strata(
+      "plan --model llama3-8b --gpus 1 --gpu-memory 80GiB --cpu-memory 512GiB --json "
+      "--offload-optimizer cpu");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(json::parse(r.out)["vocab_pieces"], 3);
+  r = strata(
+      "plan --model llama3-8b --gpus 1 --gpu-memory 80GiB --cpu-memory 512GiB --json "
+      "--offload-optimizer cpu --vocab-pieces 1");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(json::parse(r.out)["vocab_pieces"], 1);
 }
 
 // SmolLM3 through the executor with its parameters on NVMe: its NoPE layer and window written

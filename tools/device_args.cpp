@@ -6,6 +6,7 @@
 #include "core/system.h"
 #include "gpu/runtime.h"
 #include "model/config.h"
+#include "model/llama.h"
 
 #include <filesystem>
 
@@ -42,6 +43,16 @@ void check_model_dtype(const Device& device, DType dtype, std::string_view sourc
         "{{\"enabled\": true}} in the DeepSpeed config: the same memory, and no loss scaling "
         "needed), or host devices (--devices host:N)",
         source, device.name());
+}
+
+void apply_vocab_pieces(int64_t flag, LlamaConfig& model) {
+  if (flag < 0) fail("--vocab-pieces {}: give a count of pieces, or 0 to let strata choose", flag);
+  model.vocab_pieces = flag;
+  try {
+    (void)ModelLayout::build(model);
+  } catch (const Error& e) {
+    fail("--vocab-pieces {}: {}", flag, e.what());
+  }
 }
 
 DType grad_dtype_for(const std::string& flag, std::optional<DType> from_config, DType params,

@@ -47,6 +47,11 @@ DType run_dtype(const Device& device, const std::string& dtype, const DsPlanSett
 DType grad_dtype_for(const std::string& flag, std::optional<DType> from_config, DType params,
                      const std::string& config_path);
 
+// --vocab-pieces N (train, plan): the vocabulary pieces `model`'s embedding and head are cut
+// into (LlamaConfig::vocab_pieces; 0, the default, lets strata choose). Sets it on `model`; an
+// Error naming the flag for a count the model cannot take.
+void apply_vocab_pieces(int64_t flag, LlamaConfig& model);
+
 // Whether the weights come from the directory --model names (true) or from --init random
 // (false). An Error for an --init other than 'random', and for a preset (no weights) without
 // --init random; `use` is what the model is for in that message ("evaluate", "sample from").

@@ -50,8 +50,9 @@ int run_export(const ExportArgs& a) {
     fail("--dtype {}: expected f32, bf16 or f16", a.dtype);
   const uint64_t max_shard = parse_bytes(a.max_shard_size);
   const LlamaConfig config = resolve_model(ckpt.string());
-  const ModelLayout layout = ModelLayout::build(config);
   const SafetensorsReader optimizer = SafetensorsReader::open(ckpt / "optimizer.safetensors");
+  // In the vocabulary pieces the run had (--vocab-pieces), which the file's units show.
+  const ModelLayout layout = saved_layout(optimizer, config);
   // Streamed one unit at a time, as a checkpoint is written: a 70B export needs RAM for its
   // largest unit, not for the model.
   for (const UnitLayout& unit : layout.units)

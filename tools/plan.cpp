@@ -48,6 +48,7 @@ struct PlanArgs {
   bool reduce_per_group = false;
   std::string dtype, grad_dtype;
   int64_t persistence_threshold = -1;
+  int64_t vocab_pieces = 0;
   std::string hardware;
   int gpus = 0;
   std::string gpu_memory, cpu_memory, nvme, pinned_memory;
@@ -138,6 +139,7 @@ int run_plan(const PlanArgs& a) {
   // As `strata train` takes it: the flag, else the config's data_types.grad_accum_dtype.
   shape.grad_dtype = grad_dtype_for(a.grad_dtype, cfg.grad_dtype, shape.param_dtype,
                                     a.config.empty() ? "config" : a.config);
+  apply_vocab_pieces(a.vocab_pieces, shape.model);
   if (a.update_during_backward)
     check_update_during_backward(ds ? ds->gradient_clipping.value_or(0.0) : 0.0, shape.param_dtype,
                                  "gradient_clipping in " + a.config);
@@ -226,6 +228,7 @@ int run_plan(const PlanArgs& a) {
         {"seq_len", shape.seq_len},
         {"dtype", dtype},
         {"grad_dtype", dtype_name(shape.grad_dtype)},
+        {"vocab_pieces", ModelLayout::build(shape.model).vocab_pieces},
         {"prefetch_depth", schedule.prefetch_depth},
         {"activation_checkpointing", shape.recompute},
         {"micro_batch_group", shape.micro_batch_group},
@@ -307,6 +310,9 @@ Command add_plan(CLI::App& app) {
                   "gradients and their accumulators: f32 (default; the config's "
                   "data_types.grad_accum_dtype where it sets it), or the parameters' bf16/f16 "
                   "(half the memory of both, for runs that accumulate little)");
+  cmd->add_option("--vocab-pieces", a->vocab_pieces,
+                  "units the embedding's and the head's tables are each cut into, by vocabulary "
+                  "rows (0, the default: strata chooses; 1: whole)");
   cmd->add_option("--persistence-threshold", a->persistence_threshold,
                   "units of at most this many elements stay whole on every GPU (100000)");
   cmd->add_option("--hardware", a->hardware,

@@ -32,6 +32,7 @@ struct TrainArgs {
   std::vector<std::string> data, nvme_paths;
   uint64_t seed = 1;
   int64_t steps = 0, micro_batch = kUnsetFlag, grad_accum = kUnsetFlag, seq_len = kUnsetFlag;
+  int64_t vocab_pieces = 0;
   double epochs = 0;
   double lr = NAN, weight_decay = NAN, clip = NAN, eps = NAN;  // NaN: not given
   std::string optimizer, lr_schedule;
@@ -132,7 +133,8 @@ int run_train(const TrainArgs& a) {
   check_train_numbers(a);
   const std::optional<DsConfig> ds = load_cli_config(a.config);
   weights_from_model_dir(a.model, a.init, "train from");
-  const LlamaConfig model = resolve_model(a.model);
+  LlamaConfig model = resolve_model(a.model);
+  apply_vocab_pieces(a.vocab_pieces, model);
   auto devices = open_cli_devices(a.devices, a.device_memory, 0);
   std::vector<Device*> ptrs;
   for (auto& d : devices) ptrs.push_back(d.get());
@@ -140,6 +142,7 @@ int run_train(const TrainArgs& a) {
 
   TrainSettings s;
   s.model = a.model;
+  s.vocab_pieces = a.vocab_pieces;
   s.init_random = !a.init.empty();
   s.seed = a.seed;
   for (const std::string& f : a.data) s.data.emplace_back(f);
@@ -282,6 +285,7 @@ int run_train(const TrainArgs& a) {
             {"packing", packing_name(s.packing)},
             {"dtype", dtype_name(s.dtype)},
             {"grad_dtype", dtype_name(s.grad_dtype)},
+            {"vocab_pieces", ModelLayout::build(model).vocab_pieces},
             {"optimizer", adamw ? "adamw" : "adam"},
             {"lr", lr},
             {"lr_schedule", lr_schedule_name(s.schedule.kind)},
@@ -377,6 +381,10 @@ Command add_train(CLI::App& app) {
                   "gradients and their accumulators: f32 (default; DeepSpeed's "
                   "data_types.grad_accum_dtype where the config sets it), or the parameters' "
                   "bf16/f16 (half the memory of both, for runs that accumulate little)");
+  cmd->add_option("--vocab-pieces", a->vocab_pieces,
+                  "units the embedding's and the head's tables are each cut into, by vocabulary "
+                  "rows, so no working or pinned buffer need hold a whole table (0, the default: "
+                  "strata chooses; 1: whole)");
   cmd->add_option("--optimizer", a->optimizer, "adamw or adam (L2 decay)");
   cmd->add_option("--lr,--learning-rate", a->lr,
                   "learning rate (default: the config's, else 1e-3)");

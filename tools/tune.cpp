@@ -170,10 +170,10 @@ Calibration calibration_for(const std::optional<LlamaConfig>& target, int64_t se
   int64_t tokens =
       seq_len > 0 ? seq_len : std::min<int64_t>(m.max_position_embeddings, host ? 128 : 1024);
   tokens = std::min<int64_t>(tokens, host ? (quick ? 64 : 128) : 2048);
+  const ModelLayout layout = ModelLayout::build(m);
   auto flops = [&](int64_t micro, int64_t t) {
     double f = 0;
-    const int units = int(m.num_hidden_layers) + 2;
-    for (int u = 0; u < units; ++u) f += 4.0 * unit_forward_flops(m, u, micro, t);
+    for (const UnitLayout& unit : layout.units) f += 4.0 * unit_forward_flops(m, unit, micro, t);
     return f;
   };
   const double budget = quick ? 5e8 : 2e9;

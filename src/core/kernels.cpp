@@ -103,7 +103,8 @@ MatmulDims check_matmul(const TensorView& c, const TensorView& a, bool trans_a, 
   return d;
 }
 
-RowDims check_embedding(const char* op, const TensorView& rows, const TensorView& table) {
+RowDims check_embedding(const char* op, const TensorView& rows, const TensorView& table,
+                        const TableRows& piece) {
   const bool backward = is_backward(op);
   const char* rows_name = backward ? "dout" : "out";
   const char* table_name = backward ? "dtable" : "table";
@@ -116,6 +117,13 @@ RowDims check_embedding(const char* op, const TensorView& rows, const TensorView
   if (backward && table.dtype != DType::f32 && table.dtype != rows.dtype)
     fail("{}: dtable is {} with dout {}; dtable must be f32 or dout's dtype; allocate it so", op,
          table.str(), rows.str());
+  if (piece.first < 0 || piece.vocab < 0 ||
+      piece.first + table.shape[0] > table_vocab(table, piece))
+    fail(
+        "{}: {} {} holds ids [{}, {}), outside the vocabulary of {}; the piece's rows must lie "
+        "in the table",
+        op, table_name, table.str(), piece.first, piece.first + table.shape[0],
+        table_vocab(table, piece));
   return {rows.shape[0], rows.shape[1]};
 }
 

@@ -28,6 +28,18 @@
 namespace strata {
 
 class Stream;
+
+// The rows of the whole embedding table that a `table` operand holds: the ids
+// [first, first + its rows) of a vocabulary of `vocab` ids (0: the operand's rows, the whole
+// table). A vocabulary piece (ModelLayout's pieces of a large embedding) skips the ids outside
+// it: its forward sets their rows of out to 0 when zero_others (the first piece), else leaves
+// them (the others'), and its backward adds nothing for them.
+struct TableRows {
+  int64_t first = 0;
+  int64_t vocab = 0;
+  bool zero_others = true;
+};
+
 namespace cpu_adam {
 struct StepConstants;  // cpu_adam/kernels.h
 }  // namespace cpu_adam
@@ -86,14 +98,15 @@ class Kernels {
 
   // out[n,:] = table[ids[n],:] * scale. out [N,D], table [V,D]. scale is 1 but for Gemma,
   // which multiplies its embeddings by sqrt(hidden_size) rounded to the activations' dtype; the
-  // product is rounded once, as torch rounds it.
+  // product is rounded once, as torch rounds it. `rows`: which ids the table holds (TableRows).
   virtual void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids,
-                                 float scale, Stream& s) = 0;
+                                 float scale, const TableRows& rows, Stream& s) = 0;
   // dtable[ids[n],:] += dout[n,:] * scale, each product rounded to dout's dtype first (as
   // torch's backward of the multiplication rounds it; exact when scale is 1). dtable [V,D] (f32
   // or dout's dtype), dout [N,D].
   virtual void embedding_backward(const TensorView& dtable, const TensorView& dout,
-                                  const int32_t* ids, float scale, Stream& s) = 0;
+                                  const int32_t* ids, float scale, const TableRows& rows,
+                                  Stream& s) = 0;
 
   // y = x * rstd * (w + weight_offset) with rstd[n] = 1 / sqrt(mean_d(x[n,d]^2) + eps), in f32
   // and rounded once. x, y [N,D]; w [D]; rstd_stats [N] (kept for backward). weight_offset is
@@ -220,7 +233,13 @@ MatmulDims check_matmul(const TensorView& c, const TensorView& a, bool trans_a, 
 struct RowDims {  // N rows of D elements
   int64_t rows = 0, cols = 0;
 };
-RowDims check_embedding(const char* op, const TensorView& rows, const TensorView& table);
+// `piece`: which ids the table holds; its range must lie in [0, vocab).
+RowDims check_embedding(const char* op, const TensorView& rows, const TensorView& table,
+                        const TableRows& piece = {});
+// The vocabulary a table of `piece` belongs to: piece.vocab, or the table's rows.
+inline int64_t table_vocab(const TensorView& table, const TableRows& piece) {
+  return piece.vocab > 0 ? piece.vocab : table.shape[0];
+}
 // broadcast_rows and bias_backward: rows [N, C] and bias [C] (f32 or rows' dtype in the
 // backward; rows' dtype forward).
 RowDims check_bias(const char* op, const TensorView& rows, const TensorView& bias);

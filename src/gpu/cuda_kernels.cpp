@@ -31,9 +31,9 @@ class CudaKernels final : public Kernels {
   void matmul(const TensorView& c, const TensorView& a, bool trans_a, const TensorView& b,
               bool trans_b, float alpha, float beta, Stream& s) override;
   void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids,
-                         float scale, Stream& s) override;
+                         float scale, const TableRows& piece, Stream& s) override;
   void embedding_backward(const TensorView& dtable, const TensorView& dout, const int32_t* ids,
-                          float scale, Stream& s) override;
+                          float scale, const TableRows& piece, Stream& s) override;
   void rmsnorm_forward(const TensorView& y, const TensorView& rstd_stats, const TensorView& x,
                        const TensorView& w, float eps, float weight_offset, Stream& s) override;
   void rmsnorm_backward(const TensorView& dx, const TensorView& dw, const TensorView& dy,
@@ -166,18 +166,20 @@ void CudaKernels::matmul(const TensorView& c, const TensorView& a, bool trans_a,
 }
 
 void CudaKernels::embedding_forward(const TensorView& out, const TensorView& table,
-                                    const int32_t* id, float scale, Stream& s) {
-  const RowDims d = check_embedding("embedding_forward", out, table);
+                                    const int32_t* id, float scale, const TableRows& piece,
+                                    Stream& s) {
+  const RowDims d = check_embedding("embedding_forward", out, table, piece);
   operands("embedding_forward", {{"out", &out}, {"table", &table}});
   ids("embedding_forward", "ids", id, d.rows);
   const cudaStream_t stream = device_.enter(s);
   launch_embedding_forward(out.data, out.dtype, table.data, table.dtype, id, d.rows, d.cols, scale,
-                           stream);
+                           piece.first, table.shape[0], piece.zero_others, stream);
 }
 
 void CudaKernels::embedding_backward(const TensorView& dtable, const TensorView& dout,
-                                     const int32_t* id, float scale, Stream& s) {
-  const RowDims d = check_embedding("embedding_backward", dout, dtable);
+                                     const int32_t* id, float scale, const TableRows& piece,
+                                     Stream& s) {
+  const RowDims d = check_embedding("embedding_backward", dout, dtable, piece);
   operands("embedding_backward", {{"dtable", &dtable}, {"dout", &dout}});
   ids("embedding_backward", "ids", id, d.rows);
   if (embedding_backward_scratch_bytes(d.rows) > kStreamWorkspaceBytes)
@@ -187,7 +189,7 @@ void CudaKernels::embedding_backward(const TensorView& dtable, const TensorView&
         name_, d.rows, embedding_backward_scratch_bytes(d.rows), kStreamWorkspaceBytes);
   const cudaStream_t stream = device_.enter(s);
   launch_embedding_backward(dtable.data, dtable.dtype, dout.data, dout.dtype, id, d.rows, d.cols,
-                            scale, device_.workspace(s), stream);
+                            scale, piece.first, dtable.shape[0], device_.workspace(s), stream);
 }
 
 void CudaKernels::rmsnorm_forward(const TensorView& y, const TensorView& rstd_stats,

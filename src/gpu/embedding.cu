@@ -1,5 +1,6 @@
 // embedding.cu: the token embedding's forward (a row gather) and backward (a row scatter-add),
-// each row times a scale (1, or Gemma's sqrt(hidden_size)).
+// each row times a scale (1, or Gemma's sqrt(hidden_size)). A vocabulary piece holds the ids
+// [first, first + its rows): the others' rows are zeroed (zero_others) or left, and add nothing.
 //
 // The backward is deterministic and equals the host's bit for bit: rows sharing an id add in
 // token order, a 16-bit dtable rounding after every add. A first pass links each row to the
@@ -20,11 +21,17 @@ using gpu::to_f32;
 template <typename O, typename Tb>
 __global__ void embedding_forward_kernel(O* __restrict__ out, const Tb* __restrict__ table,
                                          const int32_t* __restrict__ ids, int64_t rows, int64_t dim,
-                                         float scale) {
+                                         float scale, int64_t first, int64_t end,
+                                         bool zero_others) {
   const int64_t n = rows * dim;
   gpu::grid_stride(n, [&](int64_t i) {
     const int64_t row = i / dim, d = i - row * dim;
-    out[i] = from_f32<O>(to_f32(table[int64_t{ids[row]} * dim + d]) * scale);
+    const int64_t id = ids[row];
+    if (id < first || id >= end) {  // another piece's row
+      if (zero_others) out[i] = from_f32<O>(0.0f);
+      return;
+    }
+    out[i] = from_f32<O>(to_f32(table[(id - first) * dim + d]) * scale);
   });
 }
 
@@ -68,12 +75,13 @@ __global__ void embedding_backward_kernel(G* dtable, const D* __restrict__ dout,
                                           const int32_t* __restrict__ ids,
                                           const int32_t* __restrict__ next,
                                           const int32_t* __restrict__ head, int64_t rows,
-                                          int64_t dim, float scale) {
+                                          int64_t dim, float scale, int64_t first, int64_t end) {
   const int64_t tiles = (dim + blockDim.x - 1) / blockDim.x;
   for (int64_t b = blockIdx.x; b < rows * tiles; b += gridDim.x) {
     const int64_t r = b / tiles, d = (b - r * tiles) * blockDim.x + threadIdx.x;
-    if (!head[r] || d >= dim) continue;
-    G* p = dtable + int64_t{ids[r]} * dim + d;
+    // A chain holds one id: its head row decides for every row of it.
+    if (!head[r] || d >= dim || ids[r] < first || ids[r] >= end) continue;
+    G* p = dtable + (int64_t{ids[r]} - first) * dim + d;
     float acc = to_f32(*p);
     for (int64_t j = r; j >= 0; j = next[j])
       acc = to_f32(from_f32<G>(acc + to_f32(from_f32<D>(to_f32(dout[j * dim + d]) * scale))));
@@ -85,13 +93,15 @@ __global__ void embedding_backward_kernel(G* dtable, const D* __restrict__ dout,
 
 void launch_embedding_forward(void* out, DType out_t, const void* table, DType table_t,
                               const int32_t* ids, int64_t rows, int64_t dim, float scale,
+                              int64_t first, int64_t table_rows, bool zero_others,
                               cudaStream_t stream) {
   if (rows * dim == 0) return;
   gpu::dispatch(out_t, [&]<typename O>() {
     gpu::dispatch(table_t, [&]<typename Tb>() {
       embedding_forward_kernel<O, Tb>
           <<<gpu::grid_for(static_cast<uint64_t>(rows * dim)), gpu::kThreads, 0, stream>>>(
-              static_cast<O*>(out), static_cast<const Tb*>(table), ids, rows, dim, scale);
+              static_cast<O*>(out), static_cast<const Tb*>(table), ids, rows, dim, scale, first,
+              first + table_rows, zero_others);
       CUDA_CHECK_LAUNCH();
     });
   });
@@ -103,7 +113,8 @@ uint64_t embedding_backward_scratch_bytes(int64_t rows) {
 
 void launch_embedding_backward(void* dtable, DType dtable_t, const void* dout, DType dout_t,
                                const int32_t* ids, int64_t rows, int64_t dim, float scale,
-                               void* scratch, cudaStream_t stream) {
+                               int64_t first, int64_t table_rows, void* scratch,
+                               cudaStream_t stream) {
   if (rows * dim == 0) return;
   int32_t* next = static_cast<int32_t*>(scratch);
   int32_t* head = next + rows;
@@ -117,7 +128,8 @@ void launch_embedding_backward(void* dtable, DType dtable_t, const void* dout, D
   gpu::dispatch(dtable_t, [&]<typename G>() {
     gpu::dispatch(dout_t, [&]<typename D>() {
       embedding_backward_kernel<G, D><<<grid, gpu::kThreads, 0, stream>>>(
-          static_cast<G*>(dtable), static_cast<const D*>(dout), ids, next, head, rows, dim, scale);
+          static_cast<G*>(dtable), static_cast<const D*>(dout), ids, next, head, rows, dim, scale,
+          first, first + table_rows);
       CUDA_CHECK_LAUNCH();
     });
   });

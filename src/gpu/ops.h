@@ -19,9 +19,11 @@
 namespace strata {
 
 // ---- embedding.cu ----
-// scale: Kernels::embedding_forward's (Gemma's sqrt(hidden_size); 1 copies the rows).
+// scale: Kernels::embedding_forward's (Gemma's sqrt(hidden_size); 1 copies the rows). The table
+// holds the ids [first, first + table_rows) (TableRows).
 void launch_embedding_forward(void* out, DType out_t, const void* table, DType table_t,
                               const int32_t* ids, int64_t rows, int64_t dim, float scale,
+                              int64_t first, int64_t table_rows, bool zero_others,
                               cudaStream_t stream);
 // Deterministic: rows sharing an id add in token order, the host's bits exactly. `scratch`
 // (device memory of embedding_backward_scratch_bytes(rows)) holds each row's link to the next
@@ -29,7 +31,8 @@ void launch_embedding_forward(void* out, DType out_t, const void* table, DType t
 uint64_t embedding_backward_scratch_bytes(int64_t rows);
 void launch_embedding_backward(void* dtable, DType dtable_t, const void* dout, DType dout_t,
                                const int32_t* ids, int64_t rows, int64_t dim, float scale,
-                               void* scratch, cudaStream_t stream);
+                               int64_t first, int64_t table_rows, void* scratch,
+                               cudaStream_t stream);
 
 // ---- rmsnorm.cu ----
 void launch_rmsnorm_forward(void* y, DType y_t, float* rstd, const void* x, DType x_t,

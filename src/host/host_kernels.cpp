@@ -28,21 +28,21 @@ class HostKernels final : public Kernels {
   }
 
   void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids,
-                         float scale, Stream& s) override {
+                         float scale, const TableRows& piece, Stream& s) override {
     const char* op = "embedding_forward";
-    const RowDims d = check_embedding(op, out, table);
+    const RowDims d = check_embedding(op, out, table, piece);
     in_memory(op, {{"out", &out}, {"table", &table}});
     ids_in_memory(op, "ids", ids, d.rows);
-    q_.enqueue(s, [=] { host::embedding_forward(out, table, ids, scale); });
+    q_.enqueue(s, [=] { host::embedding_forward(out, table, ids, scale, piece); });
   }
 
   void embedding_backward(const TensorView& dtable, const TensorView& dout, const int32_t* ids,
-                          float scale, Stream& s) override {
+                          float scale, const TableRows& piece, Stream& s) override {
     const char* op = "embedding_backward";
-    const RowDims d = check_embedding(op, dout, dtable);
+    const RowDims d = check_embedding(op, dout, dtable, piece);
     in_memory(op, {{"dtable", &dtable}, {"dout", &dout}});
     ids_in_memory(op, "ids", ids, d.rows);
-    q_.enqueue(s, [=] { host::embedding_backward(dtable, dout, ids, scale); });
+    q_.enqueue(s, [=] { host::embedding_backward(dtable, dout, ids, scale, piece); });
   }
 
   void rmsnorm_forward(const TensorView& y, const TensorView& rstd_stats, const TensorView& x,

@@ -192,28 +192,37 @@ void matmul(const TensorView& c, const TensorView& a, bool trans_a, const Tensor
 // embedding
 
 void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids,
-                       float scale) {
+                       float scale, const TableRows& piece) {
   const char* op = "embedding_forward";
-  const RowDims d = check_embedding(op, out, table);
-  check_ids(op, ids, d.rows, table.shape[0]);
+  const RowDims d = check_embedding(op, out, table, piece);
+  check_ids(op, ids, d.rows, table_vocab(table, piece));
+  const int64_t first = piece.first, end = piece.first + table.shape[0];
   parallel_ranges(d.rows, rows_grain(d.cols), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
-      const int64_t src = int64_t{ids[r]} * d.cols, dst = r * d.cols;
+      const int64_t dst = r * d.cols;
+      if (ids[r] < first || ids[r] >= end) {  // another piece's row
+        if (piece.zero_others)
+          for (int64_t j = 0; j < d.cols; ++j) put(out, dst + j, 0.0f);
+        continue;
+      }
+      const int64_t src = (int64_t{ids[r]} - first) * d.cols;
       for (int64_t j = 0; j < d.cols; ++j) put(out, dst + j, get(table, src + j) * scale);
     }
   });
 }
 
 void embedding_backward(const TensorView& dtable, const TensorView& dout, const int32_t* ids,
-                        float scale) {
+                        float scale, const TableRows& piece) {
   const char* op = "embedding_backward";
-  const RowDims d = check_embedding(op, dout, dtable);
-  check_ids(op, ids, d.rows, dtable.shape[0]);
+  const RowDims d = check_embedding(op, dout, dtable, piece);
+  check_ids(op, ids, d.rows, table_vocab(dtable, piece));
+  const int64_t first = piece.first, end = piece.first + dtable.shape[0];
   // Split over columns so that rows sharing an id add in token order (deterministic); a
   // 16-bit dtable rounds after every add, as the CUDA kernel's does.
   parallel_ranges(d.cols, std::max<int64_t>(16, rows_grain(d.rows)), [&](int64_t j0, int64_t j1) {
     for (int64_t r = 0; r < d.rows; ++r) {
-      const int64_t dst = int64_t{ids[r]} * d.cols, src = r * d.cols;
+      if (ids[r] < first || ids[r] >= end) continue;
+      const int64_t dst = (int64_t{ids[r]} - first) * d.cols, src = r * d.cols;
       for (int64_t j = j0; j < j1; ++j)
         put(dtable, dst + j,
             get(dtable, dst + j) + rounded(dout.dtype, get(dout, src + j) * scale));

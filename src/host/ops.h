@@ -24,10 +24,11 @@ void matmul(const TensorView& c, const TensorView& a, bool trans_a, const Tensor
 
 // ids: out.shape[0] (or dout.shape[0]) int32 ids, each in [0, table rows).
 // scale and weight_offset: the kernel table's (Gemma's), 1 and 0 for every other model.
+// piece: the ids the table holds (Kernels::TableRows); ids lie in [0, its vocabulary).
 void embedding_forward(const TensorView& out, const TensorView& table, const int32_t* ids,
-                       float scale = 1.0f);
+                       float scale = 1.0f, const TableRows& piece = {});
 void embedding_backward(const TensorView& dtable, const TensorView& dout, const int32_t* ids,
-                        float scale = 1.0f);
+                        float scale = 1.0f, const TableRows& piece = {});
 
 void rmsnorm_forward(const TensorView& y, const TensorView& rstd_stats, const TensorView& x,
                      const TensorView& w, float eps, float weight_offset = 0.0f);

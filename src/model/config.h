@@ -174,6 +174,9 @@ struct LlamaConfig {
   // (to_hf_image_text_config_json), as long as a run has them (not with --init random).
   nlohmann::json image_text_config;  // the image-text config.json, whole; null otherwise
   bool image_text_checkpoint() const { return image_text_config.is_object(); }
+  // strata's, not config.json's: the vocabulary pieces the embedding and the head are cut into
+  // (ModelLayout::build); 0 chooses (vocab_pieces_for), 1 keeps each whole.
+  int64_t vocab_pieces = 0;
 
   bool operator==(const LlamaConfig&) const = default;
 };

@@ -92,7 +92,7 @@ TensorView heads(const TensorView& v, int64_t n_heads) {
 
 const ParamSlot& UnitLayout::slot(std::string_view short_name) const {
   for (const ParamSlot& p : params) {
-    const std::string_view n = p.name;
+    const std::string_view n = std::string_view(p.name).substr(0, p.name.find('['));  // a piece's
     const std::string suffix = short_name.ends_with(".bias") || short_name.ends_with(".weight")
                                    ? std::string(short_name)
                                    : fmt::format("{}.weight", short_name);
@@ -103,34 +103,142 @@ const ParamSlot& UnitLayout::slot(std::string_view short_name) const {
   fail("unit {}: no parameter '{}'; this is a bug in strata's model layout", name, short_name);
 }
 
-ModelLayout ModelLayout::build(const LlamaConfig& c) {
-  // Hugging Face's tensors, in their order: the embedding, each layer's nine, then the final
-  // norm (and the head unless tied). Units follow the name prefixes.
-  ModelLayout layout;
-  layout.norm_init = 1.0f - norm_weight_offset(c);
-  layout.units.push_back({UnitKind::embedding, -1, "embedding", {}, 0});
-  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
-    layout.units.push_back(
-        {UnitKind::block, static_cast<int>(l), fmt::format("layers.{}", l), {}, 0});
-  layout.units.push_back({UnitKind::head, -1, "head", {}, 0});
+namespace {
+
+// Rows of each vocabulary piece (the last may have fewer), for `pieces` of a table of V rows:
+// an even share, past kPieceRows rounded up to a multiple of it.
+int64_t piece_rows(int64_t V, int64_t pieces) {
+  const int64_t rows = (V + pieces - 1) / pieces, k = ModelLayout::kPieceRows;
+  return rows > k ? (rows + k - 1) / k * k : rows;
+}
+
+// Elements of layer 0's unit, as ModelLayout::build lays it out.
+uint64_t block_numel(const LlamaConfig& c) {
+  UnitLayout unit;
   for (const HfTensor& t : llama_hf_tensors(c)) {
-    UnitLayout* unit = &layout.units.back();
-    if (t.name == "model.embed_tokens.weight") {
-      unit = &layout.units.front();
-    } else if (t.name.starts_with("model.layers.")) {
-      const int64_t l = std::stoll(t.name.substr(13));
-      unit = &layout.units.at(static_cast<size_t>(l + 1));
-    }
+    if (!t.name.starts_with("model.layers.0.")) continue;
     Shape shape;
     shape.rank = static_cast<int>(t.shape.size());
     std::copy(t.shape.begin(), t.shape.end(), shape.dims.begin());
+    add_slot(unit, t.name, shape);
+  }
+  return unit.numel;
+}
+
+}  // namespace
+
+int64_t vocab_pieces_for(const LlamaConfig& c) {
+  if (c.vocab_pieces > 0) return c.vocab_pieces;
+  if (c.tie_word_embeddings) return 1;
+  const uint64_t table = static_cast<uint64_t>(c.vocab_size) * static_cast<uint64_t>(c.hidden_size);
+  const uint64_t block = block_numel(c);  // every layer has layer 0's shapes
+  if (table < (uint64_t{16} << 20) || block == 0 || table <= block) return 1;
+  // Rounding the rows up may leave fewer pieces, whose own rows it may round again: settle.
+  int64_t pieces = static_cast<int64_t>((table + block - 1) / block);
+  for (;;) {
+    const int64_t rows = piece_rows(c.vocab_size, pieces);
+    const int64_t n = (c.vocab_size + rows - 1) / rows;
+    if (n == pieces) return pieces;
+    pieces = n;
+  }
+}
+
+int ModelLayout::input_position(int u) const {
+  const UnitLayout& unit = units.at(static_cast<size_t>(u));
+  switch (unit.kind) {
+    case UnitKind::embedding:
+      return 0;
+    case UnitKind::block:
+      return unit.layer;
+    case UnitKind::head:
+      break;
+  }
+  return num_units() - 2 * vocab_pieces + (unit.piece > 0 ? 1 : 0);  // L, or L + 1
+}
+
+ModelLayout ModelLayout::build(const LlamaConfig& c) {
+  // Hugging Face's tensors, in their order: the embedding, each layer's nine, then the final
+  // norm (and the head unless tied). Units follow the name prefixes; the embedding's table and
+  // the head's are cut into the vocabulary pieces, if any.
+  ModelLayout layout;
+  const int64_t pieces = vocab_pieces_for(c);
+  if (pieces < 1 || pieces > c.vocab_size)
+    fail(
+        "model {}: {} vocabulary pieces for a vocabulary of {}; choose between 1 and the "
+        "vocabulary size (0 lets strata choose)",
+        c.name, pieces, c.vocab_size);
+  if (pieces > 1 && c.tie_word_embeddings)
+    fail(
+        "model {}: {} vocabulary pieces with tied embeddings; strata cuts untied tables only "
+        "(the head reads the embedding's whole table); use 1",
+        c.name, pieces);
+  const int64_t rows = piece_rows(c.vocab_size, pieces);
+  if ((c.vocab_size + rows - 1) / rows != pieces)
+    fail(
+        "model {}: {} vocabulary pieces of a vocabulary of {}: pieces of {} rows make {}; choose "
+        "{} pieces",
+        c.name, pieces, c.vocab_size, rows, (c.vocab_size + rows - 1) / rows,
+        (c.vocab_size + rows - 1) / rows);
+  layout.vocab_pieces = static_cast<int>(pieces);
+  layout.norm_init = 1.0f - norm_weight_offset(c);
+  const int E = static_cast<int>(pieces);
+  auto piece_unit = [&](UnitKind kind, int k) {
+    UnitLayout u{kind, -1, kind == UnitKind::embedding ? "embedding" : "head", {}, 0};
+    if (k > 0) u.name += fmt::format(".{}", k);
+    u.piece = k;
+    u.vocab_first = k * rows;
+    u.vocab_rows = std::min(rows, c.vocab_size - u.vocab_first);
+    return u;
+  };
+  for (int k = 0; k < E; ++k) layout.units.push_back(piece_unit(UnitKind::embedding, k));
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l)
+    layout.units.push_back(
+        {UnitKind::block, static_cast<int>(l), fmt::format("layers.{}", l), {}, 0});
+  for (int k = 0; k < E; ++k) layout.units.push_back(piece_unit(UnitKind::head, k));
+  const int head = layout.first_head();
+  for (const HfTensor& t : llama_hf_tensors(c)) {
+    Shape shape;
+    shape.rank = static_cast<int>(t.shape.size());
+    std::copy(t.shape.begin(), t.shape.end(), shape.dims.begin());
+    const bool embedding = t.name == "model.embed_tokens.weight";
+    if (embedding || t.name == "lm_head.weight") {
+      // A table: its rows, piece by piece. Cut, each piece's slot is the file tensor's rows
+      // (ParamSlot::file_row), named with them.
+      for (int k = 0; k < E; ++k) {
+        UnitLayout& unit = layout.units.at(static_cast<size_t>(embedding ? k : head + k));
+        Shape part = shape;
+        part.dims[0] = unit.vocab_rows;
+        add_slot(unit,
+                 E == 1 ? t.name
+                        : fmt::format("{}[{}:{}]", t.name, unit.vocab_first,
+                                      unit.vocab_first + unit.vocab_rows),
+                 part);
+      }
+      continue;
+    }
+    UnitLayout* unit = &layout.units.at(static_cast<size_t>(head));  // the final norm
+    if (t.name.starts_with("model.layers.")) {
+      const int64_t l = std::stoll(t.name.substr(13));
+      unit = &layout.units.at(static_cast<size_t>(E + l));
+    }
     add_slot(*unit, t.name, shape);
   }
+  if (E > 1)
+    for (UnitLayout& u : layout.units) {
+      if (u.kind == UnitKind::block) continue;
+      for (ParamSlot& slot : u.params) {
+        if (slot.shape.rank != 2) continue;  // the final norm
+        slot.file_name = slot.name.substr(0, slot.name.find('['));
+        slot.file_shape = {c.vocab_size, c.hidden_size};
+        slot.file_row = u.vocab_first;
+      }
+    }
   std::map<std::string, ParamSlot*, std::less<>> by_name;
   for (UnitLayout& u : layout.units)
     for (ParamSlot& p : u.params) by_name[p.name] = &p;
   for (const HfFileTensor& f : hf_file_tensors(c)) {
     int64_t row = 0;
+    if (!by_name.contains(f.parts.front())) continue;  // a table cut into pieces (above)
     for (const std::string& part : f.parts) {
       ParamSlot& slot = *by_name.at(part);
       slot.file_name = f.name;
@@ -141,6 +249,38 @@ ModelLayout ModelLayout::build(const LlamaConfig& c) {
   }
   for (const UnitLayout& u : layout.units) layout.total_numel += u.numel;
   return layout;
+}
+
+std::vector<float> relaid_unit(const ModelLayout& from,
+                               const std::function<const std::vector<float>&(int)>& unit,
+                               const ModelLayout& to, int u) {
+  const UnitLayout& dst = to.units.at(static_cast<size_t>(u));
+  std::vector<float> out(dst.numel, 0.0f);
+  for (const ParamSlot& p : dst.params) {
+    const int64_t rows = p.shape.dims[0], width = p.numel() / std::max<int64_t>(rows, 1);
+    const int64_t a = p.file_row, b = p.file_row + rows;
+    int64_t found = 0;
+    for (int v = 0; v < from.num_units(); ++v)
+      for (const ParamSlot& q : from.units[static_cast<size_t>(v)].params) {
+        if (q.file_name != p.file_name) continue;
+        const int64_t c = q.file_row, d = q.file_row + q.shape.dims[0];
+        const int64_t lo = std::max(a, c), hi = std::min(b, d);
+        if (lo >= hi) continue;
+        const std::vector<float>& values = unit(v);
+        if (values.size() != from.units[static_cast<size_t>(v)].numel)
+          fail("unit {}: {} values where the layout has {}; this is a bug in strata",
+               from.units[static_cast<size_t>(v)].name, values.size(),
+               from.units[static_cast<size_t>(v)].numel);
+        std::copy_n(values.begin() + static_cast<ptrdiff_t>(q.offset) + (lo - c) * width,
+                    (hi - lo) * width,
+                    out.begin() + static_cast<ptrdiff_t>(p.offset) + (lo - a) * width);
+        found += hi - lo;
+      }
+    if (found != rows)
+      fail("{}: {} of its {} rows are in the other layout; the two are of different models", p.name,
+           found, rows);
+  }
+  return out;
 }
 
 std::pair<int, const ParamSlot*> ModelLayout::find(std::string_view hf_name) const {
@@ -311,13 +451,16 @@ YarnParameters yarn_parameters(const LlamaConfig& c) {
 
 void init_unit_random(const ModelLayout& layout, int u, uint64_t seed, DType dtype, void* host) {
   const UnitLayout& unit = layout.units.at(static_cast<size_t>(u));
-  // Each tensor in pieces of kPiece elements, each piece from a generator of its own seeded by
-  // (seed, unit, tensor, piece): the same bits on any number of threads, and a large model's
-  // units made on every core (one core draws the 8 billion normals of an 8B model in minutes).
-  constexpr uint64_t kPiece = uint64_t{1} << 16;  // even: Box-Muller pairs stay inside a piece
+  // Each tensor of the checkpoint (ParamSlot::file_name) in blocks of kBlock elements, each
+  // block from a generator of its own seeded by (seed, tensor name, block): the same bits on
+  // any number of threads, a large model's units made on every core (one core draws the 8
+  // billion normals of an 8B model in minutes), and the same model however it is laid out in
+  // units (a table cut into vocabulary pieces, a fused projection): a slot that starts inside
+  // a block draws the block from its start and keeps its own part.
+  constexpr uint64_t kBlock = uint64_t{1} << 16;  // even: Box-Muller pairs stay inside a block
   struct Piece {
     size_t slot;
-    uint64_t begin, end;  // elements of the tensor
+    uint64_t begin, end;  // elements of the checkpoint's tensor
   };
   std::vector<Piece> pieces;
   uint64_t covered = 0;  // padding between tensors and after the last one is zero
@@ -325,7 +468,10 @@ void init_unit_random(const ModelLayout& layout, int u, uint64_t seed, DType dty
     const ParamSlot& slot = unit.params[p];
     for (uint64_t i = covered; i < slot.offset; ++i) store_f32(host, dtype, i, 0.0f);
     const auto n = static_cast<uint64_t>(slot.numel());
-    for (uint64_t b = 0; b < n; b += kPiece) pieces.push_back({p, b, std::min(n, b + kPiece)});
+    const uint64_t width = n / static_cast<uint64_t>(std::max<int64_t>(slot.shape.dims[0], 1));
+    const uint64_t first = static_cast<uint64_t>(slot.file_row) * width;
+    for (uint64_t b = first / kBlock * kBlock; b < first + n; b += kBlock)
+      pieces.push_back({p, std::max(b, first), std::min(first + n, b + kBlock)});
     covered = slot.offset + n;
   }
   for (uint64_t i = covered; i < unit.numel; ++i) store_f32(host, dtype, i, 0.0f);
@@ -333,23 +479,31 @@ void init_unit_random(const ModelLayout& layout, int u, uint64_t seed, DType dty
     for (size_t k = range.begin(); k != range.end(); ++k) {
       const Piece& piece = pieces[k];
       const ParamSlot& slot = unit.params[piece.slot];
-      uint64_t state = seed ^ (0x51ed270b2a2b8f35ull * (static_cast<uint64_t>(u) + 1)) ^
-                       (0x2545f4914f6cdd1dull * (piece.slot + 1)) ^
-                       (0x9fb21c651e98df25ull * (piece.begin / kPiece + 1));
-      (void)splitmix(state);       // one step mixes the seed's bits
+      const uint64_t width = static_cast<uint64_t>(slot.numel()) /
+                             static_cast<uint64_t>(std::max<int64_t>(slot.shape.dims[0], 1));
+      // Where the slot's first element lies in the checkpoint's tensor, and in the unit.
+      const uint64_t first = static_cast<uint64_t>(slot.file_row) * width;
       if (slot.shape.rank == 1) {  // norm weights 1 (Gemma's 0), biases 0
         const float value = slot.name.ends_with(".bias") ? 0.0f : layout.norm_init;
-        for (uint64_t i = piece.begin; i < piece.end; ++i)
-          store_f32(host, dtype, slot.offset + i, value);
+        for (uint64_t e = piece.begin; e < piece.end; ++e)
+          store_f32(host, dtype, slot.offset + (e - first), value);
         continue;
       }
-      for (uint64_t i = piece.begin; i < piece.end; i += 2) {
+      uint64_t name_hash = 0xcbf29ce484222325ull;  // FNV-1a of the tensor's name
+      for (const char ch : slot.file_name)
+        name_hash = (name_hash ^ static_cast<uint8_t>(ch)) * 0x100000001b3ull;
+      const uint64_t block = piece.begin / kBlock;
+      uint64_t state =
+          seed ^ (0x51ed270b2a2b8f35ull * name_hash) ^ (0x9fb21c651e98df25ull * (block + 1));
+      (void)splitmix(state);  // one step mixes the seed's bits
+      for (uint64_t e = block * kBlock; e < piece.end; e += 2) {
         // Box-Muller: two normals per pair of uniforms.
         const double r = std::sqrt(-2.0 * std::log(uniform01(state)));
         const double a = 2.0 * std::numbers::pi * uniform01(state);
         const double z[2] = {r * std::cos(a), r * std::sin(a)};
-        for (uint64_t j = 0; j < 2 && i + j < piece.end; ++j)
-          store_f32(host, dtype, slot.offset + i + j, static_cast<float>(0.02 * z[j]));
+        for (uint64_t j = 0; j < 2; ++j)
+          if (e + j >= piece.begin && e + j < piece.end)
+            store_f32(host, dtype, slot.offset + (e + j - first), static_cast<float>(0.02 * z[j]));
       }
     }
   });
@@ -382,11 +536,13 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
   const int64_t C = std::min(options.vocab_chunk, config.vocab_size);
   const uint64_t a = dtype_size(options.param_dtype), f4 = 4;
   const auto n = static_cast<uint64_t>(N);
-  // Units: embedding, blocks, head (ModelLayout::build), without building the layout.
-  const auto units = static_cast<uint64_t>(config.num_hidden_layers) + 2;
+  // The units' inputs (ModelLayout::input_position), without building the layout: each block's,
+  // the head's, and with vocabulary pieces the normed input of the head's later pieces.
+  const auto positions =
+      static_cast<uint64_t>(config.num_hidden_layers) + 1 + (vocab_pieces_for(config) > 1 ? 1 : 0);
   const bool fwd = options.forward_only;
   // Evaluation keeps no unit's input past the next unit's forward: two slots per set.
-  const uint64_t slots = fwd ? 2 : std::max<uint64_t>(units - 1, 2);
+  const uint64_t slots = fwd ? 2 : std::max<uint64_t>(positions, 2);
   std::vector<WorkspaceBuffer> w = {
       {&LlamaModel::rope_, static_cast<uint64_t>(T * config.rotary_dim()) * f4, "rotary table"},
       {&LlamaModel::checkpoints_, sets * slots * n * D * a, "activation checkpoints"},
@@ -462,8 +618,10 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
         {&LlamaModel::chunk_act_, n * static_cast<uint64_t>(C) * a, "logits gradient chunk"});
   // The log-sum-exp per token, from the head's forward to its backward: one per set.
   w.push_back({&LlamaModel::row_max_, sets * n * f4, "cross-entropy state"});
-  w.push_back({&LlamaModel::row_sum_, n * f4, "cross-entropy state"});
-  w.push_back({&LlamaModel::target_logit_, n * f4, "cross-entropy state"});
+  // The running sum and the target's logit too, for vocabulary pieces (a group of micro-batches
+  // runs each piece's forward for every one of them before the next piece's).
+  w.push_back({&LlamaModel::row_sum_, sets * n * f4, "cross-entropy state"});
+  w.push_back({&LlamaModel::target_logit_, sets * n * f4, "cross-entropy state"});
   w.push_back({&LlamaModel::losses_, n * f4, "per-token losses"});
   if (config.rope_local_base_freq > 0)
     w.push_back({&LlamaModel::rope_local_, static_cast<uint64_t>(T * config.rotary_dim()) * f4,
@@ -558,9 +716,11 @@ TensorView LlamaModel::checkpoint(int u, int64_t batch, int set) const {
   if (u < 1 || u >= layout_.num_units())
     fail("unit {} has no activation checkpoint (units 1..{} do)", u, layout_.num_units() - 1);
   check_set(set);
-  if (options_.forward_only) return slot(set * 2 + (u - 1) % 2, batch);  // alternating
-  const int per_set = std::max(layout_.num_units() - 1, 2);
-  return slot(set * per_set + u - 1, batch);
+  const int at = layout_.input_position(u);
+  if (options_.forward_only) return slot(set * 2 + at % 2, batch);  // alternating
+  const int per_set = std::max(
+      static_cast<int>(config_.num_hidden_layers) + 1 + (layout_.vocab_pieces > 1 ? 1 : 0), 2);
+  return slot(set * per_set + at, batch);
 }
 
 TensorView LlamaModel::losses(int64_t batch) const {
@@ -608,15 +768,15 @@ LlamaModel::BlockActs LlamaModel::acts(int u, int64_t batch, int set) const {
     }
     return a;
   }
-  if (u < 1 || u > c.num_hidden_layers || batch < 1 || batch > options_.max_batch || set < 0 ||
-      set >= options_.activation_sets)
+  if (u < 0 || u >= layout_.num_units() || layer(u) < 0 || batch < 1 ||
+      batch > options_.max_batch || set < 0 || set >= options_.activation_sets)
     fail(
         "block activations of unit {} for {} sequences in set {}: none kept; this is a bug in "
         "strata",
         u, batch, set);
   const std::array<uint64_t, kStashParts + 1> off = stash_offsets(c, options_);
   const auto index = static_cast<uint64_t>(set) * static_cast<uint64_t>(c.num_hidden_layers) +
-                     static_cast<uint64_t>(u - 1);
+                     static_cast<uint64_t>(layer(u));
   char* base = static_cast<char*>(stash_.data()) + index * off[kStashParts];
   auto at = [&](int i, DType dt, Shape shape) {
     return TensorView{base + off[static_cast<size_t>(i)], dt, shape, &device_};
@@ -661,7 +821,7 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
   if (span) {
     const int64_t Hq = H * hd, Hk = Hkv * hd;
     const uint64_t plane = static_cast<uint64_t>(options_.seq_len * Hk) * dtype_size(t);
-    char* k_cache = static_cast<char*>(kv_.data()) + static_cast<uint64_t>(u - 1) * 2 * plane;
+    char* k_cache = static_cast<char*>(kv_.data()) + static_cast<uint64_t>(layer(u)) * 2 * plane;
     char* v_cache = k_cache + plane;
     const uint64_t at_pos = static_cast<uint64_t>(pos * Hk) * dtype_size(t);
     keys = TensorView{k_cache, t, {1, Tk, Hkv, hd}, &device_};
@@ -698,7 +858,7 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
   // LongRoPE decoding call whose positions stay within the original context takes the short
   // factors' table, as transformers' forward of those positions does.
   const int64_t rd = c.rotary_dim();
-  const DeviceBuffer& table = c.layer_rotates_locally(u - 1) ? rope_local_
+  const DeviceBuffer& table = c.layer_rotates_locally(layer(u)) ? rope_local_
                               : span != nullptr && rope_short_.data() != nullptr &&
                                       Tk <= c.rope_scaling.original_max_position_embeddings
                                   ? rope_short_
@@ -731,7 +891,7 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
   }
   linear(v, xn, "v_proj", c.qkv_bias);
   const TensorView q3{q.data, t, {N, H, hd}, &device_}, k3{kk.data, t, {N, Hkv, hd}, &device_};
-  if (c.layer_rotates(u - 1)) {  // SmolLM3's NoPE layers attend without positions
+  if (c.layer_rotates(layer(u))) {  // SmolLM3's NoPE layers attend without positions
     k_.rope(q3, rope, T, false, s);
     k_.rope(k3, rope, T, false, s);
   }
@@ -765,11 +925,11 @@ void LlamaModel::block_forward(int u, const std::vector<UnitBuffers>& units, con
 }
 
 AttentionMask LlamaModel::attention_mask(int u, const int32_t* doc_start) const {
-  // Block u is layer u - 1. Within the window every earlier key is in view already, so the
+  // Block u is layer layer(u). Within the window every earlier key is in view already, so the
   // window is passed only where the sequences (or decoding's cache) outrun it. Decoding keeps
   // every position's keys and values, as transformers' default cache does; the window only
   // hides the old ones from each new query.
-  const bool window = config_.layer_slides(u - 1) && options_.seq_len > config_.sliding_window;
+  const bool window = config_.layer_slides(layer(u)) && options_.seq_len > config_.sliding_window;
   AttentionMask mask = attention_scores(config_);  // Gemma 2's scale and cap
   mask.doc_start = doc_start;
   mask.window = window ? config_.sliding_window : 0;
@@ -806,8 +966,8 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
   const TensorView dh = rows(d_h_, t, N, D), datt = rows(d_att_, t, N, H * hd);
   const TensorView dq = rows(dq_, t, N, H * hd), dk = rows(dk_, t, N, Hkv * hd);
   const TensorView dv = rows(dv_, t, N, Hkv * hd);
-  const TensorView rope =
-      (c.layer_rotates_locally(u - 1) ? rope_local_ : rope_).view(DType::f32, {T, c.rotary_dim()});
+  const TensorView rope = (c.layer_rotates_locally(layer(u)) ? rope_local_ : rope_)
+                              .view(DType::f32, {T, c.rotary_dim()});
 
   // MLP: out = h + down(act(gate(hn)) * up(hn)), or with sandwich norms h + norm(down(...)).
   const float offset = norm_weight_offset(c), eps = static_cast<float>(c.rms_norm_eps);
@@ -872,7 +1032,7 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
                         TensorView{v.data, t, {batch, T, Hkv, hd}, &device_},
                         TensorView{att.data, t, {batch, T, H, hd}, &device_}, a.lse,
                         attention_mask(u, doc_start), s);
-  if (c.layer_rotates(u - 1)) {
+  if (c.layer_rotates(layer(u))) {
     k_.rope(TensorView{dq.data, t, {N, H, hd}, &device_}, rope, T, true, s);
     k_.rope(TensorView{dk.data, t, {N, Hkv, hd}, &device_}, rope, T, true, s);
   }
@@ -903,31 +1063,65 @@ void LlamaModel::block_backward(int u, const std::vector<UnitBuffers>& units, co
   k_.rmsnorm_backward(din, g("input_layernorm"), dsmall, x, w("input_layernorm"), rstd1, offset, s);
 }
 
-void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x,
+void LlamaModel::head_norm(const std::vector<UnitBuffers>& units, const TensorView& x,
+                           const TensorView& xf, Stream& s) {
+  const TensorView rstd = rows(rstd1_, DType::f32, x.shape[0], 0);
+  k_.rmsnorm_forward(xf, rstd, x, param(units, layout_.first_head(), "norm", false),
+                     static_cast<float>(config_.rms_norm_eps), norm_weight_offset(config_), s);
+}
+
+void LlamaModel::piece_logits(int u, const std::vector<UnitBuffers>& units, const TensorView& xf,
+                              const TensorView& out, Stream& s) {
+  const LlamaConfig& c = config_;
+  const TensorView w = c.tie_word_embeddings ? param(units, 0, "embed_tokens", false)
+                                             : param(units, u, "lm_head", false);
+  k_.matmul(out, xf, false, w, true, logits_scale(c), 0.0f, s);
+  if (c.final_logit_softcapping > 0)
+    k_.softcap(out, static_cast<float>(c.final_logit_softcapping), s);
+}
+
+void LlamaModel::head(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
                       const int32_t* targets, int64_t batch, bool backward, float loss_scale,
-                      const TensorView& dx, int set, Stream& s) {
+                      const TensorView& xn_out, const TensorView& dout, const TensorView& dx,
+                      int set, Stream& s) {
   const LlamaConfig& c = config_;
   const DType t = options_.param_dtype;
-  const int64_t N = batch * options_.seq_len, D = c.hidden_size, V = c.vocab_size;
-  const int head_unit = layout_.num_units() - 1;
-  const int w_unit = c.tie_word_embeddings ? 0 : head_unit;
+  const int64_t N = batch * options_.seq_len, D = c.hidden_size;
+  const UnitLayout& unit = layout_.units.at(static_cast<size_t>(u));
+  const int pieces = layout_.vocab_pieces;
+  const bool first = unit.piece == 0, last = unit.piece == pieces - 1;
+  const int w_unit = c.tie_word_embeddings ? 0 : u;
   const char* w_name = c.tie_word_embeddings ? "embed_tokens" : "lm_head";
   const TensorView w = param(units, w_unit, w_name, false);
-  const TensorView xf = rows(xn_, t, N, D), rstd = rows(rstd1_, DType::f32, N, 0);
-  const TensorView row_max{
-      static_cast<char*>(row_max_.data()) +
-          static_cast<uint64_t>(set * options_.max_batch * options_.seq_len) * sizeof(float),
-      DType::f32,
-      {N},
-      &device_};
-  k_.rmsnorm_forward(xf, rstd, x, param(units, head_unit, "norm", false),
-                     static_cast<float>(c.rms_norm_eps), norm_weight_offset(c), s);
-  if (!backward) {
-    k_.fill(row_max, -std::numeric_limits<float>::infinity(), s);
-    k_.fill(rows(row_sum_, DType::f32, N, 0), 0.0f, s);
-    k_.fill(rows(target_logit_, DType::f32, N, 0), 0.0f, s);
+  // The cross-entropy's state of set `set`, from the first piece's forward to the last piece's
+  // backward.
+  const uint64_t at = static_cast<uint64_t>(set * options_.max_batch * options_.seq_len) * 4;
+  auto state = [&](const DeviceBuffer& b) {
+    return TensorView{static_cast<char*>(b.data()) + at, DType::f32, {N}, &device_};
+  };
+  const TensorView row_max = state(row_max_), row_sum = state(row_sum_),
+                   target_logit = state(target_logit_);
+  // The normed input: piece 0 norms x (for the later pieces, into xn_out, in a forward); the
+  // later pieces' x is it.
+  TensorView xf = x;
+  if (first) {
+    xf = pieces > 1 && !backward ? xn_out : rows(xn_, t, N, D);
+    head_norm(units, x, xf, s);
   }
-  const TensorView dxf = backward ? rows(d_small_, t, N, D) : TensorView{};
+  if (!backward && first) {
+    k_.fill(row_max, -std::numeric_limits<float>::infinity(), s);
+    k_.fill(row_sum, 0.0f, s);
+    k_.fill(target_logit, 0.0f, s);
+  }
+  // The gradient of the normed input: the last piece starts it, each earlier piece adds its own
+  // to what came down (dout); piece 0's then goes back through the norm.
+  const TensorView dxf = !backward ? TensorView{} : first ? rows(d_small_, t, N, D) : dx;
+  bool accumulate = false;
+  if (backward && !last) {
+    device_.copy_on_device(dxf.data, dout.data, dxf.bytes(), s);
+    accumulate = true;
+  }
+  const int64_t V = unit.vocab_rows, v_first = unit.vocab_first;
   const int64_t chunk = std::min(options_.vocab_chunk, V);
   const auto cap = static_cast<float>(c.final_logit_softcapping);
   const float scale = logits_scale(c);  // Granite's 1 / logits_scaling, 1 elsewhere
@@ -941,12 +1135,11 @@ void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x
     k_.matmul(logits, xf, false, wc, true, scale, 0.0f, s);
     if (cap > 0.0f) k_.softcap(logits, cap, s);  // Gemma 2's final_logit_softcapping
     if (!backward) {
-      k_.xent_forward_chunk(logits, v0, targets, row_max, rows(row_sum_, DType::f32, N, 0),
-                            rows(target_logit_, DType::f32, N, 0), s);
+      k_.xent_forward_chunk(logits, v_first + v0, targets, row_max, row_sum, target_logit, s);
       continue;
     }
-    // row_max holds the log-sum-exp since the forward's xent_finish.
-    k_.xent_backward_chunk(logits, v0, targets, row_max, loss_scale, cap, s);
+    // row_max holds the log-sum-exp since the last piece's xent_finish.
+    k_.xent_backward_chunk(logits, v_first + v0, targets, row_max, loss_scale, cap, s);
     TensorView dlogits = logits;
     if (t != DType::f32) {
       dlogits = chunk_act_.view(t, {N, C});
@@ -958,17 +1151,18 @@ void LlamaModel::head(const std::vector<UnitBuffers>& units, const TensorView& x
         gw.dtype,
         {C, D},
         &device_};
-    k_.matmul(dxf, dlogits, false, wc, false, scale, v0 == 0 ? 0.0f : 1.0f, s);
+    k_.matmul(dxf, dlogits, false, wc, false, scale, accumulate ? 1.0f : 0.0f, s);
+    accumulate = true;
     k_.matmul(gwc, dlogits, true, xf, false, scale, 1.0f, s);
   }
   if (!backward) {
-    k_.xent_finish(losses(batch), row_max, row_max, rows(row_sum_, DType::f32, N, 0),
-                   rows(target_logit_, DType::f32, N, 0), targets, s);
+    if (last) k_.xent_finish(losses(batch), row_max, row_max, row_sum, target_logit, targets, s);
     return;
   }
+  if (!first) return;
   device_.fill_zero(dx.data, dx.bytes(), s);
-  k_.rmsnorm_backward(dx, param(units, head_unit, "norm", true), dxf, x,
-                      param(units, head_unit, "norm", false), rstd, norm_weight_offset(c), s);
+  k_.rmsnorm_backward(dx, param(units, u, "norm", true), dxf, x, param(units, u, "norm", false),
+                      rows(rstd1_, DType::f32, N, 0), norm_weight_offset(c), s);
 }
 
 void LlamaModel::forward_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids,
@@ -979,13 +1173,13 @@ void LlamaModel::forward_unit(int u, const std::vector<UnitBuffers>& units, cons
   switch (unit.kind) {
     case UnitKind::embedding:
       k_.embedding_forward(out, param(units, u, "embed_tokens", false), ids,
-                           embedding_scale(config_, options_.param_dtype), s);
+                           embedding_scale(config_, options_.param_dtype), table_rows(u), s);
       break;
     case UnitKind::block:
       block_forward(u, units, in, out, batch, set, s, doc_start);
       break;
     case UnitKind::head:
-      head(units, in, targets, batch, false, 0.0f, TensorView{}, set, s);
+      head(u, units, in, targets, batch, false, 0.0f, out, TensorView{}, TensorView{}, set, s);
       break;
   }
 }
@@ -1000,13 +1194,15 @@ void LlamaModel::backward_unit(int u, const std::vector<UnitBuffers>& units, con
   switch (unit.kind) {
     case UnitKind::embedding:
       k_.embedding_backward(param(units, u, "embed_tokens", true), dout, ids,
-                            embedding_scale(config_, options_.param_dtype), s);
+                            embedding_scale(config_, options_.param_dtype), table_rows(u), s);
+      // The earlier pieces read the same gradient: it goes on down as din.
+      if (u > 0) device_.copy_on_device(din.data, dout.data, din.bytes(), s);
       break;
     case UnitKind::block:
       block_backward(u, units, in, dout, din, batch, set, s, doc_start);
       break;
     case UnitKind::head:
-      head(units, in, targets, batch, true, loss_scale, din, set, s);
+      head(u, units, in, targets, batch, true, loss_scale, TensorView{}, dout, din, set, s);
       break;
   }
 }
@@ -1022,15 +1218,18 @@ void LlamaModel::forward(const std::vector<UnitBuffers>& units, const int32_t* i
          layout_.units.size());
   if (keep_checkpoints) refuse_if_forward_only("forward keeping the activation checkpoints");
   const int U = layout_.num_units();
-  // The input of unit u (u ≥ 1) goes to slot u-1, or alternates between two slots when the
-  // inputs need not be kept.
-  auto slot_of = [&](int u) { return keep_checkpoints ? u - 1 : (u - 1) % 2; };
+  // The input of unit u (u ≥ 1) goes to the slot of its position, or alternates between two
+  // slots when the inputs need not be kept.
+  auto slot_of = [&](int u) {
+    const int at = layout_.input_position(u);
+    return keep_checkpoints ? at : at % 2;
+  };
   for (int u = 0; u < U; ++u) {
     const TensorView in = u == 0 ? TensorView{} : slot(slot_of(u), batch);
     const TensorView out = u + 1 < U ? slot(slot_of(u + 1), batch) : TensorView{};
     forward_unit(u, units, ids, targets, in, out, batch, s, 0, doc_start);
   }
-  last_slot_ = slot_of(U - 1);
+  last_slot_ = slot_of(layout_.first_head());
   kept_ = keep_checkpoints;
 }
 
@@ -1055,29 +1254,34 @@ void LlamaModel::backward(const std::vector<UnitBuffers>& units, const int32_t* 
 
 void LlamaModel::logits(const std::vector<UnitBuffers>& units, const TensorView& out, int64_t batch,
                         Stream& s) {
-  head_logits(units, slot(last_slot_, batch), out, s);
+  const int64_t N = batch * options_.seq_len;
+  if (layout_.vocab_pieces > 1 && N > 1)
+    fail(
+        "logits: model {} has its head in {} vocabulary pieces, whose columns of {} rows of logits "
+        "are not contiguous; build it with config.vocab_pieces = 1 for whole logits",
+        config_.name, layout_.vocab_pieces, N);
+  const TensorView xf = rows(xn_, options_.param_dtype, N, config_.hidden_size);
+  head_norm(units, slot(last_slot_, batch), xf, s);
+  for (int u = layout_.first_head(); u < layout_.num_units(); ++u)
+    piece_logits(u, units, xf, logits_columns(u, out), s);
 }
 
-void LlamaModel::head_logits(const std::vector<UnitBuffers>& units, const TensorView& x,
-                             const TensorView& out, Stream& s) {
-  const LlamaConfig& c = config_;
-  const DType t = options_.param_dtype;
-  const int64_t N = x.shape[0], D = c.hidden_size;
-  const int head_unit = layout_.num_units() - 1;
-  const TensorView xf = rows(xn_, t, N, D), rstd = rows(rstd1_, DType::f32, N, 0);
-  k_.rmsnorm_forward(xf, rstd, x, param(units, head_unit, "norm", false),
-                     static_cast<float>(c.rms_norm_eps), norm_weight_offset(c), s);
-  const TensorView w = c.tie_word_embeddings ? param(units, 0, "embed_tokens", false)
-                                             : param(units, head_unit, "lm_head", false);
-  k_.matmul(out, xf, false, w, true, logits_scale(c), 0.0f, s);
-  if (c.final_logit_softcapping > 0)
-    k_.softcap(out, static_cast<float>(c.final_logit_softcapping), s);
+TensorView LlamaModel::logits_columns(int u, const TensorView& out) const {
+  const UnitLayout& unit = layout_.units.at(static_cast<size_t>(u));
+  if (layout_.vocab_pieces == 1) return out;
+  return TensorView{static_cast<char*>(out.data) + static_cast<uint64_t>(unit.vocab_first) * 4,
+                    DType::f32,
+                    {out.shape[0], unit.vocab_rows},
+                    &device_};
 }
 
 TensorView LlamaModel::decode_slot(int u, int64_t n) const {
-  // Unit u's input in slot (u - 1) % 2, as a forward that keeps nothing alternates them.
-  return TensorView{
-      slot((u - 1) % 2, 1).data, options_.param_dtype, {n, config_.hidden_size}, &device_};
+  // Unit u's input in the slot of its position's parity, as a forward that keeps nothing
+  // alternates them.
+  return TensorView{slot(layout_.input_position(u) % 2, 1).data,
+                    options_.param_dtype,
+                    {n, config_.hidden_size},
+                    &device_};
 }
 
 void LlamaModel::decode_unit(int u, const std::vector<UnitBuffers>& units, const int32_t* ids,
@@ -1104,20 +1308,29 @@ void LlamaModel::decode_unit(int u, const std::vector<UnitBuffers>& units, const
   switch (unit.kind) {
     case UnitKind::embedding:
       k_.embedding_forward(out, param(units, u, "embed_tokens", false), ids,
-                           embedding_scale(config_, options_.param_dtype), s);
+                           embedding_scale(config_, options_.param_dtype), table_rows(u), s);
       break;
     case UnitKind::block:
       block_forward(u, units, in, out, 1, 0, s, nullptr, &span);
       break;
     case UnitKind::head: {  // the last token only
+      // Piece 0 norms the last row of `in`, into the first row of `out` when the head is cut:
+      // the later pieces' `in`.
       const int64_t D = config_.hidden_size;
       const uint64_t row = static_cast<uint64_t>(D) * dtype_size(options_.param_dtype);
-      const TensorView last{static_cast<char*>(in.data) + static_cast<uint64_t>(n - 1) * row,
-                            options_.param_dtype,
-                            {1, D},
-                            &device_};
-      head_logits(units, last, logits_out, s);
-      cached_ = pos + n;  // every block has written its keys and values by now
+      TensorView xf{in.data, options_.param_dtype, {1, D}, &device_};
+      if (unit.piece == 0) {
+        const TensorView last{static_cast<char*>(in.data) + static_cast<uint64_t>(n - 1) * row,
+                              options_.param_dtype,
+                              {1, D},
+                              &device_};
+        xf = layout_.vocab_pieces > 1 ? TensorView{out.data, options_.param_dtype, {1, D}, &device_}
+                                      : rows(xn_, options_.param_dtype, 1, D);
+        head_norm(units, last, xf, s);
+      }
+      piece_logits(u, units, xf, logits_columns(u, logits_out), s);
+      // Every block has written its keys and values by now.
+      if (u + 1 == layout_.num_units()) cached_ = pos + n;
       break;
     }
   }

@@ -21,6 +21,7 @@
 #include "model/config.h"
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -44,25 +45,53 @@ struct ParamSlot {
 struct UnitLayout {
   UnitKind kind = UnitKind::block;
   int layer = -1;    // blocks: 0..L-1
-  std::string name;  // "embedding", "layers.3", "head"
+  std::string name;  // "embedding", "layers.3", "head"; later pieces "embedding.1", "head.1", ...
   std::vector<ParamSlot> params;
   uint64_t numel = 0;  // elements of the flat buffer, padding included
+  // The embedding's and the head's units: their piece of the vocabulary (ModelLayout's pieces),
+  // the ids [vocab_first, vocab_first + vocab_rows) of the table's rows they hold; piece 0 of the
+  // head holds the final norm too.
+  int piece = 0;
+  int64_t vocab_first = 0, vocab_rows = 0;
 
   const ParamSlot& slot(std::string_view short_name) const;  // "q_proj", "input_layernorm", ...
 };
+
+// Vocabulary pieces. Every working buffer, and every pinned buffer, is the size of the largest
+// unit, which with a large vocabulary is the embedding or the head (Llama 3 8B's are 525M
+// elements to a block's 218M). So their tables are cut into pieces of whole rows, each a unit of
+// its own: the embedding's pieces one after another at the front (each looks up the tokens whose
+// ids it holds; TableRows), the head's at the back (each adds its columns of logits to the
+// online softmax, its backward the gradients of its rows; piece 0 holds the final norm). The
+// forward of the head's pieces ends with the loss; their backward (in reverse) needs each
+// piece again, after the last one's. Chosen (config.vocab_pieces 0): untied tables of at least
+// 16M elements larger than the largest block, cut into as many pieces as make each no larger
+// than it; 1 otherwise, and always with tied embeddings (the head reads the embedding's table).
+int64_t vocab_pieces_for(const LlamaConfig& config);
 
 struct ModelLayout {
   // Every parameter starts on a multiple of this many elements: 256 bytes even in bf16, the
   // alignment cuBLASLt and vector loads want.
   static constexpr uint64_t kAlign = 128;
+  // Pieces past this many rows hold a multiple of it (ModelOptions::vocab_chunk's default), so
+  // the loss's logits come in the chunks of a whole head.
+  static constexpr int64_t kPieceRows = 8192;
 
-  std::vector<UnitLayout> units;  // embedding, blocks..., head
+  std::vector<UnitLayout> units;  // embedding pieces, blocks..., head pieces
   uint64_t total_numel = 0;       // sum of units' numel (padding included)
   // A norm weight's initial value: 1, or 0 for Gemma, whose norms multiply by 1 + the weight.
   float norm_init = 1.0f;
+  int vocab_pieces = 1;  // units of the embedding, and of the head
 
   static ModelLayout build(const LlamaConfig& config);
   int num_units() const { return static_cast<int>(units.size()); }
+  int first_block() const { return vocab_pieces; }
+  int first_head() const { return num_units() - vocab_pieces; }
+  // Unit u's input among the activations the model keeps (LlamaModel::checkpoint): layer l's
+  // input is l, the head's L (its first piece's), its later pieces' L + 1 (the normed input,
+  // which the first writes as its output), and every embedding piece's 0, the first block's
+  // input, which each piece fills in: a unit's output is the next unit's input everywhere.
+  int input_position(int u) const;
   // The unit and slot holding a Hugging Face tensor name; throws Error naming it if none.
   std::pair<int, const ParamSlot*> find(std::string_view hf_name) const;
 };
@@ -239,19 +268,36 @@ class LlamaModel {
     TensorView o_raw, m_raw;
   };
   BlockActs acts(int u, int64_t batch, int set) const;
-  void check_set(int set) const;                        // throws unless 0 <= set < activation_sets
+  void check_set(int set) const;  // throws unless 0 <= set < activation_sets
+  int layer(int u) const { return layout_.units[static_cast<size_t>(u)].layer; }  // block u's
+  // The rows of the whole table embedding unit u holds.
+  TableRows table_rows(int u) const {
+    const UnitLayout& unit = layout_.units[static_cast<size_t>(u)];
+    return TableRows{unit.vocab_first, config_.vocab_size, unit.piece == 0};
+  }
   void refuse_if_forward_only(const char* what) const;  // throws for a forward-only model
 
   TensorView param(const std::vector<UnitBuffers>& units, int u, std::string_view name,
                    bool grad) const;
   TensorView rows(const DeviceBuffer& buf, DType dtype, int64_t n, int64_t cols) const;
   TensorView slot(int index, int64_t batch) const;
-  // Logits [rows of x, vocab] f32 into `out` from the head's input x: the final norm, then the
-  // LM head (the embedding's table when tied).
-  void head_logits(const std::vector<UnitBuffers>& units, const TensorView& x,
-                   const TensorView& out, Stream& stream);
-  void head(const std::vector<UnitBuffers>& units, const TensorView& x, const int32_t* targets,
-            int64_t batch, bool backward, float loss_scale, const TensorView& dx, int set,
+  // The final norm of the head's input x into xf (with its statistics in rstd1_), with the
+  // weight of the head's first piece.
+  void head_norm(const std::vector<UnitBuffers>& units, const TensorView& x, const TensorView& xf,
+                 Stream& stream);
+  // Logits [rows of xf, the head piece's rows] f32 into `out` from the normed input xf, through
+  // head piece u's rows of the LM head (the embedding's table when tied).
+  void piece_logits(int u, const std::vector<UnitBuffers>& units, const TensorView& xf,
+                    const TensorView& out, Stream& stream);
+  // Head piece u's columns of logits `out` [1 or more rows, vocab] f32 (all of them when whole).
+  TensorView logits_columns(int u, const TensorView& out) const;
+  // Head piece u's forward (the loss after the last piece) or backward. Piece 0 reads the head's
+  // input x and norms it, into `xn_out` when the head is cut (the later pieces' input); the later
+  // pieces read that as x. The gradient of the normed input comes down the pieces from the last
+  // (dout, which the last ignores) and leaves piece 0 through the norm as dx.
+  void head(int u, const std::vector<UnitBuffers>& units, const TensorView& x,
+            const int32_t* targets, int64_t batch, bool backward, float loss_scale,
+            const TensorView& xn_out, const TensorView& dout, const TensorView& dx, int set,
             Stream& stream);
   // The tokens of a decode() call: `tokens` new positions from `pos` on, one sequence.
   struct Span {
@@ -303,9 +349,17 @@ class LlamaModel {
   bool kept_ = false;   // whether the last forward kept every unit's input
 };
 
+// Unit u of layout `to` from the values of a layout `from` of the same model with its vocabulary
+// in other pieces (a checkpoint of another cut): each parameter's rows from the units of `from`
+// that hold them, `unit(v)` giving unit v of `from` (numel values); padding 0.
+std::vector<float> relaid_unit(const ModelLayout& from,
+                               const std::function<const std::vector<float>&(int)>& unit,
+                               const ModelLayout& to, int u);
+
 // Deterministic random initialisation (Hugging Face's: normal(0, 0.02) weights, norm weights
 // layout.norm_init, biases 0) of one unit's flat buffer, in host memory of `dtype`; the same seed
-// gives the same bits.
+// gives the same bits, and the same model whatever units the layout cuts it into (each
+// checkpoint tensor's elements are drawn by its name and place).
 void init_unit_random(const ModelLayout& layout, int u, uint64_t seed, DType dtype, void* host);
 
 }  // namespace strata

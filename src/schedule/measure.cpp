@@ -198,8 +198,9 @@ void measure_compute(const MeasureSetup& s, HardwareProfile& h) {
   // What the schedule counts for this work: every unit's forward and backward tasks.
   double flops = 0;
   for (int u = 0; u < model.layout().num_units(); ++u)
-    flops += unit_forward_flops(c, u, s.micro_batch, s.seq_len) +
-             unit_backward_flops(c, u, s.micro_batch, s.seq_len, s.recompute);
+    flops += unit_forward_flops(c, model.layout().units[size_t(u)], s.micro_batch, s.seq_len) +
+             unit_backward_flops(c, model.layout().units[size_t(u)], s.micro_batch, s.seq_len,
+                                 s.recompute);
   h.gpu_flops = rate(flops, seconds);
   h.notes["gpu_flops"] = fmt::format(
       "measured on {}: forward + backward ({}) of {} ({} layer(s), hidden {}, "

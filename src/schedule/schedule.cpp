@@ -84,7 +84,8 @@
 // buffer, which adam reads: one transfer a step where G home cpu moves one a micro-batch. P[u]: O
 // host and P cpu -> adam writes it in place; O host and P gpu -> param_upload per rank; O host and
 // P nvme -> param_write; O gpu and P cpu -> param_d2h per rank; O gpu and P nvme -> param_d2h per
-// rank into a pinned buffer, then param_write. optim_reads run ahead, from the last micro-batch's
+// rank into a pinned buffer, then param_write (the adams wait for that buffer: the executor's
+// adam brings the shard down itself). optim_reads run ahead, from the last micro-batch's
 // backward once no param_read is left, while at least max(2, what one unit's optimizer holds)
 // pinned buffers are free (what stays covers the mandatory takes: the gradients and the updated
 // parameters).
@@ -142,14 +143,14 @@
 
 namespace strata {
 
-double unit_forward_flops(const LlamaConfig& c, int u, int64_t batch, int64_t seq_len) {
-  const int units = static_cast<int>(c.num_hidden_layers) + 2;
+double unit_forward_flops(const LlamaConfig& c, const UnitLayout& unit, int64_t batch,
+                          int64_t seq_len) {
   const double b = static_cast<double>(batch);
   const double t = static_cast<double>(seq_len);
   const double tokens = b * t;
-  if (u == units - 1)
-    return 2.0 * static_cast<double>(c.vocab_size) * static_cast<double>(c.hidden_size) * tokens;
-  if (u == 0) return 0;
+  if (unit.kind == UnitKind::head)
+    return 2.0 * static_cast<double>(unit.vocab_rows) * static_cast<double>(c.hidden_size) * tokens;
+  if (unit.kind == UnitKind::embedding) return 0;
   const double D = static_cast<double>(c.hidden_size);
   const double q = static_cast<double>(c.num_attention_heads * c.head_dim);
   const double kv = static_cast<double>(c.num_key_value_heads * c.head_dim);
@@ -160,10 +161,10 @@ double unit_forward_flops(const LlamaConfig& c, int u, int64_t batch, int64_t se
   return 2.0 * matmul * tokens + attention;
 }
 
-double unit_backward_flops(const LlamaConfig& c, int u, int64_t batch, int64_t seq_len,
-                           bool recompute) {
-  const bool head = u == static_cast<int>(c.num_hidden_layers) + 1;
-  return (recompute || head ? 3.0 : 2.0) * unit_forward_flops(c, u, batch, seq_len);
+double unit_backward_flops(const LlamaConfig& c, const UnitLayout& unit, int64_t batch,
+                           int64_t seq_len, bool recompute) {
+  const bool head = unit.kind == UnitKind::head;
+  return (recompute || head ? 3.0 : 2.0) * unit_forward_flops(c, unit, batch, seq_len);
 }
 
 std::string_view lane_kind_name(LaneKind k) {
@@ -376,6 +377,7 @@ class Builder {
   Builder(const Placement& placement, const ScheduleOptions& options)
       : pl_(placement),
         part_(placement.partition),
+        layout_(ModelLayout::build(placement.shape.model)),
         opt_(options),
         U_(part_.num_units()),
         R_(part_.ranks),
@@ -737,8 +739,9 @@ class Builder {
 
   double compute_flops(int u, bool backward) const {
     const RunShape& s = pl_.shape;
-    return backward ? unit_backward_flops(s.model, u, s.micro_batch, s.seq_len, s.recompute)
-                    : unit_forward_flops(s.model, u, s.micro_batch, s.seq_len);
+    const UnitLayout& unit = layout_.units.at(static_cast<size_t>(u));
+    return backward ? unit_backward_flops(s.model, unit, s.micro_batch, s.seq_len, s.recompute)
+                    : unit_forward_flops(s.model, unit, s.micro_batch, s.seq_len);
   }
 
   // The runs covering use i (the gathered units it reads).
@@ -1033,18 +1036,22 @@ class Builder {
       }
       return;
     }
+    // P on NVMe: each rank's adam brings its updated shard down into its part of a pinned
+    // buffer as it ends (the executor's param_d2h has nothing left to do), so the adams wait
+    // for the buffer's last users as its first writers.
+    const bool p_stage = h.param == Tier::nvme;
+    const int pbuf = p_stage ? take_pinned("the updated parameters", u, true) : -1;
     std::vector<int> adams;
     for (int r = 0; r < R_; ++r) {
       const int id = add(TaskKind::adam, LaneKind::compute, r, u, -1, stats_for(u));
       task(id).elements = up.shard;
+      if (p_stage) wait_for_pinned(id, pbuf);
       adams.push_back(id);
     }
     if (h.param == Tier::gpu) {
       writer = adams;
       return;
     }
-    const bool p_stage = h.param == Tier::nvme;
-    const int pbuf = p_stage ? take_pinned("the updated parameters", u, true) : -1;
     std::vector<int> d2h;
     for (int r = 0; r < R_; ++r) {
       const int id =
@@ -1129,6 +1136,7 @@ class Builder {
 
   const Placement& pl_;
   const Partition& part_;
+  ModelLayout layout_;  // the model's units, for their FLOPs
   ScheduleOptions opt_;
   int U_, R_, M_, G_, W_, B_, d_ = 0;  // G_: micro-batches per group, at most M_
   bool tied_;

@@ -96,16 +96,17 @@ struct Task {
   std::vector<int> prev;  // ids of tasks of the previous step
 };
 
-// FLOPs of unit u's forward for `batch` sequences of `seq_len` tokens: the matmuls (2 per
-// multiply-add) and causal attention (QKᵀ and PV over half the keys on average); the embedding
-// counts 0.
-double unit_forward_flops(const LlamaConfig& config, int unit, int64_t batch, int64_t seq_len);
+// FLOPs of a unit's forward for `batch` sequences of `seq_len` tokens: the matmuls (2 per
+// multiply-add) and causal attention (QKᵀ and PV over half the keys on average); the head's
+// (each vocabulary piece's) logits of its rows; the embedding counts 0.
+double unit_forward_flops(const LlamaConfig& config, const UnitLayout& unit, int64_t batch,
+                          int64_t seq_len);
 // FLOPs of unit u's backward task: the two gradients' matmuls are twice the forward's, and with
 // `recompute` (activation checkpointing) the forward runs again first: 3× the forward. Without
 // it a block's backward is 2× (the norms and SwiGLU it redoes are not counted), while the head
 // still recomputes its logits chunk by chunk (3×).
-double unit_backward_flops(const LlamaConfig& config, int unit, int64_t batch, int64_t seq_len,
-                           bool recompute);
+double unit_backward_flops(const LlamaConfig& config, const UnitLayout& unit, int64_t batch,
+                           int64_t seq_len, bool recompute);
 
 struct ScheduleOptions {
   int micro_batches = 1;   // gradient accumulation steps

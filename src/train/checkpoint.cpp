@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <fcntl.h>
@@ -165,20 +166,23 @@ std::vector<SafetensorsTensor> streamed_model_tensors(
   for (int u = 0; u < layout.num_units(); ++u)
     for (const ParamSlot& s : layout.units[static_cast<size_t>(u)].params) {
       if (s.file_name != s.name) {
-        // Phi-3's fused projections: written once, from the part that opens them, as the
-        // parts' rows one after another (copied together: the unit pads between them).
+        // Phi-3's fused projections, and tables cut into vocabulary pieces (units of their
+        // own, in order): written once, from the part that opens them, as the parts' rows one
+        // after another (copied together: units pad between them).
         if (s.file_row != 0) continue;
-        std::vector<const ParamSlot*> parts;
-        for (const ParamSlot& p : layout.units[static_cast<size_t>(u)].params)
-          if (p.file_name == s.file_name) parts.push_back(&p);
+        std::vector<std::pair<int, const ParamSlot*>> parts;
+        for (int v = u; v < layout.num_units(); ++v)
+          for (const ParamSlot& p : layout.units[static_cast<size_t>(v)].params)
+            if (p.file_name == s.file_name) parts.emplace_back(v, &p);
         tensors.push_back(
-            {s.file_name, dtype, s.file_shape, nullptr, [unit_bytes, fused, u, parts, dtype] {
-               const char* p = unit_bytes(u);
+            {s.file_name, dtype, s.file_shape, nullptr, [unit_bytes, fused, parts, dtype] {
                const uint64_t e = dtype_size(dtype);
                fused->clear();
-               for (const ParamSlot* part : parts)
+               for (const auto& [v, part] : parts) {
+                 const char* p = unit_bytes(v);
                  fused->insert(fused->end(), p + part->offset * e,
                                p + (part->offset + static_cast<uint64_t>(part->numel())) * e);
+               }
                return static_cast<const void*>(fused->data());
              }});
         continue;
@@ -352,9 +356,82 @@ nlohmann::json read_trainer_state(const fs::path& checkpoint) {
   return j;
 }
 
+namespace {
+
+constexpr std::array<const char*, 3> kOptimizerSuffixes = {".master", ".exp_avg", ".exp_avg_sq"};
+
+// Whether the optimizer file holds every unit of `layout`, each of its size.
+bool holds_layout(const SafetensorsReader& reader, const ModelLayout& layout) {
+  for (const UnitLayout& unit : layout.units)
+    for (const char* suffix : kOptimizerSuffixes) {
+      const SafetensorsEntry* e = reader.find(unit.name + suffix);
+      if (e == nullptr || static_cast<uint64_t>(e->numel()) != unit.numel) return false;
+    }
+  return true;
+}
+
+// Unit u of `layout`'s optimizer state from a file saved with another layout of the same
+// model, `saved` (its vocabulary cut into other pieces: a run resumed by a strata that cuts
+// them otherwise), parameter by parameter (relaid_unit).
+UnitOptimizerState relaid_state(const SafetensorsReader& reader, const ModelLayout& saved,
+                                const ModelLayout& layout, int u) {
+  UnitOptimizerState st;
+  std::array<std::vector<float>*, 3> out = {&st.master, &st.m, &st.v};
+  for (size_t k = 0; k < kOptimizerSuffixes.size(); ++k) {
+    int held_unit = -1;
+    std::vector<float> held;
+    *out[k] = relaid_unit(
+        saved,
+        [&](int v) -> const std::vector<float>& {
+          if (held_unit != v) {
+            const UnitLayout& from = saved.units[static_cast<size_t>(v)];
+            held.resize(from.numel);
+            const std::vector<int64_t> shape{static_cast<int64_t>(from.numel)};
+            reader.read_checked(from.name + kOptimizerSuffixes[k], held.data(), DType::f32, shape);
+            held_unit = v;
+          }
+          return held;
+        },
+        layout, u);
+  }
+  return st;
+}
+
+}  // namespace
+
+ModelLayout saved_layout(const SafetensorsReader& reader, const LlamaConfig& config) {
+  ModelLayout layout = ModelLayout::build(config);
+  if (holds_layout(reader, layout)) return layout;
+  LlamaConfig other = config;
+  other.vocab_pieces = 0;
+  while (reader.find(other.vocab_pieces == 0
+                         ? std::string("embedding.master")
+                         : fmt::format("embedding.{}.master", other.vocab_pieces)) != nullptr)
+    ++other.vocab_pieces;
+  if (other.vocab_pieces < 1 || other.vocab_pieces == layout.vocab_pieces) return layout;
+  try {
+    ModelLayout saved = ModelLayout::build(other);
+    if (holds_layout(reader, saved)) return saved;
+  } catch (const Error&) {
+    // No such cut of this model: the reader's checks name what is missing.
+  }
+  return layout;
+}
+
 void restore_checkpoint(const fs::path& checkpoint, Executor& executor) {
   const SafetensorsReader reader = SafetensorsReader::open(checkpoint / kOptimizer);
-  const ModelLayout layout = ModelLayout::build(executor.placement().shape.model);
+  const LlamaConfig& config = executor.placement().shape.model;
+  const ModelLayout layout = ModelLayout::build(config);
+  const ModelLayout saved = saved_layout(reader, config);
+  if (saved.vocab_pieces != layout.vocab_pieces) {
+    fmt::print(
+        "checkpoint {}: its optimizer state has the vocabulary in {} piece(s), this run {}; "
+        "each parameter's state is carried over row by row\n",
+        checkpoint.string(), saved.vocab_pieces, layout.vocab_pieces);
+    for (int u = 0; u < layout.num_units(); ++u)
+      executor.set_optimizer_state(u, relaid_state(reader, saved, layout, u));
+    return;
+  }
   for (int u = 0; u < layout.num_units(); ++u) {
     const UnitLayout& unit = layout.units[static_cast<size_t>(u)];
     UnitOptimizerState st;

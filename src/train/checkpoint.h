@@ -93,8 +93,16 @@ void add_image_text_parts(const LlamaConfig& config, const SafetensorsReader* im
 nlohmann::json read_trainer_state(const std::filesystem::path& checkpoint);
 
 // Puts a checkpoint's optimizer state (and so its parameters) into the executor; an Error
-// naming the file and tensor when one is missing or has another size.
+// naming the file and tensor when one is missing or has another size. A checkpoint whose
+// vocabulary pieces differ from the run's (LlamaConfig::vocab_pieces) is carried over
+// parameter by parameter.
 void restore_checkpoint(const std::filesystem::path& checkpoint, Executor& executor);
+
+// The layout of `config` an optimizer file (optimizer.safetensors) was saved in: `config`'s
+// own, or, where the file holds another cut of the vocabulary (as many pieces as it has
+// "embedding[.k].master" tensors), that one's; `config`'s when it holds neither (whose
+// tensors the reader then finds missing or of another size).
+ModelLayout saved_layout(const SafetensorsReader& optimizer, const LlamaConfig& config);
 
 // Why a checkpoint directory cannot be trusted: "" when every file matches the size and
 // XXH3-64 checksums its COMPLETE marker lists (the marker checksums its own list too);

@@ -73,7 +73,8 @@ EvalResult evaluate(Executor& ex, EvalSequences& held_out, int64_t micro_batches
 }
 
 Placement place(const TrainSettings& s, const std::vector<Device*>& devices, TierBudgets& budgets) {
-  const LlamaConfig model = resolve_model(s.model);
+  LlamaConfig model = resolve_model(s.model);
+  model.vocab_pieces = s.vocab_pieces;
   RunShape shape;
   shape.model = model;
   shape.ranks = static_cast<int>(devices.size());

@@ -51,7 +51,8 @@ struct TrainSettings {
   // The working gradients and their accumulators (RunShape::grad_dtype): f32, or the
   // parameters' 16-bit dtype (half the memory of both, for runs that accumulate little).
   DType grad_dtype = DType::f32;
-  AdamParams adam;  // lr is the schedule's base; each step's lr comes from `schedule`
+  int64_t vocab_pieces = 0;  // LlamaConfig::vocab_pieces (0: chosen)
+  AdamParams adam;           // lr is the schedule's base; each step's lr comes from `schedule`
   LrSchedule schedule;
   LossScaleSettings scaling;
   double max_grad_norm = 0;  // 0: no clipping
