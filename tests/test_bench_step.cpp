@@ -165,6 +165,31 @@ TEST(BenchStepCli, MicroBatchGroupsAreVerifiedAgainstNoGroups) {
   EXPECT_NE(bad.out.find("--micro-batch-group 3"), std::string::npos) << bad.out;
 }
 
+// The embedding and the head cut into vocabulary pieces: verified against the all-device run
+// of the same cut, and the device memory held, as the plan counts it, falls with the buffers:
+// with a vocabulary of 4096 the tiny model's tables are 262K elements to a block's 45K, and
+// every landing buffer and working gradient was table-sized (every unit sharded: pieces under
+// the persistence threshold would be replicated, resident on the device).
+TEST(BenchStepCli, VocabularyPiecesAreVerifiedAndHoldLess) {
+  const std::string base =
+      "bench step --devices host:1 --offload-param cpu --offload-optimizer cpu "
+      "--offload-gradients cpu --vocab 4096 --steps 1 --threads 1 --persistence-threshold 0 "
+      "--json --vocab-pieces ";
+  json got[2];
+  for (int k = 0; k < 2; ++k) {
+    const test::CommandResult r = strata(base + (k == 0 ? "1" : "6"));
+    ASSERT_EQ(r.status, 0) << r.out;
+    got[k] = json::parse(r.out, nullptr, false);
+    ASSERT_FALSE(got[k].is_discarded()) << r.out;
+    EXPECT_EQ(got[k]["verified"], true);
+    EXPECT_NEAR(got[k]["device_bytes"].get<double>(),
+                got[k]["planned_device_bytes"].get<double>(), 16384.0);
+  }
+  EXPECT_EQ(got[0]["vocab_pieces"], 1);
+  EXPECT_EQ(got[1]["vocab_pieces"], 6);
+  EXPECT_LT(got[1]["device_bytes"].get<double>(), 0.5 * got[0]["device_bytes"].get<double>());
+}
+
 TEST(BenchStepCli, UpdatingDuringTheBackwardIsVerifiedAgainstUpdatingAfterIt) {
   const test::TempDir dir("strata-bench-step");
   const test::CommandResult r = strata(

@@ -897,13 +897,14 @@ TEST(LlamaModel, VocabularyPiecesComputeTheWholeModelsLossAndGradients) {
     for (int k = 0; k < 30; ++k) EXPECT_NEAR(got[1][size_t(k)], got[0][size_t(k)], 1e-6) << k;
   }
 
-  // Chosen: Llama 3 8B's 525M-element tables in three pieces of 6 x 8192 rows (the last
-  // 29,952), each smaller than a block (218M); Llama 2 7B's table (131M) is smaller than a
-  // block, a tied table is the head's too: whole.
+  // Chosen: Llama 3 8B's 525M-element tables in three pieces of 42,752 rows (175M elements),
+  // each smaller than a block (218M); Llama 2 7B's table (131M) is smaller than a block, and a
+  // tied table is the head's too: whole.
   const ModelLayout l3 = ModelLayout::build(*find_preset("llama3-8b"));
   EXPECT_EQ(l3.vocab_pieces, 3);
-  EXPECT_EQ(l3.units[0].vocab_rows, 49152);
-  EXPECT_EQ(l3.units[2].vocab_rows, 128256 - 2 * 49152);
+  EXPECT_EQ(l3.units[0].vocab_rows, 42752);
+  EXPECT_EQ(l3.units[2].vocab_first, 2 * 42752);
+  EXPECT_EQ(l3.units[2].vocab_rows, 42752);
   uint64_t largest = 0;
   for (const UnitLayout& u : l3.units) largest = std::max(largest, u.numel);
   EXPECT_EQ(largest, l3.units[static_cast<size_t>(l3.first_block())].numel);

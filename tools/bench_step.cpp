@@ -26,6 +26,7 @@
 #include "core/error.h"
 #include "device_args.h"
 #include "model/config.h"
+#include "model/llama.h"
 #include "partition/communicator.h"
 #include "schedule/executor.h"
 #include "schedule/measure.h"
@@ -50,7 +51,7 @@ namespace {
 
 struct BenchStepArgs {
   std::string model = "tiny";
-  int64_t hidden = 0, intermediate = 0, layers = 0, vocab = 0;
+  int64_t hidden = 0, intermediate = 0, layers = 0, vocab = 0, vocab_pieces = 0;
   std::string devices = "host:1", device_memory;
   std::string offload_param = "nvme", offload_optimizer = "nvme", offload_gradients;
   std::vector<std::string> nvme_paths;
@@ -83,6 +84,7 @@ LlamaConfig bench_model(const BenchStepArgs& a) {
   if (a.layers > 0) c.num_hidden_layers = a.layers;
   if (a.vocab > 0) c.vocab_size = a.vocab;
   validate_llama_config(c, "strata bench step");
+  apply_vocab_pieces(a.vocab_pieces, c);
   return c;
 }
 
@@ -473,6 +475,7 @@ int run_bench_step(const BenchStepArgs& a) {
         {"nvme_busy_s", nvme_busy},
         {"overlap", overlap},
         {"device_bytes", mid.device_bytes},
+        {"vocab_pieces", ModelLayout::build(placement.shape.model).vocab_pieces},
         {"planned_device_bytes", placement.needs().total(Tier::gpu)},
         {"predicted_step_s", steady.step_s},
         {"predicted_nvme_busy_s", steady.nvme_busy_s},
@@ -548,6 +551,8 @@ Command add_bench_step(CLI::App& bench) {
   cmd->add_option("--intermediate", a->intermediate, "override the model's MLP size");
   cmd->add_option("--layers", a->layers, "override the model's layer count");
   cmd->add_option("--vocab", a->vocab, "override the model's vocabulary size");
+  cmd->add_option("--vocab-pieces", a->vocab_pieces,
+                  "units the embedding's and the head's tables are cut into (0: strata chooses)");
   cmd->add_option("--devices", a->devices, "host:N, cuda or cuda:0,1")->capture_default_str();
   cmd->add_option("--device-memory", a->device_memory, "cap of each device's memory");
   cmd->add_option("--offload-param", a->offload_param, "none, cpu or nvme")->capture_default_str();

@@ -106,10 +106,10 @@ const ParamSlot& UnitLayout::slot(std::string_view short_name) const {
 namespace {
 
 // Rows of each vocabulary piece (the last may have fewer), for `pieces` of a table of V rows:
-// an even share, past kPieceRows rounded up to a multiple of it.
+// an even share. (Not rounded to the loss's chunks: a piece ends its last chunk short, which
+// costs nothing, where rounding up would make pieces larger than the blocks they are sized to.)
 int64_t piece_rows(int64_t V, int64_t pieces) {
-  const int64_t rows = (V + pieces - 1) / pieces, k = ModelLayout::kPieceRows;
-  return rows > k ? (rows + k - 1) / k * k : rows;
+  return (V + pieces - 1) / pieces;
 }
 
 // Elements of layer 0's unit, as ModelLayout::build lays it out.
@@ -133,7 +133,7 @@ int64_t vocab_pieces_for(const LlamaConfig& c) {
   const uint64_t table = static_cast<uint64_t>(c.vocab_size) * static_cast<uint64_t>(c.hidden_size);
   const uint64_t block = block_numel(c);  // every layer has layer 0's shapes
   if (table < (uint64_t{16} << 20) || block == 0 || table <= block) return 1;
-  // Rounding the rows up may leave fewer pieces, whose own rows it may round again: settle.
+  // An even share of rows may leave fewer pieces (ceil(V / ceil(V / p)) <= p): settle.
   int64_t pieces = static_cast<int64_t>((table + block - 1) / block);
   for (;;) {
     const int64_t rows = piece_rows(c.vocab_size, pieces);

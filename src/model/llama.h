@@ -73,9 +73,6 @@ struct ModelLayout {
   // Every parameter starts on a multiple of this many elements: 256 bytes even in bf16, the
   // alignment cuBLASLt and vector loads want.
   static constexpr uint64_t kAlign = 128;
-  // Pieces past this many rows hold a multiple of it (ModelOptions::vocab_chunk's default), so
-  // the loss's logits come in the chunks of a whole head.
-  static constexpr int64_t kPieceRows = 8192;
 
   std::vector<UnitLayout> units;  // embedding pieces, blocks..., head pieces
   uint64_t total_numel = 0;       // sum of units' numel (padding included)
