@@ -182,8 +182,8 @@ TEST(BenchStepCli, VocabularyPiecesAreVerifiedAndHoldLess) {
     got[k] = json::parse(r.out, nullptr, false);
     ASSERT_FALSE(got[k].is_discarded()) << r.out;
     EXPECT_EQ(got[k]["verified"], true);
-    EXPECT_NEAR(got[k]["device_bytes"].get<double>(),
-                got[k]["planned_device_bytes"].get<double>(), 16384.0);
+    EXPECT_NEAR(got[k]["device_bytes"].get<double>(), got[k]["planned_device_bytes"].get<double>(),
+                16384.0);
   }
   EXPECT_EQ(got[0]["vocab_pieces"], 1);
   EXPECT_EQ(got[1]["vocab_pieces"], 6);
