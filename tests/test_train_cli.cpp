@@ -661,6 +661,19 @@ TEST(TrainCli, VocabularyPiecesCheckpointWholeTablesAndResumeInAnotherCut) {
   r = strata("export " + cut.string() + " --out " + out.string() + " --dtype f32");
   ASSERT_EQ(r.status, 0) << r.out;
   expect_export_evaluates_as_checkpoint(data, out, cut / "checkpoints/step-2", 512);
+  // Hugging Face weights read into pieces (each piece's rows of the file's tensor): the first
+  // step's loss is the whole model's.
+  double first[2] = {};
+  for (int k = 0; k < 2; ++k) {
+    const fs::path run = dir.path / (k == 0 ? "load-whole" : "load-cut");
+    r = strata("train --model " + out.string() + " --seq-len 32 --micro-batch 2 --data " +
+               data.string() + " --lr 2e-3 --threads 1 --steps 1 --vocab-pieces " +
+               (k == 0 ? "1" : "4") + " --run-dir " + run.string());
+    ASSERT_EQ(r.status, 0) << r.out;
+    first[k] = metrics(run).front()["loss"].get<double>();
+  }
+  EXPECT_NEAR(first[1], first[0], 1e-6 * first[0]);
+  EXPECT_LT(first[0], metrics(cut).front()["loss"].get<double>());  // trained: lower than step 1
 
   // The whole run's step 2, resumed in three pieces; the cut run's, resumed whole.
   const fs::path a = dir.path / "a", b = dir.path / "b";
