@@ -712,6 +712,12 @@ TEST(TrainCli, VocabularyPiecesCheckpointWholeTablesAndResumeInAnotherCut) {
       "--offload-optimizer cpu --vocab-pieces 1");
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_EQ(json::parse(r.out)["vocab_pieces"], 1);
+  r = strata(
+      "plan --model llama3-8b --gpus 1 --gpu-memory 80GiB --cpu-memory 512GiB "
+      "--offload-optimizer cpu");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("38 units"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("each in 3 vocabulary pieces of 42752 rows"), std::string::npos) << r.out;
 }
 
 // SmolLM3 through the executor with its parameters on NVMe: its NoPE layer and window written

@@ -736,6 +736,12 @@ std::string Placement::str() const {
       std::count_if(partition.units.begin(), partition.units.end(),
                     [](const UnitPartition& u) { return u.replicated; }),
       request.automatic ? ", chosen automatically" : "");
+  const ModelLayout layout = ModelLayout::build(shape.model);
+  if (layout.vocab_pieces > 1)
+    s += fmt::format(
+        "  the embedding and the head each in {} vocabulary pieces of {} rows (--vocab-pieces), "
+        "no larger than a block\n",
+        layout.vocab_pieces, layout.units.front().vocab_rows);
   s += fmt::format("  {:<22} {:<6} {:<6} {:<9}\n", "units", "param", "grad", "optimizer");
   for (size_t b = 0; b < homes.size();) {
     size_t e = b + 1;
