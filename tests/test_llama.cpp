@@ -195,6 +195,29 @@ void randomize_biases(ResidentWeights& w, const ModelLayout& layout, Stream& s) 
   }
 }
 
+// n token ids (i x 11 + 2) and targets (i x target_step + 5, every fifth from the fourth
+// ignored), modulo the vocabulary, in the device's memory.
+class Tokens {
+ public:
+  Tokens(Device& device, Stream& stream, int n, int vocab, int target_step)
+      : ids_(device, static_cast<uint64_t>(n) * 4, "ids"),
+        targets_(device, static_cast<uint64_t>(n) * 4, "targets") {
+    std::vector<int32_t> ids(static_cast<size_t>(n)), targets(ids.size());
+    for (int i = 0; i < n; ++i) {
+      ids[static_cast<size_t>(i)] = (i * 11 + 2) % vocab;
+      targets[static_cast<size_t>(i)] = i % 5 == 3 ? kIgnoreIndex : (i * target_step + 5) % vocab;
+    }
+    device.copy_to_device(ids_.data(), ids.data(), ids.size() * 4, stream);
+    device.copy_to_device(targets_.data(), targets.data(), targets.size() * 4, stream);
+    stream.synchronize();  // the host vectors are freed on return
+  }
+  const int32_t* ids_data() const { return static_cast<const int32_t*>(ids_.data()); }
+  const int32_t* targets_data() const { return static_cast<const int32_t*>(targets_.data()); }
+
+ private:
+  DeviceBuffer ids_, targets_;
+};
+
 void PrintTo(Variant v, std::ostream* os) {
   *os << variant_name(v);
 }
@@ -703,16 +726,9 @@ TEST(LlamaModel, WithoutRecomputeTheGradientsAreTheSameBits) {
     o.max_batch = 3;
     o.seq_len = 6;
     o.vocab_chunk = 8;
-    std::vector<int32_t> host_ids(18), host_targets(18);
-    for (int i = 0; i < 18; ++i) {
-      host_ids[static_cast<size_t>(i)] = (i * 11 + 2) % 29;
-      host_targets[static_cast<size_t>(i)] = i % 5 == 3 ? kIgnoreIndex : (i * 3 + 5) % 29;
-    }
-    DeviceBuffer ids(*device, 72, "ids"), targets(*device, 72, "targets");
-    device->copy_to_device(ids.data(), host_ids.data(), 72, *stream);
-    device->copy_to_device(targets.data(), host_targets.data(), 72, *stream);
-    auto* i = static_cast<int32_t*>(ids.data());
-    auto* t = static_cast<int32_t*>(targets.data());
+    const Tokens tokens(*device, *stream, 18, 29, 3);
+    const int32_t* i = tokens.ids_data();
+    const int32_t* t = tokens.targets_data();
 
     std::vector<float> loss[2], grads[2];
     uint64_t workspace[2] = {};
@@ -793,16 +809,9 @@ TEST(LlamaModel, VocabularyPiecesComputeTheWholeModelsLossAndGradients) {
     o.max_batch = 2;
     o.seq_len = 6;
     o.vocab_chunk = 5;  // two chunks a piece, the whole head's chunks
-    std::vector<int32_t> host_ids(12), host_targets(12);
-    for (int i = 0; i < 12; ++i) {
-      host_ids[static_cast<size_t>(i)] = (i * 11 + 2) % 30;
-      host_targets[static_cast<size_t>(i)] = i % 5 == 3 ? kIgnoreIndex : (i * 7 + 5) % 30;
-    }
-    DeviceBuffer ids(*device, 48, "ids"), targets(*device, 48, "targets");
-    device->copy_to_device(ids.data(), host_ids.data(), 48, *stream);
-    device->copy_to_device(targets.data(), host_targets.data(), 48, *stream);
-    auto* i = static_cast<int32_t*>(ids.data());
-    auto* t = static_cast<int32_t*>(targets.data());
+    const Tokens tokens(*device, *stream, 12, 30, 7);
+    const int32_t* i = tokens.ids_data();
+    const int32_t* t = tokens.targets_data();
 
     LlamaModel whole(whole_c, o, *device), cut(cut_c, o, *device);
     ResidentWeights ww(whole_l, *device, dt, DType::f32, true),
