@@ -1,7 +1,8 @@
 // llama.h: the Llama model as units of flat parameter buffers, and its forward and backward
 // over the kernel table (DESIGN §1-§4).
 //
-// Units are the embedding, each transformer block, and the final norm plus the LM head. Each
+// Units are the embedding, each transformer block, and the final norm plus the LM head (a large
+// untied embedding and head each in several units: vocabulary pieces, below). Each
 // unit's parameters live in one flat buffer (the shape that partitioning and offload move
 // around); a ParamSlot says where each Hugging Face tensor sits inside it. With tied word
 // embeddings the head unit holds only the final norm and reads (and accumulates gradients
@@ -197,7 +198,8 @@ class LlamaModel {
                 int64_t batch, float loss_scale, Stream& stream,
                 const int32_t* doc_start = nullptr);
   // Full logits [batch*seq_len, vocab] f32 into `out` (device memory), for tests and small
-  // vocabularies; queued after a forward that set up the head's input.
+  // vocabularies; queued after a forward that set up the head's input. With the head in
+  // vocabulary pieces only for one row (decode() writes the last token's that way).
   void logits(const std::vector<UnitBuffers>& units, const TensorView& out, int64_t batch,
               Stream& stream);
 
