@@ -475,7 +475,7 @@ int run_bench_step(const BenchStepArgs& a) {
         {"nvme_busy_s", nvme_busy},
         {"overlap", overlap},
         {"device_bytes", mid.device_bytes},
-        {"vocab_pieces", ModelLayout::build(placement.shape.model).vocab_pieces},
+        {"vocab_pieces", vocab_pieces_for(placement.shape.model)},
         {"planned_device_bytes", placement.needs().total(Tier::gpu)},
         {"predicted_step_s", steady.step_s},
         {"predicted_nvme_busy_s", steady.nvme_busy_s},
@@ -551,8 +551,7 @@ Command add_bench_step(CLI::App& bench) {
   cmd->add_option("--intermediate", a->intermediate, "override the model's MLP size");
   cmd->add_option("--layers", a->layers, "override the model's layer count");
   cmd->add_option("--vocab", a->vocab, "override the model's vocabulary size");
-  cmd->add_option("--vocab-pieces", a->vocab_pieces,
-                  "units the embedding's and the head's tables are cut into (0: strata chooses)");
+  add_vocab_pieces_option(cmd, a->vocab_pieces);
   cmd->add_option("--devices", a->devices, "host:N, cuda or cuda:0,1")->capture_default_str();
   cmd->add_option("--device-memory", a->device_memory, "cap of each device's memory");
   cmd->add_option("--offload-param", a->offload_param, "none, cpu or nvme")->capture_default_str();

@@ -228,7 +228,7 @@ int run_plan(const PlanArgs& a) {
         {"seq_len", shape.seq_len},
         {"dtype", dtype},
         {"grad_dtype", dtype_name(shape.grad_dtype)},
-        {"vocab_pieces", ModelLayout::build(shape.model).vocab_pieces},
+        {"vocab_pieces", vocab_pieces_for(shape.model)},
         {"prefetch_depth", schedule.prefetch_depth},
         {"activation_checkpointing", shape.recompute},
         {"micro_batch_group", shape.micro_batch_group},
@@ -310,9 +310,7 @@ Command add_plan(CLI::App& app) {
                   "gradients and their accumulators: f32 (default; the config's "
                   "data_types.grad_accum_dtype where it sets it), or the parameters' bf16/f16 "
                   "(half the memory of both, for runs that accumulate little)");
-  cmd->add_option("--vocab-pieces", a->vocab_pieces,
-                  "units the embedding's and the head's tables are each cut into, by vocabulary "
-                  "rows (0, the default: strata chooses; 1: whole)");
+  add_vocab_pieces_option(cmd, a->vocab_pieces);
   cmd->add_option("--persistence-threshold", a->persistence_threshold,
                   "units of at most this many elements stay whole on every GPU (100000)");
   cmd->add_option("--hardware", a->hardware,

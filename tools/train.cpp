@@ -285,7 +285,7 @@ int run_train(const TrainArgs& a) {
             {"packing", packing_name(s.packing)},
             {"dtype", dtype_name(s.dtype)},
             {"grad_dtype", dtype_name(s.grad_dtype)},
-            {"vocab_pieces", ModelLayout::build(model).vocab_pieces},
+            {"vocab_pieces", vocab_pieces_for(model)},
             {"optimizer", adamw ? "adamw" : "adam"},
             {"lr", lr},
             {"lr_schedule", lr_schedule_name(s.schedule.kind)},
@@ -381,10 +381,7 @@ Command add_train(CLI::App& app) {
                   "gradients and their accumulators: f32 (default; DeepSpeed's "
                   "data_types.grad_accum_dtype where the config sets it), or the parameters' "
                   "bf16/f16 (half the memory of both, for runs that accumulate little)");
-  cmd->add_option("--vocab-pieces", a->vocab_pieces,
-                  "units the embedding's and the head's tables are each cut into, by vocabulary "
-                  "rows, so no working or pinned buffer need hold a whole table (0, the default: "
-                  "strata chooses; 1: whole)");
+  add_vocab_pieces_option(cmd, a->vocab_pieces);
   cmd->add_option("--optimizer", a->optimizer, "adamw or adam (L2 decay)");
   cmd->add_option("--lr,--learning-rate", a->lr,
                   "learning rate (default: the config's, else 1e-3)");

@@ -206,13 +206,20 @@ ModelLayout ModelLayout::build(const LlamaConfig& c) {
       // (ParamSlot::file_row), named with them.
       for (int k = 0; k < E; ++k) {
         UnitLayout& unit = layout.units.at(static_cast<size_t>(embedding ? k : head + k));
+        if (E == 1) {
+          add_slot(unit, t.name, shape);
+          continue;
+        }
         Shape part = shape;
         part.dims[0] = unit.vocab_rows;
-        add_slot(unit,
-                 E == 1 ? t.name
-                        : fmt::format("{}[{}:{}]", t.name, unit.vocab_first,
-                                      unit.vocab_first + unit.vocab_rows),
-                 part);
+        add_slot(
+            unit,
+            fmt::format("{}[{}:{}]", t.name, unit.vocab_first, unit.vocab_first + unit.vocab_rows),
+            part);
+        ParamSlot& slot = unit.params.back();
+        slot.file_name = t.name;
+        slot.file_shape = t.shape;
+        slot.file_row = unit.vocab_first;
       }
       continue;
     }
@@ -223,16 +230,6 @@ ModelLayout ModelLayout::build(const LlamaConfig& c) {
     }
     add_slot(*unit, t.name, shape);
   }
-  if (E > 1)
-    for (UnitLayout& u : layout.units) {
-      if (u.kind == UnitKind::block) continue;
-      for (ParamSlot& slot : u.params) {
-        if (slot.shape.rank != 2) continue;  // the final norm
-        slot.file_name = slot.name.substr(0, slot.name.find('['));
-        slot.file_shape = {c.vocab_size, c.hidden_size};
-        slot.file_row = u.vocab_first;
-      }
-    }
   std::map<std::string, ParamSlot*, std::less<>> by_name;
   for (UnitLayout& u : layout.units)
     for (ParamSlot& p : u.params) by_name[p.name] = &p;
