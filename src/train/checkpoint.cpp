@@ -35,6 +35,8 @@ namespace {
 
 constexpr const char* kTrainerState = "trainer_state.json";
 constexpr const char* kOptimizer = "optimizer.safetensors";
+// Each unit's tensors in it: the fp32 master weights, Adam's m and v (UnitOptimizerState's order).
+constexpr std::array<const char*, 3> kOptimizerSuffixes = {".master", ".exp_avg", ".exp_avg_sq"};
 constexpr const char* kModel = "model.safetensors";
 constexpr const char* kConfig = "config.json";
 
@@ -282,9 +284,7 @@ fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& 
       const auto n = static_cast<int64_t>(layout.units[static_cast<size_t>(u)].numel);
       for (int k = 0; k < 3; ++k)
         tensors.push_back(
-            {name + (k == 0   ? ".master"
-                     : k == 1 ? ".exp_avg"
-                              : ".exp_avg_sq"),
+            {name + kOptimizerSuffixes[static_cast<size_t>(k)],
              DType::f32,
              {n},
              nullptr,
@@ -357,8 +357,6 @@ nlohmann::json read_trainer_state(const fs::path& checkpoint) {
 }
 
 namespace {
-
-constexpr std::array<const char*, 3> kOptimizerSuffixes = {".master", ".exp_avg", ".exp_avg_sq"};
 
 // Whether the optimizer file holds every unit of `layout`, each of its size.
 bool holds_layout(const SafetensorsReader& reader, const ModelLayout& layout) {
@@ -435,8 +433,10 @@ void restore_checkpoint(const fs::path& checkpoint, Executor& executor) {
   for (int u = 0; u < layout.num_units(); ++u) {
     const UnitLayout& unit = layout.units[static_cast<size_t>(u)];
     UnitOptimizerState st;
-    for (const auto& [suffix, v] : {std::pair{".master", &st.master}, std::pair{".exp_avg", &st.m},
-                                    std::pair{".exp_avg_sq", &st.v}}) {
+    const std::array<std::vector<float>*, 3> out = {&st.master, &st.m, &st.v};
+    for (size_t k = 0; k < kOptimizerSuffixes.size(); ++k) {
+      const char* suffix = kOptimizerSuffixes[k];
+      std::vector<float>* v = out[k];
       const SafetensorsEntry* e = reader.find(unit.name + suffix);
       if (e == nullptr)
         fail("checkpoint {}: {} has no tensor {}; the checkpoint is damaged or of another model",
