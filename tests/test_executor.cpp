@@ -937,6 +937,58 @@ TEST(Executor, VocabularyPiecesTrainToTheSameBitsInEveryTier) {
   }
 }
 
+// Tied and cut: head piece k reads embedding piece k's rows, gathered beside it, and the
+// table's gradients are reduced after the head piece's backward and again after the
+// embedding piece's own (no piece stays gathered across the blocks). The reference loop's bits
+// on the all-GPU executor; every home of P, O and G gives them, on 1 and 3 ranks (every unit
+// sharded, the head's later pieces, padding alone, too), with replicated units, in groups of 2
+// reduced once per group and with updates during the backward; the losses and norms are the
+// whole model's to rounding.
+TEST(Executor, TiedVocabularyPiecesTrainToTheSameBitsInEveryTier) {
+  REQUIRE_DEVICES(3);
+  LlamaConfig c = tiny(true);
+  c.vocab_pieces = 3;
+  ASSERT_EQ(ModelLayout::build(c).num_units(), 2 * 3 + 2);
+  for (const int N : {1, 3}) {
+    const RunResult ref = run_reference(c, N);
+    const RunResult gpu = run_executor(c, N, Tier::gpu, Tier::gpu);
+    const RunResult whole = run_executor(tiny(true), N, Tier::gpu, Tier::gpu);
+    for (size_t s = 0; s < ref.losses.size(); ++s) {
+      EXPECT_EQ(gpu.losses[s], ref.losses[s]) << "step " << s;
+      EXPECT_EQ(gpu.norms[s], ref.norms[s]) << "step " << s;
+      EXPECT_NEAR(gpu.losses[s], whole.losses[s], 1e-5 * whole.losses[s]) << "step " << s;
+      EXPECT_NEAR(gpu.norms[s], whole.norms[s], 1e-5 * whole.norms[s]) << "step " << s;
+    }
+    expect_same(gpu, ref, fmt::format("N {} all-GPU executor vs reference loop:", N));
+    int k = 0;
+    for (Tier p : {Tier::gpu, Tier::cpu, Tier::nvme})
+      for (Tier o : {Tier::gpu, Tier::cpu, Tier::nvme})
+        for (GradHome g : {GradHome::automatic, GradHome::cpu}) {
+          if ((p == Tier::gpu && o == Tier::gpu) || (o == Tier::gpu && g == GradHome::cpu))
+            continue;
+          if (halve_sweeps() && (k++ + N) % 2 != 0) continue;
+          const std::string what =
+              fmt::format("N {} P {} O {} G {}", N, tier_name(p), tier_name(o), grad_home_name(g));
+          SCOPED_TRACE(what);
+          expect_same(run_executor(c, N, p, o, 0, 1, true, g), gpu, what + ":");
+        }
+    // The head's pieces and the norms replicated: their working gradients all-reduced.
+    const RunResult rep = run_executor(c, N, Tier::gpu, Tier::gpu, 40000);
+    expect_same(rep, run_reference(c, N, 40000), fmt::format("N {} replicated vs reference:", N));
+    expect_same(run_executor(c, N, Tier::nvme, Tier::cpu, 40000, 2, true, GradHome::cpu), rep,
+                fmt::format("N {} replicated, depth 2:", N));
+    const Micro grouped{kMicro, 2, true, false, true};
+    expect_same(run_executor(c, N, Tier::cpu, Tier::nvme, 0, 2, false, GradHome::cpu, grouped),
+                run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic, grouped),
+                fmt::format("N {} groups of 2 reduced once, no recompute, depth 2:", N));
+    expect_same(run_executor(c, N, Tier::cpu, Tier::cpu, 0, 1, true, GradHome::automatic,
+                             {kMicro, 1, false, true}),
+                run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic,
+                             {kMicro, 1, false, false}),
+                fmt::format("N {} updates during the backward:", N));
+  }
+}
+
 TEST(Executor, UpdatingDuringTheBackwardGivesTheSameBits) {
   REQUIRE_DEVICES(3);
   // Without clipping, CPU Adam updates each unit as soon as its gradients are final, under the

@@ -106,7 +106,7 @@ TEST(LlamaRope, PlainAndLlama3Scaling) {
 // SmolLM3 (Llama's, tied, with MLP biases, its second layer a NoPE layer: no rotary embeddings)
 // and Granite (tied; embeddings times 4, sublayer outputs times 0.4, scores times 0.3, logits
 // divided by 3) and pieces (untied, the embedding and the head each in three vocabulary pieces
-// of 10, 10 and 9 rows).
+// of 10, 10 and 9 rows) and tied_pieces (tied, the table in those pieces, which the head's read).
 enum class Variant {
   untied,
   tied,
@@ -119,14 +119,15 @@ enum class Variant {
   gemma3,
   smollm3,
   granite,
-  pieces
+  pieces,
+  tied_pieces
 };
 
 LlamaConfig variant_config(Variant v) {
   LlamaConfig c =
       small_config(v == Variant::tied || v == Variant::qwen2_tied || v == Variant::qwen3_tied ||
                    v == Variant::gemma || v == Variant::gemma2 || v == Variant::gemma3 ||
-                   v == Variant::smollm3 || v == Variant::granite);
+                   v == Variant::smollm3 || v == Variant::granite || v == Variant::tied_pieces);
   if (v == Variant::gemma || v == Variant::gemma2 || v == Variant::gemma3) {
     c.architecture = Architecture::gemma;
     c.hidden_act = Activation::gelu_tanh;
@@ -163,7 +164,7 @@ LlamaConfig variant_config(Variant v) {
     c.attention_multiplier = 0.3;
     c.logits_scaling = 3.0;
   }
-  if (v == Variant::pieces) c.vocab_pieces = 3;
+  if (v == Variant::pieces || v == Variant::tied_pieces) c.vocab_pieces = 3;
   if (v == Variant::qwen3_tied || v == Variant::qwen3_bias) {
     c.architecture = Architecture::qwen3;
     c.qk_norm = true;
@@ -173,8 +174,9 @@ LlamaConfig variant_config(Variant v) {
 }
 
 const char* variant_name(Variant v) {
-  const char* names[] = {"untied", "tied",   "qwen2_tied", "every_bias", "qwen3_tied", "qwen3_bias",
-                         "gemma",  "gemma2", "gemma3",     "smollm3",    "granite",    "pieces"};
+  const char* names[] = {"untied",     "tied",   "qwen2_tied", "every_bias", "qwen3_tied",
+                         "qwen3_bias", "gemma",  "gemma2",     "gemma3",     "smollm3",
+                         "granite",    "pieces", "tied_pieces"};
   return names[static_cast<int>(v)];
 }
 
@@ -311,14 +313,14 @@ INSTANTIATE_TEST_SUITE_P(Variants, LlamaGradient,
                                            Variant::every_bias, Variant::qwen3_tied,
                                            Variant::qwen3_bias, Variant::gemma, Variant::gemma2,
                                            Variant::gemma3, Variant::smollm3, Variant::granite,
-                                           Variant::pieces),
+                                           Variant::pieces, Variant::tied_pieces),
                          [](const auto& p) { return std::string(variant_name(p.param)); });
 
 // The planner sizes activations with workspace_bytes_for(); it must be what the constructor
 // allocates, in every dtype (bf16 adds the logits-gradient chunk) and with the arena's rounding.
 TEST(LlamaModel, WorkspaceBytesForIsWhatTheConstructorAllocates) {
-  for (Variant variant :
-       {Variant::untied, Variant::tied, Variant::qwen3_tied, Variant::gemma2, Variant::pieces})
+  for (Variant variant : {Variant::untied, Variant::tied, Variant::qwen3_tied, Variant::gemma2,
+                          Variant::pieces, Variant::tied_pieces})
     for (DType t : {DType::f32, DType::bf16})
       for (int64_t batch : {1, 3})
         for (int mode : {0, 1, 2, 3}) {  // recompute, keep the activations, forward only, KV
@@ -715,7 +717,8 @@ TEST(LlamaModel, WithoutRecomputeTheGradientsAreTheSameBits) {
                                     {DType::bf16, Variant::gemma3},
                                     {DType::bf16, Variant::smollm3},
                                     {DType::bf16, Variant::granite},
-                                    {DType::bf16, Variant::pieces}}) {
+                                    {DType::bf16, Variant::pieces},
+                                    {DType::bf16, Variant::tied_pieces}}) {
     LlamaConfig c = variant_config(variant);
     c.num_hidden_layers = 3;
     if (!c.nope_layers.empty()) c.nope_layers.resize(3, false);
@@ -767,13 +770,8 @@ TEST(LlamaModel, WithoutRecomputeTheGradientsAreTheSameBits) {
   }
 }
 
-// The embedding and the head cut into vocabulary pieces compute what the whole model computes
-// from the same weights: the same losses bit for bit (the pieces' rows are whole chunks of the
-// loss), the head's gradients the same bits, the others' to rounding (the pieces add the normed
-// input's gradient in another order); decoding gives the same logits. A layout's units, names
-// and file rows; the pieces chosen for Llama 3 8B; bad counts refused.
-TEST(LlamaModel, VocabularyPiecesComputeTheWholeModelsLossAndGradients) {
-  LlamaConfig whole_c = small_config(false);
+void vocabulary_pieces_compute_the_whole_models_loss_and_gradients(bool tied) {
+  LlamaConfig whole_c = small_config(tied);
   whole_c.vocab_size = 30;
   LlamaConfig cut_c = whole_c;
   cut_c.vocab_pieces = 3;
@@ -790,6 +788,7 @@ TEST(LlamaModel, VocabularyPiecesComputeTheWholeModelsLossAndGradients) {
     if (unit.kind == UnitKind::block) continue;
     EXPECT_EQ(unit.vocab_first, 10 * unit.piece);
     EXPECT_EQ(unit.vocab_rows, 10);
+    if (tied && unit.kind == UnitKind::head) continue;  // below
     const ParamSlot& table = unit.slot(unit.kind == UnitKind::head ? "lm_head" : "embed_tokens");
     EXPECT_EQ(table.file_name,
               unit.kind == UnitKind::head ? "lm_head.weight" : "model.embed_tokens.weight");
@@ -798,7 +797,9 @@ TEST(LlamaModel, VocabularyPiecesComputeTheWholeModelsLossAndGradients) {
     EXPECT_EQ(table.shape, (Shape{10, 16}));
     EXPECT_EQ(unit.params.size(), unit.kind == UnitKind::head && unit.piece == 0 ? 2u : 1u);
   }
-  EXPECT_EQ(cut_l.units[6].params[0].name, "lm_head.weight[10:20]");
+  if (!tied) {
+    EXPECT_EQ(cut_l.units[6].params[0].name, "lm_head.weight[10:20]");
+  }
 
   for (const DType dt : {DType::f32, DType::bf16}) {
     SCOPED_TRACE(dtype_name(dt));
@@ -856,7 +857,7 @@ TEST(LlamaModel, VocabularyPiecesComputeTheWholeModelsLossAndGradients) {
         differ += std::memcmp(&got[k], &want[k], 4) != 0;
       }
       EXPECT_GT(scale, 0.0) << whole_l.units[static_cast<size_t>(u)].name;
-      if (head) {  // its own rows' gradients are the same products; the norm's comes after
+      if (head && !tied) {  // its own rows' gradients are the same products; the norm's after
         const ParamSlot& lm = whole_l.units[static_cast<size_t>(u)].slot("lm_head");
         for (int64_t k = 0; k < lm.numel(); ++k)
           EXPECT_EQ(got[lm.offset + uint64_t(k)], want[lm.offset + uint64_t(k)]) << "lm_head " << k;
@@ -905,10 +906,44 @@ TEST(LlamaModel, VocabularyPiecesComputeTheWholeModelsLossAndGradients) {
     }
     for (int k = 0; k < 30; ++k) EXPECT_NEAR(got[1][size_t(k)], got[0][size_t(k)], 1e-6) << k;
   }
+}
+
+// The embedding and the head cut into vocabulary pieces compute what the whole model computes
+// from the same weights: the same losses bit for bit (the pieces' rows are whole chunks of the
+// loss), the head's gradients the same bits, the others' to rounding (the pieces add the normed
+// input's gradient in another order); decoding gives the same logits. Tied, the head's pieces
+// read (and add their gradients into) the embedding's pieces of their rows, with the same
+// results. A layout's units, names and file rows; the pieces chosen for Llama 3 8B; bad counts
+// refused.
+TEST(LlamaModel, VocabularyPiecesComputeTheWholeModelsLossAndGradients) {
+  for (const bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    vocabulary_pieces_compute_the_whole_models_loss_and_gradients(tied);
+  }
+  // Tied: the head's pieces hold the final norm (piece 0) or a buffer of padding, and read the
+  // embedding's piece of their rows.
+  LlamaConfig tied_c = small_config(true);
+  tied_c.vocab_size = 30;
+  tied_c.vocab_pieces = 3;
+  const ModelLayout tied_l = ModelLayout::build(tied_c);
+  ASSERT_EQ(tied_l.num_units(), 2 + 2 * 3);
+  for (int u = 0; u < tied_l.num_units(); ++u) {
+    const UnitLayout& unit = tied_l.units[static_cast<size_t>(u)];
+    EXPECT_EQ(tied_l.table_unit(u), u < 5 ? -1 : u - 5) << unit.name;
+    if (unit.kind != UnitKind::head) continue;
+    EXPECT_EQ(unit.vocab_first, 10 * unit.piece);
+    EXPECT_EQ(unit.params.size(), unit.piece == 0 ? 1u : 0u);
+    if (unit.piece > 0) {
+      EXPECT_EQ(unit.numel, ModelLayout::kAlign);
+    }
+  }
+  EXPECT_EQ(tied_l.units[1].params[0].name, "model.embed_tokens.weight[10:20]");
+  EXPECT_EQ(tied_l.units[1].params[0].file_row, 10);
+  EXPECT_EQ(ModelLayout::build(small_config(false)).table_unit(3), 3);
 
   // Chosen: Llama 3 8B's 525M-element tables in three pieces of 42,752 rows (175M elements),
   // each smaller than a block (218M); Llama 2 7B's table (131M) is smaller than a block, and a
-  // tied table is the head's too: whole.
+  // tied table is the head's too: whole unless a count is given.
   const ModelLayout l3 = ModelLayout::build(*find_preset("llama3-8b"));
   EXPECT_EQ(l3.vocab_pieces, 3);
   EXPECT_EQ(l3.units[0].vocab_rows, 42752);
@@ -919,14 +954,12 @@ TEST(LlamaModel, VocabularyPiecesComputeTheWholeModelsLossAndGradients) {
   EXPECT_EQ(largest, l3.units[static_cast<size_t>(l3.first_block())].numel);
   EXPECT_EQ(ModelLayout::build(*find_preset("llama2-7b")).vocab_pieces, 1);
   EXPECT_EQ(ModelLayout::build(*find_preset("gemma2-9b")).vocab_pieces, 1);
-  LlamaConfig bad = whole_c;
+  LlamaConfig bad = small_config(false);
+  bad.vocab_size = 30;
   bad.vocab_pieces = 31;
   test::expect_error([&] { (void)ModelLayout::build(bad); }, {"31 vocabulary pieces", "30"});
   bad.vocab_pieces = 7;  // pieces of 5 rows make 6
   test::expect_error([&] { (void)ModelLayout::build(bad); }, {"7 vocabulary pieces", "choose 6"});
-  bad.vocab_pieces = 2;
-  bad.tie_word_embeddings = true;
-  test::expect_error([&] { (void)ModelLayout::build(bad); }, {"tied embeddings", "use 1"});
 }
 
 TEST(LlamaModel, RandomInitIsDeterministicAndScaled) {

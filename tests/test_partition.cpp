@@ -395,11 +395,12 @@ double relative_error(const std::vector<float>& a, const std::vector<float>& b) 
   return scale > 0 ? diff / scale : diff;
 }
 
-class ZeroLlama : public ::testing::TestWithParam<std::tuple<bool, uint64_t>> {};
+class ZeroLlama : public ::testing::TestWithParam<std::tuple<bool, uint64_t, int>> {};
 
 TEST_P(ZeroLlama, ForwardBackwardOverNRanksMatchesOne) {
-  const auto [tied, threshold] = GetParam();
-  const LlamaConfig c = small_config(tied);
+  const auto [tied, threshold, pieces] = GetParam();
+  LlamaConfig c = small_config(tied);
+  c.vocab_pieces = pieces;
   const ModelLayout layout = ModelLayout::build(c);
   // Larger weights than a real init, so gradients stand well above f32 rounding.
   std::mt19937 rng(7);
@@ -518,10 +519,13 @@ TEST_P(ZeroLlama, ForwardBackwardOverNRanksMatchesOne) {
 }
 
 // Thresholds: 0 shards every unit; 600 keeps the embedding (512 elements) and a tied head
-// (128) replicated while the blocks and an untied head (640) are sharded.
-INSTANTIATE_TEST_SUITE_P(TiedAndThreshold, ZeroLlama,
+// (128) replicated while the blocks and an untied head (640) are sharded. Pieces: the tables
+// whole, or in 3 vocabulary pieces (of 10, 10 and 9 rows; tied, the head's pieces read the
+// embedding's and its gradients are reduced twice).
+INSTANTIATE_TEST_SUITE_P(TiedThresholdAndPieces, ZeroLlama,
                          ::testing::Combine(::testing::Bool(),
-                                            ::testing::Values(uint64_t{0}, uint64_t{600})));
+                                            ::testing::Values(uint64_t{0}, uint64_t{600}),
+                                            ::testing::Values(1, 3)));
 
 TEST(ZeroRunner, ChecksItsModels) {
   const LlamaConfig c = small_config(true);

@@ -79,7 +79,8 @@ std::map<TaskKind, int> count_kinds(const Schedule& s) {
 // Gathered runs of sharded unit u per step, M micro-batches in groups of G: one per group for
 // the head (forward and backward), two per group (forward, backward) for the blocks, and for
 // unit 0 the first group's forward, then one per group: its backward shares a gather with the
-// next group's forward.
+// next group's forward. (So with vocabulary pieces too: the head's pieces but the last, and
+// the embedding's but the first, are gathered for their forward and again for their backward.)
 int runs_of(int u, int U, int M, int G = 1) {
   const int groups = (M + G - 1) / G;
   if (u == U - 1) return groups;
@@ -96,15 +97,24 @@ struct Expected {
 Expected expected_counts(const Placement& pl, int M, int G = 1, bool per_group = false) {
   const Partition& part = pl.partition;
   const int U = part.num_units(), R = part.ranks;
-  const int reductions = per_group ? (M + G - 1) / G : M;  // per unit and step
+  const int groups = per_group ? (M + G - 1) / G : M;  // reductions per unit and step
+  // Tied and cut into vocabulary pieces, embedding piece k is gathered for head piece k's uses
+  // too (one run per group for the last piece, whose forward and backward are adjacent, two
+  // for the others), and its gradients are reduced after them as well as after its own.
+  const ModelLayout layout = ModelLayout::build(pl.shape.model);
+  const bool cut_table = pl.shape.model.tie_word_embeddings && layout.vocab_pieces > 1;
+  const int P = layout.vocab_pieces, runs_per_group = (M + G - 1) / G;
   Expected e;
   auto& k = e.kinds;
   for (int u = 0; u < U; ++u) {
     const UnitPartition& up = part.units[static_cast<size_t>(u)];
     const UnitHomes& h = pl.homes[static_cast<size_t>(u)];
     const bool o_host = h.optimizer != Tier::gpu;
+    const bool table = cut_table && u < P;
+    const int reductions = table ? 2 * groups : groups;
     if (!up.replicated) {
-      const int runs = runs_of(u, U, M, G);
+      const int runs = runs_of(u, U, M, G) +
+                       (table ? (u == P - 1 ? runs_per_group : 2 * runs_per_group) : 0);
       k[TaskKind::gather] += R * runs;
       e.groups += runs;
       if (h.param == Tier::nvme) k[TaskKind::param_read] += runs;
@@ -263,6 +273,7 @@ std::string replicated_gradient_violation(const Schedule& s, const Placement& pl
   const auto before = happens_before(s);
   const int U = pl.partition.num_units();
   const bool tied = pl.shape.model.tie_word_embeddings && U >= 2;
+  const ModelLayout layout = ModelLayout::build(pl.shape.model);
   auto replicated = [&](int u) { return pl.partition.units[static_cast<size_t>(u)].replicated; };
   // (unit, rank) -> holdings; a holding is closed by its all-reduce.
   std::map<std::pair<int, int>, std::vector<std::vector<int>>> holdings;
@@ -271,7 +282,9 @@ std::string replicated_gradient_violation(const Schedule& s, const Placement& pl
     std::vector<int> xs;
     if (t.kind == TaskKind::backward) {
       if (replicated(t.unit)) xs.push_back(t.unit);
-      if (tied && t.unit == U - 1 && replicated(0)) xs.push_back(0);
+      // Tied, a head unit adds into the table it reads (unit 0's, or its vocabulary piece's).
+      const int table = tied ? layout.table_unit(t.unit) : -1;
+      if (table >= 0 && table != t.unit && replicated(table)) xs.push_back(table);
     } else if (t.kind == TaskKind::reduce_scatter && replicated(t.unit)) {
       xs.push_back(t.unit);
     }
@@ -308,7 +321,7 @@ int count_groups(const Schedule& s) {
 // ---- the builder over every placement ----
 
 // Calls fn(placement, M, d) for each case the sweeps below cover, under a trace naming it: tied
-// embeddings or not, every unit sharded, the small ones replicated or every one replicated
+// embeddings or not, each whole or in vocabulary pieces, every unit sharded, the small ones replicated or every one replicated
 // (nothing on the comm lanes but all-reduces), P and O each in every tier, 1 or 3 ranks, 1 or
 // 2 micro-batches, prefetch depth 0..2 (3 working buffers); with O off the GPU, G in host RAM
 // or on the GPU.
@@ -316,7 +329,8 @@ template <typename Fn>
 int for_every_placement(Fn&& fn) {
   const std::array<Tier, 3> tiers = {Tier::gpu, Tier::cpu, Tier::nvme};
   int cases = 0;
-  for (int variant : {0, 1, 2})  // untied, tied, untied in three vocabulary pieces
+  // untied, tied, untied in three vocabulary pieces, tied in three
+  for (int variant : {0, 1, 2, 3})
     for (uint64_t threshold : {uint64_t{0}, uint64_t{40000}, uint64_t{1} << 40})
       for (Tier p : tiers)
         for (Tier o : tiers)
@@ -328,8 +342,8 @@ int for_every_placement(Fn&& fn) {
                   SCOPED_TRACE(
                       fmt::format("variant={} threshold={} P={} O={} G gpu={} R={} M={} d={}",
                                   variant, threshold, int(p), int(o), g_gpu, R, M, d));
-                  LlamaConfig c = tiny(variant == 1);
-                  if (variant == 2) c.vocab_pieces = 3;
+                  LlamaConfig c = tiny(variant == 1 || variant == 3);
+                  if (variant >= 2) c.vocab_pieces = 3;
                   fn(make_placement(c, R, p, o, threshold, 3, 4, g_gpu), M, d);
                   ++cases;
                 }
@@ -411,13 +425,14 @@ TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
         EXPECT_LE(m.overlap, 1.0 + 1e-9) << mixed;
       }
   });
-  EXPECT_EQ(built, 3 * 3 * 3 * 5 * 2 * 2 * 3);  // O gpu with G gpu, O cpu or nvme with G either
+  EXPECT_EQ(built, 4 * 3 * 3 * 5 * 2 * 2 * 3);  // O gpu with G gpu, O cpu or nvme with G either
 }
 
 // Evaluation's schedule: each micro-batch's forwards and what fetches and gathers them; every
 // sharded unit gathered once per micro-batch, nothing written back. With tied embeddings unit 0
 // is gathered again for the last micro-batch's head (the other heads share their gather with
-// the next micro-batch's embedding, the use right after them).
+// the next micro-batch's embedding, the use right after them); cut into vocabulary pieces,
+// each table piece is gathered again for its head piece in every micro-batch.
 TEST(Schedule, ForwardOnlyHasTheForwardsAndTheirFetchesAlone) {
   for_every_placement([](const Placement& pl, int M, int d) {
     ScheduleOptions so{M, d};
@@ -428,8 +443,12 @@ TEST(Schedule, ForwardOnlyHasTheForwardsAndTheirFetchesAlone) {
     const int U = pl.partition.num_units(), R = pl.shape.ranks;
     int sharded = 0;
     for (const UnitPartition& up : pl.partition.units) sharded += up.replicated ? 0 : 1;
-    const bool unit0_twice =
-        pl.shape.model.tie_word_embeddings && !pl.partition.units[0].replicated;
+    const ModelLayout layout = ModelLayout::build(pl.shape.model);
+    int again = 0;  // gathers of the table for the head
+    if (pl.shape.model.tie_word_embeddings)
+      for (int k = 0; k < layout.vocab_pieces; ++k)
+        if (!pl.partition.units[static_cast<size_t>(k)].replicated)
+          again += layout.vocab_pieces == 1 ? 1 : M;
     std::map<TaskKind, int> kinds;
     for (const Task& t : s.tasks) ++kinds[t.kind];
     for (const auto& [k, n] : kinds)
@@ -437,7 +456,7 @@ TEST(Schedule, ForwardOnlyHasTheForwardsAndTheirFetchesAlone) {
                   k == TaskKind::forward)
           << n << " x " << task_kind_name(k);
     EXPECT_EQ(kinds[TaskKind::forward], U * M * R);
-    EXPECT_EQ(kinds[TaskKind::gather], (sharded * M + (unit0_twice ? 1 : 0)) * R);
+    EXPECT_EQ(kinds[TaskKind::gather], (sharded * M + again) * R);
     const Prediction pred = simulate(s, test_profile(), 2);
     ASSERT_NO_THROW(check_timeline(s, pred.timeline));
   });
@@ -876,7 +895,7 @@ TEST(Schedule, UpdatingDuringTheBackwardForEveryPlacement) {
       EXPECT_EQ(Schedule::build(pl, eval).str(), Schedule::build(pl, eval0).str());
     }
   });
-  EXPECT_EQ(built, 3 * 3 * 3 * 5 * 2 * 2 * 3);
+  EXPECT_EQ(built, 4 * 3 * 3 * 5 * 2 * 2 * 3);
   EXPECT_GT(early_adams, 0);
 }
 

@@ -720,6 +720,62 @@ TEST(TrainCli, VocabularyPiecesCheckpointWholeTablesAndResumeInAnotherCut) {
   EXPECT_NE(r.out.find("each in 3 vocabulary pieces of 42752 rows"), std::string::npos) << r.out;
 }
 
+// A tied table cut into vocabulary pieces (which the head's pieces read): the checkpoint holds
+// the one whole table and no lm_head, the export evaluates to the checkpoint's loss, a resume
+// with the table whole (and the cut run's resumed whole) keeps to the uninterrupted whole run's
+// losses, and plan says so.
+TEST(TrainCli, TiedTableInPiecesCheckpointsWholeAndResumesInAnotherCut) {
+  const test::TempDir dir("strata-tied-pieces");
+  const fs::path data = make_data(dir.path), model = dir.path / "tied";
+  LlamaConfig c = *find_preset("tiny");
+  c.tie_word_embeddings = true;
+  fs::create_directories(model);
+  std::ofstream(model / "config.json") << to_hf_config_json(c).dump(2);
+  const std::string base = "train --model " + model.string() +
+                           " --init random --seed 5 --seq-len 32 --micro-batch 2 --data " +
+                           data.string() + " --lr 2e-3 --offload-optimizer cpu --threads 1";
+  const fs::path whole = dir.path / "whole", cut = dir.path / "cut";
+  test::CommandResult r = strata(base + " --steps 4 --run-dir " + whole.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(base + " --steps 2 --vocab-pieces 3 --run-dir " + cut.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const SafetensorsReader st =
+      SafetensorsReader::open(cut / "checkpoints/step-2/model.safetensors");
+  const SafetensorsEntry* e = st.find("model.embed_tokens.weight");
+  ASSERT_NE(e, nullptr);
+  EXPECT_EQ(e->shape, (std::vector<int64_t>{512, 64}));
+  EXPECT_EQ(st.find("lm_head.weight"), nullptr);
+  const fs::path out = dir.path / "hf";
+  r = strata("export " + cut.string() + " --out " + out.string() + " --dtype f32");
+  ASSERT_EQ(r.status, 0) << r.out;
+  expect_export_evaluates_as_checkpoint(data, out, cut / "checkpoints/step-2", 512);
+  const std::vector<json> mw = metrics(whole);
+  ASSERT_EQ(mw.size(), 4u);
+  // The cut run's first two steps are the whole run's to rounding.
+  const std::vector<json> first = metrics(cut);
+  ASSERT_EQ(first.size(), 2u);
+  for (size_t i = 0; i < 2; ++i)
+    EXPECT_NEAR(first[i]["loss"].get<double>(), mw[i]["loss"].get<double>(),
+                2e-5 * mw[i]["loss"].get<double>())
+        << "step " << i + 1;
+  r = strata(base + " --steps 4 --vocab-pieces 1 --resume --run-dir " + cut.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("carried over row by row"), std::string::npos) << r.out;
+  const std::vector<json> mc = metrics(cut);
+  ASSERT_EQ(mc.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    const double w = mw[i]["loss"].get<double>(), got = mc[i]["loss"].get<double>();
+    EXPECT_NEAR(got, w, 2e-5 * w) << "step " << i + 1;
+  }
+  r = strata("plan --model " + model.string() +
+             " --gpus 1 --gpu-memory 1GiB --cpu-memory 4GiB --seq-len 32 --vocab-pieces 4 "
+             "--offload-optimizer cpu");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("the tied embedding table in 4 vocabulary pieces of 128 rows"),
+            std::string::npos)
+      << r.out;
+}
+
 // SmolLM3 through the executor with its parameters on NVMe: its NoPE layer and window written
 // back, the export evaluating to the checkpoint's loss.
 TEST(TrainCli, SmolLM3TrainsAndExportsAsItsClass) {

@@ -143,6 +143,12 @@ int64_t vocab_pieces_for(const LlamaConfig& c) {
   }
 }
 
+int ModelLayout::table_unit(int u) const {
+  const UnitLayout& unit = units.at(static_cast<size_t>(u));
+  if (unit.kind != UnitKind::head) return -1;
+  return tied ? unit.piece : u;
+}
+
 int ModelLayout::input_position(int u) const {
   const UnitLayout& unit = units.at(static_cast<size_t>(u));
   switch (unit.kind) {
@@ -167,11 +173,6 @@ ModelLayout ModelLayout::build(const LlamaConfig& c) {
         "model {}: {} vocabulary pieces for a vocabulary of {}; choose between 1 and the "
         "vocabulary size (0 lets strata choose)",
         c.name, pieces, c.vocab_size);
-  if (pieces > 1 && c.tie_word_embeddings)
-    fail(
-        "model {}: {} vocabulary pieces with tied embeddings; strata cuts untied tables only "
-        "(the head reads the embedding's whole table); use 1",
-        c.name, pieces);
   const int64_t rows = piece_rows(c.vocab_size, pieces);
   if ((c.vocab_size + rows - 1) / rows != pieces)
     fail(
@@ -180,6 +181,7 @@ ModelLayout ModelLayout::build(const LlamaConfig& c) {
         c.name, pieces, c.vocab_size, rows, (c.vocab_size + rows - 1) / rows,
         (c.vocab_size + rows - 1) / rows);
   layout.vocab_pieces = static_cast<int>(pieces);
+  layout.tied = c.tie_word_embeddings;
   layout.norm_init = 1.0f - norm_weight_offset(c);
   const int E = static_cast<int>(pieces);
   auto piece_unit = [&](UnitKind kind, int k) {
@@ -230,6 +232,9 @@ ModelLayout ModelLayout::build(const LlamaConfig& c) {
     }
     add_slot(*unit, t.name, shape);
   }
+  // Tied, the head's later pieces hold no tensor: a buffer of padding, as every unit has one.
+  for (UnitLayout& u : layout.units)
+    if (u.numel == 0) u.numel = ModelLayout::kAlign;
   std::map<std::string, ParamSlot*, std::less<>> by_name;
   for (UnitLayout& u : layout.units)
     for (ParamSlot& p : u.params) by_name[p.name] = &p;
@@ -1070,8 +1075,8 @@ void LlamaModel::head_norm(const std::vector<UnitBuffers>& units, const TensorVi
 void LlamaModel::piece_logits(int u, const std::vector<UnitBuffers>& units, const TensorView& xf,
                               const TensorView& out, Stream& s) {
   const LlamaConfig& c = config_;
-  const TensorView w = c.tie_word_embeddings ? param(units, 0, "embed_tokens", false)
-                                             : param(units, u, "lm_head", false);
+  const TensorView w = param(units, layout_.table_unit(u),
+                             c.tie_word_embeddings ? "embed_tokens" : "lm_head", false);
   k_.matmul(out, xf, false, w, true, logits_scale(c), 0.0f, s);
   if (c.final_logit_softcapping > 0)
     k_.softcap(out, static_cast<float>(c.final_logit_softcapping), s);
@@ -1087,7 +1092,7 @@ void LlamaModel::head(int u, const std::vector<UnitBuffers>& units, const Tensor
   const UnitLayout& unit = layout_.units.at(static_cast<size_t>(u));
   const int pieces = layout_.vocab_pieces;
   const bool first = unit.piece == 0, last = unit.piece == pieces - 1;
-  const int w_unit = c.tie_word_embeddings ? 0 : u;
+  const int w_unit = layout_.table_unit(u);
   const char* w_name = c.tie_word_embeddings ? "embed_tokens" : "lm_head";
   const TensorView w = param(units, w_unit, w_name, false);
   // The cross-entropy's state of set `set`, from the first piece's forward to the last piece's

@@ -2,11 +2,11 @@
 // over the kernel table (DESIGN §1-§4).
 //
 // Units are the embedding, each transformer block, and the final norm plus the LM head (a large
-// untied embedding and head each in several units: vocabulary pieces, below). Each
+// embedding and head each in several units: vocabulary pieces, below). Each
 // unit's parameters live in one flat buffer (the shape that partitioning and offload move
 // around); a ParamSlot says where each Hugging Face tensor sits inside it. With tied word
 // embeddings the head unit holds only the final norm and reads (and accumulates gradients
-// into) the embedding unit's table.
+// into) the embedding unit's table (ModelLayout::table_unit).
 //
 // LlamaModel runs on one Device. It does not own parameters or gradients: the caller hands
 // each call the unit buffers it should use (gathered shards, later), so the same code serves
@@ -65,9 +65,13 @@ struct UnitLayout {
 // ids it holds; TableRows), the head's at the back (each adds its columns of logits to the
 // online softmax, its backward the gradients of its rows; piece 0 holds the final norm). The
 // forward of the head's pieces ends with the loss; their backward (in reverse) needs each
-// piece again, after the last one's. Chosen (config.vocab_pieces 0): untied tables of at least
-// 16M elements larger than the largest block, cut into as many pieces as make each no larger
-// than it; 1 otherwise, and always with tied embeddings (the head reads the embedding's table).
+// piece again, after the last one's. With tied embeddings the table is cut once, into the
+// embedding's pieces, and head piece k reads (and adds its gradients into) embedding piece k's
+// rows (ModelLayout::table_unit): the head's pieces hold no table, piece 0 the final norm and
+// the later ones nothing (kAlign elements of padding, so that every unit has a buffer).
+// Chosen (config.vocab_pieces 0): untied tables of at least 16M elements larger than the
+// largest block, cut into as many pieces as make each no larger than it; 1 otherwise, and with
+// tied embeddings (which only an explicit count cuts).
 int64_t vocab_pieces_for(const LlamaConfig& config);
 
 struct ModelLayout {
@@ -80,6 +84,7 @@ struct ModelLayout {
   // A norm weight's initial value: 1, or 0 for Gemma, whose norms multiply by 1 + the weight.
   float norm_init = 1.0f;
   int vocab_pieces = 1;  // units of the embedding, and of the head
+  bool tied = false;     // the head reads the embedding's table (tie_word_embeddings)
 
   static ModelLayout build(const LlamaConfig& config);
   int num_units() const { return static_cast<int>(units.size()); }
@@ -90,6 +95,9 @@ struct ModelLayout {
   // which the first writes as its output), and every embedding piece's 0, the first block's
   // input, which each piece fills in: a unit's output is the next unit's input everywhere.
   int input_position(int u) const;
+  // The unit holding the table rows head unit u multiplies by: u itself, or, tied, the
+  // embedding's piece of the same rows (unit `piece`); -1 for the other units.
+  int table_unit(int u) const;
   // The unit and slot holding a Hugging Face tensor name; throws Error naming it if none.
   std::pair<int, const ParamSlot*> find(std::string_view hf_name) const;
 };

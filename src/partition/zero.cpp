@@ -609,11 +609,13 @@ void ZeroRunner::release(int u, const std::vector<Stream*>& streams) {
 void ZeroRunner::forward(const std::vector<RankBatch>& batches,
                          const std::vector<Stream*>& streams) {
   check(batches, streams);
-  const int U = zero_.layout().num_units(), head = U - 1;
+  const ModelLayout& layout = zero_.layout();
+  const int U = layout.num_units();
   for (int u = 0; u < U; ++u) {
     // With tied embeddings the head's logits come from the embedding's table.
-    const bool with_table = tied_ && u == head;
-    if (with_table) gather(0, streams, false);
+    const int table = layout.table_unit(u);
+    const bool with_table = tied_ && table >= 0 && table != u;
+    if (with_table) gather(table, streams, false);
     gather(u, streams, false);
     for (size_t r = 0; r < models_.size(); ++r) {
       const RankBatch& b = batches[r];
@@ -624,7 +626,7 @@ void ZeroRunner::forward(const std::vector<RankBatch>& batches,
       m.forward_unit(u, views_[r], b.ids, b.targets, in, out, b.batch, *streams[r]);
     }
     release(u, streams);
-    if (with_table) release(0, streams);
+    if (with_table) release(table, streams);
   }
 }
 
@@ -633,7 +635,11 @@ void ZeroRunner::backward(const std::vector<RankBatch>& batches, float loss_scal
   check(batches, streams);
   if (!zero_.options().with_grads)
     fail("ZeRO-3 backward: the model state was made without gradients (with_grads = false)");
-  const int U = zero_.layout().num_units(), head = U - 1;
+  const ModelLayout& layout = zero_.layout();
+  const int U = layout.num_units(), head = U - 1;
+  // Whole, the tied table stays gathered from the head's backward to the embedding's; cut, each
+  // head piece's share of its table's gradients is reduced right after it.
+  const bool hold = tied_ && layout.vocab_pieces == 1;
   const size_t N = models_.size();
   std::vector<TensorView> dout(N), din(N);
   for (size_t r = 0; r < N; ++r) {
@@ -644,12 +650,14 @@ void ZeroRunner::backward(const std::vector<RankBatch>& batches, float loss_scal
     din[r] = grad_b_[r].view(t, {rows, D});
   }
   for (int u = head; u >= 0; --u) {
-    if (u == head) {
+    const int table = tied_ && u > 0 ? layout.table_unit(u) : -1;
+    if (u == head && hold) {
       gather(head, streams, true);
       // The head accumulates into the embedding's gradients too: unit 0 stays gathered from
       // here to its own backward, and is reduce-scattered once, after both.
-      if (tied_) gather(0, streams, true);
-    } else if (!(tied_ && u == 0)) {
+      gather(0, streams, true);
+    } else if (!(hold && u == 0)) {
+      if (table >= 0) gather(table, streams, true);
       gather(u, streams, true);
     }
     for (size_t r = 0; r < N; ++r) {
@@ -663,6 +671,10 @@ void ZeroRunner::backward(const std::vector<RankBatch>& batches, float loss_scal
     }
     zero_.reduce_scatter_grads(u, streams);
     release(u, streams);
+    if (table >= 0 && !hold) {
+      zero_.reduce_scatter_grads(table, streams);
+      release(table, streams);
+    }
   }
 }
 

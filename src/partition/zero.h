@@ -23,6 +23,10 @@
 // reverse (gather, backward, reduce-scatter, release). With tied embeddings the head reads
 // the embedding's table, so unit 0 is gathered beside the head, and in backward it stays
 // gathered from the head to the embedding, whose gradients are then reduce-scattered once.
+// Cut into vocabulary pieces, head piece k reads embedding piece k (ModelLayout::table_unit),
+// gathered beside it; in backward the table's gradients are reduce-scattered after the head
+// piece's backward and again after the embedding piece's own, so no piece stays gathered
+// across the blocks (the accumulated gradients are the sum of both reductions).
 #pragma once
 
 #include "core/device.h"

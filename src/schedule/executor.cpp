@@ -242,6 +242,11 @@ struct Executor::State {
   DType pt = DType::f32, gt = DType::f32;
   uint64_t ps = 4, gs = 4;
   bool tied = false;
+  // With tied embeddings, the embedding unit whose table head unit u reads; else -1.
+  int table_of(int u) const {
+    const int t = tied ? layout.table_unit(u) : -1;
+    return t == u ? -1 : t;
+  }
 
   std::unique_ptr<ZeroModel> zero;
   std::vector<std::unique_ptr<LlamaModel>> models;
@@ -625,7 +630,7 @@ void Executor::State::resolve(bool allocate_staging) {
       case TaskKind::forward:
       case TaskKind::backward: {
         std::vector<int> units{u};
-        if (tied && u == U - 1 && u != 0) units.push_back(0);
+        if (const int x = table_of(u); x >= 0) units.push_back(x);
         for (int x : units) {
           if (up(x).replicated) continue;  // used in place, never gathered
           const int g = latest_for(TaskKind::gather, x, t.rank, t);
@@ -1436,7 +1441,7 @@ void Executor::State::run_task(const Task& t, int64_t k) {
         // unit still gathered here was gathered by this micro-batch's earlier backward (the
         // head's, for a tied unit 0) or by another rank for this one.
         std::vector<int> xs{u};
-        if (tied && u == U - 1 && u != 0) xs.push_back(0);
+        if (const int x = table_of(u); x >= 0) xs.push_back(x);
         for (int x : xs) {
           if (t.kind != TaskKind::backward || !up(x).replicated) continue;
           auto& owner = rep_owner[static_cast<size_t>(x)];

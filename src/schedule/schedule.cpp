@@ -24,8 +24,13 @@
 // and backward of the same micro-batch, and unit 0 once for backward(0, m) and forward(0, m+1).
 // With tied embeddings the head reads unit 0's table: unit 0 is gathered before the head for
 // forward(head) and stays gathered until backward(0) (the head adds into its gradients, which
-// are reduce-scattered once, after backward(0)), as ZeroRunner does. Replicated units are
-// resident on every GPU: no fetch, no gather, and they count no working buffer.
+// are reduce-scattered once, after backward(0)), as ZeroRunner does. Tied and cut into
+// vocabulary pieces, head piece k reads embedding piece k (ModelLayout::table_unit), gathered
+// for head piece k's uses as for its own, and its gradients are reduced after head piece k's
+// backward (that reduction writes G, being the step's first) and again after its own (which
+// adds, and ends them): no piece of the table stays gathered across the blocks, as the whole
+// one does. Replicated units are resident on every GPU: no fetch, no gather, and they count no
+// working buffer.
 //
 // Fetch and gather. For a gathered run of unit u: P home nvme -> param_read (nvme.read, all
 // ranks' shards into one pinned buffer) then param_h2d per rank; P home cpu -> param_h2d per
@@ -386,6 +391,7 @@ class Builder {
         W_(placement.shape.working_buffers),
         B_(placement.pinned_buffers),
         tied_(placement.shape.model.tie_word_embeddings && part_.num_units() >= 2),
+        cut_table_(tied_ && layout_.vocab_pieces > 1),
         early_(options.update_during_backward && !options.forward_only),
         per_group_(options.reduce_per_group && !options.forward_only),
         ps_(dtype_size(placement.shape.param_dtype)),
@@ -426,7 +432,11 @@ class Builder {
       prefetch(i);
       emit_compute(i);
       if (early_) emit_pending_updates();
-      if (reduces_after(i)) emit_gradients(i);
+      if (reduces_after(i)) {
+        const int u = uses_[static_cast<size_t>(i)].unit;
+        emit_gradients(i, u);
+        if (cut_table_ && table_of(u) >= 0) emit_gradients(i, table_of(u));
+      }
       open_optim_lookahead(i);
       optim_lookahead();
     }
@@ -449,6 +459,12 @@ class Builder {
   const UnitPartition& unit(int u) const { return part_.units[static_cast<size_t>(u)]; }
   const UnitHomes& homes(int u) const { return pl_.homes[static_cast<size_t>(u)]; }
   bool gathered(int u) const { return !unit(u).replicated; }
+  // With tied embeddings, the embedding unit whose table head unit u reads; else -1.
+  int table_of(int u) const {
+    if (!tied_) return -1;
+    const int t = layout_.table_unit(u);
+    return t == u ? -1 : t;
+  }
   bool o_host(int u) const { return homes(u).optimizer != Tier::gpu; }
   // Elements the host-side optimizer works on for unit u: every rank's shard, or the one copy.
   uint64_t all_elements(int u) const { return unit(u).replicated ? unit(u).numel : unit(u).padded; }
@@ -487,7 +503,10 @@ class Builder {
           "(the schedule's FLOPs count tokens)",
           s.micro_batch, s.seq_len);
     if (W_ < 1) fail("schedule: working_buffers = {}; at least 1 is needed", W_);
-    if (tied_ && W_ < 2 && gathered(0))
+    bool table_gathered = false;
+    for (int u = 0; u < U_; ++u)
+      table_gathered = table_gathered || (table_of(u) >= 0 && gathered(table_of(u)));
+    if (W_ < 2 && table_gathered)
       fail(
           "schedule: model {} ties its embeddings, so the head and unit 0 are gathered together; "
           "it needs at least 2 working buffers (the placement has {})",
@@ -626,7 +645,7 @@ class Builder {
       for (int u = 0; u < U_; ++u, ++pos)
         for (int m = g0; m < g1; ++m) {
           Use use{false, u, m, pos, {}, {}};
-          if (tied_ && u == head && gathered(0)) use.needs.push_back(0);
+          if (table_of(u) >= 0 && gathered(table_of(u))) use.needs.push_back(table_of(u));
           if (gathered(u)) use.needs.push_back(u);
           uses_.push_back(use);
         }
@@ -634,8 +653,12 @@ class Builder {
         for (int m = g0; m < g1; ++m) {
           Use use{true, u, m, pos, {}, {}};
           if (gathered(u)) use.needs.push_back(u);
-          // Unit 0's working gradients hold the head's share until backward(0).
-          if (tied_ && u != 0 && gathered(0)) use.needs.push_back(0);
+          if (cut_table_) {  // the table's gradients are reduced after the head piece too
+            if (table_of(u) >= 0 && gathered(table_of(u))) use.needs.push_back(table_of(u));
+          } else if (tied_ && u != 0 && gathered(0)) {
+            // Unit 0's working gradients hold the head's share until backward(0).
+            use.needs.push_back(0);
+          }
           uses_.push_back(use);
         }
     }
@@ -796,7 +819,7 @@ class Builder {
   std::vector<int> added_into(int u) const {
     std::vector<int> out;
     if (unit(u).replicated) out.push_back(u);
-    if (tied_ && u == U_ - 1 && u != 0 && unit(0).replicated) out.push_back(0);
+    if (table_of(u) >= 0 && unit(table_of(u)).replicated) out.push_back(table_of(u));
     return out;
   }
 
@@ -814,10 +837,18 @@ class Builder {
   // G's first holding on the host) where the later ones add into it.
   bool first_reduction(int m) const { return per_group_ ? m < G_ : m == 0; }
 
-  void emit_gradients(int i) {
+  // The reduction of unit u's working gradients after use i: of use i's unit, or, tied and cut
+  // (cut_table_), of the table a head piece's backward added into. Then the table's gradients
+  // are reduced twice a micro-batch: the head piece's reduction comes first in the step, so it
+  // writes G, and the embedding piece's own last, so it ends them.
+  void emit_gradients(int i, int u) {
     const Use& use = uses_[static_cast<size_t>(i)];
-    const int u = use.unit, m = use.m;
+    const int m = use.m;
     const UnitPartition& up = unit(u);
+    const bool table_own =
+        cut_table_ && u == use.unit && layout_.units[size_t(u)].kind == UnitKind::embedding;
+    const bool first = first_reduction(m) && !table_own;
+    const bool last = m == M_ - 1 && !(cut_table_ && u != use.unit);
     // When the run ended at this use its buffer is back in the pool, but nothing can gather
     // into it before this reduce-scatter has read the working gradients: the next gather is
     // emitted later on the same comm lanes.
@@ -845,7 +876,7 @@ class Builder {
         deps.push_back(last_grad_d2h_[static_cast<size_t>(r)]);
       const int id = add(TaskKind::reduce_scatter, LaneKind::comm, r, u, m, deps);
       task(id).group = group;
-      if (first_reduction(m) && o_host(u) && homes(u).grad == Tier::gpu)
+      if (first && o_host(u) && homes(u).grad == Tier::gpu)
         fixes_.push_back({id, PrevFix::What::grad_offload, u, up.replicated ? 0 : r});
       if (R_ > 1)
         task(id).bytes = up.replicated ? 2 * up.numel * gs_ * uint64_t(R_ - 1) / uint64_t(R_)
@@ -867,11 +898,11 @@ class Builder {
     std::vector<int>& g_writer = g_writer_[static_cast<size_t>(u)];
     if (!g_host) {
       g_writer = rs;
-      if (early_ && m == M_ - 1) pending_.push_back(u);
+      if (early_ && last) pending_.push_back(u);
       return;
     }
     const int copies = up.replicated ? 1 : R_;
-    const bool staged = !first_reduction(m);
+    const bool staged = !first;
     const int buf = staged ? take_pinned("grad_d2h staging", u) : -1;
     std::vector<int> d2h;
     for (int r = 0; r < copies; ++r) {
@@ -896,7 +927,7 @@ class Builder {
     } else {
       g_writer = d2h;
     }
-    if (m == M_ - 1) {
+    if (last) {
       const int stats = add(TaskKind::grad_stats, LaneKind::cpu_adam, -1, u, -1, g_writer);
       task(stats).elements = all_elements(u);
       grad_stats_.push_back(stats);
@@ -1140,6 +1171,7 @@ class Builder {
   ScheduleOptions opt_;
   int U_, R_, M_, G_, W_, B_, d_ = 0;  // G_: micro-batches per group, at most M_
   bool tied_;
+  bool cut_table_;  // tied and cut into vocabulary pieces: the table's gradients reduced twice
   bool early_;      // update during the backward
   bool per_group_;  // one reduce-scatter per unit and group (ScheduleOptions::reduce_per_group)
   uint64_t ps_, gs_;

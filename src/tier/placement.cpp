@@ -324,8 +324,9 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& asked,
   Placement p;
   p.shape = shape;
   p.request = request;
-  p.partition = Partition::build(ModelLayout::build(shape.model), shape.ranks, ModelLayout::kAlign,
-                                 shape.persistence_threshold);
+  const ModelLayout layout = ModelLayout::build(shape.model);
+  p.partition =
+      Partition::build(layout, shape.ranks, ModelLayout::kAlign, shape.persistence_threshold);
   const Sizes z = sizes_of(shape);
   const int U = p.partition.num_units();
   const bool tied = shape.model.tie_word_embeddings;
@@ -391,12 +392,18 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& asked,
                (shape.training ? device_buffer(up.numel * z.gs, z.align) : 0);
 
     // With tied embeddings the head reads the embedding's table: the two are placed together
-    // (the head takes unit 0's homes) so the pair is fetched from one tier.
+    // (the head takes unit 0's homes; cut into vocabulary pieces, each head piece its table
+    // piece's) so the pair is fetched from one tier.
+    const auto table_of = [&](int u) {
+      const int t = tied ? layout.table_unit(u) : -1;
+      return t == u ? -1 : t;
+    };
     std::vector<std::vector<int>> groups;
     for (int u = 0; u < U; ++u) {
-      if (tied && u == U - 1 && U > 1) continue;
+      if (table_of(u) >= 0) continue;
       groups.push_back({u});
-      if (tied && u == 0 && U > 1) groups.back().push_back(U - 1);
+      for (int h = 0; h < U; ++h)
+        if (table_of(h) == u) groups.back().push_back(h);
     }
     // Each tier takes a prefix of the units: once a unit's state misses a tier, later units
     // do not try it, so the units the GPU waits for longest come first in every tier.
@@ -737,10 +744,14 @@ std::string Placement::str() const {
                     [](const UnitPartition& u) { return u.replicated; }),
       request.automatic ? ", chosen automatically" : "");
   const ModelLayout layout = ModelLayout::build(shape.model);
-  if (layout.vocab_pieces > 1)
+  if (layout.vocab_pieces > 1 && layout.tied)
     s += fmt::format(
-        "  the embedding and the head each in {} vocabulary pieces of {} rows (--vocab-pieces), "
-        "no larger than a block\n",
+        "  the tied embedding table in {} vocabulary pieces of {} rows (--vocab-pieces), each "
+        "read by a piece of the head too\n",
+        layout.vocab_pieces, layout.units.front().vocab_rows);
+  else if (layout.vocab_pieces > 1)
+    s += fmt::format(
+        "  the embedding and the head each in {} vocabulary pieces of {} rows (--vocab-pieces)\n",
         layout.vocab_pieces, layout.units.front().vocab_rows);
   s += fmt::format("  {:<22} {:<6} {:<6} {:<9}\n", "units", "param", "grad", "optimizer");
   for (size_t b = 0; b < homes.size();) {
