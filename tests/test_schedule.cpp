@@ -113,8 +113,8 @@ Expected expected_counts(const Placement& pl, int M, int G = 1, bool per_group =
     const bool table = cut_table && u < P;
     const int reductions = table ? 2 * groups : groups;
     if (!up.replicated) {
-      const int runs = runs_of(u, U, M, G) +
-                       (table ? (u == P - 1 ? runs_per_group : 2 * runs_per_group) : 0);
+      const int runs =
+          runs_of(u, U, M, G) + (table ? (u == P - 1 ? runs_per_group : 2 * runs_per_group) : 0);
       k[TaskKind::gather] += R * runs;
       e.groups += runs;
       if (h.param == Tier::nvme) k[TaskKind::param_read] += runs;
@@ -321,10 +321,10 @@ int count_groups(const Schedule& s) {
 // ---- the builder over every placement ----
 
 // Calls fn(placement, M, d) for each case the sweeps below cover, under a trace naming it: tied
-// embeddings or not, each whole or in vocabulary pieces, every unit sharded, the small ones replicated or every one replicated
-// (nothing on the comm lanes but all-reduces), P and O each in every tier, 1 or 3 ranks, 1 or
-// 2 micro-batches, prefetch depth 0..2 (3 working buffers); with O off the GPU, G in host RAM
-// or on the GPU.
+// embeddings or not, each whole or in vocabulary pieces, every unit sharded, the small ones
+// replicated or every one replicated (nothing on the comm lanes but all-reduces), P and O each in
+// every tier, 1 or 3 ranks, 1 or 2 micro-batches, prefetch depth 0..2 (3 working buffers); with O
+// off the GPU, G in host RAM or on the GPU.
 template <typename Fn>
 int for_every_placement(Fn&& fn) {
   const std::array<Tier, 3> tiers = {Tier::gpu, Tier::cpu, Tier::nvme};
