@@ -552,10 +552,11 @@ TEST(Executor, DecodesWithAKvCacheToTheResidentModelsLogits) {
       {{5, 17, 3, 200, 9}, 0}, {{41}, 5}, {{7}, 6}, {{250}, 7}, {{1, 2, 3}, 2}, {{99}, 5}};
   for (int N : {1, 3}) {
     REQUIRE_DEVICES(N);
-    for (int variant : {0, 1, 2}) {  // untied, tied, untied in three vocabulary pieces
-      const bool tied = variant == 1;
+    // untied, tied, untied in three vocabulary pieces, tied in three
+    for (int variant : {0, 1, 2, 3}) {
+      const bool tied = variant == 1 || variant == 3;
       LlamaConfig c = tiny(tied);
-      if (variant == 2) c.vocab_pieces = 3;
+      if (variant >= 2) c.vocab_pieces = 3;
       std::vector<std::vector<float>> want;
       {
         Rig rig(1);

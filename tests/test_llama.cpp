@@ -942,8 +942,8 @@ TEST(LlamaModel, VocabularyPiecesComputeTheWholeModelsLossAndGradients) {
   EXPECT_EQ(ModelLayout::build(small_config(false)).table_unit(3), 3);
 
   // Chosen: Llama 3 8B's 525M-element tables in three pieces of 42,752 rows (175M elements),
-  // each smaller than a block (218M); Llama 2 7B's table (131M) is smaller than a block, and a
-  // tied table is the head's too: whole unless a count is given.
+  // each smaller than a block (218M); Llama 2 7B's table (131M) is smaller than a block: whole.
+  // Gemma 2 9B's tied table (917M) in five of 51,200 rows (183M, a block 198M).
   const ModelLayout l3 = ModelLayout::build(*find_preset("llama3-8b"));
   EXPECT_EQ(l3.vocab_pieces, 3);
   EXPECT_EQ(l3.units[0].vocab_rows, 42752);
@@ -953,7 +953,10 @@ TEST(LlamaModel, VocabularyPiecesComputeTheWholeModelsLossAndGradients) {
   for (const UnitLayout& u : l3.units) largest = std::max(largest, u.numel);
   EXPECT_EQ(largest, l3.units[static_cast<size_t>(l3.first_block())].numel);
   EXPECT_EQ(ModelLayout::build(*find_preset("llama2-7b")).vocab_pieces, 1);
-  EXPECT_EQ(ModelLayout::build(*find_preset("gemma2-9b")).vocab_pieces, 1);
+  const ModelLayout g2 = ModelLayout::build(*find_preset("gemma2-9b"));
+  EXPECT_EQ(g2.vocab_pieces, 5);
+  EXPECT_EQ(g2.units[0].vocab_rows, 51200);
+  EXPECT_EQ(g2.table_unit(g2.first_head() + 4), 4);
   LlamaConfig bad = small_config(false);
   bad.vocab_size = 30;
   bad.vocab_pieces = 31;

@@ -535,7 +535,7 @@ TEST(LlamaConfigParse, Gemma2AsItsHuggingFaceClassBuildsIt) {
   const ModelLayout layout = ModelLayout::build(g);
   for (const char* norm : {"input_layernorm", "post_attention_layernorm",
                            "pre_feedforward_layernorm", "post_feedforward_layernorm"})
-    EXPECT_EQ(layout.units[1].slot(norm).shape.dims[0], 3584) << norm;
+    EXPECT_EQ(layout.units[size_t(layout.first_block())].slot(norm).shape.dims[0], 3584) << norm;
 
   // Null caps are none; layer_types says which layers slide; the defaults where keys are absent.
   json j = json::parse(kGemma2_9b);

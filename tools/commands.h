@@ -62,9 +62,9 @@ inline CLI::Option* add_micro_batch_group_option(CLI::App* cmd, int64_t& group) 
 inline CLI::Option* add_vocab_pieces_option(CLI::App* cmd, int64_t& pieces) {
   return cmd->add_option(
       "--vocab-pieces", pieces,
-      "units the embedding's and the head's tables are each cut into, by vocabulary rows, so no "
-      "working or pinned buffer need hold a whole table (0, the default: strata chooses; 1: "
-      "whole)");
+      "units the embedding's and the head's tables are each cut into, by vocabulary rows (a tied "
+      "table once, the head's pieces reading its pieces), so no working or pinned buffer need "
+      "hold a whole table (0, the default: strata chooses; 1: whole)");
 }
 
 // --update-during-backward on|off into `on` (ScheduleOptions::update_during_backward).

@@ -129,7 +129,6 @@ uint64_t block_numel(const LlamaConfig& c) {
 
 int64_t vocab_pieces_for(const LlamaConfig& c) {
   if (c.vocab_pieces > 0) return c.vocab_pieces;
-  if (c.tie_word_embeddings) return 1;
   const uint64_t table = static_cast<uint64_t>(c.vocab_size) * static_cast<uint64_t>(c.hidden_size);
   const uint64_t block = block_numel(c);  // every layer has layer 0's shapes
   if (table < (uint64_t{16} << 20) || block == 0 || table <= block) return 1;

@@ -69,9 +69,8 @@ struct UnitLayout {
 // embedding's pieces, and head piece k reads (and adds its gradients into) embedding piece k's
 // rows (ModelLayout::table_unit): the head's pieces hold no table, piece 0 the final norm and
 // the later ones nothing (kAlign elements of padding, so that every unit has a buffer).
-// Chosen (config.vocab_pieces 0): untied tables of at least 16M elements larger than the
-// largest block, cut into as many pieces as make each no larger than it; 1 otherwise, and with
-// tied embeddings (which only an explicit count cuts).
+// Chosen (config.vocab_pieces 0): tables of at least 16M elements larger than the largest
+// block, cut into as many pieces as make each no larger than it; 1 otherwise.
 int64_t vocab_pieces_for(const LlamaConfig& config);
 
 struct ModelLayout {

@@ -180,13 +180,15 @@ void measure_compute(const MeasureSetup& s, HardwareProfile& h) {
   Stream* st = run.st.get();
   const double seconds = median_seconds(s.repeats, [&] { run(); });
 
-  // Verify the work timed: the loss, and the gradients of its smallest unit finite and not
-  // all zero.
+  // Verify the work timed: the loss, and the gradients of its smallest unit with parameters
+  // (not a tied head's later vocabulary pieces, padding alone) finite and not all zero.
   const double mean = run.checked_loss("compute alone");
   const double expect = std::log(static_cast<double>(c.vocab_size));
-  int smallest = 0;
-  for (int u = 1; u < model.layout().num_units(); ++u)
-    if (model.layout().units[size_t(u)].numel < model.layout().units[size_t(smallest)].numel)
+  const std::vector<UnitLayout>& units = model.layout().units;
+  int smallest = -1;
+  for (int u = 0; u < model.layout().num_units(); ++u)
+    if (!units[size_t(u)].params.empty() &&
+        (smallest < 0 || units[size_t(u)].numel < units[size_t(smallest)].numel))
       smallest = u;
   const std::vector<float> g = w.download(smallest, true, *st);
   const bool finite = std::all_of(g.begin(), g.end(), [](float x) { return std::isfinite(x); });
