@@ -1,6 +1,7 @@
 // test_bench_step.cpp: `strata bench step` run small on host devices: it verifies the weights
 // against the all-device run before it reports, writes a trace with one track per lane, reads
 // back the profile it saved, and names bad settings. Speeds are not judged (a shared machine).
+#include "model/config.h"
 #include "testing.h"
 
 #include <gtest/gtest.h>
@@ -170,10 +171,11 @@ TEST(BenchStepCli, MicroBatchGroupsAreVerifiedAgainstNoGroups) {
 // with a vocabulary of 4096 the tiny model's tables are 262K elements to a block's 45K, and
 // every landing buffer and working gradient was table-sized (every unit sharded: pieces under
 // the persistence threshold would be replicated, resident on the device).
-TEST(BenchStepCli, VocabularyPiecesAreVerifiedAndHoldLess) {
+void vocabulary_pieces_are_verified_and_hold_less(const fs::path& model) {
   const std::string base =
-      "bench step --devices host:1 --offload-param cpu --offload-optimizer cpu "
-      "--offload-gradients cpu --vocab 4096 --steps 1 --threads 1 --persistence-threshold 0 "
+      "bench step --model " + model.string() +
+      " --devices host:1 --offload-param cpu --offload-optimizer cpu "
+      "--offload-gradients cpu --hidden 256 --vocab 4096 --steps 1 --threads 1 --persistence-threshold 0 "
       "--json --vocab-pieces ";
   json got[2];
   for (int k = 0; k < 2; ++k) {
@@ -188,6 +190,20 @@ TEST(BenchStepCli, VocabularyPiecesAreVerifiedAndHoldLess) {
   EXPECT_EQ(got[0]["vocab_pieces"], 1);
   EXPECT_EQ(got[1]["vocab_pieces"], 6);
   EXPECT_LT(got[1]["device_bytes"].get<double>(), 0.5 * got[0]["device_bytes"].get<double>());
+}
+
+// Untied and tied (the head's pieces reading the embedding's, the later ones padding alone and
+// smaller than the final norm at hidden 256: the compute measurement checks a unit with
+// parameters).
+TEST(BenchStepCli, VocabularyPiecesAreVerifiedAndHoldLess) {
+  for (const bool tied : {false, true}) {
+    SCOPED_TRACE(tied ? "tied" : "untied");
+    const test::TempDir dir("strata-bench-pieces");
+    LlamaConfig c = *find_preset("tiny");
+    c.tie_word_embeddings = tied;
+    std::ofstream(dir.path / "config.json") << to_hf_config_json(c).dump(2);
+    vocabulary_pieces_are_verified_and_hold_less(dir.path);
+  }
 }
 
 TEST(BenchStepCli, UpdatingDuringTheBackwardIsVerifiedAgainstUpdatingAfterIt) {

@@ -722,8 +722,8 @@ TEST(TrainCli, VocabularyPiecesCheckpointWholeTablesAndResumeInAnotherCut) {
 
 // A tied table cut into vocabulary pieces (which the head's pieces read): the checkpoint holds
 // the one whole table and no lm_head, the export evaluates to the checkpoint's loss, a resume
-// with the table whole (and the cut run's resumed whole) keeps to the uninterrupted whole run's
-// losses, and plan says so.
+// in pieces of a whole run (and the cut run's resumed whole) keeps to the uninterrupted whole
+// run's losses, and plan says so.
 TEST(TrainCli, TiedTableInPiecesCheckpointsWholeAndResumesInAnotherCut) {
   const test::TempDir dir("strata-tied-pieces");
   const fs::path data = make_data(dir.path), model = dir.path / "tied";
@@ -761,11 +761,20 @@ TEST(TrainCli, TiedTableInPiecesCheckpointsWholeAndResumesInAnotherCut) {
   r = strata(base + " --steps 4 --vocab-pieces 1 --resume --run-dir " + cut.string());
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("carried over row by row"), std::string::npos) << r.out;
-  const std::vector<json> mc = metrics(cut);
-  ASSERT_EQ(mc.size(), 4u);
-  for (size_t i = 0; i < 4; ++i) {
-    const double w = mw[i]["loss"].get<double>(), got = mc[i]["loss"].get<double>();
-    EXPECT_NEAR(got, w, 2e-5 * w) << "step " << i + 1;
+  // And a whole run's step 2 resumed in pieces.
+  const fs::path a = dir.path / "a";
+  r = strata(base + " --steps 2 --run-dir " + a.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(base + " --steps 4 --vocab-pieces 3 --resume --run-dir " + a.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("carried over row by row"), std::string::npos) << r.out;
+  for (const fs::path& run : {cut, a}) {
+    const std::vector<json> mc = metrics(run);
+    ASSERT_EQ(mc.size(), 4u);
+    for (size_t i = 0; i < 4; ++i) {
+      const double w = mw[i]["loss"].get<double>(), got = mc[i]["loss"].get<double>();
+      EXPECT_NEAR(got, w, 2e-5 * w) << run.filename() << " step " << i + 1;
+    }
   }
   r = strata("plan --model " + model.string() +
              " --gpus 1 --gpu-memory 1GiB --cpu-memory 4GiB --seq-len 32 --vocab-pieces 4 "
