@@ -172,11 +172,11 @@ TEST(BenchStepCli, MicroBatchGroupsAreVerifiedAgainstNoGroups) {
 // every landing buffer and working gradient was table-sized (every unit sharded: pieces under
 // the persistence threshold would be replicated, resident on the device).
 void vocabulary_pieces_are_verified_and_hold_less(const fs::path& model) {
-  const std::string base =
-      "bench step --model " + model.string() +
-      " --devices host:1 --offload-param cpu --offload-optimizer cpu "
-      "--offload-gradients cpu --hidden 256 --vocab 4096 --steps 1 --threads 1 --persistence-threshold 0 "
-      "--json --vocab-pieces ";
+  const std::string base = "bench step --model " + model.string() +
+                           " --devices host:1 --offload-param cpu --offload-optimizer cpu "
+                           "--offload-gradients cpu --hidden 256 --vocab 4096 --steps 1 --threads "
+                           "1 --persistence-threshold 0 "
+                           "--json --vocab-pieces ";
   json got[2];
   for (int k = 0; k < 2; ++k) {
     const test::CommandResult r = strata(base + (k == 0 ? "1" : "6"));
