@@ -721,7 +721,8 @@ TEST(TrainCli, VocabularyPiecesCheckpointWholeTablesAndResumeInAnotherCut) {
 }
 
 // A tied table cut into vocabulary pieces (which the head's pieces read): the checkpoint holds
-// the one whole table and no lm_head, the export evaluates to the checkpoint's loss, a resume
+// the one whole table and no lm_head, the export evaluates to the checkpoint's loss and reads
+// into pieces to the whole model's first loss, a resume
 // in pieces of a whole run (and the cut run's resumed whole) keeps to the uninterrupted whole
 // run's losses, and plan says so.
 TEST(TrainCli, TiedTableInPiecesCheckpointsWholeAndResumesInAnotherCut) {
@@ -749,6 +750,18 @@ TEST(TrainCli, TiedTableInPiecesCheckpointsWholeAndResumesInAnotherCut) {
   r = strata("export " + cut.string() + " --out " + out.string() + " --dtype f32");
   ASSERT_EQ(r.status, 0) << r.out;
   expect_export_evaluates_as_checkpoint(data, out, cut / "checkpoints/step-2", 512);
+  // The exported weights read whole and into 4 pieces (each its rows of the one table): the
+  // same first loss.
+  double first_loss[2] = {};
+  for (int k = 0; k < 2; ++k) {
+    const fs::path run = dir.path / (k == 0 ? "load-whole" : "load-cut");
+    r = strata("train --model " + out.string() + " --seq-len 32 --micro-batch 2 --data " +
+               data.string() + " --lr 2e-3 --threads 1 --steps 1 --vocab-pieces " +
+               (k == 0 ? "1" : "4") + " --run-dir " + run.string());
+    ASSERT_EQ(r.status, 0) << r.out;
+    first_loss[k] = metrics(run).front()["loss"].get<double>();
+  }
+  EXPECT_NEAR(first_loss[1], first_loss[0], 1e-6 * first_loss[0]);
   const std::vector<json> mw = metrics(whole);
   ASSERT_EQ(mw.size(), 4u);
   // The cut run's first two steps are the whole run's to rounding.
