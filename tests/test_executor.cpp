@@ -891,72 +891,25 @@ TEST(Executor, MicroBatchGroupsGiveTheSameBits) {
 
 // The embedding and the head in three vocabulary pieces each (units of their own): the
 // reference loop's bits on the all-GPU executor, and every home of P, O and G gives them, on 1
-// and 3 ranks, in groups of 2 and with updates during the backward too; the losses are the
-// whole model's to rounding (the loss's chunks are the pieces' rows, not the whole head's).
-TEST(Executor, VocabularyPiecesTrainToTheSameBitsInEveryTier) {
-  REQUIRE_DEVICES(3);
-  LlamaConfig c = tiny(false);
+// and 3 ranks, in groups of 2 and with updates during the backward too; the losses and the
+// gradient norms are the whole model's to rounding (the loss's chunks are the pieces' rows, not
+// the whole head's). Tied (`tied`), head piece k reads embedding piece k's rows, gathered
+// beside it, and the table's gradients are reduced after the head piece's backward and again
+// after the embedding piece's own (no piece stays gathered across the blocks): the same, with
+// replicated units too (the head's pieces and the norms all-reduced), and in groups reduced
+// once per group, as tied embeddings in groups need.
+void vocabulary_pieces_train_to_the_same_bits_in_every_tier(bool tied) {
+  LlamaConfig c = tiny(tied);
   c.vocab_pieces = 3;
   ASSERT_EQ(ModelLayout::build(c).num_units(), 2 * 3 + 2);
   for (const int N : {1, 3}) {
     const RunResult ref = run_reference(c, N);
     const RunResult gpu = run_executor(c, N, Tier::gpu, Tier::gpu);
-    const RunResult whole = run_executor(tiny(false), N, Tier::gpu, Tier::gpu);
+    const RunResult whole = run_executor(tiny(tied), N, Tier::gpu, Tier::gpu);
     for (size_t s = 0; s < ref.losses.size(); ++s) {
       EXPECT_EQ(gpu.losses[s], ref.losses[s]) << "step " << s;
       EXPECT_EQ(gpu.norms[s], ref.norms[s]) << "step " << s;
       // init_random draws each tensor alike however it is cut: the whole model's run.
-      EXPECT_NEAR(gpu.losses[s], whole.losses[s], 1e-5 * whole.losses[s]) << "step " << s;
-    }
-    expect_same(gpu, ref, fmt::format("N {} all-GPU executor vs reference loop:", N));
-    int k = 0;
-    for (Tier p : {Tier::gpu, Tier::cpu, Tier::nvme})
-      for (Tier o : {Tier::gpu, Tier::cpu, Tier::nvme})
-        for (GradHome g : {GradHome::automatic, GradHome::cpu}) {
-          if ((p == Tier::gpu && o == Tier::gpu) || (o == Tier::gpu && g == GradHome::cpu))
-            continue;
-          if (halve_sweeps() && (k++ + N) % 2 != 0) continue;
-          const std::string what =
-              fmt::format("N {} P {} O {} G {}", N, tier_name(p), tier_name(o), grad_home_name(g));
-          SCOPED_TRACE(what);
-          expect_same(run_executor(c, N, p, o, 0, 1, true, g), gpu, what + ":");
-        }
-    // Groups: each piece of the head runs its forward for both micro-batches before the next
-    // piece's, so each keeps its own cross-entropy state.
-    const RunResult base2 =
-        run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic, {kMicro, 2});
-    for (size_t s = 0; s < ref.losses.size(); ++s) EXPECT_EQ(base2.losses[s], gpu.losses[s]);
-    expect_same(base2, gpu, fmt::format("N {} group 2:", N));
-    expect_same(run_executor(c, N, Tier::cpu, Tier::nvme, 0, 2, false, GradHome::cpu, {3, 2}),
-                run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic, {3, 1}),
-                fmt::format("N {} groups of 2 of 3, no recompute, depth 2:", N));
-    expect_same(run_executor(c, N, Tier::cpu, Tier::cpu, 0, 1, true, GradHome::automatic,
-                             {kMicro, 1, false, true}),
-                run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic,
-                             {kMicro, 1, false, false}),
-                fmt::format("N {} updates during the backward:", N));
-  }
-}
-
-// Tied and cut: head piece k reads embedding piece k's rows, gathered beside it, and the
-// table's gradients are reduced after the head piece's backward and again after the
-// embedding piece's own (no piece stays gathered across the blocks). The reference loop's bits
-// on the all-GPU executor; every home of P, O and G gives them, on 1 and 3 ranks (every unit
-// sharded, the head's later pieces, padding alone, too), with replicated units, in groups of 2
-// reduced once per group and with updates during the backward; the losses and norms are the
-// whole model's to rounding.
-TEST(Executor, TiedVocabularyPiecesTrainToTheSameBitsInEveryTier) {
-  REQUIRE_DEVICES(3);
-  LlamaConfig c = tiny(true);
-  c.vocab_pieces = 3;
-  ASSERT_EQ(ModelLayout::build(c).num_units(), 2 * 3 + 2);
-  for (const int N : {1, 3}) {
-    const RunResult ref = run_reference(c, N);
-    const RunResult gpu = run_executor(c, N, Tier::gpu, Tier::gpu);
-    const RunResult whole = run_executor(tiny(true), N, Tier::gpu, Tier::gpu);
-    for (size_t s = 0; s < ref.losses.size(); ++s) {
-      EXPECT_EQ(gpu.losses[s], ref.losses[s]) << "step " << s;
-      EXPECT_EQ(gpu.norms[s], ref.norms[s]) << "step " << s;
       EXPECT_NEAR(gpu.losses[s], whole.losses[s], 1e-5 * whole.losses[s]) << "step " << s;
       EXPECT_NEAR(gpu.norms[s], whole.norms[s], 1e-5 * whole.norms[s]) << "step " << s;
     }
@@ -973,21 +926,41 @@ TEST(Executor, TiedVocabularyPiecesTrainToTheSameBitsInEveryTier) {
           SCOPED_TRACE(what);
           expect_same(run_executor(c, N, p, o, 0, 1, true, g), gpu, what + ":");
         }
-    // The head's pieces and the norms replicated: their working gradients all-reduced.
-    const RunResult rep = run_executor(c, N, Tier::gpu, Tier::gpu, 40000);
-    expect_same(rep, run_reference(c, N, 40000), fmt::format("N {} replicated vs reference:", N));
-    expect_same(run_executor(c, N, Tier::nvme, Tier::cpu, 40000, 2, true, GradHome::cpu), rep,
-                fmt::format("N {} replicated, depth 2:", N));
-    const Micro grouped{kMicro, 2, true, false, true};
-    expect_same(run_executor(c, N, Tier::cpu, Tier::nvme, 0, 2, false, GradHome::cpu, grouped),
-                run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic, grouped),
-                fmt::format("N {} groups of 2 reduced once, no recompute, depth 2:", N));
+    // Groups: each piece of the head runs its forward for both micro-batches before the next
+    // piece's, so each keeps its own cross-entropy state. Untied, the bits of no groups.
+    const Micro group2{kMicro, 2, true, false, tied};
+    const RunResult base2 =
+        run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic, group2);
+    if (!tied) {
+      for (size_t s = 0; s < ref.losses.size(); ++s) EXPECT_EQ(base2.losses[s], gpu.losses[s]);
+      expect_same(base2, gpu, fmt::format("N {} group 2:", N));
+    }
+    const Micro group2of3{3, 2, true, false, tied}, alone3{3, tied ? 2 : 1, true, false, tied};
+    expect_same(run_executor(c, N, Tier::cpu, Tier::nvme, 0, 2, false, GradHome::cpu, group2of3),
+                run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic, alone3),
+                fmt::format("N {} groups of 2 of 3, no recompute, depth 2:", N));
     expect_same(run_executor(c, N, Tier::cpu, Tier::cpu, 0, 1, true, GradHome::automatic,
                              {kMicro, 1, false, true}),
                 run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic,
                              {kMicro, 1, false, false}),
                 fmt::format("N {} updates during the backward:", N));
+    if (tied) {
+      const RunResult rep = run_executor(c, N, Tier::gpu, Tier::gpu, 40000);
+      expect_same(rep, run_reference(c, N, 40000), fmt::format("N {} replicated vs reference:", N));
+      expect_same(run_executor(c, N, Tier::nvme, Tier::cpu, 40000, 2, true, GradHome::cpu), rep,
+                  fmt::format("N {} replicated, depth 2:", N));
+    }
   }
+}
+
+TEST(Executor, VocabularyPiecesTrainToTheSameBitsInEveryTier) {
+  REQUIRE_DEVICES(3);
+  vocabulary_pieces_train_to_the_same_bits_in_every_tier(false);
+}
+
+TEST(Executor, TiedVocabularyPiecesTrainToTheSameBitsInEveryTier) {
+  REQUIRE_DEVICES(3);
+  vocabulary_pieces_train_to_the_same_bits_in_every_tier(true);
 }
 
 TEST(Executor, UpdatingDuringTheBackwardGivesTheSameBits) {

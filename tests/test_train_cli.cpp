@@ -335,17 +335,23 @@ TEST(TrainCli, ReducingOncePerGroupKeepsPlacementsBitIdentical) {
   EXPECT_NE(one.out.find("--reduce-per-group on changes nothing"), std::string::npos) << one.out;
 }
 
+// A model directory in `dir` holding the tiny preset's config.json with tied embeddings.
+fs::path tied_tiny(const fs::path& dir) {
+  LlamaConfig tied = *find_preset("tiny");
+  tied.tie_word_embeddings = true;
+  const fs::path model = dir / "tied";
+  fs::create_directories(model);
+  std::ofstream(model / "config.json") << to_hf_config_json(tied).dump(2);
+  return model;
+}
+
 // Tied embeddings in micro-batch groups: the head adds the whole group's gradients into the
 // embedding's before the embedding's own, so the run needs them reduced once per group. With
 // --reduce-per-group on, placements agree bit for bit (two devices, P on NVMe and O on the CPU);
 // without it the run is refused before it starts, naming the flag.
 TEST(TrainCli, TiedEmbeddingsTrainInGroupsReducedOncePerGroup) {
   const test::TempDir dir("strata-tied-groups");
-  const fs::path data = make_data(dir.path), model = dir.path / "tied";
-  LlamaConfig tied = *find_preset("tiny");
-  tied.tie_word_embeddings = true;
-  fs::create_directories(model);
-  std::ofstream(model / "config.json") << to_hf_config_json(tied).dump(2);
+  const fs::path data = make_data(dir.path), model = tied_tiny(dir.path);
   const std::string args = "train --model " + model.string() +
                            " --init random --seed 5 --seq-len 32 --micro-batch 2 --data " +
                            data.string() +
@@ -633,6 +639,26 @@ void expect_export_evaluates_as_checkpoint(const fs::path& data, const fs::path&
   EXPECT_NEAR(loss, std::log(static_cast<double>(vocab)), 1.0);
 }
 
+// Trains one step from the Hugging Face model directory `model` with its tables whole and in 4
+// vocabulary pieces (each piece reading its rows of the file's tensors): the same first loss,
+// which it returns.
+double expect_read_into_pieces_as_whole(const fs::path& dir, const fs::path& model,
+                                        const fs::path& data) {
+  double first[2] = {};
+  for (int k = 0; k < 2; ++k) {
+    const fs::path run = dir / (k == 0 ? "load-whole" : "load-cut");
+    const test::CommandResult r =
+        strata("train --model " + model.string() + " --seq-len 32 --micro-batch 2 --data " +
+               data.string() + " --lr 2e-3 --threads 1 --steps 1 --vocab-pieces " +
+               (k == 0 ? "1" : "4") + " --run-dir " + run.string());
+    EXPECT_EQ(r.status, 0) << r.out;
+    if (r.status != 0) return 0;
+    first[k] = metrics(run).front()["loss"].get<double>();
+  }
+  EXPECT_NEAR(first[1], first[0], 1e-6 * first[0]);
+  return first[0];
+}
+
 // --vocab-pieces: checkpoints hold the tables whole, as Hugging Face names them (an export
 // evaluates to the checkpoint's loss), and a run resumes in another cut: each parameter's
 // optimizer state is carried over row by row, so the resumed run follows the uninterrupted
@@ -663,17 +689,8 @@ TEST(TrainCli, VocabularyPiecesCheckpointWholeTablesAndResumeInAnotherCut) {
   expect_export_evaluates_as_checkpoint(data, out, cut / "checkpoints/step-2", 512);
   // Hugging Face weights read into pieces (each piece's rows of the file's tensor): the first
   // step's loss is the whole model's.
-  double first[2] = {};
-  for (int k = 0; k < 2; ++k) {
-    const fs::path run = dir.path / (k == 0 ? "load-whole" : "load-cut");
-    r = strata("train --model " + out.string() + " --seq-len 32 --micro-batch 2 --data " +
-               data.string() + " --lr 2e-3 --threads 1 --steps 1 --vocab-pieces " +
-               (k == 0 ? "1" : "4") + " --run-dir " + run.string());
-    ASSERT_EQ(r.status, 0) << r.out;
-    first[k] = metrics(run).front()["loss"].get<double>();
-  }
-  EXPECT_NEAR(first[1], first[0], 1e-6 * first[0]);
-  EXPECT_LT(first[0], metrics(cut).front()["loss"].get<double>());  // trained: lower than step 1
+  const double first = expect_read_into_pieces_as_whole(dir.path, out, data);
+  EXPECT_LT(first, metrics(cut).front()["loss"].get<double>());  // trained: lower than step 1
 
   // The whole run's step 2, resumed in three pieces; the cut run's, resumed whole.
   const fs::path a = dir.path / "a", b = dir.path / "b";
@@ -722,16 +739,11 @@ TEST(TrainCli, VocabularyPiecesCheckpointWholeTablesAndResumeInAnotherCut) {
 
 // A tied table cut into vocabulary pieces (which the head's pieces read): the checkpoint holds
 // the one whole table and no lm_head, the export evaluates to the checkpoint's loss and reads
-// into pieces to the whole model's first loss, a resume
-// in pieces of a whole run (and the cut run's resumed whole) keeps to the uninterrupted whole
-// run's losses, and plan says so.
+// into pieces to the whole model's first loss, a resume in pieces of a whole run (and the cut
+// run's resumed whole) keeps to the uninterrupted whole run's losses, and plan says so.
 TEST(TrainCli, TiedTableInPiecesCheckpointsWholeAndResumesInAnotherCut) {
   const test::TempDir dir("strata-tied-pieces");
-  const fs::path data = make_data(dir.path), model = dir.path / "tied";
-  LlamaConfig c = *find_preset("tiny");
-  c.tie_word_embeddings = true;
-  fs::create_directories(model);
-  std::ofstream(model / "config.json") << to_hf_config_json(c).dump(2);
+  const fs::path data = make_data(dir.path), model = tied_tiny(dir.path);
   const std::string base = "train --model " + model.string() +
                            " --init random --seed 5 --seq-len 32 --micro-batch 2 --data " +
                            data.string() + " --lr 2e-3 --offload-optimizer cpu --threads 1";
@@ -750,18 +762,8 @@ TEST(TrainCli, TiedTableInPiecesCheckpointsWholeAndResumesInAnotherCut) {
   r = strata("export " + cut.string() + " --out " + out.string() + " --dtype f32");
   ASSERT_EQ(r.status, 0) << r.out;
   expect_export_evaluates_as_checkpoint(data, out, cut / "checkpoints/step-2", 512);
-  // The exported weights read whole and into 4 pieces (each its rows of the one table): the
-  // same first loss.
-  double first_loss[2] = {};
-  for (int k = 0; k < 2; ++k) {
-    const fs::path run = dir.path / (k == 0 ? "load-whole" : "load-cut");
-    r = strata("train --model " + out.string() + " --seq-len 32 --micro-batch 2 --data " +
-               data.string() + " --lr 2e-3 --threads 1 --steps 1 --vocab-pieces " +
-               (k == 0 ? "1" : "4") + " --run-dir " + run.string());
-    ASSERT_EQ(r.status, 0) << r.out;
-    first_loss[k] = metrics(run).front()["loss"].get<double>();
-  }
-  EXPECT_NEAR(first_loss[1], first_loss[0], 1e-6 * first_loss[0]);
+  // The exported weights read into 4 pieces (each its rows of the one table).
+  expect_read_into_pieces_as_whole(dir.path, out, data);
   const std::vector<json> mw = metrics(whole);
   ASSERT_EQ(mw.size(), 4u);
   // The cut run's first two steps are the whole run's to rounding.
