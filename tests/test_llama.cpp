@@ -828,7 +828,8 @@ void vocabulary_pieces_compute_the_whole_models_loss_and_gradients(bool tied) {
       cw.upload(u, relaid_unit(whole_l, whole_unit, cut_l, u), *stream);
     ww.zero_grads(*stream);
     cw.zero_grads(*stream);
-    std::vector<float> loss[2];
+    std::vector<float> loss[2], logits[2];
+    DeviceBuffer all(*device, 12 * 30 * 4, "logits");
     for (int run = 0; run < 2; ++run) {
       LlamaModel& m = run == 0 ? whole : cut;
       ResidentWeights& w = run == 0 ? ww : cw;
@@ -836,10 +837,17 @@ void vocabulary_pieces_compute_the_whole_models_loss_and_gradients(bool tied) {
       loss[run].resize(12);
       device->copy_to_host(loss[run].data(), m.losses(2).data, 48, *stream);
       m.backward(w.units(), i, t, 2, 0.1f, *stream);
+      // Every row's logits: each piece's columns in their place.
+      m.logits(w.units(), all.view(DType::f32, {12, 30}), 2, *stream);
+      logits[run].resize(12 * 30);
+      device->copy_to_host(logits[run].data(), all.data(), all.bytes(), *stream);
       stream->synchronize();
     }
     EXPECT_EQ(loss[0], loss[1]);
     EXPECT_GT(loss[0][0], 0.0f);
+    for (size_t k = 0; k < logits[0].size(); ++k)
+      EXPECT_NEAR(logits[1][k], logits[0][k], 1e-6 * std::max(1.0f, std::abs(logits[0][k])))
+          << "logit " << k;
     // The gradients, laid out as the whole model's.
     std::vector<std::vector<float>> cut_grads;
     for (int u = 0; u < cut_l.num_units(); ++u) cut_grads.push_back(cw.download(u, true, *stream));

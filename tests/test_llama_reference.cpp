@@ -259,7 +259,8 @@ std::vector<Case> cases() {
   llama_gelu.config.hidden_act = Activation::gelu_tanh;
   out.push_back(llama_gelu);
   // The tables in 3 vocabulary pieces (97 rows: 33, 33, 31; chunks of 16 inside each), untied,
-  // and tied (61 rows: 21, 21, 19; the head's pieces reading the embedding's).
+  // and tied (61 rows: 21, 21, 19; the head's pieces reading the embedding's): each piece's
+  // gradients against its rows of torch's whole table's.
   Case untied_pieces{"gqa_untied_pieces", base(36, 6, 2, 8, 70, 97, 2), 2, 7, 16};
   untied_pieces.config.vocab_pieces = 3;
   out.push_back(untied_pieces);
@@ -384,8 +385,7 @@ TEST_P(LlamaReference, LossLogitsAndGradientsMatchTorch) {
   device->copy_to_host(losses.data(), model.losses(B).data, static_cast<uint64_t>(N) * 4, *stream);
   model.backward(w.units(), di, dt, B, 1.0f / static_cast<float>(valid), *stream);
   DeviceBuffer d_logits(*device, static_cast<uint64_t>(N * c.vocab_size) * 4, "logits");
-  if (layout.vocab_pieces == 1)
-    model.logits(w.units(), d_logits.view(DType::f32, {N, c.vocab_size}), B, *stream);
+  model.logits(w.units(), d_logits.view(DType::f32, {N, c.vocab_size}), B, *stream);
   std::vector<float> logits(static_cast<size_t>(N * c.vocab_size));
   device->copy_to_host(logits.data(), d_logits.data(), d_logits.bytes(), *stream);
   stream->synchronize();
@@ -397,11 +397,8 @@ TEST_P(LlamaReference, LossLogitsAndGradientsMatchTorch) {
   EXPECT_NEAR(loss, ref_loss, 1e-5 * std::abs(ref_loss)) << "mean loss";
   const std::vector<float> ref_logits = ref_tensor("logits");
   ASSERT_EQ(ref_logits.size(), logits.size());
-  double worst = 0;
-  if (layout.vocab_pieces == 1) {  // a cut head has no whole logits to give (LlamaModel::logits)
-    worst = normalised_error(logits, ref_logits.data(), logits.size());
-    EXPECT_LE(worst, 1e-5) << "logits";
-  }
+  double worst = normalised_error(logits, ref_logits.data(), logits.size());
+  EXPECT_LE(worst, 1e-5) << "logits";
 
   int compared = 0;
   std::set<std::string> tensors_seen;  // Hugging Face names, a piece's rows counted with its table
@@ -427,8 +424,8 @@ TEST_P(LlamaReference, LossLogitsAndGradientsMatchTorch) {
   EXPECT_EQ(tensors_seen.size(), llama_hf_tensors(c).size());
   EXPECT_EQ(compared, static_cast<int>(llama_hf_tensors(c).size()) +
                           (layout.vocab_pieces - 1) * (c.tie_word_embeddings ? 1 : 2));
-  std::printf("%s: worst normalised error of %s%d gradients: %.2e\n", tc.name,
-              layout.vocab_pieces == 1 ? "the logits and " : "", compared, worst);
+  std::printf("%s: worst normalised error of the logits and %d gradients: %.2e\n", tc.name,
+              compared, worst);
 
   // `strata eval` over the same stream as an llm.c token file, unmasked: the reference loss
   // without ignored targets is recomputed by the same script.

@@ -1256,15 +1256,27 @@ void LlamaModel::backward(const std::vector<UnitBuffers>& units, const int32_t* 
 void LlamaModel::logits(const std::vector<UnitBuffers>& units, const TensorView& out, int64_t batch,
                         Stream& s) {
   const int64_t N = batch * options_.seq_len;
-  if (layout_.vocab_pieces > 1 && N > 1)
-    fail(
-        "logits: model {} has its head in {} vocabulary pieces, whose columns of {} rows of logits "
-        "are not contiguous; build it with config.vocab_pieces = 1 for whole logits",
-        config_.name, layout_.vocab_pieces, N);
   const TensorView xf = rows(xn_, options_.param_dtype, N, config_.hidden_size);
   head_norm(units, slot(last_slot_, batch), xf, s);
-  for (int u = layout_.first_head(); u < layout_.num_units(); ++u)
-    piece_logits(u, units, xf, logits_columns(u, out), s);
+  if (layout_.vocab_pieces == 1 || N == 1) {  // each piece's columns contiguous in `out`
+    for (int u = layout_.first_head(); u < layout_.num_units(); ++u)
+      piece_logits(u, units, xf, logits_columns(u, out), s);
+    return;
+  }
+  const int64_t V = config_.vocab_size;
+  const UnitLayout& widest = layout_.units.at(static_cast<size_t>(layout_.first_head()));
+  DeviceBuffer piece(device_, static_cast<uint64_t>(N * widest.vocab_rows) * 4, "piece logits");
+  for (int u = layout_.first_head(); u < layout_.num_units(); ++u) {
+    const UnitLayout& unit = layout_.units.at(static_cast<size_t>(u));
+    const int64_t C = unit.vocab_rows;
+    piece_logits(u, units, xf, piece.view(DType::f32, {N, C}), s);
+    for (int64_t r = 0; r < N; ++r)
+      device_.copy_on_device(
+          static_cast<char*>(out.data) + static_cast<uint64_t>(r * V + unit.vocab_first) * 4,
+          static_cast<char*>(piece.data()) + static_cast<uint64_t>(r * C) * 4,
+          static_cast<uint64_t>(C) * 4, s);
+  }
+  s.synchronize();
 }
 
 TensorView LlamaModel::logits_columns(int u, const TensorView& out) const {

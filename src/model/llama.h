@@ -206,7 +206,8 @@ class LlamaModel {
                 const int32_t* doc_start = nullptr);
   // Full logits [batch*seq_len, vocab] f32 into `out` (device memory), for tests and small
   // vocabularies; queued after a forward that set up the head's input. With the head in
-  // vocabulary pieces only for one row (decode() writes the last token's that way).
+  // vocabulary pieces each piece's columns go through a buffer of their own, row by row (and
+  // the call waits for the stream, which the buffer must outlive).
   void logits(const std::vector<UnitBuffers>& units, const TensorView& out, int64_t batch,
               Stream& stream);
 
