@@ -909,9 +909,12 @@ void vocabulary_pieces_train_to_the_same_bits_in_every_tier(bool tied) {
     for (size_t s = 0; s < ref.losses.size(); ++s) {
       EXPECT_EQ(gpu.losses[s], ref.losses[s]) << "step " << s;
       EXPECT_EQ(gpu.norms[s], ref.norms[s]) << "step " << s;
-      // init_random draws each tensor alike however it is cut: the whole model's run.
+      // init_random draws each tensor alike however it is cut: the whole model's run. The
+      // first step's norm is of the same weights (rounding alone); later ones of weights that
+      // Adam moved apart by its rounding (on 3 emulated GPUs 1.7e-5 at the third step).
       EXPECT_NEAR(gpu.losses[s], whole.losses[s], 1e-5 * whole.losses[s]) << "step " << s;
-      EXPECT_NEAR(gpu.norms[s], whole.norms[s], 1e-5 * whole.norms[s]) << "step " << s;
+      EXPECT_NEAR(gpu.norms[s], whole.norms[s], (s == 0 ? 1e-5 : 1e-4) * whole.norms[s])
+          << "step " << s;
     }
     expect_same(gpu, ref, fmt::format("N {} all-GPU executor vs reference loop:", N));
     int k = 0;
