@@ -490,9 +490,10 @@ class Builder {
     if (G_ > 1 && tied_ && !opt_.forward_only && !opt_.reduce_per_group)
       fail(
           "schedule: model {} ties its embeddings, so in micro-batch groups ({} micro-batches "
-          "unit by unit) the head's gradients of the whole group reach unit 0's before the "
-          "embedding's of the first micro-batch; reduce the gradients once per group "
-          "(--reduce-per-group on) or use a micro-batch group of 1 (--micro-batch-group 1)",
+          "unit by unit) the head's gradients of the whole group reach the embedding table's "
+          "before the embedding's own of the first micro-batch, a sum in another order than "
+          "without groups; reduce the gradients once per group (--reduce-per-group on) or use a "
+          "micro-batch group of 1 (--micro-batch-group 1)",
           s.model.name, G_);
     if (opt_.prefetch_depth < 0)
       fail("schedule: prefetch_depth = {}; it must be 0 (no prefetch) or more",
