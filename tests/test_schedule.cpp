@@ -271,8 +271,6 @@ std::string buffer_reuse_violation(const Schedule& s) {
 // every task of the next on the same rank. Returns the first violation, or an empty string.
 std::string replicated_gradient_violation(const Schedule& s, const Placement& pl) {
   const auto before = happens_before(s);
-  const int U = pl.partition.num_units();
-  const bool tied = pl.shape.model.tie_word_embeddings && U >= 2;
   const ModelLayout layout = ModelLayout::build(pl.shape.model);
   auto replicated = [&](int u) { return pl.partition.units[static_cast<size_t>(u)].replicated; };
   // (unit, rank) -> holdings; a holding is closed by its all-reduce.
@@ -283,8 +281,8 @@ std::string replicated_gradient_violation(const Schedule& s, const Placement& pl
     if (t.kind == TaskKind::backward) {
       if (replicated(t.unit)) xs.push_back(t.unit);
       // Tied, a head unit adds into the table it reads (unit 0's, or its vocabulary piece's).
-      const int table = tied ? layout.table_unit(t.unit) : -1;
-      if (table >= 0 && table != t.unit && replicated(table)) xs.push_back(table);
+      const int table = layout.tied_table(t.unit);
+      if (table >= 0 && replicated(table)) xs.push_back(table);
     } else if (t.kind == TaskKind::reduce_scatter && replicated(t.unit)) {
       xs.push_back(t.unit);
     }

@@ -97,6 +97,10 @@ struct ModelLayout {
   // The unit holding the table rows head unit u multiplies by: u itself, or, tied, the
   // embedding's piece of the same rows (unit `piece`); -1 for the other units.
   int table_unit(int u) const;
+  // With tied embeddings, the embedding unit whose table head unit u reads (and adds its
+  // gradients into): what the partition, placement and schedule must gather beside u; -1 for
+  // every other unit and without tied embeddings.
+  int tied_table(int u) const { return tied ? table_unit(u) : -1; }
   // The unit and slot holding a Hugging Face tensor name; throws Error naming it if none.
   std::pair<int, const ParamSlot*> find(std::string_view hf_name) const;
 };

@@ -613,8 +613,8 @@ void ZeroRunner::forward(const std::vector<RankBatch>& batches,
   const int U = layout.num_units();
   for (int u = 0; u < U; ++u) {
     // With tied embeddings the head's logits come from the embedding's table.
-    const int table = layout.table_unit(u);
-    const bool with_table = tied_ && table >= 0 && table != u;
+    const int table = layout.tied_table(u);
+    const bool with_table = table >= 0;
     if (with_table) gather(table, streams, false);
     gather(u, streams, false);
     for (size_t r = 0; r < models_.size(); ++r) {
@@ -650,7 +650,7 @@ void ZeroRunner::backward(const std::vector<RankBatch>& batches, float loss_scal
     din[r] = grad_b_[r].view(t, {rows, D});
   }
   for (int u = head; u >= 0; --u) {
-    const int table = tied_ && u > 0 ? layout.table_unit(u) : -1;
+    const int table = layout.tied_table(u);
     if (u == head && hold) {
       gather(head, streams, true);
       // The head accumulates into the embedding's gradients too: unit 0 stays gathered from

@@ -241,12 +241,6 @@ struct Executor::State {
   ModelLayout layout;
   DType pt = DType::f32, gt = DType::f32;
   uint64_t ps = 4, gs = 4;
-  bool tied = false;
-  // With tied embeddings, the embedding unit whose table head unit u reads; else -1.
-  int table_of(int u) const {
-    const int t = tied ? layout.table_unit(u) : -1;
-    return t == u ? -1 : t;
-  }
 
   std::unique_ptr<ZeroModel> zero;
   std::vector<std::unique_ptr<LlamaModel>> models;
@@ -630,7 +624,7 @@ void Executor::State::resolve(bool allocate_staging) {
       case TaskKind::forward:
       case TaskKind::backward: {
         std::vector<int> units{u};
-        if (const int x = table_of(u); x >= 0) units.push_back(x);
+        if (const int x = layout.tied_table(u); x >= 0) units.push_back(x);
         for (int x : units) {
           if (up(x).replicated) continue;  // used in place, never gathered
           const int g = latest_for(TaskKind::gather, x, t.rank, t);
@@ -967,7 +961,6 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
   s.gt = shape.grad_dtype;
   s.ps = dtype_size(s.pt);
   s.gs = dtype_size(s.gt);
-  s.tied = shape.model.tie_word_embeddings;
   if (shape.ranks != s.N || schedule_.ranks != s.N || schedule_.units != s.U ||
       placement_.partition.num_units() != s.U ||
       placement_.homes.size() != static_cast<size_t>(s.U))
@@ -1441,7 +1434,7 @@ void Executor::State::run_task(const Task& t, int64_t k) {
         // unit still gathered here was gathered by this micro-batch's earlier backward (the
         // head's, for a tied unit 0) or by another rank for this one.
         std::vector<int> xs{u};
-        if (const int x = table_of(u); x >= 0) xs.push_back(x);
+        if (const int x = layout.tied_table(u); x >= 0) xs.push_back(x);
         for (int x : xs) {
           if (t.kind != TaskKind::backward || !up(x).replicated) continue;
           auto& owner = rep_owner[static_cast<size_t>(x)];

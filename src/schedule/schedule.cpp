@@ -459,12 +459,7 @@ class Builder {
   const UnitPartition& unit(int u) const { return part_.units[static_cast<size_t>(u)]; }
   const UnitHomes& homes(int u) const { return pl_.homes[static_cast<size_t>(u)]; }
   bool gathered(int u) const { return !unit(u).replicated; }
-  // With tied embeddings, the embedding unit whose table head unit u reads; else -1.
-  int table_of(int u) const {
-    if (!tied_) return -1;
-    const int t = layout_.table_unit(u);
-    return t == u ? -1 : t;
-  }
+  int table_of(int u) const { return layout_.tied_table(u); }
   bool o_host(int u) const { return homes(u).optimizer != Tier::gpu; }
   // Elements the host-side optimizer works on for unit u: every rank's shard, or the one copy.
   uint64_t all_elements(int u) const { return unit(u).replicated ? unit(u).numel : unit(u).padded; }

@@ -329,7 +329,6 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& asked,
       Partition::build(layout, shape.ranks, ModelLayout::kAlign, shape.persistence_threshold);
   const Sizes z = sizes_of(shape);
   const int U = p.partition.num_units();
-  const bool tied = shape.model.tie_word_embeddings;
   const bool have_nvme = !request.nvme_paths.empty();
   p.homes.assign(static_cast<size_t>(U), UnitHomes{});
   const auto unit = [&](int u) -> const UnitPartition& { return p.partition.units[size_t(u)]; };
@@ -394,16 +393,12 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& asked,
     // With tied embeddings the head reads the embedding's table: the two are placed together
     // (the head takes unit 0's homes; cut into vocabulary pieces, each head piece its table
     // piece's) so the pair is fetched from one tier.
-    const auto table_of = [&](int u) {
-      const int t = tied ? layout.table_unit(u) : -1;
-      return t == u ? -1 : t;
-    };
     std::vector<std::vector<int>> groups;
     for (int u = 0; u < U; ++u) {
-      if (table_of(u) >= 0) continue;
+      if (layout.tied_table(u) >= 0) continue;
       groups.push_back({u});
       for (int h = 0; h < U; ++h)
-        if (table_of(h) == u) groups.back().push_back(h);
+        if (layout.tied_table(h) == u) groups.back().push_back(h);
     }
     // Each tier takes a prefix of the units: once a unit's state misses a tier, later units
     // do not try it, so the units the GPU waits for longest come first in every tier.
