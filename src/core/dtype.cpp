@@ -7,6 +7,9 @@
 #include <cstring>
 #include <string>
 
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
 namespace strata {
 
 DType parse_dtype(std::string_view text) {
@@ -18,12 +21,47 @@ DType parse_dtype(std::string_view text) {
   fail("dtype '{}' is not supported; use f32, bf16 or f16", text);
 }
 
+namespace {
+
+// One pair of dtypes, its switches folded away.
+template <DType D, DType S>
+void convert_range(void* dst, const void* src, size_t begin, size_t end) {
+  for (size_t i = begin; i < end; ++i) store_f32(dst, D, i, load_f32(src, S, i));
+}
+
+template <DType D>
+void (*converter_from(DType s))(void*, const void*, size_t, size_t) {
+  switch (s) {
+    case DType::f32:
+      return convert_range<D, DType::f32>;
+    case DType::bf16:
+      return convert_range<D, DType::bf16>;
+    case DType::f16:
+      return convert_range<D, DType::f16>;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
 void convert(void* dst, DType dst_type, const void* src, DType src_type, size_t n) {
   if (dst_type == src_type) {
     std::memmove(dst, src, n * dtype_size(dst_type));
     return;
   }
-  for (size_t i = 0; i < n; ++i) store_f32(dst, dst_type, i, load_f32(src, src_type, i));
+  auto* const range = dst_type == DType::f32    ? converter_from<DType::f32>(src_type)
+                      : dst_type == DType::bf16 ? converter_from<DType::bf16>(src_type)
+                                                : converter_from<DType::f16>(src_type);
+  // A whole unit's parameters (a checkpoint's, a load's) on every core; each element's result
+  // is the same wherever it is computed.
+  constexpr size_t kGrain = size_t{1} << 16;
+  if (n < 16 * kGrain) {
+    range(dst, src, 0, n);
+    return;
+  }
+  tbb::parallel_for(
+      tbb::blocked_range<size_t>(0, n, kGrain),
+      [&](const tbb::blocked_range<size_t>& r) { range(dst, src, r.begin(), r.end()); });
 }
 
 }  // namespace strata
