@@ -324,9 +324,9 @@ Command add_train(CLI::App& app) {
   auto a = std::make_shared<TrainArgs>();
   CLI::App* cmd = app.add_subcommand(
       "train",
-      "train or fine-tune a Llama, Mistral, Qwen2, Qwen3, Phi-3 or Gemma model with ZeRO-3 state "
-      "in GPU, "
-      "CPU or NVMe tiers; checkpoints in Hugging Face format, bit-identical resume. Hugging "
+      "train or fine-tune a Llama, Mistral, Qwen2, Qwen3, Phi-3, Gemma (1, 2 or 3), SmolLM3 or "
+      "Granite model with ZeRO-3 state in GPU, CPU or NVMe tiers; checkpoints in Hugging Face "
+      "format, bit-identical resume. Hugging "
       "Face Trainer's flag names are accepted beside strata's (--learning-rate, "
       "--max-grad-norm, --per-device-train-batch-size, --gradient-accumulation-steps, "
       "--num-train-epochs, --max-steps, --save-steps, --save-total-limit, --logging-steps, "
