@@ -319,7 +319,8 @@ TEST_P(LlamaReference, LossLogitsAndGradientsMatchTorch) {
   // As the files hold them (Phi-3's fused projections included), through the writer training's
   // checkpoints use.
   const std::vector<SafetensorsTensor> tensors = streamed_model_tensors(
-      layout, DType::f32, [&](int u) { return units[static_cast<size_t>(u)]; });
+      layout, DType::f32,
+      [&](int u, std::vector<float>& out) { out = units[static_cast<size_t>(u)]; });
   write_safetensors(dir_ / "model" / "model.safetensors", tensors, {});
   {
     std::ofstream f(dir_ / "model" / "config.json");

@@ -9,10 +9,13 @@
 #include "model/llama.h"
 #include "model/safetensors.h"
 #include "model/tokens.h"
+#include "nvme/io_ring.h"
 #include "testing.h"
 
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 #include <stdlib.h>
 
@@ -2055,6 +2058,173 @@ TEST(Safetensors, SourcesAreAskedInFileOrderAndStreamThroughOneBuffer) {
   expect_error([&] { write_safetensors(tmp / "b.safetensors", broken); }, {"'w'", "gave no data"});
   EXPECT_FALSE(fs::exists(tmp / "b.safetensors"));
   EXPECT_FALSE(fs::exists(tmp / "b.safetensors.tmp"));
+}
+
+// Whether `dir`'s filesystem takes O_DIRECT (tmpfs does not).
+bool takes_o_direct(const fs::path& dir) {
+  const fs::path probe = dir / "o-direct-probe";
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_DIRECT | O_CLOEXEC, 0644);
+  if (fd >= 0) ::close(fd);
+  std::error_code ec;
+  fs::remove(probe, ec);
+  return fd >= 0;
+}
+
+// Bytes that differ at every offset that matters (a chunk's seams, its pages).
+std::string pattern_bytes(uint64_t n, uint32_t seed) {
+  std::string s(n, '\0');
+  uint32_t x = seed;
+  for (uint64_t i = 0; i < n; ++i) {
+    x = x * 1664525u + 1013904223u;
+    s[i] = static_cast<char>(x >> 24);
+  }
+  return s;
+}
+
+// AtomicFile's staging: a file past one chunk goes to the disk with O_DIRECT where the
+// filesystem takes it (and through the page cache where it does not: /dev/shm), written in
+// pieces of every awkward size across the chunks' seams, with an odd tail; write_at patches
+// bytes already on the disk and bytes still staged. Every byte arrives, the digest is the
+// file's, and a file smaller than a chunk never sets up a ring.
+TEST(AtomicFile, LargeFilesGoDirectAndEveryByteArrives) {
+  TempDir tmp;
+  std::vector<fs::path> dirs = {tmp.path};
+  if (fs::is_directory("/dev/shm")) {
+    dirs.push_back(fs::path("/dev/shm") / fmt::format("strata-atomic-{}", ::getpid()));
+    fs::create_directories(dirs.back());
+  }
+  const uint64_t chunk = AtomicFile::kStagingChunk;
+  const uint64_t n = 3 * chunk + chunk / 2 + 12345;  // several chunks in flight, an odd tail
+  for (const fs::path& dir : dirs) {
+    SCOPED_TRACE(dir.string());
+    const bool direct = takes_o_direct(dir);
+    std::string want = pattern_bytes(n, 7);
+    const fs::path path = dir / "big.bin";
+    {
+      AtomicFile f(path);
+      const std::vector<uint64_t> sizes = {1, 4095, chunk - 4096, 3, chunk + 7, 1 << 20, 8191};
+      uint64_t at = 0;
+      for (size_t i = 0; at < n; ++i) {
+        const uint64_t k = std::min(sizes[i % sizes.size()], n - at);
+        f.write(want.data() + at, k);
+        at += k;
+      }
+      EXPECT_EQ(f.direct(), direct);
+      EXPECT_EQ(f.size(), n);
+      EXPECT_FALSE(fs::exists(path));    // not before commit
+      f.write_at(5, "HEAD", 4);          // long since on the disk
+      f.write_at(chunk - 2, "SEAM", 4);  // across the first chunks' seam
+      f.write_at(n - 10, "TAIL", 4);     // still staged
+      f.commit();
+    }
+    want.replace(5, 4, "HEAD");
+    want.replace(chunk - 2, 4, "SEAM");
+    want.replace(n - 10, 4, "TAIL");
+    EXPECT_TRUE(read_bytes(path) == want) << "the file's bytes differ from those written";
+    EXPECT_FALSE(fs::exists(dir / "big.bin.tmp"));
+
+    const std::string again = pattern_bytes(n, 11);
+    AtomicFile g(dir / "digest.bin");
+    g.write(again.data(), again.size());
+    const FileDigest d = g.digest();
+    g.commit();
+    EXPECT_EQ(d.bytes, n);
+    EXPECT_EQ(d.xxh3, xxh3_64(again.data(), again.size()));
+    EXPECT_TRUE(read_bytes(dir / "digest.bin") == again);
+
+    AtomicFile small(dir / "small.txt");
+    small.write("hello", 5);
+    small.commit();
+    EXPECT_FALSE(small.direct());
+    EXPECT_EQ(read_bytes(dir / "small.txt"), "hello");
+  }
+  if (dirs.size() > 1) {
+    std::error_code ec;
+    fs::remove_all(dirs.back(), ec);
+  }
+}
+
+// Faults in an AtomicFile's ring (injected at its N-th chunk): a full filesystem and an I/O
+// error each fail the write naming the file, the error and what to do, and leave neither the
+// file nor its temporary; a short write is resumed and the file is whole.
+TEST(AtomicFile, FaultsInItsWritesAreNamedAndLeaveNoFile) {
+  TempDir tmp;
+  if (!takes_o_direct(tmp.path))
+    GTEST_SKIP() << tmp.path << " refuses O_DIRECT, so large files there are written through "
+                 << "the page cache and no ring's faults can be injected";
+  struct Reset {
+    ~Reset() { atomic_file_faults_for_testing({}); }
+  } reset;
+  const uint64_t n = 5 * AtomicFile::kStagingChunk + 333;
+  const std::string bytes = pattern_bytes(n, 3);
+  auto write_all = [&](const fs::path& path) {
+    AtomicFile f(path);
+    for (uint64_t at = 0; at < n; at += 1 << 20)
+      f.write(bytes.data() + at, std::min<uint64_t>(1 << 20, n - at));
+    f.commit();
+  };
+  using nvme::FaultKind;
+  for (const auto& [kind, request, words] :
+       std::vector<std::tuple<FaultKind, uint64_t, std::vector<std::string>>>{
+           {FaultKind::enospc, 1, {"No space left on device", "free space on that filesystem"}},
+           {FaultKind::eio, 4, {"Input/output error", "dmesg"}},
+           {FaultKind::enospc, 5, {"No space left on device"}}}) {  // the tail, in commit()
+    const std::string name = fmt::format("fault-{}-{}.bin", static_cast<int>(kind), request);
+    SCOPED_TRACE(name);
+    atomic_file_faults_for_testing({{kind, request}});
+    const std::string msg = test::error_message([&] { write_all(tmp / name); });
+    EXPECT_NE(msg.find((tmp / (name + ".tmp")).string()), std::string::npos) << msg;
+    for (const std::string& w : words) EXPECT_NE(msg.find(w), std::string::npos) << msg;
+    EXPECT_FALSE(fs::exists(tmp / name));
+    EXPECT_FALSE(fs::exists(tmp / (name + ".tmp")));
+  }
+  atomic_file_faults_for_testing({{FaultKind::short_io, 2}});
+  write_all(tmp / "short.bin");
+  EXPECT_TRUE(read_bytes(tmp / "short.bin") == bytes);
+}
+
+// A tensor handed over in parts is written as the same tensor whole would be: the same file,
+// bit for bit, and the same checksum; parts that give too few or too many bytes are the
+// caller's bug, named, and leave no file.
+TEST(Safetensors, TensorsInPartsAreWrittenAsTheWholeTensor) {
+  TempDir tmp;
+  std::vector<float> big(3000017), small = {1.5f, -2.0f, 3.25f};
+  for (size_t i = 0; i < big.size(); ++i) big[i] = static_cast<float>(i % 7919) * 0.25f - 99.0f;
+  const std::vector<SafetensorsTensor> whole = {{"b.weight", DType::f32, {3000017}, big.data()},
+                                                {"a", DType::f32, {3}, small.data()}};
+  const FileDigest want = write_safetensors(tmp / "whole.safetensors", whole);
+  auto in_parts = [&](std::vector<size_t> cuts) {
+    std::vector<SafetensorsTensor> t = whole;
+    t[0].data = nullptr;
+    t[0].parts = [&big, cuts](const SafetensorsTensor::Put& put) {
+      size_t at = 0;
+      for (size_t c : cuts) {
+        put(big.data() + at, (c - at) * 4);
+        at = c;
+      }
+    };
+    return t;
+  };
+  // Uneven cuts, one of them empty, one past a staging chunk.
+  const FileDigest got =
+      write_safetensors(tmp / "parts.safetensors", in_parts({1, 1, 5, 2500000, 2999999, 3000017}));
+  EXPECT_EQ(read_bytes(tmp / "parts.safetensors"), read_bytes(tmp / "whole.safetensors"));
+  EXPECT_EQ(got.xxh3, want.xxh3);
+  EXPECT_EQ(got.tensors, want.tensors);
+  expect_error(
+      [&] {
+        write_safetensors(tmp / "short.safetensors", in_parts({1000, 3000016}));
+      },
+      {"'b.weight'", "gave 12000064 of its 12000068 bytes", "bug"});
+  expect_error(
+      [&] {
+        write_safetensors(tmp / "long.safetensors", in_parts({3000017, 3000018}));
+      },
+      {"'b.weight'", "run past its 12000068 bytes", "bug"});
+  for (const char* name : {"short.safetensors", "long.safetensors"}) {
+    EXPECT_FALSE(fs::exists(tmp / name)) << name;
+    EXPECT_FALSE(fs::exists(tmp / (std::string(name) + ".tmp"))) << name;
+  }
 }
 
 TEST(Safetensors, WriterRefusesBadInput) {

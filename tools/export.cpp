@@ -59,17 +59,17 @@ int run_export(const ExportArgs& a) {
     if (optimizer.find(unit.name + ".master") == nullptr)
       fail("export {}: optimizer.safetensors has no {}.master; the checkpoint is damaged",
            ckpt.string(), unit.name);
-  std::vector<SafetensorsTensor> tensors = streamed_model_tensors(layout, dtype, [&](int u) {
-    const UnitLayout& unit = layout.units[static_cast<size_t>(u)];
-    const std::string name = unit.name + ".master";
-    const auto n = static_cast<uint64_t>(optimizer.find(name)->numel());
-    if (n != unit.numel)
-      fail("export {}: {} has {} values where {} has {}; the checkpoint is of another model",
-           ckpt.string(), name, n, config.name, unit.numel);
-    std::vector<float> master(n);
-    optimizer.read(name, master.data(), DType::f32);
-    return master;
-  });
+  std::vector<SafetensorsTensor> tensors =
+      streamed_model_tensors(layout, dtype, [&](int u, std::vector<float>& master) {
+        const UnitLayout& unit = layout.units[static_cast<size_t>(u)];
+        const std::string name = unit.name + ".master";
+        const auto n = static_cast<uint64_t>(optimizer.find(name)->numel());
+        if (n != unit.numel)
+          fail("export {}: {} has {} values where {} has {}; the checkpoint is of another model",
+               ckpt.string(), name, n, config.name, unit.numel);
+        master.resize(n);
+        optimizer.read(name, master.data(), DType::f32);
+      });
   nlohmann::json cfg = to_hf_config_json(config);
   cfg["torch_dtype"] = dtype == DType::f32    ? "float32"
                        : dtype == DType::bf16 ? "bfloat16"

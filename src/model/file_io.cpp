@@ -1,6 +1,9 @@
 #include "model/file_io.h"
 
+#include "core/bytes.h"
 #include "core/error.h"
+#include "core/log.h"
+#include "nvme/io_ring.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -11,6 +14,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <set>
 #include <sstream>
@@ -165,7 +170,36 @@ uint64_t xxh3_64(const void* data, uint64_t bytes) {
   return XXH3_64bits(data, bytes);
 }
 
-AtomicFile::AtomicFile(std::filesystem::path path) : path_(std::move(path)) {
+namespace {
+std::vector<nvme::Fault> g_atomic_file_faults;  // tests only (atomic_file_faults_for_testing)
+}  // namespace
+
+void atomic_file_faults_for_testing(std::vector<nvme::Fault> faults) {
+  g_atomic_file_faults = std::move(faults);
+}
+
+// The staging chunks and, once a file fills its first chunk, the ring that writes them.
+// Chunks are in one of three states: filling (`current`), idle, or in flight on the ring
+// (handed back to idle by its completion). Without a ring there is one chunk, written with
+// pwrite as soon as it is full.
+struct AtomicFile::Staging {
+  struct Free {
+    void operator()(uint8_t* p) const { std::free(p); }
+  };
+  std::vector<std::unique_ptr<uint8_t, Free>> chunks;  // allocated as they are first needed
+  std::vector<int> idle;
+  int current = -1;
+  uint64_t base = 0;   // the file offset of the current chunk's first byte
+  uint64_t fill = 0;   // bytes in it
+  bool tried = false;  // whether O_DIRECT through a ring was tried (it is, once)
+  int file = -1;       // the ring's index of the temporary file
+  // Last, so that it is destroyed first: its destructor waits for the writes in flight, which
+  // read the chunks.
+  std::unique_ptr<nvme::IoRing> ring;
+};
+
+AtomicFile::AtomicFile(std::filesystem::path path)
+    : path_(std::move(path)), staging_(std::make_unique<Staging>()) {
   tmp_ = path_;
   tmp_ += ".tmp";
   fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -180,6 +214,7 @@ AtomicFile::AtomicFile(std::filesystem::path path) : path_(std::move(path)) {
 }
 
 AtomicFile::~AtomicFile() {
+  staging_.reset();  // waits for writes in flight before the file goes
   if (fd_ >= 0) {
     ::close(fd_);
     ::unlink(tmp_.c_str());
@@ -217,20 +252,118 @@ void AtomicFile::put(uint64_t offset, const void* data, uint64_t bytes) {
 }
 
 void AtomicFile::write(const void* data, uint64_t bytes) {
+  if (fd_ < 0) fail("{}: written after commit; this is a bug in strata", tmp_.string());
   XXH3_64bits_update(hash_, data, bytes);
-  put(written_, data, bytes);
-  written_ += bytes;
+  Staging& s = *staging_;
+  const auto* p = static_cast<const uint8_t*>(data);
+  while (bytes > 0) {
+    if (s.current < 0) {
+      const size_t most = s.ring != nullptr ? kStagingChunks : 1;
+      if (s.idle.empty() && s.chunks.size() < most) {
+        auto* chunk =
+            static_cast<uint8_t*>(std::aligned_alloc(nvme::kDirectAlignment, kStagingChunk));
+        if (chunk == nullptr)
+          fail(
+              "writing {}: {} of host memory for a staging chunk could not be allocated; free "
+              "host memory",
+              tmp_.string(), format_bytes(kStagingChunk));
+        s.chunks.emplace_back(chunk);
+        s.idle.push_back(static_cast<int>(s.chunks.size()) - 1);
+      }
+      while (s.idle.empty()) s.ring->wait_one();  // its completion hands a chunk back
+      s.current = s.idle.back();
+      s.idle.pop_back();
+    }
+    const uint64_t n = std::min(bytes, kStagingChunk - s.fill);
+    std::memcpy(s.chunks[static_cast<size_t>(s.current)].get() + s.fill, p, n);
+    s.fill += n;
+    p += n;
+    bytes -= n;
+    written_ += n;
+    if (s.fill == kStagingChunk) flush_chunk();
+  }
+}
+
+void AtomicFile::flush_chunk() {
+  Staging& s = *staging_;
+  if (s.current < 0) return;
+  if (!s.tried && s.fill == kStagingChunk) {
+    // The first full chunk: this file is large enough for O_DIRECT, if the filesystem takes it
+    // (asked first, so that a refusal is quiet here: a tmpfs run directory is no fault).
+    s.tried = true;
+    const int probe = ::open(tmp_.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
+    if (probe < 0) {
+      log_debug("{}: O_DIRECT refused ({}); writing through the page cache", tmp_.string(),
+                errno_text(errno));
+    } else {
+      ::close(probe);
+      try {
+        nvme::IoOptions o;
+        o.queue_depth = kStagingChunks;
+        o.faults = g_atomic_file_faults;
+        o.enospc_advice = "free space on that filesystem";
+        auto ring = std::make_unique<nvme::IoRing>(std::move(o));
+        const int file = ring->add_file(tmp_.string(), false);
+        if (ring->is_direct(file)) {
+          ring->on_complete([&s](const nvme::IoRequest& r) { s.idle.push_back(int(r.tag)); });
+          s.ring = std::move(ring);
+          s.file = file;
+          direct_ = true;
+        }
+      } catch (const Error& e) {
+        if (first_time("atomic-file-io-uring"))
+          log_debug("large files written through the page cache: {}", e.what());
+      }
+    }
+  }
+  const int chunk = std::exchange(s.current, -1);
+  const uint64_t offset = s.base, bytes = std::exchange(s.fill, 0);
+  s.base += bytes;
+  if (s.ring != nullptr && bytes > 0) {
+    // An unaligned tail (the last chunk's) goes through the ring's buffered descriptor.
+    nvme::IoRequest r;
+    r.op = nvme::IoOp::write;
+    r.file = s.file;
+    r.offset = offset;
+    r.buf = s.chunks[static_cast<size_t>(chunk)].get();
+    r.len = bytes;
+    r.tag = static_cast<uint64_t>(chunk);
+    s.ring->submit(r);
+    return;
+  }
+  put(offset, s.chunks[static_cast<size_t>(chunk)].get(), bytes);
+  s.idle.push_back(chunk);
+}
+
+void AtomicFile::drain() {
+  if (staging_->ring != nullptr) staging_->ring->wait_all();
 }
 
 void AtomicFile::write_at(uint64_t offset, const void* data, uint64_t bytes) {
   if (offset + bytes > written_)
     fail("{}: overwriting bytes {}..{} past the {} written; this is a bug in strata", tmp_.string(),
          offset, offset + bytes, written_);
+  if (fd_ < 0) fail("{}: written after commit; this is a bug in strata", tmp_.string());
   rewritten_ = true;
-  put(offset, data, bytes);
+  Staging& s = *staging_;
+  const auto* p = static_cast<const uint8_t*>(data);
+  if (offset < s.base) {  // bytes already handed on: once on the disk, overwritten in place
+    const uint64_t n = std::min(bytes, s.base - offset);
+    drain();
+    put(offset, p, n);
+    offset += n;
+    p += n;
+    bytes -= n;
+  }
+  if (bytes > 0)
+    std::memcpy(s.chunks[static_cast<size_t>(s.current)].get() + (offset - s.base), p, bytes);
 }
 
 void AtomicFile::commit() {
+  if (fd_ < 0) fail("{}: committed twice; this is a bug in strata", tmp_.string());
+  flush_chunk();
+  drain();
+  staging_.reset();  // the ring's descriptors closed, the chunks freed
   if (fsync(fd_) != 0) {
     const int err = errno;
     fail("fsync of {} failed: {}; the data may not be on disk, check the device", tmp_.string(),

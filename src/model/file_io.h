@@ -12,12 +12,18 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 struct XXH3_state_s;  // xxhash's, kept out of this header
 
 namespace strata {
+
+namespace nvme {
+struct Fault;
+}
 
 class MappedFile {
  public:
@@ -68,8 +74,21 @@ struct FileDigest {
 // Writes `path` atomically: data goes to `path.tmp`; commit() fsyncs it, renames it over `path`
 // and fsyncs the directory. Destroyed without commit(), it removes the temporary file. The
 // bytes written are checksummed on the way (digest()), so a caller need not read them back.
+//
+// Writes are gathered in page-aligned staging chunks. Once a file fills its first chunk, its
+// chunks go to the disk with O_DIRECT through an io_uring (nvme::IoRing), each written while
+// the next fills: a checkpoint moves at the drive's speed and leaves the page cache alone. A
+// buffered writer of gigabytes spends its time copying into the page cache and waiting for its
+// writeback (0.55 GB/s on the 2-core VM's disk, where O_DIRECT writes 2.2). Files smaller than
+// a chunk, filesystems that refuse O_DIRECT (tmpfs) and processes without io_uring (a
+// container's seccomp profile) write through the page cache, one chunk per pwrite.
 class AtomicFile {
  public:
+  static constexpr uint64_t kStagingChunk = 8ull << 20;
+  static constexpr int kStagingChunks = 4;  // in flight at once, at most
+  // What a writer holds in RAM besides its source, at most.
+  static constexpr uint64_t kStagingBytes = kStagingChunk * kStagingChunks;
+
   explicit AtomicFile(std::filesystem::path path);
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
@@ -83,15 +102,26 @@ class AtomicFile {
   uint64_t size() const { return written_; }
   // Size and XXH3-64 of everything written so far (tensors left empty).
   FileDigest digest() const;
+  // Whether chunks have gone to the disk with O_DIRECT (false until the first chunk fills).
+  bool direct() const { return direct_; }
 
  private:
+  struct Staging;
   void put(uint64_t offset, const void* data, uint64_t bytes);  // pwrite, resumed when short
+  void flush_chunk();  // the current chunk to the disk (queued on the ring, or written)
+  void drain();        // waits for every queued chunk
 
   std::filesystem::path path_, tmp_;
   int fd_ = -1;
   uint64_t written_ = 0;
   bool rewritten_ = false;
+  bool direct_ = false;
   XXH3_state_s* hash_ = nullptr;
+  std::unique_ptr<Staging> staging_;
 };
+
+// Tests only: the faults every later AtomicFile's ring injects (nvme::Fault's request counted
+// per file from 0: its staging chunks in order). Empty: none.
+void atomic_file_faults_for_testing(std::vector<nvme::Fault> faults);
 
 }  // namespace strata

@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <xxhash.h>
+
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -81,7 +83,7 @@ std::vector<const SafetensorsTensor*> checked_order(std::span<const SafetensorsT
     if (!checked_numel(t.shape, &n))
       fail("writing {}: tensor '{}' has an invalid shape {}; dims must be non-negative",
            path.string(), t.name, shape_text(t.shape));
-    if (n > 0 && t.data == nullptr && !t.source)
+    if (n > 0 && t.data == nullptr && !t.source && !t.parts)
       fail("writing {}: tensor '{}' {} has no data; this is a bug in the caller", path.string(),
            t.name, shape_text(t.shape));
     order.push_back(&t);
@@ -477,6 +479,31 @@ FileDigest write_safetensors(const fs::path& path, std::span<const SafetensorsTe
   std::map<std::string, uint64_t> sums;
   for (const SafetensorsTensor* t : order) {
     const uint64_t bytes = tensor_bytes(*t);
+    if (t->data == nullptr && bytes > 0 && !t->source) {
+      // In parts: the tensor's checksum runs over them as the file's does.
+      std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> sum(XXH3_createState(),
+                                                                   XXH3_freeState);
+      if (sum == nullptr) fail("writing {}: out of memory for a checksum state", path.string());
+      XXH3_64bits_reset(sum.get());
+      uint64_t given = 0;
+      t->parts([&](const void* part, uint64_t size) {
+        if (given + size > bytes)
+          fail(
+              "writing {}: the parts of tensor '{}' run past its {} bytes; this is a bug in the "
+              "caller",
+              path.string(), t->name, bytes);
+        XXH3_64bits_update(sum.get(), part, size);
+        out.write(part, size);
+        given += size;
+      });
+      if (given != bytes)
+        fail(
+            "writing {}: the parts of tensor '{}' gave {} of its {} bytes; this is a bug in the "
+            "caller",
+            path.string(), t->name, given, bytes);
+      sums[t->name] = XXH3_64bits_digest(sum.get());
+      continue;
+    }
     const void* data = t->data != nullptr || bytes == 0 ? t->data : t->source();
     if (data == nullptr && bytes > 0)
       fail("writing {}: the source of tensor '{}' gave no data; this is a bug in the caller",

@@ -102,13 +102,19 @@ struct SafetensorsTensor {
   // tensor (in file order), for a pointer to its bytes that stays valid until the next call of
   // any source. A checkpoint of a 70B model streams through this one unit at a time.
   std::function<const void*()> source;
+  // Or, for a tensor whose bytes lie in several places (a table cut into vocabulary pieces,
+  // Phi-3's fused projections): called once, when the writer reaches it, to hand its bytes over
+  // in order through `put`, each span read only during its call; so it is never assembled.
+  using Put = std::function<void(const void* bytes, uint64_t size)>;
+  std::function<void(const Put& put)> parts;
 };
 
 // Writes one file atomically (path.tmp, fsync, rename). The header is padded with spaces to a
 // multiple of 8 bytes; data is ordered by element size, then name, so that every tensor is
 // aligned to its element size and the same tensors always give the same bytes. Returns the
 // file's size and checksums, the whole file's and each tensor's (computed as it writes).
-// Nothing is copied: each tensor's bytes go from its data (or its source's pointer) to the file.
+// Nothing is assembled: each tensor's bytes go from its data (or its source's pointer, or its
+// parts) to the file's staging chunks (AtomicFile).
 FileDigest write_safetensors(const std::filesystem::path& path,
                              std::span<const SafetensorsTensor> tensors,
                              const std::map<std::string, std::string>& metadata = {});

@@ -41,10 +41,10 @@ const char* op_name(IoOp op) {
   return op == IoOp::read ? "read" : "write";
 }
 
-std::string advice(int err) {
+std::string advice(int err, const IoOptions& options) {
   switch (err) {
     case ENOSPC:
-      return "free space on that filesystem or add another nvme_path";
+      return options.enospc_advice;
     case EIO:
       return "the drive reported an I/O error: check `dmesg` and the drive's health";
     case EOPNOTSUPP:
@@ -295,7 +295,7 @@ void IoRing::queue_part(unsigned slot) {
   if (rc < 0)
     record_failure(std::make_exception_ptr(
         Error(fmt::format("io_uring_submit of a {} to {} failed: {}; {}", op_name(r.op), f.path,
-                          errno_text(-rc), advice(-rc)))));
+                          errno_text(-rc), advice(-rc, options_)))));
 }
 
 void IoRing::reap_one() {
@@ -357,7 +357,7 @@ void IoRing::finish_part(unsigned slot, int res) {
                                    format_bytes(r.len), r.offset, files_[r.file].path);
     if (res < 0)
       what += fmt::format(" failed at offset {}: {}{}; {}", at, errno_text(-res),
-                          injected ? " (injected fault)" : "", advice(-res));
+                          injected ? " (injected fault)" : "", advice(-res, options_));
     else
       what += fmt::format(
           " hit the end of the file at offset {}; the file was truncated or "

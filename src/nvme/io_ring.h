@@ -65,6 +65,9 @@ struct IoOptions {
   // together (a swap store's rings, so a fault names the store's N-th request); null: each
   // ring counts its own.
   std::shared_ptr<std::atomic<uint64_t>> request_counter;
+  // What a full filesystem's error tells the user to do (the swap store's default; a
+  // checkpoint's writer has no nvme_path to add).
+  std::string enospc_advice = "free space on that filesystem or add another nvme_path";
 };
 
 struct IoRequest {

@@ -20,6 +20,7 @@
 #include "partition/zero.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <condition_variable>
@@ -1150,72 +1151,92 @@ void Executor::load(const SafetensorsReader& reader) {
 }
 
 std::vector<float> Executor::parameters(int u) const {
-  State& s = *s_;
-  s.drain();
-  if (u < 0 || u >= s.U) fail("parameters of unit {}: the model has units 0..{}", u, s.U - 1);
-  if (s.home(u).param == Tier::gpu) return s.zero->download_unit(u, false);
-  std::vector<char> raw(s.up(u).padded * s.ps);
-  for (int r = 0; r < s.host_ranks(u); ++r) {
-    char* dst = raw.data() + s.up(u).shard_offset(r) * s.ps;
-    if (s.home(u).param == Tier::cpu) {
-      std::memcpy(dst, s.host_p[static_cast<size_t>(u)][static_cast<size_t>(r)], s.shard(u) * s.ps);
-    } else {
-      const AlignedBlock block = page_block(s.shard(u) * s.ps, "a shard's parameters");
-      s.store->read(State::shard_name('P', u, r), block.get());
-      std::memcpy(dst, block.get(), s.shard(u) * s.ps);
-    }
-  }
-  std::vector<float> out(s.up(u).numel);
-  convert(out.data(), DType::f32, raw.data(), s.pt, out.size());
+  std::vector<float> out;
+  parameters(u, out);
   return out;
 }
 
+void Executor::parameters(int u, std::vector<float>& out) const {
+  State& s = *s_;
+  s.drain();
+  if (u < 0 || u >= s.U) fail("parameters of unit {}: the model has units 0..{}", u, s.U - 1);
+  if (s.home(u).param == Tier::gpu) {
+    out = s.zero->download_unit(u, false);
+    return;
+  }
+  // Each shard converted straight into `out`, sized to the padded unit while it is filled.
+  out.resize(s.up(u).padded);
+  AlignedBlock block;
+  for (int r = 0; r < s.host_ranks(u); ++r) {
+    const char* shard = nullptr;
+    if (s.home(u).param == Tier::cpu) {
+      shard = s.host_p[static_cast<size_t>(u)][static_cast<size_t>(r)];
+    } else {
+      if (!block) block = page_block(s.shard(u) * s.ps, "a shard's parameters");
+      s.store->read(State::shard_name('P', u, r), block.get());
+      shard = block.get();
+    }
+    convert(out.data() + s.up(u).shard_offset(r), DType::f32, shard, s.pt, s.shard(u));
+  }
+  out.resize(s.up(u).numel);  // the padding dropped, the capacity kept
+}
+
 UnitOptimizerState Executor::optimizer_state(int u) const {
+  UnitOptimizerState out;
+  optimizer_state(u, out);
+  return out;
+}
+
+void Executor::optimizer_state(int u, UnitOptimizerState& out) const {
   State& s = *s_;
   s.drain();
   s.check_training("the optimizer state");
   if (u < 0 || u >= s.U) fail("optimizer state of unit {}: the model has units 0..{}", u, s.U - 1);
-  const uint64_t n = s.shard(u);
-  std::vector<float> all(s.up(u).padded * 3);
-  const uint64_t padded = s.up(u).padded;
-  const int ranks = s.home(u).optimizer == Tier::gpu ? s.N : s.host_ranks(u);
-  const AlignedBlock o_block = page_block(n * 12, "a shard's optimizer state");
-  float* const o = reinterpret_cast<float*>(o_block.get());
+  const uint64_t n = s.shard(u), numel = s.up(u).numel;
+  const Tier home = s.home(u).optimizer;
+  const int ranks = home == Tier::gpu ? s.N : s.host_ranks(u);
+  // Each shard goes straight into `out` (sized to the padded unit while it is filled): only a
+  // shard read from NVMe, which needs an aligned buffer, or a replicated unit's later ranks,
+  // which are compared with rank 0's, pass through a block of their own.
+  std::array<std::vector<float>*, 3> dst = {&out.master, &out.m, &out.v};
+  for (std::vector<float>* v : dst) v->resize(s.up(u).padded);
+  AlignedBlock block;
   for (int r = 0; r < ranks; ++r) {
-    if (s.home(u).optimizer == Tier::gpu) {
-      Stream& st = *s.streams[static_cast<size_t>(r)].setup;
-      for (int k = 0; k < 3; ++k)
-        s.dev(r).copy_to_host(
-            o + k * n,
-            s.o_dev[static_cast<size_t>(u)][static_cast<size_t>(r) * 3 + static_cast<size_t>(k)]
-                .data(),
-            n * 4, st);
-      st.synchronize();
-    } else if (s.home(u).optimizer == Tier::cpu) {
-      std::memcpy(o, s.host_o[static_cast<size_t>(u)][static_cast<size_t>(r)], n * 12);
-    } else {
-      s.store->read(State::shard_name('O', u, r), o);
-    }
     const uint64_t off = s.up(u).shard_offset(r);
-    for (int k = 0; k < 3; ++k) {
-      float* dst = all.data() + k * padded + off;
-      if (s.up(u).replicated && r > 0) {
-        if (std::memcmp(o + k * n, dst, n * 4) != 0)
-          fail(
-              "optimizer state of replicated unit {}: rank {} differs from rank 0; this is a "
-              "bug in the executor",
-              s.up(u).name, r);
-        continue;
-      }
-      std::memcpy(dst, o + k * n, n * 4);
+    const bool compare = s.up(u).replicated && r > 0;
+    std::array<float*, 3> to{};
+    if (home == Tier::nvme || compare) {
+      if (!block) block = page_block(n * 12, "a shard's optimizer state");
+      for (size_t k = 0; k < 3; ++k) to[k] = reinterpret_cast<float*>(block.get()) + k * n;
+    } else {
+      for (size_t k = 0; k < 3; ++k) to[k] = dst[k]->data() + off;
+    }
+    if (home == Tier::gpu) {
+      Stream& st = *s.streams[static_cast<size_t>(r)].setup;
+      for (size_t k = 0; k < 3; ++k)
+        s.dev(r).copy_to_host(
+            to[k], s.o_dev[static_cast<size_t>(u)][static_cast<size_t>(r) * 3 + k].data(), n * 4,
+            st);
+      st.synchronize();
+    } else if (home == Tier::cpu) {
+      const auto* o =
+          reinterpret_cast<const float*>(s.host_o[static_cast<size_t>(u)][static_cast<size_t>(r)]);
+      for (size_t k = 0; k < 3; ++k) std::memcpy(to[k], o + k * n, n * 4);
+    } else {
+      s.store->read(State::shard_name('O', u, r), block.get());
+    }
+    for (size_t k = 0; k < 3; ++k) {
+      float* at = dst[k]->data() + off;
+      if (to[k] == at) continue;
+      if (compare && std::memcmp(to[k], at, n * 4) != 0)
+        fail(
+            "optimizer state of replicated unit {}: rank {} differs from rank 0; this is a "
+            "bug in the executor",
+            s.up(u).name, r);
+      if (!compare) std::memcpy(at, to[k], n * 4);
     }
   }
-  const uint64_t numel = s.up(u).numel;
-  UnitOptimizerState out;
-  for (auto [k, v] : {std::pair{0, &out.master}, std::pair{1, &out.m}, std::pair{2, &out.v}})
-    v->assign(all.begin() + static_cast<std::ptrdiff_t>(k * padded),
-              all.begin() + static_cast<std::ptrdiff_t>(k * padded + numel));
-  return out;
+  for (std::vector<float>* v : dst) v->resize(numel);  // the padding dropped, the capacity kept
 }
 
 std::vector<float> Executor::master(int u) const {

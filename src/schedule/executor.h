@@ -176,11 +176,16 @@ class Executor {
 
   // Unit u's parameters (or fp32 master weights) assembled from every rank's shard, as f32.
   std::vector<float> parameters(int u) const;
+  // The same into `out`, reusing its capacity when the parameters live on the host.
+  void parameters(int u, std::vector<float>& out) const;
   std::vector<float> master(int u) const;
   // Unit u's optimizer state assembled from every rank's shard, wherever it lives; and its
   // inverse for resuming: the state goes to its homes, the parameters become the master
   // rounded to their dtype (what every Adam step leaves them as) and the gradients zero.
   UnitOptimizerState optimizer_state(int u) const;
+  // The same into `out`, whose vectors keep their capacity: a checkpoint writer that reuses one
+  // UnitOptimizerState for every unit allocates (and faults in) its largest unit's state once.
+  void optimizer_state(int u, UnitOptimizerState& out) const;
   void set_optimizer_state(int u, const UnitOptimizerState& state);
 
   // Waits for every step in flight to end; throws Error (naming the task) when one failed.

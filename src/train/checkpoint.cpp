@@ -145,48 +145,43 @@ void fsync_path(const fs::path& path) {
 }
 
 std::vector<SafetensorsTensor> streamed_model_tensors(
-    const ModelLayout& layout, DType dtype, std::function<std::vector<float>(int)> unit_values) {
+    const ModelLayout& layout, DType dtype,
+    std::function<void(int, std::vector<float>&)> unit_values) {
   struct Held {
     int unit = -1;
-    std::vector<char> raw;  // that unit's parameters in dtype
+    std::vector<float> values;  // that unit's parameters
+    std::vector<char> raw;      // and in dtype; both reused from unit to unit
   };
   auto held = std::make_shared<Held>();
   auto unit_bytes = [held, dtype, values = std::move(unit_values)](int u) -> const char* {
     if (held->unit != u) {
       held->unit = -1;
-      held->raw = {};  // freed before the next unit is fetched
-      const std::vector<float> p = values(u);
-      held->raw.resize(p.size() * dtype_size(dtype));
-      convert(held->raw.data(), dtype, p.data(), DType::f32, p.size());
+      values(u, held->values);
+      held->raw.resize(held->values.size() * dtype_size(dtype));
+      convert(held->raw.data(), dtype, held->values.data(), DType::f32, held->values.size());
       held->unit = u;
     }
     return held->raw.data();
   };
   std::vector<SafetensorsTensor> tensors;
-  // One buffer for every fused tensor: each source's pointer need only outlive the next call.
-  auto fused = std::make_shared<std::vector<char>>();
   for (int u = 0; u < layout.num_units(); ++u)
     for (const ParamSlot& s : layout.units[static_cast<size_t>(u)].params) {
       if (s.file_name != s.name) {
         // Phi-3's fused projections, and tables cut into vocabulary pieces (units of their
         // own, in order): written once, from the part that opens them, as the parts' rows one
-        // after another (copied together: units pad between them).
+        // after another, each handed to the writer from its unit.
         if (s.file_row != 0) continue;
         std::vector<std::pair<int, const ParamSlot*>> parts;
         for (int v = u; v < layout.num_units(); ++v)
           for (const ParamSlot& p : layout.units[static_cast<size_t>(v)].params)
             if (p.file_name == s.file_name) parts.emplace_back(v, &p);
-        tensors.push_back(
-            {s.file_name, dtype, s.file_shape, nullptr, [unit_bytes, fused, parts, dtype] {
-               const uint64_t e = dtype_size(dtype);
-               fused->clear();
-               for (const auto& [v, part] : parts) {
-                 const char* p = unit_bytes(v);
-                 fused->insert(fused->end(), p + part->offset * e,
-                               p + (part->offset + static_cast<uint64_t>(part->numel())) * e);
-               }
-               return static_cast<const void*>(fused->data());
-             }});
+        SafetensorsTensor t{s.file_name, dtype, s.file_shape, nullptr, {}, {}};
+        t.parts = [unit_bytes, parts, dtype](const SafetensorsTensor::Put& put) {
+          const uint64_t e = dtype_size(dtype);
+          for (const auto& [v, part] : parts)
+            put(unit_bytes(v) + part->offset * e, static_cast<uint64_t>(part->numel()) * e);
+        };
+        tensors.push_back(std::move(t));
         continue;
       }
       const uint64_t end = s.offset + static_cast<uint64_t>(s.numel());
@@ -258,22 +253,24 @@ fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& 
   // The model, as Hugging Face names and shapes it, in the run's dtype.
   // An image-text Gemma 3's: its language model under that checkpoint's names beside its
   // vision tower, and its config.
-  std::vector<SafetensorsTensor> model_tensors =
-      streamed_model_tensors(layout, model_dtype, [&](int u) { return executor.parameters(u); });
   nlohmann::json config_json = to_hf_config_json(config);
-  add_image_text_parts(config, image_text, model_tensors, config_json);
-  files[kModel] = digest_json(write_safetensors(tmp / kModel, model_tensors, {{"format", "pt"}}));
+  {  // its unit buffers freed before the optimizer state's are filled
+    std::vector<SafetensorsTensor> model_tensors = streamed_model_tensors(
+        layout, model_dtype, [&](int u, std::vector<float>& out) { executor.parameters(u, out); });
+    add_image_text_parts(config, image_text, model_tensors, config_json);
+    files[kModel] = digest_json(write_safetensors(tmp / kModel, model_tensors, {{"format", "pt"}}));
+  }
   if (image_text != nullptr) image_text->release_pages();  // the vision tower's, just copied
   files[kConfig] = digest_json(write_text(tmp / kConfig, config_json.dump(2) + "\n"));
-  // The optimizer state, one unit held at a time the same way (its three tensors sort together).
+  // The optimizer state, one unit held at a time the same way (its three tensors sort together),
+  // in buffers reused from unit to unit.
   {
     int held = -1;
     UnitOptimizerState state;  // unit `held`'s
     auto unit_state = [&](int u) -> const UnitOptimizerState& {
       if (held != u) {
         held = -1;
-        state = UnitOptimizerState{};
-        state = executor.optimizer_state(u);
+        executor.optimizer_state(u, state);
         held = u;
       }
       return state;
@@ -430,10 +427,10 @@ void restore_checkpoint(const fs::path& checkpoint, Executor& executor) {
       executor.set_optimizer_state(u, relaid_state(reader, saved, layout, u));
     return;
   }
+  UnitOptimizerState st;  // reused from unit to unit: the largest unit's, allocated once
+  const std::array<std::vector<float>*, 3> out = {&st.master, &st.m, &st.v};
   for (int u = 0; u < layout.num_units(); ++u) {
     const UnitLayout& unit = layout.units[static_cast<size_t>(u)];
-    UnitOptimizerState st;
-    const std::array<std::vector<float>*, 3> out = {&st.master, &st.m, &st.v};
     for (size_t k = 0; k < kOptimizerSuffixes.size(); ++k) {
       const char* suffix = kOptimizerSuffixes[k];
       std::vector<float>* v = out[k];

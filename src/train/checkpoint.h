@@ -45,14 +45,16 @@ struct ModelLayout;
 
 // The model's tensors as Hugging Face names and shapes them (Phi-3's fused projections too:
 // hf_file_tensors), in `dtype`, for write_safetensors
-// to stream: each one's source fetches its unit's f32 values with unit_values(u) (the flat
-// buffer of ModelLayout) when the writer first needs a tensor of it, and holds that one unit
-// only. Writing a 70B model this way needs RAM for its largest unit, not for the model. The
+// to stream: each one's source fetches its unit's f32 values with unit_values(u, values) (the
+// flat buffer of ModelLayout, into a vector reused from unit to unit) when the writer first
+// needs a tensor of it, and holds that one unit only. Writing a 70B model this way needs RAM
+// for its largest unit, not for the model. The
 // file orders tensors by name, which keeps a unit's tensors together except the last unit's
 // (lm_head first, model.norm last), so at most one unit is fetched twice. `layout` must
 // outlive the tensors.
 std::vector<SafetensorsTensor> streamed_model_tensors(
-    const ModelLayout& layout, DType dtype, std::function<std::vector<float>(int)> unit_values);
+    const ModelLayout& layout, DType dtype,
+    std::function<void(int, std::vector<float>&)> unit_values);
 
 // The files a Hugging Face model directory holds besides its weights and config.json that a
 // checkpoint carries along: the tokenizer (tokenizer.json, tokenizer_config.json,

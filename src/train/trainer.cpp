@@ -108,9 +108,13 @@ HostMemoryPlan plan_host_memory(const Placement& placement, const std::vector<De
   h.cpu = need.total(Tier::cpu);
   for (const Device* d : devices)
     if (d->backend() == Backend::host) h.devices += need.total(Tier::gpu);
+  // A checkpoint holds one unit at a time: its optimizer state (12 bytes an element) and, for
+  // a shard on NVMe, that shard read into a block of its own (12 more at most); or, writing
+  // the model, its parameters as f32 and in their dtype, and a shard's block; and the writer's
+  // staging chunks.
   uint64_t largest = 0;
   for (const UnitPartition& u : placement.partition.units) largest = std::max(largest, u.padded);
-  h.checkpoint = 36 * largest;
+  h.checkpoint = 24 * largest + AtomicFile::kStagingBytes;
   return h;
 }
 
@@ -418,10 +422,18 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
                                     {"loss_scale", scaler.state().to_json()},
                                     {"model", to_hf_config_json(model)},
                                     {"settings", s.echo}};
+      const auto began = std::chrono::steady_clock::now();
       const fs::path dir =
           save_checkpoint(s.run_dir, step, ex, model, s.dtype, state, s.keep,
                           model_side_files(s.model), image_text ? &*image_text : nullptr);
-      fmt::print("checkpoint: {}\n", dir.string());
+      const double took =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+      uint64_t bytes = 0;
+      std::error_code unsized;
+      for (const auto& e : fs::directory_iterator(dir, unsized))
+        if (e.is_regular_file(unsized)) bytes += e.file_size(unsized);
+      fmt::print("checkpoint: {} ({} in {:.1f} s, {}/s)\n", dir.string(), format_bytes(bytes), took,
+                 format_bytes(static_cast<uint64_t>(double(bytes) / std::max(took, 1e-3))));
       std::fflush(stdout);
     }
   }
