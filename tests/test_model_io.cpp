@@ -3,6 +3,7 @@
 // counts, safetensors files (round trips single and sharded in F32/BF16/F16 with conversion on
 // read, and one damaged file per check the reader makes, each error naming the file and the
 // tensor), and token files (both llm.c magics, raw files, sizes, ids and sequence windows).
+#include "core/bytes.h"
 #include "core/dtype.h"
 #include "model/config.h"
 #include "model/file_io.h"
@@ -13,6 +14,7 @@
 #include "testing.h"
 
 #include <fcntl.h>
+#include <sys/statvfs.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -2142,6 +2144,30 @@ TEST(AtomicFile, LargeFilesGoDirectAndEveryByteArrives) {
     std::error_code ec;
     fs::remove_all(dirs.back(), ec);
   }
+}
+
+// A file reserved past its filesystem's free space is refused before a byte is written, naming
+// the file, the bytes it needs and those free; nothing is left behind.
+TEST(AtomicFile, AFileThatCannotFitIsRefusedBeforeItIsWritten) {
+  TempDir tmp;
+  struct statvfs vfs {};
+  ASSERT_EQ(::statvfs(tmp.path.c_str(), &vfs), 0);
+  const uint64_t free_bytes = uint64_t{vfs.f_bavail} * vfs.f_frsize;
+  const uint64_t need = free_bytes + (uint64_t{1} << 40);  // within ext4's and tmpfs's largest file
+  {
+    AtomicFile f(tmp / "huge.bin");
+    expect_error([&] { f.reserve(need); },
+                 {(tmp / "huge.bin.tmp").string(), "it needs " + format_bytes(need), "free;",
+                  "free space there"});
+  }
+  EXPECT_FALSE(fs::exists(tmp / "huge.bin"));
+  EXPECT_FALSE(fs::exists(tmp / "huge.bin.tmp"));
+  AtomicFile g(tmp / "fits.bin");  // what fits is reserved and written as ever
+  g.reserve(1 << 20);
+  const std::string bytes = pattern_bytes(1 << 20, 5);
+  g.write(bytes.data(), bytes.size());
+  g.commit();
+  EXPECT_TRUE(read_bytes(tmp / "fits.bin") == bytes);
 }
 
 // Faults in an AtomicFile's ring (injected at its N-th chunk): a full filesystem and an I/O

@@ -8,6 +8,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -21,6 +22,8 @@
 #include <sstream>
 #include <utility>
 #include <vector>
+
+#include <tbb/parallel_invoke.h>
 
 namespace strata {
 
@@ -251,9 +254,40 @@ void AtomicFile::put(uint64_t offset, const void* data, uint64_t bytes) {
   }
 }
 
+void AtomicFile::reserve(uint64_t bytes) {
+  if (fd_ < 0 || bytes == 0) return;
+  int rc;
+  do rc = ::fallocate(fd_, FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(bytes));
+  while (rc != 0 && errno == EINTR);
+  if (rc == 0) return;
+  const int err = errno;
+  if (err == ENOSPC) {
+    struct statvfs fs {};
+    const uint64_t free_bytes = ::fstatvfs(fd_, &fs) == 0 ? uint64_t{fs.f_bavail} * fs.f_frsize : 0;
+    fail(
+        "writing {}: it needs {} and its filesystem has {} free; free space there or write it "
+        "elsewhere",
+        tmp_.string(), format_bytes(bytes), format_bytes(free_bytes));
+  }
+  if (err != EOPNOTSUPP && err != ENOSYS)
+    fail("writing {}: reserving {} failed: {}; check the filesystem", tmp_.string(),
+         format_bytes(bytes), errno_text(err));
+}
+
 void AtomicFile::write(const void* data, uint64_t bytes) {
   if (fd_ < 0) fail("{}: written after commit; this is a bug in strata", tmp_.string());
-  XXH3_64bits_update(hash_, data, bytes);
+  // The checksum beside the copy into the chunks: a checkpoint's writer is bound by the CPU's
+  // passes over its bytes, not by the drive, until they run on more than one core.
+  if (bytes >= kParallelBytes) {
+    tbb::parallel_invoke([&] { XXH3_64bits_update(hash_, data, bytes); },
+                         [&] { stage(data, bytes); });
+  } else {
+    XXH3_64bits_update(hash_, data, bytes);
+    stage(data, bytes);
+  }
+}
+
+void AtomicFile::stage(const void* data, uint64_t bytes) {
   Staging& s = *staging_;
   const auto* p = static_cast<const uint8_t*>(data);
   while (bytes > 0) {

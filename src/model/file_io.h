@@ -88,12 +88,18 @@ class AtomicFile {
   static constexpr int kStagingChunks = 4;  // in flight at once, at most
   // What a writer holds in RAM besides its source, at most.
   static constexpr uint64_t kStagingBytes = kStagingChunk * kStagingChunks;
+  // Writes at least this large are checksummed on one core while copied on another.
+  static constexpr uint64_t kParallelBytes = 1ull << 20;
 
   explicit AtomicFile(std::filesystem::path path);
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
   ~AtomicFile();
 
+  // Allocates the file's blocks for `bytes` up front (its size unchanged): a file that cannot
+  // fit fails here, naming the bytes needed and free, before anything is written, and the
+  // drive writes into allocated extents. Filesystems without fallocate go on without it.
+  void reserve(uint64_t bytes);
   void write(const void* data, uint64_t bytes);
   // Overwrites bytes already written (a header whose counts are known only at the end). The
   // running checksum no longer describes the file then: digest() refuses.
@@ -108,6 +114,7 @@ class AtomicFile {
  private:
   struct Staging;
   void put(uint64_t offset, const void* data, uint64_t bytes);  // pwrite, resumed when short
+  void stage(const void* data, uint64_t bytes);                 // into the chunks
   void flush_chunk();  // the current chunk to the disk (queued on the ring, or written)
   void drain();        // waits for every queued chunk
 

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <tbb/parallel_invoke.h>
 #include <xxhash.h>
 
 #include <algorithm>
@@ -474,6 +475,7 @@ FileDigest write_safetensors(const fs::path& path, std::span<const SafetensorsTe
   uint8_t length[8];
   for (int i = 0; i < 8; ++i) length[i] = static_cast<uint8_t>(uint64_t{text.size()} >> (8 * i));
   AtomicFile out(path);
+  out.reserve(sizeof(length) + text.size() + offset);
   out.write(length, sizeof(length));
   out.write(text.data(), text.size());
   std::map<std::string, uint64_t> sums;
@@ -492,8 +494,13 @@ FileDigest write_safetensors(const fs::path& path, std::span<const SafetensorsTe
               "writing {}: the parts of tensor '{}' run past its {} bytes; this is a bug in the "
               "caller",
               path.string(), t->name, bytes);
-        XXH3_64bits_update(sum.get(), part, size);
-        out.write(part, size);
+        if (size >= AtomicFile::kParallelBytes)
+          tbb::parallel_invoke([&] { XXH3_64bits_update(sum.get(), part, size); },
+                               [&] { out.write(part, size); });
+        else {
+          XXH3_64bits_update(sum.get(), part, size);
+          out.write(part, size);
+        }
         given += size;
       });
       if (given != bytes)
@@ -508,8 +515,9 @@ FileDigest write_safetensors(const fs::path& path, std::span<const SafetensorsTe
     if (data == nullptr && bytes > 0)
       fail("writing {}: the source of tensor '{}' gave no data; this is a bug in the caller",
            path.string(), t->name);
-    sums[t->name] = xxh3_64(data, bytes);
-    out.write(data, bytes);
+    // The tensor's checksum beside the file's and the copy (AtomicFile::write).
+    tbb::parallel_invoke([&] { sums[t->name] = xxh3_64(data, bytes); },
+                         [&] { out.write(data, bytes); });
   }
   out.commit();
   FileDigest d = out.digest();

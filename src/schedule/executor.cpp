@@ -19,6 +19,9 @@
 #include "nvme/swap_store.h"
 #include "partition/zero.h"
 
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -58,6 +61,21 @@ using AlignedBlock = std::unique_ptr<char, AlignedFree>;
 // checkpoints, reading state back), which it then moves in place like the step's pinned
 // buffers: a heap vector would send every stripe through the store's own bounce buffers, a
 // pinned pool of queue depth x stripe per ring that no placement counts.
+// memcpy on every core for a shard's worth of bytes (a checkpoint copies each unit out of RAM).
+void copy_bytes(void* dst, const void* src, uint64_t bytes) {
+  constexpr uint64_t kBlock = 4ull << 20;
+  if (bytes < 2 * kBlock) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  tbb::parallel_for(tbb::blocked_range<uint64_t>(0, (bytes + kBlock - 1) / kBlock),
+                    [&](const tbb::blocked_range<uint64_t>& r) {
+                      const uint64_t a = r.begin() * kBlock, b = std::min(bytes, r.end() * kBlock);
+                      std::memcpy(static_cast<char*>(dst) + a, static_cast<const char*>(src) + a,
+                                  b - a);
+                    });
+}
+
 AlignedBlock page_block(uint64_t bytes, const char* what) {
   char* p =
       static_cast<char*>(std::aligned_alloc(kPage, round_up(std::max<uint64_t>(bytes, 1), kPage)));
@@ -1221,7 +1239,7 @@ void Executor::optimizer_state(int u, UnitOptimizerState& out) const {
     } else if (home == Tier::cpu) {
       const auto* o =
           reinterpret_cast<const float*>(s.host_o[static_cast<size_t>(u)][static_cast<size_t>(r)]);
-      for (size_t k = 0; k < 3; ++k) std::memcpy(to[k], o + k * n, n * 4);
+      for (size_t k = 0; k < 3; ++k) copy_bytes(to[k], o + k * n, n * 4);
     } else {
       s.store->read(State::shard_name('O', u, r), block.get());
     }
@@ -1233,7 +1251,7 @@ void Executor::optimizer_state(int u, UnitOptimizerState& out) const {
             "optimizer state of replicated unit {}: rank {} differs from rank 0; this is a "
             "bug in the executor",
             s.up(u).name, r);
-      if (!compare) std::memcpy(at, to[k], n * 4);
+      if (!compare) copy_bytes(at, to[k], n * 4);
     }
   }
   for (std::vector<float>* v : dst) v->resize(numel);  // the padding dropped, the capacity kept

@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# checkpoint_write.sh: how fast `strata train` writes a checkpoint, beside the drive's bound and
+# beside torch.save (what DeepSpeed's checkpoints go through), in one run on one directory.
+#
+# - strata: one training step of MODEL (random weights; P and O in host RAM, bf16) and its
+#   checkpoint (model.safetensors + optimizer.safetensors: fp32 master, m, v), timed by strata
+#   on its `checkpoint:` line. `strata export` then reads the checkpoint back against the
+#   checksums in its COMPLETE marker, and only a verified checkpoint's rate is reported.
+# - fio, the drive's bound: a file of the checkpoint's size written sequentially in 8 MiB
+#   blocks, 4 in flight (as strata's writer stages them), ioengine=io_uring, direct=1, fsync at
+#   the end; and once the same buffered (direct=0): the page cache's rate, which strata's writer
+#   went through before.
+# - torch.save: tensors of the same dtypes and bytes (bf16 weights; fp32 master, m and v)
+#   saved to one file, then fsync'd: as durable as strata's checkpoint.
+# strata and fio alternate ROUNDS times (default 3), each round's ratio printed with their
+# median: a virtual disk's speed drifts by a third over minutes.
+#
+# Usage: bench/checkpoint_write.sh DIR [MODEL]
+#   DIR on the drive to measure (a run directory and scratch files go there, removed at the
+#   end); MODEL a preset (default qwen3-0.6b: an 8.3 GB checkpoint, 11 GiB of host RAM).
+#   STRATA=path/to/strata (default build/bin/strata); PYTHON (default /usr/bin/python3, with
+#   python3-torch). Installs fio (Debian) if missing.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+source "$root/scripts/common.sh"
+install_packages fio python3 python3-torch
+
+dir=${1:?usage: bench/checkpoint_write.sh DIR [MODEL]}
+model=${2:-qwen3-0.6b}
+rounds=${ROUNDS:-3}
+strata=${STRATA:-$root/build/bin/strata}
+python=${PYTHON:-/usr/bin/python3}
+[ -x "$strata" ] || { echo "checkpoint_write: no strata binary at $strata; build first or set STRATA" >&2; exit 1; }
+mkdir -p "$dir"
+work=$(mktemp -d "$dir/strata-ckpt-bench-XXXXXX")
+trap 'rm -rf "$work"' EXIT
+
+echo "checkpoint_write: $model on $(df --output=source,fstype "$dir" | tail -1 | tr -s ' ') ($dir), $rounds round(s)"
+printf 'strata writes checkpoints to be measured.\n%%\n' > "$work/text.txt"
+for _ in $(seq 200); do echo "the quick brown fox jumps over the lazy dog" >> "$work/text.txt"; done
+"$strata" tokenize --tokenizer byte --input "$work/text.txt" --output "$work/tokens.bin" > /dev/null
+
+strata_s() {  # one run's checkpoint, verified -> seconds; its size into $work/bytes
+  rm -rf "$work/run" "$work/export"
+  "$strata" train --model "$model" --init random --data "$work/tokens.bin" --steps 1 \
+    --devices host --offload-param cpu --offload-optimizer cpu --dtype bf16 --seq-len 64 \
+    --run-dir "$work/run" --save-every 0 > "$work/train.log" 2>&1 ||
+    { cat "$work/train.log" >&2; exit 1; }
+  local line ckpt
+  line=$(grep '^checkpoint: ' "$work/train.log")
+  ckpt="$work/run/checkpoints/step-1"
+  du -b --apparent-size -s "$ckpt" | cut -f1 > "$work/bytes"
+  "$strata" export "$ckpt" --out "$work/export" > "$work/export.log" 2>&1 ||
+    { cat "$work/export.log" >&2; echo "checkpoint_write: the checkpoint did not verify" >&2; exit 1; }
+  echo "  strata: ${line#checkpoint: }; verified by export" >&2
+  rm -rf "$work/run" "$work/export"
+  sed -E 's/.* in ([0-9.]+) s.*/\1/' <<< "$line"
+}
+
+fio_s() {  # direct(0|1) -> seconds for the checkpoint's bytes
+  local bytes
+  bytes=$(cat "$work/bytes")
+  fio --name=ckpt --filename="$work/fio.bin" --rw=write --bs=8M --iodepth=4 --ioengine=io_uring \
+    --direct="$1" --end_fsync=1 --size="$bytes" --output-format=json 2> /dev/null |
+    "$python" -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]["write"]; print(j["runtime"]/1000)'
+  rm -f "$work/fio.bin"
+}
+
+torch_s() {
+  "$python" - "$work/torch.pt" "$(cat "$work/bytes")" <<'PY'
+import os, sys, time, torch
+path, total = sys.argv[1], int(sys.argv[2])
+n = total // 14  # 2 bytes of bf16 weights and 12 of fp32 master, m, v per element
+state = {"model": torch.ones(n, dtype=torch.bfloat16),
+         "optimizer": {k: torch.full((n,), 0.5, dtype=torch.float32) for k in ("master", "m", "v")}}
+t = time.perf_counter()
+with open(path, "wb") as f:
+    torch.save(state, f)
+    f.flush()
+    os.fsync(f.fileno())
+print(time.perf_counter() - t)
+os.remove(path)
+PY
+}
+
+pairs=()
+for r in $(seq "$rounds"); do
+  if [ $((r % 2)) -eq 1 ]; then s=$(strata_s); d=$(fio_s 1); else d=$(fio_s 1); s=$(strata_s); fi
+  pairs+=("$s $d")
+  echo "  round $r: strata $s s, fio O_DIRECT $d s" >&2
+done
+b=$(fio_s 0)
+t=$(torch_s)
+
+"$python" - "$(cat "$work/bytes")" "$b" "$t" "${pairs[@]}" <<'PY'
+import statistics, sys
+n, buffered, torch_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+pairs = [tuple(map(float, p.split())) for p in sys.argv[4:]]
+g = 1e9
+print(f"{n/g:.2f} GB a checkpoint")
+print(f"{'round':<6} {'strata GB/s':>11} {'fio O_DIRECT GB/s':>17} {'strata/fio':>10}")
+for i, (s, d) in enumerate(pairs, 1):
+    print(f"{i:<6} {n/s/g:11.2f} {n/d/g:17.2f} {d/s:10.2f}")
+print(f"median strata / fio O_DIRECT: {statistics.median(d/s for s, d in pairs):.2f}")
+best = statistics.median(s for s, _ in pairs)
+print(f"fio buffered (the page cache): {n/buffered/g:.2f} GB/s; torch.save + fsync: {n/torch_s/g:.2f} GB/s"
+      f" (strata's median {best/1:.2f} s is {torch_s/best:.2f}x as fast)")
+PY
