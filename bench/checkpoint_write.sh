@@ -92,10 +92,53 @@ done
 b=$(fio_s 0)
 t=$(torch_s)
 
-"$python" - "$(cat "$work/bytes")" "$b" "$t" "${pairs[@]}" <<'PY'
-import statistics, sys
+# Resuming: one more checkpoint, the page cache dropped (as root; else the files may be cached
+# and the figures are warm ones), then `--resume`, which verifies every file against COMPLETE
+# and restores the state; beside fio reading the same bytes (O_DIRECT) and torch.load of
+# torch.save's file (the cache dropped the same way).
+cold() { sync; if [ "$(id -u)" = 0 ]; then echo 3 > /proc/sys/vm/drop_caches; fi; }
+rm -rf "$work/run"
+"$strata" train --model "$model" --init random --data "$work/tokens.bin" --steps 1 \
+  --devices host --offload-param cpu --offload-optimizer cpu --dtype bf16 --seq-len 64 \
+  --run-dir "$work/run" --save-every 0 > "$work/train.log" 2>&1 || { cat "$work/train.log" >&2; exit 1; }
+cold
+"$strata" train --model "$model" --init random --data "$work/tokens.bin" --steps 2 --resume \
+  --devices host --offload-param cpu --offload-optimizer cpu --dtype bf16 --seq-len 64 \
+  --run-dir "$work/run" --save-every 0 > "$work/resume.log" 2>&1 || { cat "$work/resume.log" >&2; exit 1; }
+resumed=$(grep '^resumed from ' "$work/resume.log")
+rm -rf "$work/run"
+fio --name=ckpt --filename="$work/fio.bin" --rw=write --bs=8M --iodepth=4 --ioengine=io_uring \
+  --direct=1 --size="$(cat "$work/bytes")" > /dev/null 2>&1
+cold
+fio_read=$(fio --name=ckpt --filename="$work/fio.bin" --rw=read --bs=8M --iodepth=4 \
+  --ioengine=io_uring --direct=1 --size="$(cat "$work/bytes")" --output-format=json 2> /dev/null |
+  "$python" -c 'import json,sys; j=json.load(sys.stdin)["jobs"][0]["read"]; print(j["runtime"]/1000)')
+rm -f "$work/fio.bin"
+torch_load=$("$python" - "$work/torch.pt" "$(cat "$work/bytes")" <<'PY'
+import os, subprocess, sys, time, torch
+path, total = sys.argv[1], int(sys.argv[2])
+n = total // 14
+state = {"model": torch.ones(n, dtype=torch.bfloat16),
+         "optimizer": {k: torch.full((n,), 0.5, dtype=torch.float32) for k in ("master", "m", "v")}}
+torch.save(state, path)
+del state
+os.sync()
+if os.geteuid() == 0:
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3")
+t = time.perf_counter()
+back = torch.load(path)
+assert back["optimizer"]["v"][-1].item() == 0.5
+print(time.perf_counter() - t)
+os.remove(path)
+PY
+)
+
+"$python" - "$(cat "$work/bytes")" "$b" "$t" "$resumed" "$fio_read" "$torch_load" "${pairs[@]}" <<'PY'
+import re, statistics, sys
 n, buffered, torch_s = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-pairs = [tuple(map(float, p.split())) for p in sys.argv[4:]]
+resumed, fio_read, torch_load = sys.argv[4], float(sys.argv[5]), float(sys.argv[6])
+pairs = [tuple(map(float, p.split())) for p in sys.argv[7:]]
 g = 1e9
 print(f"{n/g:.2f} GB a checkpoint")
 print(f"{'round':<6} {'strata GB/s':>11} {'fio O_DIRECT GB/s':>17} {'strata/fio':>10}")
@@ -105,4 +148,9 @@ print(f"median strata / fio O_DIRECT: {statistics.median(d/s for s, d in pairs):
 best = statistics.median(s for s, _ in pairs)
 print(f"fio buffered (the page cache): {n/buffered/g:.2f} GB/s; torch.save + fsync: {n/torch_s/g:.2f} GB/s"
       f" (strata's median {best/1:.2f} s is {torch_s/best:.2f}x as fast)")
+m = re.search(r"verified in ([0-9.]+) s, restored in ([0-9.]+) s", resumed)
+v, r = float(m.group(1)), float(m.group(2))
+print(f"resume: every file verified in {v:.1f} s ({n/v/g:.2f} GB/s), the optimizer state restored"
+      f" in {r:.1f} s ({v + r:.1f} s in all); fio O_DIRECT reads the checkpoint's bytes in"
+      f" {fio_read:.1f} s ({n/fio_read/g:.2f} GB/s); torch.load of torch.save's file {torch_load:.1f} s")
 PY

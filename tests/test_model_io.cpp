@@ -1885,6 +1885,19 @@ TEST(Safetensors, LargeTensorStreamsInChunks) {
   EXPECT_GT(mapped_rss_kb((tmp / "big.safetensors").string()), 8 * 1024);
   r.release_pages();
   EXPECT_LT(mapped_rss_kb((tmp / "big.safetensors").string()), 1024);
+  // Large reads go past the mapping (pread): rows from the middle, in both dtypes.
+  std::vector<float> rows(2'500'000);
+  r.read_rows("big", 1000, 2'500'000, rows.data(), DType::f32);
+  EXPECT_EQ(std::memcmp(rows.data(), big.data() + 1000, rows.size() * 4), 0);
+  std::vector<uint16_t> rows16(2'500'000);
+  r.read_rows("big", 499'999, 2'500'000, rows16.data(), DType::bf16);
+  const std::vector<uint16_t> want16 = to_16(big, DType::bf16);
+  EXPECT_TRUE(std::equal(rows16.begin(), rows16.end(), want16.begin() + 499'999));
+  // A file cut short under an open reader is an error naming it, never garbage.
+  fs::resize_file(tmp / "big.safetensors", fs::file_size(tmp / "big.safetensors") - 4096);
+  std::vector<float> cut(big.size());
+  expect_error([&] { r.read("big", cut.data(), DType::f32); },
+               {(tmp / "big.safetensors").string(), "truncated or replaced"});
 }
 
 // A file made by hand: the length, the header text exactly as given, then the data.

@@ -72,13 +72,14 @@ MappedFile MappedFile::open(const std::filesystem::path& path, std::string_view 
     }
     f.data_ = static_cast<const uint8_t*>(p);
   }
-  ::close(fd);  // the mapping keeps the file open
+  f.fd_ = fd;
   return f;
 }
 
 MappedFile::MappedFile(MappedFile&& other) noexcept
     : data_(std::exchange(other.data_, nullptr)),
       size_(std::exchange(other.size_, 0)),
+      fd_(std::exchange(other.fd_, -1)),
       path_(std::move(other.path_)) {}
 
 MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
@@ -86,9 +87,32 @@ MappedFile& MappedFile::operator=(MappedFile&& other) noexcept {
     unmap();
     data_ = std::exchange(other.data_, nullptr);
     size_ = std::exchange(other.size_, 0);
+    fd_ = std::exchange(other.fd_, -1);
     path_ = std::move(other.path_);
   }
   return *this;
+}
+
+void MappedFile::read_at(uint64_t offset, void* dst, uint64_t bytes) const {
+  auto* p = static_cast<uint8_t*>(dst);
+  const uint64_t end = offset + bytes;
+  while (offset < end) {
+    const ssize_t n =
+        ::pread(fd_, p, std::min<uint64_t>(end - offset, 1ull << 30), static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      fail("{}: reading {} bytes at offset {} failed: {}; check the drive", path_, end - offset,
+           offset, errno_text(err));
+    }
+    if (n == 0)
+      fail(
+          "{}: the file ends at byte {}, before the {} bytes asked for at offset {}; it was "
+          "truncated or replaced while being read",
+          path_, offset, end - offset, offset);
+    p += n;
+    offset += static_cast<uint64_t>(n);
+  }
 }
 
 MappedFile::~MappedFile() {
@@ -97,6 +121,8 @@ MappedFile::~MappedFile() {
 
 void MappedFile::unmap() {
   if (data_ != nullptr) munmap(const_cast<uint8_t*>(data_), size_);
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
   data_ = nullptr;
   size_ = 0;
 }

@@ -420,10 +420,26 @@ void SafetensorsReader::read_elements(const SafetensorsEntry& e, uint64_t first,
   if (n == 0) return;
   const uint8_t* src = f.data() + e.offset + first * src_size;
   auto* out = static_cast<uint8_t*>(dst);
+  const uint64_t chunk = kReadChunkBytes / src_size;
+  if (n * src_size >= kReadChunkBytes) {
+    // Large: read past the mapping (MappedFile::read_at), straight into dst when the dtypes
+    // agree, else a chunk at a time through one buffer.
+    const uint64_t at = e.offset + first * src_size;
+    if (dst_dtype == e.dtype) {
+      f.read_at(at, out, n * src_size);
+      return;
+    }
+    std::vector<uint64_t> buffer((kReadChunkBytes + 7) / 8);
+    for (uint64_t i = 0; i < n; i += chunk) {
+      const uint64_t m = std::min(chunk, n - i);
+      f.read_at(at + i * src_size, buffer.data(), m * src_size);
+      convert(out + i * dtype_size(dst_dtype), dst_dtype, buffer.data(), e.dtype, m);
+    }
+    return;
+  }
   // A header whose length is not a multiple of 8 (legal, but not what writers produce) leaves
   // the data unaligned; such chunks go through a small aligned copy.
   const bool aligned = reinterpret_cast<uintptr_t>(src) % src_size == 0;
-  const uint64_t chunk = kReadChunkBytes / src_size;
   // As large as one step's data, not a whole step's 8 MiB: small tensors are the common case.
   std::vector<uint32_t> bounce(aligned ? 0 : (std::min(chunk, n) * src_size + 3) / 4);
   for (uint64_t i = 0; i < n; i += chunk) {

@@ -512,7 +512,11 @@ struct Executor::State {
   // Runs lane's tasks of instance k (its dependencies: done_at >= k, prev ones >= k - 1),
   // recording spans as step `span_step`.
   void lane_loop(int lane, int64_t k, int span_step);
-  void write_unit(int u, const std::vector<char>& staged, const float* mmv = nullptr);
+  // Sends unit u's staged parameters (the padded unit in its dtype) to every home, with an
+  // optimizer state made from them (master = the parameters, m = v = 0), or with `state`'s
+  // (master, m and v of the unit's numel elements each; the padding zero).
+  void write_unit(int u, const std::vector<char>& staged,
+                  const UnitOptimizerState* state = nullptr);
   // The pieces of rank r's shard of unit u that take weight decay and those that do not (the
   // 1-D norm weights, Hugging Face Trainer's convention), in order: {begin, length, decay},
   // relative to the shard. Adam is elementwise, so updating piece by piece gives the bits of
@@ -1094,21 +1098,33 @@ Executor::~Executor() {
 // Unit u's padded parameters (param dtype) to their home, and the optimizer state to its
 // home: `mmv` (three padded f32 arrays, master then m then v) when given, else the master as
 // the parameters in f32 and zeroed moments.
-void Executor::State::write_unit(int u, const std::vector<char>& staged, const float* mmv) {
-  const uint64_t n = shard(u), padded = up(u).padded;
+void Executor::State::write_unit(int u, const std::vector<char>& staged,
+                                 const UnitOptimizerState* state) {
+  const uint64_t n = shard(u), numel = up(u).numel;
   const bool training = pl.shape.training;
+  AlignedBlock o_block;  // a shard's state on its way to the GPU or NVMe, reused across ranks
   for (int r = 0; r < N; ++r) {
     const uint64_t off = up(u).shard_offset(r);
     const char* p = staged.data() + off * ps;
     // The shard's optimizer state (a placement without training has none: its homes keep the
-    // optimizer "gpu", so only the branch below needs the check).
-    AlignedBlock o_block;
+    // optimizer "gpu", so only the branch below needs the check), made where it lives when that
+    // is host RAM.
     float* o = nullptr;
     if (training) {
-      o_block = page_block(n * 12, "a shard's optimizer state");
-      o = reinterpret_cast<float*>(o_block.get());
-      if (mmv != nullptr) {
-        for (int k = 0; k < 3; ++k) std::memcpy(o + k * n, mmv + k * padded + off, n * 4);
+      if (home(u).optimizer == Tier::cpu && r < host_ranks(u)) {
+        o = reinterpret_cast<float*>(host_o[static_cast<size_t>(u)][static_cast<size_t>(r)]);
+      } else {
+        if (!o_block) o_block = page_block(n * 12, "a shard's optimizer state");
+        o = reinterpret_cast<float*>(o_block.get());
+      }
+      if (state != nullptr) {
+        const uint64_t have = off < numel ? std::min(n, numel - off) : 0;
+        const std::array<const std::vector<float>*, 3> from = {&state->master, &state->m,
+                                                               &state->v};
+        for (size_t k = 0; k < 3; ++k) {
+          copy_bytes(o + k * n, from[k]->data() + off, have * 4);
+          std::fill(o + k * n + have, o + (k + 1) * n, 0.0f);
+        }
       } else {
         convert(o, DType::f32, p, pt, n);
         std::fill(o + n, o + 3 * n, 0.0f);
@@ -1132,8 +1148,6 @@ void Executor::State::write_unit(int u, const std::vector<char>& staged, const f
     }
     if (home(u).grad == Tier::cpu)
       std::memset(host_g[static_cast<size_t>(u)][static_cast<size_t>(r)], 0, n * gs);
-    if (home(u).optimizer == Tier::cpu)
-      std::memcpy(host_o[static_cast<size_t>(u)][static_cast<size_t>(r)], o, n * 12);
     if (home(u).optimizer == Tier::nvme) store->write(shard_name('O', u, r), o);
   }
 }
@@ -1272,16 +1286,12 @@ void Executor::set_optimizer_state(int u, const UnitOptimizerState& state) {
     if (v->size() != numel)
       fail("optimizer state of unit {}: {} has {} values for the unit's {} elements", s.up(u).name,
            what, v->size(), numel);
-  std::vector<float> mmv(padded * 3, 0.0f);
-  for (int k = 0; k < 3; ++k) {
-    const std::vector<float>& v = k == 0 ? state.master : k == 1 ? state.m : state.v;
-    std::copy(v.begin(), v.end(), mmv.begin() + static_cast<std::ptrdiff_t>(k * padded));
-  }
-  // The parameters are the master rounded to their dtype, as every Adam step leaves them.
+  // The parameters are the master rounded to their dtype, as every Adam step leaves them (the
+  // padding zero).
   std::vector<char> staged(padded * s.ps, char{0});
-  convert(staged.data(), s.pt, mmv.data(), DType::f32, padded);
+  convert(staged.data(), s.pt, state.master.data(), DType::f32, numel);
   if (s.zero->param_resident(u)) s.zero->upload_unit(u, state.master);
-  s.write_unit(u, staged, mmv.data());
+  s.write_unit(u, staged, &state);
 }
 
 // ---- running tasks ----

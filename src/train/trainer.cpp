@@ -164,9 +164,12 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   LossScaler scaler(s.scaling);
   fs::path ckpt;
   int64_t step = 0, applied = 0;
+  double verify_s = 0;
   if (s.resume) {
+    const auto began = std::chrono::steady_clock::now();
     ckpt = s.resume_from.empty() ? resume_checkpoint(s.run_dir, s.resume_fallback)
                                  : resume_checkpoint_at(s.resume_from, s.resume_fallback);
+    verify_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
     std::error_code ec;
     const fs::path ckpt_run = ckpt.parent_path().parent_path();
     if (!s.resume_from.empty() && !fs::equivalent(ckpt_run, s.run_dir, ec)) {
@@ -221,8 +224,11 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     fail("--run-dir {}: cannot create it: {}; name a writable directory", s.run_dir.string(),
          ec.message());
   if (s.resume) {
+    const auto began = std::chrono::steady_clock::now();
     restore_checkpoint(ckpt, ex);
-    fmt::print("resumed from {} at step {}\n", ckpt.string(), step);
+    fmt::print("resumed from {} at step {} (verified in {:.1f} s, restored in {:.1f} s)\n",
+               ckpt.string(), step, verify_s,
+               std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count());
     // Checkpoints past it are of the timeline it abandons: set aside, never overwritten.
     for (const fs::path& aside : set_aside_checkpoints_after(s.run_dir, step))
       fmt::print("set aside {}: of a later step than the checkpoint resumed from\n",
