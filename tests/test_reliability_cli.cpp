@@ -383,6 +383,7 @@ TEST(Reliability, AFailedCheckpointWriteKeepsThePreviousOne) {
   const std::string out = slurp(c.log);
   EXPECT_NE(out.find("optimizer.safetensors"), std::string::npos) << out;
   EXPECT_NE(out.find("File too large"), std::string::npos) << out;
+  EXPECT_NE(out.find("ulimit -f"), std::string::npos) << out;  // reserved, so refused up front
   const auto done = complete_checkpoints(run);
   ASSERT_EQ(done.size(), 1u);
   EXPECT_EQ(done.back().first, 2);

@@ -200,7 +200,16 @@ uint64_t xxh3_64(const void* data, uint64_t bytes) {
 }
 
 namespace {
-std::vector<nvme::Fault> g_atomic_file_faults;  // tests only (atomic_file_faults_for_testing)
+std::vector<nvme::Fault> g_atomic_file_faults;
+
+// What to do about a write that failed with `err`.
+std::string write_advice(int err) {
+  if (err == EFBIG)
+    return "the file would pass the largest its filesystem or this process's file-size limit "
+           "(ulimit -f) allows: raise the limit or write it elsewhere";
+  if (err == ENOSPC) return "free space on its file system or write it elsewhere";
+  return "check the file system and the drive";
+}  // tests only (atomic_file_faults_for_testing)
 }  // namespace
 
 void atomic_file_faults_for_testing(std::vector<nvme::Fault> faults) {
@@ -212,8 +221,11 @@ void atomic_file_faults_for_testing(std::vector<nvme::Fault> faults) {
 // (handed back to idle by its completion). Without a ring there is one chunk, written with
 // pwrite as soon as it is full.
 struct AtomicFile::Staging {
+  // Mapped, not malloc'd: freed chunks go back to the system at once. (From malloc, glibc's
+  // sliding mmap threshold serves every chunk after the first freed one from its heap, which
+  // keeps what later units leave there: a run's peak RSS then grew by a few chunks at random.)
   struct Free {
-    void operator()(uint8_t* p) const { std::free(p); }
+    void operator()(uint8_t* p) const { ::munmap(p, kStagingChunk); }
   };
   std::vector<std::unique_ptr<uint8_t, Free>> chunks;  // allocated as they are first needed
   std::vector<int> idle;
@@ -271,8 +283,7 @@ void AtomicFile::put(uint64_t offset, const void* data, uint64_t bytes) {
     if (n < 0) {
       if (errno == EINTR) continue;
       const int err = errno;
-      fail("writing {} failed: {}; check free space on its file system", tmp_.string(),
-           errno_text(err));
+      fail("writing {} failed: {}; {}", tmp_.string(), errno_text(err), write_advice(err));
     }
     p += n;
     offset += static_cast<uint64_t>(n);
@@ -296,8 +307,8 @@ void AtomicFile::reserve(uint64_t bytes) {
         tmp_.string(), format_bytes(bytes), format_bytes(free_bytes));
   }
   if (err != EOPNOTSUPP && err != ENOSYS)
-    fail("writing {}: reserving {} failed: {}; check the filesystem", tmp_.string(),
-         format_bytes(bytes), errno_text(err));
+    fail("writing {}: reserving {} failed: {}; {}", tmp_.string(), format_bytes(bytes),
+         errno_text(err), write_advice(err));
 }
 
 void AtomicFile::write(const void* data, uint64_t bytes) {
@@ -320,8 +331,9 @@ void AtomicFile::stage(const void* data, uint64_t bytes) {
     if (s.current < 0) {
       const size_t most = s.ring != nullptr ? kStagingChunks : 1;
       if (s.idle.empty() && s.chunks.size() < most) {
-        auto* chunk =
-            static_cast<uint8_t*>(std::aligned_alloc(nvme::kDirectAlignment, kStagingChunk));
+        void* mapped = ::mmap(nullptr, kStagingChunk, PROT_READ | PROT_WRITE,
+                              MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        auto* chunk = mapped == MAP_FAILED ? nullptr : static_cast<uint8_t*>(mapped);
         if (chunk == nullptr)
           fail(
               "writing {}: {} of host memory for a staging chunk could not be allocated; free "

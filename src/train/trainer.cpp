@@ -108,13 +108,13 @@ HostMemoryPlan plan_host_memory(const Placement& placement, const std::vector<De
   h.cpu = need.total(Tier::cpu);
   for (const Device* d : devices)
     if (d->backend() == Backend::host) h.devices += need.total(Tier::gpu);
-  // A checkpoint holds one unit at a time: its optimizer state (12 bytes an element) and, for
-  // a shard on NVMe, that shard read into a block of its own (12 more at most); or, writing
-  // the model, its parameters as f32 and in their dtype, and a shard's block; and the writer's
-  // staging chunks.
+  // Checkpoints and resumes hold one unit at a time: its optimizer state (12 bytes an element)
+  // and a shard's on its way to or from the GPU or NVMe (12 more at most), and, resuming, the
+  // unit's parameters in their dtype (4 at most); writing the model takes less (its parameters
+  // as f32 and in their dtype, a shard's block); and the writer's staging chunks.
   uint64_t largest = 0;
   for (const UnitPartition& u : placement.partition.units) largest = std::max(largest, u.padded);
-  h.checkpoint = 24 * largest + AtomicFile::kStagingBytes;
+  h.checkpoint = 28 * largest + AtomicFile::kStagingBytes;
   return h;
 }
 
