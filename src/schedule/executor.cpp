@@ -57,10 +57,6 @@ struct AlignedFree {
 };
 using AlignedBlock = std::unique_ptr<char, AlignedFree>;
 
-// A page-aligned host copy of one shard, for the swap store's calls outside a step (loading,
-// checkpoints, reading state back), which it then moves in place like the step's pinned
-// buffers: a heap vector would send every stripe through the store's own bounce buffers, a
-// pinned pool of queue depth x stripe per ring that no placement counts.
 // memcpy on every core for a shard's worth of bytes (a checkpoint copies each unit out of RAM).
 void copy_bytes(void* dst, const void* src, uint64_t bytes) {
   constexpr uint64_t kBlock = 4ull << 20;
@@ -76,6 +72,10 @@ void copy_bytes(void* dst, const void* src, uint64_t bytes) {
                     });
 }
 
+// A page-aligned host copy of one shard, for the swap store's calls outside a step (loading,
+// checkpoints, reading state back), which it then moves in place like the step's pinned
+// buffers: a heap vector would send every stripe through the store's own bounce buffers, a
+// pinned pool of queue depth x stripe per ring that no placement counts.
 AlignedBlock page_block(uint64_t bytes, const char* what) {
   char* p =
       static_cast<char*>(std::aligned_alloc(kPage, round_up(std::max<uint64_t>(bytes, 1), kPage)));
@@ -1096,8 +1096,8 @@ Executor::~Executor() {
 // ---- model state ----
 
 // Unit u's padded parameters (param dtype) to their home, and the optimizer state to its
-// home: `mmv` (three padded f32 arrays, master then m then v) when given, else the master as
-// the parameters in f32 and zeroed moments.
+// home: `state`'s master, m and v when given (each shard's part, the padding zero), else the
+// master as the parameters in f32 and zeroed moments.
 void Executor::State::write_unit(int u, const std::vector<char>& staged,
                                  const UnitOptimizerState* state) {
   const uint64_t n = shard(u), numel = up(u).numel;
@@ -1122,7 +1122,7 @@ void Executor::State::write_unit(int u, const std::vector<char>& staged,
         const std::array<const std::vector<float>*, 3> from = {&state->master, &state->m,
                                                                &state->v};
         for (size_t k = 0; k < 3; ++k) {
-          copy_bytes(o + k * n, from[k]->data() + off, have * 4);
+          if (have > 0) copy_bytes(o + k * n, from[k]->data() + off, have * 4);
           std::fill(o + k * n + have, o + (k + 1) * n, 0.0f);
         }
       } else {
