@@ -57,18 +57,24 @@ struct AlignedFree {
 };
 using AlignedBlock = std::unique_ptr<char, AlignedFree>;
 
-// memcpy on every core for a shard's worth of bytes (a checkpoint copies each unit out of RAM).
+// memcpy (src) or memset to 0 (src null) on every core for a shard's worth of bytes: a
+// checkpoint copies each unit out of RAM, and loading writes host RAM for the first time, whose
+// page faults (the kernel zeroing each page) then run on every core too.
 void copy_bytes(void* dst, const void* src, uint64_t bytes) {
   constexpr uint64_t kBlock = 4ull << 20;
+  auto part = [&](uint64_t a, uint64_t b) {
+    if (src != nullptr)
+      std::memcpy(static_cast<char*>(dst) + a, static_cast<const char*>(src) + a, b - a);
+    else
+      std::memset(static_cast<char*>(dst) + a, 0, b - a);
+  };
   if (bytes < 2 * kBlock) {
-    std::memcpy(dst, src, bytes);
+    part(0, bytes);
     return;
   }
   tbb::parallel_for(tbb::blocked_range<uint64_t>(0, (bytes + kBlock - 1) / kBlock),
                     [&](const tbb::blocked_range<uint64_t>& r) {
-                      const uint64_t a = r.begin() * kBlock, b = std::min(bytes, r.end() * kBlock);
-                      std::memcpy(static_cast<char*>(dst) + a, static_cast<const char*>(src) + a,
-                                  b - a);
+                      part(r.begin() * kBlock, std::min(bytes, r.end() * kBlock));
                     });
 }
 
@@ -1123,11 +1129,11 @@ void Executor::State::write_unit(int u, const std::vector<char>& staged,
                                                                &state->v};
         for (size_t k = 0; k < 3; ++k) {
           if (have > 0) copy_bytes(o + k * n, from[k]->data() + off, have * 4);
-          std::fill(o + k * n + have, o + (k + 1) * n, 0.0f);
+          copy_bytes(o + k * n + have, nullptr, (n - have) * 4);
         }
       } else {
         convert(o, DType::f32, p, pt, n);
-        std::fill(o + n, o + 3 * n, 0.0f);
+        copy_bytes(o + n, nullptr, 2 * n * 4);
       }
     }
     if (training && home(u).optimizer == Tier::gpu) {
@@ -1147,7 +1153,7 @@ void Executor::State::write_unit(int u, const std::vector<char>& staged,
       store->write(shard_name('P', u, r), block.get());
     }
     if (home(u).grad == Tier::cpu)
-      std::memset(host_g[static_cast<size_t>(u)][static_cast<size_t>(r)], 0, n * gs);
+      copy_bytes(host_g[static_cast<size_t>(u)][static_cast<size_t>(r)], nullptr, n * gs);
     if (home(u).optimizer == Tier::nvme) store->write(shard_name('O', u, r), o);
   }
 }
