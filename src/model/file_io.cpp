@@ -361,31 +361,25 @@ void AtomicFile::flush_chunk() {
   if (s.current < 0) return;
   if (!s.tried && s.fill == kStagingChunk) {
     // The first full chunk: this file is large enough for O_DIRECT, if the filesystem takes it
-    // (asked first, so that a refusal is quiet here: a tmpfs run directory is no fault).
+    // (a tmpfs run directory does not, and is no fault: the chunks go through the page cache).
     s.tried = true;
-    const int probe = ::open(tmp_.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
-    if (probe < 0) {
-      log_debug("{}: O_DIRECT refused ({}); writing through the page cache", tmp_.string(),
-                errno_text(errno));
-    } else {
-      ::close(probe);
-      try {
-        nvme::IoOptions o;
-        o.queue_depth = kStagingChunks;
-        o.faults = g_atomic_file_faults;
-        o.enospc_advice = "free space on that filesystem";
-        auto ring = std::make_unique<nvme::IoRing>(std::move(o));
-        const int file = ring->add_file(tmp_.string(), false);
-        if (ring->is_direct(file)) {
-          ring->on_complete([&s](const nvme::IoRequest& r) { s.idle.push_back(int(r.tag)); });
-          s.ring = std::move(ring);
-          s.file = file;
-          direct_ = true;
-        }
-      } catch (const Error& e) {
-        if (first_time("atomic-file-io-uring"))
-          log_debug("large files written through the page cache: {}", e.what());
+    try {
+      nvme::IoOptions o;
+      o.queue_depth = kStagingChunks;
+      o.faults = g_atomic_file_faults;
+      o.warn_if_buffered = false;
+      o.enospc_advice = "free space on that filesystem";
+      auto ring = std::make_unique<nvme::IoRing>(std::move(o));
+      const int file = ring->add_file(tmp_.string(), false);
+      if (ring->is_direct(file)) {
+        ring->on_complete([&s](const nvme::IoRequest& r) { s.idle.push_back(int(r.tag)); });
+        s.ring = std::move(ring);
+        s.file = file;
+        direct_ = true;
       }
+    } catch (const Error& e) {
+      if (first_time("atomic-file-io-uring"))
+        log_debug("large files written through the page cache: {}", e.what());
     }
   }
   const int chunk = std::exchange(s.current, -1);

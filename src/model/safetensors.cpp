@@ -495,45 +495,44 @@ FileDigest write_safetensors(const fs::path& path, std::span<const SafetensorsTe
   out.write(length, sizeof(length));
   out.write(text.data(), text.size());
   std::map<std::string, uint64_t> sums;
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> sum(XXH3_createState(), XXH3_freeState);
+  if (sum == nullptr) fail("writing {}: out of memory for a checksum state", path.string());
   for (const SafetensorsTensor* t : order) {
     const uint64_t bytes = tensor_bytes(*t);
-    if (t->data == nullptr && bytes > 0 && !t->source) {
-      // In parts: the tensor's checksum runs over them as the file's does.
-      std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> sum(XXH3_createState(),
-                                                                   XXH3_freeState);
-      if (sum == nullptr) fail("writing {}: out of memory for a checksum state", path.string());
-      XXH3_64bits_reset(sum.get());
-      uint64_t given = 0;
-      t->parts([&](const void* part, uint64_t size) {
-        if (given + size > bytes)
-          fail(
-              "writing {}: the parts of tensor '{}' run past its {} bytes; this is a bug in the "
-              "caller",
-              path.string(), t->name, bytes);
-        if (size >= AtomicFile::kParallelBytes)
-          tbb::parallel_invoke([&] { XXH3_64bits_update(sum.get(), part, size); },
-                               [&] { out.write(part, size); });
-        else {
-          XXH3_64bits_update(sum.get(), part, size);
-          out.write(part, size);
-        }
-        given += size;
-      });
-      if (given != bytes)
+    // Each tensor's bytes, whole or in parts, go to the file with its checksum computed beside
+    // the file's and the copy (AtomicFile::write).
+    XXH3_64bits_reset(sum.get());
+    uint64_t given = 0;
+    auto put = [&](const void* part, uint64_t size) {
+      if (given + size > bytes)
         fail(
-            "writing {}: the parts of tensor '{}' gave {} of its {} bytes; this is a bug in the "
+            "writing {}: the parts of tensor '{}' run past its {} bytes; this is a bug in the "
             "caller",
-            path.string(), t->name, given, bytes);
-      sums[t->name] = XXH3_64bits_digest(sum.get());
-      continue;
+            path.string(), t->name, bytes);
+      if (size >= AtomicFile::kParallelBytes) {
+        tbb::parallel_invoke([&] { XXH3_64bits_update(sum.get(), part, size); },
+                             [&] { out.write(part, size); });
+      } else {
+        XXH3_64bits_update(sum.get(), part, size);
+        out.write(part, size);
+      }
+      given += size;
+    };
+    if (t->data == nullptr && bytes > 0 && !t->source) {
+      t->parts(put);
+    } else {
+      const void* data = t->data != nullptr || bytes == 0 ? t->data : t->source();
+      if (data == nullptr && bytes > 0)
+        fail("writing {}: the source of tensor '{}' gave no data; this is a bug in the caller",
+             path.string(), t->name);
+      put(data, bytes);
     }
-    const void* data = t->data != nullptr || bytes == 0 ? t->data : t->source();
-    if (data == nullptr && bytes > 0)
-      fail("writing {}: the source of tensor '{}' gave no data; this is a bug in the caller",
-           path.string(), t->name);
-    // The tensor's checksum beside the file's and the copy (AtomicFile::write).
-    tbb::parallel_invoke([&] { sums[t->name] = xxh3_64(data, bytes); },
-                         [&] { out.write(data, bytes); });
+    if (given != bytes)
+      fail(
+          "writing {}: the parts of tensor '{}' gave {} of its {} bytes; this is a bug in the "
+          "caller",
+          path.string(), t->name, given, bytes);
+    sums[t->name] = XXH3_64bits_digest(sum.get());
   }
   out.commit();
   FileDigest d = out.digest();

@@ -151,7 +151,7 @@ int IoRing::add_file(const std::string& path, bool create) {
     if (f.direct_fd < 0 && errno != EINVAL)
       fail("cannot open {}: {}; check that the nvme_path exists and is writable", path,
            errno_text(errno));
-    if (f.direct_fd < 0) {
+    if (f.direct_fd < 0 && options_.warn_if_buffered) {
       const std::string dir = std::filesystem::path(path).parent_path().string();
       warn_once("nvme-o-direct:" + dir,
                 "nvme: {} refuses O_DIRECT (tmpfs or a network filesystem?); using buffered I/O "

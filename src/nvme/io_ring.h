@@ -65,6 +65,10 @@ struct IoOptions {
   // together (a swap store's rings, so a fault names the store's N-th request); null: each
   // ring counts its own.
   std::shared_ptr<std::atomic<uint64_t>> request_counter;
+  // Whether a filesystem's refusal of O_DIRECT is logged (once per directory): a warning for the
+  // swap store, whose drive should take it; nothing for a checkpoint's writer, which simply
+  // writes a tmpfs run directory through the page cache.
+  bool warn_if_buffered = true;
   // What a full filesystem's error tells the user to do (the swap store's default; a
   // checkpoint's writer has no nvme_path to add).
   std::string enospc_advice = "free space on that filesystem or add another nvme_path";
