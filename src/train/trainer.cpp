@@ -428,6 +428,9 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
                                     {"loss_scale", scaler.state().to_json()},
                                     {"model", to_hf_config_json(model)},
                                     {"settings", s.echo}};
+      // The step's last updates (which run on past its loss) end first: the line below times
+      // the checkpoint alone.
+      ex.finish();
       const auto began = std::chrono::steady_clock::now();
       const fs::path dir =
           save_checkpoint(s.run_dir, step, ex, model, s.dtype, state, s.keep,
