@@ -1147,6 +1147,145 @@ TEST(Executor, NvmeFaultStopsTheStepNamingTheTask) {
   test::expect_error([&] { ex.step(batches[0], step_params(4)); }, {"an earlier step 3 failed"});
 }
 
+// Outside a step the executor moves a unit's NVMe shards one unit ahead of its caller: a
+// checkpoint reads unit u + 1's state while it writes unit u's (optimizer_state_view() and
+// parameters() with `next`), and a resume writes unit u's state while it reads unit u + 1's
+// (set_optimizer_state()'s write behind). The caller sees what lies in the tiers whatever it
+// asks for next, and nothing read ahead outlives a change to what it read.
+std::vector<float> flat(const Executor::OptimizerStateView& view, size_t k) {
+  std::vector<float> out;
+  for (const std::span<const float>& part : view.parts[k])
+    out.insert(out.end(), part.begin(), part.end());
+  return out;
+}
+
+void expect_state(const Executor::OptimizerStateView& view, const UnitOptimizerState& want,
+                  const std::string& what) {
+  expect_bits(flat(view, 0), want.master, what + " master");
+  expect_bits(flat(view, 1), want.m, what + " m");
+  expect_bits(flat(view, 2), want.v, what + " v");
+}
+
+TEST(Executor, UnitsReadAheadAndWrittenBehindAreWhatLiesInTheTiers) {
+  const LlamaConfig c = tiny(false);
+  for (const int N : {1, 3}) {
+    REQUIRE_DEVICES(N);
+    // With 3 ranks the embedding and the head stay whole on every rank (ReplicatedUnits).
+    const uint64_t threshold = N == 1 ? 0 : 40000;
+    for (auto [p, o] : {std::pair{Tier::nvme, Tier::nvme}, std::pair{Tier::cpu, Tier::nvme},
+                        std::pair{Tier::nvme, Tier::cpu}, std::pair{Tier::gpu, Tier::gpu}}) {
+      const std::string name = fmt::format("P {} O {} N {}:", tier_name(p), tier_name(o), N);
+      SCOPED_TRACE(name);
+      const test::TempDir dir("strata-exec");
+      Rig rig(N);
+      const Placement pl = make_placement(c, N, p, o, dir.path.string(), threshold);
+      ScheduleOptions so;
+      so.micro_batches = kMicro;
+      const Schedule sc = Schedule::build(pl, so);
+      ExecutorOptions eo;
+      eo.cpu_adam_threads = 2;
+      Executor ex(pl, sc, *rig.comm, eo);
+      ex.init_random(7);
+      const auto batches = make_batches(N, c.vocab_size);
+      ex.step(batches[0], step_params(1));
+      const int U = static_cast<int>(pl.homes.size());
+      ASSERT_GE(U, 3);
+      // What lies in the tiers, each unit read on its own.
+      std::vector<UnitOptimizerState> want;
+      std::vector<std::vector<float>> want_p;
+      for (int u = 0; u < U; ++u) {
+        want.push_back(ex.optimizer_state(u));
+        want_p.push_back(ex.parameters(u));
+      }
+      // In order, each call naming the next.
+      std::vector<float> got;
+      for (int u = 0; u < U; ++u) {
+        const int next = u + 1 < U ? u + 1 : -1;
+        expect_state(ex.optimizer_state_view(u, next), want[static_cast<size_t>(u)],
+                     fmt::format("{} unit {} in order", name, u));
+        ex.parameters(u, got, next);
+        expect_bits(got, want_p[static_cast<size_t>(u)], fmt::format("{} unit {}", name, u));
+      }
+      // Out of the order foreseen: a read ahead not taken up at once.
+      ex.optimizer_state_view(0, 2);
+      expect_state(ex.optimizer_state_view(1), want[1], name + " unit 1 out of order");
+      expect_state(ex.optimizer_state_view(2), want[2], name + " unit 2 out of order");
+      ex.parameters(0, got, 2);
+      ex.parameters(1, got);
+      expect_bits(got, want_p[1], name + " parameters of unit 1 out of order");
+      ex.parameters(2, got);
+      expect_bits(got, want_p[2], name + " parameters of unit 2 out of order");
+      // A read ahead does not outlive a change to what it read, or to its block: new state
+      // set for its unit, or for another...
+      UnitOptimizerState changed = want[1];
+      for (float& x : changed.m) x += 1.0f;
+      ex.optimizer_state_view(0, 1);
+      ex.set_optimizer_state(1, changed);
+      expect_state(ex.optimizer_state_view(1), changed, name + " unit 1 set after a read ahead");
+      ex.set_optimizer_state(1, want[1]);
+      ex.optimizer_state_view(0, 1);
+      ex.set_optimizer_state(2, want[2]);
+      expect_state(ex.optimizer_state_view(1), want[1], name + " unit 1 after unit 2 was set");
+      // ... or a step.
+      ex.optimizer_state_view(0, 1);
+      ex.step(batches[1], step_params(2));
+      const UnitOptimizerState stepped = [&] {
+        const Executor::OptimizerStateView v = ex.optimizer_state_view(1);
+        return UnitOptimizerState{flat(v, 0), flat(v, 1), flat(v, 2)};
+      }();
+      const UnitOptimizerState fresh = ex.optimizer_state(1);
+      expect_bits(stepped.master, fresh.master, name + " master after a step");
+      expect_bits(stepped.m, fresh.m, name + " m after a step");
+      EXPECT_NE(fresh.m, want[1].m) << "the step changed nothing";
+      ex.parameters(0, got, 1);
+      ex.step(batches[2], step_params(3));
+      ex.parameters(1, got);
+      expect_bits(got, ex.parameters(1), name + " parameters after a step");
+      // Written behind: each unit's state set while the previous one's is written, then read.
+      std::vector<UnitOptimizerState> set = want;
+      for (int u = 0; u < U; ++u) {
+        for (float& x : set[static_cast<size_t>(u)].v) x *= 0.5f;
+        ex.set_optimizer_state(u, set[static_cast<size_t>(u)]);
+      }
+      ex.finish();
+      for (int u = 0; u < U; ++u) {
+        const UnitOptimizerState back = ex.optimizer_state(u);
+        expect_bits(back.master, set[static_cast<size_t>(u)].master, name + " master set");
+        expect_bits(back.v, set[static_cast<size_t>(u)].v, name + " v set");
+        expect_bits(ex.parameters(u), set[static_cast<size_t>(u)].master, name + " parameters set");
+      }
+    }
+  }
+}
+
+// A write behind that fails is not lost: set_optimizer_state() or finish() throws its error,
+// naming the shard's file.
+TEST(Executor, AWriteBehindThatFailsIsReported) {
+  REQUIRE_DEVICES(1);
+  const LlamaConfig c = tiny(false);
+  const test::TempDir dir("strata-exec");
+  Rig rig(1);
+  const Placement pl = make_placement(c, 1, Tier::nvme, Tier::nvme, dir.path.string());
+  ScheduleOptions so;
+  so.micro_batches = kMicro;
+  const Schedule sc = Schedule::build(pl, so);
+  ExecutorOptions eo;
+  eo.io.faults = {nvme::Fault{nvme::FaultKind::eio, 300}};
+  Executor ex(pl, sc, *rig.comm, eo);
+  ex.init_random(3);
+  const int U = static_cast<int>(pl.homes.size());
+  std::vector<UnitOptimizerState> state;
+  for (int u = 0; u < U; ++u) state.push_back(ex.optimizer_state(u));
+  const std::string msg = test::error_message([&] {
+    for (int round = 0; round < 1000; ++round)
+      for (int u = 0; u < U; ++u) ex.set_optimizer_state(u, state[static_cast<size_t>(u)]);
+    ex.finish();
+  });
+  EXPECT_NE(msg.find("write of"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("Input/output error"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(dir.path.string()), std::string::npos) << msg;
+}
+
 // The CUDA kernels index the embedding and the logits with these ids unchecked, so the
 // executor refuses one outside the vocabulary before anything runs, naming where it is; the
 // executor stays usable.

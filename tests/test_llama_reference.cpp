@@ -320,7 +320,7 @@ TEST_P(LlamaReference, LossLogitsAndGradientsMatchTorch) {
   // checkpoints use.
   const std::vector<SafetensorsTensor> tensors = streamed_model_tensors(
       layout, DType::f32,
-      [&](int u, std::vector<float>& out) { out = units[static_cast<size_t>(u)]; });
+      [&](int u, std::vector<float>& out, int) { out = units[static_cast<size_t>(u)]; });
   write_safetensors(dir_ / "model" / "model.safetensors", tensors, {});
   {
     std::ofstream f(dir_ / "model" / "config.json");

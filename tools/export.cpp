@@ -60,7 +60,7 @@ int run_export(const ExportArgs& a) {
       fail("export {}: optimizer.safetensors has no {}.master; the checkpoint is damaged",
            ckpt.string(), unit.name);
   std::vector<SafetensorsTensor> tensors =
-      streamed_model_tensors(layout, dtype, [&](int u, std::vector<float>& master) {
+      streamed_model_tensors(layout, dtype, [&](int u, std::vector<float>& master, int) {
         const UnitLayout& unit = layout.units[static_cast<size_t>(u)];
         const std::string name = unit.name + ".master";
         const auto n = static_cast<uint64_t>(optimizer.find(name)->numel());

@@ -68,7 +68,16 @@ bool is_shard_name(std::string_view n) {
          digits(15) && n.ends_with(".safetensors");
 }
 
-// The tensors checked and in the order their data is written: element size, then name.
+}  // namespace
+
+bool safetensors_before(const SafetensorsTensor& a, const SafetensorsTensor& b) {
+  if (dtype_size(a.dtype) != dtype_size(b.dtype)) return dtype_size(a.dtype) > dtype_size(b.dtype);
+  return a.name < b.name;
+}
+
+namespace {
+
+// The tensors checked and in the order their data is written (safetensors_before).
 std::vector<const SafetensorsTensor*> checked_order(std::span<const SafetensorsTensor> tensors,
                                                     const fs::path& path) {
   std::vector<const SafetensorsTensor*> order;
@@ -90,9 +99,7 @@ std::vector<const SafetensorsTensor*> checked_order(std::span<const SafetensorsT
     order.push_back(&t);
   }
   std::sort(order.begin(), order.end(), [](const SafetensorsTensor* a, const SafetensorsTensor* b) {
-    if (dtype_size(a->dtype) != dtype_size(b->dtype))
-      return dtype_size(a->dtype) > dtype_size(b->dtype);
-    return a->name < b->name;
+    return safetensors_before(*a, *b);
   });
   return order;
 }

@@ -118,6 +118,8 @@ struct SafetensorsTensor {
 FileDigest write_safetensors(const std::filesystem::path& path,
                              std::span<const SafetensorsTensor> tensors,
                              const std::map<std::string, std::string>& metadata = {});
+// Whether write_safetensors writes a's data before b's: the order its sources are called in.
+bool safetensors_before(const SafetensorsTensor& a, const SafetensorsTensor& b);
 
 // Writes `dir`/model.safetensors when everything fits in max_shard_bytes, otherwise shards
 // model-0000k-of-0000N.safetensors (filled in the given order; a tensor larger than the limit

@@ -30,6 +30,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <future>
 #include <mutex>
 #include <thread>
 
@@ -293,6 +294,46 @@ struct Executor::State {
   // together); outside the steps (load, init, parameters()) channel 0.
   std::unique_ptr<nvme::SwapStore> store;
   static constexpr unsigned kReadChannel = 0, kWriteChannel = 1;
+  // Unit state moved outside a step (loading, resuming, checkpoints) runs one unit ahead of
+  // the caller on NVMe: a checkpoint writes unit u to its file while unit u + 1's shards are
+  // read (read_ahead), and loading or resuming reads unit u + 1 from its files while unit u's
+  // shards are written (write_unit's write behind). A unit's shards of a kind lie in a
+  // page-aligned block, rank r's at rank_part(r, shard bytes): `job`, which the one job at a
+  // time (on a thread of its own) reads into or writes from, and `held`, which the caller
+  // reads (nvme_unit; a finished read ahead's block becomes it). Both are reused from unit to
+  // unit, so their pages are faulted in once. Every other use of the store waits for the job:
+  // step(), evaluate(), decode() and finish() free both first.
+  struct Block {
+    AlignedBlock data;
+    uint64_t capacity = 0;
+    char* room(uint64_t bytes) {
+      if (capacity < bytes) {
+        data.reset();  // freed before its successor is allocated
+        capacity = 0;
+        data = page_block(bytes, "a unit's shards on their way to or from NVMe or a GPU");
+        capacity = bytes;
+      }
+      return data.get();
+    }
+  };
+  struct Transfer {
+    Block job, held;
+    std::future<void> pending;
+    char ahead_kind = 0;  // what `job` holds once `pending` is done: a read ahead of unit
+    int ahead_unit = -1;  // ahead_unit's shards of ahead_kind ('P' or 'O'), or -1
+  } transfer;
+  // Waits for the job in flight; its error is thrown here (and its read ahead forgotten).
+  void transfer_wait();
+  // Waits, forgets any read ahead and returns `job` with room for `bytes`.
+  char* job_block(uint64_t bytes);
+  // Waits and frees both blocks.
+  void transfer_done();
+  uint64_t shard_bytes(char kind, int u) const { return shard(u) * (kind == 'O' ? 12 : ps); }
+  // Unit u's shards of `kind` (homed on NVMe) in `held`, taken from the read ahead when it has
+  // them, else read now; valid until the next transfer.
+  char* nvme_unit(char kind, int u);
+  // Starts reading unit u's shards of `kind` into `job` when they live on NVMe.
+  void read_ahead(char kind, int u);
 
   // Staging, and each task's resolution.
   std::vector<std::vector<DeviceBuffer>> dev_param, dev_grad;  // [rank][slot]
@@ -1079,6 +1120,11 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
 
 Executor::~Executor() {
   if (!s_) return;
+  try {
+    s_->transfer_wait();  // a write behind or read ahead still running
+  } catch (...) {
+    // The transfer's caller has gone; nothing more to do while tearing down.
+  }
   {
     // A step in flight runs to its end first: its lanes look at `quit` between steps only.
     std::lock_guard lock(s_->mu);
@@ -1101,14 +1147,74 @@ Executor::~Executor() {
 
 // ---- model state ----
 
+void Executor::State::transfer_wait() {
+  if (!transfer.pending.valid()) return;
+  try {
+    transfer.pending.get();
+  } catch (...) {
+    transfer.ahead_unit = -1;
+    throw;
+  }
+}
+
+char* Executor::State::job_block(uint64_t bytes) {
+  transfer_wait();
+  transfer.ahead_unit = -1;
+  return transfer.job.room(bytes);
+}
+
+void Executor::State::transfer_done() {
+  transfer_wait();
+  transfer.ahead_unit = -1;
+  transfer.job = Block{};
+  transfer.held = Block{};
+}
+
+char* Executor::State::nvme_unit(char kind, int u) {
+  transfer_wait();
+  if (transfer.ahead_kind == kind && transfer.ahead_unit == u) {
+    std::swap(transfer.job, transfer.held);
+    transfer.ahead_unit = -1;
+    return transfer.held.data.get();
+  }
+  const uint64_t bytes = shard_bytes(kind, u);
+  char* block = transfer.held.room(static_cast<uint64_t>(host_ranks(u)) * round_up(bytes, kPage));
+  for (int r = 0; r < host_ranks(u); ++r)
+    store->read(shard_name(kind, u, r), block + rank_part(r, bytes), kReadChannel);
+  return block;
+}
+
+void Executor::State::read_ahead(char kind, int u) {
+  if ((kind == 'O' ? home(u).optimizer : home(u).param) != Tier::nvme) return;
+  const uint64_t bytes = shard_bytes(kind, u);
+  char* block = job_block(static_cast<uint64_t>(host_ranks(u)) * round_up(bytes, kPage));
+  transfer.ahead_kind = kind;
+  transfer.ahead_unit = u;
+  transfer.pending = std::async(std::launch::async, [this, kind, u, bytes, block] {
+    for (int r = 0; r < host_ranks(u); ++r)
+      store->read(shard_name(kind, u, r), block + rank_part(r, bytes), kReadChannel);
+  });
+}
+
 // Unit u's padded parameters (param dtype) to their home, and the optimizer state to its
 // home: `state`'s master, m and v when given (each shard's part, the padding zero), else the
-// master as the parameters in f32 and zeroed moments.
+// master as the parameters in f32 and zeroed moments. What goes to NVMe is written behind: the
+// call returns once the shards are staged in the transfer block, and the next transfer (or
+// step) waits for the writes.
 void Executor::State::write_unit(int u, const std::vector<char>& staged,
                                  const UnitOptimizerState* state) {
   const uint64_t n = shard(u), numel = up(u).numel;
   const bool training = pl.shape.training;
-  AlignedBlock o_block;  // a shard's state on its way to the GPU or NVMe, reused across ranks
+  // The block: each rank's optimizer state on its way to the GPU or NVMe, then each host
+  // rank's parameters on their way to NVMe.
+  const Tier oh = home(u).optimizer;
+  const int o_ranks = !training ? 0 : oh == Tier::gpu ? N : oh == Tier::nvme ? host_ranks(u) : 0;
+  const int p_ranks = home(u).param == Tier::nvme ? host_ranks(u) : 0;
+  const uint64_t o_part = round_up(n * 12, kPage), p_part = round_up(n * ps, kPage);
+  char* block = o_ranks + p_ranks > 0 ? job_block(static_cast<uint64_t>(o_ranks) * o_part +
+                                                  static_cast<uint64_t>(p_ranks) * p_part)
+                                      : nullptr;
+  char* p_block = block == nullptr ? nullptr : block + static_cast<uint64_t>(o_ranks) * o_part;
   for (int r = 0; r < N; ++r) {
     const uint64_t off = up(u).shard_offset(r);
     const char* p = staged.data() + off * ps;
@@ -1116,13 +1222,11 @@ void Executor::State::write_unit(int u, const std::vector<char>& staged,
     // optimizer "gpu", so only the branch below needs the check), made where it lives when that
     // is host RAM.
     float* o = nullptr;
-    if (training) {
-      if (home(u).optimizer == Tier::cpu && r < host_ranks(u)) {
-        o = reinterpret_cast<float*>(host_o[static_cast<size_t>(u)][static_cast<size_t>(r)]);
-      } else {
-        if (!o_block) o_block = page_block(n * 12, "a shard's optimizer state");
-        o = reinterpret_cast<float*>(o_block.get());
-      }
+    if (oh == Tier::cpu && r < host_ranks(u))
+      o = reinterpret_cast<float*>(host_o[static_cast<size_t>(u)][static_cast<size_t>(r)]);
+    else if (r < o_ranks)
+      o = reinterpret_cast<float*>(block + static_cast<uint64_t>(r) * o_part);
+    if (training && o != nullptr) {
       if (state != nullptr) {
         const uint64_t have = off < numel ? std::min(n, numel - off) : 0;
         const std::array<const std::vector<float>*, 3> from = {&state->master, &state->m,
@@ -1136,7 +1240,7 @@ void Executor::State::write_unit(int u, const std::vector<char>& staged,
         copy_bytes(o + n, nullptr, 2 * n * 4);
       }
     }
-    if (training && home(u).optimizer == Tier::gpu) {
+    if (training && oh == Tier::gpu) {
       Stream& st = *streams[static_cast<size_t>(r)].setup;
       auto& b = o_dev[static_cast<size_t>(u)];
       for (int k = 0; k < 3; ++k)
@@ -1146,16 +1250,22 @@ void Executor::State::write_unit(int u, const std::vector<char>& staged,
     }
     if (r >= host_ranks(u)) continue;
     if (home(u).param == Tier::cpu)
-      std::memcpy(host_p[static_cast<size_t>(u)][static_cast<size_t>(r)], p, n * ps);
-    if (home(u).param == Tier::nvme) {
-      const AlignedBlock block = page_block(n * ps, "a shard's parameters");
-      std::memcpy(block.get(), p, n * ps);
-      store->write(shard_name('P', u, r), block.get());
-    }
+      copy_bytes(host_p[static_cast<size_t>(u)][static_cast<size_t>(r)], p, n * ps);
+    if (home(u).param == Tier::nvme)
+      copy_bytes(p_block + static_cast<uint64_t>(r) * p_part, p, n * ps);
     if (home(u).grad == Tier::cpu)
       copy_bytes(host_g[static_cast<size_t>(u)][static_cast<size_t>(r)], nullptr, n * gs);
-    if (home(u).optimizer == Tier::nvme) store->write(shard_name('O', u, r), o);
   }
+  const int o_writes = oh == Tier::nvme ? o_ranks : 0;
+  if (o_writes + p_ranks == 0) return;
+  transfer.pending = std::async(std::launch::async, [this, u, block, p_block, o_part, p_part,
+                                                     o_writes, p_ranks] {
+    for (int r = 0; r < o_writes; ++r)
+      store->write(shard_name('O', u, r), block + static_cast<uint64_t>(r) * o_part, kWriteChannel);
+    for (int r = 0; r < p_ranks; ++r)
+      store->write(shard_name('P', u, r), p_block + static_cast<uint64_t>(r) * p_part,
+                   kWriteChannel);
+  });
 }
 
 // Each unit is made or read once and staged on the host, then sent to every home it has: the
@@ -1172,6 +1282,7 @@ void Executor::init_random(uint64_t seed) {
     s.zero->scatter_staged(u, staged);
     s.write_unit(u, staged);
   }
+  s.transfer_done();
 }
 
 void Executor::load(const SafetensorsReader& reader) {
@@ -1186,6 +1297,7 @@ void Executor::load(const SafetensorsReader& reader) {
     s.zero->scatter_staged(u, staged);
     s.write_unit(u, staged);
   }
+  s.transfer_done();
 }
 
 std::vector<float> Executor::parameters(int u) const {
@@ -1194,29 +1306,29 @@ std::vector<float> Executor::parameters(int u) const {
   return out;
 }
 
-void Executor::parameters(int u, std::vector<float>& out) const {
+void Executor::parameters(int u, std::vector<float>& out, int next) const {
   State& s = *s_;
   s.drain();
   if (u < 0 || u >= s.U) fail("parameters of unit {}: the model has units 0..{}", u, s.U - 1);
+  if (next >= s.U) fail("parameters read ahead: unit {} is not one of 0..{}", next, s.U - 1);
   if (s.home(u).param == Tier::gpu) {
     out = s.zero->download_unit(u, false);
-    return;
-  }
-  // Each shard converted straight into `out`, sized to the padded unit while it is filled.
-  out.resize(s.up(u).padded);
-  AlignedBlock block;
-  for (int r = 0; r < s.host_ranks(u); ++r) {
-    const char* shard = nullptr;
-    if (s.home(u).param == Tier::cpu) {
-      shard = s.host_p[static_cast<size_t>(u)][static_cast<size_t>(r)];
-    } else {
-      if (!block) block = page_block(s.shard(u) * s.ps, "a shard's parameters");
-      s.store->read(State::shard_name('P', u, r), block.get());
-      shard = block.get();
+  } else {
+    // Each shard converted straight into `out`, sized to the padded unit while it is filled.
+    out.resize(s.up(u).padded);
+    const char* block = s.home(u).param == Tier::nvme ? s.nvme_unit('P', u) : nullptr;
+    for (int r = 0; r < s.host_ranks(u); ++r) {
+      const char* shard = block != nullptr
+                              ? block + rank_part(r, s.shard_bytes('P', u))
+                              : s.host_p[static_cast<size_t>(u)][static_cast<size_t>(r)];
+      convert(out.data() + s.up(u).shard_offset(r), DType::f32, shard, s.pt, s.shard(u));
     }
-    convert(out.data() + s.up(u).shard_offset(r), DType::f32, shard, s.pt, s.shard(u));
+    out.resize(s.up(u).numel);  // the padding dropped, the capacity kept
   }
-  out.resize(s.up(u).numel);  // the padding dropped, the capacity kept
+  if (next >= 0)
+    s.read_ahead('P', next);
+  else
+    s.transfer_done();
 }
 
 UnitOptimizerState Executor::optimizer_state(int u) const {
@@ -1226,55 +1338,65 @@ UnitOptimizerState Executor::optimizer_state(int u) const {
 }
 
 void Executor::optimizer_state(int u, UnitOptimizerState& out) const {
+  const OptimizerStateView view = optimizer_state_view(u);
+  std::array<std::vector<float>*, 3> dst = {&out.master, &out.m, &out.v};
+  for (size_t k = 0; k < 3; ++k) {
+    dst[k]->resize(s_->up(u).numel);
+    float* at = dst[k]->data();
+    for (const std::span<const float>& part : view.parts[k]) {
+      copy_bytes(at, part.data(), part.size_bytes());
+      at += part.size();
+    }
+  }
+  s_->transfer_done();
+}
+
+Executor::OptimizerStateView Executor::optimizer_state_view(int u, int next) const {
   State& s = *s_;
   s.drain();
   s.check_training("the optimizer state");
   if (u < 0 || u >= s.U) fail("optimizer state of unit {}: the model has units 0..{}", u, s.U - 1);
-  const uint64_t n = s.shard(u), numel = s.up(u).numel;
+  if (next >= s.U) fail("optimizer state read ahead: unit {} is not one of 0..{}", next, s.U - 1);
+  const uint64_t n = s.shard(u);
   const Tier home = s.home(u).optimizer;
-  const int ranks = home == Tier::gpu ? s.N : s.host_ranks(u);
-  // Each shard goes straight into `out` (sized to the padded unit while it is filled): only a
-  // shard read from NVMe, which needs an aligned buffer, or a replicated unit's later ranks,
-  // which are compared with rank 0's, pass through a block of their own.
-  std::array<std::vector<float>*, 3> dst = {&out.master, &out.m, &out.v};
-  for (std::vector<float>* v : dst) v->resize(s.up(u).padded);
-  AlignedBlock block;
-  for (int r = 0; r < ranks; ++r) {
-    const uint64_t off = s.up(u).shard_offset(r);
-    const bool compare = s.up(u).replicated && r > 0;
-    std::array<float*, 3> to{};
-    if (home == Tier::nvme || compare) {
-      if (!block) block = page_block(n * 12, "a shard's optimizer state");
-      for (size_t k = 0; k < 3; ++k) to[k] = reinterpret_cast<float*>(block.get()) + k * n;
-    } else {
-      for (size_t k = 0; k < 3; ++k) to[k] = dst[k]->data() + off;
-    }
-    if (home == Tier::gpu) {
+  // Each shard's master | m | v where it lies: in host RAM, or in `held` (read from NVMe, or
+  // copied from every GPU; a replicated unit's later ranks compared with rank 0's).
+  std::vector<const float*> shards;
+  if (home == Tier::cpu) {
+    for (int r = 0; r < s.host_ranks(u); ++r)
+      shards.push_back(
+          reinterpret_cast<const float*>(s.host_o[static_cast<size_t>(u)][static_cast<size_t>(r)]));
+  } else if (home == Tier::nvme) {
+    const char* block = s.nvme_unit('O', u);
+    for (int r = 0; r < s.host_ranks(u); ++r)
+      shards.push_back(reinterpret_cast<const float*>(block + rank_part(r, n * 12)));
+  } else {
+    s.transfer_wait();
+    char* block = s.transfer.held.room(static_cast<uint64_t>(s.N) * round_up(n * 12, kPage));
+    for (int r = 0; r < s.N; ++r) {
+      auto* o = reinterpret_cast<float*>(block + rank_part(r, n * 12));
       Stream& st = *s.streams[static_cast<size_t>(r)].setup;
       for (size_t k = 0; k < 3; ++k)
         s.dev(r).copy_to_host(
-            to[k], s.o_dev[static_cast<size_t>(u)][static_cast<size_t>(r) * 3 + k].data(), n * 4,
-            st);
+            o + k * n, s.o_dev[static_cast<size_t>(u)][static_cast<size_t>(r) * 3 + k].data(),
+            n * 4, st);
       st.synchronize();
-    } else if (home == Tier::cpu) {
-      const auto* o =
-          reinterpret_cast<const float*>(s.host_o[static_cast<size_t>(u)][static_cast<size_t>(r)]);
-      for (size_t k = 0; k < 3; ++k) copy_bytes(to[k], o + k * n, n * 4);
-    } else {
-      s.store->read(State::shard_name('O', u, r), block.get());
-    }
-    for (size_t k = 0; k < 3; ++k) {
-      float* at = dst[k]->data() + off;
-      if (to[k] == at) continue;
-      if (compare && std::memcmp(to[k], at, n * 4) != 0)
+      if (s.up(u).replicated && r > 0 && std::memcmp(o, block, n * 12) != 0)
         fail(
             "optimizer state of replicated unit {}: rank {} differs from rank 0; this is a "
             "bug in the executor",
             s.up(u).name, r);
-      if (!compare) copy_bytes(at, to[k], n * 4);
+      if (r == 0 || !s.up(u).replicated) shards.push_back(o);
     }
   }
-  for (std::vector<float>* v : dst) v->resize(numel);  // the padding dropped, the capacity kept
+  OptimizerStateView view;
+  for (size_t r = 0; r < shards.size(); ++r) {
+    const uint64_t have = s.up(u).shard_real(static_cast<int>(r));
+    if (have == 0) continue;
+    for (size_t k = 0; k < 3; ++k) view.parts[k].emplace_back(shards[r] + k * n, have);
+  }
+  if (next >= 0) s.read_ahead('O', next);
+  return view;
 }
 
 std::vector<float> Executor::master(int u) const {
@@ -1961,6 +2083,7 @@ StepResult Executor::step(const std::vector<std::vector<HostBatch>>& batches,
   s.check_training("a training step");
   const int64_t k = s.instances;
   s.check_usable();
+  s.transfer_done();
   if (s.early() && params.max_grad_norm > 0)
     fail(
         "executor: gradient clipping at {} needs the whole step's gradient norm before any "
@@ -2031,6 +2154,7 @@ StepResult Executor::step(const std::vector<std::vector<HostBatch>>& batches,
 
 void Executor::finish() {
   s_->drain();
+  s_->transfer_done();
 }
 
 const Timeline& Executor::timeline() const {
@@ -2072,6 +2196,7 @@ void Executor::run_forward_only() {
 EvalResult Executor::evaluate(const std::vector<std::vector<HostBatch>>& batches) {
   State& s = *s_;
   s.drain();
+  s.transfer_done();
   const int64_t count = s.upload(batches, "evaluation");
   const double t0 = s.now();
   run_forward_only();
@@ -2085,6 +2210,7 @@ EvalResult Executor::evaluate(const std::vector<std::vector<HostBatch>>& batches
 const std::vector<float>& Executor::decode(const std::vector<int32_t>& ids, int64_t pos) {
   State& s = *s_;
   s.drain();
+  s.transfer_done();
   const RunShape& shape = placement_.shape;
   if (!shape.kv_cache)
     fail(

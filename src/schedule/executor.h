@@ -61,8 +61,10 @@
 #include "tier/placement.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -176,19 +178,35 @@ class Executor {
 
   // Unit u's parameters (or fp32 master weights) assembled from every rank's shard, as f32.
   std::vector<float> parameters(int u) const;
-  // The same into `out`, reusing its capacity when the parameters live on the host.
-  void parameters(int u, std::vector<float>& out) const;
+  // The same into `out`, reusing its capacity when the parameters live on the host; and, with
+  // `next` a unit (not -1), unit next's shards start coming from NVMe (where they live there)
+  // into a block of the executor's while the caller works on unit u, so that the call for
+  // `next` finds them read: a checkpoint writes a unit to its file while the next is read.
+  void parameters(int u, std::vector<float>& out, int next = -1) const;
   std::vector<float> master(int u) const;
   // Unit u's optimizer state assembled from every rank's shard, wherever it lives; and its
   // inverse for resuming: the state goes to its homes, the parameters become the master
   // rounded to their dtype (what every Adam step leaves them as) and the gradients zero.
   UnitOptimizerState optimizer_state(int u) const;
-  // The same into `out`, whose vectors keep their capacity: a checkpoint writer that reuses one
-  // UnitOptimizerState for every unit allocates (and faults in) its largest unit's state once.
+  // The same into `out`, whose vectors keep their capacity.
   void optimizer_state(int u, UnitOptimizerState& out) const;
+  // Unit u's optimizer state where it lies, for a writer to copy from without assembling it:
+  // master, m and v (parts[0], [1], [2]) each as its pieces in order, one per shard (the
+  // padding left out), in host RAM (the shards themselves) or in a block of the executor's
+  // (read from NVMe, or copied from the GPUs). Valid until the next call on the executor; the
+  // block is freed by the next step(), evaluate() or finish(). `next` reads ahead as
+  // parameters()'s does: a checkpoint writes one unit's state while the next is read.
+  struct OptimizerStateView {
+    std::array<std::vector<std::span<const float>>, 3> parts;
+  };
+  OptimizerStateView optimizer_state_view(int u, int next = -1) const;
+  // What goes to NVMe is written behind: the call returns once the state is staged, and the
+  // writes run while the caller reads the next unit; the next call, step() or finish() waits
+  // for them (and throws their error).
   void set_optimizer_state(int u, const UnitOptimizerState& state);
 
-  // Waits for every step in flight to end; throws Error (naming the task) when one failed.
+  // Waits for every step in flight, and every write set_optimizer_state() left running, to
+  // end; throws Error (naming the task or the shard) when one failed.
   void finish();
   // Every recorded task (ExecutorOptions::record) of every step run so far; waits for them.
   const Timeline& timeline() const;

@@ -144,19 +144,43 @@ void fsync_path(const fs::path& path) {
   if (rc != 0) fail("fsync {}: {}; the data may not be on disk", path.string(), std::strerror(err));
 }
 
+UnitVisits::UnitVisits(std::span<const SafetensorsTensor> tensors,
+                       const std::vector<std::vector<int>>& units) {
+  if (units.size() != tensors.size())
+    fail("unit visits: {} tensors but units for {}; this is a bug in strata", tensors.size(),
+         units.size());
+  std::vector<size_t> order(tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return safetensors_before(tensors[a], tensors[b]); });
+  for (size_t i : order)
+    for (int u : units[i])
+      if (order_.empty() || order_.back() != u) order_.push_back(u);
+}
+
+int UnitVisits::next(int u) {
+  if (at_ >= order_.size() || order_[at_] != u) {
+    at_ = order_.size();  // off the foreseen order: no more reading ahead
+    return -1;
+  }
+  ++at_;
+  return at_ < order_.size() ? order_[at_] : -1;
+}
+
 std::vector<SafetensorsTensor> streamed_model_tensors(
     const ModelLayout& layout, DType dtype,
-    std::function<void(int, std::vector<float>&)> unit_values) {
+    std::function<void(int, std::vector<float>&, int)> unit_values) {
   struct Held {
     int unit = -1;
     std::vector<float> values;  // that unit's parameters
     std::vector<char> raw;      // and in dtype; both reused from unit to unit
+    UnitVisits visits;          // the order the writer asks for units in
   };
   auto held = std::make_shared<Held>();
   auto unit_bytes = [held, dtype, values = std::move(unit_values)](int u) -> const char* {
     if (held->unit != u) {
       held->unit = -1;
-      values(u, held->values);
+      values(u, held->values, held->visits.next(u));
       held->raw.resize(held->values.size() * dtype_size(dtype));
       convert(held->raw.data(), dtype, held->values.data(), DType::f32, held->values.size());
       held->unit = u;
@@ -164,6 +188,7 @@ std::vector<SafetensorsTensor> streamed_model_tensors(
     return held->raw.data();
   };
   std::vector<SafetensorsTensor> tensors;
+  std::vector<std::vector<int>> units;  // each tensor's, in the order it asks for them
   for (int u = 0; u < layout.num_units(); ++u)
     for (const ParamSlot& s : layout.units[static_cast<size_t>(u)].params) {
       if (s.file_name != s.name) {
@@ -182,6 +207,8 @@ std::vector<SafetensorsTensor> streamed_model_tensors(
             put(unit_bytes(v) + part->offset * e, static_cast<uint64_t>(part->numel()) * e);
         };
         tensors.push_back(std::move(t));
+        units.emplace_back();
+        for (const auto& part : parts) units.back().push_back(part.first);
         continue;
       }
       const uint64_t end = s.offset + static_cast<uint64_t>(s.numel());
@@ -197,7 +224,9 @@ std::vector<SafetensorsTensor> streamed_model_tensors(
                    s.name, held->raw.size() / dtype_size(dtype), end);
              return static_cast<const void*>(p + offset);
            }});
+      units.push_back({u});
     }
+  held->visits = UnitVisits(tensors, units);
   return tensors;
 }
 
@@ -256,46 +285,41 @@ fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& 
   nlohmann::json config_json = to_hf_config_json(config);
   {  // its unit buffers freed before the optimizer state's are filled
     std::vector<SafetensorsTensor> model_tensors = streamed_model_tensors(
-        layout, model_dtype, [&](int u, std::vector<float>& out) { executor.parameters(u, out); });
+        layout, model_dtype,
+        [&](int u, std::vector<float>& out, int next) { executor.parameters(u, out, next); });
     add_image_text_parts(config, image_text, model_tensors, config_json);
     files[kModel] = digest_json(write_safetensors(tmp / kModel, model_tensors, {{"format", "pt"}}));
   }
   if (image_text != nullptr) image_text->release_pages();  // the vision tower's, just copied
   files[kConfig] = digest_json(write_text(tmp / kConfig, config_json.dump(2) + "\n"));
-  // The optimizer state, one unit held at a time the same way (its three tensors sort together),
-  // in buffers reused from unit to unit.
+  // The optimizer state, one unit at a time (its three tensors sort together), each tensor
+  // handed to the writer in pieces from wherever its shards lie, the next unit read from NVMe
+  // while one is written.
   {
     int held = -1;
-    UnitOptimizerState state;  // unit `held`'s
-    auto unit_state = [&](int u) -> const UnitOptimizerState& {
-      if (held != u) {
-        held = -1;
-        executor.optimizer_state(u, state);
-        held = u;
-      }
-      return state;
-    };
+    Executor::OptimizerStateView view;  // unit `held`'s
+    UnitVisits visits;
     std::vector<SafetensorsTensor> tensors;
+    std::vector<std::vector<int>> units;
     for (int u = 0; u < U; ++u) {
       const std::string& name = layout.units[static_cast<size_t>(u)].name;
       const auto n = static_cast<int64_t>(layout.units[static_cast<size_t>(u)].numel);
-      for (int k = 0; k < 3; ++k)
-        tensors.push_back(
-            {name + kOptimizerSuffixes[static_cast<size_t>(k)],
-             DType::f32,
-             {n},
-             nullptr,
-             [&unit_state, &name, u, k, n]() -> const void* {
-               const UnitOptimizerState& st = unit_state(u);
-               const std::vector<float>& v = k == 0 ? st.master : k == 1 ? st.m : st.v;
-               if (static_cast<int64_t>(v.size()) != n)
-                 fail(
-                     "checkpoint: unit {} has {} optimizer elements where the "
-                     "model has {}; this is a bug in the executor",
-                     name, v.size(), n);
-               return v.data();
-             }});
+      for (size_t k = 0; k < kOptimizerSuffixes.size(); ++k) {
+        SafetensorsTensor t{name + kOptimizerSuffixes[k], DType::f32, {n}, nullptr, {}, {}};
+        t.parts = [&, u, k](const SafetensorsTensor::Put& put) {
+          if (held != u) {
+            held = -1;
+            view = executor.optimizer_state_view(u, visits.next(u));
+            held = u;
+          }
+          for (const std::span<const float>& part : view.parts[k])
+            put(part.data(), part.size_bytes());
+        };
+        tensors.push_back(std::move(t));
+        units.push_back({u});
+      }
     }
+    visits = UnitVisits(tensors, units);
     files[kOptimizer] =
         digest_json(write_safetensors(tmp / kOptimizer, tensors, {{"format", "strata-optimizer"}}));
   }
@@ -425,6 +449,7 @@ void restore_checkpoint(const fs::path& checkpoint, Executor& executor) {
         checkpoint.string(), saved.vocab_pieces, layout.vocab_pieces);
     for (int u = 0; u < layout.num_units(); ++u)
       executor.set_optimizer_state(u, relaid_state(reader, saved, layout, u));
+    executor.finish();
     return;
   }
   UnitOptimizerState st;  // reused from unit to unit: the largest unit's, allocated once
@@ -442,8 +467,9 @@ void restore_checkpoint(const fs::path& checkpoint, Executor& executor) {
       const std::vector<int64_t> shape{e->numel()};
       reader.read_checked(unit.name + suffix, v->data(), DType::f32, shape);
     }
-    executor.set_optimizer_state(u, st);
+    executor.set_optimizer_state(u, st);  // written to NVMe while the next unit is read
   }
+  executor.finish();  // the last unit's writes, and any error they met
 }
 
 std::string checkpoint_damage(const fs::path& checkpoint) {

@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -45,16 +46,34 @@ struct ModelLayout;
 
 // The model's tensors as Hugging Face names and shapes them (Phi-3's fused projections too:
 // hf_file_tensors), in `dtype`, for write_safetensors
-// to stream: each one's source fetches its unit's f32 values with unit_values(u, values) (the
-// flat buffer of ModelLayout, into a vector reused from unit to unit) when the writer first
-// needs a tensor of it, and holds that one unit only. Writing a 70B model this way needs RAM
+// to stream: each one's source fetches its unit's f32 values with unit_values(u, values, next)
+// (the flat buffer of ModelLayout, into a vector reused from unit to unit; `next` the unit the
+// writer will fetch after it, or -1: see UnitVisits) when the writer first needs a tensor of
+// it, and holds that one unit only. Writing a 70B model this way needs RAM
 // for its largest unit, not for the model. The
 // file orders tensors by name, which keeps a unit's tensors together except the last unit's
 // (lm_head first, model.norm last), so at most one unit is fetched twice. `layout` must
 // outlive the tensors.
 std::vector<SafetensorsTensor> streamed_model_tensors(
     const ModelLayout& layout, DType dtype,
-    std::function<void(int, std::vector<float>&)> unit_values);
+    std::function<void(int, std::vector<float>&, int)> unit_values);
+
+// The order in which write_safetensors, writing `tensors` (tensor i's bytes fetched from units
+// units[i], in that order), fetches units, a run of fetches of one unit counted once. A
+// streamed writer tells each fetch which unit comes next (next(u), -1 after the last or once
+// the fetches leave this order), so the executor can read that one from NVMe while this one is
+// written.
+class UnitVisits {
+ public:
+  UnitVisits() = default;
+  UnitVisits(std::span<const SafetensorsTensor> tensors,
+             const std::vector<std::vector<int>>& units);
+  int next(int u);
+
+ private:
+  std::vector<int> order_;
+  size_t at_ = 0;
+};
 
 // The files a Hugging Face model directory holds besides its weights and config.json that a
 // checkpoint carries along: the tokenizer (tokenizer.json, tokenizer_config.json,

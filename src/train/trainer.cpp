@@ -93,10 +93,7 @@ Placement place(const TrainSettings& s, const std::vector<Device*>& devices, Tie
 // Host RAM the run is planned to hold at its peak (the figure `strata train` prints as "host
 // memory plan"): the placement's cpu tier (host-homed P, G, O and the pinned buffers), every
 // device's gpu tier when the devices are host devices (their arenas are host RAM), and what
-// writing a checkpoint holds at once: save_checkpoint streams the files one unit at a time, so
-// the most is the largest unit's optimizer state (f32 master, m and v: 12 bytes an element)
-// while it is gathered: the padded gather buffer, one rank's shard and the result, at most
-// three times 12 bytes per padded element.
+// writing a checkpoint or resuming holds at once, one unit at a time (below).
 struct HostMemoryPlan {
   uint64_t cpu = 0, devices = 0, checkpoint = 0;
   uint64_t total() const { return cpu + devices + checkpoint; }
@@ -108,13 +105,17 @@ HostMemoryPlan plan_host_memory(const Placement& placement, const std::vector<De
   h.cpu = need.total(Tier::cpu);
   for (const Device* d : devices)
     if (d->backend() == Backend::host) h.devices += need.total(Tier::gpu);
-  // Checkpoints and resumes hold one unit at a time: its optimizer state (12 bytes an element)
-  // and a shard's on its way to or from the GPU or NVMe (12 more at most), and, resuming, the
-  // unit's parameters in their dtype (4 at most); writing the model takes less (its parameters
-  // as f32 and in their dtype, a shard's block); and the writer's staging chunks.
+  // Checkpoints and resumes hold one unit at a time, the largest at most. Resuming, its
+  // optimizer state as read (f32 master, m and v: 12 bytes an element), its parameters staged
+  // in their dtype (ps), and the executor's block of shards being written behind to the GPU or
+  // NVMe (12 + ps). Writing a checkpoint takes less: the optimizer state of one unit being
+  // written from where it lies and of the next being read from NVMe (12 + 12), or the model's
+  // parameters (as f32, in their dtype, and two blocks of shards: 4 + 3 ps). And the
+  // writer's staging chunks.
   uint64_t largest = 0;
   for (const UnitPartition& u : placement.partition.units) largest = std::max(largest, u.padded);
-  h.checkpoint = 28 * largest + AtomicFile::kStagingBytes;
+  const uint64_t ps = dtype_size(placement.shape.param_dtype);
+  h.checkpoint = (24 + 2 * ps) * largest + AtomicFile::kStagingBytes;
   return h;
 }
 
