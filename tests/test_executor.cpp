@@ -189,6 +189,27 @@ std::string kinds(const Placement& pl, Device& d) {
   return out;
 }
 
+// An executor of `c` on N ranks with P and O homed as asked (NVMe in a directory of its own),
+// kMicro micro-batches a step.
+struct TestExecutor {
+  test::TempDir dir{"strata-exec"};
+  Rig rig;
+  Placement pl;
+  Schedule sc;
+  Executor ex;
+  TestExecutor(const LlamaConfig& c, int N, Tier p, Tier o, const ExecutorOptions& eo,
+               uint64_t threshold = 0)
+      : rig(N),
+        pl(make_placement(c, N, p, o, dir.path.string(), threshold)),
+        sc(Schedule::build(pl, micro_batches(kMicro))),
+        ex(pl, sc, *rig.comm, eo) {}
+  static ScheduleOptions micro_batches(int n) {
+    ScheduleOptions so;
+    so.micro_batches = n;
+    return so;
+  }
+};
+
 // Micro-batches per step and how many run unit by unit at once (RunShape::micro_batch_group);
 // whether the steps clip (step_params) and whether CPU Adam updates each unit during the
 // backward (ScheduleOptions::update_during_backward, which needs no clipping).
@@ -1085,16 +1106,12 @@ TEST(Executor, NextStepsForwardRunsUnderThisStepsOptimizer) {
   // time the test takes to call step() again, so every step but the first starts before the
   // previous one ends, and the timeline still honours every dependency.
   const LlamaConfig c = tiny(false);
-  const test::TempDir dir("strata-exec");
-  Rig rig(1);
-  const Placement pl = make_placement(c, 1, Tier::nvme, Tier::nvme, dir.path.string());
-  ScheduleOptions so;
-  so.micro_batches = kMicro;
-  const Schedule sc = Schedule::build(pl, so);
   ExecutorOptions eo;
   eo.record = true;
   eo.io.faults = {nvme::Fault{nvme::FaultKind::slow, 0}};
-  Executor ex(pl, sc, *rig.comm, eo);
+  TestExecutor t(c, 1, Tier::nvme, Tier::nvme, eo);
+  const Schedule& sc = t.sc;
+  Executor& ex = t.ex;
   ex.init_random(3);
   const auto batches = make_batches(1, c.vocab_size);
   for (int s = 0; s < kSteps; ++s) {
@@ -1119,17 +1136,12 @@ TEST(Executor, NextStepsForwardRunsUnderThisStepsOptimizer) {
 TEST(Executor, NvmeFaultStopsTheStepNamingTheTask) {
   REQUIRE_DEVICES(2);
   const LlamaConfig c = tiny(false);
-  const test::TempDir dir("strata-exec");
-  Rig rig(2);
-  const Placement pl = make_placement(c, 2, Tier::gpu, Tier::nvme, dir.path.string());
-  ScheduleOptions so;
-  so.micro_batches = kMicro;
-  const Schedule sc = Schedule::build(pl, so);
   ExecutorOptions eo;
   // init_random writes every O shard (one request each at least); fail a later request, which
   // falls in the step's optimizer traffic.
   eo.io.faults = {nvme::Fault{nvme::FaultKind::eio, 200}};
-  Executor ex(pl, sc, *rig.comm, eo);
+  TestExecutor t(c, 2, Tier::gpu, Tier::nvme, eo);
+  Executor& ex = t.ex;
   ex.init_random(3);
   const auto batches = make_batches(2, c.vocab_size);
   // The optimizer's tasks may still run after step() returns: a failure among them surfaces
@@ -1176,19 +1188,14 @@ TEST(Executor, UnitsReadAheadAndWrittenBehindAreWhatLiesInTheTiers) {
                         std::pair{Tier::nvme, Tier::cpu}, std::pair{Tier::gpu, Tier::gpu}}) {
       const std::string name = fmt::format("P {} O {} N {}:", tier_name(p), tier_name(o), N);
       SCOPED_TRACE(name);
-      const test::TempDir dir("strata-exec");
-      Rig rig(N);
-      const Placement pl = make_placement(c, N, p, o, dir.path.string(), threshold);
-      ScheduleOptions so;
-      so.micro_batches = kMicro;
-      const Schedule sc = Schedule::build(pl, so);
       ExecutorOptions eo;
       eo.cpu_adam_threads = 2;
-      Executor ex(pl, sc, *rig.comm, eo);
+      TestExecutor t(c, N, p, o, eo, threshold);
+      Executor& ex = t.ex;
       ex.init_random(7);
       const auto batches = make_batches(N, c.vocab_size);
       ex.step(batches[0], step_params(1));
-      const int U = static_cast<int>(pl.homes.size());
+      const int U = static_cast<int>(t.pl.homes.size());
       ASSERT_GE(U, 3);
       // What lies in the tiers, each unit read on its own.
       std::vector<UnitOptimizerState> want;
@@ -1262,18 +1269,12 @@ TEST(Executor, UnitsReadAheadAndWrittenBehindAreWhatLiesInTheTiers) {
 // naming the shard's file.
 TEST(Executor, AWriteBehindThatFailsIsReported) {
   REQUIRE_DEVICES(1);
-  const LlamaConfig c = tiny(false);
-  const test::TempDir dir("strata-exec");
-  Rig rig(1);
-  const Placement pl = make_placement(c, 1, Tier::nvme, Tier::nvme, dir.path.string());
-  ScheduleOptions so;
-  so.micro_batches = kMicro;
-  const Schedule sc = Schedule::build(pl, so);
   ExecutorOptions eo;
   eo.io.faults = {nvme::Fault{nvme::FaultKind::eio, 300}};
-  Executor ex(pl, sc, *rig.comm, eo);
+  TestExecutor t(tiny(false), 1, Tier::nvme, Tier::nvme, eo);
+  Executor& ex = t.ex;
   ex.init_random(3);
-  const int U = static_cast<int>(pl.homes.size());
+  const int U = static_cast<int>(t.pl.homes.size());
   std::vector<UnitOptimizerState> state;
   for (int u = 0; u < U; ++u) state.push_back(ex.optimizer_state(u));
   const std::string msg = test::error_message([&] {
@@ -1283,7 +1284,7 @@ TEST(Executor, AWriteBehindThatFailsIsReported) {
   });
   EXPECT_NE(msg.find("write of"), std::string::npos) << msg;
   EXPECT_NE(msg.find("Input/output error"), std::string::npos) << msg;
-  EXPECT_NE(msg.find(dir.path.string()), std::string::npos) << msg;
+  EXPECT_NE(msg.find(t.dir.path.string()), std::string::npos) << msg;
 }
 
 // The CUDA kernels index the embedding and the logits with these ids unchecked, so the
