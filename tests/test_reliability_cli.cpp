@@ -272,12 +272,23 @@ TEST(Reliability, AFlippedByteAnywhereIsNamed) {
   const SafetensorsReader reader = SafetensorsReader::open(opt);
   const SafetensorsEntry& victim = reader.tensors().at(1);
   flip(opt, victim.offset + victim.bytes / 2);
+  // A resume verifies the optimizer file's tensors as it reads them (checkpoint_damage without
+  // optimizer_data passes the checkpoint); the whole check names the tensor.
+  EXPECT_EQ(checkpoint_damage(ckpt, false), "");
+  EXPECT_NE(checkpoint_damage(ckpt).find(victim.name), std::string::npos);
   const std::string resume = base_args(data, 8, 0) + " --run-dir " + run.string();
   r = test::strata(resume + " --resume");
   EXPECT_NE(r.status, 0);
   for (const std::string& part : {ckpt.string(), std::string("optimizer.safetensors"), victim.name,
                                   std::string("--resume-fallback"), std::string("step-4")})
     EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from:\n" << r.out;
+  // So does --resume-from the checkpoint itself, which the restore finds damaged.
+  r = test::strata(resume + " --resume-from " + ckpt.string());
+  EXPECT_NE(r.status, 0);
+  for (const std::string& part : {ckpt.string(), std::string("optimizer.safetensors"), victim.name,
+                                  std::string("--resume-fallback")})
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from:\n" << r.out;
+  EXPECT_EQ(r.out.find("resumed from"), std::string::npos) << r.out;
   r = test::strata("export " + run.string() + " --out " + (dir.path / "hf").string());
   EXPECT_NE(r.status, 0) << "a damaged checkpoint was exported";
   EXPECT_NE(r.out.find(victim.name), std::string::npos) << r.out;

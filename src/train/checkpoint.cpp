@@ -94,9 +94,34 @@ uint64_t hash_range(const MappedFile& f, uint64_t offset, uint64_t bytes) {
   return h;
 }
 
-// The problem with one file of a checkpoint against its manifest entry, or "".
-std::string file_damage(const fs::path& dir, const std::string& name, const nlohmann::json& want) {
-  const fs::path path = dir / name;
+// A checkpoint's COMPLETE marker, checked against its own checksum, or its problem in `problem`.
+nlohmann::json read_marker(const fs::path& checkpoint, std::string& problem) {
+  const fs::path marker_path = checkpoint / kCheckpointCompleteMarker;
+  std::ifstream in(marker_path, std::ios::binary);
+  if (!in) {
+    problem = fmt::format("{} is missing", kCheckpointCompleteMarker);
+    return {};
+  }
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  nlohmann::json m = nlohmann::json::parse(text, nullptr, false);
+  if (m.is_discarded() || !m.is_object() || !m.contains("files") || !m["files"].is_object() ||
+      !m.contains("step") || !m.contains("xxh3") || !m["xxh3"].is_string() || m.size() != 3) {
+    problem = fmt::format(
+        "{} is not the checksum list strata writes (damaged, or written by an older strata)",
+        kCheckpointCompleteMarker);
+    return {};
+  }
+  const std::string self = m["xxh3"].get<std::string>();
+  m.erase("xxh3");
+  const std::string listed = m.dump();
+  if (hex64(xxh3_64(listed.data(), listed.size())) != self)
+    problem =
+        fmt::format("{}: its checksum list fails its own checksum", kCheckpointCompleteMarker);
+  return m;
+}
+
+// A file of a checkpoint missing, or of another size than its manifest entry says; or "".
+std::string size_damage(const fs::path& path, const std::string& name, const nlohmann::json& want) {
   std::error_code ec;
   if (!fs::is_regular_file(path, ec)) return fmt::format("{} is missing", name);
   const auto bytes = want.at("bytes").get<uint64_t>();
@@ -105,6 +130,38 @@ std::string file_damage(const fs::path& dir, const std::string& name, const nloh
   if (size != bytes)
     return fmt::format("{} is {} bytes, but {} bytes were written (truncated or overwritten)", name,
                        size, bytes);
+  return "";
+}
+
+std::string tensor_damage(const std::string& name, const std::string& tensor,
+                          const SafetensorsEntry& e) {
+  return fmt::format("{}: the data of tensor {} (bytes {}..{}) fail their checksum", name, tensor,
+                     e.offset, e.offset + e.bytes);
+}
+
+// The problem with a safetensors file of a checkpoint whose data is checked as it is read
+// (restore_checkpoint): its size, a header that parses, and every tensor the manifest sums.
+std::string header_damage(const fs::path& dir, const std::string& name,
+                          const nlohmann::json& want) {
+  const fs::path path = dir / name;
+  if (std::string d = size_damage(path, name, want); !d.empty()) return d;
+  std::optional<SafetensorsReader> reader;
+  try {
+    reader.emplace(SafetensorsReader::open(path));
+  } catch (const Error& e) {
+    return fmt::format("{}: its header is damaged ({})", name, e.what());
+  }
+  for (const auto& [tensor, sum] : want.at("tensors").items())
+    if (reader->find(tensor) == nullptr)
+      return fmt::format("{}: tensor {} is missing from its header", name, tensor);
+  return "";
+}
+
+// The problem with one file of a checkpoint against its manifest entry, or "".
+std::string file_damage(const fs::path& dir, const std::string& name, const nlohmann::json& want) {
+  const fs::path path = dir / name;
+  if (std::string d = size_damage(path, name, want); !d.empty()) return d;
+  const auto size = want.at("bytes").get<uint64_t>();
   MappedFile f;
   try {
     f = MappedFile::open(path, "checkpoint file");
@@ -125,8 +182,7 @@ std::string file_damage(const fs::path& dir, const std::string& name, const nloh
       if (e == nullptr)
         return fmt::format("{}: tensor {} is missing from its header", name, tensor);
       if (hex64(hash_range(f, e->offset, e->bytes)) != sum.get<std::string>())
-        return fmt::format("{}: the data of tensor {} (bytes {}..{}) fail their checksum", name,
-                           tensor, e->offset, e->offset + e->bytes);
+        return tensor_damage(name, tensor, *e);
     }
     return fmt::format("{}: its header fails the file's checksum", name);
   }
@@ -438,10 +494,26 @@ ModelLayout saved_layout(const SafetensorsReader& reader, const LlamaConfig& con
 }
 
 void restore_checkpoint(const fs::path& checkpoint, Executor& executor) {
+  // The checksum of each tensor, as COMPLETE lists them: the bytes are checked as they are read
+  // (resume_checkpoint verified the rest of the checkpoint, not these).
+  std::string problem;
+  const nlohmann::json marker = read_marker(checkpoint, problem);
+  if (!problem.empty()) throw CheckpointDamaged(checkpoint, problem);
+  if (!marker["files"].contains(kOptimizer))
+    throw CheckpointDamaged(checkpoint, fmt::format("{} lists no checksum for {}",
+                                                    kCheckpointCompleteMarker, kOptimizer));
+  const nlohmann::json& want = marker["files"][kOptimizer];
+  const nlohmann::json* sums = want.contains("tensors") ? &want["tensors"] : nullptr;
   const SafetensorsReader reader = SafetensorsReader::open(checkpoint / kOptimizer);
   const LlamaConfig& config = executor.placement().shape.model;
   const ModelLayout layout = ModelLayout::build(config);
   const ModelLayout saved = saved_layout(reader, config);
+  if (sums == nullptr || saved.vocab_pieces != layout.vocab_pieces) {
+    // Read otherwise than tensor by tensor: every byte verified first.
+    if (std::string d = file_damage(checkpoint, kOptimizer, want); !d.empty())
+      throw CheckpointDamaged(checkpoint, d);
+    sums = nullptr;
+  }
   if (saved.vocab_pieces != layout.vocab_pieces) {
     fmt::print(
         "checkpoint {}: its optimizer state has the vocabulary in {} piece(s), this run {}; "
@@ -466,34 +538,35 @@ void restore_checkpoint(const fs::path& checkpoint, Executor& executor) {
       v->resize(static_cast<size_t>(e->numel()));
       const std::vector<int64_t> shape{e->numel()};
       reader.read_checked(unit.name + suffix, v->data(), DType::f32, shape);
+      if (sums != nullptr) {
+        const auto sum = sums->find(e->name);
+        if (sum == sums->end() || !sum->is_string() || e->dtype != DType::f32 ||
+            hex64(xxh3_64(v->data(), e->bytes)) != sum->get<std::string>())
+          throw CheckpointDamaged(checkpoint, tensor_damage(kOptimizer, e->name, *e));
+      }
     }
     executor.set_optimizer_state(u, st);  // written to NVMe while the next unit is read
   }
   executor.finish();  // the last unit's writes, and any error they met
 }
 
-std::string checkpoint_damage(const fs::path& checkpoint) {
-  const fs::path marker_path = checkpoint / kCheckpointCompleteMarker;
-  std::ifstream in(marker_path, std::ios::binary);
-  if (!in) return fmt::format("{} is missing", kCheckpointCompleteMarker);
-  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
-  nlohmann::json m = nlohmann::json::parse(text, nullptr, false);
-  if (m.is_discarded() || !m.is_object() || !m.contains("files") || !m["files"].is_object() ||
-      !m.contains("step") || !m.contains("xxh3") || !m["xxh3"].is_string() || m.size() != 3)
-    return fmt::format(
-        "{} is not the checksum list strata writes (damaged, or written by an older strata)",
-        kCheckpointCompleteMarker);
-  const std::string self = m["xxh3"].get<std::string>();
-  m.erase("xxh3");
-  const std::string listed = m.dump();
-  if (hex64(xxh3_64(listed.data(), listed.size())) != self)
-    return fmt::format("{}: its checksum list fails its own checksum", kCheckpointCompleteMarker);
+CheckpointDamaged::CheckpointDamaged(const fs::path& at, const std::string& why)
+    : Error(fmt::format("checkpoint {} is damaged: {}", at.string(), why)),
+      checkpoint(at),
+      damage(why) {}
+
+std::string checkpoint_damage(const fs::path& checkpoint, bool optimizer_data) {
+  std::string problem;
+  const nlohmann::json m = read_marker(checkpoint, problem);
+  if (!problem.empty()) return problem;
   try {
     for (const char* name : {kConfig, kModel, kOptimizer, kTrainerState})
       if (!m["files"].contains(name))
         return fmt::format("{} lists no checksum for {}", kCheckpointCompleteMarker, name);
     for (const auto& [name, want] : m["files"].items()) {
-      std::string d = file_damage(checkpoint, name, want);
+      std::string d = !optimizer_data && name == kOptimizer && want.contains("tensors")
+                          ? header_damage(checkpoint, name, want)
+                          : file_damage(checkpoint, name, want);
       if (!d.empty()) return d;
     }
   } catch (const nlohmann::json::exception& e) {
@@ -502,14 +575,21 @@ std::string checkpoint_damage(const fs::path& checkpoint) {
   return "";
 }
 
-void verify_checkpoint(const fs::path& checkpoint) {
-  const std::string d = checkpoint_damage(checkpoint);
-  if (!d.empty())
-    fail("checkpoint {} is damaged: {}; resume from an earlier checkpoint (--resume-fallback)",
-         checkpoint.string(), d);
+namespace {
+
+[[noreturn]] void refuse_damaged(const fs::path& checkpoint, const std::string& damage) {
+  fail("checkpoint {} is damaged: {}; resume from an earlier checkpoint (--resume-fallback)",
+       checkpoint.string(), damage);
 }
 
-fs::path resume_checkpoint_at(const fs::path& path, bool fallback) {
+}  // namespace
+
+void verify_checkpoint(const fs::path& checkpoint) {
+  const std::string d = checkpoint_damage(checkpoint);
+  if (!d.empty()) refuse_damaged(checkpoint, d);
+}
+
+fs::path resume_checkpoint_at(const fs::path& path, bool fallback, const KnownDamage& known) {
   std::error_code ec;
   if (!fs::is_directory(path, ec))
     fail(
@@ -517,10 +597,13 @@ fs::path resume_checkpoint_at(const fs::path& path, bool fallback) {
         "step-N) or a run directory (--run-dir of `strata train`)",
         path.string());
   if (fs::is_regular_file(path / kCheckpointCompleteMarker, ec)) {
-    verify_checkpoint(path);  // names the file and tensor that changed
+    // Named the file and tensor that changed.
+    const auto k = known.find(path);
+    const std::string d = k != known.end() ? k->second : checkpoint_damage(path, false);
+    if (!d.empty()) refuse_damaged(path, d);
     return path;
   }
-  if (is_run_dir(path)) return resume_checkpoint(path, fallback);
+  if (is_run_dir(path)) return resume_checkpoint(path, fallback, known);
   if (checkpoint_step(path.filename().string()))
     fail(
         "--resume-from {}: the checkpoint has no {} marker, so it was still being written when "
@@ -560,12 +643,13 @@ std::vector<fs::path> set_aside_checkpoints_after(const fs::path& run_dir, int64
   return moved;
 }
 
-fs::path resume_checkpoint(const fs::path& run_dir, bool fallback) {
+fs::path resume_checkpoint(const fs::path& run_dir, bool fallback, const KnownDamage& known) {
   const fs::path newest = newest_checkpoint(run_dir);  // names the run when there is none
   const auto all = complete_checkpoints(run_dir);
   std::vector<std::string> skipped;
   for (auto it = all.rbegin(); it != all.rend(); ++it) {
-    const std::string d = checkpoint_damage(it->second);
+    const auto k = known.find(it->second);
+    const std::string d = k != known.end() ? k->second : checkpoint_damage(it->second, false);
     if (d.empty()) {
       if (!skipped.empty())
         log_warn("--resume-fallback: resuming from {}, the newest intact checkpoint",

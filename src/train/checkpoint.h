@@ -26,6 +26,7 @@
 #pragma once
 
 #include "core/dtype.h"
+#include "core/error.h"
 #include "model/config.h"
 #include "model/safetensors.h"
 
@@ -34,6 +35,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <map>
 #include <span>
 #include <string>
 #include <vector>
@@ -117,7 +119,22 @@ nlohmann::json read_trainer_state(const std::filesystem::path& checkpoint);
 // naming the file and tensor when one is missing or has another size. A checkpoint whose
 // vocabulary pieces differ from the run's (LlamaConfig::vocab_pieces) is carried over
 // parameter by parameter.
+// Each tensor read is checked against the XXH3-64 its COMPLETE marker lists for it (the
+// optimizer file's data is verified here, as it is read, not in a pass of its own: see
+// checkpoint_damage's `optimizer_data`); one that fails throws CheckpointDamaged.
 void restore_checkpoint(const std::filesystem::path& checkpoint, Executor& executor);
+
+// What restore_checkpoint throws when a tensor it read fails its checksum: `damage` says which,
+// as checkpoint_damage() would. The executor's state is then partly overwritten: a resume
+// takes another checkpoint (resume_checkpoint with the damage known) and restores it whole.
+class CheckpointDamaged : public Error {
+ public:
+  CheckpointDamaged(const std::filesystem::path& checkpoint, const std::string& damage);
+  std::filesystem::path checkpoint;
+  std::string damage;
+};
+// Checkpoints found damaged after they were chosen, and why: resume_checkpoint skips them.
+using KnownDamage = std::map<std::filesystem::path, std::string>;
 
 // The layout of `config` an optimizer file (optimizer.safetensors) was saved in: `config`'s
 // own, or, where the file holds another cut of the vocabulary (as many pieces as it has
@@ -128,21 +145,28 @@ ModelLayout saved_layout(const SafetensorsReader& optimizer, const LlamaConfig& 
 // Why a checkpoint directory cannot be trusted: "" when every file matches the size and
 // XXH3-64 checksums its COMPLETE marker lists (the marker checksums its own list too);
 // otherwise the first problem, naming the file and, for a safetensors file whose header still
-// parses, the tensor whose bytes changed. Reads every byte of the checkpoint once.
-std::string checkpoint_damage(const std::filesystem::path& checkpoint);
+// parses, the tensor whose bytes changed. Reads every byte of the checkpoint once; with
+// `optimizer_data` false, every byte but the optimizer file's tensors, whose size, header and
+// tensor names are checked (restore_checkpoint checks their bytes as it reads them, so a
+// resume reads the largest file once).
+std::string checkpoint_damage(const std::filesystem::path& checkpoint, bool optimizer_data = true);
 // Throws an Error naming the checkpoint and checkpoint_damage() when it is not "".
 void verify_checkpoint(const std::filesystem::path& checkpoint);
 
-// The checkpoint `--resume` continues from: the newest complete one of run_dir, verified. A
-// damaged one is an Error naming the file and tensor, unless `fallback`, which walks back to
-// the newest intact one (warning for each one skipped). An Error when there is none.
-std::filesystem::path resume_checkpoint(const std::filesystem::path& run_dir, bool fallback);
+// The checkpoint `--resume` continues from: the newest complete one of run_dir, verified
+// (checkpoint_damage without the optimizer file's data, which restore_checkpoint checks). A
+// damaged one (or one `known` to be) is an Error naming the file and tensor, unless
+// `fallback`, which walks back to the newest intact one (warning for each one skipped). An
+// Error when there is none.
+std::filesystem::path resume_checkpoint(const std::filesystem::path& run_dir, bool fallback,
+                                        const KnownDamage& known = {});
 
 // The checkpoint `--resume-from PATH` continues from, verified: PATH itself where it is a
 // checkpoint directory (one with the COMPLETE marker: RUN/checkpoints/step-N), or the one
 // resume_checkpoint() picks where it is a run directory. An Error names PATH when it is
 // neither, or a checkpoint that was never completed, or damaged.
-std::filesystem::path resume_checkpoint_at(const std::filesystem::path& path, bool fallback);
+std::filesystem::path resume_checkpoint_at(const std::filesystem::path& path, bool fallback,
+                                           const KnownDamage& known = {});
 
 // A resumed run's timeline goes on from `step`: the run directory's checkpoints of later steps
 // (complete, damaged or half-written) belong to the run it abandoned, and would otherwise be

@@ -161,16 +161,19 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
                      s.loss_masks, s.packing);
 
   // The checkpoint a resumed run continues from: chosen, verified, checked against this run and
-  // its trainer state restored before anything is allocated or any log is opened.
+  // its trainer state restored before anything is allocated or any log is opened. (All but the
+  // optimizer file's tensors, which restore_checkpoint verifies as it reads them, so that a
+  // resume reads them once.)
   LossScaler scaler(s.scaling);
   fs::path ckpt;
   int64_t step = 0, applied = 0;
   double verify_s = 0;
-  if (s.resume) {
+  KnownDamage damaged;  // checkpoints restore_checkpoint found damaged after they were chosen
+  auto choose = [&] {
     const auto began = std::chrono::steady_clock::now();
-    ckpt = s.resume_from.empty() ? resume_checkpoint(s.run_dir, s.resume_fallback)
-                                 : resume_checkpoint_at(s.resume_from, s.resume_fallback);
-    verify_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+    ckpt = s.resume_from.empty() ? resume_checkpoint(s.run_dir, s.resume_fallback, damaged)
+                                 : resume_checkpoint_at(s.resume_from, s.resume_fallback, damaged);
+    verify_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
     std::error_code ec;
     const fs::path ckpt_run = ckpt.parent_path().parent_path();
     if (!s.resume_from.empty() && !fs::equivalent(ckpt_run, s.run_dir, ec)) {
@@ -205,7 +208,8 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
       fail("resume from {}: {} is damaged ({}); resume from an earlier checkpoint", ckpt.string(),
            where, e.what());
     }
-  }
+  };
+  if (s.resume) choose();
 
   // Its directories are made before anything is allocated: one that cannot be is refused first.
   Monitor monitor(s.monitor);
@@ -226,7 +230,18 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
          ec.message());
   if (s.resume) {
     const auto began = std::chrono::steady_clock::now();
-    restore_checkpoint(ckpt, ex);
+    for (;;) {
+      try {
+        restore_checkpoint(ckpt, ex);
+        break;
+      } catch (const CheckpointDamaged& e) {
+        // The optimizer file's bytes are verified as they are read: one that fails makes
+        // another checkpoint the choice, as if it had been found damaged first (an Error
+        // without --resume-fallback), restored whole over what was restored of this one.
+        damaged[e.checkpoint] = e.damage;
+        choose();
+      }
+    }
     fmt::print("resumed from {} at step {} (verified in {:.1f} s, restored in {:.1f} s)\n",
                ckpt.string(), step, verify_s,
                std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count());
