@@ -597,7 +597,7 @@ fs::path resume_checkpoint_at(const fs::path& path, bool fallback, const KnownDa
         "step-N) or a run directory (--run-dir of `strata train`)",
         path.string());
   if (fs::is_regular_file(path / kCheckpointCompleteMarker, ec)) {
-    // Named the file and tensor that changed.
+    // A damaged one is refused, naming the file and tensor that changed.
     const auto k = known.find(path);
     const std::string d = k != known.end() ? k->second : checkpoint_damage(path, false);
     if (!d.empty()) refuse_damaged(path, d);
