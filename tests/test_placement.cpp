@@ -416,6 +416,33 @@ TEST(Placement, CheckRefusesWithATable) {
   expect_error([&] { host.check(b); },
                {"cpu", format_bytes(host.needs().total(Tier::cpu)), "--offload-optimizer nvme",
                 "--offload-param nvme", "--cpu-memory"});
+  {
+    // Short of host RAM with the optimizer on NVMe: what is left there is the gradients, whose
+    // dtype and home the hints name, with their bytes.
+    RunShape bf16 = s;
+    bf16.param_dtype = DType::bf16;
+    bf16.grad_dtype = DType::f32;
+    const Placement g =
+        Placement::make(bf16, request(Tier::nvme, Tier::nvme, GradHome::cpu), roomy());
+    const uint64_t grads = g.needs().at(Tier::cpu, StateKind::gradients);
+    ASSERT_GT(grads, 0u);
+    TierBudgets tight = roomy();
+    tight.cpu_memory = g.needs().total(Tier::cpu) - 1;
+    const std::string msg = test::error_message([&] { g.check(tight); });
+    for (const std::string& want : std::vector<std::string>{
+             "cpu: gradients " + format_bytes(grads), "bf16 gradients (--grad-dtype bf16",
+             "the f32 accumulators take " + format_bytes(grads),
+             "--offload-gradients auto): " + format_bytes(grads)})
+      EXPECT_NE(msg.find(want), std::string::npos) << want << " not in: " << msg;
+    EXPECT_EQ(msg.find("--offload-optimizer nvme"), std::string::npos) << msg;
+    // In 16-bit already, and kept on the GPUs where they fit: neither hint.
+    bf16.grad_dtype = DType::bf16;
+    const Placement h = Placement::make(bf16, request(Tier::nvme, Tier::nvme), roomy());
+    tight.cpu_memory = h.needs().total(Tier::cpu) - 1;
+    const std::string other = test::error_message([&] { h.check(tight); });
+    EXPECT_EQ(other.find("--grad-dtype"), std::string::npos) << other;
+    EXPECT_EQ(other.find("--offload-gradients"), std::string::npos) << other;
+  }
   b = roomy();
   b.pinned_limit = 64 << 10;
   expect_error([&] { host.check(b); }, {"pinned", "ulimit -l", "pin_memory false"});

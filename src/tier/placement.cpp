@@ -703,6 +703,21 @@ void Placement::check(const TierBudgets& budgets) const {
       m += "  - offload the optimizer to NVMe (--offload-optimizer nvme --nvme-path DIR)\n";
     if (param_on(Tier::cpu))
       m += "  - offload the parameters to NVMe (--offload-param nvme --nvme-path DIR)\n";
+    // Gradient accumulators in host RAM: often most of it with the optimizer on NVMe, which
+    // neither hint above moves.
+    const uint64_t cpu_grads = t.at(Tier::cpu, StateKind::gradients);
+    if (shape.training && cpu_grads > 0 && shape.grad_dtype == DType::f32 &&
+        shape.param_dtype != DType::f32)
+      m += fmt::format(
+          "  - {} gradients (--grad-dtype {}, or data_types.grad_accum_dtype in the DeepSpeed "
+          "config): the f32 accumulators take {} of it, and would take half; for runs that "
+          "accumulate little\n",
+          dtype_name(shape.param_dtype), dtype_name(shape.param_dtype), format_bytes(cpu_grads));
+    if (shape.training && cpu_grads > 0 && request.grads == GradHome::cpu)
+      m += fmt::format(
+          "  - keep the gradients on the GPUs where they fit (--offload-gradients auto): {} of "
+          "accumulators are in host RAM because --offload-gradients cpu puts them there\n",
+          format_bytes(cpu_grads));
     if (pinned_buffers > 0)
       m += fmt::format("  - fewer or smaller pinned buffers (buffer_count {}, {} each)\n",
                        request.buffer_count, format_bytes(pinned_buffer_bytes));
