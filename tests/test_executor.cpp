@@ -116,7 +116,7 @@ Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std:
   req.optimizer = o;
   req.buffer_count = 4;
   req.grads = grads;
-  if (p == Tier::nvme || o == Tier::nvme) req.nvme_paths = {dir};
+  if (p == Tier::nvme || o == Tier::nvme || grads == GradHome::nvme) req.nvme_paths = {dir};
   req.nvme_stripe = 64 * 1024;  // small: the tiny model's shards span several stripes
   return Placement::make(shape, req, test_budgets());
 }
@@ -231,8 +231,15 @@ RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t thr
   Rig rig(N);
   const Placement pl = make_placement(c, N, p, o, dir.path.string(), threshold, depth, recompute,
                                       grads, micro.group, micro.dtype, micro.grad_dtype);
-  for (const UnitHomes& h : pl.homes)
-    EXPECT_EQ(h.grad, h.optimizer != Tier::gpu && grads == GradHome::cpu ? Tier::cpu : Tier::gpu);
+  for (size_t u = 0; u < pl.homes.size(); ++u) {
+    const UnitHomes& h = pl.homes[u];
+    const bool off = h.optimizer != Tier::gpu;
+    const bool replicated = pl.partition.units[u].replicated;
+    EXPECT_EQ(h.grad, off && grads == GradHome::cpu                  ? Tier::cpu
+                      : off && grads == GradHome::nvme && replicated ? Tier::cpu
+                      : off && grads == GradHome::nvme               ? Tier::nvme
+                                                                     : Tier::gpu);
+  }
   ScheduleOptions so;
   so.micro_batches = micro.batches;
   so.prefetch_depth = depth;
@@ -1036,6 +1043,74 @@ TEST(Executor, ReducingOncePerGroupAgreesWithEachMicroBatchToRounding) {
   // within a small fraction of the learning rate of the run reducing every micro-batch (a
   // micro-batch's gradients lost or counted twice moves the norm by tens of percent).
   expect_once_per_group_close(tiny(false), 3);
+}
+
+// Gradient accumulators on NVMe (--offload-gradients nvme, as ZeRO-Infinity swaps them): each
+// micro-batch's gradients are written to the swap store (the step's first) or added to what is
+// read back (the later ones), and CPU Adam reads the sum back. Every P x O home with the
+// optimizer off the devices trains to the all-device run's bits on 1 and 3 ranks; so do groups
+// of micro-batches reduced per micro-batch and once per group, updates during the backward,
+// replicated units (whose gradients stay in host RAM), the tied table cut into pieces (reduced
+// twice a micro-batch) and a deep prefetch.
+TEST(Executor, GradientsOnNvmeTrainToTheSameBits) {
+  const LlamaConfig c = tiny(false);
+  for (const int N : {1, 3}) {
+    REQUIRE_DEVICES(N);
+    const RunResult gpu = run_executor(c, N, Tier::gpu, Tier::gpu);
+    int k = 0;
+    for (Tier p : {Tier::gpu, Tier::cpu, Tier::nvme})
+      for (Tier o : {Tier::cpu, Tier::nvme}) {
+        if (halve_sweeps() && (k++ + N) % 2 != 0) continue;
+        const std::string what =
+            fmt::format("N {} P {} O {} G nvme", N, tier_name(p), tier_name(o));
+        SCOPED_TRACE(what);
+        const RunResult r = run_executor(c, N, p, o, 0, 1, true, GradHome::nvme);
+        for (size_t s = 0; s < r.losses.size(); ++s) {
+          EXPECT_EQ(r.losses[s], gpu.losses[s]);
+          EXPECT_EQ(r.norms[s], gpu.norms[s]);
+        }
+        expect_same(r, gpu, what + ":");
+      }
+    const RunResult three = run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true,
+                                         GradHome::automatic, {3, 1, true, false});
+    expect_same(
+        run_executor(c, N, Tier::cpu, Tier::nvme, 0, 1, true, GradHome::nvme, {3, 2, true, false}),
+        three, fmt::format("N {} group 2 of 3:", N));
+    expect_same(
+        run_executor(c, N, Tier::nvme, Tier::cpu, 0, 3, false, GradHome::nvme, {3, 1, true, false}),
+        three, fmt::format("N {} depth 3, no recompute:", N));
+    expect_same(
+        run_executor(c, N, Tier::nvme, Tier::nvme, 0, 1, true, GradHome::nvme, {3, 1, false, true}),
+        run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic,
+                     {3, 1, false, false}),
+        fmt::format("N {} updates during the backward:", N));
+    expect_same(run_executor(c, N, Tier::gpu, Tier::nvme, 0, 1, true, GradHome::nvme,
+                             {3, 2, true, false, true}),
+                run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic,
+                             {3, 2, true, false, true}),
+                fmt::format("N {} group 2 of 3 reduced once per group:", N));
+    expect_same(run_executor(c, N, Tier::cpu, Tier::cpu, 40000, 1, true, GradHome::nvme),
+                run_executor(c, N, Tier::gpu, Tier::gpu, 40000),
+                fmt::format("N {} replicated units:", N));
+    LlamaConfig cut = tiny(true);
+    cut.vocab_pieces = 3;
+    expect_same(run_executor(cut, N, Tier::nvme, Tier::nvme, 0, 1, true, GradHome::nvme),
+                run_executor(cut, N, Tier::gpu, Tier::gpu),
+                fmt::format("N {} tied table in 3 pieces:", N));
+    // The homes and what they hold: G of the sharded units in the swap store, nothing of it in
+    // host RAM; the swap files hold P, G and O.
+    const test::TempDir dir("strata-exec-gnvme");
+    const Placement pl =
+        make_placement(c, N, Tier::cpu, Tier::nvme, dir.path.string(), 0, 1, true, GradHome::nvme);
+    const TierBytes t = pl.needs();
+    EXPECT_EQ(t.at(Tier::cpu, StateKind::gradients), 0u);
+    EXPECT_GT(t.at(Tier::nvme, StateKind::gradients), 0u);
+    const Placement on_cpu =
+        make_placement(c, N, Tier::cpu, Tier::nvme, dir.path.string(), 0, 1, true, GradHome::cpu);
+    EXPECT_GE(t.at(Tier::nvme, StateKind::gradients),
+              on_cpu.needs().at(Tier::cpu, StateKind::gradients) / 2);
+    EXPECT_EQ(pl.offloaded_gradients().on_nvme, static_cast<int>(pl.homes.size()));
+  }
 }
 
 TEST(Executor, UpdatingDuringTheBackwardRefusesAClipAndStopsOnNonFiniteGradients) {

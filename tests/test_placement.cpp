@@ -360,6 +360,75 @@ TEST(Placement, HostAndNvmeBytesByHand) {
   for (const UnitHomes& h : Placement::make(s, r, roomy()).homes) EXPECT_EQ(h.grad, Tier::cpu);
 }
 
+// Gradients on NVMe (--offload-gradients nvme): the sharded units' accumulators are swap-store
+// shards, counted in whole stripes beside P and O; replicated units keep theirs in host RAM;
+// the optimizer holds one more pinned buffer (the sum read back). Automatic placement sends
+// the accumulators of the last units to NVMe where host RAM cannot hold them.
+TEST(Placement, GradientsOnNvmeAreStripesOfTheSwapStore) {
+  RunShape s = tiny_shape(3, 40000);  // the norms replicated
+  s.param_dtype = DType::bf16;
+  OffloadRequest r = request(Tier::cpu, Tier::nvme, GradHome::nvme);
+  r.nvme_stripe = 4096;
+  const Placement p = Placement::make(s, r, roomy());
+  const TierBytes t = p.needs();
+  const auto page = [](uint64_t b) { return (b + 4095) / 4096 * 4096; };
+  uint64_t g_stripes = 0, o_stripes = 0, host_grads = 0;
+  for (size_t u = 0; u < p.homes.size(); ++u) {
+    const UnitPartition& up = p.partition.units[u];
+    EXPECT_EQ(p.homes[u].grad, up.replicated ? Tier::cpu : Tier::nvme) << up.name;
+    if (up.replicated) {
+      host_grads += page(up.numel * 4);
+      o_stripes += (up.numel * 12 + 4095) / 4096;
+    } else {
+      g_stripes += 3 * ((up.shard * 4 + 4095) / 4096);
+      o_stripes += 3 * ((up.shard * 12 + 4095) / 4096);
+    }
+  }
+  ASSERT_GT(host_grads, 0u);
+  EXPECT_EQ(t.at(Tier::nvme, StateKind::gradients), g_stripes * 4096);
+  EXPECT_EQ(t.at(Tier::cpu, StateKind::gradients), host_grads);
+  EXPECT_EQ(t.total(Tier::nvme), (g_stripes + o_stripes + 1) / 2 * 2 * 4096);
+  EXPECT_EQ(t.at(Tier::nvme, StateKind::parameters), 0u);
+  for (const UnitHomes& h : p.homes) {
+    if (h.grad == Tier::nvme) {
+      EXPECT_EQ(optimizer_pinned_buffers(h), 2);  // O and G; P in host RAM is updated in place
+    }
+  }
+  // No nvme path to put them on.
+  OffloadRequest no_paths = request(Tier::cpu, Tier::cpu, GradHome::nvme);
+  no_paths.nvme_paths.clear();
+  expect_error([&] { (void)Placement::make(s, no_paths, roomy()); },
+               {"--offload-gradients nvme", "--nvme-path"});
+  // Too few pinned buffers for the optimizer to hold them beside its state and the update.
+  r.param = Tier::nvme;
+  r.buffer_count = 2;
+  expect_error([&] { (void)Placement::make(s, r, roomy()); }, {"buffer_count is 2", "3 pinned"});
+
+  // Automatic, host RAM short of the f32 accumulators: the last units' go to NVMe, as many as
+  // it takes, and check() then holds.
+  RunShape sharded = tiny_shape(3);
+  OffloadRequest a = request(Tier::nvme, Tier::nvme, GradHome::automatic);
+  TierBudgets b = roomy();
+  b.gpu_memory = Placement::make(sharded, request(Tier::nvme, Tier::nvme, GradHome::cpu), b)
+                     .needs()
+                     .total(Tier::gpu);  // no room for gradients on the GPU
+  const Placement all_cpu = Placement::make(sharded, a, b);
+  for (const UnitHomes& h : all_cpu.homes) EXPECT_EQ(h.grad, Tier::cpu);
+  const TierBytes c = all_cpu.needs();
+  const uint64_t first = page(all_cpu.partition.units[0].shard * 4) * 3;
+  b.cpu_memory = c.total(Tier::cpu) - c.at(Tier::cpu, StateKind::gradients) + first;
+  const Placement spilled = Placement::make(sharded, a, b);
+  EXPECT_EQ(spilled.homes[0].grad, Tier::cpu);
+  for (size_t u = 1; u < spilled.homes.size(); ++u) EXPECT_EQ(spilled.homes[u].grad, Tier::nvme);
+  EXPECT_EQ(spilled.needs().at(Tier::cpu, StateKind::gradients), first);
+  EXPECT_NO_THROW(spilled.check(b));
+  EXPECT_EQ(spilled.offloaded_gradients().on_nvme, static_cast<int>(spilled.homes.size()) - 1);
+  // Not without nvme paths, nor when asked for host RAM: check() refuses, naming them.
+  a.grads = GradHome::cpu;
+  expect_error([&] { Placement::make(sharded, a, b).check(b); },
+               {"cpu: gradients", "--grad-dtype bf16"});
+}
+
 // Replicated units keep parameters and gradients on every GPU whatever the homes say, as
 // ZeroModel requires; their host copies are counted once.
 TEST(Placement, ReplicatedUnitsStayOnTheGpu) {
@@ -432,6 +501,8 @@ TEST(Placement, CheckRefusesWithATable) {
     for (const std::string& want : std::vector<std::string>{
              "cpu: gradients " + format_bytes(grads), "bf16 gradients (--grad-dtype bf16",
              "the f32 accumulators take " + format_bytes(grads),
+             "(--offload-gradients nvme), as ZeRO-Infinity swaps them: up to " +
+                 format_bytes(grads),
              "--offload-gradients auto): " + format_bytes(grads)})
       EXPECT_NE(msg.find(want), std::string::npos) << want << " not in: " << msg;
     EXPECT_EQ(msg.find("--offload-optimizer nvme"), std::string::npos) << msg;

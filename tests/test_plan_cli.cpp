@@ -169,6 +169,43 @@ TEST(PlanCli, AnOffloadedOptimizersGradientsSumOnTheGpu) {
   EXPECT_LT(gpu["step_s"].get<double>() * 1.5, cpu["step_s"].get<double>());
 }
 
+// Llama 3 70B on a workstation: 4 x 24 GiB GPUs and 128 GiB of RAM. Its f32 gradient
+// accumulators alone (259 GiB) cannot live in host RAM: asked to, the plan is refused naming
+// NVMe; by default (auto) the last units' sum on NVMe, as ZeRO-Infinity swaps them, and the plan
+// fits, with the traffic that costs on the drives predicted.
+TEST(PlanCli, A70bModelsGradientsGoToNvmeWhereRamIsShort) {
+  const std::string args =
+      "plan --model llama3-70b --gpus 4 --gpu-memory 24GiB --cpu-memory 128GiB --nvme 2x3.5TB "
+      "--offload-param auto --offload-optimizer auto --json";
+  const json fit = parse_json(strata(args, "2>/dev/null"));
+  int on_nvme = 0;
+  std::string last_home;
+  for (const json& h : fit["homes"]) {
+    on_nvme += h["grad"] == "nvme" ? 1 : 0;
+    last_home = h["grad"];
+  }
+  EXPECT_GT(on_nvme, 40) << fit["homes"];
+  EXPECT_EQ(last_home, "nvme");  // the last units first
+  EXPECT_LE(fit["memory"]["cpu"]["total"].get<uint64_t>(), 128ull << 30);
+  EXPECT_GT(fit["memory"]["nvme"]["gradients"].get<uint64_t>(), 100ull << 30);
+  EXPECT_GT(fit["step_s"].get<double>(), 0.0);
+  EXPECT_EQ(fit["critical_lane"], "nvme.write");
+  // Every offloaded unit's on NVMe when asked; the plan fits, the drives busier.
+  const json all = parse_json(strata(args + " --offload-gradients nvme", "2>/dev/null"));
+  for (const json& h : all["homes"]) {
+    if (h["optimizer"] != "gpu") {
+      EXPECT_EQ(h["grad"], "nvme") << h;
+    }
+  }
+  EXPECT_GE(busy(all, "nvme.write"), busy(fit, "nvme.write"));
+  const Result refused = strata(
+      "plan --model llama3-70b --gpus 4 --gpu-memory 24GiB --cpu-memory 128GiB --nvme 2x3.5TB "
+      "--offload-param auto --offload-optimizer auto --offload-gradients cpu");
+  EXPECT_NE(refused.status, 0);
+  for (const char* part : {"cpu: gradients", "--offload-gradients nvme", "--grad-dtype bf16"})
+    EXPECT_NE(refused.out.find(part), std::string::npos) << part << " missing from " << refused.out;
+}
+
 // Parameters on NVMe and 8 micro-batches: in one group of 8 each unit is read once for the
 // forwards and once for the backwards instead of 8 times each, for 8 micro-batches'
 // activations on the GPU, which the plan counts.

@@ -32,7 +32,7 @@ LlamaConfig tiny(bool tied) {
 // A placement written by hand: P home `p` for sharded units (replicated ones stay on the GPU),
 // O home `o`, G on the GPU with O there or `g_gpu`, else in host RAM.
 Placement make_placement(const LlamaConfig& c, int ranks, Tier p, Tier o, uint64_t threshold,
-                         int working = 2, int pinned = 4, bool g_gpu = false) {
+                         int working = 2, int pinned = 4, bool g_gpu = false, bool g_nvme = false) {
   Placement pl;
   pl.shape.model = c;
   pl.shape.ranks = ranks;
@@ -45,7 +45,10 @@ Placement make_placement(const LlamaConfig& c, int ranks, Tier p, Tier o, uint64
   pl.partition = Partition::build(ModelLayout::build(c), ranks, ModelLayout::kAlign, threshold);
   for (const UnitPartition& up : pl.partition.units)
     pl.homes.push_back(UnitHomes{up.replicated ? Tier::gpu : p,
-                                 o == Tier::gpu || g_gpu ? Tier::gpu : Tier::cpu, o});
+                                 o == Tier::gpu || g_gpu    ? Tier::gpu
+                                 : g_nvme && !up.replicated ? Tier::nvme
+                                                            : Tier::cpu,
+                                 o});
   pl.pinned_buffers = pinned;
   pl.pinned_buffer_bytes = pl.partition.max_unit_numel() * 12;
   return pl;
@@ -128,6 +131,12 @@ Expected expected_counts(const Placement& pl, int M, int G = 1, bool per_group =
       if (h.grad == Tier::gpu) {  // summed on the GPU, brought down once for CPU Adam
         k[TaskKind::grad_offload] += up.replicated ? 1 : R;
         k[TaskKind::grad_stats] += R;
+      } else if (h.grad == Tier::nvme) {  // each reduction written, the later ones added into
+        k[TaskKind::grad_d2h] += reductions * R;  // what is read back; the sum read for Adam
+        k[TaskKind::grad_write] += reductions;
+        k[TaskKind::grad_read] += reductions;
+        k[TaskKind::grad_accumulate] += reductions - 1;
+        k[TaskKind::grad_stats] += 1;
       } else {
         k[TaskKind::grad_d2h] += reductions * (up.replicated ? 1 : R);
         k[TaskKind::grad_accumulate] += reductions - 1;
@@ -200,6 +209,7 @@ std::string buffer_reuse_violation(const Schedule& s) {
         return 0;
       case TaskKind::grad_d2h:
       case TaskKind::grad_accumulate:
+      case TaskKind::grad_write:
         return 1;
       case TaskKind::optim_read:
       case TaskKind::optim_write:
@@ -210,18 +220,28 @@ std::string buffer_reuse_violation(const Schedule& s) {
         return 3;
     }
   };
-  // grad_offload -> its holding: CPU Adam reads the gradients it brought, from that buffer.
+  // grad_offload (or the optimizer's grad_read) -> its holding: CPU Adam reads the gradients
+  // it brought, from that buffer.
   std::map<int, std::pair<int, size_t>> offload_holding;
   std::map<int, std::tuple<int, int, int>> pinned_key;  // buffer -> (family, unit, m) held now
   for (const Task& t : s.tasks) {
     if (t.buffer >= 0) {
       auto& list = holdings[{t.buffer, -1}];
-      const std::tuple<int, int, int> key{family(t.kind), t.unit, t.micro_batch};
+      // G on NVMe: the backward's grad_read starts a holding of a reduction (m) that its
+      // grad_write ends, the last one's grad_stats reading it between them; the optimizer's
+      // (m -1) one that Adam reads.
+      const bool reads_back = t.kind == TaskKind::grad_read;
+      std::tuple<int, int, int> key{reads_back ? (t.micro_batch < 0 ? 4 : 1) : family(t.kind),
+                                    t.unit, t.micro_batch};
       auto it = pinned_key.find(t.buffer);
-      if (it == pinned_key.end() || it->second != key) list.emplace_back();
+      if (t.kind == TaskKind::grad_stats && it != pinned_key.end() &&
+          std::get<0>(it->second) == 1 && std::get<1>(it->second) == t.unit)
+        key = it->second;
+      if (it == pinned_key.end() || it->second != key || reads_back) list.emplace_back();
       pinned_key[t.buffer] = key;
       list.back().push_back(t.id);
-      if (t.kind == TaskKind::grad_offload) offload_holding[t.id] = {t.buffer, list.size() - 1};
+      if (t.kind == TaskKind::grad_offload || (reads_back && t.micro_batch < 0))
+        offload_holding[t.id] = {t.buffer, list.size() - 1};
     }
     if (t.kind == TaskKind::adam)
       for (int d : t.deps)
@@ -332,17 +352,17 @@ int for_every_placement(Fn&& fn) {
     for (uint64_t threshold : {uint64_t{0}, uint64_t{40000}, uint64_t{1} << 40})
       for (Tier p : tiers)
         for (Tier o : tiers)
-          for (bool g_gpu : {false, true})
+          for (Tier g : tiers)  // G's home with the optimizer on the host
             for (int R : {1, 3})
               for (int M : {1, 2})
                 for (int d = 0; d <= 2; ++d) {
-                  if (o == Tier::gpu && g_gpu) continue;  // the same placement
-                  SCOPED_TRACE(
-                      fmt::format("variant={} threshold={} P={} O={} G gpu={} R={} M={} d={}",
-                                  variant, threshold, int(p), int(o), g_gpu, R, M, d));
+                  if (o == Tier::gpu && g != Tier::cpu) continue;  // the same placement
+                  SCOPED_TRACE(fmt::format("variant={} threshold={} P={} O={} G={} R={} M={} d={}",
+                                           variant, threshold, int(p), int(o), int(g), R, M, d));
                   LlamaConfig c = tiny(variant == 1 || variant == 3);
                   if (variant >= 2) c.vocab_pieces = 3;
-                  fn(make_placement(c, R, p, o, threshold, 3, 4, g_gpu), M, d);
+                  fn(make_placement(c, R, p, o, threshold, 3, 4, g == Tier::gpu, g == Tier::nvme),
+                     M, d);
                   ++cases;
                 }
   return cases;
@@ -376,6 +396,23 @@ TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
     ASSERT_NO_THROW(s.validate());
     EXPECT_EQ(buffer_reuse_violation(s), "") << s.str();
     EXPECT_EQ(replicated_gradient_violation(s, pl), "") << s.str();
+    // G on NVMe: a step's first grad_write of a unit overwrites what the previous step's update
+    // read back, so it waits for that grad_read.
+    for (int u = 0; u < static_cast<int>(pl.homes.size()); ++u) {
+      if (pl.homes[size_t(u)].grad != Tier::nvme) continue;
+      int first_write = -1, update_read = -1;
+      for (const Task& t : s.tasks) {
+        if (t.unit != u) continue;
+        if (t.kind == TaskKind::grad_write && first_write < 0) first_write = t.id;
+        if (t.kind == TaskKind::grad_read && t.micro_batch < 0) update_read = t.id;
+      }
+      ASSERT_GE(first_write, 0);
+      ASSERT_GE(update_read, 0);
+      const std::vector<int>& prev = s.tasks[size_t(first_write)].prev;
+      EXPECT_NE(std::find(prev.begin(), prev.end(), update_read), prev.end())
+          << "unit " << u << "\n"
+          << s.str();
+    }
     const Expected e = expected_counts(pl, M);
     EXPECT_EQ(count_kinds(s), e.kinds);
     EXPECT_EQ(count_groups(s), e.groups);
@@ -394,7 +431,7 @@ TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
       EXPECT_FALSE(s.lane_tasks(static_cast<int>(l)).empty()) << s.lanes[l].name();
     bool nvme = false;
     for (const UnitHomes& h : pl.homes)
-      nvme = nvme || h.param == Tier::nvme || h.optimizer == Tier::nvme;
+      nvme = nvme || h.param == Tier::nvme || h.optimizer == Tier::nvme || h.grad == Tier::nvme;
     EXPECT_EQ(s.lane_index(Lane{LaneKind::nvme_read, -1}) >= 0, nvme);
     const Prediction pred = simulate(s, test_profile(), 3);
     ASSERT_NO_THROW(check_timeline(s, pred.timeline));
@@ -423,7 +460,8 @@ TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
         EXPECT_LE(m.overlap, 1.0 + 1e-9) << mixed;
       }
   });
-  EXPECT_EQ(built, 4 * 3 * 3 * 5 * 2 * 2 * 3);  // O gpu with G gpu, O cpu or nvme with G either
+  // O gpu with G gpu, O cpu or nvme with G in any tier
+  EXPECT_EQ(built, 4 * 3 * 3 * 7 * 2 * 2 * 3);
 }
 
 // Evaluation's schedule: each micro-batch's forwards and what fetches and gathers them; every
@@ -751,15 +789,16 @@ TEST(Schedule, ReducingOncePerGroupForEveryPlacement) {
     for (uint64_t threshold : {uint64_t{0}, uint64_t{40000}})
       for (Tier p : tiers)
         for (Tier o : tiers)
-          for (bool g_gpu : {false, true})
+          for (Tier g : tiers)
             for (int R : {1, 3})
               for (const auto& [M, G] : {std::pair{4, 2}, std::pair{5, 3}, std::pair{3, 1}})
                 for (bool early : {false, true}) {
-                  if (o == Tier::gpu && g_gpu) continue;  // the same placement
+                  if (o == Tier::gpu && g != Tier::cpu) continue;  // the same placement
                   SCOPED_TRACE(
-                      fmt::format("tied={} threshold={} P={} O={} G gpu={} R={} M={} G={} early={}",
-                                  tied, threshold, int(p), int(o), g_gpu, R, M, G, early));
-                  Placement pl = make_placement(tiny(tied), R, p, o, threshold, 3, 4, g_gpu);
+                      fmt::format("tied={} threshold={} P={} O={} G={} R={} M={} G={} early={}",
+                                  tied, threshold, int(p), int(o), int(g), R, M, G, early));
+                  Placement pl = make_placement(tiny(tied), R, p, o, threshold, 3, 4,
+                                                g == Tier::gpu, g == Tier::nvme);
                   pl.shape.micro_batch_group = G;
                   ScheduleOptions so{M, 1};
                   so.update_during_backward = early;
@@ -802,7 +841,7 @@ TEST(Schedule, ReducingOncePerGroupForEveryPlacement) {
                     EXPECT_EQ(s.str(), Schedule::build(pl, each).str());
                   }
                 }
-  EXPECT_EQ(cases, 2 * 2 * 3 * (3 * 2 - 1) * 2 * 3 * 2);
+  EXPECT_EQ(cases, 2 * 2 * 3 * (3 * 3 - 2) * 2 * 3 * 2);
 }
 
 TEST(Schedule, ReducingOncePerGroupCutsTheGradientTraffic) {
@@ -893,7 +932,7 @@ TEST(Schedule, UpdatingDuringTheBackwardForEveryPlacement) {
       EXPECT_EQ(Schedule::build(pl, eval).str(), Schedule::build(pl, eval0).str());
     }
   });
-  EXPECT_EQ(built, 4 * 3 * 3 * 5 * 2 * 2 * 3);
+  EXPECT_EQ(built, 4 * 3 * 3 * 7 * 2 * 2 * 3);
   EXPECT_GT(early_adams, 0);
 }
 

@@ -1343,8 +1343,31 @@ TEST(TrainCli, GradientsOnTheDeviceOrInHostRamGiveTheSameBits) {
              " --steps 1 --offload-optimizer cpu --offload-gradients disk --run-dir " +
              (dir.path / "bad").string());
   EXPECT_NE(bad.status, 0);
-  for (const char* part : {"--offload-gradients disk", "auto", "none", "cpu"})
+  for (const char* part : {"--offload-gradients disk", "auto", "none", "cpu", "nvme"})
     EXPECT_NE(bad.out.find(part), std::string::npos) << part << " missing from " << bad.out;
+}
+
+// Every micro-batch's gradients summed on NVMe (--offload-gradients nvme; the swap files in
+// RUN/swap, as for the optimizer) give the bits of summing them on the devices (which the test
+// above shows are host RAM's), on one device and on two with P on NVMe too, and the run says
+// how many units' went there.
+TEST(TrainCli, GradientsOnNvmeGiveTheSameBits) {
+  const test::TempDir dir("strata-grads-nvme");
+  const fs::path data = make_data(dir.path);
+  for (const std::string& placement :
+       {std::string("--persistence-threshold 0 --offload-optimizer cpu"),
+        std::string("--devices host:2 --persistence-threshold 0 --offload-param nvme "
+                    "--offload-optimizer nvme")}) {
+    SCOPED_TRACE(placement);
+    std::array<std::string, 2> out;
+    expect_flags_keep_the_bits(dir.path,
+                               "train " + kTiny + "--data " + data.string() +
+                                   " --lr 2e-3 --grad-accum 3 --threads 1 " + placement,
+                               "--offload-gradients nvme", 2, &out);
+    EXPECT_NE(out[1].find("4 of them summed on NVMe"), std::string::npos) << out[1];
+    EXPECT_EQ(out[0].find("summed on NVMe"), std::string::npos) << out[0];
+    EXPECT_TRUE(fs::is_empty(dir.path / "with" / "swap")) << "swap files left after a clean exit";
+  }
 }
 
 // The same on a GPU in bf16: the sums come down from the device by copy, CPU Adam reads them.

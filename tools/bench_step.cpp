@@ -345,7 +345,9 @@ int run_bench_step(const BenchStepArgs& a) {
     // The copy's gradients where the full model's are (its own budget could keep more of
     // them on the devices).
     OffloadRequest small_request = request;
-    if (grads.units > 0 && (grads.on_gpu == 0 || grads.on_gpu == grads.units))
+    if (grads.on_nvme > 0 && grads.on_gpu == 0)
+      small_request.grads = GradHome::nvme;
+    else if (grads.units > 0 && (grads.on_gpu == 0 || grads.on_gpu == grads.units))
       small_request.grads = grads.on_gpu == 0 ? GradHome::cpu : GradHome::gpu;
     RunShape small_shape = small;
     small_shape.micro_batch_group = shape.micro_batch_group;
@@ -461,6 +463,7 @@ int run_bench_step(const BenchStepArgs& a) {
         {"offload_param", a.offload_param},
         {"offload_optimizer", a.offload_optimizer},
         {"gradients_on_gpu", grads.on_gpu},
+        {"gradients_on_nvme", grads.on_nvme},
         {"verified", true},
         {"verified_on_two_layers", cut},
         {"activation_checkpointing", a.recompute},
@@ -477,6 +480,8 @@ int run_bench_step(const BenchStepArgs& a) {
         {"device_bytes", mid.device_bytes},
         {"vocab_pieces", vocab_pieces_for(placement.shape.model)},
         {"planned_device_bytes", placement.needs().total(Tier::gpu)},
+        {"planned_host_bytes", placement.needs().total(Tier::cpu)},
+        {"planned_nvme_bytes", placement.needs().total(Tier::nvme)},
         {"predicted_step_s", steady.step_s},
         {"predicted_nvme_busy_s", steady.nvme_busy_s},
         {"predicted_critical_lane", critical},
@@ -492,10 +497,11 @@ int run_bench_step(const BenchStepArgs& a) {
   }
   fmt::print(
       "bench step: {} ({:.3g}M parameters) on {} {} device(s), P {} O {}, G on the GPU for {} "
-      "of {} offloaded-optimizer units, micro-batch {} x {} tokens x {} accumulation{}{}\n",
+      "(on NVMe for {}) of {} offloaded-optimizer units, micro-batch {} x {} tokens x {} "
+      "accumulation{}{}\n",
       model.name, double(parameter_count(model)) / 1e6, R, dtype_name(shape.param_dtype),
-      a.offload_param, a.offload_optimizer, grads.on_gpu, grads.units, a.micro_batch, a.seq_len,
-      a.grad_accum,
+      a.offload_param, a.offload_optimizer, grads.on_gpu, grads.on_nvme, grads.units, a.micro_batch,
+      a.seq_len, a.grad_accum,
       shape.micro_batch_group > 1
           ? fmt::format(" (groups of {} run unit by unit{})", shape.micro_batch_group,
                         per_group ? ", gradients reduced once per group" : "")

@@ -92,8 +92,9 @@ inline CLI::Option* add_gradients_option(CLI::App* cmd, std::string& value) {
   return cmd->add_option(
       "--offload-gradients", value,
       "with the optimizer offloaded: auto (default; summed on the GPU where it has room, brought "
-      "to the host once a step), none (on the GPU) or cpu (every micro-batch's to host RAM, as "
-      "DeepSpeed does)");
+      "to the host once a step; where host RAM is then short, the last units' on NVMe), none "
+      "(on the GPU), cpu (every micro-batch's to host RAM, as DeepSpeed does) or nvme (every "
+      "micro-batch's summed in the swap store, as ZeRO-Infinity swaps them)");
 }
 
 }  // namespace strata::cli

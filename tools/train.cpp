@@ -244,8 +244,8 @@ int run_train(const TrainArgs& a) {
   s.offload = plan.offload;
   apply_offload_flags(s.offload, a.offload_param, a.offload_optimizer, a.offload_gradients);
   if (!a.nvme_paths.empty()) s.offload.nvme_paths = a.nvme_paths;
-  const bool nvme =
-      s.offload.param == Tier::nvme || s.offload.optimizer == Tier::nvme || s.offload.automatic;
+  const bool nvme = s.offload.param == Tier::nvme || s.offload.optimizer == Tier::nvme ||
+                    s.offload.automatic || s.offload.grads == GradHome::nvme;
   if (nvme && s.offload.nvme_paths.empty()) s.offload.nvme_paths = {(s.run_dir / "swap").string()};
   s.prefetch_depth = prefetch_depth_flag(a.prefetch_depth, plan.prefetch_depth.value_or(1));
   s.recompute = a.recompute;

@@ -619,6 +619,9 @@ void Executor::State::resolve(bool allocate_staging) {
       case TaskKind::param_upload:
       case TaskKind::param_d2h:
         break;
+      case TaskKind::grad_read:  // the optimizer's reads the step's sum back
+        front[static_cast<size_t>(t.id)] = t.micro_batch >= 0 ? 1 : 0;
+        break;
       default:
         front[static_cast<size_t>(t.id)] = 1;
     }
@@ -665,6 +668,22 @@ void Executor::State::resolve(bool allocate_staging) {
   auto read = [&](int producer, int consumer) {
     consumers[static_cast<size_t>(producer)].push_back(consumer);
   };
+  // G home nvme: the task whose pinned buffer holds the step's sum of unit u so far when
+  // `consumer` (a grad_stats or grad_write) runs: the grad_read a grad_accumulate added into,
+  // else (the step's first reduction) rank 0's grad_d2h, whose buffer every rank's shares.
+  auto nvme_grads = [&](const Task& consumer) {
+    const int u = consumer.unit;
+    bool added = false;
+    for (int d : consumer.deps) {
+      const Task& p = sc->tasks[static_cast<size_t>(d)];
+      added = added || (p.kind == TaskKind::grad_accumulate && p.unit == u);
+    }
+    const int p = added ? latest_for(TaskKind::grad_read, u, -1, consumer)
+                        : latest_for(TaskKind::grad_d2h, u, 0, consumer);
+    need(p, consumer, added ? "grad_read" : "grad_d2h");
+    src[static_cast<size_t>(consumer.id)] = {p};
+    read(p, consumer.id);
+  };
   for (const Task& t : sc->tasks) {
     const int u = t.unit;
     const UnitHomes& h = home(u);
@@ -672,7 +691,11 @@ void Executor::State::resolve(bool allocate_staging) {
     switch (t.kind) {
       case TaskKind::param_read:
       case TaskKind::optim_read:
+      case TaskKind::grad_read:
         pool_of[id] = 0;
+        break;
+      case TaskKind::grad_write:
+        nvme_grads(t);
         break;
       case TaskKind::param_h2d:
         if (h.param == Tier::nvme) {
@@ -753,9 +776,32 @@ void Executor::State::resolve(bool allocate_staging) {
           src[id] = {p};
           read(p, t.id);
         }
+        if (h.grad == Tier::nvme) {  // every reduction staged: each rank's part of rank 0's
+          d2h_staged[id] = 1;
+          if (t.rank == 0) {
+            pool_of[id] = 0;
+          } else {
+            const std::vector<int>& rank0 = seen[key(t.kind, u)][1];
+            if (rank0.empty())
+              fail("schedule: {} has no grad_d2h of rank 0 before it to share a buffer with",
+                   task_label(*sc, t));
+            shared_leader[id] = rank0.back();
+          }
+        }
         break;
       case TaskKind::grad_accumulate:
-        if (!up(u).replicated) {
+        if (h.grad == Tier::nvme) {  // adds every rank's staged part into the sum read back
+          const int g = latest_for(TaskKind::grad_read, u, -1, t);
+          need(g, t, "grad_read");
+          src[id] = {g};
+          read(g, t.id);
+          for (int r : task_ranks(t, u)) {
+            const int p = latest_for(TaskKind::grad_d2h, u, r, t);
+            need(p, t, "grad_d2h");
+            src[id].push_back(p);
+            read(p, t.id);
+          }
+        } else if (!up(u).replicated) {
           // The shards it adds come through pinned buffers; the first micro-batch's d2h
           // (with no grad_accumulate) writes G directly.
           // Like a grad_offload's, the staging buffer is the schedule's one pinned buffer of
@@ -789,6 +835,12 @@ void Executor::State::resolve(bool allocate_staging) {
           const int p = latest_for(TaskKind::optim_read, u, -1, t);
           need(p, t, "optim_read");
           src[id] = {p};
+          read(p, t.id);
+        }
+        if (h.grad == Tier::nvme) {  // the step's sum read back (src's last entry)
+          const int p = latest_for(TaskKind::grad_read, u, -1, t);
+          need(p, t, "grad_read");
+          src[id].push_back(p);
           read(p, t.id);
         }
         if (h.optimizer != Tier::gpu && h.grad == Tier::gpu) {
@@ -827,6 +879,8 @@ void Executor::State::resolve(bool allocate_staging) {
         break;
       }
       case TaskKind::grad_stats:
+        if (h.grad == Tier::nvme) nvme_grads(t);
+        break;
       case TaskKind::param_d2h:
         break;
     }
@@ -973,6 +1027,8 @@ void Executor::State::allocate() {
                                          : nullptr);
       if (home(u).param == Tier::nvme) nvme_bytes += round_up(n * ps, pl.request.nvme_stripe);
       if (home(u).optimizer == Tier::nvme) nvme_bytes += round_up(n * 12, pl.request.nvme_stripe);
+      if (pl.shape.training && home(u).grad == Tier::nvme)
+        nvme_bytes += round_up(n * gs, pl.request.nvme_stripe);
     }
   if (nvme_bytes > 0) {
     nvme::SwapStoreOptions so;
@@ -991,6 +1047,8 @@ void Executor::State::allocate() {
       for (int r = 0; r < host_ranks(u); ++r) {
         if (home(u).param == Tier::nvme) store->add_shard(shard_name('P', u, r), shard(u) * ps);
         if (home(u).optimizer == Tier::nvme) store->add_shard(shard_name('O', u, r), shard(u) * 12);
+        if (pl.shape.training && home(u).grad == Tier::nvme)
+          store->add_shard(shard_name('G', u, r), shard(u) * gs);
       }
   }
   o_dev.clear();
@@ -1541,7 +1599,7 @@ void Executor::State::update(const Task& t, const StepSlot& sl, const GradStats&
     const AdamShard sh{f, f + n, f + 2 * n, n};
     char* p = home(u).param == Tier::cpu ? host_p[static_cast<size_t>(u)][static_cast<size_t>(q)]
                                          : pin(t.id) + rank_part(q, n * ps);
-    const char* g = home(u).grad == Tier::gpu
+    const char* g = home(u).grad != Tier::cpu  // brought down, or read back from NVMe
                         ? pin(src[static_cast<size_t>(t.id)].back()) + rank_part(q, n * gs)
                         : host_g[static_cast<size_t>(u)][static_cast<size_t>(q)];
     AdamParams no_decay = params.adam;
@@ -1728,9 +1786,12 @@ void Executor::State::run_task(const Task& t, int64_t k) {
     case TaskKind::grad_accumulate: {
       if (up(u).replicated) return;
       const std::vector<int> rs = task_ranks(t, u);
+      const std::vector<int>& from = src[static_cast<size_t>(t.id)];
+      const bool nvme = home(u).grad == Tier::nvme;  // into the sum read back: src[0]'s buffer
       for (size_t i = 0; i < rs.size(); ++i) {
-        char* g = host_g[static_cast<size_t>(u)][static_cast<size_t>(rs[i])];
-        const char* a = pin(src[static_cast<size_t>(t.id)][i]) + rank_part(rs[i], n * gs);
+        char* g = nvme ? pin(from[0]) + rank_part(rs[i], n * gs)
+                       : host_g[static_cast<size_t>(u)][static_cast<size_t>(rs[i])];
+        const char* a = pin(from[nvme ? i + 1 : i]) + rank_part(rs[i], n * gs);
         // On CPU Adam's threads, in its statistics chunks, as the simulator assumes (one thread
         // ran at an eighth of grad_stats' rate on 2 cores); each element's sum is the same
         // whatever the split.
@@ -1744,9 +1805,13 @@ void Executor::State::run_task(const Task& t, int64_t k) {
     }
     case TaskKind::grad_stats: {
       if (home(u).grad != Tier::gpu) {
-        for (int q : task_ranks(t, u))
-          slot_of(k).stats[static_cast<size_t>(u)][static_cast<size_t>(q)] = adam->grad_stats(
-              GradShard{host_g[static_cast<size_t>(u)][static_cast<size_t>(q)], gt, n});
+        for (int q : task_ranks(t, u)) {
+          const char* g = home(u).grad == Tier::nvme
+                              ? pin(src[static_cast<size_t>(t.id)][0]) + rank_part(q, n * gs)
+                              : host_g[static_cast<size_t>(u)][static_cast<size_t>(q)];
+          slot_of(k).stats[static_cast<size_t>(u)][static_cast<size_t>(q)] =
+              adam->grad_stats(GradShard{g, gt, n});
+        }
         return;
       }
       const std::vector<int> rs = r >= 0 ? std::vector<int>{r} : task_ranks(t, u);
@@ -1780,6 +1845,16 @@ void Executor::State::run_task(const Task& t, int64_t k) {
       for (int q : task_ranks(t, u))
         store->read(shard_name('O', u, q), pin(t.id) + rank_part(q, n * 12), kReadChannel);
       return;
+    case TaskKind::grad_read:
+      for (int q : task_ranks(t, u))
+        store->read(shard_name('G', u, q), pin(t.id) + rank_part(q, n * gs), kReadChannel);
+      return;
+    case TaskKind::grad_write: {
+      const char* from = pin(src[static_cast<size_t>(t.id)][0]);
+      for (int q : task_ranks(t, u))
+        store->write(shard_name('G', u, q), from + rank_part(q, n * gs), kWriteChannel);
+      return;
+    }
     case TaskKind::optim_write: {
       const char* from = pin(src[static_cast<size_t>(t.id)][0]);
       for (int q : task_ranks(t, u))

@@ -52,7 +52,9 @@
 // pinned buffer's first writers on all its last users. A pinned buffer holds one unit's shards
 // of every rank (or a replicated unit's one copy). Pinned buffers carry: P[u]
 // read from NVMe until every param_h2d has read it; a grad_d2h's shard for micro-batch m > 0
-// until grad_accumulate added it into G; G[u] of every rank from its grad_offloads to adam;
+// until grad_accumulate added it into G (G home nvme: every micro-batch's, until it is added or
+// written, and G read back from grad_read to its grad_write, or to adam); G[u] of every rank
+// from its grad_offloads to adam;
 // O[u] (master, m, v: 12 bytes an element) from optim_read to optim_write; the updated P[u]
 // from adam (or param_d2h) to param_write or the param_uploads. When both the fetches (and gradient
 // staging) and the optimizer use pinned buffers and there are enough, they take from two pools:
@@ -81,6 +83,14 @@
 // micro-batch: one grad_stats per unit on cpu.adam (G home cpu; emitted right after the unit's
 // gradients are final) or one per rank on gpu[r].compute (emitted after the last backward, in
 // backward order).
+// G home nvme (sharded units whose optimizer is on the host): every reduction's grad_d2hs stage
+// into a pinned buffer (one rank: straight from the working buffer, as above). The step's first
+// reduction of the unit writes it to NVMe from there (grad_write, which waits (`prev`) for the
+// previous step's update to have read G back); a later one reads G back into a second buffer
+// (grad_read, after the last grad_write), a grad_accumulate on cpu.adam adds the staging into
+// it, and a grad_write writes it. After the last, the grad_stats reads that buffer before it is
+// given back. The optimizer reads G back (grad_read into a buffer of its pool, after the last
+// grad_write) for adam, as a grad_offload brings it down for G home gpu.
 //
 // Optimizer, u = 0..U-1: O home nvme -> optim_read, then adam (cpu.adam over all ranks'
 // shards when O is on the host, else one per rank on gpu[r].compute) after every grad_stats,
@@ -217,6 +227,10 @@ std::string_view task_kind_name(TaskKind k) {
       return "grad_accumulate";
     case TaskKind::grad_stats:
       return "grad_stats";
+    case TaskKind::grad_write:
+      return "grad_write";
+    case TaskKind::grad_read:
+      return "grad_read";
     case TaskKind::grad_offload:
       return "grad_offload";
     case TaskKind::optim_read:
@@ -244,9 +258,11 @@ bool lane_fits(TaskKind kind, LaneKind lane) {
   switch (kind) {
     case TaskKind::param_read:
     case TaskKind::optim_read:
+    case TaskKind::grad_read:
       return lane == LaneKind::nvme_read;
     case TaskKind::optim_write:
     case TaskKind::param_write:
+    case TaskKind::grad_write:
       return lane == LaneKind::nvme_write;
     case TaskKind::param_h2d:
     case TaskKind::param_upload:
@@ -369,7 +385,14 @@ struct Run {
 // A `prev` dependency that names the previous step's tasks, resolved once the step is built
 // (the same tasks of this step, as every step is the same).
 struct PrevFix {
-  enum class What { param_writer, optim_write, grad_offload, working_buffer, pinned_buffer };
+  enum class What {
+    param_writer,
+    optim_write,
+    grad_offload,
+    grad_read,
+    working_buffer,
+    pinned_buffer
+  };
   int task = 0;
   What what = What::param_writer;
   int index = 0;       // unit, or buffer
@@ -402,8 +425,8 @@ class Builder {
     // Two pinned pools when the buffers allow it (see the file comment): the fetches and
     // gradient staging before the optimizer take from the first, d + 2 buffers at most; the
     // optimizer from the rest, which must hold what one unit needs at once.
-    const int front = std::min(B_ - optim_need_, d_ + 2);
-    split_ = front_need_ && optim_need_ > 0 && front >= 1;
+    const int front = std::min(B_ - optim_need_, d_ + 1 + front_need_);
+    split_ = front_need_ > 0 && optim_need_ > 0 && front >= front_need_;
     if (split_) {
       pinned_ = BufferPool(front, 0);
       optim_pinned_ = BufferPool(B_ - front, front);
@@ -416,6 +439,7 @@ class Builder {
     optim_read_.assign(static_cast<size_t>(U_), -1);
     optim_write_.assign(static_cast<size_t>(U_), -1);
     o_buffer_.assign(static_cast<size_t>(U_), -1);
+    grad_read_.assign(static_cast<size_t>(U_), -1);
     grad_offload_.resize(static_cast<size_t>(U_));
     first_use_done_.assign(static_cast<size_t>(U_), false);
     last_grad_d2h_.assign(static_cast<size_t>(R_), -1);
@@ -517,11 +541,14 @@ class Builder {
             "schedule: unit {} is replicated (at most {} elements) but its parameters' home is "
             "{}; replicated units stay on every GPU, so their home must be gpu",
             name, part_.persistence_threshold, tier_name(h.param));
-      if (h.grad == Tier::nvme)
+      if (h.grad == Tier::nvme && (h.optimizer == Tier::gpu || unit(u).replicated))
         fail(
-            "schedule: unit {}'s gradients have their home on nvme; gradient accumulators live "
-            "on the GPU or, for CPU Adam, in host memory",
-            name);
+            "schedule: unit {}'s gradients have their home on nvme, but {}; gradients on NVMe "
+            "are for CPU Adam, and only for sharded units",
+            name,
+            unit(u).replicated ? "the unit is replicated (its gradients are all-reduced on every "
+                                 "GPU)"
+                               : "its optimizer is on the GPU");
       if (h.grad == Tier::cpu && h.optimizer == Tier::gpu)
         fail(
             "schedule: unit {} has its gradients in host RAM but its optimizer on the GPU; "
@@ -529,10 +556,14 @@ class Builder {
             name);
       int n = optimizer_pinned_buffers(h);
       optim_need_ = std::max(optim_need_, n);
-      const bool front = h.param == Tier::nvme || (h.grad == Tier::cpu && M_ > 1);
-      front_need_ = front_need_ || front;
-      if (front) n = std::max(n, 1);
-      need = std::max(need, n);
+      // Buffers the fetches and the gradients' staging hold at once: a parameter shard from
+      // NVMe, a micro-batch's gradients on their way to host RAM, or those beside the step's
+      // sum read back from NVMe.
+      const int front = h.grad == Tier::nvme                                       ? 2
+                        : h.param == Tier::nvme || (h.grad == Tier::cpu && M_ > 1) ? 1
+                                                                                   : 0;
+      front_need_ = std::max(front_need_, front);
+      need = std::max({need, n, front});
     }
     if (B_ < need)
       fail(
@@ -857,7 +888,9 @@ class Builder {
           more = more || uses_[static_cast<size_t>(j)].backward;
         if (more) run_rs_first_[static_cast<size_t>(u)] = run->first_use;
       }
-    const bool g_host = homes(u).grad == Tier::cpu;
+    // G off the GPU: in host RAM, or on NVMe through a pinned buffer.
+    const bool g_nvme = homes(u).grad == Tier::nvme;
+    const bool g_host = homes(u).grad == Tier::cpu || g_nvme;
     // One rank copies a sharded unit's gradients to the host from its working buffer: the
     // reduce-scatter moves nothing, and the grad_d2h is a late reader of the buffer. Not where
     // a later backward of the run adds into them (micro-batch groups reduced per micro-batch),
@@ -898,7 +931,7 @@ class Builder {
       return;
     }
     const int copies = up.replicated ? 1 : R_;
-    const bool staged = !first;
+    const bool staged = !first || g_nvme;
     const int buf = staged ? take_pinned("grad_d2h staging", u) : -1;
     std::vector<int> d2h;
     for (int r = 0; r < copies; ++r) {
@@ -911,6 +944,10 @@ class Builder {
       }
       last_grad_d2h_[static_cast<size_t>(r)] = id;
       d2h.push_back(id);
+    }
+    if (g_nvme) {
+      emit_nvme_gradients(u, m, first, last, buf, d2h);
+      return;
     }
     if (staged) {
       std::vector<int> deps = d2h;
@@ -930,6 +967,49 @@ class Builder {
       unit_stats_[static_cast<size_t>(u)] = {stats};
       if (early_ && o_host(u)) emit_optimizer(u);
     }
+  }
+
+  // G home nvme, after the grad_d2hs (`d2h`) brought a reduction's gradients into pinned
+  // buffer `staging`: the step's first reduction writes them to NVMe from there; a later one
+  // reads G back into a second buffer, adds the staging into it on cpu.adam, and writes that.
+  // After the last, the statistics come from the buffer written.
+  void emit_nvme_gradients(int u, int m, bool first, bool last, int staging,
+                           const std::vector<int>& d2h) {
+    std::vector<int>& g_writer = g_writer_[static_cast<size_t>(u)];
+    const uint64_t bytes = all_elements(u) * gs_;
+    std::vector<int> ready = d2h;  // after which `held` holds the step's sum so far
+    int held = staging;
+    if (!first) {
+      held = take_pinned("the gradients read back", u);
+      const int read = add(TaskKind::grad_read, LaneKind::nvme_read, -1, u, m, g_writer);
+      task(read).bytes = bytes;
+      wait_for_pinned(read, held);
+      std::vector<int> deps = d2h;
+      deps.push_back(read);
+      const int acc = add(TaskKind::grad_accumulate, LaneKind::cpu_adam, -1, u, m, deps);
+      task(acc).elements = all_elements(u);
+      task(acc).buffer = staging;
+      pinned_.give_back(staging, {acc});
+      ready = {acc};
+    }
+    std::vector<int> readers;
+    if (last) {
+      const int stats = add(TaskKind::grad_stats, LaneKind::cpu_adam, -1, u, -1, ready);
+      task(stats).elements = all_elements(u);
+      task(stats).buffer = held;
+      grad_stats_.push_back(stats);
+      unit_stats_[static_cast<size_t>(u)] = {stats};
+      readers.push_back(stats);
+    }
+    const int write = add(TaskKind::grad_write, LaneKind::nvme_write, -1, u, m, ready);
+    task(write).bytes = bytes;
+    task(write).buffer = held;
+    // It overwrites what the previous step's update read back.
+    if (first) fixes_.push_back({write, PrevFix::What::grad_read, u, -1});
+    readers.push_back(write);
+    pinned_.give_back(held, readers);
+    g_writer = {write};
+    if (last && early_ && o_host(u)) emit_optimizer(u);
   }
 
   // Update during the backward: the grad_stats per rank of the units whose gradients (home
@@ -1016,6 +1096,15 @@ class Builder {
       if (optim_read_[static_cast<size_t>(u)] >= 0)
         deps.push_back(optim_read_[static_cast<size_t>(u)]);
       int gbuf = -1;
+      if (h.grad == Tier::nvme) {  // the step's sum, read back for CPU Adam
+        gbuf = take_pinned("the gradients", u, true);
+        const int id = add(TaskKind::grad_read, LaneKind::nvme_read, -1, u, -1,
+                           g_writer_[static_cast<size_t>(u)]);
+        task(id).bytes = all_elements(u) * gs_;
+        wait_for_pinned(id, gbuf);
+        grad_read_[static_cast<size_t>(u)] = id;
+        deps.push_back(id);
+      }
       if (h.grad == Tier::gpu) {  // the sums come down for CPU Adam, each rank's into its part
         gbuf = take_pinned("the gradients", u, true);
         const std::vector<int>& g_writer = g_writer_[static_cast<size_t>(u)];
@@ -1114,6 +1203,9 @@ class Builder {
         case PrevFix::What::optim_write:
           ids.push_back(optim_write_[static_cast<size_t>(f.index)]);
           break;
+        case PrevFix::What::grad_read:
+          ids.push_back(grad_read_[static_cast<size_t>(f.index)]);
+          break;
         case PrevFix::What::grad_offload: {
           const std::vector<int>& off = grad_offload_[static_cast<size_t>(f.index)];
           if (static_cast<size_t>(f.rank) < off.size())
@@ -1173,8 +1265,8 @@ class Builder {
   uint64_t ps_, gs_;
   BufferPool slots_, pinned_, optim_pinned_;  // optim_pinned_: empty unless split_
   bool split_ = false;
-  int optim_need_ = 0;       // pinned buffers the optimizer of one unit holds at once
-  bool front_need_ = false;  // whether fetches or gradient staging use pinned buffers
+  int optim_need_ = 0;  // pinned buffers the optimizer of one unit holds at once
+  int front_need_ = 0;  // pinned buffers the fetches or gradient staging hold at once
   std::vector<Task> tasks_;
   std::vector<Use> uses_;
   std::vector<Run> runs_;
@@ -1202,6 +1294,7 @@ class Builder {
   // backward (a position, see optim_order).
   int optim_limit_ = -1;
   std::vector<std::vector<int>> grad_offload_;  // per unit: its grad_offload per rank
+  std::vector<int> grad_read_;                  // per unit (G home nvme): the optimizer's grad_read
   std::vector<int> optim_read_, optim_write_, o_buffer_;
   std::vector<PrevFix> fixes_;
 };

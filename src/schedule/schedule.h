@@ -50,6 +50,9 @@ enum class TaskKind {
   grad_d2h,         // gpu[r].d2h: the reduce-scattered shard to its host home (G home cpu)
   grad_accumulate,  // cpu.adam: G[u] += the shard brought by grad_d2h (micro-batches > 1)
   grad_stats,       // cpu.adam or gpu[r].compute: unit u's share of the global norm/overflow
+  // G home nvme: G[u] of every rank between NVMe and a pinned buffer
+  grad_write,  // nvme.write: the step's gradients so far to NVMe (after each micro-batch)
+  grad_read,   // nvme.read: G[u] back, to add a micro-batch's gradients to, or for CPU Adam
   // optimizer, once the global norm is known, in forward order (or, with
   // ScheduleOptions::update_during_backward, each unit once its gradients are final)
   grad_offload,  // gpu[r].d2h: G[u][r], summed on the GPU, into a pinned buffer for CPU Adam

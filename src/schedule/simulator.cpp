@@ -414,11 +414,13 @@ double task_seconds(const Task& task, const Lane& lane, int ranks, const Hardwar
   switch (task.kind) {
     case TaskKind::param_read:
     case TaskKind::optim_read:
+    case TaskKind::grad_read:
       use(bytes, p.nvme_read_bytes_per_s, "nvme_read_bytes_per_s");
       if (bytes > 0) local = p.nvme_read_latency_s;
       break;
     case TaskKind::optim_write:
     case TaskKind::param_write:
+    case TaskKind::grad_write:
       use(bytes, p.nvme_write_bytes_per_s, "nvme_write_bytes_per_s");
       if (bytes > 0) local = p.nvme_write_latency_s;
       break;

@@ -138,6 +138,27 @@ uint64_t gpu_staging(const RunShape& s, const Partition& p, const std::vector<Un
          device_buffer(p.max_shard_numel() * z.gs, z.align);
 }
 
+// Pinned buffers for every shard that moves between tiers (placement.h), from the homes.
+void size_pinned_buffers(Placement& p) {
+  const Sizes z = sizes_of(p.shape);
+  const int ranks = p.shape.ranks;
+  uint64_t largest_moving = 0;
+  for (size_t u = 0; u < p.homes.size(); ++u) {
+    const UnitHomes& h = p.homes[u];
+    const UnitPartition& up = p.partition.units[u];
+    if (h.param != Tier::gpu || h.optimizer != Tier::gpu)
+      largest_moving = std::max(largest_moving, host_bytes(up, ranks, z.ps));
+    // G of every rank in one buffer: staged for grad_accumulate or NVMe, or brought down (or
+    // read back) for CPU Adam.
+    if (h.grad != Tier::gpu || h.optimizer != Tier::gpu)
+      largest_moving = std::max(largest_moving, host_bytes(up, ranks, z.gs));
+    if (h.optimizer == Tier::nvme)
+      largest_moving = std::max(largest_moving, host_bytes(up, ranks, kOptimizerBytesPerElement));
+  }
+  p.pinned_buffers = largest_moving > 0 ? p.request.buffer_count : 0;
+  p.pinned_buffer_bytes = largest_moving > 0 ? round_up(largest_moving, kPinnedAlignment) : 0;
+}
+
 // The homes of the gradient accumulators of units whose optimizer is off the GPU (GradHome):
 // on the GPU in forward order while the GPU's need stays within its budget (automatic), or
 // all of them (gpu), unless that would take more pinned buffers than there are.
@@ -146,6 +167,23 @@ void place_gradients(Placement& p, const TierBudgets& budgets) {
   const Sizes z = sizes_of(p.shape);
   for (UnitHomes& h : p.homes) h.grad = h.optimizer == Tier::gpu ? Tier::gpu : Tier::cpu;
   if (r.grads == GradHome::cpu) return;
+  if (r.grads == GradHome::nvme) {
+    if (r.nvme_paths.empty())
+      fail(
+          "gradients on NVMe (--offload-gradients nvme): no nvme_path is given; add --nvme-path "
+          "DIR[,DIR...] (or nvme_path in the config)");
+    for (size_t u = 0; u < p.homes.size(); ++u)
+      if (p.homes[u].optimizer != Tier::gpu && !p.partition.units[u].replicated)
+        p.homes[u].grad = Tier::nvme;
+    for (size_t u = 0; u < p.homes.size(); ++u)
+      if (optimizer_pinned_buffers(p.homes[u]) > r.buffer_count)
+        fail(
+            "gradients on NVMe (--offload-gradients nvme): the optimizer of unit {} then holds "
+            "{} pinned buffers at once (its gradients, updated parameters, optimizer state from "
+            "NVMe), but buffer_count is {}; raise buffer_count",
+            p.partition.units[u].name, optimizer_pinned_buffers(p.homes[u]), r.buffer_count);
+    return;
+  }
   uint64_t gpu = p.needs().total(Tier::gpu);
   // With several ranks the first sharded unit whose G comes to the GPU brings ZeroModel's
   // staging of the sums it adds (gpu_staging).
@@ -176,6 +214,20 @@ void place_gradients(Placement& p, const TierBudgets& budgets) {
     gpu += more;
     h.grad = Tier::gpu;
     staging = staging || !up.replicated;
+  }
+  if (r.grads != GradHome::automatic || r.nvme_paths.empty()) return;
+  // Host RAM short: the accumulators left there go to NVMe, last units first, until it holds.
+  size_pinned_buffers(p);
+  uint64_t cpu = p.needs().total(Tier::cpu);
+  for (size_t u = p.homes.size(); u-- > 0 && cpu > budgets.cpu_memory;) {
+    UnitHomes& h = p.homes[u];
+    const UnitPartition& up = p.partition.units[u];
+    if (h.grad != Tier::cpu || up.replicated) continue;
+    UnitHomes g = h;
+    g.grad = Tier::nvme;
+    if (optimizer_pinned_buffers(g) > r.buffer_count) continue;
+    h.grad = Tier::nvme;
+    cpu -= host_bytes(up, p.shape.ranks, z.gs);
   }
 }
 
@@ -229,7 +281,7 @@ Tier parse_tier(std::string_view text) {
 int optimizer_pinned_buffers(const UnitHomes& h) {
   if (h.optimizer == Tier::gpu) return h.param == Tier::nvme ? 1 : 0;
   return (h.optimizer == Tier::nvme ? 1 : 0) + (h.param != Tier::cpu ? 1 : 0) +
-         (h.grad == Tier::gpu ? 1 : 0);
+         (h.grad != Tier::cpu ? 1 : 0);
 }
 
 std::string_view grad_home_name(GradHome g) {
@@ -240,6 +292,8 @@ std::string_view grad_home_name(GradHome g) {
       return "gpu";
     case GradHome::cpu:
       return "cpu";
+    case GradHome::nvme:
+      return "nvme";
   }
   return "?";
 }
@@ -248,9 +302,10 @@ GradHome parse_grad_home(std::string_view text) {
   if (text == "auto") return GradHome::automatic;
   if (text == "gpu" || text == "none") return GradHome::gpu;
   if (text == "cpu") return GradHome::cpu;
+  if (text == "nvme") return GradHome::nvme;
   fail(
       "gradient home '{}' is not one of auto (on the GPU where it fits), gpu (or none), cpu (in "
-      "host RAM with the optimizer)",
+      "host RAM with the optimizer), nvme (in the swap store)",
       text);
 }
 
@@ -294,6 +349,7 @@ Placement::OffloadedGradients Placement::offloaded_gradients() const {
     if (h.optimizer != Tier::gpu) {
       ++g.units;
       g.on_gpu += h.grad == Tier::gpu ? 1 : 0;
+      g.on_nvme += h.grad == Tier::nvme ? 1 : 0;
     }
   return g;
 }
@@ -480,25 +536,7 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& asked,
   }
 
   place_gradients(p, budgets);
-
-  // Pinned buffers for every shard that moves between tiers (placement.h).
-  uint64_t largest_moving = 0;
-  for (int u = 0; u < U; ++u) {
-    const UnitHomes& h = p.homes[size_t(u)];
-    const UnitPartition& up = unit(u);
-    if (h.param != Tier::gpu || h.optimizer != Tier::gpu)
-      largest_moving = std::max(largest_moving, host_bytes(up, shape.ranks, z.ps));
-    // G of every rank in one buffer: staged for grad_accumulate, or brought down for CPU Adam.
-    if (h.grad != Tier::gpu || h.optimizer != Tier::gpu)
-      largest_moving = std::max(largest_moving, host_bytes(up, shape.ranks, z.gs));
-    if (h.optimizer == Tier::nvme)
-      largest_moving =
-          std::max(largest_moving, host_bytes(up, shape.ranks, kOptimizerBytesPerElement));
-  }
-  if (largest_moving > 0) {
-    p.pinned_buffers = request.buffer_count;
-    p.pinned_buffer_bytes = round_up(largest_moving, kPinnedAlignment);
-  }
+  size_pinned_buffers(p);
   return p;
 }
 
@@ -532,8 +570,9 @@ TierBytes Placement::needs() const {
     // there even when the optimizer (and a host copy of them) lives on the host.
     if (h.grad == Tier::gpu || up.replicated)
       t.at(Tier::gpu, StateKind::gradients) += device_buffer(up.resident() * z.gs, z.align);
-    if (h.grad != Tier::gpu)
+    if (h.grad == Tier::cpu)
       t.at(Tier::cpu, StateKind::gradients) += host_bytes(up, shape.ranks, z.gs);
+    if (h.grad == Tier::nvme) stripes += nvme_stripes(up, shape.ranks, z.gs, stripe);
     switch (h.optimizer) {
       case Tier::gpu:
         t.at(Tier::gpu, StateKind::optimizer) += gpu_optimizer_bytes(up, z);
@@ -548,15 +587,18 @@ TierBytes Placement::needs() const {
     }
   }
   if (stripes > 0) {
-    // Split the rounded total between P and O in proportion, so the kinds sum to the files.
+    // P and G their stripes, O the rest of the rounded total, so the kinds sum to the files.
     const uint64_t total = nvme_file_bytes(stripes, request.nvme_paths.size(), stripe);
-    uint64_t p_stripes = 0;
-    for (size_t u = 0; u < homes.size(); ++u)
+    uint64_t p_stripes = 0, g_stripes = 0;
+    for (size_t u = 0; u < homes.size(); ++u) {
       if (homes[u].param == Tier::nvme)
         p_stripes += nvme_stripes(partition.units[u], shape.ranks, z.ps, stripe);
-    const uint64_t p_bytes = p_stripes * stripe;
-    t.at(Tier::nvme, StateKind::parameters) = p_bytes;
-    t.at(Tier::nvme, StateKind::optimizer) = total - p_bytes;
+      if (shape.training && homes[u].grad == Tier::nvme)
+        g_stripes += nvme_stripes(partition.units[u], shape.ranks, z.gs, stripe);
+    }
+    t.at(Tier::nvme, StateKind::parameters) = p_stripes * stripe;
+    t.at(Tier::nvme, StateKind::gradients) = g_stripes * stripe;
+    t.at(Tier::nvme, StateKind::optimizer) = total - (p_stripes + g_stripes) * stripe;
   }
   t.at(Tier::cpu, StateKind::buffers) = pinned_bytes();
   return t;
@@ -713,6 +755,11 @@ void Placement::check(const TierBudgets& budgets) const {
           "config): the f32 accumulators take {} of it, and would take half; for runs that "
           "accumulate little\n",
           dtype_name(shape.param_dtype), dtype_name(shape.param_dtype), format_bytes(cpu_grads));
+    if (shape.training && cpu_grads > 0)
+      m += fmt::format(
+          "  - sum the gradients on NVMe (--offload-gradients nvme{}), as ZeRO-Infinity swaps "
+          "them: up to {} less here, for their traffic to the drives every micro-batch\n",
+          request.nvme_paths.empty() ? " --nvme-path DIR" : "", format_bytes(cpu_grads));
     if (shape.training && cpu_grads > 0 && request.grads == GradHome::cpu)
       m += fmt::format(
           "  - keep the gradients on the GPUs where they fit (--offload-gradients auto): {} of "
@@ -852,8 +899,9 @@ Placement place_locally(const RunShape& shape, const OffloadRequest& request,
   // Only a request that can put something on NVMe needs its paths: a DeepSpeed config may name
   // one for a tier this run keeps elsewhere (the optimizer's, say, for an evaluation), and that
   // directory is then neither created nor budgeted.
-  const bool nvme = request.automatic || request.param == Tier::nvme ||
-                    (shape.training && request.optimizer == Tier::nvme);
+  const bool nvme =
+      request.automatic || request.param == Tier::nvme ||
+      (shape.training && (request.optimizer == Tier::nvme || request.grads == GradHome::nvme));
   const std::vector<std::string> paths = nvme ? request.nvme_paths : std::vector<std::string>{};
   for (const std::string& p : paths) {
     std::error_code ec;

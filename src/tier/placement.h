@@ -57,13 +57,22 @@ std::string_view state_kind_name(StateKind k);
 //   automatic: on the GPU while the GPU budget and the pinned buffers allow (units in forward
 //              order), else in host RAM;
 //   gpu:       on the GPU (check() refuses it when the GPU cannot hold them);
-//   cpu:       in host RAM, each micro-batch's gradients brought down and added there.
-// On the GPU the optimizer of a unit holds one more pinned buffer (its gradients, brought
-// down for CPU Adam); a unit whose optimizer would then need more pinned buffers than
-// buffer_count keeps them in host RAM (`gpu`: an Error).
-enum class GradHome { automatic, gpu, cpu };
-std::string_view grad_home_name(GradHome g);  // "auto", "gpu", "cpu"
-// "auto", "gpu" (or "none": not offloaded), "cpu"; an Error names the text and the choices.
+//   cpu:       in host RAM, each micro-batch's gradients brought down and added there;
+//   nvme:      on NVMe, as ZeRO-Infinity swaps them beside the optimizer state: each
+//              micro-batch's gradients come down into a pinned buffer and are written to the
+//              swap store (the first of a step) or added to what is read back from it (the
+//              later ones), and CPU Adam reads the step's sum back from it. Replicated units
+//              (a few KB each) keep theirs in host RAM.
+// On the GPU (or NVMe) the optimizer of a unit holds one more pinned buffer (its gradients,
+// brought down or read back for CPU Adam); a unit whose optimizer would then need more
+// pinned buffers than buffer_count keeps them in host RAM (`gpu`: an Error).
+// With `automatic`, where host RAM then cannot hold the run (its budget, TierBudgets::
+// cpu_memory) and there are nvme paths, the accumulators of the last units in forward order
+// that have them in host RAM go to NVMe, as many as it takes.
+enum class GradHome { automatic, gpu, cpu, nvme };
+std::string_view grad_home_name(GradHome g);  // "auto", "gpu", "cpu", "nvme"
+// "auto", "gpu" (or "none": not offloaded), "cpu", "nvme"; an Error names the text and the
+// choices.
 GradHome parse_grad_home(std::string_view text);
 
 // What the user asked for: DeepSpeed's zero_optimization keys, or flags.
@@ -225,7 +234,7 @@ struct Placement {
   bool offloaded() const;
   // The units whose optimizer is off the GPU, and how many of them keep their gradients there.
   struct OffloadedGradients {
-    int units = 0, on_gpu = 0;
+    int units = 0, on_gpu = 0, on_nvme = 0;  // the rest in host RAM
   };
   OffloadedGradients offloaded_gradients() const;
   // Page-locked bytes the run needs: the buffers, plus, when pin_memory, the cpu-homed

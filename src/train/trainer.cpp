@@ -290,8 +290,12 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   if (const Placement::OffloadedGradients g = placement.offloaded_gradients(); g.units > 0)
     fmt::print(
         "gradients: {} of {} offloaded-optimizer unit(s) sum on the device(s) and go to the host "
-        "once a step; {} go every micro-batch (--offload-gradients {})\n",
-        g.on_gpu, g.units, g.units - g.on_gpu, grad_home_name(s.offload.grads));
+        "once a step; {} go every micro-batch{} (--offload-gradients {})\n",
+        g.on_gpu, g.units, g.units - g.on_gpu,
+        g.on_nvme > 0
+            ? fmt::format(", {} of them summed on NVMe (read back, added to, written)", g.on_nvme)
+            : std::string(),
+        grad_home_name(s.offload.grads));
   if (s.reduce_per_group && s.micro_batch_group <= 1)
     fmt::print(
         "gradients: each micro-batch is its own group (--micro-batch-group 1), so "
