@@ -54,15 +54,20 @@ struct EstimateArgs {
 struct Option {
   const char* name;
   Tier param, optimizer;
+  GradHome grads;
 };
 
-// DeepSpeed's choices, from everything on the GPU to everything on NVMe.
+// DeepSpeed's choices, from everything on the GPU to everything on NVMe, the gradients of an
+// offloaded optimizer in host RAM as DeepSpeed's offload keeps them (strata's
+// --offload-gradients cpu); then the gradients summed on NVMe too (--offload-gradients nvme),
+// where a model's f32 accumulators outgrow host RAM.
 constexpr Option kOptions[] = {
-    {"none", Tier::gpu, Tier::gpu},
-    {"optimizer->cpu", Tier::gpu, Tier::cpu},
-    {"optimizer->nvme", Tier::gpu, Tier::nvme},
-    {"params+optimizer->cpu", Tier::cpu, Tier::cpu},
-    {"params+optimizer->nvme", Tier::nvme, Tier::nvme},
+    {"none", Tier::gpu, Tier::gpu, GradHome::cpu},
+    {"optimizer->cpu", Tier::gpu, Tier::cpu, GradHome::cpu},
+    {"optimizer->nvme", Tier::gpu, Tier::nvme, GradHome::cpu},
+    {"params+optimizer->cpu", Tier::cpu, Tier::cpu, GradHome::cpu},
+    {"params+optimizer->nvme", Tier::nvme, Tier::nvme, GradHome::cpu},
+    {"params+optimizer+grads->nvme", Tier::nvme, Tier::nvme, GradHome::nvme},
 };
 
 // DeepSpeed's word for a device: "none" for the GPU (not offloaded).
@@ -81,6 +86,7 @@ int run_estimate(const EstimateArgs& a) {
     OffloadRequest r;
     r.param = o.param;
     r.optimizer = o.optimizer;
+    r.grads = o.grads;
     // A stand-in drive: the swap files' size depends only on the stripe and the path count.
     r.nvme_paths = {"nvme"};
     const Placement p = Placement::make(shape, r, TierBudgets{});
@@ -88,6 +94,7 @@ int run_estimate(const EstimateArgs& a) {
     rows.push_back({{"option", o.name},
                     {"offload_param", offload_name(o.param)},
                     {"offload_optimizer", offload_name(o.optimizer)},
+                    {"offload_gradients", grad_home_name(o.grads)},
                     {"gpu_per_device", t.to_json(Tier::gpu)},
                     {"cpu", t.to_json(Tier::cpu)},
                     {"nvme", t.to_json(Tier::nvme)},
@@ -115,19 +122,22 @@ int run_estimate(const EstimateArgs& a) {
       dtype_name(shape.param_dtype));
   const char* header[] = {"offload",    "gpu/device", "activations", "gpu (node)",
                           "cpu (node)", "pinned",     "nvme (node)"};
-  fmt::print("  {:<24}", header[0]);
+  fmt::print("  {:<28}", header[0]);
   for (int c = 1; c < 7; ++c) fmt::print(" {:>12}", header[c]);
   fmt::print("\n");
   for (const auto& row : table) {
-    fmt::print("  {:<24}", row[0]);
+    fmt::print("  {:<28}", row[0]);
     for (size_t c = 1; c < row.size(); ++c) fmt::print(" {:>12}", row[c]);
     fmt::print("\n");
   }
   fmt::print(
       "gpu/device includes the working buffers (2 gathered units) and activations; cpu includes "
       "the pinned staging buffers; pinned is what must be page-locked (buffers and, with "
-      "pin_memory, the host-homed state); nvme is the swap files (1 MiB stripes). `strata plan` "
-      "checks a choice against this machine's budgets.\n");
+      "pin_memory, the host-homed state); nvme is the swap files (1 MiB stripes). The "
+      "gradients of an offloaded optimizer are in host RAM (f32), as DeepSpeed's offload keeps "
+      "them, but in the last row (--offload-gradients nvme); `strata plan` keeps them on the "
+      "GPUs where they fit (--offload-gradients auto), and checks a choice against this "
+      "machine's budgets.\n");
   return 0;
 }
 
