@@ -198,9 +198,9 @@ struct TestExecutor {
   Schedule sc;
   Executor ex;
   TestExecutor(const LlamaConfig& c, int N, Tier p, Tier o, const ExecutorOptions& eo,
-               uint64_t threshold = 0)
+               uint64_t threshold = 0, GradHome grads = GradHome::automatic)
       : rig(N),
-        pl(make_placement(c, N, p, o, dir.path.string(), threshold)),
+        pl(make_placement(c, N, p, o, dir.path.string(), threshold, 1, true, grads)),
         sc(Schedule::build(pl, micro_batches(kMicro))),
         ex(pl, sc, *rig.comm, eo) {}
   static ScheduleOptions micro_batches(int n) {
@@ -1232,6 +1232,20 @@ TEST(Executor, NvmeFaultStopsTheStepNamingTheTask) {
       << msg;
   EXPECT_NE(msg.find("on nvme."), std::string::npos) << msg;
   test::expect_error([&] { ex.step(batches[0], step_params(4)); }, {"an earlier step 3 failed"});
+
+  // Gradients on NVMe (and nothing else there): the swap store's third request is one of the
+  // first step's gradient writes or reads back, in the backward; step() throws naming the task
+  // and the swap file.
+  ExecutorOptions g_eo;
+  g_eo.io.faults = {nvme::Fault{nvme::FaultKind::eio, 3}};
+  TestExecutor g(c, 2, Tier::gpu, Tier::cpu, g_eo, 0, GradHome::nvme);
+  g.ex.init_random(3);
+  const std::string gm = test::error_message([&] { g.ex.step(batches[0], step_params(1)); });
+  EXPECT_NE(gm.find("executor: step 1"), std::string::npos) << gm;
+  EXPECT_TRUE(gm.find("grad_write") != std::string::npos ||
+              gm.find("grad_read") != std::string::npos)
+      << gm;
+  EXPECT_NE(gm.find("on nvme."), std::string::npos) << gm;
 }
 
 // Outside a step the executor moves a unit's NVMe shards one unit ahead of its caller: a
