@@ -98,6 +98,11 @@ TEST(TrainCli, ResumeIsBitIdenticalWithEveryPlacement) {
   expect_resume_identical(
       "--devices host:2 --persistence-threshold 0 --offload-param nvme --offload-optimizer cpu", 5,
       4);
+  // The gradients summed on NVMe too (not part of a checkpoint: each step writes them afresh).
+  expect_resume_identical(
+      "--devices host:2 --persistence-threshold 0 --offload-param cpu --offload-optimizer nvme "
+      "--offload-gradients nvme",
+      5, 3);
   expect_resume_identical(
       "--devices host:3 --persistence-threshold 0 --lr-schedule WarmupLR "
       "--warmup-steps 4",
