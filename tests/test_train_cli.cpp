@@ -1350,6 +1350,15 @@ TEST(TrainCli, GradientsOnTheDeviceOrInHostRamGiveTheSameBits) {
   EXPECT_NE(bad.status, 0);
   for (const char* part : {"--offload-gradients disk", "auto", "none", "cpu", "nvme"})
     EXPECT_NE(bad.out.find(part), std::string::npos) << part << " missing from " << bad.out;
+  // With the optimizer on the device the gradients are there too: the flag is said to change
+  // nothing.
+  const test::CommandResult idle =
+      strata("train " + kTiny + "--data " + data.string() +
+             " --steps 1 --offload-gradients nvme --run-dir " + (dir.path / "idle").string());
+  EXPECT_EQ(idle.status, 0) << idle.out;
+  EXPECT_NE(idle.out.find("--offload-gradients nvme is for an optimizer offloaded"),
+            std::string::npos)
+      << idle.out;
 }
 
 // Every micro-batch's gradients summed on NVMe (--offload-gradients nvme; the swap files in
@@ -1370,6 +1379,7 @@ TEST(TrainCli, GradientsOnNvmeGiveTheSameBits) {
                                    " --lr 2e-3 --grad-accum 3 --threads 1 " + placement,
                                "--offload-gradients nvme", 2, &out);
     EXPECT_NE(out[1].find("4 of them summed on NVMe"), std::string::npos) << out[1];
+    EXPECT_EQ(out[1].find("changes nothing"), std::string::npos) << out[1];
     EXPECT_EQ(out[0].find("summed on NVMe"), std::string::npos) << out[0];
     EXPECT_TRUE(fs::is_empty(dir.path / "with" / "swap")) << "swap files left after a clean exit";
   }

@@ -296,6 +296,12 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
             ? fmt::format(", {} of them summed on NVMe (read back, added to, written)", g.on_nvme)
             : std::string(),
         grad_home_name(s.offload.grads));
+  if (placement.offloaded_gradients().units == 0 && s.offload.grads != GradHome::automatic)
+    fmt::print(
+        "gradients: every unit's optimizer is on the device(s), and so are its gradients; "
+        "--offload-gradients {} is for an optimizer offloaded to the CPU or NVMe and changes "
+        "nothing here\n",
+        grad_home_name(s.offload.grads));
   if (s.reduce_per_group && s.micro_batch_group <= 1)
     fmt::print(
         "gradients: each micro-batch is its own group (--micro-batch-group 1), so "
