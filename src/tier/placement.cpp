@@ -6,6 +6,7 @@
 #include "core/bytes.h"
 #include "core/error.h"
 #include "core/system.h"
+#include "model/file_io.h"
 
 #include <algorithm>
 #include <cerrno>
@@ -323,6 +324,8 @@ std::string_view state_kind_name(StateKind k) {
       return "activations";
     case StateKind::buffers:
       return "buffers";
+    case StateKind::checkpoint:
+      return "checkpoint";
     case StateKind::other:
       return "other";
   }
@@ -434,7 +437,8 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& asked,
     for (const UnitPartition& up : p.partition.units)
       largest_moving = std::max(largest_moving, host_bytes(up, shape.ranks, moving_bytes));
     const uint64_t buffer_bytes = round_up(largest_moving, kPinnedAlignment);
-    uint64_t cpu = uint64_t(request.buffer_count) * buffer_bytes;
+    uint64_t cpu =
+        uint64_t(request.buffer_count) * buffer_bytes + (shape.training ? p.checkpoint_bytes() : 0);
     uint64_t stripes = 0, param_in_cpu = 0;
     const uint64_t stripe = request.nvme_stripe;
     const auto nvme_fits = [&](uint64_t more) {
@@ -601,7 +605,15 @@ TierBytes Placement::needs() const {
     t.at(Tier::nvme, StateKind::optimizer) = total - (p_stripes + g_stripes) * stripe;
   }
   t.at(Tier::cpu, StateKind::buffers) = pinned_bytes();
+  if (shape.training) t.at(Tier::cpu, StateKind::checkpoint) = checkpoint_bytes();
   return t;
+}
+
+uint64_t Placement::checkpoint_bytes() const {
+  uint64_t largest = 0;
+  for (const UnitPartition& u : partition.units) largest = std::max(largest, u.padded);
+  const uint64_t ps = dtype_size(shape.param_dtype);
+  return (24 + 2 * ps) * largest + AtomicFile::kStagingBytes;
 }
 
 void Placement::check(const TierBudgets& budgets) const {

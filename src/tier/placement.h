@@ -48,9 +48,10 @@ enum class StateKind {
   working,      // GPU: gathered units and their working gradients
   activations,  // GPU: activation checkpoints and the model's scratch
   buffers,      // pinned host buffers: staging between NVMe, host and GPU
+  checkpoint,   // host RAM: one unit's state at a time on its way to or from a checkpoint
   other,        // communication staging, library reserves
 };
-inline constexpr int kStateKinds = 7;
+inline constexpr int kStateKinds = 8;
 std::string_view state_kind_name(StateKind k);
 
 // Where the gradient accumulators of a unit whose optimizer is off the GPU live.
@@ -225,10 +226,20 @@ struct Placement {
   // homed off the GPU and one for ZeroModel's adds into GPU-homed G; one rank stages none).
   // CPU (node):
   // cpu-homed P, G, O of every rank (a replicated unit's once), each shard rounded up to a
-  // 4 KiB page as the pinned pool hands it out, and the pinned buffers.
-  // NVMe: nvme-homed P and O of every rank, one swap-store shard per (unit, rank, kind),
+  // 4 KiB page as the pinned pool hands it out, the pinned buffers, and for training the
+  // checkpoint's staging (checkpoint_bytes()).
+  // NVMe: nvme-homed P, G and O of every rank, one swap-store shard per (unit, rank, kind),
   // each rounded up to the stripe, the total to whole stripes on every path.
   TierBytes needs() const;
+  // Host RAM a training run holds while it writes a checkpoint or resumes from one, one unit
+  // at a time, the largest at most: resuming, its optimizer state as read (f32 master, m and v:
+  // 12 bytes an element), its parameters staged in their dtype (ps), and the executor's block
+  // of shards written behind to the GPU or NVMe (12 + ps); writing, less: the state of one unit
+  // written from where it lies and of the next read from NVMe (12 + 12), or the parameters (as
+  // f32, in their dtype, and two blocks of shards: 4 + 3 ps). And the writer's staging chunks
+  // (AtomicFile::kStagingBytes). Counted in needs() so that a run that fills host RAM leaves
+  // room for its first checkpoint rather than failing at it.
+  uint64_t checkpoint_bytes() const;
   // Bytes of the pinned buffers, and whether any state lives off the GPU.
   uint64_t pinned_bytes() const { return uint64_t(pinned_buffers) * pinned_buffer_bytes; }
   bool offloaded() const;

@@ -102,20 +102,12 @@ struct HostMemoryPlan {
 HostMemoryPlan plan_host_memory(const Placement& placement, const std::vector<Device*>& devices) {
   const TierBytes need = placement.needs();
   HostMemoryPlan h;
-  h.cpu = need.total(Tier::cpu);
+  // The cpu tier counts what checkpoints and resumes hold (Placement::checkpoint_bytes): said
+  // apart here.
+  h.checkpoint = need.at(Tier::cpu, StateKind::checkpoint);
+  h.cpu = need.total(Tier::cpu) - h.checkpoint;
   for (const Device* d : devices)
     if (d->backend() == Backend::host) h.devices += need.total(Tier::gpu);
-  // Checkpoints and resumes hold one unit at a time, the largest at most. Resuming, its
-  // optimizer state as read (f32 master, m and v: 12 bytes an element), its parameters staged
-  // in their dtype (ps), and the executor's block of shards being written behind to the GPU or
-  // NVMe (12 + ps). Writing a checkpoint takes less: the optimizer state of one unit being
-  // written from where it lies and of the next being read from NVMe (12 + 12), or the model's
-  // parameters (as f32, in their dtype, and two blocks of shards: 4 + 3 ps). And the
-  // writer's staging chunks.
-  uint64_t largest = 0;
-  for (const UnitPartition& u : placement.partition.units) largest = std::max(largest, u.padded);
-  const uint64_t ps = dtype_size(placement.shape.param_dtype);
-  h.checkpoint = (24 + 2 * ps) * largest + AtomicFile::kStagingBytes;
   return h;
 }
 
