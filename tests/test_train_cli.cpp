@@ -223,6 +223,23 @@ void expect_flags_keep_the_bits(const fs::path& dir, const std::string& args,
   for (size_t i = 0; i < ma.size(); ++i) EXPECT_EQ(ma[i]["loss"], mb[i]["loss"]) << i;
 }
 
+// expect_flags_keep_the_bits for tiny with each of `placements` (2 steps of 3 micro-batches at
+// lr 2e-3 on one thread), the run with `flag` saying `said` and the run without it not.
+void expect_flag_keeps_the_bits_and_says(const fs::path& dir, const fs::path& data,
+                                         const std::vector<std::string>& placements,
+                                         const std::string& flag, const std::string& said) {
+  for (const std::string& placement : placements) {
+    SCOPED_TRACE(placement);
+    std::array<std::string, 2> out;
+    expect_flags_keep_the_bits(dir,
+                               "train " + kTiny + "--data " + data.string() +
+                                   " --lr 2e-3 --grad-accum 3 --threads 1 " + placement,
+                               flag, 2, &out);
+    EXPECT_NE(out[1].find(said), std::string::npos) << out[1];
+    EXPECT_EQ(out[0].find(said), std::string::npos) << out[0];
+  }
+}
+
 // --activation-checkpointing off keeps each block's activations instead of recomputing them:
 // the same kernels on the same inputs, so the same files and losses bit for bit, on one device
 // and on two with the state offloaded.
@@ -275,19 +292,11 @@ TEST(TrainCli, MicroBatchGroupsGiveTheSameBits) {
 TEST(TrainCli, UpdatingDuringTheBackwardGivesTheSameBits) {
   const test::TempDir dir("strata-udb");
   const fs::path data = make_data(dir.path);
-  for (const std::string& placement :
-       {std::string("--offload-optimizer cpu --dtype bf16 --micro-batch-group 3"),
-        std::string("--devices host:2 --persistence-threshold 0 --offload-param nvme "
-                    "--offload-optimizer nvme")}) {
-    SCOPED_TRACE(placement);
-    std::array<std::string, 2> out;
-    expect_flags_keep_the_bits(dir.path,
-                               "train " + kTiny + "--data " + data.string() +
-                                   " --lr 2e-3 --grad-accum 3 --threads 1 " + placement,
-                               "--update-during-backward on", 2, &out);
-    EXPECT_NE(out[1].find("CPU Adam updates each of"), std::string::npos) << out[1];
-    EXPECT_EQ(out[0].find("CPU Adam updates each of"), std::string::npos) << out[0];
-  }
+  expect_flag_keeps_the_bits_and_says(
+      dir.path, data,
+      {"--offload-optimizer cpu --dtype bf16 --micro-batch-group 3",
+       "--devices host:2 --persistence-threshold 0 --offload-param nvme --offload-optimizer nvme"},
+      "--update-during-backward on", "CPU Adam updates each of");
   // Clipping and fp16 loss scaling need every gradient before any update: refused, naming the
   // settings, before anything runs.
   for (const auto& [flags, words] :
@@ -1368,21 +1377,12 @@ TEST(TrainCli, GradientsOnTheDeviceOrInHostRamGiveTheSameBits) {
 TEST(TrainCli, GradientsOnNvmeGiveTheSameBits) {
   const test::TempDir dir("strata-grads-nvme");
   const fs::path data = make_data(dir.path);
-  for (const std::string& placement :
-       {std::string("--persistence-threshold 0 --offload-optimizer cpu"),
-        std::string("--devices host:2 --persistence-threshold 0 --offload-param nvme "
-                    "--offload-optimizer nvme")}) {
-    SCOPED_TRACE(placement);
-    std::array<std::string, 2> out;
-    expect_flags_keep_the_bits(dir.path,
-                               "train " + kTiny + "--data " + data.string() +
-                                   " --lr 2e-3 --grad-accum 3 --threads 1 " + placement,
-                               "--offload-gradients nvme", 2, &out);
-    EXPECT_NE(out[1].find("4 of them summed on NVMe"), std::string::npos) << out[1];
-    EXPECT_EQ(out[1].find("changes nothing"), std::string::npos) << out[1];
-    EXPECT_EQ(out[0].find("summed on NVMe"), std::string::npos) << out[0];
-    EXPECT_TRUE(fs::is_empty(dir.path / "with" / "swap")) << "swap files left after a clean exit";
-  }
+  expect_flag_keeps_the_bits_and_says(
+      dir.path, data,
+      {"--persistence-threshold 0 --offload-optimizer cpu",
+       "--devices host:2 --persistence-threshold 0 --offload-param nvme --offload-optimizer nvme"},
+      "--offload-gradients nvme", "4 of them summed on NVMe");
+  EXPECT_TRUE(fs::is_empty(dir.path / "with" / "swap")) << "swap files left after a clean exit";
 }
 
 // The same on a GPU in bf16: the sums come down from the device by copy, CPU Adam reads them.

@@ -668,6 +668,19 @@ void Executor::State::resolve(bool allocate_staging) {
   auto read = [&](int producer, int consumer) {
     consumers[static_cast<size_t>(producer)].push_back(consumer);
   };
+  // A per-rank task writing its part of one pinned buffer (a grad_offload, or G home nvme's
+  // grad_d2h): rank 0's takes the buffer, the others write into it (rank_part).
+  auto share_rank0s_buffer = [&](const Task& t) {
+    if (t.rank == 0) {
+      pool_of[static_cast<size_t>(t.id)] = 0;
+      return;
+    }
+    const std::vector<int>& rank0 = seen[key(t.kind, t.unit)][1];
+    if (rank0.empty())
+      fail("schedule: {} has no {} of rank 0 before it to share a buffer with", task_label(*sc, t),
+           task_kind_name(t.kind));
+    shared_leader[static_cast<size_t>(t.id)] = rank0.back();
+  };
   // G home nvme: the task whose pinned buffer holds the step's sum of unit u so far when
   // `consumer` (a grad_stats or grad_write) runs: the grad_read a grad_accumulate added into,
   // else (the step's first reduction) rank 0's grad_d2h, whose buffer every rank's shares.
@@ -778,15 +791,7 @@ void Executor::State::resolve(bool allocate_staging) {
         }
         if (h.grad == Tier::nvme) {  // every reduction staged: each rank's part of rank 0's
           d2h_staged[id] = 1;
-          if (t.rank == 0) {
-            pool_of[id] = 0;
-          } else {
-            const std::vector<int>& rank0 = seen[key(t.kind, u)][1];
-            if (rank0.empty())
-              fail("schedule: {} has no grad_d2h of rank 0 before it to share a buffer with",
-                   task_label(*sc, t));
-            shared_leader[id] = rank0.back();
-          }
+          share_rank0s_buffer(t);
         }
         break;
       case TaskKind::grad_accumulate:
@@ -820,15 +825,7 @@ void Executor::State::resolve(bool allocate_staging) {
         }
         break;
       case TaskKind::grad_offload:
-        if (t.rank == 0) {
-          pool_of[id] = 0;
-        } else {
-          const std::vector<int>& rank0 = seen[key(t.kind, u)][1];
-          if (rank0.empty())
-            fail("schedule: {} has no grad_offload of rank 0 before it to share a buffer with",
-                 task_label(*sc, t));
-          shared_leader[id] = rank0.back();
-        }
+        share_rank0s_buffer(t);
         break;
       case TaskKind::adam: {
         if (h.optimizer == Tier::nvme) {
