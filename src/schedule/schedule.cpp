@@ -58,11 +58,12 @@
 // O[u] (master, m, v: 12 bytes an element) from optim_read to optim_write; the updated P[u]
 // from adam (or param_d2h) to param_write or the param_uploads. When both the fetches (and gradient
 // staging) and the optimizer use pinned buffers and there are enough, they take from two pools:
-// buffers 0..F-1 for the fetches and staging, F = min(d + 2, B - what the optimizer of one unit
-// holds at once), the rest for the optimizer. Steps overlap (the next step's first fetches run
-// under this step's optimizer), and a first take waits for the buffer's last users of the previous
-// step: from one shared pool, the next step's first fetch would get a buffer the optimizer used
-// last, near its end.
+// buffers 0..F-1 for the fetches and staging, F = min(d + 1 + what they hold at once (2 with G
+// home nvme, else 1), B - what the optimizer of one unit holds at once) where that leaves them
+// what they hold at once, the rest for the optimizer. Steps overlap (the next step's first fetches
+// run under this step's optimizer), and a first take waits for the buffer's last users of the
+// previous step: from one shared pool, the next step's first fetch would get a buffer the optimizer
+// used last, near its end.
 //
 // Gradients. After backward(u, m): a reduce_scatter group (replicated units: the group is an
 // all-reduce of the whole unit; their working gradients are one buffer per unit, so the first
@@ -423,8 +424,9 @@ class Builder {
     check();
     d_ = std::min(options.prefetch_depth, W_ - 1);
     // Two pinned pools when the buffers allow it (see the file comment): the fetches and
-    // gradient staging before the optimizer take from the first, d + 2 buffers at most; the
-    // optimizer from the rest, which must hold what one unit needs at once.
+    // gradient staging before the optimizer take from the first, d + 1 + what they hold at once
+    // (1; 2 with G home nvme) at most; the optimizer from the rest, which must hold what one
+    // unit needs at once.
     const int front = std::min(B_ - optim_need_, d_ + 1 + front_need_);
     split_ = front_need_ > 0 && optim_need_ > 0 && front >= front_need_;
     if (split_) {
