@@ -219,6 +219,21 @@ TEST(BenchStepCli, UpdatingDuringTheBackwardIsVerifiedAgainstUpdatingAfterIt) {
   EXPECT_EQ(j["update_during_backward"], true);
 }
 
+// Gradients summed on NVMe, with P and O in host RAM and no --nvme-path: the swap directory is
+// made (and removed) as for P or O on NVMe, and the steps are verified against the all-device
+// run.
+TEST(BenchStepCli, GradientsOnNvmeAreVerified) {
+  const test::CommandResult r = strata(
+      "bench step --devices host:1 --grad-accum 2 --offload-param cpu --offload-optimizer cpu "
+      "--offload-gradients nvme --persistence-threshold 0 --steps 1 --threads 1 --json");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const json j = json::parse(r.out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << r.out;
+  EXPECT_EQ(j["verified"], true);
+  EXPECT_EQ(j["gradients_on_nvme"], 4);
+  EXPECT_GT(j["planned_nvme_bytes"].get<uint64_t>(), 0u);
+}
+
 TEST(BenchStepCli, ReducingOncePerGroupIsVerifiedAgainstTheSameGroups) {
   // Two devices, parameters on NVMe: reducing once per group sums in another order than the
   // run without groups, so the all-device reference runs the same groups, and every weight must

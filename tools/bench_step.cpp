@@ -241,7 +241,8 @@ int run_bench_step(const BenchStepArgs& a) {
   // Swap space: the given paths, else a directory made here and removed at the end.
   std::vector<std::string> paths = a.nvme_paths;
   std::string made;
-  const bool needs_nvme = a.offload_param == "nvme" || a.offload_optimizer == "nvme";
+  const bool needs_nvme =
+      a.offload_param == "nvme" || a.offload_optimizer == "nvme" || a.offload_gradients == "nvme";
   if (paths.empty() && needs_nvme) {
     std::string tmpl = (std::filesystem::current_path() / "strata-bench-swap-XXXXXX").string();
     if (::mkdtemp(tmpl.data()) == nullptr)
