@@ -328,7 +328,22 @@ struct Executor::State {
   char* job_block(uint64_t bytes);
   // Waits and frees both blocks.
   void transfer_done();
-  uint64_t shard_bytes(char kind, int u) const { return shard(u) * (kind == 'O' ? 12 : ps); }
+  // One rank's shard of unit u's `kind`: 'P' parameters, 'G' gradients, 'O' master | m | v.
+  uint64_t shard_bytes(char kind, int u) const {
+    return shard(u) * (kind == 'O' ? 12 : kind == 'G' ? gs : ps);
+  }
+  // Unit u's swap-store shards of `kind`, every host rank's, into or from `block` (rank r's at
+  // rank_part(r, shard_bytes(kind, u))).
+  void read_shards(char kind, int u, char* block) {
+    const uint64_t bytes = shard_bytes(kind, u);
+    for (int r = 0; r < host_ranks(u); ++r)
+      store->read(shard_name(kind, u, r), block + rank_part(r, bytes), kReadChannel);
+  }
+  void write_shards(char kind, int u, const char* block) {
+    const uint64_t bytes = shard_bytes(kind, u);
+    for (int r = 0; r < host_ranks(u); ++r)
+      store->write(shard_name(kind, u, r), block + rank_part(r, bytes), kWriteChannel);
+  }
   // Unit u's shards of `kind` (homed on NVMe) in `held`, taken from the read ahead when it has
   // them, else read now; valid until the next transfer.
   char* nvme_unit(char kind, int u);
@@ -1232,23 +1247,18 @@ char* Executor::State::nvme_unit(char kind, int u) {
     transfer.ahead_unit = -1;
     return transfer.held.data.get();
   }
-  const uint64_t bytes = shard_bytes(kind, u);
-  char* block = transfer.held.room(static_cast<uint64_t>(host_ranks(u)) * round_up(bytes, kPage));
-  for (int r = 0; r < host_ranks(u); ++r)
-    store->read(shard_name(kind, u, r), block + rank_part(r, bytes), kReadChannel);
+  char* block = transfer.held.room(rank_part(host_ranks(u), shard_bytes(kind, u)));
+  read_shards(kind, u, block);
   return block;
 }
 
 void Executor::State::read_ahead(char kind, int u) {
   if ((kind == 'O' ? home(u).optimizer : home(u).param) != Tier::nvme) return;
-  const uint64_t bytes = shard_bytes(kind, u);
-  char* block = job_block(static_cast<uint64_t>(host_ranks(u)) * round_up(bytes, kPage));
+  char* block = job_block(rank_part(host_ranks(u), shard_bytes(kind, u)));
   transfer.ahead_kind = kind;
   transfer.ahead_unit = u;
-  transfer.pending = std::async(std::launch::async, [this, kind, u, bytes, block] {
-    for (int r = 0; r < host_ranks(u); ++r)
-      store->read(shard_name(kind, u, r), block + rank_part(r, bytes), kReadChannel);
-  });
+  transfer.pending =
+      std::async(std::launch::async, [this, kind, u, block] { read_shards(kind, u, block); });
 }
 
 // Unit u's padded parameters (param dtype) to their home, and the optimizer state to its
@@ -1311,15 +1321,11 @@ void Executor::State::write_unit(int u, const std::vector<char>& staged,
     if (home(u).grad == Tier::cpu)
       copy_bytes(host_g[static_cast<size_t>(u)][static_cast<size_t>(r)], nullptr, n * gs);
   }
-  const int o_writes = oh == Tier::nvme ? o_ranks : 0;
-  if (o_writes + p_ranks == 0) return;
-  transfer.pending = std::async(std::launch::async, [this, u, block, p_block, o_part, p_part,
-                                                     o_writes, p_ranks] {
-    for (int r = 0; r < o_writes; ++r)
-      store->write(shard_name('O', u, r), block + static_cast<uint64_t>(r) * o_part, kWriteChannel);
-    for (int r = 0; r < p_ranks; ++r)
-      store->write(shard_name('P', u, r), p_block + static_cast<uint64_t>(r) * p_part,
-                   kWriteChannel);
+  const bool o_writes = oh == Tier::nvme && o_ranks > 0;
+  if (!o_writes && p_ranks == 0) return;
+  transfer.pending = std::async(std::launch::async, [this, u, block, p_block, o_writes, p_ranks] {
+    if (o_writes) write_shards('O', u, block);
+    if (p_ranks > 0) write_shards('P', u, p_block);
   });
 }
 
@@ -1639,8 +1645,7 @@ void Executor::State::run_task(const Task& t, int64_t k) {
   };
   switch (t.kind) {
     case TaskKind::param_read:
-      for (int q : task_ranks(t, u))
-        store->read(shard_name('P', u, q), pin(t.id) + rank_part(q, n * ps), kReadChannel);
+      read_shards('P', u, pin(t.id));
       return;
     case TaskKind::param_h2d: {
       const char* from = home(u).param == Tier::cpu
@@ -1839,25 +1844,14 @@ void Executor::State::run_task(const Task& t, int64_t k) {
       return;
     }
     case TaskKind::optim_read:
-      for (int q : task_ranks(t, u))
-        store->read(shard_name('O', u, q), pin(t.id) + rank_part(q, n * 12), kReadChannel);
-      return;
     case TaskKind::grad_read:
-      for (int q : task_ranks(t, u))
-        store->read(shard_name('G', u, q), pin(t.id) + rank_part(q, n * gs), kReadChannel);
+      read_shards(t.kind == TaskKind::optim_read ? 'O' : 'G', u, pin(t.id));
       return;
-    case TaskKind::grad_write: {
-      const char* from = pin(src[static_cast<size_t>(t.id)][0]);
-      for (int q : task_ranks(t, u))
-        store->write(shard_name('G', u, q), from + rank_part(q, n * gs), kWriteChannel);
+    case TaskKind::optim_write:
+    case TaskKind::grad_write:
+      write_shards(t.kind == TaskKind::optim_write ? 'O' : 'G', u,
+                   pin(src[static_cast<size_t>(t.id)][0]));
       return;
-    }
-    case TaskKind::optim_write: {
-      const char* from = pin(src[static_cast<size_t>(t.id)][0]);
-      for (int q : task_ranks(t, u))
-        store->write(shard_name('O', u, q), from + rank_part(q, n * 12), kWriteChannel);
-      return;
-    }
     case TaskKind::adam: {
       StepSlot& sl = slot_of(k);
       if (early()) {

@@ -892,18 +892,18 @@ class Builder {
       }
     // G off the GPU: in host RAM, or on NVMe through a pinned buffer.
     const bool g_nvme = homes(u).grad == Tier::nvme;
-    const bool g_host = homes(u).grad == Tier::cpu || g_nvme;
+    const bool g_off = homes(u).grad != Tier::gpu;
     // One rank copies a sharded unit's gradients to the host from its working buffer: the
     // reduce-scatter moves nothing, and the grad_d2h is a late reader of the buffer. Not where
     // a later backward of the run adds into them (micro-batch groups reduced per micro-batch),
     // which would wait for the copy where a device copy into a staging buffer is quicker: the
     // placement counts that staging.
-    const bool direct = R_ == 1 && g_host && !up.replicated && !more;
+    const bool direct = R_ == 1 && g_off && !up.replicated && !more;
     const int group = next_group_++;
     std::vector<int> rs;
     for (int r = 0; r < R_; ++r) {
       std::vector<int> deps = {use.compute[static_cast<size_t>(r)]};
-      if (g_host && last_grad_d2h_[static_cast<size_t>(r)] >= 0)
+      if (g_off && last_grad_d2h_[static_cast<size_t>(r)] >= 0)
         deps.push_back(last_grad_d2h_[static_cast<size_t>(r)]);
       const int id = add(TaskKind::reduce_scatter, LaneKind::comm, r, u, m, deps);
       task(id).group = group;
@@ -917,7 +917,7 @@ class Builder {
         // read, one written: a copy and a half)
         task(id).bytes = up.replicated ? up.numel * gs_
                          : direct      ? 0
-                         : g_host      ? up.padded * gs_
+                         : g_off       ? up.padded * gs_
                                        : up.padded * gs_ * 3 / 2;
       if (more) task(id).local_bytes = up.padded * gs_;  // the working gradients cleared
       task(id).slot = slot;
@@ -927,7 +927,7 @@ class Builder {
     run_rs_[static_cast<size_t>(u)] = more ? rs : std::vector<int>{};
     if (!more) run_rs_first_[static_cast<size_t>(u)] = -1;
     std::vector<int>& g_writer = g_writer_[static_cast<size_t>(u)];
-    if (!g_host) {
+    if (!g_off) {
       g_writer = rs;
       if (early_ && last) pending_.push_back(u);
       return;
