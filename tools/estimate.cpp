@@ -58,16 +58,16 @@ struct Option {
 };
 
 // DeepSpeed's choices, from everything on the GPU to everything on NVMe, the gradients of an
-// offloaded optimizer in host RAM as DeepSpeed's offload keeps them (strata's
-// --offload-gradients cpu); then the gradients summed on NVMe too (--offload-gradients nvme),
-// where a model's f32 accumulators outgrow host RAM.
+// offloaded optimizer where DeepSpeed's ZeRO-3 keeps their f32 partitions: in host RAM beside
+// an optimizer offloaded to the CPU (strata's --offload-gradients cpu), swapped out to NVMe
+// beside one offloaded to NVMe (its optimizer swapper's swap_out_gradients; strata's
+// --offload-gradients nvme).
 constexpr Option kOptions[] = {
     {"none", Tier::gpu, Tier::gpu, GradHome::cpu},
     {"optimizer->cpu", Tier::gpu, Tier::cpu, GradHome::cpu},
-    {"optimizer->nvme", Tier::gpu, Tier::nvme, GradHome::cpu},
+    {"optimizer->nvme", Tier::gpu, Tier::nvme, GradHome::nvme},
     {"params+optimizer->cpu", Tier::cpu, Tier::cpu, GradHome::cpu},
-    {"params+optimizer->nvme", Tier::nvme, Tier::nvme, GradHome::cpu},
-    {"params+optimizer+grads->nvme", Tier::nvme, Tier::nvme, GradHome::nvme},
+    {"params+optimizer->nvme", Tier::nvme, Tier::nvme, GradHome::nvme},
 };
 
 // DeepSpeed's word for a device: "none" for the GPU (not offloaded).
@@ -134,10 +134,10 @@ int run_estimate(const EstimateArgs& a) {
       "gpu/device includes the working buffers (2 gathered units) and activations; cpu includes "
       "the pinned staging buffers; pinned is what must be page-locked (buffers and, with "
       "pin_memory, the host-homed state); nvme is the swap files (1 MiB stripes). The "
-      "gradients of an offloaded optimizer are in host RAM (f32), as DeepSpeed's offload keeps "
-      "them, but in the last row (--offload-gradients nvme); `strata plan` keeps them on the "
-      "GPUs where they fit (--offload-gradients auto), and checks a choice against this "
-      "machine's budgets.\n");
+      "gradients of an offloaded optimizer are where DeepSpeed keeps them (f32): in host RAM "
+      "beside an optimizer on the CPU, in the swap files beside one on NVMe; `strata plan` "
+      "keeps them on the GPUs where they fit (--offload-gradients auto), in host RAM while it "
+      "has room, and checks a choice against this machine's budgets.\n");
   return 0;
 }
 
