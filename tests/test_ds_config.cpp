@@ -4,6 +4,7 @@
 #include "testing.h"
 #include "train/ds_config.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -198,18 +199,18 @@ TEST(DsConfig, HuggingFaceZero3CpuOffload) {
   EXPECT_EQ(c.zero.offload_param.device, Tier::cpu);
   EXPECT_EQ(c.zero.offload_optimizer.device, Tier::cpu);
   EXPECT_EQ(c.zero.offload_param.pin_memory, true);
-  EXPECT_EQ(c.zero.sub_group_size, 1'000'000'000u);
   EXPECT_EQ(c.zero.stage3_max_live_parameters, 1'000'000'000u);
   EXPECT_FALSE(c.zero.stage3_prefetch_bucket_size || c.zero.stage3_param_persistence_threshold);
-  EXPECT_EQ(c.zero.overlap_comm, true);
-  // What strata does not act on is listed, by path, once each.
+  // What strata does not act on is listed, by path, once each: read and checked, as
+  // sub_group_size and overlap_comm are (a wrong type is refused below), or not.
   for (const char* p :
        {"zero_optimization.contiguous_gradients", "zero_optimization.reduce_bucket_size",
         "zero_optimization.stage3_max_reuse_distance",
-        "zero_optimization.stage3_gather_16bit_weights_on_model_save", "wall_clock_breakdown"})
+        "zero_optimization.stage3_gather_16bit_weights_on_model_save", "wall_clock_breakdown",
+        "zero_optimization.sub_group_size", "zero_optimization.overlap_comm"})
     EXPECT_TRUE(has(c.ignored, p)) << p;
   EXPECT_FALSE(has(c.ignored, "zero_optimization.stage"));
-  EXPECT_EQ(c.ignored.size(), 5u);
+  EXPECT_EQ(c.ignored.size(), 7u);
 
   const DsPlanSettings s = ds_plan_settings(c, 2, *find_preset("tiny"));
   EXPECT_FALSE(s.offload.automatic);
@@ -229,7 +230,8 @@ TEST(DsConfig, HuggingFaceZero3NvmeOffload) {
   EXPECT_EQ(c.zero.offload_optimizer.buffer_count, 4);
   EXPECT_EQ(c.aio.block_size, 1048576u);
   EXPECT_EQ(c.aio.queue_depth, 8);
-  EXPECT_EQ(c.aio.overlap_events, true);
+  for (const char* key : {"thread_count", "single_submit", "overlap_events"})
+    EXPECT_TRUE(has(c.ignored, std::string("aio.") + key)) << key;
   EXPECT_EQ(c.scheduler.type, "WarmupDecayLR");
   EXPECT_TRUE(has(c.ignored, "zero_optimization.offload_optimizer.fast_init"));
   // Checked (1.5 is refused below) but not acted on: the pinned buffers' size follows from the
@@ -241,6 +243,51 @@ TEST(DsConfig, HuggingFaceZero3NvmeOffload) {
   EXPECT_EQ(s.offload.max_in_cpu, 1'000'000'000u);
   EXPECT_EQ(s.offload.nvme_stripe, 1048576u);
   EXPECT_EQ(s.offload.nvme_queue_depth, 8u);
+}
+
+// max_in_cpu as DeepSpeed reads it: for parameters on NVMe only, 1e9 elements a rank where
+// the config gives none; with the parameters in host RAM (or on the GPU), and under
+// offload_optimizer, which has no such key, it is listed as not acted on. strata's "auto"
+// takes it as a cap, none where none is given.
+TEST(DsConfig, MaxInCpuIsDeepSpeedsForParametersOnNvmeOnly) {
+  const LlamaConfig tiny = *find_preset("tiny");
+  auto settings = [&](const std::string& text, DsConfig* out = nullptr) {
+    DsConfig c = parse(text);
+    if (out != nullptr) *out = c;
+    return ds_plan_settings(c, 2, tiny).offload;
+  };
+  DsConfig c;
+  EXPECT_EQ(
+      settings(R"({"zero_optimization": {"offload_param": {"device": "nvme"}}})", &c).max_in_cpu,
+      kDeepSpeedMaxInCpu);
+  EXPECT_EQ(kDeepSpeedMaxInCpu, 1'000'000'000u);
+  EXPECT_TRUE(c.ignored.empty());
+  EXPECT_EQ(
+      settings(R"({"zero_optimization": {"offload_param": {"device": "nvme", "max_in_cpu": 0}}})")
+          .max_in_cpu,
+      0u);
+  for (const char* device : {"cpu", "none"}) {
+    const std::string text = fmt::format(
+        R"({{"zero_optimization": {{"offload_param": {{"device": "{}", "max_in_cpu": 1e9}}}}}})",
+        device);
+    EXPECT_EQ(settings(text, &c).max_in_cpu, 0u) << device;
+    EXPECT_TRUE(has(c.ignored, "zero_optimization.offload_param.max_in_cpu")) << device;
+  }
+  EXPECT_EQ(
+      settings(
+          R"({"zero_optimization": {"offload_optimizer": {"device": "nvme", "max_in_cpu": 5}}})",
+          &c)
+          .max_in_cpu,
+      0u);
+  EXPECT_TRUE(has(c.ignored, "zero_optimization.offload_optimizer.max_in_cpu"));
+  EXPECT_EQ(settings(R"({"zero_optimization": {"offload_param": {"device": "auto"}}})").max_in_cpu,
+            0u);
+  EXPECT_EQ(
+      settings(R"({"zero_optimization": {"offload_param": {"device": "auto", "max_in_cpu": 7}}})",
+               &c)
+          .max_in_cpu,
+      7u);
+  EXPECT_TRUE(c.ignored.empty());
 }
 
 TEST(DsConfig, DeepSpeedExamplesZero3Nvme) {
@@ -285,7 +332,7 @@ TEST(DsConfig, AxolotlAndLlamaFactoryCpuOffload) {
   EXPECT_EQ(s.offload.param, Tier::cpu);
 
   const DsConfig f = parse(kLlamaFactory);
-  EXPECT_EQ(f.zero.overlap_comm, false);
+  EXPECT_TRUE(has(f.ignored, "zero_optimization.overlap_comm"));
   EXPECT_TRUE(has(f.ignored, "zero_allow_untested_optimizer"));
   EXPECT_EQ(ds_plan_settings(f, 1, *find_preset("tiny")).offload.optimizer, Tier::cpu);
 }

@@ -114,26 +114,34 @@ TEST(Placement, ImpossibleRequestsNameTheSetting) {
                {"sequence length 100000"});
 }
 
-TEST(Placement, MaxInCpuSpillsParametersToNvme) {
-  RunShape s = tiny_shape(1);
-  const Placement all = Placement::make(s, request(Tier::cpu, Tier::cpu), roomy());
-  const uint64_t unit0 = all.partition.units[0].padded, unit1 = all.partition.units[1].padded;
-  OffloadRequest r = request(Tier::cpu, Tier::cpu);
-  r.max_in_cpu = unit0 + unit1;  // units 0 and 1 fit, the rest spill
-  const Placement p = Placement::make(s, r, roomy());
-  EXPECT_EQ(p.homes[0].param, Tier::cpu);
-  EXPECT_EQ(p.homes[1].param, Tier::cpu);
-  EXPECT_EQ(p.homes[2].param, Tier::nvme);
-  EXPECT_EQ(p.homes[3].param, Tier::nvme);
-  r.nvme_paths.clear();
-  expect_error([&] { Placement::make(s, r, roomy()); }, {"max_in_cpu", "nvme_path"});
-  // DeepSpeed's meaning with device nvme: the first max_in_cpu elements stay in host RAM.
-  r = request(Tier::nvme, Tier::cpu);
-  r.max_in_cpu = unit0;
-  const Placement q = Placement::make(s, r, roomy());
-  EXPECT_EQ(q.homes[0].param, Tier::cpu);
-  EXPECT_EQ(q.homes[1].param, Tier::nvme);
-  EXPECT_EQ(q.homes[3].param, Tier::nvme);
+// DeepSpeed's max_in_cpu: with the parameters on NVMe, each rank keeps its first max_in_cpu
+// partition elements in host RAM, units in forward order; with them in host RAM it changes
+// nothing.
+TEST(Placement, MaxInCpuKeepsEachRanksFirstElementsInHostRam) {
+  for (int ranks : {1, 2}) {
+    SCOPED_TRACE(ranks);
+    RunShape s = tiny_shape(ranks);
+    const Placement all = Placement::make(s, request(Tier::cpu, Tier::cpu), roomy());
+    const uint64_t shard0 = all.partition.units[0].shard, shard1 = all.partition.units[1].shard;
+    EXPECT_EQ(all.partition.units[0].padded, shard0 * uint64_t(ranks));
+    OffloadRequest r = request(Tier::nvme, Tier::cpu);
+    r.max_in_cpu = shard0 + shard1;  // a rank's part of units 0 and 1, not of the whole units
+    const Placement p = Placement::make(s, r, roomy());
+    EXPECT_EQ(p.homes[0].param, Tier::cpu);
+    EXPECT_EQ(p.homes[1].param, Tier::cpu);
+    for (size_t u = 2; u < p.homes.size(); ++u) EXPECT_EQ(p.homes[u].param, Tier::nvme) << u;
+    r.max_in_cpu = shard0 + shard1 - 1;
+    const Placement q = Placement::make(s, r, roomy());
+    EXPECT_EQ(q.homes[0].param, Tier::cpu);
+    EXPECT_EQ(q.homes[1].param, Tier::nvme);
+    r.max_in_cpu = 0;
+    for (const UnitHomes& h : Placement::make(s, r, roomy()).homes) EXPECT_EQ(h.param, Tier::nvme);
+    // Homed in host RAM, parameters stay there whatever max_in_cpu says, and need no drive.
+    r = request(Tier::cpu, Tier::cpu);
+    r.max_in_cpu = shard0;
+    r.nvme_paths.clear();
+    for (const UnitHomes& h : Placement::make(s, r, roomy()).homes) EXPECT_EQ(h.param, Tier::cpu);
+  }
 }
 
 // N host devices of 64 MiB and their communicator.

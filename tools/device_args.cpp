@@ -123,6 +123,9 @@ void apply_offload_flags(OffloadRequest& request, const std::string& param,
        {std::tuple{"--offload-param", &param, &request.param},
         std::tuple{"--offload-optimizer", &optimizer, &request.optimizer}}) {
     if (value->empty()) continue;
+    // A config's max_in_cpu (DeepSpeed's 1e9 a rank where it gives none) belongs to its
+    // offload_param.device nvme: a flag that homes the parameters elsewhere drops it.
+    if (tier == &request.param && *value != "nvme") request.max_in_cpu = 0;
     if (*value == "auto") {
       request.automatic = true;
       continue;

@@ -224,6 +224,7 @@ void verify_config(const std::string& path, const TuneSpace& s, const TuneCandid
   expect(p.batch.grad_accum == c.grad_accum, "gradient accumulation");
   expect(p.offload.param == c.param && p.offload.optimizer == c.optimizer && !p.offload.automatic,
          "offload devices");
+  expect(p.offload.max_in_cpu == 0, "max_in_cpu");
   expect(p.prefetch_depth.value_or(1) == c.prefetch_depth, "prefetch depth");
   expect(p.param_dtype == s.param_dtype, "precision");
   expect(p.persistence_threshold == s.persistence_threshold, "persistence threshold");

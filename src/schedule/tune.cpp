@@ -376,11 +376,13 @@ nlohmann::ordered_json tune_ds_config(const TuneSpace& s, const TuneCandidate& c
   j["fp16"] = {{"enabled", s.param_dtype == DType::f16}};
   if (s.param_dtype == DType::f16) j["fp16"]["loss_scale"] = 0;  // dynamic
   const bool nvme = c.param == Tier::nvme || c.optimizer == Tier::nvme;
-  auto section = [&](Tier t) {
+  auto section = [&](Tier t, bool param) {
     json o;
     o["device"] = TuneCandidate::offload_name(t);
     if (t == Tier::gpu) return o;
     if (t == Tier::nvme) {
+      // Every parameter on NVMe, as simulated (DeepSpeed's default keeps 1e9 a rank in RAM).
+      if (param) o["max_in_cpu"] = 0;
       if (s.nvme_paths.size() == 1)
         o["nvme_path"] = s.nvme_paths.front();
       else
@@ -395,8 +397,8 @@ nlohmann::ordered_json tune_ds_config(const TuneSpace& s, const TuneCandidate& c
     largest = std::max(largest, u.numel);
   json z;
   z["stage"] = 3;
-  z["offload_param"] = section(c.param);
-  z["offload_optimizer"] = section(c.optimizer);
+  z["offload_param"] = section(c.param, true);
+  z["offload_optimizer"] = section(c.optimizer, false);
   // strata fetches whole units: the depth is this bucket / the largest unit's elements.
   z["stage3_prefetch_bucket_size"] = uint64_t(std::max(c.prefetch_depth, 1)) * largest;
   z["stage3_param_persistence_threshold"] = s.persistence_threshold;
@@ -404,8 +406,6 @@ nlohmann::ordered_json tune_ds_config(const TuneSpace& s, const TuneCandidate& c
   if (nvme) {
     j["aio"] = {{"block_size", s.nvme_stripe}};
     if (queue_depth > 0) j["aio"]["queue_depth"] = queue_depth;
-    j["aio"]["single_submit"] = false;
-    j["aio"]["overlap_events"] = true;
   }
   return j;
 }

@@ -32,12 +32,6 @@ uint64_t device_buffer(uint64_t bytes, uint64_t alignment) {
   return bytes == 0 ? 0 : round_up(bytes, alignment);
 }
 
-// Elements of unit u held on the host for all ranks together: every rank's shard of a sharded
-// unit, and one copy of a replicated unit (its gradient is the same on every rank).
-uint64_t host_elements(const UnitPartition& up) {
-  return up.replicated ? up.numel : up.padded;
-}
-
 // Host bytes of unit u's state at `bytes_per_element`: one block per rank's shard (one for a
 // replicated unit), each rounded to a page as the pinned pool hands it out.
 uint64_t host_bytes(const UnitPartition& up, int ranks, uint64_t bytes_per_element) {
@@ -398,30 +392,17 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& asked,
           "offload_{}.device is nvme but no nvme_path is given; add --nvme-path DIR[,DIR...] "
           "(or nvme_path in the config)",
           request.param == Tier::nvme ? "param" : "optimizer");
-    // max_in_cpu: how many parameter elements may live in host RAM (see placement.h).
+    // max_in_cpu: how many of each rank's parameter elements stay in host RAM when the
+    // parameters' home is NVMe (see placement.h).
     uint64_t in_cpu = 0;
     for (int u = 0; u < U; ++u) {
       UnitHomes& h = p.homes[size_t(u)];
       h.optimizer = request.optimizer;  // h.grad: place_gradients
       h.param = unit(u).replicated ? Tier::gpu : request.param;
-      if (h.param == Tier::gpu) continue;
-      const uint64_t e = host_elements(unit(u));
-      if (request.param == Tier::nvme) {
-        if (request.max_in_cpu > 0 && in_cpu + e <= request.max_in_cpu) {
-          h.param = Tier::cpu;
-          in_cpu += e;
-        }
-      } else if (request.max_in_cpu > 0) {
-        if (in_cpu + e <= request.max_in_cpu) {
-          in_cpu += e;
-        } else {
-          if (!have_nvme)
-            fail(
-                "offload_param.max_in_cpu {} elements: unit {} would spill parameters past it "
-                "to NVMe, but no nvme_path is given; raise max_in_cpu or add --nvme-path",
-                request.max_in_cpu, unit(u).name);
-          h.param = Tier::nvme;
-        }
+      if (h.param != Tier::nvme) continue;
+      if (in_cpu + unit(u).shard <= request.max_in_cpu) {
+        h.param = Tier::cpu;
+        in_cpu += unit(u).shard;
       }
     }
   } else {
@@ -486,7 +467,7 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& asked,
         any_sharded = true;
         p_gpu += device_buffer(up.resident() * z.ps, z.align);
         p_cpu += host_bytes(up, shape.ranks, z.ps);
-        p_elems += host_elements(up);
+        p_elems += up.shard;
         p_stripes += nvme_stripes(up, shape.ranks, z.ps, stripe);
       }
       // Once one unit's optimizer leaves the GPU every later one does (the prefix rule), and

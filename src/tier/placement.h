@@ -90,9 +90,10 @@ struct OffloadRequest {
   GradHome grads = GradHome::automatic;  // gradients under an offloaded optimizer (above)
 };
 // max_in_cpu, as DeepSpeed means it: with offload_param.device nvme, units in forward order
-// keep their parameter shards in host RAM while the total stays within max_in_cpu elements
-// (0: none), the rest go to NVMe; with device cpu, parameter shards beyond max_in_cpu spill
-// to NVMe (0: no limit). Elements count every rank's shard (padding included).
+// keep their parameter shards in host RAM while each rank's shards of them stay within
+// max_in_cpu elements (0: none; padding included), the rest go to NVMe, as DeepSpeed keeps
+// each rank's first max_in_cpu partition elements in CPU memory; device cpu ignores it, as
+// DeepSpeed does. With `auto` it caps the parameters placed in host RAM (0: no cap).
 //
 // Pinned buffers: with anything off the GPU there are buffer_count of them, one per unit in
 // flight between tiers. A buffer carries a whole unit's transfer, every rank's shard of it

@@ -167,6 +167,14 @@ void read_offload(Reader& r, const json& v, const std::string& path, DsOffload& 
       r.ignore(p);  // ratio, fast_init, pipeline_read, ...
     }
   }
+  // DeepSpeed reads max_in_cpu only for parameters homed on NVMe (params_in_nvme_and_cpu);
+  // strata's `auto` takes it as a cap on the parameters it places in host RAM.
+  const bool acted_on =
+      path.ends_with("offload_param") && (o.device == Tier::nvme || o.device_auto);
+  if (o.max_in_cpu && !acted_on) {
+    o.max_in_cpu.reset();
+    r.ignore(path_of(path, "max_in_cpu"));
+  }
 }
 
 void read_zero(Reader& r, const json& v, DsConfig::Zero& z) {
@@ -186,11 +194,13 @@ void read_zero(Reader& r, const json& v, DsConfig::Zero& z) {
       z.stage3_max_live_parameters = r.count(value, p);
     else if (key == "stage3_param_persistence_threshold")
       z.stage3_param_persistence_threshold = r.count(value, p, Auto::ok);
-    else if (key == "sub_group_size")
-      z.sub_group_size = r.count(value, p);
-    else if (key == "overlap_comm")
-      z.overlap_comm = r.boolean(value, p);
-    else
+    else if (key == "sub_group_size") {  // checked, not acted on: CPU Adam goes unit by unit
+      r.count(value, p);
+      r.ignore(p);
+    } else if (key == "overlap_comm") {  // checked, not acted on: strata always overlaps
+      r.boolean(value, p);
+      r.ignore(p);
+    } else
       r.ignore(p);  // contiguous_gradients, reduce_bucket_size, stage3_max_reuse_distance, ...
   }
 }
@@ -298,14 +308,13 @@ void read_aio(Reader& r, const json& v, DsConfig::Aio& a) {
               "a positive multiple of 4096 bytes up to 268435456 (256 MiB), e.g. 1048576");
     } else if (key == "queue_depth") {
       a.queue_depth = r.small(value, p, 1, 4096);
-    } else if (key == "intra_op_parallelism") {
-      a.intra_op_parallelism = r.small(value, p, 1, 1024);
-    } else if (key == "thread_count") {
-      a.thread_count = r.small(value, p, 1, 1024);
-    } else if (key == "single_submit") {
-      a.single_submit = r.boolean(value, p);
-    } else if (key == "overlap_events") {
-      a.overlap_events = r.boolean(value, p);
+    } else if (key == "intra_op_parallelism" || key == "thread_count") {
+      // Checked, then not acted on: the swap store runs one ring per lane that moves data.
+      r.small(value, p, 1, 1024);
+      r.ignore(p);
+    } else if (key == "single_submit" || key == "overlap_events") {
+      r.boolean(value, p);  // checked; io_uring submits in batches and overlaps always
+      r.ignore(p);
     } else {
       r.ignore(p);  // use_gds, ...
     }
@@ -513,7 +522,9 @@ DsPlanSettings ds_plan_settings(const DsConfig& c, int world, const LlamaConfig&
   r.automatic = op.device_auto || oo.device_auto;
   r.param = op.device.value_or(Tier::gpu);
   r.optimizer = oo.device.value_or(Tier::gpu);
-  r.max_in_cpu = op.max_in_cpu.value_or(0);
+  // DeepSpeed's default for parameters on NVMe: each rank keeps its first 1e9 elements in CPU
+  // memory. `auto` has no cap unless one is given.
+  r.max_in_cpu = op.max_in_cpu.value_or(op.device == Tier::nvme ? kDeepSpeedMaxInCpu : 0);
   // One pool serves both directions: the larger of the two counts the config asks for.
   const bool p_off = r.param != Tier::gpu, o_off = r.optimizer != Tier::gpu;
   int count = 0;

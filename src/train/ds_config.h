@@ -26,6 +26,9 @@
 
 namespace strata {
 
+// offload_param.max_in_cpu's default in DeepSpeed (OffloadParamConfig): 1e9 elements a rank.
+inline constexpr uint64_t kDeepSpeedMaxInCpu = 1'000'000'000;
+
 // zero_optimization.offload_param / offload_optimizer.
 struct DsOffload {
   std::optional<Tier> device;           // "none" | "cpu" | "nvme"
@@ -34,8 +37,9 @@ struct DsOffload {
   std::optional<bool> pin_memory;       // DeepSpeed's default: false
   std::optional<int> buffer_count;      // DeepSpeed's default: 5 (param), 4 (optimizer)
   std::optional<uint64_t> buffer_size;  // elements (offload_param)
-  std::optional<uint64_t> max_in_cpu;   // elements (offload_param)
-  bool present = false;                 // the section was in the file
+  // elements per rank (offload_param with device nvme or auto; elsewhere listed as ignored)
+  std::optional<uint64_t> max_in_cpu;
+  bool present = false;  // the section was in the file
 };
 
 struct DsConfig {
@@ -84,14 +88,11 @@ struct DsConfig {
     std::optional<uint64_t> stage3_prefetch_bucket_size;         // elements
     std::optional<uint64_t> stage3_max_live_parameters;          // elements
     std::optional<uint64_t> stage3_param_persistence_threshold;  // elements
-    std::optional<uint64_t> sub_group_size;                      // elements
-    std::optional<bool> overlap_comm;
   } zero;
 
   struct Aio {
     std::optional<uint64_t> block_size;  // bytes
-    std::optional<int> queue_depth, intra_op_parallelism, thread_count;
-    std::optional<bool> single_submit, overlap_events;
+    std::optional<int> queue_depth;
   } aio;
 
   // The "tensorboard" and "csv_monitor" sections (enabled, output_path, job_name); absent:
