@@ -380,7 +380,14 @@ TEST(DsConfig, PrecisionAndAutomaticPlacement) {
                              1, tiny)
                 .param_dtype,
             DType::f32);
-  EXPECT_FALSE(ds_plan_settings(parse(R"({"bf16": {"enabled": false}})"), 1, tiny).param_dtype);
+  // One section turned off and the other absent is DeepSpeed's fp32 too; "auto" (Hugging
+  // Face's, filled from its flags) or no section at all leaves the choice to strata's flags.
+  for (const char* text : {R"({"bf16": {"enabled": false}})", R"({"fp16": {"enabled": false}})",
+                           R"({"fp16": {"enabled": false}, "bf16": {"enabled": "auto"}})"})
+    EXPECT_EQ(ds_plan_settings(parse(text), 1, tiny).param_dtype, DType::f32) << text;
+  for (const char* text : {R"({})", R"({"fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}})",
+                           R"({"fp16": {"loss_scale": 0}})"})
+    EXPECT_FALSE(ds_plan_settings(parse(text), 1, tiny).param_dtype) << text;
   EXPECT_EQ(ds_plan_settings(parse(R"({"bfloat16": {"enabled": true}})"), 1, tiny).param_dtype,
             DType::bf16);
   const DsPlanSettings a =

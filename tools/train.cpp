@@ -376,7 +376,9 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--seq-len,--max-seq-length", a->seq_len,
                   "tokens per sequence (default: context, <= 1024)");
   cmd->add_option("--dtype", a->dtype,
-                  "parameters: f32, bf16 (default: f32 on host, bf16 on cuda)");
+                  "parameters: f32, bf16 (default: the config's bf16 or fp16 section where one is "
+                  "enabled, f32 where one is turned off and neither is on, as DeepSpeed; else f32 "
+                  "on host, bf16 on cuda)");
   cmd->add_option("--grad-dtype", a->grad_dtype,
                   "gradients and their accumulators: f32 (default; DeepSpeed's "
                   "data_types.grad_accum_dtype where the config sets it), or the parameters' "

@@ -548,8 +548,8 @@ DsPlanSettings ds_plan_settings(const DsConfig& c, int world, const LlamaConfig&
     s.param_dtype = DType::bf16;
   else if (c.fp16.enabled.value_or(false))
     s.param_dtype = DType::f16;
-  else if (c.bf16_enabled.has_value() && c.fp16.enabled.has_value())
-    s.param_dtype = DType::f32;  // both explicitly false: an fp32 run
+  else if (c.bf16_enabled.has_value() || c.fp16.enabled.has_value())
+    s.param_dtype = DType::f32;  // turned off and neither on: DeepSpeed trains in fp32
   s.grad_dtype = c.grad_accum_dtype;
   s.persistence_threshold = c.zero.stage3_param_persistence_threshold;
 

@@ -119,8 +119,10 @@ DsBatch resolve_ds_batch(const DsConfig& config, int world);
 struct DsPlanSettings {
   OffloadRequest offload;  // devices, nvme paths (both sections', in order, once each), ...
   DsBatch batch;
-  std::optional<DType> param_dtype;  // bf16 / f16 when enabled, f32 when both are false
-  std::optional<DType> grad_dtype;   // data_types.grad_accum_dtype
+  // bf16 / f16 when enabled; f32 when a section says enabled false and neither is on (as
+  // DeepSpeed, whose default is fp32); unset when neither section says (or both say "auto").
+  std::optional<DType> param_dtype;
+  std::optional<DType> grad_dtype;  // data_types.grad_accum_dtype
   std::optional<uint64_t> persistence_threshold;
   // stage3_prefetch_bucket_size is how many elements DeepSpeed fetches ahead; strata fetches
   // whole units, so the depth is bucket ÷ the largest unit's elements, at least 1 and at most
