@@ -1,13 +1,16 @@
 // test_loss_scaler.cpp: DeepSpeed's dynamic fp16 loss scaling over sequences of overflow and
-// clean steps worked out by hand (hysteresis, the (W + 1)-th clean step doubling, the floor and
-// the error at it), static and unit scales, defaults from a config, and the state's JSON round
-// trip bit for bit.
+// clean steps worked out by hand (hysteresis, consecutive or not, the W-th clean step doubling,
+// the floor and the error at it) and over random ones against DynamicLossScaler.update_scale
+// transcribed as DeepSpeed writes it, static and unit scales, defaults from a config, and the
+// state's JSON round trip bit for bit.
 #include "testing.h"
 #include "train/loss_scaler.h"
 
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <random>
+#include <stdexcept>
 
 namespace strata {
 namespace {
@@ -57,13 +60,15 @@ TEST(LossScaler, DefaultsFromAConfigAreDeepSpeeds) {
   EXPECT_EQ(LossScaler(t).state().hysteresis_left, 4);
 }
 
-TEST(LossScaler, TheFirstDoublingComesOnTheStepAfterAWindowThenEveryWindow) {
+TEST(LossScaler, TheFirstDoublingComesOnTheWindowsLastStepThenEveryWindow) {
   LossScaler s(dynamic_settings(16, 3, 2, 1));
   EXPECT_EQ(s.scale(), 16);
-  // Clean step c (0-based since the start) doubles when c > 0 and c % 3 == 0.
-  EXPECT_EQ(run(s, "........."), (std::vector<double>{16, 16, 16, 32, 32, 32, 64, 64, 64}));
+  // Clean step c (0-based since the start) doubles when (c + 1) % 3 == 0.
+  EXPECT_EQ(run(s, "........."), (std::vector<double>{16, 16, 32, 32, 32, 64, 64, 64, 128}));
   EXPECT_EQ(s.state().clean_steps, 9);
   EXPECT_EQ(run(s, "."), std::vector<double>{128});
+  // After an overflow the count starts again: the third clean step after it doubles.
+  EXPECT_EQ(run(s, "o...."), (std::vector<double>{128, 128, 128, 256, 256}));
 }
 
 TEST(LossScaler, HysteresisAbsorbsOverflowsBeforeTheScaleHalves) {
@@ -74,10 +79,95 @@ TEST(LossScaler, HysteresisAbsorbsOverflowsBeforeTheScaleHalves) {
   EXPECT_EQ(s.state().clean_steps, 0);
   // Clean steps alone do not refill the hysteresis (consecutive_hysteresis false) ...
   EXPECT_EQ(run(s, "..o"), (std::vector<double>{16, 16, 8}));
-  // ... a doubling does: 3 clean after the overflow, the 4th doubles and refills.
-  EXPECT_EQ(run(s, "...."), (std::vector<double>{8, 8, 8, 16}));
+  // ... a doubling does: the 3rd clean step after the overflow doubles and refills.
+  EXPECT_EQ(run(s, "...."), (std::vector<double>{8, 8, 16, 16}));
   EXPECT_EQ(s.state().hysteresis_left, 2);
   EXPECT_EQ(run(s, "o.o"), (std::vector<double>{16, 16, 8}));
+}
+
+TEST(LossScaler, ConsecutiveHysteresisRefillsAtEveryCleanStep) {
+  // Alternating overflows: without consecutive_hysteresis each one after the first halves;
+  // with it a clean step between them refills the hysteresis, and the scale holds.
+  LossScaler plain(dynamic_settings(64, 1000, 2, 1));
+  EXPECT_EQ(run(plain, "o.o.o.o"), (std::vector<double>{64, 64, 32, 32, 16, 16, 8}));
+  LossScaleSettings c = dynamic_settings(64, 1000, 2, 1);
+  c.consecutive_hysteresis = true;
+  LossScaler consecutive(c);
+  EXPECT_EQ(run(consecutive, "o.o.o.o"), std::vector<double>(7, 64));
+  // Two in a row still halve: the first uses the hysteresis a clean step refilled.
+  EXPECT_EQ(run(consecutive, ".oo"), (std::vector<double>{64, 64, 32}));
+  DsConfig::Fp16 f;
+  f.consecutive_hysteresis = true;
+  EXPECT_TRUE(loss_scale_settings(f, true).consecutive_hysteresis);
+  EXPECT_FALSE(loss_scale_settings(DsConfig::Fp16{}, true).consecutive_hysteresis);
+}
+
+// DeepSpeed's DynamicLossScaler.update_scale (deepspeed/runtime/fp16/loss_scaler.py) as it is
+// written there, with its counters: cur_iter from 0, last_overflow_iter from -1, cur_hysteresis
+// from delayed_shift, and raise_error_at_min_scale on.
+struct DeepSpeedScaler {
+  double cur_scale, min_scale;
+  int64_t scale_window, cur_iter = 0, last_overflow_iter = -1;
+  int delayed_shift, cur_hysteresis;
+  bool consecutive_hysteresis;
+
+  void update_scale(bool overflow) {
+    if (overflow) {
+      if (delayed_shift == 1 || cur_hysteresis == 1) {
+        if (cur_scale == min_scale)
+          throw std::runtime_error("Current loss scale already at minimum");
+        cur_scale = std::max(cur_scale / 2.0, min_scale);
+      } else {
+        cur_hysteresis -= 1;
+      }
+      last_overflow_iter = cur_iter;
+    } else {
+      if (consecutive_hysteresis) cur_hysteresis = delayed_shift;
+      if ((cur_iter - last_overflow_iter) % scale_window == 0) {
+        if (!consecutive_hysteresis) cur_hysteresis = delayed_shift;
+        cur_scale *= 2.0;
+      }
+    }
+    cur_iter += 1;
+  }
+};
+
+TEST(LossScaler, RandomSequencesGiveDeepSpeedsScales) {
+  std::mt19937 rng(7);
+  int cases = 0;
+  for (int64_t window : {1, 2, 3, 7})
+    for (int hysteresis : {1, 2, 3})
+      for (bool consecutive : {false, true})
+        for (double p_overflow : {0.1, 0.3, 0.6}) {
+          SCOPED_TRACE(::testing::Message()
+                       << "window " << window << " hysteresis " << hysteresis << " consecutive "
+                       << consecutive << " p " << p_overflow);
+          LossScaleSettings st = dynamic_settings(1024, window, hysteresis, 0.25);
+          st.consecutive_hysteresis = consecutive;
+          LossScaler ours(st);
+          DeepSpeedScaler ref{1024, 0.25, window, 0, -1, hysteresis, hysteresis, consecutive};
+          std::bernoulli_distribution overflow(p_overflow);
+          for (int i = 0; i < 300; ++i) {
+            const bool o = overflow(rng);
+            bool ref_threw = false, ours_threw = false;
+            try {
+              ref.update_scale(o);
+            } catch (const std::runtime_error&) {
+              ref_threw = true;
+            }
+            try {
+              ours.update(o);
+            } catch (const Error&) {
+              ours_threw = true;
+            }
+            ASSERT_EQ(ours_threw, ref_threw) << "step " << i;
+            if (ref_threw) break;  // both refuse the step; DeepSpeed's run ends there too
+            ASSERT_EQ(ours.scale(), ref.cur_scale) << "step " << i;
+            ASSERT_EQ(ours.state().hysteresis_left, ref.cur_hysteresis) << "step " << i;
+          }
+          ++cases;
+        }
+  EXPECT_EQ(cases, 72);
 }
 
 TEST(LossScaler, HysteresisOfOneHalvesAtEveryOverflow) {
@@ -85,9 +175,9 @@ TEST(LossScaler, HysteresisOfOneHalvesAtEveryOverflow) {
   EXPECT_EQ(run(s, "o.o.o"), (std::vector<double>{512, 512, 256, 256, 128}));
 }
 
-TEST(LossScaler, WindowOfOneDoublesFromTheSecondCleanStep) {
+TEST(LossScaler, WindowOfOneDoublesAtEveryCleanStep) {
   LossScaler s(dynamic_settings(2, 1, 2, 1));
-  EXPECT_EQ(run(s, "....o.."), (std::vector<double>{2, 4, 8, 16, 16, 16, 32}));
+  EXPECT_EQ(run(s, "....o.."), (std::vector<double>{4, 8, 16, 32, 32, 64, 128}));
 }
 
 TEST(LossScaler, TheScaleStopsAtTheMinimumThenAnOverflowThereIsAnError) {

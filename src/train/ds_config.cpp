@@ -288,10 +288,12 @@ void read_fp16(Reader& r, const json& v, DsConfig::Fp16& f) {
       f.loss_scale_window = r.integer(value, p, 1, std::numeric_limits<int64_t>::max());
     else if (key == "hysteresis")
       f.hysteresis = r.small(value, p, 1, 1 << 20);
+    else if (key == "consecutive_hysteresis")
+      f.consecutive_hysteresis = r.boolean(value, p);
     else if (key == "min_loss_scale")
       f.min_loss_scale = r.real(value, p, 0.0, Auto::no, true);
     else
-      r.ignore(p);  // auto_cast, consecutive_hysteresis, ...
+      r.ignore(p);  // auto_cast, ...
   }
 }
 

@@ -60,6 +60,7 @@ struct DsConfig {
     std::optional<int> initial_scale_power;
     std::optional<int64_t> loss_scale_window;
     std::optional<int> hysteresis;
+    std::optional<bool> consecutive_hysteresis;
     std::optional<double> min_loss_scale;
   } fp16;
 

@@ -1,5 +1,5 @@
 // loss_scaler.cpp: see loss_scaler.h. `update` follows DeepSpeed's DynamicLossScaler.update_scale
-// step for step; its cur_iter - last_overflow_iter - 1 is our clean_steps.
+// step for step; its cur_iter - last_overflow_iter - 1 is our clean_steps (before this step).
 #include "train/loss_scaler.h"
 
 #include "core/error.h"
@@ -46,6 +46,7 @@ LossScaleSettings loss_scale_settings(const DsConfig::Fp16& fp16, bool fp16_enab
   s.window = fp16.loss_scale_window.value_or(1000);
   s.hysteresis = fp16.hysteresis.value_or(2);
   s.min_scale = fp16.min_loss_scale.value_or(1.0);
+  s.consecutive_hysteresis = fp16.consecutive_hysteresis.value_or(false);
   s.validate();
   return s;
 }
@@ -111,7 +112,8 @@ bool LossScaler::update(bool overflow) {
     state_.clean_steps = 0;
     return true;
   }
-  if (state_.clean_steps > 0 && state_.clean_steps % settings_.window == 0) {
+  if (settings_.consecutive_hysteresis) state_.hysteresis_left = settings_.hysteresis;
+  if ((state_.clean_steps + 1) % settings_.window == 0) {
     state_.hysteresis_left = settings_.hysteresis;
     state_.scale *= 2.0;
   }

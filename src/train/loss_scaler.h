@@ -1,6 +1,6 @@
 // loss_scaler.h: fp16 loss scaling with DeepSpeed's semantics (deepspeed/runtime/fp16/
-// loss_scaler.py, DynamicLossScaler with consecutive_hysteresis false, its default), a static
-// scale when fp16.loss_scale > 0, and scale 1 with no dynamics for bf16 and fp32.
+// loss_scaler.py, DynamicLossScaler, which ZeRO's optimizers run), a static scale when
+// fp16.loss_scale > 0, and scale 1 with no dynamics for bf16 and fp32.
 //
 // The dynamic rule, per optimizer step, once the step's gradients are known to be finite or not:
 // - overflow: if hysteresis is spent (1 left, or fp16.hysteresis is 1) the scale halves, never
@@ -8,8 +8,10 @@
 //   overflow with the scale already at min_loss_scale and no hysteresis left is an Error, as
 //   DeepSpeed raises ("cannot decrease scale anymore").
 // - no overflow: with c the count of clean steps since the last overflow (or the start) before
-//   this one, the scale doubles and hysteresis refills when c > 0 and c % loss_scale_window == 0.
-//   So with window W the first doubling comes on the (W + 1)-th clean step, then every W.
+//   this one, the scale doubles when (c + 1) % loss_scale_window == 0: with window W on the W-th
+//   clean step, then every W (DeepSpeed's (cur_iter - last_overflow_iter) % scale_window, its
+//   last_overflow_iter -1 at the start). Hysteresis refills at a doubling or, with
+//   fp16.consecutive_hysteresis, at every clean step, so only overflows in a row use it up.
 // The state is three plain numbers, saved in checkpoints and restored bit for bit so a resumed
 // run scales exactly as an uninterrupted one.
 #pragma once
@@ -30,6 +32,7 @@ struct LossScaleSettings {
   int64_t window = 1000;       // fp16.loss_scale_window
   int hysteresis = 2;          // fp16.hysteresis
   double min_scale = 1.0;      // fp16.min_loss_scale
+  bool consecutive_hysteresis = false;  // fp16.consecutive_hysteresis
 
   // Throws an Error naming the fp16.* key, its value and the accepted range.
   void validate() const;
@@ -37,7 +40,8 @@ struct LossScaleSettings {
 
 // The settings a config asks for. `fp16_enabled` is the run's precision (config or flags);
 // unset fp16 keys take DeepSpeed's defaults: loss_scale 0 (dynamic), initial_scale_power 16,
-// loss_scale_window 1000, hysteresis 2, min_loss_scale 1. Validated.
+// loss_scale_window 1000, hysteresis 2, consecutive_hysteresis false, min_loss_scale 1.
+// Validated.
 LossScaleSettings loss_scale_settings(const DsConfig::Fp16& fp16, bool fp16_enabled);
 
 struct LossScaleState {
