@@ -5,6 +5,7 @@
 #include "testing.h"
 #include "train/lr_schedule.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -185,16 +186,43 @@ TEST(LrSchedule, TotalEqualToWarmupHoldsTheFloorAfterWarmup) {
 }
 
 TEST(LrSchedule, FromAConfigWithDeepSpeedsDefaults) {
-  // Hugging Face's "auto" everywhere: unset.
-  const LrSchedule w =
-      lr_schedule_from_config(scheduler_section(R"({"scheduler": {"type": "WarmupLR", "params": {
-          "warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}}})"),
-                              3e-4, 100);
+  // Hugging Face's "auto": warmup_max_lr is the optimizer's lr; warmup_num_steps is the
+  // caller's flag, set here as tools/train.cpp sets it.
+  DsConfig::Scheduler auto_section = scheduler_section(R"({"scheduler": {"type": "WarmupLR",
+      "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}}})");
+  EXPECT_TRUE(auto_section.warmup_max_lr_auto && auto_section.warmup_num_steps_auto);
+  auto_section.warmup_num_steps = 40;
+  const LrSchedule w = lr_schedule_from_config(auto_section, 3e-4, 100);
   EXPECT_EQ(w.kind, LrScheduleKind::warmup);
   EXPECT_EQ(w.warmup_min_lr, 0.0);
   EXPECT_EQ(w.warmup_max_lr, 3e-4);  // the optimizer's lr
-  EXPECT_EQ(w.warmup_num_steps, 1000);
+  EXPECT_EQ(w.warmup_num_steps, 40);
   EXPECT_EQ(w.warmup_type, WarmupShape::log);
+  // Left "auto" with no flag: Hugging Face would fill 0, which DeepSpeed refuses.
+  for (const char* type : {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"})
+    expect_error(
+        [&] {
+          lr_schedule_from_config(
+              scheduler_section(fmt::format(R"({{"scheduler": {{"type": "{}", "params": {{
+                  "warmup_num_steps": "auto"}}}}}})",
+                                            type)),
+              3e-4, 100);
+        },
+        {type, "warmup_num_steps is \"auto\"", "--warmup-steps", "--warmup-ratio"});
+  // Absent: DeepSpeed's defaults, 1000 steps, and a warmup_max_lr that WarmupLR takes from
+  // the optimizer but WarmupDecayLR sets at 0.001 (its constructor's default).
+  const LrSchedule absent = lr_schedule_from_config(
+      scheduler_section(R"({"scheduler": {"type": "WarmupLR"}})"), 3e-4, 100);
+  EXPECT_EQ(absent.warmup_max_lr, 3e-4);
+  EXPECT_EQ(absent.warmup_num_steps, 1000);
+  const LrSchedule decay_absent = lr_schedule_from_config(
+      scheduler_section(R"({"scheduler": {"type": "WarmupDecayLR"}})"), 3e-4, 100);
+  EXPECT_EQ(decay_absent.warmup_max_lr, 1e-3);
+  const LrSchedule decay_auto = lr_schedule_from_config(
+      scheduler_section(R"({"scheduler": {"type": "WarmupDecayLR", "params": {
+          "warmup_max_lr": "auto"}}})"),
+      3e-4, 100);
+  EXPECT_EQ(decay_auto.warmup_max_lr, 3e-4);
 
   const LrSchedule d = lr_schedule_from_config(
       scheduler_section(R"({"scheduler": {"type": "WarmupDecayLR", "params": {

@@ -1716,10 +1716,10 @@ TEST(TrainCli, MonitorsWriteEachStepWhereDeepSpeedsWould) {
     "wandb": {{"enabled": true, "project": "p"}}
   }})",
                                     dir.path.string());
-  const std::string args = "train " + kTiny + "--data " + data.string() +
-                           " --grad-accum 2 --eval-data " + data.string() +
-                           " --eval-sequences 2 --eval-every 2 --save-every 2 --config " +
-                           cfg.string() + " --run-dir " + run.string();
+  const std::string args =
+      "train " + kTiny + "--data " + data.string() + " --grad-accum 2 --eval-data " +
+      data.string() + " --eval-sequences 2 --eval-every 2 --save-every 2 --config " + cfg.string() +
+      " --run-dir " + run.string() + " --lr 1e-3 --lr-schedule WarmupLR --warmup-steps 4";
   test::CommandResult r = strata(args + " --steps 3");
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_NE(
@@ -1749,7 +1749,15 @@ TEST(TrainCli, MonitorsWriteEachStepWhereDeepSpeedsWould) {
     for (size_t i = 0; i < 5; ++i) {
       ASSERT_EQ(rows[i + 1].size(), 2u);
       EXPECT_EQ(rows[i + 1][0], std::to_string(4 * (i + 1))) << "samples: 2 x 2 a step";
-      EXPECT_EQ(std::stod(rows[i + 1][1]), m[i][key].get<double>()) << "step " << i + 1;
+      // DeepSpeed writes lr once the step has stepped its scheduler: the next update's rate
+      // (the warmup's log rise, then warmup_max_lr from update 5 on).
+      const double want = std::string(key) != "lr" ? m[i][key].get<double>()
+                          : i + 1 < m.size()       ? m[i + 1]["lr"].get<double>()
+                                                   : 1e-3;
+      EXPECT_EQ(std::stod(rows[i + 1][1]), want) << "step " << i + 1;
+    }
+    if (std::string(key) == "lr") {
+      EXPECT_LT(m[2]["lr"].get<double>(), m[3]["lr"].get<double>()) << "still warming up";
     }
   }
   // Held out: steps 2 and 4 (every 2) and 5 (the last); the first run's step 3 (its last) was

@@ -212,10 +212,12 @@ int run_train(const TrainArgs& a) {
     s.schedule = hugging_face_lr_schedule(a.lr_schedule, lr, warmup, s.steps);
   } else {
     DsConfig::Scheduler sched = ds ? ds->scheduler : DsConfig::Scheduler{};
-    if (!a.lr_schedule.empty()) {
+    // --lr-schedule names the type; the config's scheduler.params stay (each type reads the
+    // ones it takes), so naming the config's own type changes nothing.
+    if (a.lr_schedule == "none")
       sched = DsConfig::Scheduler{};
-      if (a.lr_schedule != "none") sched.type = a.lr_schedule;
-    }
+    else if (!a.lr_schedule.empty())
+      sched.type = a.lr_schedule;
     const bool warmup_flag = a.warmup_steps != kUnsetFlag || !std::isnan(a.warmup_ratio);
     if (warmup_flag && !sched.type)
       fail(
@@ -229,7 +231,7 @@ int run_train(const TrainArgs& a) {
     if (!std::isnan(a.warmup_ratio))
       sched.warmup_num_steps =
           static_cast<int64_t>(std::ceil(a.warmup_ratio * static_cast<double>(s.steps)));
-    if (sched.type && !sched.warmup_num_steps)
+    if (sched.type && !sched.warmup_num_steps && !sched.warmup_num_steps_auto)
       fmt::print(
           "lr schedule: warmup_num_steps is DeepSpeed's default, 1000, since neither the config "
           "nor a flag sets it{}; --warmup-steps or --warmup-ratio sets it\n",
@@ -390,7 +392,8 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--lr-schedule,--lr-scheduler-type", a->lr_schedule,
                   "none, WarmupLR, WarmupDecayLR or WarmupCosineLR (DeepSpeed's), or linear, "
                   "cosine, constant or constant_with_warmup (Hugging Face's lr_scheduler_type, "
-                  "from 0 over the warmup, to 0 at the last step); overrides the config's");
+                  "from 0 over the warmup, to 0 at the last step); overrides the config's type (a "
+                  "DeepSpeed one keeps the config's scheduler.params)");
   cmd->add_option("--warmup-steps", a->warmup_steps, "warmup_num_steps of the schedule");
   cmd->add_option("--warmup-ratio", a->warmup_ratio,
                   "warm up for this fraction of the run's steps (Hugging Face's warmup_ratio: "

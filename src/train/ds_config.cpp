@@ -251,22 +251,25 @@ void read_scheduler(Reader& r, const json& v, DsConfig::Scheduler& s) {
       r.object(value, p);
       for (const auto& [k, x] : value.items()) {
         const std::string q = path_of(p, k);
-        if (k == "warmup_min_lr")
+        if (k == "warmup_min_lr") {
           s.warmup_min_lr = r.real(x, q, 0.0, Auto::ok);
-        else if (k == "warmup_max_lr")
+        } else if (k == "warmup_max_lr") {
           s.warmup_max_lr = r.real(x, q, 0.0, Auto::ok);
-        else if (k == "warmup_num_steps")
+          s.warmup_max_lr_auto = !s.warmup_max_lr;
+        } else if (k == "warmup_num_steps") {
           s.warmup_num_steps = r.integer(x, q, 0, std::numeric_limits<int64_t>::max(), Auto::ok);
-        else if (k == "total_num_steps")
+          s.warmup_num_steps_auto = !s.warmup_num_steps;
+        } else if (k == "total_num_steps") {
           s.total_num_steps = r.integer(x, q, 1, std::numeric_limits<int64_t>::max(), Auto::ok);
-        else if (k == "warmup_type")
+        } else if (k == "warmup_type") {
           s.warmup_type = r.one_of(x, q, {"log", "linear"});
-        else if (k == "warmup_min_ratio")
+        } else if (k == "warmup_min_ratio") {
           s.warmup_min_ratio = r.real(x, q, 0.0, Auto::ok);
-        else if (k == "cos_min_ratio")
+        } else if (k == "cos_min_ratio") {
           s.cos_min_ratio = r.real(x, q, 0.0, Auto::ok);
-        else
+        } else {
           r.ignore(q);  // last_batch_iteration, ...
+        }
       }
     } else {
       r.ignore(p);

@@ -81,6 +81,9 @@ struct DsConfig {
     std::optional<int64_t> warmup_num_steps, total_num_steps;
     std::optional<std::string> warmup_type;                 // "log" | "linear"
     std::optional<double> warmup_min_ratio, cos_min_ratio;  // WarmupCosineLR
+    // Given as "auto", which Hugging Face fills from its flags (learning_rate, warmup_steps),
+    // where absent means DeepSpeed's default.
+    bool warmup_max_lr_auto = false, warmup_num_steps_auto = false;
   } scheduler;
 
   struct Zero {

@@ -167,7 +167,19 @@ LrSchedule lr_schedule_from_config(const DsConfig::Scheduler& config, double opt
         *config.type);
   }
   s.warmup_min_lr = config.warmup_min_lr.value_or(0.0);
-  s.warmup_max_lr = config.warmup_max_lr.value_or(optimizer_lr);
+  // Absent: DeepSpeed's default, which WarmupLR takes from the optimizer's lr and WarmupDecayLR
+  // sets at 0.001; "auto": the lr, as Hugging Face fills it.
+  s.warmup_max_lr = config.warmup_max_lr.value_or(
+      s.kind == LrScheduleKind::warmup_decay && !config.warmup_max_lr_auto ? 1e-3 : optimizer_lr);
+  if (s.kind != LrScheduleKind::constant && !config.warmup_num_steps &&
+      config.warmup_num_steps_auto)
+    fail(
+        "lr schedule {}: scheduler.params.warmup_num_steps is \"auto\" and nothing sets it: "
+        "Hugging Face fills it with its warmup steps, 0 unless --warmup_steps or "
+        "--warmup_ratio is given, which DeepSpeed refuses (\"warmup_num_steps must be a "
+        "positive integer\"); pass --warmup-steps N or --warmup-ratio R, or give the number in "
+        "the config",
+        lr_schedule_name(s.kind));
   s.warmup_num_steps = config.warmup_num_steps.value_or(1000);
   s.warmup_type =
       config.warmup_type.value_or("log") == "linear" ? WarmupShape::linear : WarmupShape::log;

@@ -77,11 +77,13 @@ struct LrSchedule {
 
 // The schedule a DeepSpeed config's `scheduler` section asks for, resolved as DeepSpeed does
 // where a value is unset (absent, or "auto"): warmup_min_lr 0, warmup_num_steps 1000,
-// warmup_type log, warmup_min_ratio 0, cos_min_ratio 0.0001. Two choices differ from a bare
-// DeepSpeed where "auto" is what Hugging Face's integration means: an unset warmup_max_lr is the
-// optimizer's lr for both WarmupLR (as DeepSpeed) and WarmupDecayLR (DeepSpeed: 0.001), and an
-// unset total_num_steps is `run_steps` (the run's --steps; an Error when there is none either,
-// since DeepSpeed requires it). No scheduler type: the constant `optimizer_lr`. Validated.
+// warmup_type log, warmup_min_ratio 0, cos_min_ratio 0.0001, and an absent warmup_max_lr the
+// optimizer's lr for WarmupLR and 0.001 for WarmupDecayLR. "auto" is what Hugging Face's
+// integration fills in from its flags: warmup_max_lr the optimizer's lr; warmup_num_steps the
+// caller's warmup flag, so an "auto" left unset here is an Error (Hugging Face would fill 0,
+// which DeepSpeed refuses). An unset total_num_steps (absent or "auto") is `run_steps` (the
+// run's --steps; an Error when there is none either, since DeepSpeed requires it). No
+// scheduler type: the constant `optimizer_lr`. Validated.
 LrSchedule lr_schedule_from_config(const DsConfig::Scheduler& config, double optimizer_lr,
                                    std::optional<int64_t> run_steps);
 

@@ -365,7 +365,8 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     StepParams p;
     p.step = applied + 1;
     p.adam = s.adam;
-    p.adam.lr = static_cast<float>(s.schedule.for_update(applied));
+    const double lr = s.schedule.for_update(applied);  // logged as the schedule gives it
+    p.adam.lr = static_cast<float>(lr);
     p.loss_scale = static_cast<float>(scaler.scale());
     p.max_grad_norm = static_cast<float>(s.max_grad_norm);
     const StepResult r = ex.step(batches, p);
@@ -387,7 +388,7 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
         {"step", step},
         {"epoch", epoch},
         {"loss", r.loss},
-        {"lr", p.adam.lr},
+        {"lr", lr},
         {"grad_norm", r.skipped ? nlohmann::json(nullptr) : nlohmann::json(r.grad_norm)},
         {"loss_scale", p.loss_scale},
         {"skipped", r.skipped},
@@ -408,12 +409,15 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     metrics.flush();
     if (monitor.enabled()) {
       // DeepSpeed's tags, at the samples trained so far; the gradient norm (as Hugging Face's
-      // Trainer logs it) and the held-out loss besides.
+      // Trainer logs it) and the held-out loss besides. DeepSpeed's engine writes lr and
+      // loss_scale after the step has stepped its scheduler and scaler: the next update's rate
+      // and scale.
       const int64_t samples = step * samples_per_step;
-      std::vector<MonitorEvent> events{{"Train/Samples/train_loss", r.loss, samples},
-                                       {"Train/Samples/lr", p.adam.lr, samples}};
+      std::vector<MonitorEvent> events{
+          {"Train/Samples/train_loss", r.loss, samples},
+          {"Train/Samples/lr", s.schedule.for_update(applied), samples}};
       if (s.dtype == DType::f16)
-        events.push_back({"Train/Samples/loss_scale", p.loss_scale, samples});
+        events.push_back({"Train/Samples/loss_scale", scaler.scale(), samples});
       if (!r.skipped) events.push_back({"Train/Samples/grad_norm", r.grad_norm, samples});
       if (eval) events.push_back({"Eval/Samples/eval_loss", eval->loss(), samples});
       monitor.write(events);
@@ -424,8 +428,8 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     const std::string line = fmt::format(
         "step {}/{} (epoch {:.2f}) loss {:.4f} lr {:.3g} grad-norm {:.3g}{} {:.0f} tokens/s ETA {} "
         "| {}",
-        step, s.steps, epoch, r.loss, p.adam.lr, r.grad_norm,
-        r.skipped ? " (skipped: overflow)" : "", tps, duration(eta), tiers);
+        step, s.steps, epoch, r.loss, lr, r.grad_norm, r.skipped ? " (skipped: overflow)" : "", tps,
+        duration(eta), tiers);
     if (step % std::max<int64_t>(s.steps_per_print, 1) == 0 || step == s.steps || step == first + 1)
       fmt::print("{}{}\n", tty ? "\r" : "", line);
     else if (tty)
