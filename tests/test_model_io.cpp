@@ -305,11 +305,20 @@ LlamaConfig parse_text(const std::string& text, const std::string& source = "cfg
   return parse_llama_config(json::parse(text), source);
 }
 
-// The published config.json parses to the preset with the same shape, field for field.
+// The published config.json parses to the preset with the same shape, field for field, and its
+// token ids are read as given (presets have none: they make random models).
 void expect_matches_preset(const char* text, const char* preset) {
   LlamaConfig c = parse_text(text);
   EXPECT_EQ(c.name, "cfg.json");
   c.name = preset;
+  const json j = json::parse(text);
+  for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"})
+    if (j.contains(key) && !j[key].is_null()) {
+      EXPECT_EQ(c.token_ids[key], j[key]) << preset << " " << key;
+    } else {
+      EXPECT_FALSE(c.token_ids.contains(key)) << preset << " " << key;
+    }
+  c.token_ids = json::object();
   const auto p = find_preset(preset);
   ASSERT_TRUE(p.has_value()) << preset;
   EXPECT_EQ(c, *p) << preset;
@@ -703,6 +712,8 @@ json smollm3_3b() {
 TEST(LlamaConfigParse, SmolLM3AsItsHuggingFaceClassBuildsIt) {
   LlamaConfig c = parse_llama_config(smollm3_3b(), "cfg.json");
   c.name = "smollm3-3b";
+  EXPECT_EQ(c.token_ids["eos_token_id"], smollm3_3b()["eos_token_id"]);
+  c.token_ids = json::object();  // presets have none
   EXPECT_EQ(c, *find_preset("smollm3-3b"));
   EXPECT_EQ(c.architecture, Architecture::smollm3);
   EXPECT_TRUE(c.tie_word_embeddings);
@@ -783,6 +794,8 @@ json granite_31_8b() {
 TEST(LlamaConfigParse, GraniteAsItsHuggingFaceClassBuildsIt) {
   LlamaConfig c = parse_llama_config(granite_31_8b(), "cfg.json");
   c.name = "granite-3.1-8b";
+  EXPECT_EQ(c.token_ids["eos_token_id"], granite_31_8b()["eos_token_id"]);
+  c.token_ids = json::object();  // presets have none
   EXPECT_EQ(c, *find_preset("granite-3.1-8b"));
   EXPECT_EQ(c.architecture, Architecture::granite);
   EXPECT_EQ(c.head_dim, 128);
@@ -1130,6 +1143,12 @@ TEST(LlamaConfigParse, EveryRejectionNamesTheField) {
        [](json& j) { j["architectures"] = "LlamaForCausalLM"; },
        {"architectures", "string"}},
       {"other model_type", [](json& j) { j["model_type"] = "gpt2"; }, {"model_type", "gpt2"}},
+      {"eos_token_id not an id",
+       [](json& j) { j["eos_token_id"] = "</s>"; },
+       {"eos_token_id", "a token id or a list of them", "</s>"}},
+      {"eos_token_id an empty list",
+       [](json& j) { j["eos_token_id"] = json::array(); },
+       {"eos_token_id", "a token id or a list of them"}},
       {"no architecture at all",
        [](json& j) { j.erase("architectures"); },
        {"architectures", "model_type"}},
@@ -1424,6 +1443,9 @@ TEST(LlamaConfigJson, RoundTripsThroughHuggingFaceJson) {
   odd.rope_theta = 123456.5;
   odd.torch_dtype = DType::f16;
   odd.rope_scaling = {RopeScalingKind::llama3, 2.5, 0.5, 3.0, 96};
+  // Llama 3.1 Instruct's ids, eos a list; original Llama's pad_token_id -1 is carried as given.
+  odd.token_ids = {
+      {"bos_token_id", 128000}, {"eos_token_id", {128001, 128008, 128009}}, {"pad_token_id", -1}};
   configs.push_back(odd);
   // The other scalings, each optional field given and not.
   for (const RopeScalingKind k :
@@ -1492,6 +1514,10 @@ TEST(LlamaConfigJson, RoundTripsThroughHuggingFaceJson) {
     EXPECT_EQ(j["hidden_act"], activation_name(c.hidden_act));
     if (c.architecture == Architecture::gemma) {
       EXPECT_EQ(j["hidden_activation"], j["hidden_act"]);
+    }
+    for (const auto& [key, ids] : c.token_ids.items()) EXPECT_EQ(j[key], ids) << key;
+    if (!c.token_ids.contains("eos_token_id")) {
+      EXPECT_FALSE(j.contains("eos_token_id"));
     }
     EXPECT_EQ(j["torch_dtype"], c.torch_dtype == DType::bf16  ? "bfloat16"
                                 : c.torch_dtype == DType::f16 ? "float16"

@@ -1089,7 +1089,14 @@ TEST(TrainCli, CheckpointsAndExportsCarryTheModelsTokenizer) {
   const test::TempDir dir("strata-carry-tokenizer");
   const fs::path data = make_data(dir.path), model = dir.path / "hf", run = dir.path / "run";
   test::write_tokenizer_json(model, test::with_begin_of_text(test::gpt2_like_tokenizer()));
-  std::ofstream(model / "config.json") << to_hf_config_json(*find_preset("tiny")).dump(2);
+  LlamaConfig source = *find_preset("tiny");
+  source.torch_dtype = DType::bf16;  // the weights this run writes are f32 (host's default)
+  source.token_ids = {{"bos_token_id", 260}, {"eos_token_id", {256, 259}}};
+  std::ofstream(model / "config.json") << to_hf_config_json(source).dump(2);
+  // The slow byte-level BPE tokenizer's files, which Qwen's repositories ship too.
+  std::ofstream(model / "vocab.json") << R"({"a": 0})";
+  std::ofstream(model / "merges.txt") << "#version: 0.2\n";
+  std::ofstream(model / "added_tokens.json") << R"({"<|endoftext|>": 256})";
   std::ofstream(model / "tokenizer_config.json") << R"({"eos_token": "<|endoftext|>"})";
   std::ofstream(model / "generation_config.json") << R"({"bos_token_id": 260})";
   std::ofstream(model / "chat_template.jinja")
@@ -1100,11 +1107,19 @@ TEST(TrainCli, CheckpointsAndExportsCarryTheModelsTokenizer) {
   ASSERT_EQ(r.status, 0) << r.out;
   const fs::path ckpt = run / "checkpoints/step-2";
   const json complete = json::parse(slurp(ckpt / "COMPLETE"));
-  for (const char* file : {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                           "generation_config.json"}) {
+  for (const char* file :
+       {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+        "vocab.json", "merges.txt", "added_tokens.json"}) {
     EXPECT_EQ(slurp(ckpt / file), slurp(model / file)) << file;
     EXPECT_TRUE(complete["files"].contains(file)) << file;
   }
+  // The checkpoint's config.json keeps the model's token ids and names its weights' dtype, as
+  // save_pretrained writes them.
+  const json saved = json::parse(slurp(ckpt / "config.json"));
+  EXPECT_EQ(saved["bos_token_id"], 260);
+  EXPECT_EQ(saved["eos_token_id"], json::array({256, 259}));
+  EXPECT_FALSE(saved.contains("pad_token_id"));
+  EXPECT_EQ(saved["torch_dtype"], "float32");
   EXPECT_FALSE(fs::exists(ckpt / "tokenizer.model"));
   // generate on the run finds the tokenizer in its newest checkpoint and starts with its
   // begin-of-text (260) before " the" (258).
@@ -1130,8 +1145,12 @@ TEST(TrainCli, CheckpointsAndExportsCarryTheModelsTokenizer) {
             std::string::npos)
       << r.out;
   for (const char* file :
-       {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"})
+       {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json",
+        "vocab.json", "merges.txt", "added_tokens.json"})
     EXPECT_EQ(slurp(out / file), slurp(model / file)) << file;
+  const json exported = json::parse(slurp(out / "config.json"));
+  EXPECT_EQ(exported["eos_token_id"], json::array({256, 259}));
+  EXPECT_EQ(exported["torch_dtype"], "bfloat16");  // export's default dtype
   // A carried file is checked like the others: changed, it stops the export, named.
   std::ofstream(ckpt / "tokenizer_config.json", std::ios::app) << " ";
   r = strata("export " + run.string() + " --out " + (dir.path / "never").string());

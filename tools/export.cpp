@@ -70,10 +70,9 @@ int run_export(const ExportArgs& a) {
         master.resize(n);
         optimizer.read(name, master.data(), DType::f32);
       });
-  nlohmann::json cfg = to_hf_config_json(config);
-  cfg["torch_dtype"] = dtype == DType::f32    ? "float32"
-                       : dtype == DType::bf16 ? "bfloat16"
-                                              : "float16";
+  LlamaConfig written = config;
+  written.torch_dtype = dtype;  // the weights' dtype, as save_pretrained writes it
+  nlohmann::json cfg = to_hf_config_json(written);
   // An image-text Gemma 3's checkpoint: its vision tower, as the checkpoint carries it (in the
   // dtype it was read in), beside the language model under the same names, and its config.
   // --text-only: the language model alone, a Gemma3ForCausalLM (as text-only releases of these

@@ -934,6 +934,14 @@ LlamaConfig parse_llama_config(const json& j, std::string_view src) {
     if (field(j, "rope_theta") == nullptr && field(j, "rope_parameters") == nullptr)
       c.rope_theta = 1e6;
   }
+  for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"})
+    if (const json* v = field(j, key)) {
+      const bool ids =
+          v->is_array() && !v->empty() &&
+          std::all_of(v->begin(), v->end(), [](const json& e) { return e.is_number_integer(); });
+      if (!v->is_number_integer() && !ids) type_error(src, key, "a token id or a list of them", *v);
+      c.token_ids[key] = *v;
+    }
   // transformers 4.56 renamed torch_dtype to dtype.
   const std::string dtype_key = field(j, "torch_dtype") != nullptr ? "torch_dtype" : "dtype";
   if (const json* v = field(j, dtype_key)) {
@@ -1057,6 +1065,7 @@ json to_hf_config_json(const LlamaConfig& c) {
     j["rope_scaling"] = nullptr;
   }
   j["tie_word_embeddings"] = c.tie_word_embeddings;
+  for (const auto& [key, ids] : c.token_ids.items()) j[key] = ids;
   j["torch_dtype"] = hf_dtype_name(c.torch_dtype);
   // What strata computes, spelled out so Hugging Face builds the same model.
   j["hidden_act"] = activation_name(c.hidden_act);

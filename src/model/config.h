@@ -166,6 +166,11 @@ struct LlamaConfig {
            (sliding_layers.empty() || sliding_layers[static_cast<size_t>(layer)]);
   }
   DType torch_dtype = DType::bf16;  // the dtype the checkpoint was saved in
+  // bos_token_id, eos_token_id and pad_token_id as config.json gives them (a token id, or for
+  // eos a list of them), carried into checkpoints and exports, where generation and
+  // tokenizer-side code reads them: without them transformers takes LlamaConfig's defaults (1
+  // and 2), not Llama 3's 128000 and 128001. An object, empty where none is given.
+  nlohmann::json token_ids = nlohmann::json::object();
   // Where the weights were read from a Gemma3ForConditionalGeneration checkpoint (Gemma 3 4B,
   // 12B, 27B): this is its text_config, and the files hold the language model's tensors under
   // language_model.model.* (or model.language_model.*, as transformers 4.52 saves them) beside

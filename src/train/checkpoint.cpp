@@ -338,7 +338,11 @@ fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& 
   // The model, as Hugging Face names and shapes it, in the run's dtype.
   // An image-text Gemma 3's: its language model under that checkpoint's names beside its
   // vision tower, and its config.
-  nlohmann::json config_json = to_hf_config_json(config);
+  // Its torch_dtype is the weights' (the run's), as save_pretrained writes it: transformers
+  // loads a model in that dtype with torch_dtype "auto" (transformers 5's default).
+  LlamaConfig saved = config;
+  saved.torch_dtype = model_dtype;
+  nlohmann::json config_json = to_hf_config_json(saved);
   {  // its unit buffers freed before the optimizer state's are filled
     std::vector<SafetensorsTensor> model_tensors = streamed_model_tensors(
         layout, model_dtype,

@@ -79,14 +79,24 @@ class UnitVisits {
 
 // The files a Hugging Face model directory holds besides its weights and config.json that a
 // checkpoint carries along: the tokenizer (tokenizer.json, tokenizer_config.json,
-// tokenizer.model, special_tokens_map.json), its chat template (chat_template.jinja, where
+// tokenizer.model, special_tokens_map.json, and the slow byte-level BPE tokenizers' vocab.json,
+// merges.txt and added_tokens.json, which Qwen's and GPT-2-style repositories ship beside
+// tokenizer.json for use_fast=False), its chat template (chat_template.jinja, where
 // transformers keeps it apart, or chat_template.json, where processors do),
 // generation_config.json, and an image-text model's processor files (preprocessor_config.json,
 // processor_config.json), which its export needs to take images.
-inline constexpr const char* kModelSideFiles[] = {
-    "tokenizer.json",          "tokenizer_config.json",    "tokenizer.model",
-    "special_tokens_map.json", "chat_template.jinja",      "generation_config.json",
-    "chat_template.json",      "preprocessor_config.json", "processor_config.json"};
+inline constexpr const char* kModelSideFiles[] = {"tokenizer.json",
+                                                  "tokenizer_config.json",
+                                                  "tokenizer.model",
+                                                  "special_tokens_map.json",
+                                                  "chat_template.jinja",
+                                                  "generation_config.json",
+                                                  "chat_template.json",
+                                                  "preprocessor_config.json",
+                                                  "processor_config.json",
+                                                  "vocab.json",
+                                                  "merges.txt",
+                                                  "added_tokens.json"};
 // Those of kModelSideFiles present in `model` when it is a directory (none for a preset name).
 std::vector<std::filesystem::path> model_side_files(const std::string& model);
 
