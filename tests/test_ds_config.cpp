@@ -195,6 +195,12 @@ TEST(DsConfig, HuggingFaceZero3CpuOffload) {
   EXPECT_FALSE(c.optimizer.lr || c.optimizer.betas || c.optimizer.eps || c.optimizer.weight_decay);
   EXPECT_EQ(c.scheduler.type, "WarmupLR");
   EXPECT_FALSE(c.scheduler.warmup_num_steps.has_value());
+  // Which values were "auto", by path, for the caller to say what it filled in.
+  for (const char* p : {"optimizer.params.lr", "gradient_clipping", "bf16.enabled",
+                        "scheduler.params.warmup_num_steps", "train_micro_batch_size_per_gpu"})
+    EXPECT_TRUE(c.is_auto(p)) << p;
+  EXPECT_FALSE(c.is_auto("steps_per_print"));
+  EXPECT_TRUE(c.scheduler.warmup_num_steps_auto && c.scheduler.warmup_max_lr_auto);
   EXPECT_EQ(c.zero.stage, 3);
   EXPECT_EQ(c.zero.offload_param.device, Tier::cpu);
   EXPECT_EQ(c.zero.offload_optimizer.device, Tier::cpu);

@@ -1230,7 +1230,7 @@ TEST(TrainCli, HuggingFaceDeepSpeedConfigIsAccepted) {
                           "offload_param": {"device": "cpu", "pin_memory": true},
                           "overlap_comm": true, "contiguous_gradients": true,
                           "stage3_gather_16bit_weights_on_model_save": true},
-    "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+    "gradient_accumulation_steps": 2, "gradient_clipping": "auto",
     "train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
     "steps_per_print": 2, "wall_clock_breakdown": false
   })";
@@ -1240,6 +1240,14 @@ TEST(TrainCli, HuggingFaceDeepSpeedConfigIsAccepted) {
   ASSERT_EQ(r.status, 0) << r.out;
   // Keys strata does not act on are named once.
   EXPECT_NE(r.out.find("stage3_gather_16bit_weights_on_model_save"), std::string::npos) << r.out;
+  // An "auto" no flag fills is said, with what Hugging Face would have filled in; the lr is
+  // given, so only the clipping is.
+  EXPECT_NE(r.out.find("gradient_clipping is \"auto\" and no --max-grad-norm is given: no "
+                       "clipping (strata's default; Hugging Face's Trainer fills in its "
+                       "max_grad_norm, 1.0"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("optimizer.params.lr is \"auto\""), std::string::npos) << r.out;
   const std::vector<json> m = metrics(run);
   ASSERT_EQ(m.size(), 6u);
   // WarmupDecayLR (DeepSpeed's indexing: update k runs at k - 1): 0 for the first two updates,

@@ -87,7 +87,10 @@ void check_train_numbers(const TrainArgs& a) {
 }
 
 // --epochs E as optimizer steps: E passes over the data's sequences, `per_step` of them a step,
-// rounded up (Hugging Face's num_train_epochs likewise ends on a whole step).
+// rounded up. Every step is whole, a step at an epoch's end taking its last sequences from the
+// next pass; Hugging Face's Trainer instead ends each epoch on a short step (ceil(batches /
+// accumulation) updates an epoch, times E, rounded up), so where the data is not a multiple of
+// a step the two counts differ past the first epoch.
 int64_t steps_for_epochs(double epochs, const TrainSettings& s, int64_t vocab_size,
                          int64_t per_step) {
   // Wrapped sequences follow from the files' sizes; documents need their indexes read (the
@@ -240,6 +243,20 @@ int run_train(const TrainArgs& a) {
   }
   s.scaling = loss_scale_settings(ds ? ds->fp16 : DsConfig::Fp16{}, s.dtype == DType::f16);
   s.max_grad_norm = !std::isnan(a.clip) ? a.clip : (ds ? ds->gradient_clipping.value_or(0.0) : 0.0);
+  // "auto" is Hugging Face's, filled from its TrainingArguments: say what strata took instead
+  // where no flag sets it, and what Hugging Face's defaults would have been.
+  if (ds && std::isnan(a.lr) && ds->is_auto("optimizer.params.lr"))
+    fmt::print(
+        "config {}: optimizer.params.lr is \"auto\" and no --learning-rate is given: {} "
+        "(strata's default; Hugging Face's Trainer fills in its learning_rate, 5e-05 unless "
+        "given)\n",
+        a.config, lr);
+  if (ds && std::isnan(a.clip) && ds->is_auto("gradient_clipping"))
+    fmt::print(
+        "config {}: gradient_clipping is \"auto\" and no --max-grad-norm is given: no clipping "
+        "(strata's default; Hugging Face's Trainer fills in its max_grad_norm, 1.0 unless "
+        "given)\n",
+        a.config);
   s.steps_per_print =
       a.steps_per_print > 0 ? a.steps_per_print : (ds ? ds->steps_per_print.value_or(10) : 10);
 

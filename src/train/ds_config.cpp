@@ -28,8 +28,9 @@ std::string path_of(const std::string& parent, const std::string& key) {
 
 class Reader {
  public:
-  Reader(std::string_view source, std::vector<std::string>& ignored)
-      : source_(source), ignored_(ignored) {}
+  Reader(std::string_view source, std::vector<std::string>& ignored,
+         std::vector<std::string>& autos)
+      : source_(source), ignored_(ignored), autos_(autos) {}
 
   [[noreturn]] void bad(const std::string& path, const json& v, std::string_view expected) const {
     fail("DeepSpeed config {}: {} is {}; expected {}", source_, path, v.dump(), expected);
@@ -42,6 +43,7 @@ class Reader {
           "writes \"auto\" only for batch sizes, precision, optimizer and scheduler values and "
           "the stage-3 bucket sizes); expected {}",
           source_, path, expected);
+    autos_.push_back(path);
     return true;
   }
   const json& object(const json& v, const std::string& path) const {
@@ -126,6 +128,7 @@ class Reader {
  private:
   std::string source_;
   std::vector<std::string>& ignored_;
+  std::vector<std::string>& autos_;
 };
 
 void read_offload(Reader& r, const json& v, const std::string& path, DsOffload& o) {
@@ -357,7 +360,7 @@ bool DsConfig::Optimizer::decoupled_weight_decay() const {
 DsConfig parse_ds_config(const json& j, std::string_view source) {
   DsConfig c;
   c.source = std::string(source);
-  Reader r(source, c.ignored);
+  Reader r(source, c.ignored, c.autos);
   if (!j.is_object())
     fail("DeepSpeed config {}: the top level is {}; expected a JSON object", source, j.type_name());
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();

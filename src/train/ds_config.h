@@ -16,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <filesystem>
@@ -103,6 +104,10 @@ struct DsConfig {
   // disabled, as in DeepSpeed.
   MonitorSettings monitor;
   std::vector<std::string> ignored;  // JSON paths of keys strata does not act on
+  std::vector<std::string> autos;    // JSON paths of the values given as "auto"
+  bool is_auto(std::string_view path) const {
+    return std::find(autos.begin(), autos.end(), path) != autos.end();
+  }
 };
 
 // `source` names the file in errors.

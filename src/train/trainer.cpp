@@ -349,6 +349,10 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
   const auto start = std::chrono::steady_clock::now();
   const int64_t first = step;
   double loss = NAN;
+  // The progress line's loss: the mean since the last line printed, as Hugging Face's Trainer
+  // logs the mean over its logging_steps (metrics.jsonl keeps every step's).
+  double window_loss = 0;
+  int64_t window_steps = 0;
   while (step < s.steps) {
     ++step;
     std::vector<std::vector<HostBatch>> batches(static_cast<size_t>(s.grad_accum));
@@ -376,6 +380,8 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
       eval = evaluate(ex, *held_out, s.grad_accum, R, s.micro_batch);
     if (!r.skipped) ++applied;
     loss = r.loss;
+    window_loss += r.loss;
+    window_steps += 1;
     nlohmann::json lanes = nlohmann::json::object();
     for (size_t l = 0; l < schedule.lanes.size(); ++l)
       lanes[schedule.lanes[l].name()] = r.lane_busy_s[l];
@@ -426,14 +432,19 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     const double eta = elapsed / double(step - first) * double(s.steps - step);
     const std::string line = fmt::format(
-        "step {}/{} (epoch {:.2f}) loss {:.4f} lr {:.3g} grad-norm {:.3g}{} {:.0f} tokens/s ETA {} "
-        "| {}",
-        step, s.steps, epoch, r.loss, lr, r.grad_norm, r.skipped ? " (skipped: overflow)" : "", tps,
-        duration(eta), tiers);
-    if (step % std::max<int64_t>(s.steps_per_print, 1) == 0 || step == s.steps || step == first + 1)
+        "step {}/{} (epoch {:.2f}) loss {:.4f}{} lr {:.3g} grad-norm {:.3g}{} {:.0f} tokens/s ETA "
+        "{} | {}",
+        step, s.steps, epoch, window_loss / double(window_steps),
+        window_steps > 1 ? fmt::format(" (mean of {} steps)", window_steps) : std::string(), lr,
+        r.grad_norm, r.skipped ? " (skipped: overflow)" : "", tps, duration(eta), tiers);
+    if (step % std::max<int64_t>(s.steps_per_print, 1) == 0 || step == s.steps ||
+        step == first + 1) {
       fmt::print("{}{}\n", tty ? "\r" : "", line);
-    else if (tty)
+      window_loss = 0;
+      window_steps = 0;
+    } else if (tty) {
       fmt::print("\r{}", line);
+    }
     if (eval)
       fmt::print(
           "{}eval: step {} loss {:.4f} perplexity {:.4g} over {} sequences ({} targets) in "
