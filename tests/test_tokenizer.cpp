@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <tuple>
 #include <filesystem>
 #include <fstream>
 
@@ -510,6 +511,48 @@ TEST(Conversations, RepliesAreTheAssistantTurns) {
   ASSERT_EQ(whole.size(), 1u);
   EXPECT_TRUE(whole[0].rendered);
   EXPECT_TRUE(whole[0].replies.empty());
+  // A conversational prompt/completion row still trains on its completion alone: TRL's
+  // completion_only_loss is apart from its assistant_only_loss, which --chat-loss all turns off.
+  const std::vector<Document> pc = split_documents(
+      "{\"prompt\": [{\"role\": \"user\", \"content\": \"q\"}], \"completion\": [{\"role\": "
+      "\"assistant\", \"content\": \"a\"}]}\n",
+      DocumentFormat::jsonl, "chat.jsonl", &all);
+  ASSERT_EQ(pc.size(), 1u);
+  EXPECT_EQ(reply_texts(pc[0]), std::vector<std::string>{"a</assistant>\n"});
+}
+
+// A row's chat_template_kwargs reach the template as its variables (TRL passes them to
+// apply_chat_template), and tools given as a JSON string are that list (as TRL parses them).
+TEST(Conversations, TemplateKwargsAndToolsAsAString) {
+  const ChatOptions chat = chat_options(
+      "{% if tools %}[{{ tools | length }} tools]{% endif %}"
+      "{% if enable_thinking is defined and not enable_thinking %}<nothink>{% endif %}"
+      "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}",
+      true);
+  const std::vector<Document> docs = split_documents(
+      "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
+      "\"chat_template_kwargs\": {\"enable_thinking\": false}}\n"
+      "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
+      "\"tools\": \"[{\\\"name\\\": \\\"f\\\"}, {\\\"name\\\": \\\"g\\\"}]\"}\n",
+      DocumentFormat::jsonl, "chat.jsonl", &chat);
+  ASSERT_EQ(docs.size(), 2u);
+  EXPECT_EQ(docs[0].text, "<nothink><user>hi</user>");
+  EXPECT_EQ(docs[1].text, "[2 tools]<user>hi</user>");
+  expect_error(
+      [&] {
+        split_documents(
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], \"tools\": \"f\"}\n",
+            DocumentFormat::jsonl, "chat.jsonl", &chat);
+      },
+      {"chat.jsonl line 1", "\"tools\"", "not a JSON list"});
+  expect_error(
+      [&] {
+        split_documents(
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"hi\"}], "
+            "\"chat_template_kwargs\": true}\n",
+            DocumentFormat::jsonl, "chat.jsonl", &chat);
+      },
+      {"chat.jsonl line 1", "\"chat_template_kwargs\"", "an object"});
 }
 
 // Gemma 3's shape of template (the corpus's): the system text opens the first user turn and a
@@ -683,8 +726,9 @@ TEST(Conversations, BadConversationsAreNamed) {
        "--tokenizer with the model's directory"});
 }
 
-// Encoded whole with the byte tokenizer: only the replies count; the end-of-text after a
-// conversation does not (its own end marker did), and after a plain document it does.
+// Encoded whole with the byte tokenizer: only the replies count; no end-of-text follows a
+// conversation (its template writes each turn's end, and TRL adds none to a conversation), and
+// after a plain document one does, and counts.
 TEST(Conversations, OnlyRepliesCountWhenEncoded) {
   const auto t = make_byte_tokenizer();
   Document chat;
@@ -695,8 +739,6 @@ TEST(Conversations, OnlyRepliesCountWhenEncoded) {
   std::vector<uint32_t> want(chat.text.begin(), chat.text.end());
   std::vector<uint8_t> counts(11, 0);
   counts.insert(counts.end(), 6, 1);
-  want.push_back(256);
-  counts.push_back(0);
   want.push_back('p');
   counts.push_back(1);
   want.push_back(256);
@@ -714,7 +756,7 @@ TEST(Conversations, OnlyRepliesCountWhenEncoded) {
 // With a BPE tokenizer whose merges cross a reply's edge, the whole is still encoded as one
 // text (as apply_chat_template does) and the token spanning the edge counts where it holds the
 // reply's first byte, not where it holds its last. No tokenizer prefix: the template writes its
-// own. A conversation that ends with end-of-text gets no second one.
+// own. No end-of-text follows a conversation, whether or not it ends with one.
 TEST(Conversations, ATokenAcrossAReplysEdge) {
   test::TempDir tmp("strata-chat-edge");
   test::write_tokenizer_json(tmp.path, test::with_begin_of_text(test::gpt2_like_tokenizer()));
@@ -728,14 +770,14 @@ TEST(Conversations, ATokenAcrossAReplysEdge) {
   d.replies = {{4, 8}};  // "he t": inside the first " the" and the second
   const TokenStream s = encode_documents(*hf, {d, {"", "the"}}, false);
   std::vector<uint32_t> want = ids;
-  want.push_back(eos);
   const std::vector<uint32_t> bos = hf->prefix_ids();
   want.insert(want.end(), bos.begin(), bos.end());
   for (uint32_t id : hf->encode("the")) want.push_back(id);
   EXPECT_EQ(s.tokens, want);
   ASSERT_GE(s.counts.size(), 4u);
-  EXPECT_EQ(std::vector<uint8_t>(s.counts.begin(), s.counts.begin() + 5),
-            (std::vector<uint8_t>{0, 0, 1, 0, 0}));
+  EXPECT_EQ(std::vector<uint8_t>(s.counts.begin(), s.counts.begin() + 4),
+            (std::vector<uint8_t>{0, 0, 1, 0}));
+  EXPECT_FALSE(std::count(s.tokens.begin(), s.tokens.end(), eos)) << "none after the conversation";
 
   Document ended;
   ended.rendered = true;
@@ -748,6 +790,41 @@ TEST(Conversations, ATokenAcrossAReplysEdge) {
   twice.insert(twice.end(), once.begin(), once.end());
   EXPECT_EQ(e.tokens, twice);
   EXPECT_EQ(e.counts, std::vector<uint8_t>(twice.size(), 1));
+}
+
+// A prompt and its completion are encoded together, as TRL encodes them (and as the model
+// reads them when it answers), and as many tokens as the prompt alone makes are not trained on:
+// "a" + " the" is a, Ġthe with Ġthe counted; "a " + "the" is a, Ġthe too, where encoding them
+// apart made a, Ġ, t, h, e; there the prompt's two tokens are its count (Ġthe masked, as TRL
+// masks it) and the row is counted as straddling. Text that already ends with end-of-text gets
+// no second one, as TRL's add_eos checks.
+TEST(PromptCompletion, EncodedTogetherAsTrlDoes) {
+  test::TempDir tmp("strata-prompt-joint");
+  test::write_tokenizer_json(tmp.path, test::with_begin_of_text(test::gpt2_like_tokenizer()));
+  const auto hf = open_tokenizer(tmp.path.string());
+  const uint32_t eos = *hf->eos_id();
+  const std::vector<uint32_t> bos = hf->prefix_ids();
+  const std::vector<uint32_t> joint = hf->encode("a the");
+  ASSERT_EQ(joint.size(), 2u);             // a Ġthe
+  ASSERT_EQ(hf->encode("a ").size(), 2u);  // a Ġ
+  for (const auto& [prompt, completion, straddling] :
+       {std::tuple{"a", " the", 0}, std::tuple{"a ", "the", 1}}) {
+    SCOPED_TRACE(prompt);
+    const TokenStream s = encode_documents(*hf, {Document{prompt, completion}}, true);
+    std::vector<uint32_t> want = bos;
+    want.insert(want.end(), joint.begin(), joint.end());
+    want.push_back(eos);
+    EXPECT_EQ(s.tokens, want);
+    std::vector<uint8_t> counts(bos.size() + 1, 0);
+    counts.push_back(straddling ? 0 : 1);  // Ġthe
+    counts.push_back(1);                   // end-of-text
+    EXPECT_EQ(s.counts, counts);
+    EXPECT_EQ(s.straddling, uint64_t(straddling));
+  }
+  // Already ended: one end-of-text between the two documents, not two.
+  const TokenStream e =
+      encode_documents(*hf, {Document{"q", " the<|endoftext|>"}, Document{"", "the"}}, false);
+  EXPECT_EQ(std::count(e.tokens.begin(), e.tokens.end(), eos), 1) << "one end-of-text";
 }
 
 // tokenize_files renders conversations a batch at a time on every core: for any batch size the

@@ -119,6 +119,13 @@ int run_tokenize(const TokenizeArgs& a) {
         "tokens count as targets; loss masks beside the token files ({}{})\n",
         r.prompted, r.counted, r.tokens, r.masks.front().filename().string(),
         r.masks.size() > 1 ? ", ..." : "");
+  if (r.straddling > 0)
+    fmt::print(
+        "  {} prompt/completion row(s) encode with a token across the prompt's end (the prompt "
+        "alone encodes otherwise than the start of the two together); as TRL does, the prompt's "
+        "own count of tokens is not trained on; end the prompt at a word or a special token to "
+        "keep the boundary exact\n",
+        r.straddling);
   // Every output has its document index; where it has masks too, training reads it by default.
   if (!r.masks.empty() && !r.indexes.empty())
     fmt::print(

@@ -210,6 +210,7 @@ std::string missing_token_hint(const ChatFormat& format, std::string_view messag
 Document render_conversation(const ChatOptions& chat, const Conversation& c) {
   const ojson& messages = c.messages;
   const ojson& tools = c.tools;
+  const ojson& kwargs = c.template_kwargs;
   const size_t prompt_messages = c.prompt_messages;
   const std::string_view source = c.source;
   const int64_t line_no = c.line;
@@ -218,7 +219,7 @@ Document render_conversation(const ChatOptions& chat, const Conversation& c) {
     ojson part = ojson::array();
     for (size_t k = 0; k < count; ++k) part.push_back(messages[k]);
     try {
-      return format.render(part, tools, generation_prompt);
+      return format.render(part, tools, generation_prompt, nullptr, kwargs);
     } catch (const Error& e) {
       fail("{} line {}: {}{}", source, line_no, e.what(), missing_token_hint(format, e.what()));
     }
@@ -230,11 +231,14 @@ Document render_conversation(const ChatOptions& chat, const Conversation& c) {
   const bool marked =
       prompt_messages == 0 && !chat.all_tokens && format.for_tools(tools).has_generation();
   try {
-    doc.text = format.render(messages, tools, false, marked ? &doc.replies : nullptr);
+    doc.text = format.render(messages, tools, false, marked ? &doc.replies : nullptr, kwargs);
   } catch (const Error& e) {
     fail("{} line {}: {}{}", source, line_no, e.what(), missing_token_hint(format, e.what()));
   }
-  if (chat.all_tokens) return doc;
+  // Every token counts with --chat-loss all, TRL's assistant_only_loss off; a conversational
+  // prompt/completion row still trains on its completion alone (TRL's completion_only_loss,
+  // which is apart from it).
+  if (chat.all_tokens && prompt_messages == 0) return doc;
   if (marked) {
     if (doc.replies.empty())
       fail(
@@ -263,7 +267,7 @@ Document render_conversation(const ChatOptions& chat, const Conversation& c) {
       part[k]["content"] = marker;
       std::string swapped;
       try {
-        swapped = format.render(part, tools, false);
+        swapped = format.render(part, tools, false, nullptr, kwargs);
       } catch (const Error&) {
         return std::nullopt;
       }
@@ -386,8 +390,23 @@ void each_jsonl(std::string_view text, std::string_view source, const DocumentFn
             "none; pass --tokenizer with a model directory whose tokenizer_config.json has a "
             "\"chat_template\" (or that holds chat_template.jinja), or --chat-template FILE",
             source, line_no);
-      const ojson tools = j.contains("tools") ? j["tools"] : ojson();
+      ojson tools = j.contains("tools") ? j["tools"] : ojson();
+      // Datasets stored through Arrow often hold the tools as a JSON string, which TRL parses.
+      if (tools.is_string()) {
+        tools = ojson::parse(tools.get<std::string>(), nullptr, false);
+        if (tools.is_discarded() || !tools.is_array())
+          fail("{} line {}: \"tools\" is a string that is not a JSON list of tools; give the list",
+               source, line_no);
+      }
       Conversation conversation;
+      if (j.contains("chat_template_kwargs")) {
+        if (!j["chat_template_kwargs"].is_object())
+          fail(
+              "{} line {}: \"chat_template_kwargs\" is {}; it must be an object of the template's "
+              "variables, e.g. {{\"enable_thinking\": false}}",
+              source, line_no, j["chat_template_kwargs"].dump().substr(0, 80));
+        conversation.template_kwargs = std::move(j["chat_template_kwargs"]);
+      }
       if (j.contains("messages")) {
         if (j.contains("prompt") || j.contains("completion") || j.contains("text"))
           fail(
@@ -502,9 +521,12 @@ const ChatTemplate& ChatFormat::for_tools(const nlohmann::ordered_json& tools) c
 
 std::string ChatFormat::render(const nlohmann::ordered_json& messages,
                                const nlohmann::ordered_json& tools, bool add_generation_prompt,
-                               std::vector<std::pair<uint64_t, uint64_t>>* generation) const {
-  // transformers' context: the special tokens, then the call's arguments.
+                               std::vector<std::pair<uint64_t, uint64_t>>* generation,
+                               const nlohmann::ordered_json& kwargs) const {
+  // transformers' context: the special tokens, the caller's keyword arguments over them, then
+  // the call's own arguments.
   nlohmann::ordered_json context = tokens;
+  for (const auto& [key, value] : kwargs.items()) context[key] = value;
   context["messages"] = messages;
   if (!tools.is_null()) context["tools"] = tools;
   context["add_generation_prompt"] = add_generation_prompt;
@@ -757,10 +779,14 @@ TokenStream encode_documents(const Tokenizer& tokenizer, const std::vector<Docum
         "trained with an eos piece, or one document without --append-eos",
         tokenizer.name());
   // Documents are encoded on every core (each tokenizer's encode is const and keeps its state
-  // per call), then joined in order: the same stream as one at a time. A prompt is encoded
-  // apart from its completion, so the boundary between them is exact.
+  // per call), then joined in order: the same stream as one at a time. A prompt and its
+  // completion are encoded together, as TRL encodes them and as the model reads them when it
+  // answers, and as many tokens as the prompt alone encodes to are the prompt's: encoded apart,
+  // a SentencePiece tokenizer's prefixed space made the completion's first token a lone space,
+  // and byte-level BPE split "Answer: " + "Paris" as " " + "Paris" where the text reads " Paris".
   std::vector<std::vector<uint32_t>> prompts(documents.size()), texts(documents.size());
   std::vector<std::vector<uint8_t>> flags(documents.size());
+  std::vector<uint8_t> straddles(documents.size(), 0);
   tbb::parallel_for(tbb::blocked_range<size_t>(0, documents.size()), [&](const auto& range) {
     for (size_t d = range.begin(); d < range.end(); ++d) {
       const Document& doc = documents[d];
@@ -768,8 +794,19 @@ TokenStream encode_documents(const Tokenizer& tokenizer, const std::vector<Docum
         encode_rendered(tokenizer, doc, texts[d], flags[d]);
         continue;
       }
-      if (!doc.prompt.empty()) prompts[d] = tokenizer.encode(doc.prompt);
-      texts[d] = tokenizer.encode(doc.text);
+      if (doc.prompt.empty()) {
+        texts[d] = tokenizer.encode(doc.text);
+        continue;
+      }
+      const std::vector<uint32_t> prompt = tokenizer.encode(doc.prompt);
+      std::vector<uint32_t> whole = tokenizer.encode(doc.prompt + doc.text);
+      const size_t k = std::min(prompt.size(), whole.size());
+      // A token across the boundary (TRL warns of the mismatch and masks the same count).
+      straddles[d] =
+          !std::equal(prompt.begin(), prompt.begin() + static_cast<long>(k), whole.begin()) ||
+          k < prompt.size();
+      prompts[d].assign(whole.begin(), whole.begin() + static_cast<long>(k));
+      texts[d].assign(whole.begin() + static_cast<long>(k), whole.end());
     }
   });
   size_t total = 0;
@@ -794,17 +831,22 @@ TokenStream encode_documents(const Tokenizer& tokenizer, const std::vector<Docum
       put(texts[d], 1);
       std::copy(flags[d].begin(), flags[d].end(),
                 out.counts.end() - static_cast<long>(flags[d].size()));
+      // The template writes each turn's end: no end-of-text follows, as TRL adds none to a
+      // conversation.
       out.prompted = out.prompted || !doc.replies.empty();
-      if (separated && (texts[d].empty() || texts[d].back() != *eos))
-        put({*eos}, doc.replies.empty() ? 1 : 0);
     } else {
       const bool prompted = !doc.prompt.empty();
       out.prompted = out.prompted || prompted;
+      out.straddling += straddles[d];
       put(prefix, prompted ? 0 : 1);
       put(prompts[d], 0);
       put(texts[d], 1);
       put(suffix, 1);
-      if (separated && !suffix_ends) put({*eos}, 1);
+      // Not after text that already ends with it, as TRL's add_eos checks.
+      const std::vector<uint32_t>& last = !suffix.empty()     ? suffix
+                                          : !texts[d].empty() ? texts[d]
+                                                              : prompts[d];
+      if (separated && !suffix_ends && (last.empty() || last.back() != *eos)) put({*eos}, 1);
     }
     if (out.tokens.size() == start) out.starts.pop_back();  // no tokens: no document
     std::vector<uint32_t>().swap(prompts[d]);
@@ -858,6 +900,7 @@ TokenizedFiles tokenize_files(const Tokenizer& tokenizer,
     for (uint64_t start : stream.starts) indexes.add(base + start);
     if (masks) masks->write(stream.counts);
     for (uint8_t c : stream.counts) r.counted += c;
+    r.straddling += stream.straddling;
     batch.clear();
     held = 0;
   };

@@ -91,6 +91,9 @@ std::unique_ptr<Tokenizer> open_tokenizer(std::string_view spec);
 // A conversation as read from its row, before its chat template renders it.
 struct Conversation {
   nlohmann::ordered_json messages, tools;
+  // The row's "chat_template_kwargs" (TRL passes them to apply_chat_template, which hands them
+  // to the template: enable_thinking, ...): an object, empty where the row has none.
+  nlohmann::ordered_json template_kwargs = nlohmann::ordered_json::object();
   size_t prompt_messages = 0;  // a prompt/completion row: how many messages are the prompt's
   std::string source;          // the file and line, named in errors
   int64_t line = 0;
@@ -119,11 +122,14 @@ struct ChatFormat {
   std::shared_ptr<const ChatTemplate> tool_template;  // a config's "tool_use" template, if any
   nlohmann::ordered_json tokens = nlohmann::ordered_json::object();
   std::string source;  // the file the template came from
-  // apply_chat_template(messages, tools=tools (null: none), add_generation_prompt, tokenize=False);
-  // `generation`: the byte ranges its {% generation %} blocks wrote (ChatTemplate::render).
+  // apply_chat_template(messages, tools=tools (null: none), add_generation_prompt, tokenize=False,
+  // **kwargs): `kwargs` (an object) are the template's further variables, over the special
+  // tokens; `generation`: the byte ranges its {% generation %} blocks wrote
+  // (ChatTemplate::render).
   std::string render(const nlohmann::ordered_json& messages, const nlohmann::ordered_json& tools,
                      bool add_generation_prompt,
-                     std::vector<std::pair<uint64_t, uint64_t>>* generation = nullptr) const;
+                     std::vector<std::pair<uint64_t, uint64_t>>* generation = nullptr,
+                     const nlohmann::ordered_json& kwargs = nlohmann::ordered_json::object()) const;
   // The template rendering `tools` (the tool_use one where tools are given and it has one).
   const ChatTemplate& for_tools(const nlohmann::ordered_json& tools) const;
 };
@@ -199,6 +205,9 @@ struct TokenStream {
   std::vector<uint8_t> counts;
   std::vector<uint64_t> starts;  // where each document's first token is (none for an empty one)
   bool prompted = false;         // some document had a prompt
+  // prompt/completion documents whose prompt alone encodes otherwise than the start of the two
+  // together (a token across the boundary): the prompt's count of tokens is masked all the same
+  uint64_t straddling = 0;
 };
 TokenStream encode_documents(const Tokenizer& tokenizer, const std::vector<Document>& documents,
                              bool append_eos, bool after_others = false);
@@ -210,6 +219,7 @@ struct TokenizedFiles {
   uint64_t conversations = 0;  // documents rendered by the chat template
   uint64_t untemplated = 0;    // documents left out: no response template in them
   uint64_t counted = 0;        // tokens that count as targets (all of them without prompts)
+  uint64_t straddling = 0;     // prompt/completion rows with a token across the boundary
   std::vector<std::filesystem::path> masks;    // beside `files`, where some document had a prompt
   std::vector<std::filesystem::path> removed;  // earlier runs' masks beside `files`, removed
   std::vector<std::filesystem::path> indexes;  // document indexes, one beside each of `files`
