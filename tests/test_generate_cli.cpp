@@ -492,7 +492,47 @@ TEST_F(GenerateCli, AModelDirectorysHuggingFaceTokenizerWithItsBeginOfText) {
   EXPECT_EQ(bad.status, 1);
   EXPECT_NE(bad.out.find("generation_config.json: eos_token_id holds \"x\""), std::string::npos)
       << bad.out;
+  // Without sampling flags the generation config's settings draw the tokens, as Hugging Face's
+  // generate takes them: do_sample false is greedy; do_sample with top_k 1 is greedy too, at
+  // its default temperature 1. What strata does not apply is said.
+  const std::string unflagged = model_arg() + " --prompt ' the' --max-new-tokens 6";
+  std::ofstream(model_dir() / "generation_config.json")
+      << R"({"do_sample": false, "repetition_penalty": 1.05})";
+  const Result greedy = strata("generate --devices host --json " + unflagged);
+  ASSERT_EQ(greedy.status, 0) << greedy.out;
+  EXPECT_NE(greedy.out.find("repetition_penalty 1.05 is not applied"), std::string::npos)
+      << greedy.out;
+  const json from_file = json::parse(greedy.out.substr(greedy.out.rfind("\n{") + 1));
+  EXPECT_EQ(tokens_of(from_file), expect);
+  EXPECT_EQ(from_file["temperature"], 0.0);
+  EXPECT_EQ(from_file["sampling_from"], (model_dir() / "generation_config.json").string());
+  std::ofstream(model_dir() / "generation_config.json") << R"({"do_sample": true, "top_k": 1})";
+  for (const char* seed : {" --seed 1", " --seed 2"}) {
+    const json k1 = generate_json(unflagged + seed);
+    EXPECT_EQ(tokens_of(k1), expect) << seed;
+    EXPECT_EQ(k1["temperature"], 1.0);
+    EXPECT_EQ(k1["top_k"], 1);
+    EXPECT_EQ(k1["top_p"], 1.0);
+  }
+  // A flag wins over the file; a bad value is named with its file.
+  EXPECT_EQ(generate_json(unflagged + " --top-k 0")["top_k"], 0);
+  std::ofstream(model_dir() / "generation_config.json") << R"({"do_sample": true, "top_p": 0})";
+  const Result bad_p = strata("generate --devices host " + unflagged);
+  EXPECT_EQ(bad_p.status, 1);
+  EXPECT_NE(bad_p.out.find("generation_config.json: top_p 0 must be in (0, 1]"), std::string::npos)
+      << bad_p.out;
   fs::remove(model_dir() / "generation_config.json");
+  // With no generation config, config.json's eos_token_id stops generation, as Hugging Face
+  // takes the generation settings from the model's config then; and strata's defaults sample.
+  json config = json::parse(std::ifstream(model_dir() / "config.json"));
+  config["eos_token_id"] = {7, expect[1]};
+  std::ofstream(model_dir() / "config.json") << config.dump(2);
+  const json by_config = generate_json(args);
+  EXPECT_EQ(tokens_of(by_config), (std::vector<uint32_t>{expect[0], expect[1]}));
+  EXPECT_EQ(by_config["stop"], "eos");
+  EXPECT_EQ(generate_json(unflagged)["top_k"], 40);
+  config.erase("eos_token_id");
+  std::ofstream(model_dir() / "config.json") << config.dump(2);
   // An explicit --tokenizer wins over the directory's.
   const json bytes = generate_json(args + " --tokenizer byte");
   EXPECT_EQ(bytes["tokenizer"], "byte");

@@ -180,7 +180,8 @@ TEST(Reliability, SigkillAnywhereLosesNothing) {
     const Child c = spawn(args, dir.path / "b.log");
     bool finished = false;
     if (kills % 3 == 2) {
-      const auto end = Clock::now() + std::chrono::duration<double>(whole / 12);
+      // Each attempt starts (or restores) again before it steps: the wait allows for that.
+      const auto end = Clock::now() + std::chrono::duration<double>(startup + whole / 12);
       while (Clock::now() < end && !checkpoint_in_progress(b))
         std::this_thread::sleep_for(std::chrono::microseconds(100));
       finished = exited_within(c, 0);

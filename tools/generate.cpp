@@ -13,16 +13,19 @@
 //
 // Sampling is fully specified, so a seed gives the same tokens on every machine whose logits
 // agree: only ids below both the model's and the tokenizer's vocabulary are candidates (a model's
-// vocabulary is often padded past its tokenizer's). Temperature 0 takes the argmax (lowest id on
-// ties). Otherwise candidates are ordered by logit, highest first (lower id first on ties), the
-// first --top-k kept (0 keeps all), weighted by exp((logit - max) / temperature) in double;
+// vocabulary is often padded past its tokenizer's). The temperature, top-k and top-p are the
+// flags', else the model's generation_config.json's (Hugging Face's defaults for the keys it
+// leaves out, do_sample false being greedy), else 0.8, 40 and 1. Temperature 0 takes the argmax
+// (lowest id on ties). Otherwise candidates are ordered by logit, highest first (lower id first
+// on ties), the first top-k kept with any tied with the k-th (0 keeps all), weighted by
+// exp((logit - max) / temperature) in double;
 // with --top-p below 1, only the first of those whose weights before them sum to less than
 // top_p times their total stay (the nucleus, as Hugging Face's top_p: at least one), and
 // one xoshiro256** draw (train/data_loader.h, seeded by --seed) u = (next >> 11) * 2^-53 picks
 // the first candidate whose running weight sum exceeds u * total. (--seed also seeds --init
 // random.) Generation stops at the tokenizer's end-of-text id or one of generation_config.json's
-// eos_token_id (kept in "tokens", not in the text), after --max-new-tokens, or when the model's
-// context is full.
+// eos_token_id (config.json's where there is no generation config; kept in "tokens", not in the
+// text), after --max-new-tokens, or when the model's context is full.
 //
 // The tokenizer (--tokenizer auto, the default) is the one the model directory ships
 // (tokenizer.json, else tokenizer.model; `strata train` copies them into every checkpoint), else
@@ -61,6 +64,8 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 namespace strata::cli {
@@ -75,9 +80,9 @@ struct GenerateArgs {
   std::string system;
   std::string chat_template;
   int64_t max_new_tokens = 64;
-  double temperature = 0.8;
-  int64_t top_k = 40;
-  double top_p = 1.0;
+  // Unset: the model's generation_config.json, else strata's defaults.
+  std::optional<double> temperature, top_p;
+  std::optional<int64_t> top_k;
   uint64_t seed = 1;
   std::string devices;
   std::string device_memory;
@@ -99,10 +104,18 @@ uint32_t sample_token(const std::vector<float>& logits, int64_t candidates, doub
   std::vector<uint32_t> order(n);
   std::iota(order.begin(), order.end(), 0u);
   size_t keep = top_k > 0 ? std::min(n, static_cast<size_t>(top_k)) : n;
+  const auto ranks_before = [&](uint32_t a, uint32_t b) {
+    return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
+  };
   std::partial_sort(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(keep), order.end(),
-                    [&](uint32_t a, uint32_t b) {
-                      return logits[a] != logits[b] ? logits[a] > logits[b] : a < b;
-                    });
+                    ranks_before);
+  // Every token tied with the k-th stays, as Hugging Face's top-k keeps each logit not below
+  // the k-th's (in id order among them).
+  const auto tied =
+      std::partition(order.begin() + static_cast<std::ptrdiff_t>(keep), order.end(),
+                     [&](uint32_t i) { return logits[i] == logits[order[keep - 1]]; });
+  std::sort(order.begin() + static_cast<std::ptrdiff_t>(keep), tied, ranks_before);
+  keep = static_cast<size_t>(tied - order.begin());
   const double top = logits[order[0]];
   std::vector<double> weights(keep);
   double total = 0;
@@ -145,33 +158,102 @@ std::string resolve_tokenizer(const std::string& spec, const std::string& model,
   return "byte";
 }
 
-// The ids generation stops at: the tokenizer's end-of-text, and the eos_token_id (one id or a
-// list, as Llama 3 Instruct's <|end_of_text|>, <|eom_id|>, <|eot_id|>) of the
-// generation_config.json in the checkpoint, else in --model, as Hugging Face's generate reads it.
-std::vector<uint32_t> stop_ids(const Tokenizer& tokenizer, const std::string& model,
-                               const std::filesystem::path& checkpoint) {
+// The model's generation_config.json (the checkpoint's, else --model's), as Hugging Face's
+// generate reads it: the object and its path, or null where there is none.
+std::pair<nlohmann::json, std::filesystem::path> generation_config(
+    const std::string& model, const std::filesystem::path& checkpoint) {
   namespace fs = std::filesystem;
-  std::vector<uint32_t> ids;
-  if (const std::optional<uint32_t> eos = tokenizer.eos_id()) ids.push_back(*eos);
   std::error_code ec;
   for (const fs::path& dir : {checkpoint, fs::path(model)}) {
     const fs::path file = dir / "generation_config.json";
     if (dir.empty() || !fs::is_regular_file(file, ec)) continue;
-    const nlohmann::json j = read_json_file(file, "generation config");
+    nlohmann::json j = read_json_file(file, "generation config");
     if (!j.is_object())
       fail("{}: not a JSON object; fix it or remove it from the model directory", file.string());
-    if (!j.contains("eos_token_id") || j["eos_token_id"].is_null()) break;
-    const nlohmann::json& e = j["eos_token_id"];
-    for (const nlohmann::json& id : e.is_array() ? e : nlohmann::json::array({e})) {
-      if (!id.is_number_unsigned() || id.get<uint64_t>() > UINT32_MAX)
-        fail("{}: eos_token_id holds {}, not a token id; it must be an id or a list of ids",
-             file.string(), id.dump());
-      if (std::find(ids.begin(), ids.end(), id.get<uint32_t>()) == ids.end())
-        ids.push_back(id.get<uint32_t>());
-    }
-    break;
+    return {std::move(j), file};
+  }
+  return {nullptr, {}};
+}
+
+// The ids generation stops at: the tokenizer's end-of-text, and the eos_token_id (one id or a
+// list, as Llama 3 Instruct's <|end_of_text|>, <|eom_id|>, <|eot_id|>) of the
+// generation_config.json, else of config.json, as Hugging Face's generate takes it from the
+// model's config where the model has no generation config.
+std::vector<uint32_t> stop_ids(const Tokenizer& tokenizer, const nlohmann::json& generation,
+                               const std::string& generation_file, const LlamaConfig& config) {
+  std::vector<uint32_t> ids;
+  if (const std::optional<uint32_t> eos = tokenizer.eos_id()) ids.push_back(*eos);
+  const bool from_generation = generation.is_object();
+  const nlohmann::json& holder = from_generation ? generation : config.token_ids;
+  const std::string source = from_generation ? generation_file : config.name + "/config.json";
+  if (!holder.contains("eos_token_id") || holder["eos_token_id"].is_null()) return ids;
+  const nlohmann::json& e = holder["eos_token_id"];
+  for (const nlohmann::json& id : e.is_array() ? e : nlohmann::json::array({e})) {
+    if (!id.is_number_unsigned() || id.get<uint64_t>() > UINT32_MAX)
+      fail("{}: eos_token_id holds {}, not a token id; it must be an id or a list of ids", source,
+           id.dump());
+    if (std::find(ids.begin(), ids.end(), id.get<uint32_t>()) == ids.end())
+      ids.push_back(id.get<uint32_t>());
   }
   return ids;
+}
+
+// How tokens are drawn: each flag given, else the generation_config.json's settings with
+// Hugging Face's defaults for the keys it leaves out (do_sample false: greedy; temperature 1,
+// top_k 50, top_p 1), else strata's (temperature 0.8, top-k 40, top-p 1).
+struct Sampling {
+  double temperature = 0.8;
+  int64_t top_k = 40;
+  double top_p = 1.0;
+  std::string from = "defaults";  // "flags", the generation config's path, or "defaults"
+};
+
+Sampling sampling_for(const GenerateArgs& a, const nlohmann::json& generation,
+                      const std::string& generation_file) {
+  Sampling s;
+  if (generation.is_object()) {
+    const auto number = [&](const char* key, double fallback) {
+      if (!generation.contains(key) || generation[key].is_null()) return fallback;
+      if (!generation[key].is_number())
+        fail("{}: {} is {}; expected a number", generation_file, key, generation[key].dump());
+      return generation[key].get<double>();
+    };
+    if (generation.contains("do_sample") && !generation["do_sample"].is_boolean())
+      fail("{}: do_sample is {}; expected true or false", generation_file,
+           generation["do_sample"].dump());
+    const bool sample = generation.value("do_sample", false);
+    s.temperature = sample ? number("temperature", 1.0) : 0.0;
+    // top_k null is None to Hugging Face: no top-k at all.
+    const bool no_top_k = generation.contains("top_k") && generation["top_k"].is_null();
+    s.top_k = no_top_k ? 0 : static_cast<int64_t>(number("top_k", 50));
+    s.top_p = number("top_p", 1.0);
+    s.from = generation_file;
+    // What Hugging Face's generate would do that strata's sampling does not.
+    for (const auto& [key, neutral] : {std::pair{"repetition_penalty", 1.0},
+                                       {"min_p", 0.0},
+                                       {"typical_p", 1.0},
+                                       {"no_repeat_ngram_size", 0.0},
+                                       {"num_beams", 1.0}})
+      if (number(key, neutral) != neutral)
+        log_warn(
+            "generate: {}: {} {} is not applied (strata samples with temperature, top-k "
+            "and top-p alone)",
+            generation_file, key, generation[key].dump());
+  }
+  // Each value is checked under the name it came from: the flag, or the generation config's key.
+  const std::string file = generation.is_object() ? generation_file + ": " : "";
+  std::string t = file + "temperature", k = file + "top_k", p = file + "top_p";
+  if (a.temperature) std::tie(s.temperature, t) = std::pair{*a.temperature, "--temperature"};
+  if (a.top_k) std::tie(s.top_k, k) = std::pair{*a.top_k, "--top-k"};
+  if (a.top_p) std::tie(s.top_p, p) = std::pair{*a.top_p, "--top-p"};
+  if (!std::isfinite(s.temperature) || s.temperature < 0)
+    fail("{} {} must be a finite number >= 0 (0 is greedy)", t, s.temperature);
+  if (s.top_k < 0) fail("{} {} must be >= 0 (0 keeps every token)", k, s.top_k);
+  if (!(s.top_p > 0 && s.top_p <= 1))
+    fail("{} {} must be in (0, 1] (1 keeps every token; 0.9 is a common choice)", p, s.top_p);
+  const bool flags = a.temperature || a.top_k || a.top_p;
+  if (flags) s.from = generation.is_object() ? "flags over " + generation_file : "flags";
+  return s;
 }
 
 // The checkpoint directory --model names: itself, or a run directory's newest complete one.
@@ -191,11 +273,10 @@ int run_generate(const GenerateArgs& a) {
   const LlamaConfig config = resolve_model(is_dir ? checkpoint.string() : a.model);
   const bool load = weights_from_model_dir(a.model, a.init, "sample from");
   if (a.max_new_tokens < 1) fail("--max-new-tokens {} must be at least 1", a.max_new_tokens);
-  if (!std::isfinite(a.temperature) || a.temperature < 0)
-    fail("--temperature {} must be a finite number >= 0 (0 is greedy)", a.temperature);
-  if (a.top_k < 0) fail("--top-k {} must be >= 0 (0 keeps every token)", a.top_k);
-  if (!(a.top_p > 0 && a.top_p <= 1))
-    fail("--top-p {} must be in (0, 1] (1 keeps every token; 0.9 is a common choice)", a.top_p);
+  const auto found = generation_config(a.model, checkpoint);
+  const nlohmann::json& generation = found.first;
+  const std::filesystem::path& generation_path = found.second;
+  const Sampling sampling = sampling_for(a, generation, generation_path.string());
 
   // The prompt's tokens before any memory is reserved.
   const std::unique_ptr<Tokenizer> tokenizer =
@@ -320,7 +401,8 @@ int run_generate(const GenerateArgs& a) {
   std::vector<int32_t> ids(prompt_ids.begin(), prompt_ids.end());
 
   Xoshiro256 rng(a.seed);
-  const std::vector<uint32_t> stops = stop_ids(*tokenizer, a.model, checkpoint);
+  const std::vector<uint32_t> stops =
+      stop_ids(*tokenizer, generation, generation_path.string(), config);
   std::vector<uint32_t> generated;
   std::string stop = "max_new_tokens";
   const auto t0 = std::chrono::steady_clock::now();
@@ -339,7 +421,8 @@ int run_generate(const GenerateArgs& a) {
             "generate: logit {} of token id {} at position {} is not finite; the weights of {} "
             "hold non-finite values (or overflow in {})",
             last[static_cast<size_t>(i)], i, len - 1, a.model, dtype_name(dtype));
-    const uint32_t next = sample_token(last, candidates, a.temperature, a.top_k, a.top_p, rng);
+    const uint32_t next =
+        sample_token(last, candidates, sampling.temperature, sampling.top_k, sampling.top_p, rng);
     generated.push_back(next);
     if (std::find(stops.begin(), stops.end(), next) != stops.end()) {
       stop = "eos";
@@ -376,9 +459,10 @@ int run_generate(const GenerateArgs& a) {
                               {"parameters", placed},
                               {"dtype", dtype_name(dtype)},
                               {"seed", a.seed},
-                              {"temperature", a.temperature},
-                              {"top_k", a.top_k},
-                              {"top_p", a.top_p},
+                              {"temperature", sampling.temperature},
+                              {"top_k", sampling.top_k},
+                              {"top_p", sampling.top_p},
+                              {"sampling_from", sampling.from},
                               {"tokens_per_s", static_cast<double>(n_new) / seconds}};
     fmt::print("{}\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
   } else {
@@ -420,13 +504,17 @@ Command add_generate(CLI::App& app) {
   cmd->add_option("--max-new-tokens", a->max_new_tokens,
                   "stop after this many new tokens (or at end-of-text, or the model's context)")
       ->capture_default_str();
-  cmd->add_option("--temperature", a->temperature, "softmax temperature; 0 is greedy (argmax)")
-      ->capture_default_str();
+  cmd->add_option("--temperature", a->temperature,
+                  "softmax temperature; 0 is greedy (argmax). Unset: the model's "
+                  "generation_config.json (do_sample false: greedy; else its temperature, 1 where "
+                  "it has none, as Hugging Face's generate), else 0.8");
   cmd->add_option("--top-p", a->top_p,
                   "sample among the most likely tokens whose probabilities sum to p (nucleus); 1 "
-                  "keeps all");
-  cmd->add_option("--top-k", a->top_k, "sample among the k most likely tokens; 0 keeps all")
-      ->capture_default_str();
+                  "keeps all. Unset: generation_config.json's, else 1");
+  cmd->add_option("--top-k", a->top_k,
+                  "sample among the k most likely tokens (and those tied with the k-th); 0 keeps "
+                  "all. Unset: generation_config.json's (50 where it has none, as Hugging Face's), "
+                  "else 40");
   cmd->add_option("--seed", a->seed, "seed of the sampling (and of --init random)")
       ->capture_default_str();
   cmd->add_option("--devices", a->devices,
