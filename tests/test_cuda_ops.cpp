@@ -401,7 +401,8 @@ TEST_F(CudaOpsTest, EmbeddingBackwardIsTheHostsBitForBit) {
 
 TEST_F(CudaOpsTest, RmsnormForwardAndBackward) {
   Rng rng(5);
-  const int64_t shapes[][2] = {{1, 64}, {7, 1000}, {300, 4096}};
+  // Widths for one warp (64), three (300), and the full block (1000, 4096).
+  const int64_t shapes[][2] = {{1, 64}, {5, 300}, {7, 1000}, {300, 4096}};
   struct Types {
     DType x, w;  // y, dy, dx take x's dtype; dw is f32 (a gradient accumulator) or w's dtype
   };

@@ -143,6 +143,14 @@ inline unsigned grid_for(uint64_t n, unsigned threads = kThreads) {
   return static_cast<unsigned>(std::clamp<uint64_t>((n + threads - 1) / threads, 1, kMaxBlocks));
 }
 
+// Threads for a one-block-per-row kernel over rows of `width` elements: a warp per 128 elements
+// (at least 4 to a thread), up to kThreads. A narrow row no longer leaves most of a 256-thread
+// block idle through its reductions (a 64-wide norm ran 224 idle threads through every barrier
+// and shuffle); rows of 1024 elements and more take kThreads as before.
+inline unsigned row_threads(int64_t width) {
+  return 32u * static_cast<unsigned>(std::clamp<int64_t>((width + 127) / 128, 1, kThreads / 32));
+}
+
 // Blocks for a one-block-per-row kernel that loops over rows past the grid.
 inline unsigned grid_rows(int64_t rows) {
   constexpr int64_t kMaxBlocks = int64_t{1} << 20;

@@ -1,4 +1,5 @@
-// rmsnorm.cu: RMSNorm forward and backward, one block per row, f32 reductions.
+// rmsnorm.cu: RMSNorm forward and backward, one block per row (gpu::row_threads wide), f32
+// reductions.
 //
 // Forward: rstd = 1 / sqrt(mean(x^2) + eps) (IEEE sqrt and division, not rsqrtf, to stay close
 // to the host), y = x * rstd * w, where w is the stored weight plus weight_offset (Gemma's 1).
@@ -84,7 +85,7 @@ void launch_rmsnorm_forward(void* y, DType y_t, float* rstd, const void* x, DTyp
   gpu::dispatch(y_t, [&]<typename Y>() {
     gpu::dispatch(x_t, [&]<typename X>() {
       gpu::dispatch(w_t, [&]<typename W>() {
-        rmsnorm_forward_kernel<Y, X, W><<<gpu::grid_rows(rows), gpu::kThreads, 0, stream>>>(
+        rmsnorm_forward_kernel<Y, X, W><<<gpu::grid_rows(rows), gpu::row_threads(dim), 0, stream>>>(
             static_cast<Y*>(y), rstd, static_cast<const X*>(x), static_cast<const W*>(w), rows, dim,
             eps, weight_offset);
         CUDA_CHECK_LAUNCH();
@@ -114,7 +115,7 @@ void launch_rmsnorm_backward(void* dx, DType dx_t, void* dw, DType dw_t, const v
       gpu::dispatch(x_t, [&]<typename X>() {
         gpu::dispatch(w_t, [&]<typename W>() {
           rmsnorm_backward_kernel<DX, DY, X, W>
-              <<<static_cast<unsigned>(blocks), gpu::kThreads, 0, stream>>>(
+              <<<static_cast<unsigned>(blocks), gpu::row_threads(dim), 0, stream>>>(
                   static_cast<DX*>(dx), static_cast<const DY*>(dy), static_cast<const X*>(x),
                   static_cast<const W*>(w), weight_offset, rstd, rows, dim, scratch);
           CUDA_CHECK_LAUNCH();

@@ -85,7 +85,7 @@ void launch_xent_forward_chunk(const void* logits, DType logits_t, int64_t rows,
                                float* target_logit, cudaStream_t stream) {
   if (rows == 0) return;
   gpu::dispatch(logits_t, [&]<typename T>() {
-    xent_forward_kernel<T><<<gpu::grid_rows(rows), gpu::kThreads, 0, stream>>>(
+    xent_forward_kernel<T><<<gpu::grid_rows(rows), gpu::row_threads(chunk), 0, stream>>>(
         static_cast<const T*>(logits), rows, chunk, v0, targets, row_max, row_sum, target_logit);
     CUDA_CHECK_LAUNCH();
   });
