@@ -6,10 +6,14 @@
 #include "core/device.h"
 #include "core/error.h"
 #include "gpu/runtime.h"
+#if defined(STRATA_HAVE_CUDA)
+#include "gpu/cublaslt.h"
+#endif
 
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 namespace strata {
 namespace {
@@ -22,6 +26,36 @@ std::string open_error(const char* spec) {
   }
   return "(no Error thrown)";
 }
+
+#if defined(STRATA_HAVE_CUDA)
+// cuBLASLt is opened at the first matmul, not linked (gpu/cublaslt.h). Opening it needs no GPU,
+// so CI checks here that the library the build found opens and has every function strata calls,
+// and that one that cannot be opened is named with what to do.
+TEST(CublasLt, OpensTheBuildsLibraryWithEveryFunction) {
+  const std::vector<std::string> candidates = cublaslt_candidates();
+  ASSERT_FALSE(candidates.empty());
+  EXPECT_EQ(candidates.back(), "libcublasLt.so." + std::to_string(CUBLAS_VER_MAJOR));
+  const CublasLtApi& api = cublaslt();
+  EXPECT_EQ(&api, &cublaslt());  // opened once
+#define STRATA_EXPECT_FOUND(name) EXPECT_NE(api.name, nullptr) << #name;
+  STRATA_CUBLASLT_FUNCTIONS(STRATA_EXPECT_FOUND)
+#undef STRATA_EXPECT_FOUND
+  EXPECT_STREQ(api.GetStatusName(CUBLAS_STATUS_NOT_SUPPORTED), "CUBLAS_STATUS_NOT_SUPPORTED");
+}
+
+TEST(CublasLt, ALibraryThatDoesNotOpenIsNamed) {
+  try {
+    open_cublaslt({"/nonexistent/libcublasLt.so.99", "libcublasLt-missing.so.99"});
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("cannot load cuBLASLt"), std::string::npos) << what;
+    EXPECT_NE(what.find("/nonexistent/libcublasLt.so.99"), std::string::npos) << what;
+    EXPECT_NE(what.find("libcublasLt-missing.so.99"), std::string::npos) << what;
+    EXPECT_NE(what.find("LD_LIBRARY_PATH"), std::string::npos) << what;
+  }
+}
+#endif
 
 TEST(CudaRuntime, ProbeDescribesTheBuildWithoutThrowing) {
   const CudaRuntime& rt = cuda_runtime();

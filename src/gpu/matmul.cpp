@@ -6,9 +6,12 @@
 // to 256 bytes), so the algorithm chosen never assumes more than a view into the arena gives.
 #include "gpu/matmul.h"
 
+#include "gpu/cublaslt.h"
+
 #include "core/error.h"
 #include "core/log.h"
 
+#include <string_view>
 #include <utility>
 
 namespace strata {
@@ -28,10 +31,14 @@ const char* cublas_hint(cublasStatus_t status) {
   }
 }
 
+// `call` is the failing call's text, "cublaslt().Name(args)": named as cuBLASLt names it.
 [[noreturn]] void cublas_fail(const std::string& device, cublasStatus_t status, const char* call,
                               const std::string& what) {
-  fail("{}: matmul {}: {} failed: {} ({}); {}", device, what, call, cublasLtGetStatusName(status),
-       cublasLtGetStatusString(status), cublas_hint(status));
+  std::string name = call;
+  if (constexpr std::string_view table = "cublaslt()."; name.starts_with(table))
+    name = "cublasLt" + name.substr(table.size());
+  fail("{}: matmul {}: {} failed: {} ({}); {}", device, what, name,
+       cublaslt().GetStatusName(status), cublaslt().GetStatusString(status), cublas_hint(status));
 }
 
 #define CUBLASLT_CHECK(call, what)                       \
@@ -82,10 +89,10 @@ struct CublasLtMatmul::Plan {
   Plan& operator=(const Plan&) = delete;
   ~Plan() {
     // Destroying a descriptor only frees host memory: failures are not expected, and ignored.
-    if (lt_c != nullptr) (void)cublasLtMatrixLayoutDestroy(lt_c);
-    if (lt_b != nullptr) (void)cublasLtMatrixLayoutDestroy(lt_b);
-    if (lt_a != nullptr) (void)cublasLtMatrixLayoutDestroy(lt_a);
-    if (desc != nullptr) (void)cublasLtMatmulDescDestroy(desc);
+    if (lt_c != nullptr) (void)cublaslt().MatrixLayoutDestroy(lt_c);
+    if (lt_b != nullptr) (void)cublaslt().MatrixLayoutDestroy(lt_b);
+    if (lt_a != nullptr) (void)cublaslt().MatrixLayoutDestroy(lt_a);
+    if (desc != nullptr) (void)cublaslt().MatmulDescDestroy(desc);
   }
 };
 
@@ -94,9 +101,9 @@ CublasLtMatmul::CublasLtMatmul(std::string device) : device_(std::move(device)) 
 CublasLtMatmul::~CublasLtMatmul() {
   plans_.clear();
   if (handle_ != nullptr) {
-    if (const cublasStatus_t st = cublasLtDestroy(handle_); st != CUBLAS_STATUS_SUCCESS)
-      log_error("{}: cublasLtDestroy failed: {} ({})", device_, cublasLtGetStatusName(st),
-                cublasLtGetStatusString(st));
+    if (const cublasStatus_t st = cublaslt().Destroy(handle_); st != CUBLAS_STATUS_SUCCESS)
+      log_error("{}: cublasLtDestroy failed: {} ({})", device_, cublaslt().GetStatusName(st),
+                cublaslt().GetStatusString(st));
   }
 }
 
@@ -107,42 +114,43 @@ const CublasLtMatmul::Plan& CublasLtMatmul::plan(const Key& key) {
   const auto [m, n, k, trans_a, trans_b, ab_type, c_type, align_a, align_b, align_c,
               workspace_bytes] = key;
   const std::string what = describe(m, n, k, trans_a, trans_b, ab_type, c_type);
-  if (handle_ == nullptr) CUBLASLT_CHECK(cublasLtCreate(&handle_), what);
+  if (handle_ == nullptr) CUBLASLT_CHECK(cublaslt().Create(&handle_), what);
 
   auto p = std::make_unique<Plan>();
-  CUBLASLT_CHECK(cublasLtMatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), what);
+  CUBLASLT_CHECK(cublaslt().MatmulDescCreate(&p->desc, CUBLAS_COMPUTE_32F, CUDA_R_32F), what);
   // cuBLASLt's A is our b, its B our a (column-major view of row-major storage).
   const cublasOperation_t op_a = trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
   CUBLASLT_CHECK(
-      cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a),
+      cublaslt().MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof op_a),
       what);
   CUBLASLT_CHECK(
-      cublasLtMatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b),
+      cublaslt().MatmulDescSetAttribute(p->desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof op_b),
       what);
   // A row-major [rows, cols] matrix is column-major [cols, rows] with leading dimension cols.
   const int64_t b_rows = trans_b ? n : k, b_cols = trans_b ? k : n;
   const int64_t a_rows = trans_a ? k : m, a_cols = trans_a ? m : k;
   CUBLASLT_CHECK(
-      cublasLtMatrixLayoutCreate(&p->lt_a, cuda_type(ab_type), static_cast<uint64_t>(b_cols),
-                                 static_cast<uint64_t>(b_rows), b_cols),
+      cublaslt().MatrixLayoutCreate(&p->lt_a, cuda_type(ab_type), static_cast<uint64_t>(b_cols),
+                                    static_cast<uint64_t>(b_rows), b_cols),
       what);
   CUBLASLT_CHECK(
-      cublasLtMatrixLayoutCreate(&p->lt_b, cuda_type(ab_type), static_cast<uint64_t>(a_cols),
-                                 static_cast<uint64_t>(a_rows), a_cols),
+      cublaslt().MatrixLayoutCreate(&p->lt_b, cuda_type(ab_type), static_cast<uint64_t>(a_cols),
+                                    static_cast<uint64_t>(a_rows), a_cols),
       what);
-  CUBLASLT_CHECK(cublasLtMatrixLayoutCreate(&p->lt_c, cuda_type(c_type), static_cast<uint64_t>(n),
-                                            static_cast<uint64_t>(m), n),
-                 what);
+  CUBLASLT_CHECK(
+      cublaslt().MatrixLayoutCreate(&p->lt_c, cuda_type(c_type), static_cast<uint64_t>(n),
+                                    static_cast<uint64_t>(m), n),
+      what);
 
   cublasLtMatmulPreference_t pref = nullptr;
-  CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&pref), what);
+  CUBLASLT_CHECK(cublaslt().MatmulPreferenceCreate(&pref), what);
   struct PrefGuard {
     cublasLtMatmulPreference_t p;
-    ~PrefGuard() { (void)cublasLtMatmulPreferenceDestroy(p); }
+    ~PrefGuard() { (void)cublaslt().MatmulPreferenceDestroy(p); }
   } guard{pref};
   const uint64_t max_ws = workspace_bytes;
-  CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
+  CUBLASLT_CHECK(cublaslt().MatmulPreferenceSetAttribute(
                      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &max_ws, sizeof max_ws),
                  what);
   // cuBLASLt's A is b and its B is a; C and D are both c.
@@ -152,12 +160,12 @@ const CublasLtMatmul::Plan& CublasLtMatmul::plan(const Key& key) {
       CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES};
   for (int i = 0; i < 4; ++i)
     CUBLASLT_CHECK(
-        cublasLtMatmulPreferenceSetAttribute(pref, align_attrs[i], &aligns[i], sizeof aligns[i]),
+        cublaslt().MatmulPreferenceSetAttribute(pref, align_attrs[i], &aligns[i], sizeof aligns[i]),
         what);
 
   cublasLtMatmulHeuristicResult_t result{};
   int found = 0;
-  const cublasStatus_t st = cublasLtMatmulAlgoGetHeuristic(
+  const cublasStatus_t st = cublaslt().MatmulAlgoGetHeuristic(
       handle_, p->desc, p->lt_a, p->lt_b, p->lt_c, p->lt_c, pref, 1, &result, &found);
   if (st == CUBLAS_STATUS_NOT_SUPPORTED || (st == CUBLAS_STATUS_SUCCESS && found == 0))
     fail(
@@ -178,8 +186,8 @@ void CublasLtMatmul::run(const MatmulDims& dims, void* c, DType c_type, const vo
                 c_type, alignment_of(a), alignment_of(b), alignment_of(c), workspace_bytes};
   const Plan& p = plan(key);
   // alpha and beta are host scalars (the default pointer mode), read before this returns.
-  CUBLASLT_CHECK(cublasLtMatmul(handle_, p.desc, &alpha, b, p.lt_a, a, p.lt_b, &beta, c, p.lt_c, c,
-                                p.lt_c, &p.algo, workspace, p.workspace_bytes, stream),
+  CUBLASLT_CHECK(cublaslt().Matmul(handle_, p.desc, &alpha, b, p.lt_a, a, p.lt_b, &beta, c, p.lt_c,
+                                   c, p.lt_c, &p.algo, workspace, p.workspace_bytes, stream),
                  describe(dims.m, dims.n, dims.k, trans_a, trans_b, ab_type, c_type));
 }
 
