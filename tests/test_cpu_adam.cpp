@@ -755,7 +755,7 @@ class SparseGrad {
 };
 
 TEST(CpuAdam64Bit, GradStatsOver2To31PlusElementsSeeEveryOne) {
-#if defined(__SANITIZE_ADDRESS__)
+#if defined(STRATA_TEST_ASAN)
   // Little memory, but every load checked: a minute under ASan against 5 s. The Release build's
   // full ctest runs it; the arithmetic test above runs everywhere.
   GTEST_SKIP() << "4 GiB of reads under ASan take a minute; this test runs in the Release build";

@@ -56,10 +56,11 @@ std::string missing_devices(int n) {
 // Where a run costs many runs on plain host devices, the every-placement sweeps run each
 // placement on one of their two rank counts, alternating, so every placement and both counts
 // still run: on the CPU emulator of CUDA (CI's emu tests, about 20 times the cost) and under
-// TSan (whose purpose is the lanes' synchronisation, which every placement still exercises).
-// The Release and ASan builds on host devices, and a real GPU, run every pair.
+// the sanitizers (TSan's purpose is the lanes' synchronisation and ASan's every buffer's bounds,
+// which every placement still exercises, and each rank count's shard arithmetic). The Release
+// build on host devices, and a real GPU, run every pair.
 bool halve_sweeps() {
-#if defined(__SANITIZE_THREAD__)
+#if defined(STRATA_TEST_TSAN) || defined(STRATA_TEST_ASAN)
   return true;
 #elif defined(STRATA_CUDA_EMU)
   return test_backend() == Backend::cuda;

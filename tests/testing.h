@@ -16,6 +16,24 @@
 #include <initializer_list>
 #include <string>
 
+// The sanitizer a build runs under: STRATA_TEST_ASAN, STRATA_TEST_TSAN. GCC defines
+// __SANITIZE_ADDRESS__ and __SANITIZE_THREAD__; clang 14, which CI's sanitizer builds use,
+// defines neither and answers __has_feature instead.
+#if defined(__SANITIZE_ADDRESS__)
+#define STRATA_TEST_ASAN 1
+#endif
+#if defined(__SANITIZE_THREAD__)
+#define STRATA_TEST_TSAN 1
+#endif
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) && !defined(STRATA_TEST_ASAN)
+#define STRATA_TEST_ASAN 1
+#endif
+#if __has_feature(thread_sanitizer) && !defined(STRATA_TEST_TSAN)
+#define STRATA_TEST_TSAN 1
+#endif
+#endif
+
 namespace strata::test {
 
 // Runs `fn` and returns the message of the strata::Error it throws. A test fails when it
