@@ -3,14 +3,11 @@
 
 #include "core/error.h"
 
-#include <cuda_runtime_api.h>
-
 #if !defined(STRATA_CUDA_EMU)
+#include <cuda_runtime_api.h>  // CUDART_VERSION, named in the errors
 #include <dlfcn.h>
 
-#include <string>
 #include <type_traits>
-#include <vector>
 #endif
 
 namespace strata {
