@@ -3,7 +3,9 @@
 // depths 1/8/64, on /tmp where O_DIRECT works and /dev/shm where it falls back) with odd
 // lengths and unaligned tails, verifying every byte. The swap store round-trips over 1, 2
 // and 3 paths; each injected fault, a lost file and on-disk corruption must be an Error that
-// names the operation, the file and the offset, with nothing left hanging or held.
+// names the operation, the file and the offset, with nothing left hanging or held. Neither
+// the engine nor the store allocates from the heap per request once running (this binary
+// replaces operator new to count).
 #include "core/pinned_pool.h"
 #include "core/system.h"
 #include "nvme/io_ring.h"
@@ -19,12 +21,67 @@
 #include <cstring>
 #include <filesystem>
 #include <memory>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
 
+// Every operator new of this program, counted on the asking thread while it counts
+// (AllocationCount below). The array and nothrow forms call this one. TSan's runtime defines
+// operator new itself (ASan's lets a program replace it), so under TSan nothing is counted and
+// the allocation tests skip.
+#if !defined(STRATA_TEST_TSAN)
+#define STRATA_TEST_COUNTS_ALLOCATIONS 1
+namespace {
+thread_local bool t_count_allocations = false;
+thread_local uint64_t t_allocations = 0;
+}  // namespace
+
+// GCC takes free() inside a replacement operator delete for a mismatch with operator new.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+void* operator new(std::size_t bytes) {
+  if (t_count_allocations) ++t_allocations;
+  if (void* p = std::malloc(bytes == 0 ? 1 : bytes)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t) noexcept {
+  std::free(p);
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif  // !STRATA_TEST_TSAN
+
 namespace strata::nvme {
 namespace {
+
+// Counts this thread's heap allocations from construction to count().
+#if defined(STRATA_TEST_COUNTS_ALLOCATIONS)
+class AllocationCount {
+ public:
+  AllocationCount() {
+    t_allocations = 0;
+    t_count_allocations = true;
+  }
+  ~AllocationCount() { t_count_allocations = false; }
+  AllocationCount(const AllocationCount&) = delete;
+  AllocationCount& operator=(const AllocationCount&) = delete;
+  uint64_t count() const { return t_allocations; }
+};
+#define SKIP_UNLESS_ALLOCATIONS_COUNT() (void)0
+#else
+struct AllocationCount {
+  uint64_t count() const { return 0; }
+};
+#define SKIP_UNLESS_ALLOCATIONS_COUNT() \
+  GTEST_SKIP() << "TSan's runtime owns operator new: allocations are not counted under TSan"
+#endif
 
 namespace fs = std::filesystem;
 using test::expect_error;
@@ -160,6 +217,47 @@ struct RingFixture {
     fill(src.data, total, 7);
   }
 };
+
+// Once a ring runs, a request takes a preallocated slot: none allocates, whether it queues
+// behind a full ring, is split into an aligned part and a buffered tail, or uses registered
+// buffers and files.
+TEST(IoRing, RequestsAllocateNothingOnceRunning) {
+  SKIP_UNLESS_ALLOCATIONS_COUNT();
+  TempDir dir("/tmp");
+  const std::vector<Segment> segs = segments(2);  // 14 requests, twice the depth; odd tails
+  const uint64_t total = segs.back().offset + segs.back().len;
+  for (unsigned mask = 0; mask < 4; ++mask) {
+    const bool direct = mask & 1, fixed = mask & 2;
+    SCOPED_TRACE(::testing::Message() << "direct " << direct << " fixed " << fixed);
+    IoOptions o;
+    o.queue_depth = 7;
+    o.direct = direct;
+    o.register_buffers = fixed;
+    o.register_files = fixed;
+    IoRing ring(o);
+    const int file = ring.add_file(dir.file("steady." + std::to_string(mask)), true);
+    Buffer src(total), back(total);
+    ring.register_buffer(src.mem.get(), total + 4096);
+    ring.register_buffer(back.mem.get(), total + 4096);
+    uint64_t completed = 0;
+    ring.on_complete([&completed](const IoRequest& r) { completed += r.len; });
+    fill(src.data, total, mask);
+    run_all(ring, IoOp::write, file, src.data, segs);  // the file's first write extends it
+    uint64_t allocations = 0;
+    {
+      AllocationCount count;
+      for (int round = 0; round < 3; ++round) {
+        run_all(ring, IoOp::write, file, src.data, segs);
+        run_all(ring, IoOp::read, file, back.data, segs);
+      }
+      allocations = count.count();
+    }
+    EXPECT_EQ(allocations, 0u) << "over " << 6 * segs.size() << " requests";
+    EXPECT_EQ(first_difference(src.data, back.data, total), -1);
+    EXPECT_EQ(completed, 7 * total);
+    EXPECT_EQ(ring.stats().buffered_parts > 0, ring.is_direct(file));  // tails went buffered
+  }
+}
 
 TEST(IoRing, ShortTransfersAreResumed) {
   RingFixture f({{FaultKind::short_io, 0},
@@ -305,6 +403,38 @@ TEST(SwapStore, StripesOverOneTwoAndThreePathsAndRoundTrips) {
       for (const std::string& d : p.names) EXPECT_TRUE(fs::is_empty(d)) << d;
     }
   }
+}
+
+// A store's reads and writes of page-aligned buffers (the executor's pinned buffers are)
+// allocate nothing once its shards are placed, over several paths and blocks of every size.
+TEST(SwapStore, TransfersAllocateNothingOnceRunning) {
+  SKIP_UNLESS_ALLOCATIONS_COUNT();
+  Paths p(2);
+  SwapStore store(store_options(p));
+  std::vector<std::string> names;
+  std::vector<std::unique_ptr<Buffer>> src, back;
+  for (size_t i = 0; i < kShardBytes.size(); ++i) {
+    names.push_back("shard" + std::to_string(i));
+    store.add_shard(names.back(), kShardBytes[i]);
+    src.push_back(std::make_unique<Buffer>(kShardBytes[i]));
+    back.push_back(std::make_unique<Buffer>(kShardBytes[i]));
+    fill(src.back()->data, kShardBytes[i], 40 + i);
+    store.write(names[i], src[i]->data);
+  }
+  uint64_t allocations = 0;
+  {
+    AllocationCount count;
+    for (int round = 0; round < 3; ++round)
+      for (size_t i = 0; i < names.size(); ++i) {
+        store.write(names[i], src[i]->data);
+        store.read(names[i], back[i]->data);
+      }
+    allocations = count.count();
+  }
+  EXPECT_EQ(allocations, 0u);
+  for (size_t i = 0; i < names.size(); ++i)
+    EXPECT_EQ(first_difference(src[i]->data, back[i]->data, kShardBytes[i]), -1) << names[i];
+  EXPECT_EQ(store.own_staging_bytes(), 0u);
 }
 
 template <typename Fn>

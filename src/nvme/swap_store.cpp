@@ -257,10 +257,16 @@ uint64_t SwapStore::shard_bytes(const std::string& name) const {
   return shard(name).bytes;
 }
 
-Extent SwapStore::locate(uint64_t unit, uint64_t bytes, int* file) const {
+uint64_t SwapStore::place(uint64_t unit, int* file) const {
   const uint64_t k = files_.size();
-  if (file != nullptr) *file = ring_files_[unit % k];
-  return Extent{files_[unit % k], unit / k * options_.stripe, bytes};
+  *file = ring_files_[unit % k];
+  return unit / k * options_.stripe;
+}
+
+Extent SwapStore::locate(uint64_t unit, uint64_t bytes) const {
+  int file = 0;
+  const uint64_t offset = place(unit, &file);
+  return Extent{files_[unit % files_.size()], offset, bytes};
 }
 
 std::vector<Extent> SwapStore::extents(const std::string& name) const {
@@ -268,8 +274,7 @@ std::vector<Extent> SwapStore::extents(const std::string& name) const {
   const Shard& s = shard(name);
   std::vector<Extent> out;
   for (uint64_t i = 0; i * options_.stripe < s.bytes; ++i)
-    out.push_back(
-        locate(s.start + i, std::min(options_.stripe, s.bytes - i * options_.stripe), nullptr));
+    out.push_back(locate(s.start + i, std::min(options_.stripe, s.bytes - i * options_.stripe)));
   return out;
 }
 
@@ -369,7 +374,9 @@ void SwapStore::transfer(const std::string& name, IoOp op, char* data, unsigned 
         static_cast<unsigned>(std::min<uint64_t>(options_.io.queue_depth, units)), stripe);
 
   auto block_bytes = [&](uint64_t i) { return std::min(stripe, s.bytes - i * stripe); };
-  ring.on_complete([&](const IoRequest& r) {
+  // No allocation per transfer: the hook the ring keeps holds one reference, which
+  // std::function stores in place, to this closure on the stack.
+  auto complete = [&](const IoRequest& r) {
     const uint64_t i = r.tag;
     char* out = data + i * stripe;
     if (op == IoOp::read) {
@@ -377,7 +384,7 @@ void SwapStore::transfer(const std::string& name, IoOp op, char* data, unsigned 
       if (actual != s.checksums[i]) {
         if (r.buf == out) std::memset(out, 0, r.len);  // never leave corrupt data behind
         if (staging) staging->give(r.buf);
-        const Extent e = locate(s.start + i, r.len, nullptr);
+        const Extent e = locate(s.start + i, r.len);
         fail(
             "swap store: checksum mismatch reading shard {} block {}: {} at offset {} ({}): "
             "expected xxh3 {:016x}, got {:016x}; the data on the drive is corrupt (check "
@@ -387,7 +394,8 @@ void SwapStore::transfer(const std::string& name, IoOp op, char* data, unsigned 
       if (r.buf != out) std::memcpy(out, r.buf, r.len);
     }
     if (staging) staging->give(r.buf);
-  });
+  };
+  ring.on_complete([&complete](const IoRequest& r) { complete(r); });
   struct Unhook {
     IoRing& ring;
     ~Unhook() { ring.on_complete(nullptr); }
@@ -404,8 +412,8 @@ void SwapStore::transfer(const std::string& name, IoOp op, char* data, unsigned 
       buf = bounce;
     }
     int file = 0;
-    const Extent e = locate(s.start + i, len, &file);
-    ring.submit(IoRequest{op, file, e.offset, buf, len, i});
+    const uint64_t offset = place(s.start + i, &file);
+    ring.submit(IoRequest{op, file, offset, buf, len, i});
   }
   ring.wait_all();
   if (op == IoOp::write) {

@@ -92,7 +92,9 @@ class SwapStore {
     std::vector<uint64_t> checksums;  // one per stripe unit; its transfer's alone while busy
   };
   const Shard& shard(const std::string& name) const;  // call under mu_
-  Extent locate(uint64_t unit, uint64_t bytes, int* file) const;
+  // Stripe unit `unit`'s offset in its swap file, and in *file the ring's index of that file.
+  uint64_t place(uint64_t unit, int* file) const;
+  Extent locate(uint64_t unit, uint64_t bytes) const;  // the same, with the file's path
   void check_files() const;
   void transfer(const std::string& name, IoOp op, char* data, unsigned channel);
   PinnedPool& staging_pool(unsigned channel);
