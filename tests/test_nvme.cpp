@@ -271,6 +271,22 @@ TEST(IoRing, ShortTransfersAreResumed) {
   EXPECT_GE(f.ring->stats().resumed, 5u);
 }
 
+// A completion of -EAGAIN (or -EINTR) queues the part again unchanged: writes 1 and 4 and
+// reads 22 and 30 of the 21 + 21 below; an injected read clears its buffer first, so only a
+// real second read gives the bytes back.
+TEST(IoRing, EagainIsQueuedAgainUnchanged) {
+  RingFixture f({{FaultKind::eagain, 1},
+                 {FaultKind::eagain, 4},
+                 {FaultKind::eagain, 22},
+                 {FaultKind::eagain, 30}});
+  ASSERT_EQ(f.segs.size(), 21u);
+  run_all(*f.ring, IoOp::write, f.file, f.src.data, f.segs);
+  run_all(*f.ring, IoOp::read, f.file, f.back.data, f.segs);
+  EXPECT_EQ(first_difference(f.src.data, f.back.data, f.total), -1);
+  EXPECT_EQ(f.ring->stats().requeued, 4u);
+  EXPECT_EQ(f.ring->stats().bytes, 2 * f.total);
+}
+
 TEST(IoRing, InjectedEioNamesTheOperationAndLeavesTheRingUsable) {
   RingFixture f({{FaultKind::eio, 5}});
   expect_error(

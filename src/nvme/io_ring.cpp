@@ -18,6 +18,7 @@
 #include <thread>
 #include <charconv>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <optional>
 #include <string_view>
@@ -343,6 +344,10 @@ void IoRing::finish_part(unsigned slot, int res) {
             res >= 2 * static_cast<int>(kDirectAlignment)
                 ? res / 2 / static_cast<int>(kDirectAlignment) * static_cast<int>(kDirectAlignment)
                 : res / 2;
+      if (fault.kind == FaultKind::eagain) {
+        if (r.op == IoOp::read) std::memset(p.buf + p.done, 0, p.len - p.done);
+        res = -EAGAIN;
+      }
       if (fault.kind == FaultKind::corrupt && r.op == IoOp::read && res > 0) p.buf[p.done] ^= 0x5a;
     }
   const uint64_t at = p.offset + p.done;
@@ -424,12 +429,13 @@ std::vector<Fault> faults_from_env() {
     if (kind == "eio") k = FaultKind::eio;
     if (kind == "enospc") k = FaultKind::enospc;
     if (kind == "short") k = FaultKind::short_io;
+    if (kind == "eagain") k = FaultKind::eagain;
     if (kind == "corrupt") k = FaultKind::corrupt;
     if (kind == "slow") k = FaultKind::slow;
     if (!k || !number)
       fail(
-          "STRATA_NVME_FAULTS: '{}' is not KIND@REQUEST (KIND eio, enospc, short, corrupt or slow; "
-          "REQUEST a count); unset the variable outside fault tests",
+          "STRATA_NVME_FAULTS: '{}' is not KIND@REQUEST (KIND eio, enospc, short, eagain, corrupt "
+          "or slow; REQUEST a count); unset the variable outside fault tests",
           item);
     faults.push_back({*k, request});
   }

@@ -35,12 +35,14 @@ inline constexpr uint64_t kDirectAlignment = 4096;  // buffer, offset and length
 enum class IoOp : uint8_t { read, write };
 
 // Fault injection for tests: make the `request`-th submit() (0-based, counted per ring) fail
-// with EIO or ENOSPC, complete short once (it is then resumed), or (reads only) return data
-// with one flipped byte, which only a checksum can catch. o_direct_refused (request ignored)
+// with EIO or ENOSPC, complete short once (it is then resumed), complete once with -EAGAIN
+// (it is then queued again unchanged; a read's buffer is first cleared from where the part
+// stood, as if nothing had been read), or (reads only) return data with one flipped byte,
+// which only a checksum can catch. o_direct_refused (request ignored)
 // makes add_file() see EINVAL from an O_DIRECT open, as on a filesystem that refuses it. slow
 // delays the completion of that request and of every later one by kSlowFaultDelayMs (a slow
 // drive: nothing fails, everything waits).
-enum class FaultKind : uint8_t { eio, enospc, short_io, corrupt, o_direct_refused, slow };
+enum class FaultKind : uint8_t { eio, enospc, short_io, eagain, corrupt, o_direct_refused, slow };
 inline constexpr int kSlowFaultDelayMs = 5;
 struct Fault {
   FaultKind kind;
@@ -49,8 +51,8 @@ struct Fault {
 
 // Faults named by the environment variable STRATA_NVME_FAULTS, for tests of whole runs (the
 // swap store's ring takes them): a comma-separated list of KIND@REQUEST with KIND one of eio,
-// enospc, short, corrupt, slow and REQUEST the 0-based submit() count of that ring. Empty when the
-// variable is unset; an Error names a malformed entry.
+// enospc, short, eagain, corrupt, slow and REQUEST the 0-based submit() count of that ring. Empty
+// when the variable is unset; an Error names a malformed entry.
 std::vector<Fault> faults_from_env();
 
 struct IoOptions {
