@@ -21,6 +21,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <condition_variable>
 #include <cstring>
@@ -160,7 +161,10 @@ class HostStream final : public Stream {
           name_, device_->name);
     std::unique_lock lock(mutex_);
     const uint64_t target = submitted_;
-    idle_cv_.wait(lock, [&] { return finished_ >= target; });
+    while (finished_ < target) {
+      wake_at_ = std::min(wake_at_, target);
+      idle_cv_.wait(lock);
+    }
     if (!error_.empty()) throw Error(std::exchange(error_, {}));
   }
 
@@ -212,12 +216,16 @@ class HostStream final : public Stream {
                               device_->name);
         }
       }
+      bool wake = false;
       {
         std::lock_guard lock(mutex_);
         if (error_.empty()) error_ = std::move(error);
-        ++finished_;
+        if (++finished_ >= wake_at_) {
+          wake_at_ = kNoWaiter;
+          wake = true;
+        }
       }
-      idle_cv_.notify_all();
+      if (wake) idle_cv_.notify_all();
     }
   }
 
@@ -227,6 +235,11 @@ class HostStream final : public Stream {
   std::condition_variable work_cv_, idle_cv_;
   std::deque<Task> queue_;
   uint64_t submitted_ = 0, finished_ = 0;
+  // The fewest finished tasks a synchronize() waits for: the worker wakes the waiters when
+  // that many are done, not after every task (a waiter behind 20 queued kernels was woken 20
+  // times, each a context switch). Woken waiters still short of their target set it again.
+  static constexpr uint64_t kNoWaiter = ~uint64_t{0};
+  uint64_t wake_at_ = kNoWaiter;
   std::string error_;  // the first task error since the last synchronize()
   bool stop_ = false;
   std::thread worker_;  // last: started once everything above exists

@@ -31,6 +31,7 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cctype>
 #include <condition_variable>
@@ -56,9 +57,13 @@ struct CUstream_st {
   bool destroyed = false;  // by cudaStreamDestroy; guarded by Runtime::handle_mutex
   std::mutex mutex;
   std::condition_variable work_cv;  // the worker's: a task was queued, or the stream closed
-  std::condition_variable done_cv;  // waiters': a task was done
+  std::condition_variable done_cv;  // waiters': `wake_at` tasks were done
   std::deque<std::function<void()>> queue;
   uint64_t queued = 0, done = 0;
+  // The fewest done tasks a waiter waits for: the worker wakes the waiters once that many are
+  // done rather than after every task (each wake-up a context switch); a waiter still short of
+  // its own count sets it again.
+  uint64_t wake_at = ~uint64_t{0};
   bool closing = false;  // destroyed: the worker drains the queue, then exits
 };
 
@@ -212,8 +217,10 @@ void work(std::shared_ptr<CUstream_st> s) {
     run_task(s->device, task);
     task = nullptr;  // what it holds (a staging buffer) goes before it counts as done
     lock.lock();
-    ++s->done;
-    s->done_cv.notify_all();
+    if (++s->done >= s->wake_at) {
+      s->wake_at = ~uint64_t{0};
+      s->done_cv.notify_all();
+    }
   }
   lock.unlock();
   std::unique_lock registry(rt().handle_mutex);
@@ -284,7 +291,10 @@ uint64_t push(CUstream_st& s, std::function<void()> task) {
 
 void wait_done(CUstream_st& s, uint64_t seq) {
   std::unique_lock lock(s.mutex);
-  s.done_cv.wait(lock, [&] { return s.done >= seq; });
+  while (s.done < seq) {
+    s.wake_at = std::min(s.wake_at, seq);
+    s.done_cv.wait(lock);
+  }
 }
 
 uint64_t queued(CUstream_st& s) {
