@@ -417,7 +417,22 @@ struct Executor::State {
   // before the first; arrived: a group's members waiting for its last; users_left: per gather
   // leader, the holders that have not let go of the gathered unit.
   std::mutex mu;
+  // The step's caller waits on cv (lanes done, front tasks done, stop), as do the lane threads
+  // between steps (release, quit). Within a step each lane thread waits on its own variable in
+  // lane_waits, saying what for, so that a finished task wakes only the lanes it lets go on:
+  // one notify_all of a shared variable woke every lane at every task, 3.5 wake-ups (each a
+  // context switch) per task run in the placement sweeps.
   std::condition_variable cv;
+  struct LaneWait {
+    enum What : uint8_t { kNone, kTask, kDone, kAny };
+    What what = kNone;
+    const Task* task = nullptr;  // kTask: until ready(*task, k)
+    int id = 0;                  // kDone: until done_at[id] >= k
+    int64_t k = 0;
+    std::condition_variable cv;  // kAny: woken at every finished task
+  };
+  std::unique_ptr<LaneWait[]> lane_waits;
+  size_t lane_wait_count = 0;
   std::vector<int64_t> done_at;
   std::vector<int> arrived, users_left;
   std::vector<std::vector<UnitBuffers>> views;  // [rank][unit]
@@ -549,7 +564,7 @@ struct Executor::State {
   // backward, where a non-finite gradient stops the run instead.
   bool skipped(int64_t k) { return !early() && slot_of(k).global.non_finite; }
   void zero_unit_grads(const Task& t);
-  void run_group(int first, int end);
+  void run_group(int first, int end, int lane);
   // An Error unless the placement holds training state (RunShape::training): `what` needs it.
   void check_training(const char* what) const {
     if (!pl.shape.training)
@@ -574,6 +589,60 @@ struct Executor::State {
   // Runs lane's tasks of instance k (its dependencies: done_at >= k, prev ones >= k - 1),
   // recording spans as step `span_step`.
   void lane_loop(int lane, int64_t k, int span_step);
+  // Whether task t of instance k may start: its deps done in instance k, its prev ones (and
+  // xprev's) in k - 1 (under mu).
+  bool ready(const Task& t, int64_t k) const {
+    for (int d : t.deps)
+      if (done_at[static_cast<size_t>(d)] < k) return false;
+    for (const std::vector<int>* v :
+         {&t.prev, static_cast<const std::vector<int>*>(&xprev[static_cast<size_t>(t.id)])})
+      for (int p : *v)
+        if (done_at[static_cast<size_t>(p)] < k - 1) return false;
+    return true;
+  }
+  // lane_waits for the lanes of sc; only while no lane thread is within a step.
+  void size_lane_waits() {
+    if (lane_wait_count >= sc->lanes.size()) return;
+    lane_wait_count = sc->lanes.size();
+    lane_waits = std::make_unique<LaneWait[]>(lane_wait_count);
+  }
+  // On `lane`'s thread, under `lock`: returns once stop or pred(), waiting on the lane's own
+  // variable as `what` (with t, id and k) describes pred to wake_lanes.
+  template <typename Pred>
+  void lane_wait(std::unique_lock<std::mutex>& lock, int lane, typename LaneWait::What what,
+                 const Task* t, int id, int64_t k, Pred pred) {
+    if (stop || pred()) return;
+    LaneWait& w = lane_waits[static_cast<size_t>(lane)];
+    w.what = what;
+    w.task = t;
+    w.id = id;
+    w.k = k;
+    w.cv.wait(lock, [&] { return stop || pred(); });
+    w.what = LaneWait::kNone;
+  }
+  // Under mu, after tasks finished: wakes each lane whose wait is over (every waiting lane
+  // when `all`, as on stop).
+  void wake_lanes(bool all) {
+    for (size_t l = 0; l < lane_wait_count; ++l) {
+      LaneWait& w = lane_waits[l];
+      bool wake = all;
+      switch (w.what) {
+        case LaneWait::kNone:
+          wake = false;
+          break;
+        case LaneWait::kTask:
+          wake = wake || ready(*w.task, w.k);
+          break;
+        case LaneWait::kDone:
+          wake = wake || done_at[static_cast<size_t>(w.id)] >= w.k;
+          break;
+        case LaneWait::kAny:
+          wake = true;
+          break;
+      }
+      if (wake) w.cv.notify_one();
+    }
+  }
   // Sends unit u's staged parameters (the padded unit in its dtype) to every home, with an
   // optimizer state made from them (master = the parameters, m = v = 0), or with `state`'s
   // (master, m and v of the unit's numel elements each; the padding zero).
@@ -1485,7 +1554,7 @@ void Executor::set_optimizer_state(int u, const UnitOptimizerState& state) {
 
 // ---- running tasks ----
 
-void Executor::State::run_group(int first, int end) {
+void Executor::State::run_group(int first, int end, int lane) {
   const Task& t = sc->tasks[static_cast<size_t>(first)];
   const int u = t.unit;
   std::vector<Stream*> cs = comm_streams();
@@ -1504,7 +1573,8 @@ void Executor::State::run_group(int first, int end) {
     std::unique_lock lock(mu);
     // The unit's previous use (a forward on another lane, say) may still hold it, and the
     // buffer the schedule gives this gather may still be held by its previous run's last user.
-    cv.wait(lock, [&] { return stop || (!zero->gathered(u) && zero->free_working_buffers() > 0); });
+    lane_wait(lock, lane, LaneWait::kAny, nullptr, 0, 0,
+              [&] { return !zero->gathered(u) && zero->free_working_buffers() > 0; });
     if (stop) return;
     const std::vector<UnitBuffers> g =
         zero->gather(u, cs, gather_bwd[static_cast<size_t>(first)] != 0, shards);
@@ -1908,34 +1978,26 @@ void Executor::State::run_task(const Task& t, int64_t k) {
 }
 
 void Executor::State::lane_loop(int lane, int64_t k, int span_step) {
-  // Whether task d of instance k (prev dependencies: k - 1) is done, under mu.
-  auto ready = [&](const Task& t) {
-    for (int d : t.deps)
-      if (done_at[static_cast<size_t>(d)] < k) return false;
-    for (const std::vector<int>* v :
-         {&t.prev, static_cast<const std::vector<int>*>(&xprev[static_cast<size_t>(t.id)])})
-      for (int p : *v)
-        if (done_at[static_cast<size_t>(p)] < k - 1) return false;
-    return true;
-  };
-  // Marks tasks [first, end) of instance k done, under mu.
+  // Marks tasks [first, end) of instance k done, under mu, and wakes whom that lets go on.
   auto finish = [&](int first, int end, double start, double end_s) {
+    bool front_done = false;
     for (int i = first; i < end; ++i) {
       done_at[static_cast<size_t>(i)] = k;
       const TaskSpan sp{i, span_step, start, end_s};
       spans.push_back(sp);
       if (opt.record && span_step >= 0) recorded.push_back(sp);
-      if (span_step >= 0 && front[static_cast<size_t>(i)]) --front_left;
+      if (span_step >= 0 && front[static_cast<size_t>(i)]) front_done = --front_left == 0;
     }
     running_since[static_cast<size_t>(lane)] = -1;
-    cv.notify_all();
+    wake_lanes(false);
+    if (front_done) cv.notify_all();  // the step's caller waits for its front tasks
   };
   for (int id : lanes[static_cast<size_t>(lane)]) {
     const Task& t = sc->tasks[static_cast<size_t>(id)];
     try {
       {
         std::unique_lock lock(mu);
-        cv.wait(lock, [&] { return stop || ready(t); });
+        lane_wait(lock, lane, LaneWait::kTask, &t, 0, k, [&] { return ready(t, k); });
         if (stop) return;
       }
       const auto [first, end] = group_of[static_cast<size_t>(id)];
@@ -1944,7 +2006,8 @@ void Executor::State::lane_loop(int lane, int64_t k, int span_step) {
         {
           std::unique_lock lock(mu);
           if (++arrived[static_cast<size_t>(first)] < end - first) {
-            cv.wait(lock, [&] { return stop || done_at[static_cast<size_t>(id)] >= k; });
+            lane_wait(lock, lane, LaneWait::kDone, nullptr, id, k,
+                      [&] { return done_at[static_cast<size_t>(id)] >= k; });
             if (stop) return;
             continue;
           }
@@ -1952,7 +2015,7 @@ void Executor::State::lane_loop(int lane, int64_t k, int span_step) {
           start = now();
           running_since[static_cast<size_t>(lane)] = start;
         }
-        run_group(first, end);
+        run_group(first, end, lane);
         const double end_s = now();
         std::lock_guard lock(mu);
         finish(first, end, start, end_s);
@@ -1978,6 +2041,7 @@ void Executor::State::lane_loop(int lane, int64_t k, int span_step) {
       }
       stop = true;
       running_since[static_cast<size_t>(lane)] = -1;
+      wake_lanes(true);
       cv.notify_all();
       return;
     }
@@ -2003,6 +2067,7 @@ void Executor::State::start_workers() {
   if (!workers.empty()) return;
   lane_done.assign(sc->lanes.size(), -1);
   running_since.assign(sc->lanes.size(), -1.0);
+  size_lane_waits();
   for (size_t l = 0; l < sc->lanes.size(); ++l)
     workers.emplace_back([this, l] { worker(static_cast<int>(l)); });
 }
@@ -2122,6 +2187,7 @@ void Executor::State::run_lanes() {
   std::fill(users_left.begin(), users_left.end(), 0);
   std::vector<double> steps_running = std::move(running_since);
   running_since.assign(sc->lanes.size(), -1.0);
+  size_lane_waits();  // the step lanes are between steps, on cv
   {
     std::vector<std::thread> threads;
     for (size_t l = 0; l < sc->lanes.size(); ++l)
