@@ -37,9 +37,12 @@ exactly the tensors that implies.
 
 usage: llama_reference.py MODEL_DIR TOKENS OUT [--batch B] [--seq-len T] [--dtype float64]
   MODEL_DIR  config.json + model.safetensors (read here with json + struct, no safetensors lib)
-  TOKENS     raw little-endian int32 file: B*T inputs, then B*T targets (-100 = ignored)
+  TOKENS     raw little-endian int32 file: B*T inputs, then B*T targets (-100 = ignored),
+             optionally then B*T other targets
   OUT        a safetensors file with F32 tensors: "loss" [1], "logits" [B*T, V], and
-             "grad.<hugging face name>" for every parameter (gradient of the mean loss)
+             "grad.<hugging face name>" for every parameter (gradient of the mean loss), and
+             with other targets "loss_other" [1], the mean loss against them (one run of this
+             script, whose start-up, importing torch, takes longer than a tiny model's sums)
 """
 import argparse
 import itertools
@@ -391,14 +394,20 @@ def main():
     B, T = args.batch, args.seq_len
     with open(args.tokens, "rb") as f:
         raw = f.read()
-    toks = torch.tensor(struct.unpack(f"<{2 * B * T}i", raw), dtype=torch.int64)
-    ids, targets = toks[: B * T].view(B, T), toks[B * T :]
+    if len(raw) not in (8 * B * T, 12 * B * T):
+        print(f"{args.tokens}: {len(raw)} bytes, not 2 or 3 x {B * T} int32s", file=sys.stderr)
+        return 1
+    toks = torch.tensor(struct.unpack(f"<{len(raw) // 4}i", raw), dtype=torch.int64)
+    ids, targets, other = toks[: B * T].view(B, T), toks[B * T : 2 * B * T], toks[2 * B * T :]
 
     logits = forward(cfg, params, ids, dtype)
     V = logits.shape[-1]
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, V), targets, ignore_index=-100)
     loss.backward()
     out = {"loss": loss.detach().reshape(1), "logits": logits.detach().reshape(B * T, V)}
+    if len(other):
+        out["loss_other"] = torch.nn.functional.cross_entropy(
+            logits.detach().reshape(-1, V), other, ignore_index=-100).reshape(1)
     for n, t in params.items():
         out["grad." + n] = t.grad if t.grad is not None else torch.zeros_like(t)
     write_safetensors(args.out, out)
