@@ -1248,6 +1248,10 @@ TEST(TrainCli, HuggingFaceDeepSpeedConfigIsAccepted) {
             std::string::npos)
       << r.out;
   EXPECT_EQ(r.out.find("optimizer.params.lr is \"auto\""), std::string::npos) << r.out;
+  // The optimizer section makes DeepSpeed's optimizer, which decays every parameter.
+  EXPECT_NE(r.out.find("weight decay 0.01 on every parameter, norm weights and biases too"),
+            std::string::npos)
+      << r.out;
   const std::vector<json> m = metrics(run);
   ASSERT_EQ(m.size(), 6u);
   // WarmupDecayLR (DeepSpeed's indexing: update k runs at k - 1): 0 for the first two updates,
@@ -1260,6 +1264,7 @@ TEST(TrainCli, HuggingFaceDeepSpeedConfigIsAccepted) {
   const json state = json::parse(slurp(run / "checkpoints/step-6/trainer_state.json"));
   EXPECT_EQ(state["settings"]["grad_accum"], 2);
   EXPECT_EQ(state["settings"]["offload_optimizer"], "cpu");
+  EXPECT_EQ(state["settings"]["weight_decay_on"], "every parameter");
 }
 
 // fp16 with DeepSpeed's dynamic loss scaling, f16 parameters and activations on the host

@@ -9,8 +9,10 @@
 // backend, on one device with a constant rate, and on two with every unit sharded
 // (--persistence-threshold 0) and DeepSpeed's WarmupLR. Each exported tensor is compared by
 // max |strata - torch| / max |torch|, the first few differing elements printed. Weight decay
-// applies to the 2-D weights only, so a norm weight that was decayed fails here. Without torch
-// the test reports a skip, not a pass.
+// applies to the 2-D weights only, so a norm weight that was decayed fails here; in the
+// decay_all runs strata is given a DeepSpeed config with an optimizer section, whose optimizer
+// decays every parameter, and so does the reference (--decay-all), so a norm weight or bias
+// left undecayed fails there. Without torch the test reports a skip, not a pass.
 //
 // The one thing to know before changing the settings: Adam multiplies a gradient's error by up
 // to lr / (sqrt(v) + eps), and fp32 gradients carry errors of ~1e-7 of their scale, so an
@@ -56,6 +58,8 @@ struct Case {
   bool warmup;      // WarmupLR over 3 steps; else a constant rate
   const char* eps;  // Adam's epsilon, given to both sides; null: the default (1e-8) on both
   const char* arch = "llama";  // the reference's --arch: llama, qwen2 (q/k/v biases), qwen3
+  bool decay_all = false;      // strata given a config with an optimizer section
+  const char* offload_optimizer = nullptr;  // strata's --offload-optimizer; null: none
 };
 void PrintTo(const Case& c, std::ostream* os) {
   *os << c.name;
@@ -80,20 +84,33 @@ TEST_P(TrainReference, ExportedWeightsAndLossesMatchTorch) {
   const std::string settings = kSettings + (tc.eps ? fmt::format(" --eps {}", tc.eps) : "");
 
   const test::CommandResult ref = test::run_command(
-      fmt::format("'{}' '{}/train_reference.py' '{}' {} --ranks {} --arch {}{}{} 2>&1",
+      fmt::format("'{}' '{}/train_reference.py' '{}' {} --ranks {} --arch {}{}{}{} 2>&1",
                   STRATA_PYTHON, STRATA_REFERENCE_DIR, dir.path.string(), settings, tc.ranks,
-                  tc.arch, tc.tied ? " --tied" : "", tc.warmup ? " --warmup-steps 3" : ""));
+                  tc.arch, tc.tied ? " --tied" : "", tc.warmup ? " --warmup-steps 3" : "",
+                  tc.decay_all ? " --decay-all" : ""));
   if (ref.status == 77)
     GTEST_SKIP() << "PyTorch is not importable by " << STRATA_PYTHON
                  << "; install python3-torch to run the training reference test";
   ASSERT_EQ(ref.status, 0) << ref.out;
 
+  std::string extra;
+  if (tc.decay_all) {
+    // Hugging Face's example config's section: the flags fill its "auto"s.
+    const fs::path config = dir.path / "ds_config.json";
+    std::ofstream(config) << R"({"optimizer": {"type": "AdamW", "params": {"lr": "auto",
+        "betas": "auto", "eps": "auto", "weight_decay": "auto"}}})";
+    extra += fmt::format(" --config '{}'", config.string());
+  }
+  if (tc.offload_optimizer) extra += fmt::format(" --offload-optimizer {}", tc.offload_optimizer);
   const test::CommandResult train = strata(fmt::format(
-      "train --model '{}' --data '{}' {} --devices host:{} --dtype f32 --run-dir '{}'{}{}",
+      "train --model '{}' --data '{}' {} --devices host:{} --dtype f32 --run-dir '{}'{}{}{}",
       model.string(), (dir.path / "tokens.bin").string(), settings, tc.ranks, run.string(),
       tc.ranks > 1 ? " --persistence-threshold 0" : "",
-      tc.warmup ? " --lr-schedule WarmupLR --warmup-steps 3" : ""));
+      tc.warmup ? " --lr-schedule WarmupLR --warmup-steps 3" : "", extra));
   ASSERT_EQ(train.status, 0) << train.out;
+  EXPECT_EQ(train.out.find("on every parameter, norm weights and biases too") != std::string::npos,
+            tc.decay_all)
+      << train.out;
   const test::CommandResult exported =
       strata(fmt::format("export '{}' --out '{}' --dtype f32", run.string(), out.string()));
   ASSERT_EQ(exported.status, 0) << exported.out;
@@ -149,15 +166,18 @@ TEST_P(TrainReference, ExportedWeightsAndLossesMatchTorch) {
               worst, worst_name.c_str());
 }
 
-INSTANTIATE_TEST_SUITE_P(Runs, TrainReference,
-                         ::testing::Values(Case{"untied_host1", false, 1, false, "3e-4"},
-                                           Case{"tied_host1", true, 1, false, "3e-4"},
-                                           Case{"untied_host2_warmup", false, 2, true, nullptr},
-                                           Case{"tied_host2_warmup", true, 2, true, nullptr},
-                                           Case{"qwen2_tied_host2_warmup", true, 2, true, nullptr,
-                                                "qwen2"},
-                                           Case{"qwen3_host1", false, 1, false, "3e-4", "qwen3"}),
-                         [](const auto& p) { return std::string(p.param.name); });
+INSTANTIATE_TEST_SUITE_P(
+    Runs, TrainReference,
+    ::testing::Values(Case{"untied_host1", false, 1, false, "3e-4"},
+                      Case{"tied_host1", true, 1, false, "3e-4"},
+                      Case{"untied_host2_warmup", false, 2, true, nullptr},
+                      Case{"tied_host2_warmup", true, 2, true, nullptr},
+                      Case{"qwen2_tied_host2_warmup", true, 2, true, nullptr, "qwen2"},
+                      Case{"qwen3_host1", false, 1, false, "3e-4", "qwen3"},
+                      Case{"decay_all_tied_host1", true, 1, false, "3e-4", "llama", true},
+                      Case{"qwen2_decay_all_cpu_adam_host2", false, 2, true, nullptr, "qwen2", true,
+                           "cpu"}),
+    [](const auto& p) { return std::string(p.param.name); });
 
 // The TensorBoard event files of a training run (resumed once, so two files) read by an
 // independent reader of the format (tests/reference/tfevents_reader.py, checksums by Debian's

@@ -201,6 +201,18 @@ int run_train(const TrainArgs& a) {
   s.adam.eps = static_cast<float>(!std::isnan(a.eps) ? a.eps : opt.eps.value_or(1e-8));
   s.adam.weight_decay = static_cast<float>(
       !std::isnan(a.weight_decay) ? a.weight_decay : opt.weight_decay.value_or(0.0));
+  // Which parameters decay. A config's optimizer section has DeepSpeed make the optimizer,
+  // which decays every parameter it is given, and Hugging Face's Trainer gives it all of them;
+  // without one the Trainer makes it, with the 1-D tensors (norm weights, biases) in a group of
+  // their own that takes none.
+  s.decay_every_parameter = opt.present;
+  if (s.decay_every_parameter && s.adam.weight_decay > 0)
+    fmt::print(
+        "config {}: weight decay {} on every parameter, norm weights and biases too, as "
+        "DeepSpeed applies it with the optimizer of the config's optimizer section (and as "
+        "Hugging Face's Trainer runs this config); without that section the 1-D tensors take "
+        "none, as the Trainer's own optimizer has it\n",
+        a.config, s.adam.weight_decay);
   const bool hugging_face_schedule = a.lr_schedule == "linear" || a.lr_schedule == "cosine" ||
                                      a.lr_schedule == "constant" ||
                                      a.lr_schedule == "constant_with_warmup";
@@ -312,6 +324,7 @@ int run_train(const TrainArgs& a) {
                                      ? nlohmann::json(nullptr)
                                      : nlohmann::json(s.schedule.warmup_num_steps)},
             {"weight_decay", s.adam.weight_decay},
+            {"weight_decay_on", s.decay_every_parameter ? "every parameter" : "2-D tensors"},
             {"betas", {s.adam.beta1, s.adam.beta2}},
             {"eps", s.adam.eps},
             {"gradient_clipping", s.max_grad_norm},

@@ -649,15 +649,16 @@ struct Executor::State {
   void write_unit(int u, const std::vector<char>& staged,
                   const UnitOptimizerState* state = nullptr);
   // The pieces of rank r's shard of unit u that take weight decay and those that do not (the
-  // 1-D norm weights, Hugging Face Trainer's convention), in order: {begin, length, decay},
-  // relative to the shard. Adam is elementwise, so updating piece by piece gives the bits of
-  // one call wherever the decay is the same.
+  // 1-D norm weights and biases, Hugging Face Trainer's convention, unless `every` says all
+  // do), in order: {begin, length, decay}, relative to the shard. Adam is elementwise, so
+  // updating piece by piece gives the bits of one call wherever the decay is the same.
   struct Piece {
     uint64_t begin = 0, length = 0;
     bool decay = true;
   };
-  std::vector<Piece> pieces(int u, int r) const {
+  std::vector<Piece> pieces(int u, int r, bool every) const {
     const uint64_t first = up(u).shard_offset(r), n = shard(u);
+    if (every) return {Piece{0, n, true}};
     std::vector<Piece> out;
     uint64_t at = 0;
     for (const ParamSlot& p : layout.units[static_cast<size_t>(u)].params) {
@@ -1643,7 +1644,7 @@ void Executor::State::update(const Task& t, const StepSlot& sl, const GradStats&
       no_decay.weight_decay = 0.0f;
       const cpu_adam::StepConstants k0 =
           cpu_adam::step_constants(params.step, no_decay, grad_scale);
-      for (const Piece& pc : pieces(u, q)) {
+      for (const Piece& pc : pieces(u, q, params.decay_every_parameter)) {
         auto part = [&](const TensorView& v) {
           if (v.data == nullptr) return v;
           TensorView x = v;
@@ -1677,7 +1678,7 @@ void Executor::State::update(const Task& t, const StepSlot& sl, const GradStats&
                         : host_g[static_cast<size_t>(u)][static_cast<size_t>(q)];
     AdamParams no_decay = params.adam;
     no_decay.weight_decay = 0.0f;
-    for (const Piece& pc : pieces(u, q)) {
+    for (const Piece& pc : pieces(u, q, params.decay_every_parameter)) {
       std::optional<ParamCopy> copy;
       if (pt != DType::f32) copy = ParamCopy{p + pc.begin * ps, pt};
       const AdamShard part{sh.master + pc.begin, sh.m + pc.begin, sh.v + pc.begin, pc.length};

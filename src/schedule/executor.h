@@ -96,6 +96,10 @@ struct HostBatch {
 struct StepParams {
   int64_t step = 1;  // Adam's step count, from 1
   AdamParams adam;
+  // Weight decay on every parameter, as DeepSpeed's own optimizer (a config's optimizer
+  // section) applies it; false: not on the 1-D tensors (norm weights, biases), as Hugging Face's
+  // Trainer groups the parameters when it makes the optimizer.
+  bool decay_every_parameter = false;
   float loss_scale = 1.0f;
   float max_grad_norm = 0.0f;  // <= 0: no clipping
 };

@@ -210,6 +210,7 @@ void read_zero(Reader& r, const json& v, DsConfig::Zero& z) {
 
 void read_optimizer(Reader& r, const json& v, DsConfig::Optimizer& o) {
   r.object(v, "optimizer");
+  o.present = true;
   for (const auto& [key, value] : v.items()) {
     const std::string p = path_of("optimizer", key);
     if (key == "type") {

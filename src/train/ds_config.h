@@ -66,6 +66,10 @@ struct DsConfig {
   } fp16;
 
   struct Optimizer {
+    // The config has an optimizer section: DeepSpeed builds the optimizer from it, over every
+    // parameter in one group, so its weight decay reaches the norm weights and biases too (as
+    // Hugging Face's Trainer hands DeepSpeed every parameter when the section is there).
+    bool present = false;
     std::optional<std::string> type;  // "Adam" or "AdamW" (any case, as DeepSpeed)
     std::optional<double> lr;
     std::optional<std::array<double, 2>> betas;

@@ -369,6 +369,7 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     StepParams p;
     p.step = applied + 1;
     p.adam = s.adam;
+    p.decay_every_parameter = s.decay_every_parameter;
     const double lr = s.schedule.for_update(applied);  // logged as the schedule gives it
     p.adam.lr = static_cast<float>(lr);
     p.loss_scale = static_cast<float>(scaler.scale());

@@ -53,6 +53,9 @@ struct TrainSettings {
   DType grad_dtype = DType::f32;
   int64_t vocab_pieces = 0;  // LlamaConfig::vocab_pieces (0: chosen)
   AdamParams adam;           // lr is the schedule's base; each step's lr comes from `schedule`
+  // Weight decay on the 1-D tensors too (StepParams::decay_every_parameter): where the
+  // DeepSpeed config's optimizer section makes the optimizer, as it does under DeepSpeed.
+  bool decay_every_parameter = false;
   LrSchedule schedule;
   LossScaleSettings scaling;
   double max_grad_norm = 0;  // 0: no clipping

@@ -4,7 +4,7 @@
 
 usage: train_reference.py DIR [--tied] [--arch llama|qwen2|qwen3] --ranks R --steps N --seq-len T --micro-batch B
                           --grad-accum K --lr LR --weight-decay WD --clip C --eps E --seed S
-                          [--warmup-steps W]
+                          [--warmup-steps W] [--decay-all]
 
 First it writes the run's inputs: DIR/model/config.json + DIR/model/model.safetensors (F32), a
 tiny Llama (hidden 32, 2 layers, 4 heads, 2 kv heads, intermediate 64, vocab 97) with weights
@@ -24,7 +24,9 @@ Then it replays `strata train` on them:
     clipping as cpu_adam.cpp's combined_grad_scale (coefficient max / (norm + 1e-6), only when
     norm > max, rounded to float and multiplied into the fp32 gradient);
   - torch.optim.AdamW (foreach=False, fp32 parameters) with weight decay on the 2-D weights
-    only (Hugging Face Trainer's convention: the 1-D norm weights and biases take none);
+    only (Hugging Face Trainer's convention: the 1-D norm weights and biases take none), or
+    with --decay-all on every parameter, in one group (DeepSpeed's optimizer, made from a
+    config's optimizer section);
   - the rate of update k: LR, or with --warmup-steps DeepSpeed's WarmupLR (log warmup from 0 to
     LR over max(2, W) steps) at last_batch_iteration k - 1, as src/train/lr_schedule.cpp.
 Every rate and hyperparameter is rounded to float first, as strata holds it. The result is
@@ -231,8 +233,11 @@ def train(args):
         n: torch.nn.Parameter(t.to(torch.float32))
         for n, t in llama_reference.read_safetensors(f"{args.dir}/model/model.safetensors").items()
     }
-    decay = [p for p in params.values() if p.dim() == 2]
-    no_decay = [p for p in params.values() if p.dim() != 2]
+    if args.decay_all:  # DeepSpeed's optimizer from a config's optimizer section: one group
+        decay, no_decay = list(params.values()), []
+    else:  # Hugging Face Trainer's groups
+        decay = [p for p in params.values() if p.dim() == 2]
+        no_decay = [p for p in params.values() if p.dim() != 2]
     lr, wd = f32(args.lr), f32(args.weight_decay)
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
@@ -293,6 +298,7 @@ def main():
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--eps", type=float, default=1e-8)
     ap.add_argument("--warmup-steps", type=int, default=None)
+    ap.add_argument("--decay-all", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
     make(args)
