@@ -160,35 +160,47 @@ Expected expected_counts(const Placement& pl, int M, int G = 1, bool per_group =
   return e;
 }
 
-// before[b][a]: task a ends before task b starts in every execution of one step, through
-// dependencies, lane order and groups (a group starts when all its members could).
-std::vector<std::vector<bool>> happens_before(const Schedule& s) {
-  const size_t n = s.tasks.size();
-  std::vector<std::vector<bool>> before(n, std::vector<bool>(n, false));
-  std::vector<int> last_on_lane(s.lanes.size(), -1);
-  for (size_t i = 0; i < n;) {
-    size_t j = i + 1;
-    if (s.tasks[i].group >= 0)
-      while (j < n && s.tasks[j].group == s.tasks[i].group) ++j;
-    std::vector<bool> acc(n, false);
-    for (size_t k = i; k < j; ++k) {
-      std::vector<int> preds = s.tasks[k].deps;
-      if (last_on_lane[static_cast<size_t>(s.tasks[k].lane)] >= 0)
-        preds.push_back(last_on_lane[static_cast<size_t>(s.tasks[k].lane)]);
-      for (int p : preds) {
-        acc[static_cast<size_t>(p)] = true;
-        for (size_t a = 0; a < n; ++a)
-          if (before[static_cast<size_t>(p)][a]) acc[a] = true;
+// before(b, a): task a ends before task b starts in every execution of one step, through
+// dependencies, lane order and groups (a group starts when all its members could). One row of
+// bits per task, whose predecessors' rows are OR'ed in a word at a time (vector<bool>'s bit
+// by bit took most of the schedule tests' time, 10 times more under ASan).
+class HappensBefore {
+ public:
+  explicit HappensBefore(const Schedule& s)
+      : n_(s.tasks.size()), words_((n_ + 63) / 64), bits_(n_ * words_, 0) {
+    std::vector<int> last_on_lane(s.lanes.size(), -1);
+    std::vector<uint64_t> acc(words_);
+    for (size_t i = 0; i < n_;) {
+      size_t j = i + 1;
+      if (s.tasks[i].group >= 0)
+        while (j < n_ && s.tasks[j].group == s.tasks[i].group) ++j;
+      std::fill(acc.begin(), acc.end(), 0);
+      for (size_t k = i; k < j; ++k) {
+        std::vector<int> preds = s.tasks[k].deps;
+        if (last_on_lane[static_cast<size_t>(s.tasks[k].lane)] >= 0)
+          preds.push_back(last_on_lane[static_cast<size_t>(s.tasks[k].lane)]);
+        for (int p : preds) {
+          const auto q = static_cast<size_t>(p);
+          acc[q / 64] |= uint64_t{1} << (q % 64);
+          const uint64_t* row = &bits_[q * words_];
+          for (size_t w = 0; w < words_; ++w) acc[w] |= row[w];
+        }
       }
+      for (size_t k = i; k < j; ++k) {
+        std::copy(acc.begin(), acc.end(), bits_.begin() + static_cast<std::ptrdiff_t>(k * words_));
+        last_on_lane[static_cast<size_t>(s.tasks[k].lane)] = static_cast<int>(k);
+      }
+      i = j;
     }
-    for (size_t k = i; k < j; ++k) {
-      before[k] = acc;
-      last_on_lane[static_cast<size_t>(s.tasks[k].lane)] = static_cast<int>(k);
-    }
-    i = j;
   }
-  return before;
-}
+  bool operator()(size_t b, size_t a) const {
+    return (bits_[b * words_ + a / 64] >> (a % 64) & 1) != 0;
+  }
+
+ private:
+  size_t n_, words_;
+  std::vector<uint64_t> bits_;
+};
 
 // Every buffer is reused only after its previous holder is done with it: for each pinned
 // buffer, and each working buffer on each rank, every task of one holding happens before
@@ -199,7 +211,7 @@ std::vector<std::vector<bool>> happens_before(const Schedule& s) {
 // it and the reduce-scatter of the same unit).
 // Returns the first violation, or an empty string.
 std::string buffer_reuse_violation(const Schedule& s) {
-  const auto before = happens_before(s);
+  const HappensBefore before(s);
   std::map<std::pair<int, int>, std::vector<std::vector<int>>> holdings;  // (buffer, rank) ->
   std::map<int, std::pair<std::pair<int, int>, size_t>> holding_of;       // gather -> its holding
   auto family = [](TaskKind k) {
@@ -276,7 +288,7 @@ std::string buffer_reuse_violation(const Schedule& s) {
           if ((ka == TaskKind::reduce_scatter || ka == TaskKind::grad_d2h) &&
               s.tasks[static_cast<size_t>(b)].kind == TaskKind::param_h2d)
             continue;
-          if (!before[static_cast<size_t>(b)][static_cast<size_t>(a)])
+          if (!before(static_cast<size_t>(b), static_cast<size_t>(a)))
             return fmt::format(
                 "buffer {} rank {}: task {} of one holding is not ordered before task {} of the "
                 "next",
@@ -290,7 +302,7 @@ std::string buffer_reuse_violation(const Schedule& s) {
 // through that micro-batch's all-reduce. Every task of one such holding must happen before
 // every task of the next on the same rank. Returns the first violation, or an empty string.
 std::string replicated_gradient_violation(const Schedule& s, const Placement& pl) {
-  const auto before = happens_before(s);
+  const HappensBefore before(s);
   const ModelLayout layout = ModelLayout::build(pl.shape.model);
   auto replicated = [&](int u) { return pl.partition.units[static_cast<size_t>(u)].replicated; };
   // (unit, rank) -> holdings; a holding is closed by its all-reduce.
@@ -318,7 +330,7 @@ std::string replicated_gradient_violation(const Schedule& s, const Placement& pl
     for (size_t k = 0; k + 1 < list.size(); ++k)
       for (int a : list[k])
         for (int b : list[k + 1])
-          if (!before[static_cast<size_t>(b)][static_cast<size_t>(a)])
+          if (!before(static_cast<size_t>(b), static_cast<size_t>(a)))
             return fmt::format(
                 "working gradients of replicated unit {} on rank {}: task {} ({} m={}) is not "
                 "ordered before task {} ({} m={}) of the next micro-batch",
