@@ -30,13 +30,11 @@
 // (AllocationCount below). The array and nothrow forms call this one. TSan's runtime defines
 // operator new itself (ASan's lets a program replace it), so under TSan nothing is counted and
 // the allocation tests skip.
-#if !defined(STRATA_TEST_TSAN)
-#define STRATA_TEST_COUNTS_ALLOCATIONS 1
 namespace {
 thread_local bool t_count_allocations = false;
 thread_local uint64_t t_allocations = 0;
 }  // namespace
-
+#if !defined(STRATA_TEST_TSAN)
 // GCC takes free() inside a replacement operator delete for a mismatch with operator new.
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
@@ -61,8 +59,13 @@ void operator delete(void* p, std::size_t) noexcept {
 namespace strata::nvme {
 namespace {
 
+#if defined(STRATA_TEST_TSAN)
+constexpr bool kCountsAllocations = false;
+#else
+constexpr bool kCountsAllocations = true;
+#endif
+
 // Counts this thread's heap allocations from construction to count().
-#if defined(STRATA_TEST_COUNTS_ALLOCATIONS)
 class AllocationCount {
  public:
   AllocationCount() {
@@ -74,14 +77,6 @@ class AllocationCount {
   AllocationCount& operator=(const AllocationCount&) = delete;
   uint64_t count() const { return t_allocations; }
 };
-#define SKIP_UNLESS_ALLOCATIONS_COUNT() (void)0
-#else
-struct AllocationCount {
-  uint64_t count() const { return 0; }
-};
-#define SKIP_UNLESS_ALLOCATIONS_COUNT() \
-  GTEST_SKIP() << "TSan's runtime owns operator new: allocations are not counted under TSan"
-#endif
 
 namespace fs = std::filesystem;
 using test::expect_error;
@@ -232,7 +227,8 @@ struct RingFixture {
 // behind a full ring, is split into an aligned part and a buffered tail, or uses registered
 // buffers and files.
 TEST(IoRing, RequestsAllocateNothingOnceRunning) {
-  SKIP_UNLESS_ALLOCATIONS_COUNT();
+  if (!kCountsAllocations)
+    GTEST_SKIP() << "TSan's runtime owns operator new: allocations are not counted under TSan";
   TempDir dir("/tmp");
   const std::vector<Segment> segs = segments(2);  // 14 requests, twice the depth; odd tails
   const uint64_t total = segs.back().offset + segs.back().len;
@@ -434,7 +430,8 @@ TEST(SwapStore, StripesOverOneTwoAndThreePathsAndRoundTrips) {
 // A store's reads and writes of page-aligned buffers (the executor's pinned buffers are)
 // allocate nothing once its shards are placed, over several paths and blocks of every size.
 TEST(SwapStore, TransfersAllocateNothingOnceRunning) {
-  SKIP_UNLESS_ALLOCATIONS_COUNT();
+  if (!kCountsAllocations)
+    GTEST_SKIP() << "TSan's runtime owns operator new: allocations are not counted under TSan";
   Paths p(2);
   SwapStore store(store_options(p));
   std::vector<std::string> names;

@@ -606,41 +606,46 @@ struct Executor::State {
     lane_wait_count = sc->lanes.size();
     lane_waits = std::make_unique<LaneWait[]>(lane_wait_count);
   }
-  // On `lane`'s thread, under `lock`: returns once stop or pred(), waiting on the lane's own
-  // variable as `what` (with t, id and k) describes pred to wake_lanes.
-  template <typename Pred>
+  // Whether wait w may be over (under mu): its task ready, its group done; a kAny wait's
+  // condition is its waiter's to check.
+  bool wait_over(const LaneWait& w) const {
+    switch (w.what) {
+      case LaneWait::kTask:
+        return ready(*w.task, w.k);
+      case LaneWait::kDone:
+        return done_at[static_cast<size_t>(w.id)] >= w.k;
+      case LaneWait::kAny:
+        return true;
+      case LaneWait::kNone:
+        break;
+    }
+    return false;
+  }
+  // On `lane`'s thread, under `lock`: returns once stop or the wait {what, t, id, k} is over
+  // (kTask: task t of instance k ready; kDone: task id of instance k done), or, for kAny, once
+  // stop or any_over(), waiting on the lane's own variable.
+  template <typename AnyOver>
   void lane_wait(std::unique_lock<std::mutex>& lock, int lane, typename LaneWait::What what,
-                 const Task* t, int id, int64_t k, Pred pred) {
-    if (stop || pred()) return;
+                 const Task* t, int id, int64_t k, AnyOver any_over) {
     LaneWait& w = lane_waits[static_cast<size_t>(lane)];
     w.what = what;
     w.task = t;
     w.id = id;
     w.k = k;
-    w.cv.wait(lock, [&] { return stop || pred(); });
+    auto over = [&] { return what == LaneWait::kAny ? any_over() : wait_over(w); };
+    w.cv.wait(lock, [&] { return stop || over(); });
     w.what = LaneWait::kNone;
   }
-  // Under mu, after tasks finished: wakes each lane whose wait is over (every waiting lane
+  void lane_wait(std::unique_lock<std::mutex>& lock, int lane, typename LaneWait::What what,
+                 const Task* t, int id, int64_t k) {
+    lane_wait(lock, lane, what, t, id, k, [] { return true; });
+  }
+  // Under mu, after tasks finished: wakes each lane whose wait may be over (every waiting lane
   // when `all`, as on stop).
   void wake_lanes(bool all) {
     for (size_t l = 0; l < lane_wait_count; ++l) {
       LaneWait& w = lane_waits[l];
-      bool wake = all;
-      switch (w.what) {
-        case LaneWait::kNone:
-          wake = false;
-          break;
-        case LaneWait::kTask:
-          wake = wake || ready(*w.task, w.k);
-          break;
-        case LaneWait::kDone:
-          wake = wake || done_at[static_cast<size_t>(w.id)] >= w.k;
-          break;
-        case LaneWait::kAny:
-          wake = true;
-          break;
-      }
-      if (wake) w.cv.notify_one();
+      if (w.what != LaneWait::kNone && (all || wait_over(w))) w.cv.notify_one();
     }
   }
   // Sends unit u's staged parameters (the padded unit in its dtype) to every home, with an
@@ -1998,7 +2003,7 @@ void Executor::State::lane_loop(int lane, int64_t k, int span_step) {
     try {
       {
         std::unique_lock lock(mu);
-        lane_wait(lock, lane, LaneWait::kTask, &t, 0, k, [&] { return ready(t, k); });
+        lane_wait(lock, lane, LaneWait::kTask, &t, 0, k);
         if (stop) return;
       }
       const auto [first, end] = group_of[static_cast<size_t>(id)];
@@ -2007,8 +2012,7 @@ void Executor::State::lane_loop(int lane, int64_t k, int span_step) {
         {
           std::unique_lock lock(mu);
           if (++arrived[static_cast<size_t>(first)] < end - first) {
-            lane_wait(lock, lane, LaneWait::kDone, nullptr, id, k,
-                      [&] { return done_at[static_cast<size_t>(id)] >= k; });
+            lane_wait(lock, lane, LaneWait::kDone, nullptr, id, k);
             if (stop) return;
             continue;
           }
