@@ -306,7 +306,13 @@ TEST(DsConfig, DeepSpeedExamplesZero3Nvme) {
   EXPECT_EQ(c.scheduler.warmup_type, "linear");
   EXPECT_EQ(c.fp16.enabled, true);
   EXPECT_EQ(c.zero.stage3_param_persistence_threshold, 100000u);
-  EXPECT_TRUE(has(c.ignored, "activation_checkpointing"));
+  // Its activation checkpoints go to host RAM (RunShape::offload_activations); the section's
+  // other keys are Megatron's model parallelism.
+  EXPECT_EQ(c.cpu_checkpointing, true);
+  for (const char* key : {"partition_activations", "contiguous_memory_optimization",
+                          "number_checkpoints", "synchronize_checkpoint_boundary", "profile"})
+    EXPECT_TRUE(has(c.ignored, std::string("activation_checkpointing.") + key)) << key;
+  EXPECT_FALSE(has(c.ignored, "activation_checkpointing.cpu_checkpointing"));
 
   // 64 = 4 per GPU x accumulation x GPUs.
   const LlamaConfig model = *find_preset("llama2-7b");
@@ -318,6 +324,7 @@ TEST(DsConfig, DeepSpeedExamplesZero3Nvme) {
                {"train_batch_size 64", "train_micro_batch_size_per_gpu 4", "3 GPU(s)"});
   EXPECT_EQ(s.param_dtype, DType::f16);
   EXPECT_EQ(s.persistence_threshold, 100000u);
+  EXPECT_EQ(s.offload_activations, true);
   // 1e7 elements ahead against llama2-7b's largest unit (the 131M-element embedding): 1.
   EXPECT_EQ(s.prefetch_depth, 1);
   EXPECT_EQ(ds_plan_settings(c, 4, *find_preset("tiny")).prefetch_depth, 4);
@@ -449,6 +456,9 @@ TEST(DsConfig, WrongTypesAndValuesNameTheirPath) {
       {R"({"zero_optimization": {"offload_param": {"device": 1}}})",
        {"zero_optimization.offload_param.device", "is 1"}},
       {R"({"zero_optimization": {"stage": 4}})", {"zero_optimization.stage", "0..3"}},
+      {R"({"activation_checkpointing": {"cpu_checkpointing": "yes"}})",
+       {"activation_checkpointing.cpu_checkpointing", "true or false"}},
+      {R"({"activation_checkpointing": true})", {"activation_checkpointing", "object"}},
       {R"({"zero_optimization": {"stage": "auto"}})", {"zero_optimization.stage", "\"auto\""}},
       {R"({"zero_optimization": {"offload_param": {"pin_memory": "yes"}}})",
        {"zero_optimization.offload_param.pin_memory", "true or false"}},

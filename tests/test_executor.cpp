@@ -100,7 +100,8 @@ TierBudgets test_budgets() {
 Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std::string& dir,
                          uint64_t threshold = 0, int depth = 1, bool recompute = true,
                          GradHome grads = GradHome::automatic, int group = 1,
-                         DType dtype = DType::f32, DType grad_dtype = DType::f32) {
+                         DType dtype = DType::f32, DType grad_dtype = DType::f32,
+                         bool offload_activations = false) {
   RunShape shape;
   shape.model = c;
   shape.ranks = N;
@@ -112,6 +113,7 @@ Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std:
   shape.working_buffers = std::max(2, depth + 1);
   shape.recompute = recompute;
   shape.micro_batch_group = group;
+  shape.offload_activations = offload_activations;
   OffloadRequest req;
   req.param = p;
   req.optimizer = o;
@@ -165,7 +167,13 @@ struct RunResult {
   std::vector<double> losses, norms;
   std::vector<std::vector<float>> master, params;
   double final_eval = 0;  // evaluate() on step 0's batches after the last step (executor runs)
+  uint64_t act_high_water = 0;  // device 0's activations at their peak (executor runs)
 };
+
+int count_tasks(const Schedule& sc, TaskKind kind) {
+  return static_cast<int>(std::count_if(sc.tasks.begin(), sc.tasks.end(),
+                                        [&](const Task& t) { return t.kind == kind; }));
+}
 
 void expect_bits(const std::vector<float>& a, const std::vector<float>& b,
                  const std::string& what) {
@@ -219,9 +227,10 @@ struct Micro {
   int group = 1;
   bool clip = true;
   bool early = false;
-  bool per_group = false;         // ScheduleOptions::reduce_per_group
-  DType dtype = DType::f32;       // the parameters' (RunShape::param_dtype)
-  DType grad_dtype = DType::f32;  // RunShape::grad_dtype
+  bool per_group = false;            // ScheduleOptions::reduce_per_group
+  DType dtype = DType::f32;          // the parameters' (RunShape::param_dtype)
+  DType grad_dtype = DType::f32;     // RunShape::grad_dtype
+  bool offload_activations = false;  // RunShape::offload_activations
 };
 
 // `grads`: automatic keeps the gradients of an offloaded optimizer on the (roomy) devices.
@@ -230,8 +239,9 @@ RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t thr
                        Micro micro = {}) {
   const test::TempDir dir("strata-exec");
   Rig rig(N);
-  const Placement pl = make_placement(c, N, p, o, dir.path.string(), threshold, depth, recompute,
-                                      grads, micro.group, micro.dtype, micro.grad_dtype);
+  const Placement pl =
+      make_placement(c, N, p, o, dir.path.string(), threshold, depth, recompute, grads, micro.group,
+                     micro.dtype, micro.grad_dtype, micro.offload_activations);
   for (size_t u = 0; u < pl.homes.size(); ++u) {
     const UnitHomes& h = pl.homes[u];
     const bool off = h.optimizer != Tier::gpu;
@@ -278,6 +288,13 @@ RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t thr
     out.params.push_back(ex.parameters(u));
   }
   const std::string name = fmt::format("P {} O {} N {}", tier_name(p), tier_name(o), N);
+  out.act_high_water = rig.devices[0]->memory().high_water_by_kind[size_t(MemoryKind::activations)];
+  if (micro.offload_activations) {
+    const int K = checkpoint_slots(pl.shape);
+    const int n = offloaded_checkpoints(c, K);
+    EXPECT_EQ(count_tasks(sc, TaskKind::act_d2h), n * micro.batches * N) << name;
+    EXPECT_EQ(count_tasks(sc, TaskKind::act_h2d), n * micro.batches * N) << name;
+  }
   EXPECT_NO_THROW(check_timeline(sc, ex.timeline())) << name;
   EXPECT_EQ(ex.timeline().steps, kSteps);
   const ExecutorMemory mem = ex.memory();
@@ -916,6 +933,53 @@ TEST(Executor, MicroBatchGroupsGiveTheSameBits) {
         run_executor(c, 2, Tier::cpu, Tier::nvme, 0, depth, false, GradHome::automatic, {3, 2});
     expect_same(r, base3, fmt::format("no recompute, group 2, depth {}:", depth));
   }
+}
+
+// Activation checkpoints in host RAM (RunShape::offload_activations): each block's input goes to
+// the host after the forward that writes it and comes back before its backward, the GPU keeping
+// a ring of max(2, prefetch depth + 1) of them, so a forward overwrites a slot whose checkpoint
+// is still needed. The same bits as keeping them all on the device, for every home of P and O,
+// on 1 and 3 ranks, at prefetch depths 1 to 3, in micro-batch groups of 2 (a short last group:
+// a ring per set), with vocabulary pieces (the head's normed input in a slot of its own), with
+// evaluation before each step (forwards only, over the same ring); and less activation memory.
+TEST(Executor, OffloadedActivationCheckpointsGiveTheSameBits) {
+  REQUIRE_DEVICES(3);
+  LlamaConfig c = tiny(false);
+  c.num_hidden_layers = 5;  // blocks 0..3 offloaded with a ring of 2, 0..2 with 3, 0..1 with 4
+  for (const int N : {1, 3}) {
+    const RunResult base = run_executor(c, N, Tier::gpu, Tier::gpu);
+    int k = 0;
+    for (Tier p : {Tier::gpu, Tier::cpu, Tier::nvme})
+      for (Tier o : {Tier::gpu, Tier::cpu, Tier::nvme}) {
+        if (halve_sweeps() && (k++ + N) % 2 != 0) continue;
+        const std::string what = fmt::format("N {} P {} O {}", N, tier_name(p), tier_name(o));
+        SCOPED_TRACE(what);
+        Micro off;
+        off.offload_activations = true;
+        const RunResult r = run_executor(c, N, p, o, 0, 1, true, GradHome::automatic, off);
+        expect_same(r, base, what + ":");
+        if (p == Tier::gpu && o == Tier::gpu) {
+          EXPECT_LT(r.act_high_water, base.act_high_water) << what;
+        }
+      }
+    for (const int depth : {2, 3}) {
+      Micro off;
+      off.offload_activations = true;
+      expect_same(
+          run_executor(c, N, Tier::cpu, Tier::cpu, 0, depth, true, GradHome::automatic, off), base,
+          fmt::format("N {} depth {}:", N, depth));
+    }
+  }
+  const Micro alone3{3, 1}, groups{3, 2, true, false, false, DType::f32, DType::f32, true};
+  expect_same(run_executor(c, 2, Tier::nvme, Tier::cpu, 0, 1, true, GradHome::cpu, groups),
+              run_executor(c, 2, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic, alone3),
+              "groups of 2 of 3:");
+  LlamaConfig pieces = c;
+  pieces.vocab_pieces = 3;
+  Micro off;
+  off.offload_activations = true;
+  expect_same(run_executor(pieces, 2, Tier::cpu, Tier::nvme, 0, 1, true, GradHome::automatic, off),
+              run_executor(pieces, 2, Tier::gpu, Tier::gpu), "vocabulary pieces:");
 }
 
 // The embedding and the head in three vocabulary pieces each (units of their own): the

@@ -641,6 +641,65 @@ TEST(LlamaModel, ForwardOnlyGivesTheSameLossesInLessMemory) {
     }
 }
 
+// A ring of K activation checkpoint slots (ModelOptions::checkpoint_slots, for checkpoints
+// offloaded to the host): position p (block p's input, the head's at p = L) in slot p % K of
+// its set, the head pieces' normed input in a slot of its own, L + 1 - K fewer slots per set;
+// blocks 0..L-K offloaded; K > L changes nothing; a ring of 1, or one without recompute, is
+// refused, and so is the whole-model forward keeping checkpoints.
+TEST(LlamaModel, CheckpointSlotsFormARingPerSet) {
+  for (const int pieces : {1, 3}) {
+    SCOPED_TRACE(pieces);
+    LlamaConfig c = small_config(false);
+    c.num_hidden_layers = 5;
+    c.vocab_pieces = pieces;
+    auto device = open_host_device(0, 64ull << 20);
+    ModelOptions o;
+    o.max_batch = 2;
+    o.seq_len = 7;
+    o.vocab_chunk = 8;
+    o.activation_sets = 2;
+    const uint64_t row = 2 * 7 * 16 * 4;
+    for (const int K : {2, 3, 5}) {
+      SCOPED_TRACE(K);
+      ModelOptions r = o;
+      r.checkpoint_slots = K;
+      LlamaModel all(c, o, *device), ring(c, r, *device);
+      EXPECT_EQ(offloaded_checkpoints(c, K), 5 - K + 1);
+      EXPECT_EQ(all.workspace_bytes() - ring.workspace_bytes(), 2 * uint64_t(5 + 1 - K) * row);
+      EXPECT_EQ(LlamaModel::workspace_bytes_for(c, r), ring.workspace_bytes());
+      const ModelLayout& l = ring.layout();
+      const int b0 = l.first_block(), U = l.num_units();
+      for (int set : {0, 1})
+        for (int u = b0; u <= l.first_head(); ++u)
+          for (int v = b0; v <= l.first_head(); ++v) {
+            const bool same = ring.checkpoint(u, 2, set).data == ring.checkpoint(v, 2, set).data;
+            EXPECT_EQ(same, (u - v) % K == 0) << u << " " << v;
+            EXPECT_NE(ring.checkpoint(u, 2, set).data, ring.checkpoint(v, 2, 1 - set).data);
+          }
+      for (int u = l.first_head() + 1; u < U; ++u)  // the normed input, apart from the ring
+        for (int v = b0; v <= l.first_head(); ++v)
+          EXPECT_NE(ring.checkpoint(u, 2, 0).data, ring.checkpoint(v, 2, 0).data);
+      auto stream = device->create_stream("test");
+      ResidentWeights w(ring.layout(), *device, DType::f32, DType::f32, false);
+      test::expect_error([&] { ring.forward(w.units(), nullptr, nullptr, 2, true, *stream); },
+                         {"ring of", "only the executor"});
+    }
+    ModelOptions wide = o;
+    wide.checkpoint_slots = 6;  // more than the 5 blocks: nothing leaves the device
+    EXPECT_EQ(offloaded_checkpoints(c, 6), 0);
+    EXPECT_EQ(LlamaModel::workspace_bytes_for(c, wide), LlamaModel::workspace_bytes_for(c, o));
+    ModelOptions one = o;
+    one.checkpoint_slots = 1;
+    test::expect_error([&] { LlamaModel m(c, one, *device); },
+                       {"checkpoint slots 1", "at least 2"});
+    ModelOptions kept = o;
+    kept.checkpoint_slots = 2;
+    kept.recompute = false;
+    test::expect_error([&] { LlamaModel m(c, kept, *device); },
+                       {"need activation checkpointing", "--activation-checkpointing on"});
+  }
+}
+
 // The bf16 path (what the CUDA backend runs): bf16 parameters and activations, f32 gradient
 // accumulators, the logits gradient cast to bf16 per chunk. Agrees with f32 to bf16 accuracy.
 TEST(LlamaModel, Bf16AgreesWithF32) {

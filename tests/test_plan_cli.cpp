@@ -302,6 +302,65 @@ TEST(PlanCli, ReducingOncePerGroupUnloadsTheLinksBetweenGpus) {
   EXPECT_NE(r.out.find("sometimes"), std::string::npos) << r.out;
 }
 
+// Activation checkpoints in host RAM (--offload-activations cpu, DeepSpeed's
+// activation_checkpointing.cpu_checkpointing): llama3-70b at 8192 tokens on 4 x 24 GiB GPUs
+// does not fit with them on the GPUs, the refusal says how much offloading them frees, and with
+// them offloaded it fits. On 80 GB the GPU keeps a ring of 2 block inputs instead of all 80 (and
+// the head's): 79 fewer of [8192, 8192] bf16, each of the 4 ranks' 79 in host RAM, copied out
+// and back over the GPU's PCIe lanes once a micro-batch.
+TEST(PlanCli, OffloadedActivationCheckpointsFit70bAt8kTokensOn24GiB) {
+  const std::string args =
+      "plan --model llama3-70b --gpus 4 --cpu-memory 1TiB --nvme 2x3.5TB --seq-len 8192 "
+      "--offload-param cpu --offload-optimizer nvme ";
+  const Result refused = strata(args + "--gpu-memory 24GiB", "2>&1 >/dev/null");
+  EXPECT_EQ(refused.status, 1);
+  for (const char* part : {"does not fit", "--offload-activations cpu", "frees 9.88 GiB"})
+    EXPECT_NE(refused.out.find(part), std::string::npos) << part << " missing from " << refused.out;
+  const json fits = parse_json(
+      strata(args + "--gpu-memory 24GiB --offload-activations cpu --json", "2>/dev/null"));
+  EXPECT_EQ(fits["offload_activations"], true);
+  EXPECT_LE(fits["memory"]["gpu"]["total"].get<uint64_t>(), 24ull << 30);
+  const auto [kept, off] = plan_without_and_with(
+      args + "--gpu-memory 80GB --json", "--offload-activations cpu", "offload_activations");
+  const uint64_t one = 8192ull * 8192 * 2;
+  EXPECT_EQ(kept["memory"]["gpu"]["activations"].get<uint64_t>() -
+                off["memory"]["gpu"]["activations"].get<uint64_t>(),
+            79 * one);
+  EXPECT_EQ(off["memory"]["cpu"]["activations"].get<uint64_t>(), 4 * 79 * one);
+  EXPECT_EQ(kept["memory"]["cpu"]["activations"], 0);
+  EXPECT_GT(busy(off, "gpu[0].d2h"), busy(kept, "gpu[0].d2h") + 79 * one / 100e9);
+  // From a DeepSpeed config, and the flag over it.
+  const test::TempDir dir("strata-plan-act");
+  const fs::path config = dir.path / "ds.json";
+  std::ofstream(config) << R"({"activation_checkpointing": {"partition_activations": true,
+    "cpu_checkpointing": true, "contiguous_memory_optimization": false}})";
+  const std::string from_config =
+      args + "--gpu-memory 80GB --json --config '" + config.string() + "'";
+  json j = parse_json(strata(from_config, "2>/dev/null"));
+  EXPECT_EQ(j["offload_activations"], true);
+  EXPECT_EQ(j["memory"]["cpu"]["activations"], off["memory"]["cpu"]["activations"]);
+  EXPECT_EQ(j["ignored_config_keys"],
+            json({"activation_checkpointing.contiguous_memory_optimization",
+                  "activation_checkpointing.partition_activations"}));
+  j = parse_json(strata(from_config + " --offload-activations none", "2>/dev/null"));
+  EXPECT_EQ(j["offload_activations"], false);
+  // Without recompute there are no checkpoints to offload; an unknown tier is named.
+  Result r =
+      strata(args + "--gpu-memory 80GB --offload-activations cpu --activation-checkpointing off");
+  EXPECT_EQ(r.status, 1);
+  for (const char* part : {"--offload-activations", "--activation-checkpointing on"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from " << r.out;
+  r = strata(args + "--gpu-memory 80GB --offload-activations disk");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.out.find("--offload-activations disk"), std::string::npos) << r.out;
+  // estimate counts them in host RAM for every option.
+  const json e = parse_json(
+      strata("estimate --model llama3-70b --gpus 4 --seq-len 8192 --offload-activations cpu --json",
+             "2>/dev/null"));
+  for (const json& row : e)
+    EXPECT_EQ(row["cpu"]["activations"], off["memory"]["cpu"]["activations"]);
+}
+
 TEST(PlanCli, BadFlagsAreNamed) {
   Result r = strata("plan --model tiny --gpu-memory 1GiB --offload-param disk");
   EXPECT_EQ(r.status, 1);

@@ -476,6 +476,85 @@ TEST(Schedule, EveryPlacementValidatesCountsAndSimulates) {
   EXPECT_EQ(built, 4 * 3 * 3 * 7 * 2 * 2 * 3);
 }
 
+// Activation checkpoints offloaded (RunShape::offload_activations): for every block v whose
+// input leaves the GPU's ring of K slots, each micro-batch on each rank copies it out after the
+// forward that wrote it (forward(v - 1)) and before the forward that overwrites its slot
+// (forward(v + K - 1)), and back after the backward that last read the slot (backward(v + K))
+// and before its own backward; the copies are on the rank's d2h and h2d lanes with the bytes of
+// one [micro_batch x seq_len, hidden] activation, and the simulator times them. Evaluation moves
+// none.
+TEST(Schedule, OffloadedActivationCheckpointsGoOutAndComeBackInTime) {
+  LlamaConfig c = tiny(false);
+  c.num_hidden_layers = 6;
+  int checked = 0;
+  for (const int R : {1, 2})
+    for (const Tier t : {Tier::gpu, Tier::cpu})
+      for (const int working : {2, 3, 4})
+        for (const int M : {1, 3})
+          for (const int G : {1, 2}) {
+            Placement pl = make_placement(c, R, t, t, 0, working);
+            pl.shape.offload_activations = true;
+            pl.shape.micro_batch_group = G;
+            const Schedule s = Schedule::build(pl, ScheduleOptions{M, working - 1});
+            const std::string what =
+                fmt::format("R {} P/O {} working {} M {} G {}", R, tier_name(t), working, M, G);
+            ASSERT_NO_THROW(s.validate()) << what;
+            EXPECT_EQ(buffer_reuse_violation(s), "") << what;
+            const HappensBefore before(s);
+            std::map<std::tuple<TaskKind, int, int, int>, int> at;  // (kind, unit, m, rank)
+            for (const Task& x : s.tasks)
+              if (x.micro_batch >= 0) at[{x.kind, x.unit, x.micro_batch, x.rank}] = x.id;
+            const int K = checkpoint_slots(pl.shape);
+            ASSERT_EQ(K, working) << what;
+            const int first = ModelLayout::build(c).first_block();
+            const int n = offloaded_checkpoints(c, K);
+            ASSERT_EQ(n, 6 - K + 1) << what;
+            int moved = 0;
+            for (const Task& x : s.tasks) {
+              if (x.kind != TaskKind::act_d2h && x.kind != TaskKind::act_h2d) continue;
+              ++moved;
+              EXPECT_EQ(x.bytes, uint64_t{2 * 64 * 64 * 2}) << what;  // bf16 [2 x 64, 64]
+              EXPECT_EQ(s.lanes[size_t(x.lane)].kind,
+                        x.kind == TaskKind::act_d2h ? LaneKind::d2h : LaneKind::h2d);
+              EXPECT_EQ(s.lanes[size_t(x.lane)].device, x.rank);
+            }
+            EXPECT_EQ(moved, 2 * n * M * R) << what;
+            for (int v = first; v < first + n; ++v)
+              for (int m = 0; m < M; ++m)
+                for (int r = 0; r < R; ++r) {
+                  const auto get = [&](TaskKind k, int u) {
+                    const auto it = at.find({k, u, m, r});
+                    return it == at.end() ? -1 : it->second;
+                  };
+                  const int out = get(TaskKind::act_d2h, v), back = get(TaskKind::act_h2d, v);
+                  ASSERT_GE(out, 0) << what << " v " << v;
+                  ASSERT_GE(back, 0) << what << " v " << v;
+                  const auto ok = [&](int later, int earlier) {
+                    return later >= 0 && earlier >= 0 && before(size_t(later), size_t(earlier));
+                  };
+                  EXPECT_TRUE(ok(out, get(TaskKind::forward, v - 1))) << what << " v " << v;
+                  EXPECT_TRUE(ok(get(TaskKind::forward, v + K - 1), out)) << what << " v " << v;
+                  EXPECT_TRUE(ok(back, get(TaskKind::backward, v + K))) << what << " v " << v;
+                  EXPECT_TRUE(ok(back, out)) << what << " v " << v;
+                  EXPECT_TRUE(ok(get(TaskKind::backward, v), back)) << what << " v " << v;
+                  ++checked;
+                }
+            const Prediction p = simulate(s, test_profile(), 2);
+            ASSERT_NO_THROW(check_timeline(s, p.timeline)) << what;
+            // Without the offload: no copies, and the same step but for them.
+            Placement kept = pl;
+            kept.shape.offload_activations = false;
+            const Schedule k = Schedule::build(kept, ScheduleOptions{M, working - 1});
+            EXPECT_EQ(k.tasks.size() + static_cast<size_t>(2 * n * M * R), s.tasks.size());
+            ScheduleOptions eval{M, working - 1};
+            eval.forward_only = true;
+            for (const Task& x : Schedule::build(pl, eval).tasks)
+              EXPECT_TRUE(x.kind != TaskKind::act_d2h && x.kind != TaskKind::act_h2d) << what;
+          }
+  // (ranks 1 + 2) x 2 placements x (5 + 4 + 3 blocks offloaded) x (micro-batches 1 + 3) x 2
+  EXPECT_EQ(checked, 3 * 2 * 12 * 4 * 2);
+}
+
 // Evaluation's schedule: each micro-batch's forwards and what fetches and gathers them; every
 // sharded unit gathered once per micro-batch, nothing written back. With tied embeddings unit 0
 // is gathered again for the last micro-batch's head (the other heads share their gather with

@@ -286,6 +286,43 @@ TEST(TrainCli, MicroBatchGroupsGiveTheSameBits) {
   EXPECT_NE(bad.out.find("--micro-batch-group 4"), std::string::npos) << bad.out;
 }
 
+// --offload-activations cpu copies each block's input to host RAM after its forward and back
+// before its backward, the devices keeping a ring of 2: the same files and losses bit for bit,
+// on one device and on two with the state offloaded and micro-batches in groups (a model of 4
+// layers, so 3 of its block inputs go out); without recompute it is refused naming both flags.
+TEST(TrainCli, OffloadedActivationCheckpointsGiveTheSameBits) {
+  const test::TempDir dir("strata-act-offload");
+  const fs::path data = make_data(dir.path);
+  const fs::path config = dir.path / "config.json";
+  std::ofstream(config) << R"({"model_type": "llama", "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64, "intermediate_size": 172, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512,
+    "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 10000.0})";
+  const std::string model = "--model " + dir.path.string() +
+                            " --init random --seed 5 --seq-len 32 --micro-batch 2 --data " +
+                            data.string() + " --lr 2e-3 --grad-accum 3 --threads 1 ";
+  for (const std::string& placement :
+       {std::string(""), std::string("--devices host:2 --persistence-threshold 0 "
+                                     "--offload-param nvme --offload-optimizer cpu "
+                                     "--micro-batch-group 2")}) {
+    SCOPED_TRACE(placement);
+    std::array<std::string, 2> out;
+    expect_flags_keep_the_bits(dir.path, "train " + model + placement, "--offload-activations cpu",
+                               2, &out);
+    const char* said = "activation checkpoints: 3 block input(s) per micro-batch go to host RAM";
+    EXPECT_NE(out[1].find(said), std::string::npos) << out[1];
+    EXPECT_EQ(out[0].find(said), std::string::npos) << out[0];
+  }
+  const test::CommandResult bad =
+      strata("train " + model +
+             "--steps 1 --offload-activations cpu --activation-checkpointing "
+             "off --run-dir " +
+             (dir.path / "bad").string());
+  EXPECT_NE(bad.status, 0);
+  for (const char* part : {"--offload-activations", "--activation-checkpointing on"})
+    EXPECT_NE(bad.out.find(part), std::string::npos) << part << " missing from " << bad.out;
+}
+
 // Without clipping, CPU Adam updating each unit during the backward gives the same files and
 // losses bit for bit: on one device with the optimizer on the CPU (bf16, a group of the whole
 // step) and on two with P and O on NVMe.

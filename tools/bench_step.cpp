@@ -58,6 +58,7 @@ struct BenchStepArgs {
   int64_t micro_batch = 1, grad_accum = 1, seq_len = 64;
   int prefetch_depth = 1;
   bool recompute = true;  // --activation-checkpointing
+  std::string offload_activations;
   int64_t micro_batch_group = kUnsetFlag;
   bool update_during_backward = false;
   bool reduce_per_group = false;
@@ -236,6 +237,7 @@ int run_bench_step(const BenchStepArgs& a) {
       static_cast<uint64_t>(std::max<int64_t>(a.persistence_threshold, 0));
   shape.working_buffers = working_buffers_for(depth, model.tie_word_embeddings);
   shape.recompute = a.recompute;
+  shape.offload_activations = offload_activations_flag(a.offload_activations, std::nullopt);
   shape.micro_batch_group = micro_batch_group_flag(a.micro_batch_group, a.grad_accum);
 
   // Swap space: the given paths, else a directory made here and removed at the end.
@@ -324,6 +326,7 @@ int run_bench_step(const BenchStepArgs& a) {
   const bool per_group = a.reduce_per_group && shape.micro_batch_group > 1;
   RunShape ref_shape = shape;
   if (!per_group) ref_shape.micro_batch_group = 1;
+  ref_shape.offload_activations = false;  // and every activation checkpoint on the devices
   const Placement ref_placement = Placement::make(ref_shape, all_device, budgets);
   const bool cut = !fits(ref_placement);
   Measured want;
@@ -352,6 +355,7 @@ int run_bench_step(const BenchStepArgs& a) {
       small_request.grads = grads.on_gpu == 0 ? GradHome::cpu : GradHome::gpu;
     RunShape small_shape = small;
     small_shape.micro_batch_group = shape.micro_batch_group;
+    small_shape.offload_activations = shape.offload_activations;
     const Placement small_run = Placement::make(small_shape, small_request, budgets);
     small_run.check(budgets);
     const Measured w = run_steps(small_ref, Schedule::build(small_ref, ref_so), *comm, eo, a, "",
@@ -468,6 +472,7 @@ int run_bench_step(const BenchStepArgs& a) {
         {"verified", true},
         {"verified_on_two_layers", cut},
         {"activation_checkpointing", a.recompute},
+        {"offload_activations", shape.offload_activations},
         {"micro_batch_group", shape.micro_batch_group},
         {"update_during_backward", a.update_during_backward},
         {"reduce_per_group", per_group},
@@ -576,6 +581,7 @@ Command add_bench_step(CLI::App& bench) {
   cmd->add_option("--peak-tflops", a->peak_tflops,
                   "the device's peak (e.g. a large matmul's rate) to report MFU against");
   add_checkpointing_option(cmd, a->recompute);
+  add_offload_activations_option(cmd, a->offload_activations);
   add_micro_batch_group_option(cmd, a->micro_batch_group);
   add_update_during_backward_option(cmd, a->update_during_backward);
   add_reduce_per_group_option(cmd, a->reduce_per_group);

@@ -49,6 +49,16 @@ inline CLI::Option* add_checkpointing_option(CLI::App* cmd, bool& recompute) {
       "blocks keep their activations on the GPU, a third fewer FLOPs");
 }
 
+// --offload-activations none|cpu into `value` (offload_activations_flag reads it).
+inline CLI::Option* add_offload_activations_option(CLI::App* cmd, std::string& value) {
+  return cmd->add_option(
+      "--offload-activations", value,
+      "none (default, or the DeepSpeed config's activation_checkpointing.cpu_checkpointing): the "
+      "activation checkpoints stay on the GPU; cpu: each block's input goes to host RAM after "
+      "its forward and comes back before its backward, the GPU keeping prefetch depth + 1 of "
+      "them (needs --activation-checkpointing on)");
+}
+
 // --micro-batch-group G into `group` (micro_batch_group_flag checks it against the step).
 inline CLI::Option* add_micro_batch_group_option(CLI::App* cmd, int64_t& group) {
   return cmd->add_option(

@@ -110,6 +110,16 @@ std::optional<DsConfig> load_cli_config(const std::string& path) {
   return ds;
 }
 
+bool offload_activations_flag(const std::string& flag, std::optional<bool> from_config) {
+  if (flag.empty()) return from_config.value_or(false);
+  if (flag == "cpu") return true;
+  if (flag == "none" || flag == "gpu") return false;
+  fail(
+      "--offload-activations {}: expected none (the activation checkpoints stay on the GPU) or "
+      "cpu (in host RAM, copied out after each block's forward and back before its backward)",
+      flag);
+}
+
 void apply_offload_flags(OffloadRequest& request, const std::string& param,
                          const std::string& optimizer, const std::string& gradients) {
   if (!gradients.empty()) {

@@ -69,6 +69,11 @@ std::optional<DsConfig> load_cli_config(const std::string& path);
 void apply_offload_flags(OffloadRequest& request, const std::string& param,
                          const std::string& optimizer, const std::string& gradients = "");
 
+// --offload-activations (`flag`: none, cpu, or empty when not given) over the DeepSpeed config's
+// activation_checkpointing.cpu_checkpointing: whether the activation checkpoints live in host
+// RAM (RunShape::offload_activations). Another value is an Error naming the flag.
+bool offload_activations_flag(const std::string& flag, std::optional<bool> from_config);
+
 // The value of a count flag that was not given (so that `--micro-batch 0` is not mistaken for
 // leaving it out).
 inline constexpr int64_t kUnsetFlag = std::numeric_limits<int64_t>::min();

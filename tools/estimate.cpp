@@ -47,6 +47,7 @@ struct EstimateArgs {
   int64_t seq_len = 0;
   std::string dtype = "bf16";
   bool recompute = true;  // --activation-checkpointing
+  std::string offload_activations;
   int64_t micro_batch_group = kUnsetFlag;
   bool json = false;
 };
@@ -78,6 +79,7 @@ std::string offload_name(Tier t) {
 int run_estimate(const EstimateArgs& a) {
   RunShape shape = run_shape_for(a.model, a.gpus, a.micro_batch, a.seq_len, a.dtype);
   shape.recompute = a.recompute;
+  shape.offload_activations = offload_activations_flag(a.offload_activations, std::nullopt);
   shape.micro_batch_group = static_cast<int>(count_flag(
       "--micro-batch-group", a.micro_batch_group, 1, "micro-batches run unit by unit at once"));
   json rows = json::array();
@@ -112,13 +114,14 @@ int run_estimate(const EstimateArgs& a) {
     return 0;
   }
   fmt::print(
-      "memory per tier: {} ({:.2f}B parameters), {} GPU(s), micro-batch {} x {} tokens{}, {} "
+      "memory per tier: {} ({:.2f}B parameters), {} GPU(s), micro-batch {} x {} tokens{}{}, {} "
       "parameters, f32 gradient accumulators, fp32 Adam (12 B per parameter)\n",
       shape.model.name, double(parameter_count(shape.model)) / 1e9, shape.ranks, shape.micro_batch,
       shape.seq_len,
       shape.micro_batch_group > 1
           ? fmt::format(" (activations of {} run unit by unit)", shape.micro_batch_group)
           : std::string(),
+      shape.offload_activations ? ", activation checkpoints in host RAM" : "",
       dtype_name(shape.param_dtype));
   const char* header[] = {"offload",    "gpu/device", "activations", "gpu (node)",
                           "cpu (node)", "pinned",     "nvme (node)"};
@@ -157,6 +160,7 @@ Command add_estimate(CLI::App& app) {
                   "tokens per sequence (default: the model's context, at most 4096)");
   cmd->add_option("--dtype", a->dtype, "parameter dtype: bf16 (default), f16 or f32");
   add_checkpointing_option(cmd, a->recompute);
+  add_offload_activations_option(cmd, a->offload_activations);
   add_micro_batch_group_option(cmd, a->micro_batch_group);
   cmd->add_flag("--json", a->json, "print an array of objects, one per offload option");
   return {cmd, [a] { return run_estimate(*a); }};

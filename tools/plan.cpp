@@ -43,6 +43,7 @@ struct PlanArgs {
   int64_t micro_batch = kUnsetFlag, grad_accum = kUnsetFlag, seq_len = kUnsetFlag;
   int64_t prefetch_depth = kUnsetFlag;
   bool recompute = true;  // --activation-checkpointing
+  std::string offload_activations;
   int64_t micro_batch_group = kUnsetFlag;
   bool update_during_backward = false;
   bool reduce_per_group = false;
@@ -150,6 +151,8 @@ int run_plan(const PlanArgs& a) {
   const int depth = prefetch_depth_flag(a.prefetch_depth, cfg.prefetch_depth.value_or(1));
   shape.working_buffers = working_buffers_for(depth, shape.model.tie_word_embeddings);
   shape.recompute = a.recompute;
+  shape.offload_activations =
+      offload_activations_flag(a.offload_activations, cfg.offload_activations);
   shape.micro_batch_group = micro_batch_group_flag(a.micro_batch_group, accum);
 
   OffloadRequest request = cfg.offload;
@@ -231,6 +234,7 @@ int run_plan(const PlanArgs& a) {
         {"vocab_pieces", vocab_pieces_for(shape.model)},
         {"prefetch_depth", schedule.prefetch_depth},
         {"activation_checkpointing", shape.recompute},
+        {"offload_activations", shape.offload_activations},
         {"micro_batch_group", shape.micro_batch_group},
         {"update_during_backward", a.update_during_backward},
         {"reduce_per_group", a.reduce_per_group},
@@ -302,6 +306,7 @@ Command add_plan(CLI::App& app) {
   cmd->add_option("--seq-len", a->seq_len, "tokens per sequence");
   cmd->add_option("--prefetch-depth", a->prefetch_depth, "units fetched ahead of use (default 1)");
   add_checkpointing_option(cmd, a->recompute);
+  add_offload_activations_option(cmd, a->offload_activations);
   add_micro_batch_group_option(cmd, a->micro_batch_group);
   add_update_during_backward_option(cmd, a->update_during_backward);
   add_reduce_per_group_option(cmd, a->reduce_per_group);

@@ -41,6 +41,7 @@ struct TrainArgs {
   std::string offload_param, offload_optimizer, offload_gradients, cpu_memory, pinned_memory;
   int64_t prefetch_depth = kUnsetFlag;
   bool recompute = true;  // --activation-checkpointing
+  std::string offload_activations;
   int64_t micro_batch_group = kUnsetFlag;
   bool update_during_backward = false;
   bool reduce_per_group = false;
@@ -280,6 +281,7 @@ int run_train(const TrainArgs& a) {
   if (nvme && s.offload.nvme_paths.empty()) s.offload.nvme_paths = {(s.run_dir / "swap").string()};
   s.prefetch_depth = prefetch_depth_flag(a.prefetch_depth, plan.prefetch_depth.value_or(1));
   s.recompute = a.recompute;
+  s.offload_activations = offload_activations_flag(a.offload_activations, plan.offload_activations);
   s.micro_batch_group = micro_batch_group_flag(a.micro_batch_group, s.grad_accum);
   s.update_during_backward = a.update_during_backward;
   s.reduce_per_group = a.reduce_per_group;
@@ -331,6 +333,7 @@ int run_train(const TrainArgs& a) {
             {"offload_param", tier_name(s.offload.param)},
             {"offload_optimizer", tier_name(s.offload.optimizer)},
             {"offload_gradients", grad_home_name(s.offload.grads)},
+            {"offload_activations", s.offload_activations ? "cpu" : "none"},
             {"nvme_path", s.offload.nvme_paths},
             {"devices", world},
             {"config", a.config}};
@@ -438,6 +441,7 @@ Command add_train(CLI::App& app) {
       ->delimiter(',');
   cmd->add_option("--prefetch-depth", a->prefetch_depth, "units fetched ahead (default 1)");
   add_checkpointing_option(cmd, a->recompute);
+  add_offload_activations_option(cmd, a->offload_activations);
   add_micro_batch_group_option(cmd, a->micro_batch_group);
   add_update_during_backward_option(cmd, a->update_during_backward);
   add_reduce_per_group_option(cmd, a->reduce_per_group);

@@ -127,6 +127,11 @@ uint64_t block_numel(const LlamaConfig& c) {
 
 }  // namespace
 
+int offloaded_checkpoints(const LlamaConfig& config, int slots) {
+  const auto L = static_cast<int>(config.num_hidden_layers);
+  return slots >= 2 && slots <= L ? L - slots + 1 : 0;
+}
+
 int64_t vocab_pieces_for(const LlamaConfig& c) {
   if (c.vocab_pieces > 0) return c.vocab_pieces;
   const uint64_t table = static_cast<uint64_t>(c.vocab_size) * static_cast<uint64_t>(c.hidden_size);
@@ -525,6 +530,17 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
   if (options.activation_sets < 1)
     fail("activation sets {}: a model keeps at least one micro-batch's activations",
          options.activation_sets);
+  if (options.checkpoint_slots < 0 || options.checkpoint_slots == 1)
+    fail(
+        "activation checkpoint slots {}: a ring needs at least 2 (a block reads one and writes "
+        "the next), or 0 to keep every checkpoint; this is a bug in strata",
+        options.checkpoint_slots);
+  if (options.checkpoint_slots > 0 && !options.recompute && !options.forward_only)
+    fail(
+        "activation checkpoints offloaded to host RAM need activation checkpointing: without "
+        "recompute every block keeps all of its activations on the device; turn "
+        "--activation-checkpointing on or keep the checkpoints on the device "
+        "(--offload-activations none)");
   if (options.kv_cache && (!options.forward_only || B != 1))
     fail(
         "a KV cache is for generation: it needs a forward-only model of batch 1 (asked: "
@@ -542,8 +558,15 @@ std::vector<LlamaModel::WorkspaceBuffer> LlamaModel::workspace(const LlamaConfig
   const auto positions =
       static_cast<uint64_t>(config.num_hidden_layers) + 1 + (vocab_pieces_for(config) > 1 ? 1 : 0);
   const bool fwd = options.forward_only;
-  // Evaluation keeps no unit's input past the next unit's forward: two slots per set.
-  const uint64_t slots = fwd ? 2 : std::max<uint64_t>(positions, 2);
+  // Evaluation keeps no unit's input past the next unit's forward: two slots per set. With the
+  // checkpoints offloaded, positions 0..L share a ring of checkpoint_slots and the head pieces'
+  // normed input keeps its own.
+  const int ring = offloaded_checkpoints(config, options.checkpoint_slots) > 0
+                       ? options.checkpoint_slots + (vocab_pieces_for(config) > 1 ? 1 : 0)
+                       : 0;
+  const uint64_t slots = fwd        ? 2
+                         : ring > 0 ? static_cast<uint64_t>(ring)
+                                    : std::max<uint64_t>(positions, 2);
   std::vector<WorkspaceBuffer> w = {
       {&LlamaModel::rope_, static_cast<uint64_t>(T * config.rotary_dim()) * f4, "rotary table"},
       {&LlamaModel::checkpoints_, sets * slots * n * D * a, "activation checkpoints"},
@@ -719,6 +742,11 @@ TensorView LlamaModel::checkpoint(int u, int64_t batch, int set) const {
   check_set(set);
   const int at = layout_.input_position(u);
   if (options_.forward_only) return slot(set * 2 + at % 2, batch);  // alternating
+  if (const int K = options_.checkpoint_slots; offloaded_checkpoints(config_, K) > 0) {
+    const int L = static_cast<int>(config_.num_hidden_layers);
+    const int per_set = K + (layout_.vocab_pieces > 1 ? 1 : 0);
+    return slot(set * per_set + (at <= L ? at % K : K), batch);
+  }
   const int per_set = std::max(
       static_cast<int>(config_.num_hidden_layers) + 1 + (layout_.vocab_pieces > 1 ? 1 : 0), 2);
   return slot(set * per_set + at, batch);
@@ -1218,6 +1246,12 @@ void LlamaModel::forward(const std::vector<UnitBuffers>& units, const int32_t* i
     fail("forward: {} unit buffers given for a model of {} units", units.size(),
          layout_.units.size());
   if (keep_checkpoints) refuse_if_forward_only("forward keeping the activation checkpoints");
+  if (keep_checkpoints && offloaded_checkpoints(config_, options_.checkpoint_slots) > 0)
+    fail(
+        "forward: model {} keeps its activation checkpoints in a ring of {} slots "
+        "(ModelOptions::checkpoint_slots), which only the executor's schedule moves to the host "
+        "and back; this is a bug in strata",
+        config_.name, options_.checkpoint_slots);
   const int U = layout_.num_units();
   // The input of unit u (u ≥ 1) goes to the slot of its position, or alternates between two
   // slots when the inputs need not be kept.

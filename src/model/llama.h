@@ -126,6 +126,15 @@ struct ModelOptions {
   // checkpoint: a schedule that runs a group of micro-batches unit by unit needs one set per
   // micro-batch of the group. The scratch a unit's forward or backward works in is shared.
   int activation_sets = 1;
+  // Activation checkpoints offloaded to host RAM (RunShape::offload_activations): 0 keeps every
+  // unit's input in a slot of its own. K >= 2 keeps the block inputs and the head's input
+  // (positions 0..L, L = num_hidden_layers) in a ring of K slots per set, position p in slot
+  // p % K, so the forward of block p + K - 1 overwrites position p: positions 0..L-K (the inputs
+  // of blocks 0..L-K, offloaded_checkpoints()) must be copied to the host before it and back
+  // before their block's backward, which the executor's schedule does (act_d2h, act_h2d). The
+  // last K positions stay for the backward. K > L changes nothing. Needs recompute; the
+  // whole-model forward(keep_checkpoints) and backward() refuse a ring.
+  int checkpoint_slots = 0;
   // Evaluation: forwards only. Each unit's input alternates between two slots per set instead
   // of one slot per unit, and nothing for a backward is allocated (the activation gradients,
   // the gradient scratch, the logits-gradient chunk, a block's kept activations: `recompute`
@@ -155,6 +164,10 @@ bool decoding_switches_rope(const LlamaConfig& config, int64_t seq_len);
 // factor (max_position_embeddings / original_max_position_embeddings where the latter is
 // given), the scale of cos and sin, and the ramp's dimensions [low, high], below which the
 // frequencies are kept and above which they are divided by the factor.
+// Block inputs a model of `config` built with checkpoint_slots = `slots` does not keep on the
+// device: those of blocks 0..n-1 (units first_block()..first_block() + n - 1). 0 for slots 0.
+int offloaded_checkpoints(const LlamaConfig& config, int slots);
+
 struct YarnParameters {
   double factor = 1.0, attention_factor = 1.0, low = 0.0, high = 0.0;
 };

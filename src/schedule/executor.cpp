@@ -289,6 +289,16 @@ struct Executor::State {
   std::vector<AlignedBlock> plain_blocks;
   // Host homes per unit and host rank (replicated units: rank 0's copy only).
   std::vector<std::vector<char*>> host_p, host_g, host_o;  // host_o: master | m | v
+  // Offloaded activation checkpoints (RunShape::offload_activations): blocks act_first ..
+  // act_first + act_n - 1 keep their inputs here between the forward and the backward, per rank
+  // one block of activation sets x act_n checkpoints of act_stride bytes.
+  std::vector<char*> host_act;
+  int act_first = 0, act_n = 0;
+  uint64_t act_stride = 0;
+  char* act_home(int u, int r, int set) const {
+    return host_act[static_cast<size_t>(r)] +
+           static_cast<uint64_t>(set * act_n + (u - act_first)) * act_stride;
+  }
   // The swap store, with a ring per NVMe lane: nvme.read's tasks run on channel 0,
   // nvme.write's on channel 1, at once (the schedule never reads and writes one shard
   // together); outside the steps (load, init, parameters()) channel 0.
@@ -787,6 +797,18 @@ void Executor::State::resolve(bool allocate_staging) {
     src[static_cast<size_t>(consumer.id)] = {p};
     read(p, consumer.id);
   };
+  // The act_d2h or act_h2d of block v's checkpoint for consumer's micro-batch and rank, which
+  // `consumer` must depend on directly.
+  auto need_act = [&](TaskKind kind, int v, const Task& consumer) {
+    for (int d : consumer.deps) {
+      const Task& p = sc->tasks[static_cast<size_t>(d)];
+      if (p.kind == kind && p.unit == v && p.rank == consumer.rank &&
+          p.micro_batch == consumer.micro_batch)
+        return;
+    }
+    fail("schedule: {} does not wait for the {} of unit {}'s activation checkpoint",
+         task_label(*sc, consumer), task_kind_name(kind), up(v).name);
+  };
   for (const Task& t : sc->tasks) {
     const int u = t.unit;
     const UnitHomes& h = home(u);
@@ -844,8 +866,24 @@ void Executor::State::resolve(bool allocate_staging) {
             if (p.kind == TaskKind::reduce_scatter)
               rs_clear[static_cast<size_t>(group_of[static_cast<size_t>(d)].first)] = 1;
           }
+        // An offloaded checkpoint: a backward reads its input once it is back on the GPU; a
+        // forward overwrites the slot of the one K units back once it is on the host.
+        if (act_n > 0 && !sc->options.forward_only) {
+          const int K = checkpoint_slots(pl.shape);
+          const bool bwd = t.kind == TaskKind::backward;
+          const int v = bwd ? u : u - K + 1;
+          if (v >= act_first && v < act_first + act_n)
+            need_act(bwd ? TaskKind::act_h2d : TaskKind::act_d2h, v, t);
+        }
         break;
       }
+      case TaskKind::act_d2h:
+      case TaskKind::act_h2d:
+        if (u < act_first || u >= act_first + act_n)
+          fail("schedule: {} moves the input of a unit whose checkpoint is not offloaded",
+               task_label(*sc, t));
+        if (t.kind == TaskKind::act_h2d) need_act(TaskKind::act_d2h, u, t);
+        break;
       case TaskKind::reduce_scatter:
         if (!zero->grad_resident(u)) pool_of[id] = 1 + N + t.rank;  // unless direct (below)
         if (!up(u).replicated) {
@@ -1070,6 +1108,11 @@ void Executor::State::allocate() {
   // would buy no transfer speed, and it is the largest part (12 bytes a parameter): on one
   // H100 machine, page-locking 73 GB for a 4.5B model took 88 s, about 54 GB of it Adam's.
   uint64_t capacity = pinned.size() * pinned_slot_bytes;
+  // Offloaded activation checkpoints: a block per rank, page-locked with pin_memory (a device
+  // copies every one out and back each micro-batch), as Placement counts them.
+  const uint64_t act_block =
+      static_cast<uint64_t>(pl.shape.micro_batch_group) * static_cast<uint64_t>(act_n) * act_stride;
+  if (pin && act_block > 0) capacity += static_cast<uint64_t>(N) * round_up(act_block, kPage);
   for (int u = 0; u < U; ++u) {
     for (int r = 0; r < host_ranks(u); ++r) {
       if (!pin) break;
@@ -1097,6 +1140,10 @@ void Executor::State::allocate() {
         static_cast<char*>(pool->allocate(pinned_slot_bytes, fmt::format("staging buffer {}", i)));
     pool_blocks.push_back(pinned[i]);
   }
+  host_act.assign(static_cast<size_t>(N), nullptr);
+  for (int r = 0; r < N; ++r)
+    host_act[static_cast<size_t>(r)] = host_alloc(
+        act_block, fmt::format("the activation checkpoints of rank {} (offloaded)", r), pin);
   host_p.assign(static_cast<size_t>(U), {});
   host_g.assign(static_cast<size_t>(U), {});
   host_o.assign(static_cast<size_t>(U), {});
@@ -1214,6 +1261,11 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
   mo.activation_sets = shape.micro_batch_group;  // as the placement counts them
   mo.forward_only = !shape.training;
   mo.kv_cache = shape.kv_cache;
+  mo.checkpoint_slots = checkpoint_slots(shape);
+  s.act_first = s.layout.first_block();
+  s.act_n = offloaded_checkpoints(shape.model, mo.checkpoint_slots);
+  s.act_stride =
+      static_cast<uint64_t>(shape.micro_batch * shape.seq_len * shape.model.hidden_size) * s.ps;
   if (schedule_.micro_batch_group > shape.micro_batch_group)
     fail(
         "executor: the schedule runs micro-batches in groups of {} but the placement keeps the "
@@ -1720,6 +1772,25 @@ void Executor::State::run_task(const Task& t, int64_t k) {
     return pinned[static_cast<size_t>(slot[static_cast<size_t>(producer)])];
   };
   switch (t.kind) {
+    case TaskKind::act_d2h:
+    case TaskKind::act_h2d: {
+      const int m = t.micro_batch;
+      const int64_t b = batch_sizes[static_cast<size_t>(m)][static_cast<size_t>(r)];
+      if (b == 0) return;  // the rank had no sequence in this micro-batch
+      const int set = m % sc->micro_batch_group;
+      const TensorView at = models[static_cast<size_t>(r)]->checkpoint(u, b, set);
+      char* host = act_home(u, r, set);
+      if (t.kind == TaskKind::act_d2h) {
+        Stream& st = *streams[static_cast<size_t>(r)].d2h;
+        dev(r).copy_to_host(host, at.data, at.bytes(), st);
+        st.synchronize();
+      } else {
+        Stream& st = *streams[static_cast<size_t>(r)].h2d;
+        dev(r).copy_to_device(at.data, host, at.bytes(), st);
+        st.synchronize();
+      }
+      return;
+    }
     case TaskKind::param_read:
       read_shards('P', u, pin(t.id));
       return;

@@ -246,6 +246,10 @@ std::string_view task_kind_name(TaskKind k) {
       return "param_upload";
     case TaskKind::param_d2h:
       return "param_d2h";
+    case TaskKind::act_d2h:
+      return "act_d2h";
+    case TaskKind::act_h2d:
+      return "act_h2d";
   }
   return "?";
 }
@@ -267,10 +271,12 @@ bool lane_fits(TaskKind kind, LaneKind lane) {
       return lane == LaneKind::nvme_write;
     case TaskKind::param_h2d:
     case TaskKind::param_upload:
+    case TaskKind::act_h2d:
       return lane == LaneKind::h2d;
     case TaskKind::grad_d2h:
     case TaskKind::grad_offload:
     case TaskKind::param_d2h:
+    case TaskKind::act_d2h:
       return lane == LaneKind::d2h;
     case TaskKind::gather:
     case TaskKind::reduce_scatter:
@@ -423,6 +429,17 @@ class Builder {
         slots_(std::max(W_, 0)) {
     check();
     d_ = std::min(options.prefetch_depth, W_ - 1);
+    // Activation checkpoints offloaded: blocks act_first_ .. act_first_ + act_n_ - 1 have their
+    // input copied out after the forward before them and back K_ units ahead of their backward.
+    if (!options.forward_only && placement.shape.offload_activations) {
+      K_ = checkpoint_slots(placement.shape);
+      act_first_ = layout_.first_block();
+      act_n_ = offloaded_checkpoints(placement.shape.model, K_);
+      act_bytes_ = static_cast<uint64_t>(placement.shape.micro_batch * placement.shape.seq_len *
+                                         placement.shape.model.hidden_size) *
+                   ps_;
+      act_ids_.assign(static_cast<size_t>(M_ * act_n_ * R_ * 2), -1);
+    }
     // Two pinned pools when the buffers allow it (see the file comment): the fetches and
     // gradient staging before the optimizer take from the first, d + 1 + what they hold at once
     // (1; 2 with G home nvme) at most; the optimizer from the rest, which must hold what one
@@ -831,16 +848,46 @@ class Builder {
         for (const Run* run : runs)
           if (run->unit == u && run_rs_first_[static_cast<size_t>(u)] == run->first_use)
             for (int x : run_rs_[static_cast<size_t>(u)]) deps.push_back(x);
+      // Offloaded activation checkpoints: a forward writes the slot of the checkpoint K units
+      // back once it is on the host; a backward reads its input once it is back.
+      if (const int v = use.backward ? u : u - K_ + 1; offloaded(v))
+        deps.push_back(use.backward ? act_h2d(v, use.m, r) : act_d2h(v, use.m, r));
       const int id = add(use.backward ? TaskKind::backward : TaskKind::forward, LaneKind::compute,
                          r, u, use.m, deps);
       task(id).flops = flops;
       if (first_resident) wait_for_param_writer(id, u, r);
       use.compute.push_back(id);
+      // The checkpoint this forward wrote goes to the host; the one whose slot this backward
+      // has freed comes back.
+      if (!use.backward && offloaded(u + 1)) {
+        const int t = add(TaskKind::act_d2h, LaneKind::d2h, r, u + 1, use.m, {id});
+        task(t).bytes = act_bytes_;
+        act_d2h(u + 1, use.m, r) = t;
+      } else if (use.backward && offloaded(u - K_)) {
+        const int v = u - K_;
+        const int t =
+            add(TaskKind::act_h2d, LaneKind::h2d, r, v, use.m, {id, act_d2h(v, use.m, r)});
+        task(t).bytes = act_bytes_;
+        act_h2d(v, use.m, r) = t;
+      }
     }
     if (use.backward)
       for (int x : added_into(u)) rep_reduce_[static_cast<size_t>(x)].clear();
     for (const Run* run : runs)
       if (run->last_use == i) slots_.give_back(run->slot, use.compute);
+  }
+
+  // Whether unit v is a block whose input (activation checkpoint) is offloaded to the host.
+  bool offloaded(int v) const { return v >= act_first_ && v < act_first_ + act_n_; }
+  int& act_d2h(int v, int m, int r) { return act_ids_[act_index(v, m, r, 0)]; }
+  int& act_h2d(int v, int m, int r) { return act_ids_[act_index(v, m, r, 1)]; }
+  size_t act_index(int v, int m, int r, int which) const {
+    return ((static_cast<size_t>(m) * static_cast<size_t>(act_n_) +
+             static_cast<size_t>(v - act_first_)) *
+                static_cast<size_t>(R_) +
+            static_cast<size_t>(r)) *
+               2 +
+           static_cast<size_t>(which);
   }
 
   // The replicated units whose working gradients backward(u) adds into: u, and unit 0 from
@@ -1268,6 +1315,11 @@ class Builder {
   BufferPool slots_, pinned_, optim_pinned_;  // optim_pinned_: empty unless split_
   bool split_ = false;
   int optim_need_ = 0;  // pinned buffers the optimizer of one unit holds at once
+  // Offloaded activation checkpoints (see offloaded()): the GPU's ring, the blocks, the bytes of
+  // one, and the act_d2h and act_h2d of each (block, micro-batch, rank).
+  int K_ = 0, act_first_ = 0, act_n_ = 0;
+  uint64_t act_bytes_ = 0;
+  std::vector<int> act_ids_;
   int front_need_ = 0;  // pinned buffers the fetches or gradient staging hold at once
   std::vector<Task> tasks_;
   std::vector<Use> uses_;

@@ -64,8 +64,11 @@ enum class TaskKind {
   param_upload,  // gpu[r].h2d: updated P[u][r] to its GPU home (P home gpu, O on the host)
   param_d2h,     // gpu[r].d2h: updated P[u][r] to its host home or a pinned buffer (P home cpu
                  // or nvme while O is on the GPU)
+  // activation checkpoints in host RAM (RunShape::offload_activations), block u's input
+  act_d2h,  // gpu[r].d2h: to the host, after the forward that wrote it (micro-batch m)
+  act_h2d,  // gpu[r].h2d: back into its slot of the GPU's ring, before backward(u, m)
 };
-inline constexpr int kTaskKinds = static_cast<int>(TaskKind::param_d2h) + 1;
+inline constexpr int kTaskKinds = static_cast<int>(TaskKind::act_h2d) + 1;
 std::string_view task_kind_name(TaskKind k);
 
 struct Task {

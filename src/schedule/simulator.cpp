@@ -426,11 +426,13 @@ double task_seconds(const Task& task, const Lane& lane, int ranks, const Hardwar
       break;
     case TaskKind::param_h2d:
     case TaskKind::param_upload:
+    case TaskKind::act_h2d:
       use(bytes, p.h2d_bytes_per_s, "h2d_bytes_per_s");
       break;
     case TaskKind::grad_d2h:
     case TaskKind::grad_offload:
     case TaskKind::param_d2h:
+    case TaskKind::act_d2h:
       use(bytes, p.d2h_bytes_per_s, "d2h_bytes_per_s");
       break;
     case TaskKind::gather:

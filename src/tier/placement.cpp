@@ -70,6 +70,7 @@ uint64_t gpu_optimizer_bytes(const UnitPartition& up, const Sizes& z) {
 // GPU bytes that do not depend on the homes: working buffers, activations, staging.
 struct FixedGpu {
   uint64_t working = 0, landing = 0, activations = 0, other = 0;
+  uint64_t host_activations = 0;  // the offloaded checkpoints, every rank's, in host RAM
 };
 
 FixedGpu fixed_gpu(const RunShape& s, const Partition& p) {
@@ -98,9 +99,16 @@ FixedGpu fixed_gpu(const RunShape& s, const Partition& p) {
   mo.activation_sets = s.micro_batch_group;
   mo.forward_only = !s.training;  // evaluation: no room for a backward (LlamaModel)
   mo.kv_cache = s.kv_cache;
+  mo.checkpoint_slots = checkpoint_slots(s);
   const uint64_t flow = static_cast<uint64_t>(s.micro_batch_group) *
                         static_cast<uint64_t>(s.micro_batch * s.seq_len * s.model.hidden_size) *
                         z.ps;
+  // Each rank's offloaded checkpoints are one host block (the executor's), a page-rounded run of
+  // sets x offloaded x [micro_batch * seq_len, hidden].
+  f.host_activations =
+      static_cast<uint64_t>(s.ranks) *
+      round_up(static_cast<uint64_t>(offloaded_checkpoints(s.model, mo.checkpoint_slots)) * flow,
+               kPinnedAlignment);
   f.activations = LlamaModel::workspace_bytes_for(s.model, mo, z.align) +
                   grads * 2 * device_buffer(flow, z.align);
   if (s.kv_cache)  // the executor's buffer of the last position's logits
@@ -250,6 +258,13 @@ void check_shape(const RunShape& s, const OffloadRequest& r) {
          r.nvme_stripe);
   if (r.nvme_queue_depth < 1 || r.nvme_queue_depth > 4096)
     fail("NVMe queue depth (aio.queue_depth) {}: use 1 to 4096, e.g. 32", r.nvme_queue_depth);
+  if (s.offload_activations && s.training && !s.recompute)
+    fail(
+        "activation checkpoints offloaded to host RAM (--offload-activations cpu, or "
+        "activation_checkpointing.cpu_checkpointing) need activation checkpointing, which is "
+        "off: without recompute each block keeps all its activations on the GPU; turn "
+        "--activation-checkpointing on or keep the checkpoints on the GPU "
+        "(--offload-activations none)");
 }
 
 }  // namespace
@@ -362,7 +377,8 @@ uint64_t Placement::pinned_need() const {
   if (request.pin_memory) {
     const TierBytes t = needs();
     // Not the optimizer state: CPU Adam reads it in place and no device copies it (executor).
-    n += t.at(Tier::cpu, StateKind::parameters) + t.at(Tier::cpu, StateKind::gradients);
+    n += t.at(Tier::cpu, StateKind::parameters) + t.at(Tier::cpu, StateKind::gradients) +
+         t.at(Tier::cpu, StateKind::activations);
   }
   return n;
 }
@@ -418,8 +434,8 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& asked,
     for (const UnitPartition& up : p.partition.units)
       largest_moving = std::max(largest_moving, host_bytes(up, shape.ranks, moving_bytes));
     const uint64_t buffer_bytes = round_up(largest_moving, kPinnedAlignment);
-    uint64_t cpu =
-        uint64_t(request.buffer_count) * buffer_bytes + (shape.training ? p.checkpoint_bytes() : 0);
+    uint64_t cpu = uint64_t(request.buffer_count) * buffer_bytes +
+                   (shape.training ? p.checkpoint_bytes() : 0) + f.host_activations;
     uint64_t stripes = 0, param_in_cpu = 0;
     const uint64_t stripe = request.nvme_stripe;
     const auto nvme_fits = [&](uint64_t more) {
@@ -533,6 +549,7 @@ TierBytes Placement::needs() const {
                                          [](const UnitHomes& h) { return h.param != Tier::gpu; });
   t.at(Tier::gpu, StateKind::working) = f.working + (param_off_gpu ? f.landing : 0);
   t.at(Tier::gpu, StateKind::activations) = f.activations;
+  t.at(Tier::cpu, StateKind::activations) = f.host_activations;
   t.at(Tier::gpu, StateKind::other) = gpu_staging(shape, partition, homes);
   uint64_t stripes = 0;
   const uint64_t stripe = request.nvme_stripe;
@@ -672,6 +689,17 @@ void Placement::check(const TierBudgets& budgets) const {
     if (shape.micro_batch > 1 || t.at(Tier::gpu, StateKind::activations) > rows[0].have / 4)
       m += fmt::format("  - a smaller micro-batch or sequence length (activations take {})\n",
                        format_bytes(t.at(Tier::gpu, StateKind::activations)));
+    if (shape.training && shape.recompute && !shape.offload_activations) {
+      RunShape off = shape;
+      off.offload_activations = true;
+      const FixedGpu now = fixed_gpu(shape, partition), then = fixed_gpu(off, partition);
+      if (then.activations < now.activations)
+        m += fmt::format(
+            "  - offload the activation checkpoints to host RAM (--offload-activations cpu, or "
+            "activation_checkpointing.cpu_checkpointing true): frees {} per device for {} more "
+            "in host RAM, copied out and back once a micro-batch\n",
+            format_bytes(now.activations - then.activations), format_bytes(then.host_activations));
+    }
     if (shape.training && opt_on(Tier::gpu))
       m += fmt::format(
           "  - offload the optimizer to the CPU (--offload-optimizer cpu, or "
@@ -758,6 +786,11 @@ void Placement::check(const TierBudgets& budgets) const {
           "  - keep the gradients on the GPUs where they fit (--offload-gradients auto): {} of "
           "accumulators are in host RAM because --offload-gradients cpu puts them there\n",
           format_bytes(cpu_grads));
+    if (const uint64_t a = t.at(Tier::cpu, StateKind::activations); a > 0)
+      m += fmt::format(
+          "  - keep the activation checkpoints on the GPUs (--offload-activations none): they "
+          "take {} here\n",
+          format_bytes(a));
     if (pinned_buffers > 0)
       m += fmt::format("  - fewer or smaller pinned buffers (buffer_count {}, {} each)\n",
                        request.buffer_count, format_bytes(pinned_buffer_bytes));
@@ -772,9 +805,11 @@ void Placement::check(const TierBudgets& budgets) const {
     m += "  - keep more in host RAM (offload_param.device cpu, or a larger max_in_cpu)\n";
   }
   if (pinned_limited && rows[3].need > rows[3].have) {
-    m += fmt::format(
-        "pinned: {} of buffers{}\n", format_bytes(pinned_bytes()),
-        request.pin_memory ? " plus the cpu-homed parameters and gradients (pin_memory true)" : "");
+    m +=
+        fmt::format("pinned: {} of buffers{}\n", format_bytes(pinned_bytes()),
+                    request.pin_memory ? " plus the cpu-homed parameters, gradients and activation "
+                                         "checkpoints (pin_memory true)"
+                                       : "");
     m += "  - raise the pinned-memory limit (--pinned-memory, at most ulimit -l; memlock in "
          "/etc/security/limits.conf)\n";
     if (request.pin_memory) m += "  - set pin_memory false to pin only the buffers\n";
@@ -816,6 +851,11 @@ std::string Placement::str() const {
                      tier_name(homes[b].grad), tier_name(homes[b].optimizer));
     b = e;
   }
+  if (const int n = offloaded_checkpoints(shape.model, checkpoint_slots(shape)); n > 0)
+    s += fmt::format(
+        "  activation checkpoints: the inputs of blocks 0..{} in host RAM, copied out after the "
+        "forward and back before the backward; the GPU keeps a ring of {}\n",
+        n - 1, checkpoint_slots(shape));
   const TierBytes t = needs();
   s += fmt::format("  {:<12} {:>16} {:>12} {:>12}\n", "memory", "gpu (per device)", "cpu", "nvme");
   for (int k = 0; k < kStateKinds; ++k) {
@@ -827,11 +867,14 @@ std::string Placement::str() const {
   s += fmt::format("  {:<12} {:>16} {:>12} {:>12}\n", "total", format_bytes(t.total(Tier::gpu)),
                    format_bytes(t.total(Tier::cpu)), format_bytes(t.total(Tier::nvme)));
   if (pinned_buffers > 0)
-    s += fmt::format("  pinned buffers: {} x {} = {} (one unit in flight each){}\n", pinned_buffers,
-                     format_bytes(pinned_buffer_bytes), format_bytes(pinned_bytes()),
-                     request.pin_memory ? fmt::format("; {} page-locked with the cpu-homed P and G",
-                                                      format_bytes(pinned_need()))
-                                        : std::string());
+    s += fmt::format(
+        "  pinned buffers: {} x {} = {} (one unit in flight each){}\n", pinned_buffers,
+        format_bytes(pinned_buffer_bytes), format_bytes(pinned_bytes()),
+        request.pin_memory
+            ? fmt::format("; {} page-locked with the cpu-homed P and G{}",
+                          format_bytes(pinned_need()),
+                          shape.offload_activations ? " and the activation checkpoints" : "")
+            : std::string());
   else
     s += "  pinned buffers: none (nothing is offloaded)\n";
   return s;

@@ -46,7 +46,8 @@ enum class StateKind {
   gradients,    // G shards (the gradient accumulators)
   optimizer,    // O shards: fp32 master, m, v
   working,      // GPU: gathered units and their working gradients
-  activations,  // GPU: activation checkpoints and the model's scratch
+  activations,  // GPU: activation checkpoints and the model's scratch; host RAM: the
+                // checkpoints offloaded there (RunShape::offload_activations)
   buffers,      // pinned host buffers: staging between NVMe, host and GPU
   checkpoint,   // host RAM: one unit's state at a time on its way to or from a checkpoint
   other,        // communication staging, library reserves
@@ -159,6 +160,12 @@ struct RunShape {
   // gathered once for the group's forwards and once for its backwards, and the GPU keeps the
   // activations (and the gradients flowing between units) of every micro-batch of the group.
   int micro_batch_group = 1;
+  // Activation checkpoints in host RAM (DeepSpeed's activation_checkpointing.cpu_checkpointing,
+  // ZeRO-Infinity's activation offload): each block's input is copied to the host after the
+  // forward that writes it and back before the block's backward, so the GPU keeps a ring of
+  // checkpoint_slots() of them per micro-batch of a group instead of one per layer. Training
+  // with recompute only.
+  bool offload_activations = false;
   // False: parameters only, for evaluation (`strata eval`, forward-only schedules): no gradient
   // accumulators, no optimizer state, no working gradients or reduce-scatter staging, and no
   // activation gradients, and the model's activations are a forward-only model's
@@ -175,6 +182,14 @@ struct RunShape {
 // at least two with tied embeddings (the head reuses unit 0 while the last block is gathered).
 inline int working_buffers_for(int prefetch_depth, bool tied_embeddings) {
   return std::max(prefetch_depth + 1, tied_embeddings ? 2 : 1);
+}
+
+// The ring of activation checkpoints each GPU keeps (ModelOptions::checkpoint_slots) when they
+// are offloaded: as many as the working buffers (prefetch depth + 1), at least 2, so each
+// block's input comes back from the host as far ahead of its backward as the parameters do;
+// 0 (one slot per unit) otherwise.
+inline int checkpoint_slots(const RunShape& s) {
+  return s.offload_activations && s.training ? std::max(s.working_buffers, 2) : 0;
 }
 
 struct UnitHomes {

@@ -420,6 +420,14 @@ DsConfig parse_ds_config(const json& j, std::string_view source) {
       read_zero(r, value, c.zero);
     } else if (key == "aio") {
       read_aio(r, value, c.aio);
+    } else if (key == "activation_checkpointing") {
+      r.object(value, key);
+      for (const auto& [k, x] : value.items()) {
+        if (k == "cpu_checkpointing")
+          c.cpu_checkpointing = r.boolean(x, path_of(key, k));
+        else
+          r.ignore(path_of(key, k));  // partition_activations, number_checkpoints, ...
+      }
     } else if (key == "tensorboard") {
       read_monitor(r, value, key, c.monitor.tensorboard);
     } else if (key == "csv_monitor") {
@@ -561,6 +569,7 @@ DsPlanSettings ds_plan_settings(const DsConfig& c, int world, const LlamaConfig&
     s.param_dtype = DType::f32;  // turned off and neither on: DeepSpeed trains in fp32
   s.grad_dtype = c.grad_accum_dtype;
   s.persistence_threshold = c.zero.stage3_param_persistence_threshold;
+  s.offload_activations = c.cpu_checkpointing;
 
   if (c.zero.stage3_prefetch_bucket_size) {
     const ModelLayout layout = ModelLayout::build(model);

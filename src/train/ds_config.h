@@ -104,6 +104,12 @@ struct DsConfig {
     std::optional<int> queue_depth;
   } aio;
 
+  // activation_checkpointing.cpu_checkpointing: the activation checkpoints in host RAM
+  // (RunShape::offload_activations). The section's other keys (partition_activations,
+  // contiguous_memory_optimization, number_checkpoints, ...) are Megatron's model-parallel
+  // settings and are listed as ignored.
+  std::optional<bool> cpu_checkpointing;
+
   // The "tensorboard" and "csv_monitor" sections (enabled, output_path, job_name); absent:
   // disabled, as in DeepSpeed.
   MonitorSettings monitor;
@@ -142,6 +148,7 @@ struct DsPlanSettings {
   // 4 (deeper only costs working buffers once transfers keep up), and within
   // stage3_max_live_parameters: (depth + 1) units of the largest size at most.
   std::optional<int> prefetch_depth;
+  std::optional<bool> offload_activations;  // activation_checkpointing.cpu_checkpointing
 };
 DsPlanSettings ds_plan_settings(const DsConfig& config, int world, const LlamaConfig& model);
 

@@ -85,6 +85,7 @@ Placement place(const TrainSettings& s, const std::vector<Device*>& devices, Tie
   shape.persistence_threshold = s.persistence_threshold;
   shape.working_buffers = working_buffers_for(s.prefetch_depth, model.tie_word_embeddings);
   shape.recompute = s.recompute;
+  shape.offload_activations = s.offload_activations;
   shape.micro_batch_group = s.micro_batch_group;
   return place_locally(shape, s.offload, devices.front()->memory().capacity, s.cpu_memory,
                        s.pinned_memory, &budgets);
@@ -278,6 +279,15 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
           : std::string(),
       format_bytes(need.total(Tier::gpu)), format_bytes(need.total(Tier::cpu)),
       format_bytes(need.total(Tier::nvme)), s.run_dir.string());
+  if (s.offload_activations) {
+    const int n = offloaded_checkpoints(placement.shape.model, checkpoint_slots(placement.shape));
+    fmt::print(
+        "activation checkpoints: {} block input(s) per micro-batch go to host RAM after their "
+        "forward and come back before their backward ({} there); each device keeps a ring of {} "
+        "(--offload-activations cpu)\n",
+        n, format_bytes(need.at(Tier::cpu, StateKind::activations)),
+        checkpoint_slots(placement.shape));
+  }
   // Where the gradients of an offloaded optimizer accumulate (OffloadRequest::grads).
   if (const Placement::OffloadedGradients g = placement.offloaded_gradients(); g.units > 0)
     fmt::print(

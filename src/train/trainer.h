@@ -61,8 +61,9 @@ struct TrainSettings {
   double max_grad_norm = 0;  // 0: no clipping
   OffloadRequest offload;
   int prefetch_depth = 1;
-  bool recompute = true;      // activation checkpointing (RunShape::recompute)
-  int micro_batch_group = 1;  // RunShape::micro_batch_group
+  bool recompute = true;             // activation checkpointing (RunShape::recompute)
+  bool offload_activations = false;  // checkpoints in host RAM (RunShape::offload_activations)
+  int micro_batch_group = 1;         // RunShape::micro_batch_group
   // CPU Adam updates each unit once its gradients are final (ScheduleOptions::
   // update_during_backward); needs max_grad_norm 0 and no fp16 loss scaling.
   bool update_during_backward = false;
