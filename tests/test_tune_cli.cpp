@@ -230,6 +230,65 @@ TEST(TuneCli, RecommendsAConfigStrataTrainAccepts) {
             std::string::npos);
 }
 
+// A device too small for a model's activation checkpoints (12 layers at 1024 tokens) but not for
+// the rest: tune tries the checkpoints in host RAM, recommends them (they fit where keeping them
+// does not), writes activation_checkpointing.cpu_checkpointing, and `strata train` runs that
+// config on a device of that size; asked to keep them on the device it refuses, as train does.
+// On a roomy device keeping them is preferred (the same speed, no copies).
+TEST(TuneCli, OffloadsTheActivationCheckpointsWhereTheDeviceIsShort) {
+  const test::TempDir dir("strata-tune-act");
+  const fs::path profile = dir.path / "profile.json", config = dir.path / "ds.json";
+  const fs::path model = dir.path / "model";
+  fs::create_directories(model);
+  LlamaConfig c = *find_preset("tiny");
+  c.num_hidden_layers = 12;
+  c.max_position_embeddings = 1024;
+  std::ofstream(model / "config.json") << to_hf_config_json(c).dump(2);
+  ASSERT_EQ(
+      strata_stdout("tune --quick --devices host:1 --threads 1 --out-profile " + profile.string())
+          .status,
+      0);
+  // The GPU bytes both ways, from `strata plan` (the same placement tune checks).
+  const std::string shape = " --seq-len 1024 --offload-param none --offload-optimizer none ";
+  auto gpu = [&](const char* act) {
+    return parse(strata_stdout("plan --model " + model.string() + shape +
+                               "--gpus 1 --gpu-memory 1GiB --dtype f32 --json "
+                               "--offload-activations " +
+                               act))["memory"]["gpu"]["total"]
+        .get<uint64_t>();
+  };
+  const uint64_t kept = gpu("none"), off = gpu("cpu");
+  ASSERT_LT(off, kept);
+  const std::string tune = "tune --hardware " + profile.string() + " --devices host:1 --model " +
+                           model.string() + shape +
+                           "--global-batch 1 --max-micro-batch 1 --prefetch-depth 1 --out-config " +
+                           config.string() + " --json --device-memory ";
+  const std::string short_device = std::to_string((kept + off) / 2);
+  const json j = parse(strata_stdout(tune + short_device));
+  EXPECT_EQ(j["recommended"]["offload_activations"], "cpu") << j.dump(2);
+  EXPECT_EQ(j["recommended"]["memory"]["gpu_per_device"], off);
+  const DsConfig ds = load_ds_config(config);
+  EXPECT_EQ(ds.cpu_checkpointing, true);
+  EXPECT_TRUE(ds.ignored.empty()) << json(ds.ignored).dump();
+  const fs::path data = test::make_data(dir.path);
+  const std::string train = "train --model " + model.string() + " --init random --data " +
+                            data.string() +
+                            " --steps 1 --seq-len 1024 --devices host:1 --threads 1 "
+                            "--device-memory " +
+                            short_device + " --config " + config.string();
+  CommandResult t = test::strata(train + " --run-dir " + (dir.path / "run").string());
+  ASSERT_EQ(t.status, 0) << t.out;
+  EXPECT_NE(t.out.find("activation checkpoints: 11 block input(s)"), std::string::npos) << t.out;
+  t = test::strata(train + " --offload-activations none --run-dir " + (dir.path / "kept").string());
+  EXPECT_NE(t.status, 0);
+  EXPECT_NE(t.out.find("--offload-activations cpu"), std::string::npos) << t.out;
+  const CommandResult refused = test::strata(tune + short_device + " --offload-activations none");
+  EXPECT_NE(refused.status, 0);
+  EXPECT_NE(refused.out.find("fits no placement"), std::string::npos) << refused.out;
+  const json roomy = parse(strata_stdout(tune + std::to_string(2 * kept)));
+  EXPECT_EQ(roomy["recommended"]["offload_activations"], "none") << roomy.dump(2);
+}
+
 TEST(TuneCli, SearchesEveryChoiceFromASavedProfileAndPrintsTheTable) {
   const test::TempDir dir("strata-tune");
   const fs::path swap = dir.path / "swap", profile = dir.path / "profile.json";

@@ -62,8 +62,9 @@ struct TuneArgs {
   std::string dtype;
   std::vector<std::string> offload_param, offload_optimizer;
   std::vector<int> prefetch_depths{1, 2, 3};
-  std::vector<bool> recompute{true, false};         // --activation-checkpointing choices
-  std::vector<bool> update_during_backward{false};  // --update-during-backward choices
+  std::vector<bool> recompute{true, false};  // --activation-checkpointing choices
+  std::vector<std::string> offload_activations{"none", "cpu"};  // --offload-activations choices
+  std::vector<bool> update_during_backward{false};              // --update-during-backward choices
   std::string cpu_memory, pinned_memory;
   int64_t persistence_threshold = -1;
   int threads = 0;
@@ -226,6 +227,8 @@ void verify_config(const std::string& path, const TuneSpace& s, const TuneCandid
          "offload devices");
   expect(p.offload.max_in_cpu == 0, "max_in_cpu");
   expect(p.prefetch_depth.value_or(1) == c.prefetch_depth, "prefetch depth");
+  expect(p.offload_activations.value_or(false) == c.offload_activations,
+         "activation_checkpointing.cpu_checkpointing");
   expect(p.param_dtype == s.param_dtype, "precision");
   expect(p.persistence_threshold == s.persistence_threshold, "persistence threshold");
   const bool off = c.param != Tier::gpu || c.optimizer != Tier::gpu;
@@ -262,6 +265,7 @@ ojson candidate_json(const TuneCandidate& c) {
   j["buffer_count"] = c.buffer_count;
   j["pin_memory"] = c.pin_memory;
   j["activation_checkpointing"] = c.recompute;
+  j["offload_activations"] = c.offload_activations ? "cpu" : "none";
   j["micro_batch_group"] = c.micro_batch_group;
   j["reduce_per_group"] = c.micro_batch_group > 1;
   j["update_during_backward"] = c.update_during_backward;
@@ -355,6 +359,9 @@ int run_tune(const TuneArgs& a) {
             d);
     space.prefetch_depths = a.prefetch_depths;
     space.recompute = a.recompute;
+    space.offload_activations.clear();
+    for (const std::string& x : a.offload_activations)
+      space.offload_activations.push_back(offload_activations_flag(x, std::nullopt));
     space.update_during_backward = a.update_during_backward;
     if (std::find(a.update_during_backward.begin(), a.update_during_backward.end(), true) !=
         a.update_during_backward.end())
@@ -614,7 +621,9 @@ int run_tune(const TuneArgs& a) {
         duration_text(c.step_s) + (c.extrapolated ? "*" : ""), c.tokens_per_s,
         format_bytes(c.needs.total(Tier::gpu)), format_bytes(c.needs.total(Tier::cpu)),
         format_bytes(c.needs.total(Tier::nvme)), c.critical_lane,
-        c.pin_memory || !off ? "" : " (pin_memory false)", c.recompute ? "" : " (no recompute)",
+        c.pin_memory || !off ? "" : " (pin_memory false)",
+        c.recompute ? (c.offload_activations ? " (activations in host RAM)" : "")
+                    : " (no recompute)",
         c.micro_batch_group > 1 ? fmt::format(" (groups of {}, reduced once)", c.micro_batch_group)
                                 : "",
         c.update_during_backward ? " (Adam during the backward)" : "");
@@ -681,6 +690,11 @@ Command add_tune(CLI::App& app) {
                   "(keep its activations on the GPU) (default on,off)")
       ->delimiter(',')
       ->check(CLI::IsMember({"on", "off", "true", "false"}));
+  cmd->add_option("--offload-activations", a->offload_activations,
+                  "where the activation checkpoints may live, to try: none (on the GPU), cpu "
+                  "(host RAM, copied out and back each micro-batch) (default none,cpu)")
+      ->delimiter(',')
+      ->check(CLI::IsMember({"none", "cpu"}));
   cmd->add_option("--update-during-backward", a->update_during_backward,
                   "CPU Adam updating each unit during the backward, to try: off, on, or on,off "
                   "(default off; on means no gradient clipping, and a non-finite gradient stops "

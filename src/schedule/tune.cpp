@@ -28,6 +28,7 @@ std::string TuneCandidate::label() const {
                               offload_name(optimizer), micro_batch, grad_accum, prefetch_depth);
   if (param != Tier::gpu || optimizer != Tier::gpu) s += fmt::format(", {} buffers", buffer_count);
   if (!recompute) s += ", no recompute";
+  if (offload_activations) s += ", activations in host RAM";
   if (micro_batch_group > 1) s += fmt::format(", groups of {} reduced once", micro_batch_group);
   if (update_during_backward) s += ", Adam during the backward";
   return s;
@@ -121,9 +122,10 @@ std::optional<Placement> place(const TuneSpace& s, const TierBudgets& b, TuneCan
   std::optional<Placement> p;
   for (bool pin : {true, false}) {
     c.pin_memory = pin;
-    p = Placement::make(
-        shape_for(s, c.micro_batch, c.prefetch_depth, c.recompute, c.micro_batch_group),
-        request_for(s, c), b);
+    RunShape shape =
+        shape_for(s, c.micro_batch, c.prefetch_depth, c.recompute, c.micro_batch_group);
+    shape.offload_activations = c.offload_activations;
+    p = Placement::make(shape, request_for(s, c), b);
     c.why_not = over_budget(s, *p, b, c);
     c.fits = c.why_not.empty();
     // Pinning only the buffers helps when the pinned limit is all that is over.
@@ -216,8 +218,11 @@ std::vector<std::pair<int64_t, int64_t>> batch_choices(const TuneSpace& s) {
 TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareProfile* profile) {
   if (s.ranks < 1) fail("tune: {} devices; at least 1", s.ranks);
   if (s.seq_len < 1) fail("tune: --seq-len {}; at least 1", s.seq_len);
-  if (s.prefetch_depths.empty() || s.buffer_counts.empty() || s.recompute.empty())
-    fail("tune: no prefetch depth, buffer count or activation checkpointing choice to try");
+  if (s.prefetch_depths.empty() || s.buffer_counts.empty() || s.recompute.empty() ||
+      s.offload_activations.empty())
+    fail(
+        "tune: no prefetch depth, buffer count, activation checkpointing or activation offload "
+        "choice to try");
   for (int d : s.prefetch_depths)
     if (d < 0 || d > 64) fail("tune: prefetch depth {}: expected 0..64", d);
   const auto batches = batch_choices(s);
@@ -245,6 +250,10 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
   std::vector<bool> recomputes = s.recompute;
   std::sort(recomputes.begin(), recomputes.end(), std::greater<>());
   recomputes.erase(std::unique(recomputes.begin(), recomputes.end()), recomputes.end());
+  // Activation checkpoints on the GPU first.
+  std::vector<bool> acts = s.offload_activations;
+  std::sort(acts.begin(), acts.end());
+  acts.erase(std::unique(acts.begin(), acts.end()), acts.end());
   // Updating after the backward first (the default's behaviour on a non-finite gradient).
   std::vector<bool> updates = s.update_during_backward;
   std::sort(updates.begin(), updates.end());
@@ -256,9 +265,10 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
   std::map<std::string, std::string> first_with;  // signature -> the choice that had it first
   auto signature = [](const Placement& p, const TuneCandidate& c) {
     std::string sig =
-        fmt::format("{} {} {} {} {} {} {} {} {}|", c.micro_batch, c.grad_accum, c.prefetch_depth,
+        fmt::format("{} {} {} {} {} {} {} {} {} {}|", c.micro_batch, c.grad_accum, c.prefetch_depth,
                     p.pinned_buffers, p.pinned_buffer_bytes, p.offloaded() && c.pin_memory,
-                    c.recompute, c.micro_batch_group, c.update_during_backward);
+                    c.recompute, c.micro_batch_group, c.update_during_backward,
+                    offloaded_checkpoints(p.shape.model, checkpoint_slots(p.shape)));
     for (const UnitHomes& h : p.homes)
       sig += fmt::format("{}{}{}", int(h.param), int(h.grad), int(h.optimizer));
     return sig;
@@ -280,6 +290,8 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
       // Without a profile only whether the choice fits: its smallest setting.
       const size_t nd = profile ? depths.size() : 1, nc = profile ? counts.size() : 1;
       const size_t nb = profile ? batches.size() : 1, nr = profile ? recomputes.size() : 1;
+      // Without a profile, the checkpoints where they take the least GPU memory (the last).
+      const size_t na = profile ? acts.size() : 1, a0 = profile ? 0 : acts.size() - 1;
       // Groups: with a profile, each accumulating step also as one group, its gradients
       // reduced once per group (which tied embeddings need in a group).
       const size_t ng = profile && s.whole_step_groups ? 2 : 1;
@@ -289,50 +301,53 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
       for (size_t di = 0; di < nd; ++di)
         for (size_t ci = 0; ci < nc; ++ci)
           for (size_t ri = 0; ri < nr; ++ri)
-            for (size_t gi = 0; gi < ng; ++gi)
-              for (size_t ui = 0; ui < early.size(); ++ui)
-                for (size_t bi = 0; bi < nb; ++bi) {
-                  const int depth = depths[di], count = counts[ci];
-                  const auto [micro, accum] = batches[bi];
-                  if (gi == 1 && accum == 1) continue;  // one micro-batch: nothing to group
-                  TuneCandidate c;
-                  c.micro_batch_group = gi == 1 ? static_cast<int>(accum) : 1;
-                  c.update_during_backward = early[ui];
-                  c.param = pt;
-                  c.optimizer = ot;
-                  c.micro_batch = micro;
-                  c.grad_accum = accum;
-                  c.prefetch_depth = depth;
-                  c.buffer_count = count;
-                  c.recompute = recomputes[ri];
-                  const std::optional<Placement> p = place(s, b, c);
-                  ++r.placements;
-                  if (!smallest) smallest = c;
-                  // Larger micro-batches need more of every tier: none of them fits either.
-                  if (!p) break;
-                  any = true;
-                  const auto [it, fresh] = first_with.emplace(signature(*p, c), choice(pt, ot));
-                  if (!fresh) {
-                    if (it->second != choice(pt, ot)) duplicate_of = it->second;
-                    continue;
-                  }
-                  ++distinct;
-                  if (profile != nullptr) {
-                    try {
-                      simulate_candidate(*p, *profile, s, c, r.simulations);
-                    } catch (const Error& e) {
-                      // A rate this candidate needs is not in the profile: say so once per rate
-                      // (the messages differ only in the task named), rank the rest.
-                      const std::string m = e.what();
-                      const std::string key = m.substr(0, m.find(", but task"));
-                      if (std::none_of(r.unsimulated.begin(), r.unsimulated.end(),
-                                       [&](const std::string& x) { return x.starts_with(key); }))
-                        r.unsimulated.push_back(m);
+            for (size_t ai = a0; ai < a0 + na; ++ai)
+              for (size_t gi = 0; gi < ng; ++gi)
+                for (size_t ui = 0; ui < early.size(); ++ui)
+                  for (size_t bi = 0; bi < nb; ++bi) {
+                    const int depth = depths[di], count = counts[ci];
+                    const auto [micro, accum] = batches[bi];
+                    if (gi == 1 && accum == 1) continue;        // one micro-batch: nothing to group
+                    if (acts[ai] && !recomputes[ri]) continue;  // no checkpoints to offload
+                    TuneCandidate c;
+                    c.micro_batch_group = gi == 1 ? static_cast<int>(accum) : 1;
+                    c.update_during_backward = early[ui];
+                    c.param = pt;
+                    c.optimizer = ot;
+                    c.micro_batch = micro;
+                    c.grad_accum = accum;
+                    c.prefetch_depth = depth;
+                    c.buffer_count = count;
+                    c.recompute = recomputes[ri];
+                    c.offload_activations = acts[ai];
+                    const std::optional<Placement> p = place(s, b, c);
+                    ++r.placements;
+                    if (!smallest) smallest = c;
+                    // Larger micro-batches need more of every tier: none of them fits either.
+                    if (!p) break;
+                    any = true;
+                    const auto [it, fresh] = first_with.emplace(signature(*p, c), choice(pt, ot));
+                    if (!fresh) {
+                      if (it->second != choice(pt, ot)) duplicate_of = it->second;
                       continue;
                     }
+                    ++distinct;
+                    if (profile != nullptr) {
+                      try {
+                        simulate_candidate(*p, *profile, s, c, r.simulations);
+                      } catch (const Error& e) {
+                        // A rate this candidate needs is not in the profile: say so once per rate
+                        // (the messages differ only in the task named), rank the rest.
+                        const std::string m = e.what();
+                        const std::string key = m.substr(0, m.find(", but task"));
+                        if (std::none_of(r.unsimulated.begin(), r.unsimulated.end(),
+                                         [&](const std::string& x) { return x.starts_with(key); }))
+                          r.unsimulated.push_back(m);
+                        continue;
+                      }
+                    }
+                    r.ranked.push_back(c);
                   }
-                  r.ranked.push_back(c);
-                }
       if (!any && smallest) r.refused.push_back(*smallest);
       if (any && distinct == 0 && !duplicate_of.empty())
         r.same_as.push_back(
@@ -341,12 +356,13 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
   if (profile == nullptr) return r;
   // Best first: of those left, the preferred among the ones within 1% of the fastest (fewer
   // tiers off the devices, the optimizer nearer, a shallower prefetch, fewer buffers, a larger
-  // micro-batch, checkpointing kept, no groups, CPU Adam after the backward), then again. A
+  // micro-batch, checkpointing kept, the checkpoints on the GPU, no groups, CPU Adam after the
+  // backward), then again. A
   // selection, not a sort: "within 1%" is not transitive.
   auto preference = [](const TuneCandidate& c) {
     return std::make_tuple(offload_rank(c.param) + offload_rank(c.optimizer),
                            offload_rank(c.optimizer), c.prefetch_depth, c.buffer_count,
-                           -c.micro_batch, !c.recompute, c.micro_batch_group,
+                           -c.micro_batch, !c.recompute, c.offload_activations, c.micro_batch_group,
                            c.update_during_backward);
   };
   std::vector<TuneCandidate> left = std::move(r.ranked), out;
@@ -403,6 +419,7 @@ nlohmann::ordered_json tune_ds_config(const TuneSpace& s, const TuneCandidate& c
   z["stage3_prefetch_bucket_size"] = uint64_t(std::max(c.prefetch_depth, 1)) * largest;
   z["stage3_param_persistence_threshold"] = s.persistence_threshold;
   j["zero_optimization"] = z;
+  if (c.offload_activations) j["activation_checkpointing"] = {{"cpu_checkpointing", true}};
   if (nvme) {
     j["aio"] = {{"block_size", s.nvme_stripe}};
     if (queue_depth > 0) j["aio"]["queue_depth"] = queue_depth;

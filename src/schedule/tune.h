@@ -44,6 +44,11 @@ struct TuneSpace {
   // Activation checkpointing choices (RunShape::recompute): on needs less GPU memory, off a
   // third fewer FLOPs per block.
   std::vector<bool> recompute{true, false};
+  // Activation checkpoints in host RAM (RunShape::offload_activations), with recompute only:
+  // less GPU memory (room for a larger micro-batch, or for the state) for two copies of each
+  // block's input over PCIe a micro-batch. Kept on the GPU is tried first; without a profile
+  // (whether anything fits) only the last choice, the least GPU memory, is.
+  std::vector<bool> offload_activations{false, true};
   // Micro-batch groups (RunShape::micro_batch_group) where a step accumulates: each micro-batch
   // on its own (1) and, with `whole_step_groups`, the whole step as one group, each unit then
   // fetched once for the step's forwards and once for its backwards for that many
@@ -74,7 +79,8 @@ struct TuneCandidate {
   int prefetch_depth = 1;
   int buffer_count = 5;
   bool pin_memory = true;
-  bool recompute = true;  // activation checkpointing
+  bool recompute = true;             // activation checkpointing
+  bool offload_activations = false;  // the checkpoints in host RAM
   int micro_batch_group = 1;
   bool update_during_backward = false;  // CPU Adam under the backward (TuneSpace)
 
@@ -92,8 +98,8 @@ struct TuneCandidate {
   double overlap = 0;         // the critical lane's busy time / the step
   bool extrapolated = false;  // grad_accum > kMaxSimulatedAccum
 
-  // "P nvme, O cpu, micro 4 x 2, depth 2, 8 buffers[, no recompute][, groups of 2 reduced
-  // once][, Adam during the backward]" for tables and messages.
+  // "P nvme, O cpu, micro 4 x 2, depth 2, 8 buffers[, no recompute][, activations in host
+  // RAM][, groups of 2 reduced once][, Adam during the backward]" for tables and messages.
   std::string label() const;
   // DeepSpeed's word for a tier: "none" (not offloaded), "cpu", "nvme".
   static std::string offload_name(Tier t);
@@ -129,8 +135,9 @@ TuneResult tune_search(const TuneSpace& space, const TierBudgets& budgets,
 // batch sizes, bf16/fp16 (both false: fp32), zero_optimization stage 3 with offload_param and
 // offload_optimizer (device, nvme_path, pin_memory, buffer_count),
 // stage3_prefetch_bucket_size (prefetch depth × the largest unit's elements, which strata reads
-// back as the depth), stage3_param_persistence_threshold, and aio (block_size, queue_depth)
-// when NVMe is used. `queue_depth` 0: DeepSpeed's default (8) is left to the reader.
+// back as the depth), stage3_param_persistence_threshold, aio (block_size, queue_depth)
+// when NVMe is used, and activation_checkpointing.cpu_checkpointing when the checkpoints go to
+// host RAM. `queue_depth` 0: DeepSpeed's default (8) is left to the reader.
 nlohmann::ordered_json tune_ds_config(const TuneSpace& space, const TuneCandidate& c,
                                       unsigned queue_depth);
 
