@@ -122,8 +122,20 @@
 // wait between them and no clearing; "m == 0" above reads "the first group" (m < G): its
 // reduction writes G, the later groups' add into it.
 //
+// Activation checkpoints in host RAM (RunShape::offload_activations): each GPU keeps its block
+// inputs (and the head's) in a ring of K = checkpoint_slots() slots per activation set, position
+// p in slot p % K, so forward(v + K - 1) overwrites block v's input for v = first block ..
+// first block + offloaded_checkpoints() - 1. For those v, per micro-batch m and rank r: act_d2h
+// on gpu[r].d2h right after forward(v - 1, m), which wrote it, and forward(v + K - 1, m) waits
+// for it; act_h2d on gpu[r].h2d right after backward(v + K, m), the last reader of the slot (the
+// head's for v + K = the head), waiting for it and for the act_d2h, and backward(v, m) waits
+// for the act_h2d. Each moves micro_batch x seq_len x hidden activations in param dtype. Slots
+// and host copies reused by the next micro-batch of a set, or the next step, are ordered by the
+// compute lane: every copy of micro-batch m is done before backward(v, m) ends, which is before
+// any later forward.
+//
 // Forward only (evaluation): the uses are the forwards alone, fetched and gathered by the same
-// rules; nothing after them.
+// rules; nothing after them; no checkpoint is copied (nothing reads one back).
 //
 // Next step (`prev`). The first use of P[u] in a step (its param_read, param_h2d or gather, or
 // its forward when resident) waits for the previous step's last writer of P[u] (adam,
