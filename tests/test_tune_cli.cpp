@@ -287,6 +287,19 @@ TEST(TuneCli, OffloadsTheActivationCheckpointsWhereTheDeviceIsShort) {
   EXPECT_NE(refused.out.find("fits no placement"), std::string::npos) << refused.out;
   const json roomy = parse(strata_stdout(tune + std::to_string(2 * kept)));
   EXPECT_EQ(roomy["recommended"]["offload_activations"], "none") << roomy.dump(2);
+  // Without recompute there is nothing to offload: only keeping them is tried (and fits on the
+  // roomy device); asking for nothing but the offload then is refused by name.
+  const json off_only = parse(
+      strata_stdout(tune + std::to_string(4 * kept) + " --activation-checkpointing off --all"));
+  for (const json& cand : off_only["candidates"]) {
+    EXPECT_EQ(cand["activation_checkpointing"], false) << cand.dump();
+    EXPECT_EQ(cand["offload_activations"], "none") << cand.dump();
+  }
+  const CommandResult nothing = test::strata(tune + std::to_string(4 * kept) +
+                                             " --activation-checkpointing off "
+                                             "--offload-activations cpu");
+  EXPECT_NE(nothing.status, 0);
+  EXPECT_NE(nothing.out.find("--activation-checkpointing on"), std::string::npos) << nothing.out;
 }
 
 TEST(TuneCli, SearchesEveryChoiceFromASavedProfileAndPrintsTheTable) {

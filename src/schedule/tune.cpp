@@ -254,6 +254,22 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
   std::vector<bool> acts = s.offload_activations;
   std::sort(acts.begin(), acts.end());
   acts.erase(std::unique(acts.begin(), acts.end()), acts.end());
+  if (std::find(acts.begin(), acts.end(), false) == acts.end() &&
+      std::find(recomputes.begin(), recomputes.end(), true) == recomputes.end())
+    fail(
+        "tune: the activation checkpoints can only go to host RAM (--offload-activations cpu) "
+        "with activation checkpointing on, and only off is to be tried; try "
+        "--activation-checkpointing on, or --offload-activations none");
+  // Per checkpointing choice, the offload choices to try: with recompute every one asked (on
+  // the GPU first), without it none (there are no checkpoints to move); without a profile
+  // (whether anything fits) only the last, the least GPU memory.
+  auto acts_for = [&](bool recompute) {
+    std::vector<bool> out;
+    for (bool a : acts)
+      if (!a || recompute) out.push_back(a);
+    if (profile == nullptr && out.size() > 1) out = {out.back()};
+    return out;
+  };
   // Updating after the backward first (the default's behaviour on a non-finite gradient).
   std::vector<bool> updates = s.update_during_backward;
   std::sort(updates.begin(), updates.end());
@@ -290,8 +306,6 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
       // Without a profile only whether the choice fits: its smallest setting.
       const size_t nd = profile ? depths.size() : 1, nc = profile ? counts.size() : 1;
       const size_t nb = profile ? batches.size() : 1, nr = profile ? recomputes.size() : 1;
-      // Without a profile, the checkpoints where they take the least GPU memory (the last).
-      const size_t na = profile ? acts.size() : 1, a0 = profile ? 0 : acts.size() - 1;
       // Groups: with a profile, each accumulating step also as one group, its gradients
       // reduced once per group (which tied embeddings need in a group).
       const size_t ng = profile && s.whole_step_groups ? 2 : 1;
@@ -301,14 +315,13 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
       for (size_t di = 0; di < nd; ++di)
         for (size_t ci = 0; ci < nc; ++ci)
           for (size_t ri = 0; ri < nr; ++ri)
-            for (size_t ai = a0; ai < a0 + na; ++ai)
+            for (const bool act : acts_for(recomputes[ri]))
               for (size_t gi = 0; gi < ng; ++gi)
                 for (size_t ui = 0; ui < early.size(); ++ui)
                   for (size_t bi = 0; bi < nb; ++bi) {
                     const int depth = depths[di], count = counts[ci];
                     const auto [micro, accum] = batches[bi];
-                    if (gi == 1 && accum == 1) continue;        // one micro-batch: nothing to group
-                    if (acts[ai] && !recomputes[ri]) continue;  // no checkpoints to offload
+                    if (gi == 1 && accum == 1) continue;  // one micro-batch: nothing to group
                     TuneCandidate c;
                     c.micro_batch_group = gi == 1 ? static_cast<int>(accum) : 1;
                     c.update_during_backward = early[ui];
@@ -319,7 +332,7 @@ TuneResult tune_search(const TuneSpace& s, const TierBudgets& b, const HardwareP
                     c.prefetch_depth = depth;
                     c.buffer_count = count;
                     c.recompute = recomputes[ri];
-                    c.offload_activations = acts[ai];
+                    c.offload_activations = act;
                     const std::optional<Placement> p = place(s, b, c);
                     ++r.placements;
                     if (!smallest) smallest = c;
