@@ -1264,8 +1264,7 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
   mo.checkpoint_slots = checkpoint_slots(shape);
   s.act_first = s.layout.first_block();
   s.act_n = offloaded_checkpoints(shape.model, mo.checkpoint_slots);
-  s.act_stride =
-      static_cast<uint64_t>(shape.micro_batch * shape.seq_len * shape.model.hidden_size) * s.ps;
+  s.act_stride = activation_bytes(shape);
   if (schedule_.micro_batch_group > shape.micro_batch_group)
     fail(
         "executor: the schedule runs micro-batches in groups of {} but the placement keeps the "

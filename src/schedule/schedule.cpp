@@ -447,9 +447,7 @@ class Builder {
       K_ = checkpoint_slots(placement.shape);
       act_first_ = layout_.first_block();
       act_n_ = offloaded_checkpoints(placement.shape.model, K_);
-      act_bytes_ = static_cast<uint64_t>(placement.shape.micro_batch * placement.shape.seq_len *
-                                         placement.shape.model.hidden_size) *
-                   ps_;
+      act_bytes_ = activation_bytes(placement.shape);
       act_ids_.assign(static_cast<size_t>(M_ * act_n_ * R_ * 2), -1);
     }
     // Two pinned pools when the buffers allow it (see the file comment): the fetches and

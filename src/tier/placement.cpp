@@ -100,9 +100,7 @@ FixedGpu fixed_gpu(const RunShape& s, const Partition& p) {
   mo.forward_only = !s.training;  // evaluation: no room for a backward (LlamaModel)
   mo.kv_cache = s.kv_cache;
   mo.checkpoint_slots = checkpoint_slots(s);
-  const uint64_t flow = static_cast<uint64_t>(s.micro_batch_group) *
-                        static_cast<uint64_t>(s.micro_batch * s.seq_len * s.model.hidden_size) *
-                        z.ps;
+  const uint64_t flow = static_cast<uint64_t>(s.micro_batch_group) * activation_bytes(s);
   // Each rank's offloaded checkpoints are one host block (the executor's), a page-rounded run of
   // sets x offloaded x [micro_batch * seq_len, hidden].
   f.host_activations =

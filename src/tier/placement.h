@@ -192,6 +192,13 @@ inline int checkpoint_slots(const RunShape& s) {
   return s.offload_activations && s.training ? std::max(s.working_buffers, 2) : 0;
 }
 
+// Bytes of one micro-batch's activations [micro_batch x seq_len, hidden] in the parameters'
+// dtype: a unit's input (one activation checkpoint), or the gradient flowing between units.
+inline uint64_t activation_bytes(const RunShape& s) {
+  return static_cast<uint64_t>(s.micro_batch * s.seq_len * s.model.hidden_size) *
+         dtype_size(s.param_dtype);
+}
+
 struct UnitHomes {
   Tier param = Tier::gpu;
   Tier grad = Tier::gpu;
