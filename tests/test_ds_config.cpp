@@ -484,7 +484,7 @@ TEST(DsConfig, WrongTypesAndValuesNameTheirPath) {
       {R"({"optimizer": {"params": {"betas": [0.9, 1.5]}}})", {"optimizer.params.betas"}},
       {R"({"optimizer": {"params": {"eps": 0}}})", {"optimizer.params.eps", "> 0"}},
       {R"({"optimizer": {"params": {"lr": "fast"}}})", {"optimizer.params.lr", "\"fast\""}},
-      {R"({"scheduler": {"type": "OneCycle"}})", {"scheduler.type", "WarmupCosineLR"}},
+      {R"({"scheduler": {"type": "CyclicLR"}})", {"scheduler.type", "OneCycle", "LRRangeTest"}},
       {R"({"scheduler": {"params": {"warmup_type": "cubic"}}})",
        {"scheduler.params.warmup_type", "\"log\", \"linear\""}},
       {R"({"scheduler": {"params": {"total_num_steps": 0}}})",

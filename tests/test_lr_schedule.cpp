@@ -294,6 +294,175 @@ TEST(LrSchedule, HuggingFacesSchedulesWithPythonsBits) {
                {"linear", "warmup is -1"});
 }
 
+// DeepSpeed's OneCycle: the rate from cycle_min_lr up to cycle_max_lr and back, Adam's beta1 the
+// other way, then a decay. The literals are DeepSpeed's OneCycle expressions (its
+// _get_scale_factor at last_batch_iteration + 1, _get_cycle_lr, _get_cycle_mom, _get_decay_lr,
+// _get_decay_mom) written out in Python, evaluated by CPython 3.11 and printed with repr. Index -1
+// is what the scheduler sets when it is made: cycle_min_lr, and beta1 cycle_min_mom.
+TEST(LrSchedule, OneCycleWithPythonsBits) {
+  const DsConfig::Scheduler section = scheduler_section(R"({"scheduler": {"type": "OneCycle",
+      "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "cycle_first_step_size": 7,
+      "cycle_second_step_size": 5, "decay_step_size": 3, "decay_lr_rate": 0.1,
+      "cycle_min_mom": 0.85, "cycle_max_mom": 0.95, "decay_mom_rate": 0.01,
+      "cycle_first_stair_count": 2}}})");
+  const LrSchedule s = lr_schedule_from_config(section, 5e-4, 20);
+  EXPECT_EQ(s.kind, LrScheduleKind::one_cycle);
+  EXPECT_EQ(lr_schedule_name(s.kind), "OneCycle");
+  struct Bits {
+    int64_t i;
+    double lr, beta1;
+  };
+  const Bits bits[] = {{-1, 0.0001, 0.85},
+                       {0, 0.00022857142857142846, 0.9357142857142857},
+                       {1, 0.0003571428571428572, 0.9214285714285714},
+                       {4, 0.000742857142857143, 0.8785714285714286},
+                       {5, 0.0008714285714285714, 0.8642857142857143},
+                       {6, 0.0009999999999999998, 0.85},  // the top: 7 updates after -1
+                       {7, 0.0008200000000000004, 0.8699999999999999},
+                       {10, 0.00028000000000000035, 0.9299999999999999},
+                       {11, 0.0001, 0.95},  // the cycle's 12 updates are over
+                       {12, 9.67741935483871e-05, 0.9531666666666667},
+                       {13, 9.375e-05, 0.9563333333333333},
+                       {17, 8.333333333333334e-05, 0.969},
+                       {20, 7.692307692307693e-05, 0.9784999999999999}};
+  for (const Bits& b : bits) {
+    EXPECT_EQ(s.at(b.i), b.lr) << "index " << b.i;
+    const auto betas = s.betas_at(b.i);
+    ASSERT_TRUE(betas.has_value()) << "index " << b.i;
+    EXPECT_EQ(betas->first, b.beta1) << "index " << b.i;
+    EXPECT_EQ(betas->second, 0.99) << "index " << b.i;  // DeepSpeed's, whatever the optimizer's
+  }
+  // Update k runs at index k - 1.
+  EXPECT_EQ(s.for_update(0), 0.0001);
+  EXPECT_EQ(s.betas_for_update(7)->first, 0.85);
+  EXPECT_EQ(s.for_update(7), 0.0009999999999999998);
+
+  // DeepSpeed's defaults: the second half as long as the first, and no decay without a
+  // decay_step_size, so cycle_min_lr and cycle_max_mom hold after the cycle. A maximum below
+  // the minimum is allowed (the rate dips, then comes back).
+  const LrSchedule d = lr_schedule_from_config(
+      scheduler_section(R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 3e-4,
+          "cycle_max_lr": 2e-5, "cycle_first_step_size": 4, "decay_lr_rate": 0.5,
+          "decay_mom_rate": 0.5}}})"),
+      1e-3, 100);
+  EXPECT_EQ(d.cycle_second_step_size, 4);
+  const Bits defaults[] = {{-1, 0.0003, 0.8},
+                           {0, 0.00022999999999999998, 0.875},
+                           {2, 8.999999999999999e-05, 0.8250000000000001},
+                           {3, 1.9999999999999998e-05, 0.8},
+                           {6, 0.00022999999999999998, 0.875},
+                           {7, 0.0003, 0.9},
+                           {8, 0.0003, 0.9},
+                           {500, 0.0003, 0.9}};
+  for (const Bits& b : defaults) {
+    EXPECT_EQ(d.at(b.i), b.lr) << "defaults, index " << b.i;
+    EXPECT_EQ(d.betas_at(b.i)->first, b.beta1) << "defaults, index " << b.i;
+  }
+  // cycle_momentum false: the optimizer's betas stand.
+  const LrSchedule no_mom = lr_schedule_from_config(
+      scheduler_section(R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0,
+          "cycle_max_lr": 1e-3, "cycle_momentum": false}}})"),
+      1e-3, 100);
+  EXPECT_FALSE(no_mom.betas_at(-1).has_value());
+  EXPECT_FALSE(no_mom.betas_at(10).has_value());
+  // No other schedule sets betas.
+  EXPECT_FALSE(warmup(0.0, 1e-3, 10, WarmupShape::log).betas_at(3).has_value());
+}
+
+// DeepSpeed's LRRangeTest: lr_range_test_min_lr x (1 + step_rate x interval), the interval
+// continuous or, with the staircase, whole steps; literals as above.
+TEST(LrSchedule, LrRangeTestWithPythonsBits) {
+  const LrSchedule s =
+      lr_schedule_from_config(scheduler_section(R"({"scheduler": {"type": "LRRangeTest", "params": {
+          "lr_range_test_min_lr": 1e-4, "lr_range_test_step_size": 3,
+          "lr_range_test_step_rate": 0.5}}})"),
+                              1e-3, 10);
+  EXPECT_EQ(s.kind, LrScheduleKind::lr_range_test);
+  EXPECT_EQ(lr_schedule_name(s.kind), "LRRangeTest");
+  const std::pair<int64_t, double> continuous[] = {{-1, 0.0001},
+                                                   {0, 0.0001},
+                                                   {1, 0.00011666666666666668},
+                                                   {2, 0.00013333333333333334},
+                                                   {3, 0.00015000000000000001},
+                                                   {5, 0.00018333333333333336},
+                                                   {7, 0.0002166666666666667}};
+  for (const auto& [i, want] : continuous) EXPECT_EQ(s.at(i), want) << "index " << i;
+  EXPECT_FALSE(s.betas_at(3).has_value());
+  LrSchedule stairs = s;
+  stairs.range_test_staircase = true;
+  const std::pair<int64_t, double> staircase[] = {
+      {1, 0.0001}, {2, 0.0001}, {3, 0.00015000000000000001}, {5, 0.00015000000000000001},
+      {6, 0.0002}, {7, 0.0002}};
+  for (const auto& [i, want] : staircase) EXPECT_EQ(stairs.at(i), want) << "staircase " << i;
+  // DeepSpeed's defaults.
+  const LrSchedule d = lr_schedule_from_config(
+      scheduler_section(R"({"scheduler": {"type": "LRRangeTest"}})"), 1e-3, 10);
+  EXPECT_EQ(d.range_test_min_lr, 1e-3);
+  EXPECT_EQ(d.range_test_step_size, 2000);
+  EXPECT_EQ(d.range_test_step_rate, 1.0);
+  EXPECT_FALSE(d.range_test_staircase);
+  EXPECT_EQ(d.at(2000), 2e-3);
+}
+
+TEST(LrSchedule, BadOneCycleAndRangeTestSettingsAreNamed) {
+  const auto from = [](const std::string& params, std::optional<int64_t> steps = 100) {
+    return lr_schedule_from_config(
+        scheduler_section(R"({"scheduler": {"type": "OneCycle", "params": )" + params + "}}"), 1e-3,
+        steps);
+  };
+  expect_error([&] { from(R"({"cycle_max_lr": 1e-3})"); },
+               {"OneCycle", "scheduler.params.cycle_min_lr is not set", "give both"});
+  expect_error([&] { from(R"({"cycle_min_lr": 1e-4})"); },
+               {"scheduler.params.cycle_max_lr is not set"});
+  expect_error([&] { from(R"({"cycle_min_lr": 0, "cycle_max_lr": 1e-3, "cycle_max_mom": 1.0})"); },
+               {"scheduler.params.cycle_max_mom is 1", "[0, 1)", "cycle_momentum false"});
+  // Without the momentum cycling the momenta are not Adam's: not checked.
+  from(R"({"cycle_min_lr": 0, "cycle_max_lr": 1e-3, "cycle_max_mom": 1.0,
+           "cycle_momentum": false})");
+  // 0.95 x (1 + 0.01 x n / 3) reaches 1 at n = 16 (index 27 = 12 + 16 - 1): the 29th update,
+  // which runs at index 27. A run of 28 updates stops short of it.
+  const std::string decaying = R"({"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3,
+      "cycle_first_step_size": 7, "cycle_second_step_size": 5, "decay_step_size": 3,
+      "cycle_min_mom": 0.85, "cycle_max_mom": 0.95, "decay_mom_rate": 0.01})";
+  EXPECT_LT(from(decaying, 28).betas_for_update(27)->first, 1.0);
+  expect_error([&] { from(decaying, 29); }, {"at update 29 of this run's 29"});
+  expect_error([&] { from(decaying, 40); },
+               {"OneCycle", "beta1", "reaches 1.00", "at update 29 of this run's 40",
+                "lower decay_mom_rate"});
+  // The parser's bounds, and "auto", which Hugging Face does not fill here.
+  const auto parse = [](const std::string& params) {
+    return [params] { scheduler_section(R"({"scheduler": {"params": )" + params + "}}"); };
+  };
+  expect_error(parse(R"({"cycle_min_lr": -1e-4})"), {"scheduler.params.cycle_min_lr", "-0.0001"});
+  expect_error(parse(R"({"cycle_max_lr": "auto"})"), {"scheduler.params.cycle_max_lr", "\"auto\""});
+  expect_error(parse(R"({"cycle_first_step_size": 0})"),
+               {"scheduler.params.cycle_first_step_size", ">= 1"});
+  expect_error(parse(R"({"cycle_second_step_size": -2})"),
+               {"scheduler.params.cycle_second_step_size", "-2"});
+  expect_error(parse(R"({"cycle_momentum": "yes"})"),
+               {"scheduler.params.cycle_momentum", "true or false"});
+  expect_error(parse(R"({"cycle_second_stair_count": 1.5})"),
+               {"scheduler.params.cycle_second_stair_count", "1.5"});
+  expect_error(parse(R"({"lr_range_test_step_size": 0})"),
+               {"scheduler.params.lr_range_test_step_size", ">= 1"});
+  expect_error(parse(R"({"lr_range_test_staircase": 1})"),
+               {"scheduler.params.lr_range_test_staircase"});
+  // The stair counts are kept by DeepSpeed's OneCycle and used nowhere: read, listed as not
+  // acted on.
+  const DsConfig c = parse_ds_config(nlohmann::json::parse(R"({"scheduler": {"type": "OneCycle",
+      "params": {"cycle_min_lr": 0, "cycle_max_lr": 1e-3, "cycle_first_stair_count": 3}}})"),
+                                     "test.json");
+  EXPECT_NE(
+      std::find(c.ignored.begin(), c.ignored.end(), "scheduler.params.cycle_first_stair_count"),
+      c.ignored.end());
+  expect_error(
+      [] {
+        lr_schedule_from_config(scheduler_section(R"({"scheduler": {"type": "Cyclic"}})"), 1e-3,
+                                10);
+      },
+      {"scheduler.type", "Cyclic", "OneCycle", "LRRangeTest"});
+}
+
 TEST(LrSchedule, BadSettingsAreNamed) {
   expect_error(
       [] {

@@ -1304,6 +1304,56 @@ TEST(TrainCli, HuggingFaceDeepSpeedConfigIsAccepted) {
   EXPECT_EQ(state["settings"]["weight_decay_on"], "every parameter");
 }
 
+// DeepSpeed's OneCycle from a config: each update's rate and Adam's beta1 (logged in
+// metrics.jsonl) as its scheduler sets them, the first update at cycle_min_lr and cycle_min_mom
+// (set when the scheduler is made), then up and back over 2 + 2 updates, then held; a run
+// stopped mid-cycle resumes to the same bits; a warmup flag and a momentum decay that takes
+// beta1 to 1 within the run are refused before anything starts.
+TEST(TrainCli, DeepSpeedsOneCycleCyclesTheRateAndAdamsBeta1) {
+  const test::TempDir dir("strata-train-one-cycle");
+  const fs::path data = make_data(dir.path), run = dir.path / "run",
+                 cfg = dir.path / "ds_config.json";
+  std::ofstream(cfg) << R"({
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}},
+    "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 4e-3,
+                  "cycle_first_step_size": 2, "cycle_min_mom": 0.85, "cycle_max_mom": 0.95}}})";
+  const std::string base =
+      "train " + kTiny + "--data " + data.string() + " --config " + cfg.string();
+  test::CommandResult r = strata(base + " --steps 6 --run-dir " + run.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("each update's Adam betas are the cycle's momentum"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("in place of the optimizer's (0.9, 0.95)"), std::string::npos) << r.out;
+  const std::vector<json> m = metrics(run);
+  ASSERT_EQ(m.size(), 6u);
+  const double lr[] = {1e-3, 2.5e-3, 4e-3, 2.5e-3, 1e-3, 1e-3};
+  const double beta1[] = {0.85, 0.9, 0.85, 0.9, 0.95, 0.95};
+  for (size_t i = 0; i < m.size(); ++i) {
+    EXPECT_DOUBLE_EQ(m[i]["lr"].get<double>(), lr[i]) << "update " << i;
+    ASSERT_TRUE(m[i].contains("beta1")) << m[i].dump();
+    EXPECT_DOUBLE_EQ(m[i]["beta1"].get<double>(), beta1[i]) << "update " << i;
+  }
+  expect_resume_identical("--config " + cfg.string() + " --offload-optimizer cpu", 6, 3);
+
+  r = strata(base + " --steps 6 --warmup-steps 2 --run-dir " + (dir.path / "w").string());
+  EXPECT_NE(r.status, 0);
+  for (const char* part : {"--warmup-steps", "OneCycle", "has no warmup", "cycle_first_step_size"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
+  // DeepSpeed's default cycle_max_mom, 0.9, x (1 + 0.05 x n) passes 1 at n = 3 updates after
+  // the cycle's 4: index 6, update 8.
+  const fs::path decaying = dir.path / "decaying.json";
+  std::ofstream(decaying) << R"({"scheduler": {"type": "OneCycle", "params": {
+      "cycle_min_lr": 1e-3, "cycle_max_lr": 4e-3, "cycle_first_step_size": 2,
+      "decay_step_size": 1, "decay_mom_rate": 0.05}}})";
+  r = strata("train " + kTiny + "--data " + data.string() + " --config " + decaying.string() +
+             " --steps 10 --run-dir " + (dir.path / "d").string());
+  EXPECT_NE(r.status, 0);
+  for (const char* part :
+       {"beta1", "reaches 1.035 at update 8 of this run's 10", "lower decay_mom_rate"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
+  EXPECT_FALSE(fs::exists(dir.path / "d")) << "nothing starts";
+}
+
 // fp16 with DeepSpeed's dynamic loss scaling, f16 parameters and activations on the host
 // backend: a scale of 2^32 overflows the f16 backward, so the first steps are skipped, each
 // halving the scale (hysteresis 1) and changing no weight or optimizer state, until the scale

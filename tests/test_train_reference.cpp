@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <ostream>
@@ -60,6 +61,9 @@ struct Case {
   const char* arch = "llama";  // the reference's --arch: llama, qwen2 (q/k/v biases), qwen3
   bool decay_all = false;      // strata given a config with an optimizer section
   const char* offload_optimizer = nullptr;  // strata's --offload-optimizer; null: none
+  // DeepSpeed's OneCycle, "min_lr,max_lr,first,second,min_mom,max_mom": the reference's
+  // --one-cycle, and strata's config's scheduler section; null: none.
+  const char* one_cycle = nullptr;
 };
 void PrintTo(const Case& c, std::ostream* os) {
   *os << c.name;
@@ -84,22 +88,39 @@ TEST_P(TrainReference, ExportedWeightsAndLossesMatchTorch) {
   const std::string settings = kSettings + (tc.eps ? fmt::format(" --eps {}", tc.eps) : "");
 
   const test::CommandResult ref = test::run_command(
-      fmt::format("'{}' '{}/train_reference.py' '{}' {} --ranks {} --arch {}{}{}{} 2>&1",
+      fmt::format("'{}' '{}/train_reference.py' '{}' {} --ranks {} --arch {}{}{}{}{} 2>&1",
                   STRATA_PYTHON, STRATA_REFERENCE_DIR, dir.path.string(), settings, tc.ranks,
                   tc.arch, tc.tied ? " --tied" : "", tc.warmup ? " --warmup-steps 3" : "",
-                  tc.decay_all ? " --decay-all" : ""));
+                  tc.decay_all ? " --decay-all" : "",
+                  tc.one_cycle ? fmt::format(" --one-cycle {}", tc.one_cycle) : ""));
   if (ref.status == 77)
     GTEST_SKIP() << "PyTorch is not importable by " << STRATA_PYTHON
                  << "; install python3-torch to run the training reference test";
   ASSERT_EQ(ref.status, 0) << ref.out;
 
   std::string extra;
-  if (tc.decay_all) {
-    // Hugging Face's example config's section: the flags fill its "auto"s.
-    const fs::path config = dir.path / "ds_config.json";
-    std::ofstream(config) << R"({"optimizer": {"type": "AdamW", "params": {"lr": "auto",
-        "betas": "auto", "eps": "auto", "weight_decay": "auto"}}})";
-    extra += fmt::format(" --config '{}'", config.string());
+  nlohmann::json config = nlohmann::json::object();
+  if (tc.decay_all)  // Hugging Face's example config's section: the flags fill its "auto"s
+    config["optimizer"] = nlohmann::json::parse(R"({"type": "AdamW", "params": {"lr": "auto",
+        "betas": "auto", "eps": "auto", "weight_decay": "auto"}})");
+  if (tc.one_cycle) {
+    double v[6];
+    ASSERT_EQ(std::sscanf(tc.one_cycle, "%lf,%lf,%lf,%lf,%lf,%lf", &v[0], &v[1], &v[2], &v[3],
+                          &v[4], &v[5]),
+              6);
+    config["scheduler"] = {{"type", "OneCycle"},
+                           {"params",
+                            {{"cycle_min_lr", v[0]},
+                             {"cycle_max_lr", v[1]},
+                             {"cycle_first_step_size", static_cast<int>(v[2])},
+                             {"cycle_second_step_size", static_cast<int>(v[3])},
+                             {"cycle_min_mom", v[4]},
+                             {"cycle_max_mom", v[5]}}}};
+  }
+  if (!config.empty()) {
+    const fs::path path = dir.path / "ds_config.json";
+    std::ofstream(path) << config.dump();
+    extra += fmt::format(" --config '{}'", path.string());
   }
   if (tc.offload_optimizer) extra += fmt::format(" --offload-optimizer {}", tc.offload_optimizer);
   const test::CommandResult train = strata(fmt::format(
@@ -176,7 +197,11 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"qwen3_host1", false, 1, false, "3e-4", "qwen3"},
                       Case{"decay_all_tied_host1", true, 1, false, "3e-4", "llama", true},
                       Case{"qwen2_decay_all_cpu_adam_host2", false, 2, true, nullptr, "qwen2", true,
-                           "cpu"}),
+                           "cpu"},
+                      // Adam's betas change every update: bias corrections with the current beta1
+                      // and DeepSpeed's beta2 of 0.99, on the CPU Adam of host RAM.
+                      Case{"one_cycle_momentum_cpu_adam_host2", false, 2, false, "3e-4", "llama",
+                           false, "cpu", "2e-3,1e-2,2,1,0.85,0.95"}),
     [](const auto& p) { return std::string(p.param.name); });
 
 // The TensorBoard event files of a training run (resumed once, so two files) read by an

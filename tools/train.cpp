@@ -242,17 +242,31 @@ int run_train(const TrainArgs& a) {
           "WarmupCosineLR (DeepSpeed's), or linear, cosine or constant_with_warmup (Hugging "
           "Face's)",
           a.warmup_steps != kUnsetFlag ? "--warmup-steps" : "--warmup-ratio");
+    const bool cyclic = sched.type == "OneCycle" || sched.type == "LRRangeTest";
+    if (warmup_flag && cyclic)
+      fail(
+          "{}: the learning-rate schedule is {}, which has no warmup; its rise is set by "
+          "scheduler.params ({}) in the config; drop the flag",
+          a.warmup_steps != kUnsetFlag ? "--warmup-steps" : "--warmup-ratio", *sched.type,
+          *sched.type == "OneCycle" ? "cycle_first_step_size" : "lr_range_test_step_size");
     if (a.warmup_steps != kUnsetFlag) sched.warmup_num_steps = a.warmup_steps;
     // Hugging Face's warmup_ratio: ceil(ratio x the run's steps) steps.
     if (!std::isnan(a.warmup_ratio))
       sched.warmup_num_steps =
           static_cast<int64_t>(std::ceil(a.warmup_ratio * static_cast<double>(s.steps)));
-    if (sched.type && !sched.warmup_num_steps && !sched.warmup_num_steps_auto)
+    if (sched.type && !cyclic && !sched.warmup_num_steps && !sched.warmup_num_steps_auto)
       fmt::print(
           "lr schedule: warmup_num_steps is DeepSpeed's default, 1000, since neither the config "
           "nor a flag sets it{}; --warmup-steps or --warmup-ratio sets it\n",
           s.steps <= 1000 ? fmt::format(" (this run's {} steps are all warmup)", s.steps) : "");
     s.schedule = lr_schedule_from_config(sched, lr, s.steps);
+    if (s.schedule.betas_at(-1))
+      fmt::print(
+          "lr schedule OneCycle: cycle_momentum is on, so each update's Adam betas are the "
+          "cycle's momentum (cycle_max_mom {} down to cycle_min_mom {} as the rate rises, and "
+          "back) and 0.99, as DeepSpeed's OneCycle sets them, in place of the optimizer's ({}, "
+          "{}); metrics.jsonl logs each update's beta1\n",
+          s.schedule.cycle_max_mom, s.schedule.cycle_min_mom, s.adam.beta1, s.adam.beta2);
   }
   s.scaling = loss_scale_settings(ds ? ds->fp16 : DsConfig::Fp16{}, s.dtype == DType::f16);
   s.max_grad_norm = !std::isnan(a.clip) ? a.clip : (ds ? ds->gradient_clipping.value_or(0.0) : 0.0);
@@ -322,7 +336,9 @@ int run_train(const TrainArgs& a) {
             {"optimizer", adamw ? "adamw" : "adam"},
             {"lr", lr},
             {"lr_schedule", lr_schedule_name(s.schedule.kind)},
-            {"warmup_num_steps", s.schedule.kind == LrScheduleKind::constant
+            {"warmup_num_steps", s.schedule.kind == LrScheduleKind::constant ||
+                                         s.schedule.kind == LrScheduleKind::one_cycle ||
+                                         s.schedule.kind == LrScheduleKind::lr_range_test
                                      ? nlohmann::json(nullptr)
                                      : nlohmann::json(s.schedule.warmup_num_steps)},
             {"weight_decay", s.adam.weight_decay},
@@ -423,7 +439,8 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--lr,--learning-rate", a->lr,
                   "learning rate (default: the config's, else 1e-3)");
   cmd->add_option("--lr-schedule,--lr-scheduler-type", a->lr_schedule,
-                  "none, WarmupLR, WarmupDecayLR or WarmupCosineLR (DeepSpeed's), or linear, "
+                  "none, WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest "
+                  "(DeepSpeed's), or linear, "
                   "cosine, constant or constant_with_warmup (Hugging Face's lr_scheduler_type, "
                   "from 0 over the warmup, to 0 at the last step); overrides the config's type (a "
                   "DeepSpeed one keeps the config's scheduler.params)");

@@ -250,7 +250,8 @@ void read_scheduler(Reader& r, const json& v, DsConfig::Scheduler& s) {
   for (const auto& [key, value] : v.items()) {
     const std::string p = path_of("scheduler", key);
     if (key == "type") {
-      s.type = r.one_of(value, p, {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"});
+      s.type = r.one_of(value, p,
+                        {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest"});
     } else if (key == "params") {
       r.object(value, p);
       for (const auto& [k, x] : value.items()) {
@@ -271,6 +272,38 @@ void read_scheduler(Reader& r, const json& v, DsConfig::Scheduler& s) {
           s.warmup_min_ratio = r.real(x, q, 0.0, Auto::ok);
         } else if (k == "cos_min_ratio") {
           s.cos_min_ratio = r.real(x, q, 0.0, Auto::ok);
+        } else if (k == "cycle_min_lr") {  // OneCycle's: Hugging Face fills no "auto" here
+          s.cycle_min_lr = r.real(x, q, 0.0);
+        } else if (k == "cycle_max_lr") {
+          s.cycle_max_lr = r.real(x, q, 0.0);
+        } else if (k == "decay_lr_rate") {
+          s.decay_lr_rate = r.real(x, q, 0.0);
+        } else if (k == "cycle_first_step_size") {
+          s.cycle_first_step_size = r.integer(x, q, 1, std::numeric_limits<int64_t>::max());
+        } else if (k == "cycle_second_step_size") {
+          if (!x.is_null())  // DeepSpeed's default: the first's
+            s.cycle_second_step_size = r.integer(x, q, 0, std::numeric_limits<int64_t>::max());
+        } else if (k == "decay_step_size") {
+          s.decay_step_size = r.integer(x, q, 0, std::numeric_limits<int64_t>::max());
+        } else if (k == "cycle_momentum") {
+          s.cycle_momentum = r.boolean(x, q);
+        } else if (k == "cycle_min_mom") {
+          s.cycle_min_mom = r.real(x, q, 0.0);
+        } else if (k == "cycle_max_mom") {
+          s.cycle_max_mom = r.real(x, q, 0.0);
+        } else if (k == "decay_mom_rate") {
+          s.decay_mom_rate = r.real(x, q, 0.0);
+        } else if (k == "cycle_first_stair_count" || k == "cycle_second_stair_count") {
+          if (!x.is_null()) r.integer(x, q, 0, std::numeric_limits<int64_t>::max());
+          r.ignore(q);  // kept by DeepSpeed's OneCycle, and used nowhere
+        } else if (k == "lr_range_test_min_lr") {
+          s.lr_range_test_min_lr = r.real(x, q, 0.0);
+        } else if (k == "lr_range_test_step_size") {
+          s.lr_range_test_step_size = r.integer(x, q, 1, std::numeric_limits<int64_t>::max());
+        } else if (k == "lr_range_test_step_rate") {
+          s.lr_range_test_step_rate = r.real(x, q, 0.0);
+        } else if (k == "lr_range_test_staircase") {
+          s.lr_range_test_staircase = r.boolean(x, q);
         } else {
           r.ignore(q);  // last_batch_iteration, ...
         }

@@ -81,7 +81,8 @@ struct DsConfig {
   } optimizer;
 
   struct Scheduler {
-    std::optional<std::string> type;  // WarmupLR | WarmupDecayLR | WarmupCosineLR
+    // WarmupLR | WarmupDecayLR | WarmupCosineLR | OneCycle | LRRangeTest
+    std::optional<std::string> type;
     std::optional<double> warmup_min_lr, warmup_max_lr;
     std::optional<int64_t> warmup_num_steps, total_num_steps;
     std::optional<std::string> warmup_type;                 // "log" | "linear"
@@ -89,6 +90,16 @@ struct DsConfig {
     // Given as "auto", which Hugging Face fills from its flags (learning_rate, warmup_steps),
     // where absent means DeepSpeed's default.
     bool warmup_max_lr_auto = false, warmup_num_steps_auto = false;
+    // OneCycle (the stair counts are read and checked, and not acted on, as in DeepSpeed, whose
+    // OneCycle keeps them without using them).
+    std::optional<double> cycle_min_lr, cycle_max_lr, decay_lr_rate;
+    std::optional<int64_t> cycle_first_step_size, cycle_second_step_size, decay_step_size;
+    std::optional<bool> cycle_momentum;
+    std::optional<double> cycle_min_mom, cycle_max_mom, decay_mom_rate;
+    // LRRangeTest.
+    std::optional<double> lr_range_test_min_lr, lr_range_test_step_rate;
+    std::optional<int64_t> lr_range_test_step_size;
+    std::optional<bool> lr_range_test_staircase;
   } scheduler;
 
   struct Zero {

@@ -31,6 +31,48 @@ double warmup_gamma(WarmupShape shape, int64_t i, int64_t W) {
 
 }  // namespace
 
+namespace {
+
+LrSchedule one_cycle_from_config(const DsConfig::Scheduler& config, double optimizer_lr,
+                                 std::optional<int64_t> run_steps) {
+  LrSchedule s;
+  s.kind = LrScheduleKind::one_cycle;
+  s.lr = optimizer_lr;  // replaced by cycle_min_lr when DeepSpeed makes the scheduler
+  if (!config.cycle_min_lr || !config.cycle_max_lr)
+    fail(
+        "lr schedule OneCycle: scheduler.params.{} is not set; DeepSpeed's OneCycle has no "
+        "default for cycle_min_lr or cycle_max_lr (the rates the cycle starts from and rises "
+        "to); give both",
+        config.cycle_min_lr ? "cycle_max_lr" : "cycle_min_lr");
+  s.cycle_min_lr = *config.cycle_min_lr;
+  s.cycle_max_lr = *config.cycle_max_lr;
+  s.decay_lr_rate = config.decay_lr_rate.value_or(0.0);
+  s.cycle_first_step_size = config.cycle_first_step_size.value_or(2000);
+  s.cycle_second_step_size = config.cycle_second_step_size.value_or(s.cycle_first_step_size);
+  s.decay_step_size = config.decay_step_size.value_or(0);
+  s.cycle_momentum = config.cycle_momentum.value_or(true);
+  s.cycle_min_mom = config.cycle_min_mom.value_or(0.8);
+  s.cycle_max_mom = config.cycle_max_mom.value_or(0.9);
+  s.decay_mom_rate = config.decay_mom_rate.value_or(0.0);
+  s.validate();
+  // After the cycle, a decaying momentum only grows: its last update is the one to check.
+  if (run_steps && *run_steps > 0)
+    if (const auto last = s.betas_for_update(*run_steps - 1); last && last->first >= 1.0) {
+      int64_t first = *run_steps - 1;
+      while (first > 0 && s.betas_for_update(first - 1)->first >= 1.0) --first;
+      fail(
+          "lr schedule OneCycle: Adam's beta1, cycle_max_mom {} x (1 + decay_mom_rate {} x the "
+          "updates past the cycle / decay_step_size {}), reaches {} at update {} of this run's "
+          "{}, and beta1 must stay below 1; lower decay_mom_rate, or set it to 0 to hold "
+          "cycle_max_mom after the cycle",
+          s.cycle_max_mom, s.decay_mom_rate, s.decay_step_size, s.betas_for_update(first)->first,
+          first + 1, *run_steps);
+    }
+  return s;
+}
+
+}  // namespace
+
 std::string lr_schedule_name(LrScheduleKind kind) {
   switch (kind) {
     case LrScheduleKind::constant:
@@ -47,6 +89,10 @@ std::string lr_schedule_name(LrScheduleKind kind) {
       return "cosine";
     case LrScheduleKind::hf_constant_with_warmup:
       return "constant_with_warmup";
+    case LrScheduleKind::one_cycle:
+      return "OneCycle";
+    case LrScheduleKind::lr_range_test:
+      return "LRRangeTest";
   }
   return "?";
 }
@@ -66,6 +112,42 @@ void LrSchedule::validate() const {
     if (kind != LrScheduleKind::hf_constant_with_warmup && total_num_steps < 1)
       fail("lr schedule {}: the run's steps are {}; it decays to 0 over them, so give --steps",
            name, total_num_steps);
+    return;
+  }
+  if (kind == LrScheduleKind::one_cycle) {
+    check_rate(cycle_min_lr, "scheduler.params.cycle_min_lr");
+    check_rate(cycle_max_lr, "scheduler.params.cycle_max_lr");
+    check_rate(decay_lr_rate, "scheduler.params.decay_lr_rate");
+    check_rate(decay_mom_rate, "scheduler.params.decay_mom_rate");
+    if (cycle_first_step_size < 1 || cycle_second_step_size < 0)
+      fail(
+          "lr schedule OneCycle: cycle_first_step_size {} and cycle_second_step_size {}; the "
+          "first must be 1 or more (DeepSpeed divides by it) and the second 0 or more; fix "
+          "scheduler.params",
+          cycle_first_step_size, cycle_second_step_size);
+    if (decay_step_size < 0)
+      fail(
+          "lr schedule OneCycle: scheduler.params.decay_step_size is {}; it must be 0 (no decay) "
+          "or more",
+          decay_step_size);
+    if (cycle_momentum)
+      for (const auto& [value, key] :
+           {std::pair{cycle_min_mom, "cycle_min_mom"}, std::pair{cycle_max_mom, "cycle_max_mom"}})
+        if (!(value >= 0.0 && value < 1.0))
+          fail(
+              "lr schedule OneCycle: scheduler.params.{} is {}; it is Adam's beta1 while "
+              "cycle_momentum is on, which must be in [0, 1); fix it, or set cycle_momentum false",
+              key, value);
+    return;
+  }
+  if (kind == LrScheduleKind::lr_range_test) {
+    check_rate(range_test_min_lr, "scheduler.params.lr_range_test_min_lr");
+    check_rate(range_test_step_rate, "scheduler.params.lr_range_test_step_rate");
+    if (range_test_step_size < 1)
+      fail(
+          "lr schedule LRRangeTest: scheduler.params.lr_range_test_step_size is {}; it must be 1 "
+          "or more (DeepSpeed divides by it)",
+          range_test_step_size);
     return;
   }
   if (warmup_num_steps < 1)
@@ -113,6 +195,21 @@ double LrSchedule::at(int64_t i) const {
     }
     return lr * factor;
   }
+  if (kind == LrScheduleKind::one_cycle) {
+    if (i < 0) return cycle_min_lr;  // set when DeepSpeed makes the scheduler
+    const OneCycleShape c = one_cycle_shape();
+    if (static_cast<double>(i) < c.total_size)
+      return cycle_min_lr + (cycle_max_lr - cycle_min_lr) * c.scale_factor(i);
+    if (decay_step_size == 0 || decay_lr_rate == 0.0) return cycle_min_lr;
+    const double decay_interval = c.decay_iteration(i) / static_cast<double>(decay_step_size);
+    return cycle_min_lr / (1 + decay_lr_rate * decay_interval);
+  }
+  if (kind == LrScheduleKind::lr_range_test) {
+    if (i < 0) return range_test_min_lr;  // set when DeepSpeed makes the scheduler
+    const double continuous = static_cast<double>(i) / static_cast<double>(range_test_step_size);
+    const double interval = range_test_staircase ? std::floor(continuous) : continuous;
+    return range_test_min_lr * (1 + range_test_step_rate * interval);
+  }
   const int64_t W = std::max<int64_t>(2, warmup_num_steps);
 
   if (kind == LrScheduleKind::warmup_cosine) {
@@ -148,6 +245,37 @@ double LrSchedule::at(int64_t i) const {
   return warmup_min_lr + (delta_lr * gamma);
 }
 
+std::optional<std::pair<double, double>> LrSchedule::betas_at(int64_t i) const {
+  if (kind != LrScheduleKind::one_cycle || !cycle_momentum) return std::nullopt;
+  constexpr double kBeta2 = 0.99;  // DeepSpeed's OneCycle pairs every momentum with it
+  if (i < 0) return std::pair{cycle_min_mom, kBeta2};  // set when the scheduler is made
+  const OneCycleShape c = one_cycle_shape();
+  if (static_cast<double>(i) < c.total_size)
+    return std::pair{cycle_max_mom - (cycle_max_mom - cycle_min_mom) * c.scale_factor(i), kBeta2};
+  if (decay_step_size == 0 || decay_mom_rate == 0.0) return std::pair{cycle_max_mom, kBeta2};
+  const double decay_interval = c.decay_iteration(i) / static_cast<double>(decay_step_size);
+  return std::pair{cycle_max_mom * (1 + decay_mom_rate * decay_interval), kBeta2};
+}
+
+LrSchedule::OneCycleShape LrSchedule::one_cycle_shape() const {
+  OneCycleShape c;
+  const double first = static_cast<double>(cycle_first_step_size);
+  c.total_size = first + static_cast<double>(cycle_second_step_size);
+  c.step_ratio = first / c.total_size;
+  return c;
+}
+
+double LrSchedule::OneCycleShape::scale_factor(int64_t i) const {
+  const double batch_iteration = static_cast<double>(i + 1);
+  const double cycle = std::floor(1 + batch_iteration / total_size);
+  const double x = 1. + batch_iteration / total_size - cycle;
+  return x <= step_ratio ? x / step_ratio : (x - 1) / (step_ratio - 1);
+}
+
+double LrSchedule::OneCycleShape::decay_iteration(int64_t i) const {
+  return static_cast<double>(i) - total_size + 1;
+}
+
 LrSchedule lr_schedule_from_config(const DsConfig::Scheduler& config, double optimizer_lr,
                                    std::optional<int64_t> run_steps) {
   LrSchedule s;
@@ -160,10 +288,21 @@ LrSchedule lr_schedule_from_config(const DsConfig::Scheduler& config, double opt
     s.kind = LrScheduleKind::warmup_decay;
   } else if (*config.type == "WarmupCosineLR") {
     s.kind = LrScheduleKind::warmup_cosine;
+  } else if (*config.type == "OneCycle") {
+    return one_cycle_from_config(config, optimizer_lr, run_steps);
+  } else if (*config.type == "LRRangeTest") {
+    s.kind = LrScheduleKind::lr_range_test;
+    s.range_test_min_lr = config.lr_range_test_min_lr.value_or(1e-3);
+    s.range_test_step_size = config.lr_range_test_step_size.value_or(2000);
+    s.range_test_step_rate = config.lr_range_test_step_rate.value_or(1.0);
+    s.range_test_staircase = config.lr_range_test_staircase.value_or(false);
+    s.validate();
+    return s;
   } else {
     fail(
         "lr schedule: scheduler.type is \"{}\"; strata implements \"WarmupLR\", "
-        "\"WarmupDecayLR\" and \"WarmupCosineLR\" (or no scheduler for a constant rate)",
+        "\"WarmupDecayLR\", \"WarmupCosineLR\", \"OneCycle\" and \"LRRangeTest\" (or no "
+        "scheduler for a constant rate)",
         *config.type);
   }
   s.warmup_min_lr = config.warmup_min_lr.value_or(0.0);

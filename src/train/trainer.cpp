@@ -382,6 +382,12 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
     p.decay_every_parameter = s.decay_every_parameter;
     const double lr = s.schedule.for_update(applied);  // logged as the schedule gives it
     p.adam.lr = static_cast<float>(lr);
+    // OneCycle's momentum: Adam's betas as DeepSpeed's scheduler sets them for this update.
+    const std::optional<std::pair<double, double>> betas = s.schedule.betas_for_update(applied);
+    if (betas) {
+      p.adam.beta1 = static_cast<float>(betas->first);
+      p.adam.beta2 = static_cast<float>(betas->second);
+    }
     p.loss_scale = static_cast<float>(scaler.scale());
     p.max_grad_norm = static_cast<float>(s.max_grad_norm);
     const StepResult r = ex.step(batches, p);
@@ -417,6 +423,7 @@ double train(const TrainSettings& s, const std::vector<Device*>& devices) {
         {"pinned_bytes", ex.memory().pinned_capacity},
         {"pinned_allocations", ex.memory().pinned_allocations},
         {"pinned_pools", PinnedPool::pools_created() - pools_before}};
+    if (betas) record["beta1"] = betas->first;  // OneCycle's, as its scheduler set it
     if (eval) {
       record["eval_loss"] = eval->loss();
       record["eval_targets"] = eval->targets;

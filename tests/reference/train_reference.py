@@ -4,7 +4,8 @@
 
 usage: train_reference.py DIR [--tied] [--arch llama|qwen2|qwen3] --ranks R --steps N --seq-len T --micro-batch B
                           --grad-accum K --lr LR --weight-decay WD --clip C --eps E --seed S
-                          [--warmup-steps W] [--decay-all]
+                          [--warmup-steps W | --one-cycle MIN,MAX,FIRST,SECOND,MIN_MOM,MAX_MOM]
+                          [--decay-all]
 
 First it writes the run's inputs: DIR/model/config.json + DIR/model/model.safetensors (F32), a
 tiny Llama (hidden 32, 2 layers, 4 heads, 2 kv heads, intermediate 64, vocab 97) with weights
@@ -28,7 +29,11 @@ Then it replays `strata train` on them:
     with --decay-all on every parameter, in one group (DeepSpeed's optimizer, made from a
     config's optimizer section);
   - the rate of update k: LR, or with --warmup-steps DeepSpeed's WarmupLR (log warmup from 0 to
-    LR over max(2, W) steps) at last_batch_iteration k - 1, as src/train/lr_schedule.cpp.
+    LR over max(2, W) steps) at last_batch_iteration k - 1, as src/train/lr_schedule.cpp; or
+    with --one-cycle DeepSpeed's OneCycle (no decay), which also sets Adam's betas to
+    (momentum, 0.99) before each update, the momentum falling from MAX_MOM to MIN_MOM as the
+    rate rises from MIN to MAX over FIRST updates, and back over SECOND; the first update runs
+    at MIN and MIN_MOM, which the scheduler sets when it is made.
 Every rate and hyperparameter is rounded to float first, as strata holds it. The result is
 DIR/reference.safetensors: the final weights under their Hugging Face names, and "loss" [N],
 each step's mean loss.
@@ -146,7 +151,7 @@ def read_llmc_u16(path):
     return list(struct.unpack(f"<{header[2]}H", blob[1024 : 1024 + 2 * header[2]]))
 
 
-# ---- DeepSpeed's WarmupLR (src/train/lr_schedule.cpp) ----
+# ---- DeepSpeed's WarmupLR and OneCycle (src/train/lr_schedule.cpp) ----
 
 
 def warmup_lr(max_lr, warmup_steps, last_batch_iteration):
@@ -156,6 +161,21 @@ def warmup_lr(max_lr, warmup_steps, last_batch_iteration):
         return 0.0  # warmup_min_lr
     gamma = (1.0 / math.log(W)) * math.log(i + 1) if i < W else 1.0
     return 0.0 + (max_lr - 0.0) * gamma
+
+
+def one_cycle(spec, last_batch_iteration):
+    """(lr, beta1) of DeepSpeed's OneCycle without decay at last_batch_iteration."""
+    lo, hi, first, second, lo_mom, hi_mom = spec
+    if last_batch_iteration < 0:
+        return lo, lo_mom  # what the scheduler sets when it is made
+    total = float(first) + float(second)
+    if last_batch_iteration >= total:
+        return lo, hi_mom
+    rise = float(first) / total
+    x = (last_batch_iteration + 1) / total
+    x -= math.floor(x)  # position within the cycle, in [0, 1)
+    up = x / rise if x <= rise else (1 - x) / (1 - rise)
+    return lo + (hi - lo) * up, hi_mom - (hi_mom - lo_mom) * up
 
 
 # ---- commands ----
@@ -273,6 +293,10 @@ def train(args):
         for n, p in params.items():
             p.grad = grads[n] * scale
         rate = lr if args.warmup_steps is None else warmup_lr(lr, args.warmup_steps, k - 1)
+        if args.one_cycle:
+            rate, beta1 = one_cycle(args.one_cycle, k - 1)
+            for group in opt.param_groups:
+                group["betas"] = (f32(beta1), f32(0.99))
         for group in opt.param_groups:
             group["lr"] = f32(rate)
         opt.step()
@@ -298,6 +322,7 @@ def main():
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--eps", type=float, default=1e-8)
     ap.add_argument("--warmup-steps", type=int, default=None)
+    ap.add_argument("--one-cycle", type=lambda s: [float(x) for x in s.split(",")], default=None)
     ap.add_argument("--decay-all", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(1)
