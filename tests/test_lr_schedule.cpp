@@ -286,8 +286,8 @@ TEST(LrSchedule, HuggingFacesSchedulesWithPythonsBits) {
   // Without a warmup (Hugging Face's default) the first update runs at the full rate.
   EXPECT_EQ(hugging_face_lr_schedule("linear", 1e-3, 0, 4).for_update(0), 1e-3);
   EXPECT_EQ(hugging_face_lr_schedule("constant", 1e-3, 0, 4).kind, LrScheduleKind::constant);
-  expect_error([] { hugging_face_lr_schedule("polynomial", 1e-3, 0, 4); },
-               {"polynomial", "linear, cosine, constant and constant_with_warmup"});
+  expect_error([] { hugging_face_lr_schedule("exponential", 1e-3, 0, 4); },
+               {"exponential", "linear, cosine, constant_with_warmup, cosine_with_restarts"});
   expect_error([] { hugging_face_lr_schedule("cosine", 1e-3, 0, 0); },
                {"cosine", "steps are 0", "--steps"});
   expect_error([] { hugging_face_lr_schedule("linear", 1e-3, -1, 10); },
@@ -461,6 +461,161 @@ TEST(LrSchedule, BadOneCycleAndRangeTestSettingsAreNamed) {
                                 10);
       },
       {"scheduler.type", "Cyclic", "OneCycle", "LRRangeTest"});
+}
+
+// The rest of Hugging Face's lr_scheduler_types, with their lr_scheduler_kwargs: transformers'
+// lr_lambda expressions (optimization.py) transcribed to Python, evaluated by CPython 3.11 and
+// printed with repr, times the rate, at update k (LambdaLR's step k).
+TEST(LrSchedule, MoreHuggingFaceSchedulesWithPythonsBits) {
+  using Bits = std::vector<std::pair<int64_t, double>>;
+  const auto check = [](const LrSchedule& s, const Bits& bits) {
+    for (const auto& [update, want] : bits)
+      EXPECT_EQ(s.for_update(update), want) << lr_schedule_name(s.kind) << ", update " << update;
+  };
+  const auto kw = [](const char* text) { return nlohmann::json::parse(text); };
+  // cosine_with_min_lr: the cosine down to min_lr_rate x lr at the last step, rising again past
+  // it, as transformers' does.
+  const LrSchedule min_rate =
+      hugging_face_lr_schedule("cosine_with_min_lr", 3e-4, 3, 12, kw(R"({"min_lr_rate": 0.1})"));
+  EXPECT_EQ(lr_schedule_name(min_rate.kind), "cosine_with_min_lr");
+  check(min_rate, {{0, 0.0},
+                   {2, 0.00019999999999999998},
+                   {3, 0.0003},
+                   {5, 0.000268415999821062},
+                   {7, 0.0001884425039850356},
+                   {11, 3.814149619390237e-05},
+                   {12, 2.9999999999999997e-05},
+                   {13, 3.814149619390236e-05}});
+  // min_lr instead: the ratio min_lr / lr.
+  EXPECT_EQ(hugging_face_lr_schedule("cosine_with_min_lr", 3e-4, 3, 12, kw(R"({"min_lr": 3e-5})"))
+                .for_update(7),
+            0.0001884425039850356);
+  // cosine with num_cycles 1.5: down, up and down again.
+  check(hugging_face_lr_schedule("cosine", 3e-4, 2, 10, kw(R"({"num_cycles": 1.5})")),
+        {{2, 0.0003},
+         {4, 4.3933982822017876e-05},
+         {6, 0.00014999999999999996},
+         {9, 9.259748514523652e-05},
+         {10, 0.0}});
+  // cosine_with_restarts, 3 restarts, then 0 from the last step on.
+  check(hugging_face_lr_schedule("cosine_with_restarts", 3e-4, 2, 12, kw(R"({"num_cycles": 3})")),
+        {{1, 0.00015},
+         {2, 0.0003},
+         {4, 0.00010364745084375785},
+         {5, 7.341522555726986e-06},
+         {6, 0.000271352549156242},
+         {8, 2.864745084375793e-05},
+         {11, 6.183221215612897e-05},
+         {12, 0.0},
+         {13, 0.0}});
+  EXPECT_EQ(hugging_face_lr_schedule("cosine_with_restarts", 3e-4, 0, 10).num_cycles, 1.0);
+  // polynomial: power 2 down to lr_end, then held; and its defaults (1e-7, power 1).
+  check(
+      hugging_face_lr_schedule("polynomial", 3e-4, 2, 10, kw(R"({"lr_end": 1e-5, "power": 2.0})")),
+      {{1, 0.00015},
+       {2, 0.0003},
+       {3, 0.00023203124999999995},
+       {6, 8.249999999999999e-05},
+       {10, 1e-05},
+       {11, 1e-05}});
+  check(hugging_face_lr_schedule("polynomial", 3e-4, 0, 10), {{0, 0.0003},
+                                                              {4, 0.00018004000000000002},
+                                                              {10, 9.999999999999998e-08},
+                                                              {11, 9.999999999999998e-08}});
+  // inverse_sqrt: timescale = the warmup, or 10000 without one.
+  check(hugging_face_lr_schedule("inverse_sqrt", 3e-4, 4, 0), {{1, 7.5e-05},
+                                                               {4, 0.0003},
+                                                               {5, 0.0002683281572999747},
+                                                               {9, 0.00019999999999999998},
+                                                               {100, 5.9999999999999995e-05}});
+  check(
+      hugging_face_lr_schedule("inverse_sqrt", 3e-4, 0, 0),
+      {{0, 0.0003}, {1, 0.0002999850011249063}, {10000, 0.00021213203435596422}, {30000, 0.00015}});
+  // warmup_stable_decay: stable = the run's steps less the warmup and the decay, a floor of
+  // min_lr_ratio that the warmup starts from; and each ramp shape.
+  const LrSchedule wsd = hugging_face_lr_schedule(
+      "warmup_stable_decay", 3e-4, 2, 12, kw(R"({"num_decay_steps": 4, "min_lr_ratio": 0.1})"));
+  EXPECT_EQ(wsd.num_stable_steps, 6);
+  check(wsd, {{0, 2.9999999999999997e-05},
+              {1, 0.000165},
+              {2, 0.0003},
+              {7, 0.0003},
+              {8, 0.0003},
+              {9, 0.0002604594154601839},
+              {10, 0.000165},
+              {11, 6.954058453981609e-05},
+              {12, 2.9999999999999997e-05},
+              {13, 2.9999999999999997e-05}});
+  check(hugging_face_lr_schedule("warmup_stable_decay", 3e-4, 4, 100,
+                                 kw(R"({"num_decay_steps": 4, "num_stable_steps": 3,
+                                        "warmup_type": "cosine", "decay_type": "1-sqrt"})")),
+        {{1, 4.393398282201786e-05},
+         {3, 0.00025606601717798207},
+         {4, 0.0003},
+         {7, 0.0003},
+         {8, 0.00015},
+         {9, 8.786796564403573e-05},
+         {11, 0.0},
+         {12, 0.0}});
+  check(hugging_face_lr_schedule("warmup_stable_decay", 3e-4, 4, 11,
+                                 kw(R"({"num_decay_steps": 4, "warmup_type": "1-sqrt",
+                                        "decay_type": "linear", "min_lr_ratio": 0.2})")),
+        {{1, 9.215390309173473e-05},
+         {3, 0.00018},
+         {8, 0.00023999999999999998},
+         {10, 0.00011999999999999999}});
+  // The types get_scheduler passes no kwargs to ignore them (with a warning), as it does.
+  EXPECT_EQ(
+      hugging_face_lr_schedule("constant_with_warmup", 2e-4, 4, 0, kw(R"({"x": 1})")).for_update(2),
+      1e-4);
+}
+
+TEST(LrSchedule, BadHuggingFaceKwargsAreNamed) {
+  const auto kw = [](const char* text) { return nlohmann::json::parse(text); };
+  expect_error([&] { hugging_face_lr_schedule("linear", 1e-3, 0, 10, kw(R"({"num_cycles": 2})")); },
+               {"linear", "\"num_cycles\"", "does not take", "takes none"});
+  expect_error(
+      [&] { hugging_face_lr_schedule("cosine", 1e-3, 0, 10, kw(R"({"min_lr_rate": 0.1})")); },
+      {"cosine", "\"min_lr_rate\"", "takes num_cycles"});
+  expect_error([&] { hugging_face_lr_schedule("cosine_with_min_lr", 1e-3, 0, 10); },
+               {"cosine_with_min_lr", "neither min_lr nor min_lr_rate", "min_lr_rate\": 0.1"});
+  expect_error(
+      [&] {
+        hugging_face_lr_schedule("cosine_with_min_lr", 1e-3, 0, 10,
+                                 kw(R"({"min_lr": 1e-4, "min_lr_rate": 0.1})"));
+      },
+      {"both min_lr and min_lr_rate"});
+  expect_error(
+      [&] { hugging_face_lr_schedule("polynomial", 1e-3, 0, 10, kw(R"({"lr_end": 1e-3})")); },
+      {"polynomial", "lr_end (0.001) must be smaller than the learning rate (0.001)"});
+  expect_error([&] { hugging_face_lr_schedule("polynomial", 1e-3, 10, 10); },
+               {"polynomial", "takes the whole run", "shorten the warmup"});
+  expect_error(
+      [&] { hugging_face_lr_schedule("polynomial", 1e-3, 0, 10, kw(R"({"power": "two"})")); },
+      {"power is \"two\"", "a number"});
+  expect_error([&] { hugging_face_lr_schedule("warmup_stable_decay", 1e-3, 2, 10); },
+               {"warmup_stable_decay", "no num_decay_steps", "num_decay_steps\": 100"});
+  expect_error(
+      [&] {
+        hugging_face_lr_schedule("warmup_stable_decay", 1e-3, 4, 10,
+                                 kw(R"({"num_decay_steps": 8})"));
+      },
+      {"4 warmup, -2 stable and 8 decay steps", "negative"});
+  expect_error(
+      [&] {
+        hugging_face_lr_schedule("warmup_stable_decay", 1e-3, 0, 10,
+                                 kw(R"({"num_decay_steps": 2, "decay_type": "exp"})"));
+      },
+      {"decay_type is \"exp\"", "\"1-sqrt\""});
+  expect_error(
+      [&] { hugging_face_lr_schedule("cosine", 1e-3, 0, 10, kw(R"({"num_cycles": -1})")); },
+      {"num_cycles is -1", ">= 0"});
+  expect_error([&] { hugging_face_lr_schedule("reduce_lr_on_plateau", 1e-3, 0, 10); },
+               {"reduce_lr_on_plateau", "evaluation loss", "cosine_with_min_lr"});
+  expect_error([&] { hugging_face_lr_schedule("cosine", 1e-3, 0, 10, kw("[1]")); },
+               {"cosine", "lr_scheduler_kwargs is [1]", "JSON object"});
+  EXPECT_TRUE(is_hugging_face_schedule_type("warmup_stable_decay"));
+  EXPECT_FALSE(is_hugging_face_schedule_type("OneCycle"));
 }
 
 TEST(LrSchedule, BadSettingsAreNamed) {

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <numbers>
 #include <sstream>
 
 namespace strata {
@@ -1250,6 +1251,47 @@ TEST(TrainCli, HuggingFaceTrainersFlagNamesAreStratasFlags) {
   for (size_t i = 0; i < 4; ++i)
     EXPECT_FLOAT_EQ(static_cast<float>(me[i]["lr"].get<double>()), static_cast<float>(want[i]))
         << "update " << i << " (the rate Adam takes, in f32)";
+}
+
+// Hugging Face's lr_scheduler_kwargs (--lr-scheduler-kwargs, a JSON object): cosine_with_min_lr
+// over 5 updates after a warmup of 1, down to 0.1 x the rate at the last; the kwargs kept in the
+// checkpoint's settings; kwargs for a DeepSpeed scheduler, or not a JSON object, refused.
+TEST(TrainCli, HuggingFaceSchedulerKwargsShapeTheRate) {
+  const test::TempDir dir("strata-train-hf-kwargs");
+  const fs::path data = make_data(dir.path), run = dir.path / "run";
+  const std::string base = "train " + kTiny + "--data " + data.string() + " --max-steps 5 " +
+                           "--learning-rate 2e-3 --warmup-steps 1 ";
+  test::CommandResult r = strata(base +
+                                 "--lr-scheduler-type cosine_with_min_lr "
+                                 "--lr-scheduler-kwargs '{\"min_lr_rate\": 0.1}' --output-dir " +
+                                 run.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const std::vector<json> m = metrics(run);
+  ASSERT_EQ(m.size(), 5u);
+  // Update k after the warmup: 0.1 + 0.9 x (1 + cos(pi (k - 1) / 4)) / 2 of the rate.
+  for (size_t k = 1; k < 5; ++k) {
+    const double cosine = 0.5 * (1.0 + std::cos(std::numbers::pi * double(k - 1) / 4.0));
+    EXPECT_NEAR(m[k]["lr"].get<double>(), 2e-3 * (0.1 + 0.9 * cosine), 1e-12) << "update " << k;
+  }
+  EXPECT_EQ(m[0]["lr"].get<double>(), 0.0);  // the warmup's first update
+  const json state = json::parse(slurp(run / "checkpoints/step-5/trainer_state.json"));
+  EXPECT_EQ(state["settings"]["lr_schedule"], "cosine_with_min_lr");
+  EXPECT_EQ(state["settings"]["lr_scheduler_kwargs"]["min_lr_rate"], 0.1);
+
+  r = strata(base + "--lr-schedule WarmupLR --lr-scheduler-kwargs '{\"num_cycles\": 2}'");
+  EXPECT_NE(r.status, 0);
+  for (const char* part :
+       {"--lr-scheduler-kwargs", "\"WarmupLR\" is DeepSpeed's", "scheduler.params"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
+  r = strata(base + "--lr-scheduler-type cosine --lr-scheduler-kwargs 'num_cycles=2'");
+  EXPECT_NE(r.status, 0);
+  for (const char* part : {"--lr-scheduler-kwargs 'num_cycles=2'", "not a JSON object"})
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
+  r = strata(base + "--lr-scheduler-type polynomial --lr-scheduler-kwargs '{\"lr_end\": 0.5}'");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("lr_end (0.5) must be smaller than the learning rate (0.002)"),
+            std::string::npos)
+      << r.out;
 }
 
 TEST(TrainCli, HuggingFaceDeepSpeedConfigIsAccepted) {

@@ -35,7 +35,7 @@ struct TrainArgs {
   int64_t vocab_pieces = 0;
   double epochs = 0;
   double lr = NAN, weight_decay = NAN, clip = NAN, eps = NAN;  // NaN: not given
-  std::string optimizer, lr_schedule;
+  std::string optimizer, lr_schedule, lr_scheduler_kwargs;
   int64_t warmup_steps = kUnsetFlag;
   double warmup_ratio = NAN;  // NaN: not given
   std::string offload_param, offload_optimizer, offload_gradients, cpu_memory, pinned_memory;
@@ -214,9 +214,23 @@ int run_train(const TrainArgs& a) {
         "Hugging Face's Trainer runs this config); without that section the 1-D tensors take "
         "none, as the Trainer's own optimizer has it\n",
         a.config, s.adam.weight_decay);
-  const bool hugging_face_schedule = a.lr_schedule == "linear" || a.lr_schedule == "cosine" ||
-                                     a.lr_schedule == "constant" ||
-                                     a.lr_schedule == "constant_with_warmup";
+  const bool hugging_face_schedule = is_hugging_face_schedule_type(a.lr_schedule);
+  nlohmann::json scheduler_kwargs = nlohmann::json::object();
+  if (!a.lr_scheduler_kwargs.empty()) {
+    if (!hugging_face_schedule)
+      fail(
+          "--lr-scheduler-kwargs: it is for Hugging Face's lr_scheduler_type (--lr-scheduler-type "
+          "cosine_with_min_lr, ...), and {}; DeepSpeed's schedulers take their settings from the "
+          "config's scheduler.params",
+          a.lr_schedule.empty() ? std::string("none is given")
+                                : fmt::format("\"{}\" is DeepSpeed's", a.lr_schedule));
+    scheduler_kwargs = nlohmann::json::parse(a.lr_scheduler_kwargs, nullptr, false);
+    if (scheduler_kwargs.is_discarded() || !scheduler_kwargs.is_object())
+      fail(
+          "--lr-scheduler-kwargs '{}': not a JSON object; give one as Hugging Face's "
+          "lr_scheduler_kwargs, e.g. '{{\"min_lr_rate\": 0.1}}'",
+          a.lr_scheduler_kwargs);
+  }
   if (hugging_face_schedule) {
     // Hugging Face's lr_scheduler_type, what its Trainer runs where the DeepSpeed config has no
     // scheduler: a warmup of --warmup-steps, or ceil(--warmup-ratio x steps), 0 by default.
@@ -225,7 +239,7 @@ int run_train(const TrainArgs& a) {
       warmup = a.warmup_steps;
     else if (!std::isnan(a.warmup_ratio))
       warmup = static_cast<int64_t>(std::ceil(a.warmup_ratio * static_cast<double>(s.steps)));
-    s.schedule = hugging_face_lr_schedule(a.lr_schedule, lr, warmup, s.steps);
+    s.schedule = hugging_face_lr_schedule(a.lr_schedule, lr, warmup, s.steps, scheduler_kwargs);
   } else {
     DsConfig::Scheduler sched = ds ? ds->scheduler : DsConfig::Scheduler{};
     // --lr-schedule names the type; the config's scheduler.params stay (each type reads the
@@ -353,6 +367,7 @@ int run_train(const TrainArgs& a) {
             {"nvme_path", s.offload.nvme_paths},
             {"devices", world},
             {"config", a.config}};
+  if (!a.lr_scheduler_kwargs.empty()) s.echo["lr_scheduler_kwargs"] = scheduler_kwargs;
   if (!a.eval_data.empty())
     s.echo["eval"] = {
         {"data", a.eval_data}, {"every", a.eval_every}, {"sequences", a.eval_sequences}};
@@ -440,10 +455,16 @@ Command add_train(CLI::App& app) {
                   "learning rate (default: the config's, else 1e-3)");
   cmd->add_option("--lr-schedule,--lr-scheduler-type", a->lr_schedule,
                   "none, WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle or LRRangeTest "
-                  "(DeepSpeed's), or linear, "
-                  "cosine, constant or constant_with_warmup (Hugging Face's lr_scheduler_type, "
-                  "from 0 over the warmup, to 0 at the last step); overrides the config's type (a "
+                  "(DeepSpeed's), or linear, cosine, constant, constant_with_warmup, "
+                  "cosine_with_restarts, polynomial, inverse_sqrt, cosine_with_min_lr or "
+                  "warmup_stable_decay (Hugging Face's lr_scheduler_type, from 0 over the warmup, "
+                  "then as transformers' schedule of that name); overrides the config's type (a "
                   "DeepSpeed one keeps the config's scheduler.params)");
+  cmd->add_option("--lr-scheduler-kwargs", a->lr_scheduler_kwargs,
+                  "Hugging Face's lr_scheduler_kwargs, a JSON object: num_cycles (cosine, "
+                  "cosine_with_restarts), lr_end and power (polynomial), min_lr or min_lr_rate "
+                  "(cosine_with_min_lr), num_decay_steps, num_stable_steps, warmup_type, "
+                  "decay_type, min_lr_ratio (warmup_stable_decay)");
   cmd->add_option("--warmup-steps", a->warmup_steps, "warmup_num_steps of the schedule");
   cmd->add_option("--warmup-ratio", a->warmup_ratio,
                   "warm up for this fraction of the run's steps (Hugging Face's warmup_ratio: "

@@ -6,9 +6,13 @@
 #include "core/error.h"
 #include "core/log.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <numbers>
+#include <string>
+#include <vector>
 
 namespace strata {
 
@@ -93,13 +97,34 @@ std::string lr_schedule_name(LrScheduleKind kind) {
       return "OneCycle";
     case LrScheduleKind::lr_range_test:
       return "LRRangeTest";
+    case LrScheduleKind::hf_cosine_with_restarts:
+      return "cosine_with_restarts";
+    case LrScheduleKind::hf_polynomial:
+      return "polynomial";
+    case LrScheduleKind::hf_inverse_sqrt:
+      return "inverse_sqrt";
+    case LrScheduleKind::hf_cosine_with_min_lr:
+      return "cosine_with_min_lr";
+    case LrScheduleKind::hf_warmup_stable_decay:
+      return "warmup_stable_decay";
   }
   return "?";
 }
 
 bool is_hugging_face_schedule(LrScheduleKind kind) {
-  return kind == LrScheduleKind::hf_linear || kind == LrScheduleKind::hf_cosine ||
-         kind == LrScheduleKind::hf_constant_with_warmup;
+  switch (kind) {
+    case LrScheduleKind::hf_linear:
+    case LrScheduleKind::hf_cosine:
+    case LrScheduleKind::hf_constant_with_warmup:
+    case LrScheduleKind::hf_cosine_with_restarts:
+    case LrScheduleKind::hf_polynomial:
+    case LrScheduleKind::hf_inverse_sqrt:
+    case LrScheduleKind::hf_cosine_with_min_lr:
+    case LrScheduleKind::hf_warmup_stable_decay:
+      return true;
+    default:
+      return false;
+  }
 }
 
 void LrSchedule::validate() const {
@@ -109,9 +134,42 @@ void LrSchedule::validate() const {
   if (is_hugging_face_schedule(kind)) {
     if (warmup_num_steps < 0)
       fail("lr schedule {}: the warmup is {} steps; it must be 0 or more", name, warmup_num_steps);
-    if (kind != LrScheduleKind::hf_constant_with_warmup && total_num_steps < 1)
+    if (kind != LrScheduleKind::hf_constant_with_warmup &&
+        kind != LrScheduleKind::hf_inverse_sqrt && total_num_steps < 1)
       fail("lr schedule {}: the run's steps are {}; it decays to 0 over them, so give --steps",
            name, total_num_steps);
+    for (const auto& [value, key] :
+         {std::pair{num_cycles, "num_cycles"}, std::pair{min_lr_rate, "min_lr_rate"},
+          std::pair{lr_end, "lr_end"}, std::pair{power, "power"},
+          std::pair{min_lr_ratio, "min_lr_ratio"}})
+      if (!std::isfinite(value) || value < 0.0)
+        fail(
+            "lr schedule {}: lr_scheduler_kwargs {} is {}; it must be a finite number >= 0; fix "
+            "--lr-scheduler-kwargs",
+            name, key, value);
+    if (kind == LrScheduleKind::hf_polynomial) {
+      if (!(lr > lr_end))
+        fail(
+            "lr schedule polynomial: lr_end ({}) must be smaller than the learning rate ({}), as "
+            "transformers requires; lower lr_end in --lr-scheduler-kwargs",
+            lr_end, lr);
+      if (total_num_steps <= warmup_num_steps)
+        fail(
+            "lr schedule polynomial: the warmup ({} steps) takes the whole run ({} steps), which "
+            "leaves nothing to decay over (transformers divides by zero there); shorten the "
+            "warmup",
+            warmup_num_steps, total_num_steps);
+    }
+    if (kind == LrScheduleKind::hf_inverse_sqrt && timescale < 1)
+      fail("lr schedule inverse_sqrt: the timescale is {}; it must be 1 or more", timescale);
+    if (kind == LrScheduleKind::hf_warmup_stable_decay &&
+        (num_stable_steps < 0 || num_decay_steps < 0))
+      fail(
+          "lr schedule warmup_stable_decay: {} warmup, {} stable and {} decay steps; none may be "
+          "negative (without num_stable_steps it is the run's {} steps less the warmup and the "
+          "decay); fix num_decay_steps or num_stable_steps in --lr-scheduler-kwargs, or the "
+          "warmup",
+          warmup_num_steps, num_stable_steps, num_decay_steps, total_num_steps);
     return;
   }
   if (kind == LrScheduleKind::one_cycle) {
@@ -177,24 +235,7 @@ void LrSchedule::validate() const {
 
 double LrSchedule::at(int64_t i) const {
   if (kind == LrScheduleKind::constant) return lr;
-  if (is_hugging_face_schedule(kind)) {
-    // transformers' lr_lambda at LambdaLR's step, in its order of operations, times the rate.
-    const int64_t step = i + 1, W = warmup_num_steps, T = total_num_steps;
-    double factor;
-    if (step < W)
-      factor = static_cast<double>(step) / static_cast<double>(std::max<int64_t>(1, W));
-    else if (kind == LrScheduleKind::hf_constant_with_warmup)
-      factor = 1.0;
-    else if (kind == LrScheduleKind::hf_linear)
-      factor = std::max(
-          0.0, static_cast<double>(T - step) / static_cast<double>(std::max<int64_t>(1, T - W)));
-    else {
-      const double progress =
-          static_cast<double>(step - W) / static_cast<double>(std::max<int64_t>(1, T - W));
-      factor = std::max(0.0, 0.5 * (1.0 + std::cos(std::numbers::pi * 0.5 * 2.0 * progress)));
-    }
-    return lr * factor;
-  }
+  if (is_hugging_face_schedule(kind)) return lr * hugging_face_factor(i + 1);
   if (kind == LrScheduleKind::one_cycle) {
     if (i < 0) return cycle_min_lr;  // set when DeepSpeed makes the scheduler
     const OneCycleShape c = one_cycle_shape();
@@ -243,6 +284,65 @@ double LrSchedule::at(int64_t i) const {
     gamma = std::max(0.0, static_cast<double>(total_num_steps - i) /
                               std::max(1.0, static_cast<double>(total_num_steps - W)));
   return warmup_min_lr + (delta_lr * gamma);
+}
+
+double LrSchedule::hugging_face_factor(int64_t step) const {
+  // transformers' lr_lambda at LambdaLR's step, in its order of operations (LambdaLR multiplies
+  // the rate by it).
+  const int64_t W = warmup_num_steps, T = total_num_steps;
+  const auto d = [](int64_t v) { return static_cast<double>(v); };
+  if (kind == LrScheduleKind::hf_warmup_stable_decay) {
+    const auto ramp = [&](RampShape shape, double progress, bool up) {
+      if (shape == RampShape::linear) return up ? progress : 1.0 - progress;
+      if (shape == RampShape::cosine)
+        return up ? 0.5 * (1.0 - std::cos(std::numbers::pi * progress))
+                  : 0.5 * (1.0 + std::cos(std::numbers::pi * num_cycles * 2.0 * progress));
+      return up ? 1.0 - std::sqrt(1.0 - progress) : 1.0 - std::sqrt(progress);
+    };
+    if (step < W) {
+      const double factor = ramp(wsd_warmup, d(step) / d(std::max<int64_t>(1, W)), true);
+      return std::max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio);
+    }
+    if (step < W + num_stable_steps) return 1.0;
+    if (step < W + num_stable_steps + num_decay_steps) {
+      const double progress =
+          d(step - W - num_stable_steps) / d(std::max<int64_t>(1, num_decay_steps));
+      const double factor = ramp(wsd_decay, progress, false);
+      return std::max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio);
+    }
+    return min_lr_ratio;
+  }
+  if (step < W) return d(step) / d(std::max<int64_t>(1, W));
+  switch (kind) {
+    case LrScheduleKind::hf_constant_with_warmup:
+      return 1.0;
+    case LrScheduleKind::hf_linear:
+      return std::max(0.0, d(T - step) / d(std::max<int64_t>(1, T - W)));
+    case LrScheduleKind::hf_cosine_with_restarts: {
+      const double progress = d(step - W) / d(std::max<int64_t>(1, T - W));
+      if (progress >= 1.0) return 0.0;
+      return std::max(
+          0.0, 0.5 * (1.0 + std::cos(std::numbers::pi * std::fmod(num_cycles * progress, 1.0))));
+    }
+    case LrScheduleKind::hf_polynomial: {
+      if (step > T) return lr_end / lr;
+      const double lr_range = lr - lr_end;
+      const int64_t decay_steps = T - W;
+      const double pct_remaining = 1 - d(step - W) / d(decay_steps);
+      const double decay = lr_range * std::pow(pct_remaining, power) + lr_end;
+      return decay / lr;
+    }
+    case LrScheduleKind::hf_inverse_sqrt: {
+      const int64_t shift = timescale - W;
+      return 1.0 / std::sqrt(d(step + shift) / d(timescale));
+    }
+    default: {  // cosine, cosine_with_min_lr
+      const double progress = d(step - W) / d(std::max<int64_t>(1, T - W));
+      double factor = 0.5 * (1.0 + std::cos(std::numbers::pi * num_cycles * 2.0 * progress));
+      factor = factor * (1 - min_lr_rate) + min_lr_rate;
+      return std::max(0.0, factor);
+    }
+  }
 }
 
 std::optional<std::pair<double, double>> LrSchedule::betas_at(int64_t i) const {
@@ -343,26 +443,156 @@ LrSchedule lr_schedule_from_config(const DsConfig::Scheduler& config, double opt
   return s;
 }
 
+bool is_hugging_face_schedule_type(const std::string& type) {
+  for (const char* name :
+       {"linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts",
+        "polynomial", "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay",
+        "reduce_lr_on_plateau", "cosine_warmup_with_min_lr"})
+    if (type == name) return true;
+  return false;
+}
+
 LrSchedule hugging_face_lr_schedule(const std::string& type, double lr, int64_t warmup_steps,
-                                    int64_t total_steps) {
+                                    int64_t total_steps, const nlohmann::json& kwargs) {
   LrSchedule s;
   s.lr = lr;
-  if (type == "constant")
-    s.kind = LrScheduleKind::constant;
-  else if (type == "linear")
-    s.kind = LrScheduleKind::hf_linear;
-  else if (type == "cosine")
-    s.kind = LrScheduleKind::hf_cosine;
-  else if (type == "constant_with_warmup")
-    s.kind = LrScheduleKind::hf_constant_with_warmup;
-  else
+  // Each type and the lr_scheduler_kwargs its function takes; get_scheduler passes none to
+  // constant, constant_with_warmup and inverse_sqrt.
+  struct Type {
+    const char* name;
+    LrScheduleKind kind;
+    std::vector<std::string> keys;
+    bool passed = true;
+  };
+  const Type types[] = {
+      {"constant", LrScheduleKind::constant, {}, false},
+      {"linear", LrScheduleKind::hf_linear, {}},
+      {"cosine", LrScheduleKind::hf_cosine, {"num_cycles"}},
+      {"constant_with_warmup", LrScheduleKind::hf_constant_with_warmup, {}, false},
+      {"cosine_with_restarts", LrScheduleKind::hf_cosine_with_restarts, {"num_cycles"}},
+      {"polynomial", LrScheduleKind::hf_polynomial, {"lr_end", "power"}},
+      {"inverse_sqrt", LrScheduleKind::hf_inverse_sqrt, {}, false},
+      {"cosine_with_min_lr",
+       LrScheduleKind::hf_cosine_with_min_lr,
+       {"num_cycles", "min_lr", "min_lr_rate"}},
+      {"warmup_stable_decay",
+       LrScheduleKind::hf_warmup_stable_decay,
+       {"num_decay_steps", "num_stable_steps", "warmup_type", "decay_type", "min_lr_ratio",
+        "num_cycles"}}};
+  const Type* t = nullptr;
+  std::string known;
+  for (const Type& x : types) {
+    if (type == x.name) t = &x;
+    known += fmt::format("{}{}", known.empty() ? "" : ", ", x.name);
+  }
+  if (type == "reduce_lr_on_plateau")
     fail(
-        "lr schedule: Hugging Face's lr_scheduler_type \"{}\" is not implemented; strata runs "
-        "linear, cosine, constant and constant_with_warmup (and DeepSpeed's WarmupLR, "
-        "WarmupDecayLR, WarmupCosineLR)",
-        type);
+        "lr schedule: Hugging Face's reduce_lr_on_plateau lowers the rate when the evaluation "
+        "loss stops improving, which strata's schedules, fixed functions of the update count, "
+        "do not do; strata runs {}",
+        known);
+  if (t == nullptr)
+    fail(
+        "lr schedule: Hugging Face's lr_scheduler_type \"{}\" is not implemented; strata runs {} "
+        "(and DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)",
+        type, known);
+  s.kind = t->kind;
   s.warmup_num_steps = warmup_steps;
   s.total_num_steps = total_steps;
+  if (s.kind == LrScheduleKind::hf_cosine_with_restarts) s.num_cycles = 1.0;
+  if (s.kind == LrScheduleKind::hf_inverse_sqrt)
+    s.timescale = warmup_steps > 0 ? warmup_steps : 10000;
+
+  if (!kwargs.is_object())
+    fail(
+        "lr schedule {}: lr_scheduler_kwargs is {}; give a JSON object, e.g. {{\"num_cycles\": 1}}",
+        type, kwargs.dump());
+  if (!t->passed && !kwargs.empty())
+    log_warn(
+        "lr schedule {}: lr_scheduler_kwargs {} ignored: Hugging Face's get_scheduler passes "
+        "none to {}",
+        type, kwargs.dump(), type);
+  const auto number = [&](const std::string& key, const nlohmann::json& v) {
+    if (!v.is_number())
+      fail("lr schedule {}: lr_scheduler_kwargs {} is {}; expected a number", type, key, v.dump());
+    return v.get<double>();
+  };
+  const auto steps = [&](const std::string& key, const nlohmann::json& v) {
+    if (!v.is_number_integer() || v.get<int64_t>() < 0)
+      fail("lr schedule {}: lr_scheduler_kwargs {} is {}; expected a whole number of steps >= 0",
+           type, key, v.dump());
+    return v.get<int64_t>();
+  };
+  const auto ramp = [&](const std::string& key, const nlohmann::json& v) {
+    const std::string r = v.is_string() ? v.get<std::string>() : "";
+    if (r == "linear") return RampShape::linear;
+    if (r == "cosine") return RampShape::cosine;
+    if (r == "1-sqrt") return RampShape::one_minus_sqrt;
+    fail(
+        "lr schedule {}: lr_scheduler_kwargs {} is {}; expected \"linear\", \"cosine\" or "
+        "\"1-sqrt\"",
+        type, key, v.dump());
+  };
+  std::optional<double> min_lr, min_lr_rate;
+  std::optional<int64_t> stable, decay;
+  for (const auto& [key, v] : kwargs.items()) {
+    if (!t->passed) break;
+    if (std::find(t->keys.begin(), t->keys.end(), key) == t->keys.end()) {
+      std::string takes;
+      for (const std::string& k : t->keys)
+        takes += fmt::format("{}{}", takes.empty() ? "" : ", ", k);
+      fail(
+          "lr schedule {}: lr_scheduler_kwargs has \"{}\", which transformers' {} schedule does "
+          "not take (a TypeError there); it takes {}",
+          type, key, type, takes.empty() ? std::string("none") : takes);
+    }
+    if (key == "num_cycles")
+      s.num_cycles = number(key, v);
+    else if (key == "lr_end")
+      s.lr_end = number(key, v);
+    else if (key == "power")
+      s.power = number(key, v);
+    else if (key == "min_lr")
+      min_lr = number(key, v);
+    else if (key == "min_lr_rate")
+      min_lr_rate = number(key, v);
+    else if (key == "min_lr_ratio")
+      s.min_lr_ratio = number(key, v);
+    else if (key == "num_decay_steps")
+      decay = steps(key, v);
+    else if (key == "num_stable_steps")
+      stable = steps(key, v);
+    else if (key == "warmup_type")
+      s.wsd_warmup = ramp(key, v);
+    else if (key == "decay_type")
+      s.wsd_decay = ramp(key, v);
+  }
+  if (s.kind == LrScheduleKind::hf_cosine_with_min_lr) {
+    if (min_lr && min_lr_rate)
+      fail(
+          "lr schedule cosine_with_min_lr: lr_scheduler_kwargs sets both min_lr and "
+          "min_lr_rate; give one, as transformers requires");
+    if (!min_lr && !min_lr_rate)
+      fail(
+          "lr schedule cosine_with_min_lr: lr_scheduler_kwargs sets neither min_lr nor "
+          "min_lr_rate; give one (e.g. --lr-scheduler-kwargs '{{\"min_lr_rate\": 0.1}}'), as "
+          "transformers requires");
+    s.min_lr_rate = min_lr ? *min_lr / lr : *min_lr_rate;
+  }
+  if (s.kind == LrScheduleKind::hf_warmup_stable_decay) {
+    if (!decay)
+      fail(
+          "lr schedule warmup_stable_decay: lr_scheduler_kwargs has no num_decay_steps, which "
+          "transformers' get_wsd_schedule requires; give it (e.g. --lr-scheduler-kwargs "
+          "'{{\"num_decay_steps\": 100}}')");
+    s.num_decay_steps = *decay;
+    s.num_stable_steps = stable ? *stable : total_steps - warmup_steps - *decay;
+    if (stable)
+      log_warn(
+          "lr schedule warmup_stable_decay: num_stable_steps {} is used, not the run's {} steps "
+          "(transformers warns the same: both given)",
+          *stable, total_steps);
+  }
   s.validate();
   return s;
 }

@@ -30,6 +30,8 @@
 
 #include "train/ds_config.h"
 
+#include <nlohmann/json.hpp>
+
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -47,12 +49,20 @@ enum class LrScheduleKind : uint8_t {
   hf_constant_with_warmup,  // get_constant_schedule_with_warmup
   one_cycle,                // DeepSpeed's OneCycle
   lr_range_test,            // DeepSpeed's LRRangeTest
+  hf_cosine_with_restarts,  // get_cosine_with_hard_restarts_schedule_with_warmup
+  hf_polynomial,            // get_polynomial_decay_schedule_with_warmup
+  hf_inverse_sqrt,          // get_inverse_sqrt_schedule
+  hf_cosine_with_min_lr,    // get_cosine_with_min_lr_schedule_with_warmup
+  hf_warmup_stable_decay,   // get_wsd_schedule
 };
 enum class WarmupShape : uint8_t { log, linear };
+// The shapes of a warmup-stable-decay schedule's ramps (its warmup_type and decay_type).
+enum class RampShape : uint8_t { linear, cosine, one_minus_sqrt };
 
 // "none", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest" (the names
 // of the config's scheduler.type, "none" for no scheduler), and Hugging Face's "linear", "cosine",
-// "constant_with_warmup" (its lr_scheduler_type).
+// "constant_with_warmup", "cosine_with_restarts", "polynomial", "inverse_sqrt",
+// "cosine_with_min_lr", "warmup_stable_decay" (its lr_scheduler_type).
 std::string lr_schedule_name(LrScheduleKind kind);
 bool is_hugging_face_schedule(LrScheduleKind kind);
 
@@ -72,6 +82,19 @@ struct LrSchedule {
   // cos_min_ratio at total_num_steps.
   double warmup_min_ratio = 0.0;
   double cos_min_ratio = 1e-4;
+
+  // Hugging Face's, from its lr_scheduler_kwargs. The cosines' waves (0.5: half a cosine;
+  // cosine_with_restarts' count of restarts, 1 by default); cosine_with_min_lr's floor as a ratio
+  // of `lr` (0 for plain cosine); polynomial's end rate and power; inverse_sqrt's timescale (its
+  // warmup, or 10000 without one); warmup_stable_decay's stable and decay lengths, ramp shapes
+  // and floor (min_lr_ratio, which its warmup starts from too).
+  double num_cycles = 0.5;
+  double min_lr_rate = 0.0;
+  double lr_end = 1e-7, power = 1.0;
+  int64_t timescale = 10000;
+  int64_t num_stable_steps = 0, num_decay_steps = 0;
+  RampShape wsd_warmup = RampShape::linear, wsd_decay = RampShape::cosine;
+  double min_lr_ratio = 0.0;
 
   // OneCycle: from cycle_min_lr up to cycle_max_lr over cycle_first_step_size updates and back
   // over cycle_second_step_size (DeepSpeed's default: the first's), beta1 cycling the other way
@@ -108,6 +131,8 @@ struct LrSchedule {
   }
 
  private:
+  // A Hugging Face schedule's multiplier of `lr` at LambdaLR's step.
+  double hugging_face_factor(int64_t step) const;
   // OneCycle's cycle: its length in updates and the rising part's share, as DeepSpeed holds them
   // (floats), the scale (0 at cycle_min_lr, 1 at cycle_max_lr) at index i within the cycle, and
   // how many updates past the cycle index i is.
@@ -136,10 +161,19 @@ LrSchedule lr_schedule_from_config(const DsConfig::Scheduler& config, double opt
                                    std::optional<int64_t> run_steps);
 
 // Hugging Face's schedule of lr_scheduler_type `type` ("linear", "cosine",
-// "constant_with_warmup", or "constant", which is the constant rate): from 0 to `lr` over
-// `warmup_steps` updates (0: none, Hugging Face's default), then down to 0 at `total_steps`
-// (linear, cosine) or held. Validated; an unknown type is an Error listing the known ones.
+// "constant_with_warmup", "cosine_with_restarts", "polynomial", "inverse_sqrt",
+// "cosine_with_min_lr", "warmup_stable_decay", or "constant", which is the constant rate): from 0
+// to `lr` over `warmup_steps` updates (0: none, Hugging Face's default), then as the type goes
+// over `total_steps` (transformers' get_scheduler, its `lr_scheduler_kwargs` from `kwargs`, a
+// JSON object: a key the type's function does not take is an Error, as its TypeError is, except
+// for the types get_scheduler passes none to (constant, constant_with_warmup, inverse_sqrt),
+// which ignore them with a warning, as it does). Validated; an unknown type is an Error listing
+// the known ones.
+// Whether `type` is one of Hugging Face's lr_scheduler_types (those strata runs, and
+// reduce_lr_on_plateau and cosine_warmup_with_min_lr, which it refuses by name), not DeepSpeed's.
+bool is_hugging_face_schedule_type(const std::string& type);
 LrSchedule hugging_face_lr_schedule(const std::string& type, double lr, int64_t warmup_steps,
-                                    int64_t total_steps);
+                                    int64_t total_steps,
+                                    const nlohmann::json& kwargs = nlohmann::json::object());
 
 }  // namespace strata
