@@ -1253,6 +1253,44 @@ TEST(TrainCli, HuggingFaceTrainersFlagNamesAreStratasFlags) {
         << "update " << i << " (the rate Adam takes, in f32)";
 }
 
+// Hugging Face's scripts' spelling: flags with underscores, the config as --deepspeed, and
+// adam_beta1/adam_beta2 filling a config's "auto" betas, train what strata's dashed flags and a
+// config with those betas train, bit for bit; the betas matter (the defaults give other bits).
+TEST(TrainCli, HuggingFaceUnderscoreFlagsAndAdamBetas) {
+  const test::TempDir dir("strata-hf-underscores");
+  const fs::path data = make_data(dir.path), a = dir.path / "a", b = dir.path / "b",
+                 c = dir.path / "c", given = dir.path / "given.json",
+                 filled = dir.path / "auto.json";
+  std::ofstream(given) << R"({"optimizer": {"type": "AdamW", "params": {"lr": 3e-3,
+      "betas": [0.8, 0.95], "weight_decay": 0.1}}})";
+  std::ofstream(filled) << R"({"optimizer": {"type": "AdamW", "params": {"lr": "auto",
+      "betas": "auto", "weight_decay": "auto"}}})";
+  const std::string model = "train --model tiny --init random --seed 5 --data " + data.string();
+  test::CommandResult r =
+      strata(model + " --seq-len 24 --micro-batch 2 --grad-accum 2 --steps 3 --config " +
+             given.string() + " --run-dir " + a.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(model +
+             " --max_seq_length 24 --per_device_train_batch_size 2 "
+             "--gradient_accumulation_steps 2 --max_steps=3 --learning_rate 3e-3 "
+             "--weight_decay 0.1 --adam_beta1 0.8 --adam_beta2 0.95 --deepspeed " +
+             filled.string() + " --output_dir " + b.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(model + " --seq-len 24 --micro-batch 2 --grad-accum 2 --steps 3 --config " +
+             filled.string() + " --lr 3e-3 --weight-decay 0.1 --run-dir " + c.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const std::string ckpt = "checkpoints/step-3/model.safetensors";
+  EXPECT_TRUE(slurp(a / ckpt) == slurp(b / ckpt)) << "the underscored flags train other bits";
+  EXPECT_FALSE(slurp(a / ckpt) == slurp(c / ckpt)) << "betas (0.8, 0.95) train the defaults' bits";
+  const json state = json::parse(slurp(b / "checkpoints/step-3/trainer_state.json"));
+  EXPECT_FLOAT_EQ(state["settings"]["betas"][0].get<float>(), 0.8f);
+  EXPECT_FLOAT_EQ(state["settings"]["betas"][1].get<float>(), 0.95f);
+  r = strata(model + " --steps 1 --adam_beta2 1.0 --run-dir " + (dir.path / "d").string());
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--adam-beta2 1: Adam's betas must be in [0, 1)"), std::string::npos)
+      << r.out;
+}
+
 // Hugging Face's lr_scheduler_kwargs (--lr-scheduler-kwargs, a JSON object): cosine_with_min_lr
 // over 5 updates after a warmup of 1, down to 0.1 x the rate at the last; the kwargs kept in the
 // checkpoint's settings; kwargs for a DeepSpeed scheduler, or not a JSON object, refused.

@@ -5,7 +5,27 @@
 #include "core/log.h"
 
 #include <cstdio>
+#include <string>
 #include <vector>
+
+namespace {
+
+// Hugging Face's scripts spell their flags with underscores (--learning_rate), which its argument
+// parser accepts beside the dashed form; strata's flags are dashed, so an underscore in a flag's
+// name (before any "=") becomes a dash. Nothing after a bare "--" is touched.
+std::vector<std::string> dashed_flags(int argc, char** argv) {
+  std::vector<std::string> args(argv, argv + argc);
+  for (size_t i = 1; i < args.size(); ++i) {
+    std::string& a = args[i];
+    if (a == "--") break;
+    if (a.size() < 3 || a[0] != '-' || a[1] != '-') continue;
+    for (size_t c = 2; c < a.size() && a[c] != '='; ++c)
+      if (a[c] == '_') a[c] = '-';
+  }
+  return args;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"strata: train language models whose state does not fit on the GPU"};
@@ -21,8 +41,11 @@ int main(int argc, char** argv) {
       strata::cli::add_tune(app),
   };
 
+  std::vector<std::string> args = dashed_flags(argc, argv);
+  std::vector<char*> arg_ptrs;
+  for (std::string& a : args) arg_ptrs.push_back(a.data());
   try {
-    app.parse(argc, argv);
+    app.parse(argc, arg_ptrs.data());
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }

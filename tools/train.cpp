@@ -35,6 +35,7 @@ struct TrainArgs {
   int64_t vocab_pieces = 0;
   double epochs = 0;
   double lr = NAN, weight_decay = NAN, clip = NAN, eps = NAN;  // NaN: not given
+  double adam_beta1 = NAN, adam_beta2 = NAN;
   std::string optimizer, lr_schedule, lr_scheduler_kwargs;
   int64_t warmup_steps = kUnsetFlag;
   double warmup_ratio = NAN;  // NaN: not given
@@ -64,6 +65,11 @@ void check_train_numbers(const TrainArgs& a) {
         std::pair{"--clip", a.clip}, std::pair{"--eps", a.eps}})
     if (!std::isnan(v) && !(v >= 0 && std::isfinite(v)))
       fail("{} {}: it must be a finite number >= 0", flag, v);
+  for (const auto& [flag, v] :
+       {std::pair{"--adam-beta1", a.adam_beta1}, std::pair{"--adam-beta2", a.adam_beta2}})
+    if (!std::isnan(v) && !(v >= 0 && v < 1))
+      fail("{} {}: Adam's betas must be in [0, 1) (Hugging Face's defaults: 0.9 and 0.999)", flag,
+           v);
   for (const auto& [flag, v] :
        {std::pair{"--warmup-steps", a.warmup_steps == kUnsetFlag ? 0 : a.warmup_steps},
         std::pair{"--save-every", a.save_every}, std::pair{"--keep", int64_t{a.keep}},
@@ -199,6 +205,10 @@ int run_train(const TrainArgs& a) {
     s.adam.beta1 = static_cast<float>((*opt.betas)[0]);
     s.adam.beta2 = static_cast<float>((*opt.betas)[1]);
   }
+  // Hugging Face's adam_beta1 and adam_beta2, which fill a config's "auto" betas; as the other
+  // flags, they win over the config's numbers.
+  if (!std::isnan(a.adam_beta1)) s.adam.beta1 = static_cast<float>(a.adam_beta1);
+  if (!std::isnan(a.adam_beta2)) s.adam.beta2 = static_cast<float>(a.adam_beta2);
   s.adam.eps = static_cast<float>(!std::isnan(a.eps) ? a.eps : opt.eps.value_or(1e-8));
   s.adam.weight_decay = static_cast<float>(
       !std::isnan(a.weight_decay) ? a.weight_decay : opt.weight_decay.value_or(0.0));
@@ -429,7 +439,8 @@ Command add_train(CLI::App& app) {
                   "evaluate every N steps (0: at the end only)");
   cmd->add_option("--eval-sequences", a->eval_sequences,
                   "evaluate on at most N held-out sequences (0: all of them)");
-  cmd->add_option("--config", a->config, "DeepSpeed JSON config");
+  cmd->add_option("--config,--deepspeed", a->config,
+                  "DeepSpeed JSON config (--deepspeed: Hugging Face's name)");
   cmd->add_option("--run-dir,--output-dir", a->run_dir, "run directory (default runs/<model>)");
   cmd->add_option("--steps,--max-steps", a->steps, "optimizer steps in all (or --epochs)");
   cmd->add_option("--epochs,--num-train-epochs", a->epochs,
@@ -471,6 +482,10 @@ Command add_train(CLI::App& app) {
                   "ceil(ratio x steps)) instead of --warmup-steps");
   cmd->add_option("--weight-decay", a->weight_decay, "weight decay (default 0)");
   cmd->add_option("--eps,--adam-epsilon", a->eps, "Adam's epsilon (default 1e-8)");
+  cmd->add_option("--adam-beta1", a->adam_beta1,
+                  "Adam's beta1 (default: the config's optimizer betas, else 0.9)");
+  cmd->add_option("--adam-beta2", a->adam_beta2,
+                  "Adam's beta2 (default: the config's optimizer betas, else 0.999)");
   cmd->add_option("--clip,--max-grad-norm", a->clip, "gradient clipping by global norm (0: none)");
   cmd->add_option("--offload-param", a->offload_param, "none, cpu, nvme or auto");
   cmd->add_option("--offload-optimizer", a->offload_optimizer, "none, cpu, nvme or auto");
