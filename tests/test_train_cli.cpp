@@ -1291,6 +1291,58 @@ TEST(TrainCli, HuggingFaceUnderscoreFlagsAndAdamBetas) {
       << r.out;
 }
 
+// A Hugging Face fine-tuning command line as Stanford Alpaca's and FastChat's scripts write it
+// (underscores, booleans given as "True", --tf32) trains what strata's own flags train, bit for
+// bit: --bf16 True is --dtype bf16, --gradient_checkpointing True/False is
+// --activation-checkpointing on/off. Conflicting or malformed booleans are refused.
+TEST(TrainCli, AnAlpacaStyleCommandLineRuns) {
+  const test::TempDir dir("strata-hf-alpaca");
+  const fs::path data = make_data(dir.path), a = dir.path / "a", b = dir.path / "b",
+                 c = dir.path / "c";
+  const std::string model = "train --model tiny --init random --seed 5 --data " + data.string();
+  test::CommandResult r = strata(
+      model + " --dtype bf16 --run-dir " + a.string() +
+      " --steps 3 --micro-batch 2 --grad-accum 2 --lr 2e-3 --weight-decay 0 --warmup-ratio 0.3 "
+      "--lr-schedule cosine --steps-per-print 1 --activation-checkpointing on --seq-len 24");
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = strata(model + " --bf16 True --output_dir " + b.string() +
+             " --max_steps 3 --per_device_train_batch_size 2 --gradient_accumulation_steps 2 "
+             "--learning_rate 2e-3 --weight_decay 0. --warmup_ratio 0.3 --lr_scheduler_type "
+             "\"cosine\" --logging_steps 1 --tf32 True --gradient_checkpointing True "
+             "--max_seq_length 24");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("--tf32: ignored"), std::string::npos) << r.out;
+  const std::string ckpt = "checkpoints/step-3/";
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+    EXPECT_TRUE(slurp(a / ckpt / file) == slurp(b / ckpt / file)) << file << " differs";
+  json state = json::parse(slurp(b / ckpt / "trainer_state.json"));
+  EXPECT_EQ(state["settings"]["dtype"], "bf16");
+  EXPECT_EQ(state["settings"]["activation_checkpointing"], "on");
+  // A bare --bf16 is true; --gradient_checkpointing false keeps the activations.
+  r = strata(model +
+             " --max_steps 1 --seq-len 24 --gradient_checkpointing false --bf16 "
+             "--output_dir " +
+             c.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  state = json::parse(slurp(c / "checkpoints/step-1/trainer_state.json"));
+  EXPECT_EQ(state["settings"]["dtype"], "bf16");
+  EXPECT_EQ(state["settings"]["activation_checkpointing"], "off");
+
+  const std::pair<std::string, std::vector<std::string>> bad[] = {
+      {" --bf16 True --fp16 True", {"--bf16 and --fp16 are both true"}},
+      {" --bf16 --dtype f32", {"--bf16 true and --dtype f32 disagree"}},
+      {" --gradient_checkpointing True --activation-checkpointing off",
+       {"--gradient-checkpointing true and --activation-checkpointing off disagree"}},
+      {" --bf16 maybe", {"--bf16 maybe", "expected true or false"}}};
+  for (const auto& [flags, parts] : bad) {
+    r = strata(model + " --max_steps 1" + flags + " --output_dir " + (dir.path / "x").string());
+    EXPECT_NE(r.status, 0) << flags;
+    for (const std::string& part : parts)
+      EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
+  }
+  EXPECT_FALSE(fs::exists(dir.path / "x"));
+}
+
 // Hugging Face's lr_scheduler_kwargs (--lr-scheduler-kwargs, a JSON object): cosine_with_min_lr
 // over 5 updates after a warmup of 1, down to 0.1 x the rate at the last; the kwargs kept in the
 // checkpoint's settings; kwargs for a DeepSpeed scheduler, or not a JSON object, refused.

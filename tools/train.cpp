@@ -42,6 +42,9 @@ struct TrainArgs {
   std::string offload_param, offload_optimizer, offload_gradients, cpu_memory, pinned_memory;
   int64_t prefetch_depth = kUnsetFlag;
   bool recompute = true;  // --activation-checkpointing
+  bool recompute_given = false;
+  // Hugging Face's booleans (--bf16, --bf16 True, --bf16 false); empty: not given.
+  std::string hf_bf16, hf_fp16, hf_tf32, hf_gradient_checkpointing;
   std::string offload_activations;
   int64_t micro_batch_group = kUnsetFlag;
   bool update_during_backward = false;
@@ -138,9 +141,46 @@ void check_single_process() {
       world, rank != nullptr ? rank : "unset");
 }
 
-int run_train(const TrainArgs& a) {
+// A Hugging Face boolean flag's value as its string_to_bool reads it.
+bool hf_bool(const char* flag, const std::string& v) {
+  std::string s = v;
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (s == "true" || s == "t" || s == "yes" || s == "y" || s == "1") return true;
+  if (s == "false" || s == "f" || s == "no" || s == "n" || s == "0") return false;
+  fail("{} {}: expected true or false (or nothing, for true), as Hugging Face's flag", flag, v);
+}
+
+// Hugging Face Trainer's mixed-precision and checkpointing booleans as strata's settings:
+// --bf16 / --fp16 true are --dtype bf16 / f16 (DeepSpeed's bf16 and fp16 sections: 16-bit
+// parameters and activations, f32 master weights in the optimizer), --gradient-checkpointing
+// is --activation-checkpointing, and --tf32 is accepted and said to change nothing.
+void apply_hugging_face_booleans(TrainArgs& a) {
+  const bool bf16 = !a.hf_bf16.empty() && hf_bool("--bf16", a.hf_bf16);
+  const bool fp16 = !a.hf_fp16.empty() && hf_bool("--fp16", a.hf_fp16);
+  if (bf16 && fp16) fail("--bf16 and --fp16 are both true; give one (as Hugging Face requires)");
+  if (bf16 || fp16) {
+    const std::string want = bf16 ? "bf16" : "f16";
+    if (!a.dtype.empty() && a.dtype != want)
+      fail("--{} true and --dtype {} disagree; give one of them", bf16 ? "bf16" : "fp16", a.dtype);
+    a.dtype = want;
+  }
+  if (!a.hf_gradient_checkpointing.empty()) {
+    const bool on = hf_bool("--gradient-checkpointing", a.hf_gradient_checkpointing);
+    if (a.recompute_given && a.recompute != on)
+      fail("--gradient-checkpointing {} and --activation-checkpointing {} disagree; give one", on,
+           a.recompute ? "on" : "off");
+    a.recompute = on;
+  }
+  if (!a.hf_tf32.empty() && hf_bool("--tf32", a.hf_tf32))
+    fmt::print(
+        "--tf32: ignored; strata's f32 matmuls keep f32 precision, and its bf16 ones (the "
+        "usual --bf16 run) accumulate in f32 either way\n");
+}
+
+int run_train(TrainArgs& a) {
   check_single_process();
   check_train_numbers(a);
+  apply_hugging_face_booleans(a);
   const std::optional<DsConfig> ds = load_cli_config(a.config);
   weights_from_model_dir(a.model, a.init, "train from");
   LlamaConfig model = resolve_model(a.model);
@@ -373,6 +413,7 @@ int run_train(const TrainArgs& a) {
             {"offload_param", tier_name(s.offload.param)},
             {"offload_optimizer", tier_name(s.offload.optimizer)},
             {"offload_gradients", grad_home_name(s.offload.grads)},
+            {"activation_checkpointing", s.recompute ? "on" : "off"},
             {"offload_activations", s.offload_activations ? "cpu" : "none"},
             {"nvme_path", s.offload.nvme_paths},
             {"devices", world},
@@ -406,7 +447,8 @@ Command add_train(CLI::App& app) {
       "Face Trainer's flag names are accepted beside strata's (--learning-rate, "
       "--max-grad-norm, --per-device-train-batch-size, --gradient-accumulation-steps, "
       "--num-train-epochs, --max-steps, --save-steps, --save-total-limit, --logging-steps, "
-      "--eval-steps, --output-dir, --adam-epsilon, --max-seq-length)");
+      "--eval-steps, --output-dir, --adam-epsilon, --max-seq-length, --deepspeed, --bf16, ...; "
+      "with underscores too)");
   cmd->add_option("--model", a->model, "Hugging Face checkpoint directory or preset")->required();
   cmd->add_option("--init", a->init, "'random': initialise instead of loading weights");
   cmd->add_option("--seed", a->seed, "seed of the initialisation and of the data order")
@@ -493,7 +535,17 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--nvme-path", a->nvme_paths, "NVMe directories (default RUN/swap)")
       ->delimiter(',');
   cmd->add_option("--prefetch-depth", a->prefetch_depth, "units fetched ahead (default 1)");
-  add_checkpointing_option(cmd, a->recompute);
+  CLI::Option* checkpointing = add_checkpointing_option(cmd, a->recompute);
+  for (const auto& [name, target, help] :
+       {std::tuple{"--bf16", &a->hf_bf16, "Hugging Face's: true (or no value) is --dtype bf16"},
+        std::tuple{"--fp16", &a->hf_fp16, "Hugging Face's: true (or no value) is --dtype f16"},
+        std::tuple{"--gradient-checkpointing", &a->hf_gradient_checkpointing,
+                   "Hugging Face's: true or false is --activation-checkpointing on or off"},
+        std::tuple{"--tf32", &a->hf_tf32, "Hugging Face's: accepted, changes nothing"}})
+    cmd->add_option(name, *target, help)
+        ->expected(0, 1)
+        ->default_str("true")  // the value of the bare flag
+        ->option_text("[true|false]");
   add_offload_activations_option(cmd, a->offload_activations);
   add_micro_batch_group_option(cmd, a->micro_batch_group);
   add_update_during_backward_option(cmd, a->update_during_backward);
@@ -527,7 +579,10 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--csv-monitor-dir", a->csv_monitor_dir,
                   "write each step's loss, lr and gradient norm as one CSV file per scalar here "
                   "(as the config's csv_monitor section does in output_path/job_name)");
-  return {cmd, [a] { return run_train(*a); }};
+  return {cmd, [a, checkpointing] {
+            a->recompute_given = checkpointing->count() > 0;
+            return run_train(*a);
+          }};
 }
 
 }  // namespace strata::cli
