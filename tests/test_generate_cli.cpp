@@ -22,6 +22,7 @@
 #include <fstream>
 #include <functional>
 #include <numeric>
+#include <set>
 
 namespace strata {
 namespace {
@@ -110,12 +111,16 @@ class Reference {
     return std::vector<float>(all.end() - V, all.end());
   }
 
-  // Greedy decoding among ids below `candidates`, stopping at `eos` or after `max_new` tokens.
+  // Greedy decoding among ids below `candidates`, stopping at `eos` or after `max_new` tokens;
+  // with a repetition penalty, Hugging Face's: the f32 logit of each id in the sequence so far
+  // divided by it where positive, multiplied by it where negative.
   std::vector<uint32_t> greedy(const std::vector<uint32_t>& prompt, int64_t max_new,
-                               int64_t candidates, uint32_t eos) {
+                               int64_t candidates, uint32_t eos, float penalty = 1.0f) {
     std::vector<uint32_t> seq = prompt, out;
     while (static_cast<int64_t>(out.size()) < max_new) {
-      const std::vector<float> l = last_logits(seq);
+      std::vector<float> l = last_logits(seq);
+      const std::set<uint32_t> seen(seq.begin(), seq.end());
+      for (uint32_t id : seen) l[id] = l[id] > 0 ? l[id] / penalty : l[id] * penalty;
       const auto best =
           static_cast<uint32_t>(std::max_element(l.begin(), l.begin() + candidates) - l.begin());
       out.push_back(best);
@@ -321,6 +326,64 @@ TEST_F(GenerateCli, TopPSamplesFromTheNucleus) {
   }
 }
 
+// Hugging Face's repetition_penalty, greedy or sampled (every id already in the text, the prompt
+// included: its f32 logit divided by the penalty where positive, multiplied where negative), from
+// the flag or generation_config.json, against the test's own penalised argmax decoder; and
+// min_p: only tokens at least min_p of the most likely one's probability are drawn (min_p 1 is
+// greedy). Bad values are named.
+TEST_F(GenerateCli, RepetitionPenaltyAndMinP) {
+  Reference ref(tiny(), model_dir());
+  const std::string prompt = "Once upon a time";
+  const std::string head = model_arg() + " --prompt '" + prompt + "' --max-new-tokens 24 ";
+  const std::vector<uint32_t> plain = ref.greedy(bytes_of(prompt), 24, kByteVocab, kByteEos);
+  const std::vector<uint32_t> penalised =
+      ref.greedy(bytes_of(prompt), 24, kByteVocab, kByteEos, 1.5f);
+  EXPECT_NE(penalised, plain) << "the penalty changes nothing for this model and prompt";
+  EXPECT_EQ(tokens_of(generate_json(head + "--temperature 0 --repetition-penalty 1.5")), penalised);
+  EXPECT_EQ(tokens_of(generate_json(head + "--temperature 0 --repetition-penalty 1")), plain);
+  std::ofstream(model_dir() / "generation_config.json")
+      << R"({"do_sample": false, "repetition_penalty": 1.5})";
+  const json from_file = generate_json(head);
+  EXPECT_EQ(tokens_of(from_file), penalised);
+  EXPECT_EQ(from_file["repetition_penalty"], 1.5);
+  fs::remove(model_dir() / "generation_config.json");
+
+  const std::string sampled = head + "--temperature 0.05 --top-k 0 ";
+  for (const char* seed : {"1", "2"})
+    EXPECT_EQ(tokens_of(generate_json(sampled + "--min-p 1 --seed " + seed)), plain) << seed;
+  const double min_p = 0.3;
+  const json j = generate_json(sampled + "--min-p 0.3 --seed 5");
+  EXPECT_EQ(j["min_p"].get<double>(), min_p);
+  std::vector<uint32_t> seq = bytes_of(prompt);
+  int not_top = 0, sizes = 0;
+  for (uint32_t id : tokens_of(j)) {
+    const std::vector<float> l = ref.last_logits(seq);
+    const std::vector<uint32_t> order = ranked(l, kByteVocab);
+    // The tokens within min_p of the most likely, with a little room for rounding.
+    size_t size = 0;
+    while (size < order.size() &&
+           std::exp((double(l[order[size]]) - l[order[0]]) / 0.05) >= min_p - 1e-3)
+      ++size;
+    const auto rank = std::find(order.begin(), order.end(), id) - order.begin();
+    EXPECT_LT(static_cast<size_t>(rank), std::max<size_t>(size, 1))
+        << "token " << id << " after " << seq.size() << " tokens";
+    not_top += rank > 0;
+    sizes += size > 1;
+    seq.push_back(id);
+    if (id == kByteEos) break;
+  }
+  EXPECT_GT(sizes, 0);
+  EXPECT_GT(not_top, 0);
+
+  for (const auto& [flags, part] :
+       {std::pair{"--repetition-penalty 0", "--repetition-penalty 0 must be a finite number > 0"},
+        std::pair{"--min-p 1.5", "--min-p 1.5 must be in [0, 1]"}}) {
+    const Result r = strata("generate --devices host " + head + flags);
+    EXPECT_NE(r.status, 0) << flags;
+    EXPECT_NE(r.out.find(part), std::string::npos) << r.out;
+  }
+}
+
 // Parameters in host RAM or on NVMe, or ZeRO-3 partitioned over several devices: the executor's
 // forward-only schedule decodes (Executor::decode) and samples the resident model's tokens; a
 // placement that does not fit is refused with the table before anything starts.
@@ -497,11 +560,10 @@ TEST_F(GenerateCli, AModelDirectorysHuggingFaceTokenizerWithItsBeginOfText) {
   // its default temperature 1. What strata does not apply is said.
   const std::string unflagged = model_arg() + " --prompt ' the' --max-new-tokens 6";
   std::ofstream(model_dir() / "generation_config.json")
-      << R"({"do_sample": false, "repetition_penalty": 1.05})";
+      << R"({"do_sample": false, "typical_p": 0.9})";
   const Result greedy = strata("generate --devices host --json " + unflagged);
   ASSERT_EQ(greedy.status, 0) << greedy.out;
-  EXPECT_NE(greedy.out.find("repetition_penalty 1.05 is not applied"), std::string::npos)
-      << greedy.out;
+  EXPECT_NE(greedy.out.find("typical_p 0.9 is not applied"), std::string::npos) << greedy.out;
   const json from_file = json::parse(greedy.out.substr(greedy.out.rfind("\n{") + 1));
   EXPECT_EQ(tokens_of(from_file), expect);
   EXPECT_EQ(from_file["temperature"], 0.0);

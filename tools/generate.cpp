@@ -15,12 +15,16 @@
 // agree: only ids below both the model's and the tokenizer's vocabulary are candidates (a model's
 // vocabulary is often padded past its tokenizer's). The temperature, top-k and top-p are the
 // flags', else the model's generation_config.json's (Hugging Face's defaults for the keys it
-// leaves out, do_sample false being greedy), else 0.8, 40 and 1. Temperature 0 takes the argmax
-// (lowest id on ties). Otherwise candidates are ordered by logit, highest first (lower id first
-// on ties), the first top-k kept with any tied with the k-th (0 keeps all), weighted by
-// exp((logit - max) / temperature) in double;
-// with --top-p below 1, only the first of those whose weights before them sum to less than
-// top_p times their total stay (the nucleus, as Hugging Face's top_p: at least one), and
+// leaves out, do_sample false being greedy), else 0.8, 40 and 1. A repetition penalty p (Hugging
+// Face's repetition_penalty, applied first, greedy or not) divides the f32 logit of every id
+// already in the sequence, prompt included, by p where it is positive and multiplies it by p where
+// it is negative. Temperature 0 then takes the argmax (lowest id on ties). Otherwise candidates are
+// ordered by logit, highest first (lower id first on ties), the first top-k kept with any tied with
+// the k-th (0 keeps all), weighted by exp((logit - max) / temperature) in double; with --top-p
+// below 1, only the first of those whose weights before them sum to less than top_p times their
+// total stay (the nucleus, as Hugging Face's top_p: at least one), then with
+// --min-p those whose weight is at least min_p (the weight of the most likely is 1: Hugging Face's
+// min_p, a share of the most likely token's probability), and
 // one xoshiro256** draw (train/data_loader.h, seeded by --seed) u = (next >> 11) * 2^-53 picks
 // the first candidate whose running weight sum exceeds u * total. (--seed also seeds --init
 // random.) Generation stops at the tokenizer's end-of-text id or one of generation_config.json's
@@ -81,7 +85,7 @@ struct GenerateArgs {
   std::string chat_template;
   int64_t max_new_tokens = 64;
   // Unset: the model's generation_config.json, else strata's defaults.
-  std::optional<double> temperature, top_p;
+  std::optional<double> temperature, top_p, repetition_penalty, min_p;
   std::optional<int64_t> top_k;
   uint64_t seed = 1;
   std::string devices;
@@ -91,9 +95,40 @@ struct GenerateArgs {
   bool json = false;
 };
 
-// The next token from the logits of the last position (see the note above).
-uint32_t sample_token(const std::vector<float>& logits, int64_t candidates, double temperature,
-                      int64_t top_k, double top_p, Xoshiro256& rng) {
+// How tokens are drawn: each flag given, else the generation_config.json's settings with
+// Hugging Face's defaults for the keys it leaves out (do_sample false: greedy; temperature 1,
+// top_k 50, top_p 1), else strata's (temperature 0.8, top-k 40, top-p 1). repetition_penalty 1
+// and min_p 0 change nothing.
+struct Sampling {
+  double temperature = 0.8;
+  int64_t top_k = 40;
+  double top_p = 1.0;
+  double repetition_penalty = 1.0;
+  double min_p = 0.0;
+  std::string from = "defaults";  // "flags", the generation config's path, or "defaults"
+};
+
+// Hugging Face's RepetitionPenaltyLogitsProcessor on the f32 logits: each id of `seen` (below
+// the logits' size) once.
+void penalise_repeats(std::vector<float>& logits, const std::vector<int32_t>& seen,
+                      double penalty) {
+  if (penalty == 1.0) return;
+  const auto p = static_cast<float>(penalty);
+  std::vector<bool> done(logits.size(), false);
+  for (int32_t id : seen) {
+    const auto i = static_cast<size_t>(id);
+    if (id < 0 || i >= logits.size() || done[i]) continue;
+    done[i] = true;
+    logits[i] = logits[i] < 0 ? logits[i] * p : logits[i] / p;
+  }
+}
+
+// The next token from the logits of the last position, penalised for repeats already (see the
+// note above).
+uint32_t sample_token(const std::vector<float>& logits, int64_t candidates, const Sampling& s,
+                      Xoshiro256& rng) {
+  const double temperature = s.temperature, top_p = s.top_p;
+  const int64_t top_k = s.top_k;
   const auto n = static_cast<size_t>(candidates);
   if (temperature == 0) {
     size_t best = 0;
@@ -130,6 +165,13 @@ uint32_t sample_token(const std::vector<float>& logits, int64_t candidates, doub
     while (nucleus < keep && (nucleus == 0 || before < limit)) before += weights[nucleus++];
     keep = nucleus;
     total = before;
+  }
+  if (s.min_p > 0) {  // weights fall with rank, and the first's is 1: cut where one falls short
+    size_t kept = 1;
+    while (kept < keep && weights[kept] >= s.min_p) ++kept;
+    keep = kept;
+    total =
+        std::accumulate(weights.begin(), weights.begin() + static_cast<std::ptrdiff_t>(keep), 0.0);
   }
   const double target = static_cast<double>(rng.next() >> 11) * 0x1.0p-53 * total;
   double sum = 0;
@@ -198,16 +240,6 @@ std::vector<uint32_t> stop_ids(const Tokenizer& tokenizer, const nlohmann::json&
   return ids;
 }
 
-// How tokens are drawn: each flag given, else the generation_config.json's settings with
-// Hugging Face's defaults for the keys it leaves out (do_sample false: greedy; temperature 1,
-// top_k 50, top_p 1), else strata's (temperature 0.8, top-k 40, top-p 1).
-struct Sampling {
-  double temperature = 0.8;
-  int64_t top_k = 40;
-  double top_p = 1.0;
-  std::string from = "defaults";  // "flags", the generation config's path, or "defaults"
-};
-
 Sampling sampling_for(const GenerateArgs& a, const nlohmann::json& generation,
                       const std::string& generation_file) {
   Sampling s;
@@ -227,31 +259,41 @@ Sampling sampling_for(const GenerateArgs& a, const nlohmann::json& generation,
     const bool no_top_k = generation.contains("top_k") && generation["top_k"].is_null();
     s.top_k = no_top_k ? 0 : static_cast<int64_t>(number("top_k", 50));
     s.top_p = number("top_p", 1.0);
+    // The repetition penalty applies whether it samples or not, as Hugging Face's; min_p only
+    // to sampling (greedy takes the most likely token whatever it is).
+    s.repetition_penalty = number("repetition_penalty", 1.0);
+    s.min_p = number("min_p", 0.0);
     s.from = generation_file;
     // What Hugging Face's generate would do that strata's sampling does not.
-    for (const auto& [key, neutral] : {std::pair{"repetition_penalty", 1.0},
-                                       {"min_p", 0.0},
-                                       {"typical_p", 1.0},
-                                       {"no_repeat_ngram_size", 0.0},
-                                       {"num_beams", 1.0}})
+    for (const auto& [key, neutral] :
+         {std::pair{"typical_p", 1.0}, {"no_repeat_ngram_size", 0.0}, {"num_beams", 1.0}})
       if (number(key, neutral) != neutral)
         log_warn(
-            "generate: {}: {} {} is not applied (strata samples with temperature, top-k "
-            "and top-p alone)",
+            "generate: {}: {} {} is not applied (strata samples with the repetition penalty, "
+            "temperature, top-k, top-p and min-p alone)",
             generation_file, key, generation[key].dump());
   }
   // Each value is checked under the name it came from: the flag, or the generation config's key.
   const std::string file = generation.is_object() ? generation_file + ": " : "";
-  std::string t = file + "temperature", k = file + "top_k", p = file + "top_p";
+  std::string t = file + "temperature", k = file + "top_k", p = file + "top_p",
+              r = file + "repetition_penalty", m = file + "min_p";
   if (a.temperature) std::tie(s.temperature, t) = std::pair{*a.temperature, "--temperature"};
   if (a.top_k) std::tie(s.top_k, k) = std::pair{*a.top_k, "--top-k"};
   if (a.top_p) std::tie(s.top_p, p) = std::pair{*a.top_p, "--top-p"};
+  if (a.repetition_penalty)
+    std::tie(s.repetition_penalty, r) = std::pair{*a.repetition_penalty, "--repetition-penalty"};
+  if (a.min_p) std::tie(s.min_p, m) = std::pair{*a.min_p, "--min-p"};
   if (!std::isfinite(s.temperature) || s.temperature < 0)
     fail("{} {} must be a finite number >= 0 (0 is greedy)", t, s.temperature);
   if (s.top_k < 0) fail("{} {} must be >= 0 (0 keeps every token)", k, s.top_k);
   if (!(s.top_p > 0 && s.top_p <= 1))
     fail("{} {} must be in (0, 1] (1 keeps every token; 0.9 is a common choice)", p, s.top_p);
-  const bool flags = a.temperature || a.top_k || a.top_p;
+  if (!(std::isfinite(s.repetition_penalty) && s.repetition_penalty > 0))
+    fail("{} {} must be a finite number > 0 (1 changes nothing; 1.1 is a common choice)", r,
+         s.repetition_penalty);
+  if (!(s.min_p >= 0 && s.min_p <= 1))
+    fail("{} {} must be in [0, 1] (0 keeps every token; 0.05 is a common choice)", m, s.min_p);
+  const bool flags = a.temperature || a.top_k || a.top_p || a.repetition_penalty || a.min_p;
   if (flags) s.from = generation.is_object() ? "flags over " + generation_file : "flags";
   return s;
 }
@@ -421,8 +463,9 @@ int run_generate(const GenerateArgs& a) {
             "generate: logit {} of token id {} at position {} is not finite; the weights of {} "
             "hold non-finite values (or overflow in {})",
             last[static_cast<size_t>(i)], i, len - 1, a.model, dtype_name(dtype));
-    const uint32_t next =
-        sample_token(last, candidates, sampling.temperature, sampling.top_k, sampling.top_p, rng);
+    std::vector<float> scores = last;
+    penalise_repeats(scores, ids, sampling.repetition_penalty);
+    const uint32_t next = sample_token(scores, candidates, sampling, rng);
     generated.push_back(next);
     if (std::find(stops.begin(), stops.end(), next) != stops.end()) {
       stop = "eos";
@@ -462,6 +505,8 @@ int run_generate(const GenerateArgs& a) {
                               {"temperature", sampling.temperature},
                               {"top_k", sampling.top_k},
                               {"top_p", sampling.top_p},
+                              {"repetition_penalty", sampling.repetition_penalty},
+                              {"min_p", sampling.min_p},
                               {"sampling_from", sampling.from},
                               {"tokens_per_s", static_cast<double>(n_new) / seconds}};
     fmt::print("{}\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
@@ -515,6 +560,14 @@ Command add_generate(CLI::App& app) {
                   "sample among the k most likely tokens (and those tied with the k-th); 0 keeps "
                   "all. Unset: generation_config.json's (50 where it has none, as Hugging Face's), "
                   "else 40");
+  cmd->add_option("--repetition-penalty", a->repetition_penalty,
+                  "divide the logit of every token already in the text by this where it is "
+                  "positive, multiply where negative (Hugging Face's repetition_penalty); 1 "
+                  "changes nothing. Unset: generation_config.json's, else 1");
+  cmd->add_option("--min-p", a->min_p,
+                  "sample only among tokens at least this share of the most likely one's "
+                  "probability (Hugging Face's min_p); 0 keeps all. Unset: "
+                  "generation_config.json's, else 0");
   cmd->add_option("--seed", a->seed, "seed of the sampling (and of --init random)")
       ->capture_default_str();
   cmd->add_option("--devices", a->devices,
