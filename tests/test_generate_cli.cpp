@@ -148,6 +148,31 @@ std::vector<uint32_t> ranked(const std::vector<float>& logits, int64_t candidate
   return order;
 }
 
+// Replays `tokens` after `prompt` with the reference's own logits: each must rank (ranked())
+// below allowed(logits, ranking), the count of the tokens the sampler may draw there (at least
+// 1). The check says something only if, somewhere, more than one was allowed and one that was
+// not the most likely was drawn: both are required.
+template <typename Allowed>
+void expect_each_token_allowed(Reference& ref, std::vector<uint32_t> seq,
+                               const std::vector<uint32_t>& tokens, const Allowed& allowed) {
+  ASSERT_FALSE(tokens.empty());
+  int not_top = 0, sizes = 0;
+  for (uint32_t id : tokens) {
+    const std::vector<float> l = ref.last_logits(seq);
+    const std::vector<uint32_t> order = ranked(l, kByteVocab);
+    const size_t size = allowed(l, order);
+    const auto rank = std::find(order.begin(), order.end(), id) - order.begin();
+    EXPECT_LT(static_cast<size_t>(rank), std::max<size_t>(size, 1))
+        << "token " << id << " after " << seq.size() << " tokens";
+    not_top += rank > 0;
+    sizes += size > 1;
+    seq.push_back(id);
+    if (id == kByteEos) break;
+  }
+  EXPECT_GT(sizes, 0);
+  EXPECT_GT(not_top, 0);
+}
+
 std::vector<uint32_t> bytes_of(std::string_view s) {
   return std::vector<uint32_t>(reinterpret_cast<const unsigned char*>(s.data()),
                                reinterpret_cast<const unsigned char*>(s.data()) + s.size());
@@ -293,30 +318,18 @@ TEST_F(GenerateCli, TopPSamplesFromTheNucleus) {
   ASSERT_FALSE(nucleus.empty());
   EXPECT_EQ(tokens_of(generate_json(args + "--top-p 0.6")), nucleus);
   Reference ref(tiny(), model_dir());
-  std::vector<uint32_t> seq = bytes_of(prompt);
-  int not_top = 0, sizes = 0;
-  for (uint32_t id : nucleus) {
-    const std::vector<float> l = ref.last_logits(seq);
-    const std::vector<uint32_t> order = ranked(l, kByteVocab);
+  // The nucleus's size, with a little room for the tool's logits rounding differently.
+  const auto nucleus_size = [p](const std::vector<float>& l, const std::vector<uint32_t>& order) {
     std::vector<double> w(order.size());
     double total = 0;
     for (size_t i = 0; i < order.size(); ++i)
       total += w[i] = std::exp((double(l[order[i]]) - l[order[0]]) / 0.05);
-    // The nucleus's size, with a little room for the tool's logits rounding differently.
     size_t size = 0;
     for (double before = 0; size < order.size() && before < (p + 1e-3) * total;)
       before += w[size++];
-    const auto rank = std::find(order.begin(), order.end(), id) - order.begin();
-    EXPECT_LT(static_cast<size_t>(rank), std::max<size_t>(size, 1))
-        << "token " << id << " after " << seq.size() << " tokens";
-    not_top += rank > 0;
-    sizes += size > 1;
-    seq.push_back(id);
-    if (id == kByteEos) break;
-  }
-  // The test says something only where the nucleus held more than one token.
-  EXPECT_GT(sizes, 0);
-  EXPECT_GT(not_top, 0);
+    return size;
+  };
+  expect_each_token_allowed(ref, bytes_of(prompt), nucleus, nucleus_size);
 
   for (const char* bad : {"0", "-0.5", "1.5", "nan"}) {
     const Result r =
@@ -354,26 +367,16 @@ TEST_F(GenerateCli, RepetitionPenaltyAndMinP) {
   const double min_p = 0.3;
   const json j = generate_json(sampled + "--min-p 0.3 --seed 5");
   EXPECT_EQ(j["min_p"].get<double>(), min_p);
-  std::vector<uint32_t> seq = bytes_of(prompt);
-  int not_top = 0, sizes = 0;
-  for (uint32_t id : tokens_of(j)) {
-    const std::vector<float> l = ref.last_logits(seq);
-    const std::vector<uint32_t> order = ranked(l, kByteVocab);
-    // The tokens within min_p of the most likely, with a little room for rounding.
+  // The tokens within min_p of the most likely, with a little room for rounding.
+  const auto within_min_p = [min_p](const std::vector<float>& l,
+                                    const std::vector<uint32_t>& order) {
     size_t size = 0;
     while (size < order.size() &&
            std::exp((double(l[order[size]]) - l[order[0]]) / 0.05) >= min_p - 1e-3)
       ++size;
-    const auto rank = std::find(order.begin(), order.end(), id) - order.begin();
-    EXPECT_LT(static_cast<size_t>(rank), std::max<size_t>(size, 1))
-        << "token " << id << " after " << seq.size() << " tokens";
-    not_top += rank > 0;
-    sizes += size > 1;
-    seq.push_back(id);
-    if (id == kByteEos) break;
-  }
-  EXPECT_GT(sizes, 0);
-  EXPECT_GT(not_top, 0);
+    return size;
+  };
+  expect_each_token_allowed(ref, bytes_of(prompt), tokens_of(j), within_min_p);
 
   for (const auto& [flags, part] :
        {std::pair{"--repetition-penalty 0", "--repetition-penalty 0 must be a finite number > 0"},
