@@ -332,6 +332,13 @@ TEST(DsConfig, DeepSpeedExamplesZero3Nvme) {
   DsConfig adam = c;
   adam.optimizer.adam_w_mode = false;
   EXPECT_FALSE(adam.optimizer.decoupled_weight_decay());
+  // DeepSpeed's Adam takes bias_correction (default true); amsgrad false is accepted.
+  EXPECT_FALSE(c.optimizer.bias_correction.has_value());
+  const DsConfig no_bc = parse(R"({"optimizer": {"type": "AdamW", "params": {
+      "bias_correction": false, "amsgrad": false}}})");
+  EXPECT_EQ(no_bc.optimizer.bias_correction, false);
+  EXPECT_FALSE(has(no_bc.ignored, "optimizer.params.bias_correction"));
+  EXPECT_FALSE(has(no_bc.ignored, "optimizer.params.amsgrad"));
 }
 
 TEST(DsConfig, AxolotlAndLlamaFactoryCpuOffload) {
@@ -481,6 +488,10 @@ TEST(DsConfig, WrongTypesAndValuesNameTheirPath) {
       {R"({"fp16": {"hysteresis": "auto"}})", {"fp16.hysteresis"}},
       {R"({"optimizer": {"type": "Lamb"}})", {"optimizer.type", "\"Lamb\"", "\"AdamW\""}},
       {R"({"optimizer": {"params": {"betas": [0.9]}}})", {"optimizer.params.betas", "[0.9]"}},
+      {R"({"optimizer": {"params": {"amsgrad": true}}})",
+       {"optimizer.params.amsgrad", "does not run AMSGrad", "set it false"}},
+      {R"({"optimizer": {"params": {"bias_correction": 0}}})",
+       {"optimizer.params.bias_correction", "true or false"}},
       {R"({"optimizer": {"params": {"betas": [0.9, 1.5]}}})", {"optimizer.params.betas"}},
       {R"({"optimizer": {"params": {"eps": 0}}})", {"optimizer.params.eps", "> 0"}},
       {R"({"optimizer": {"params": {"lr": "fast"}}})", {"optimizer.params.lr", "\"fast\""}},

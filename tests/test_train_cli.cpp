@@ -1253,6 +1253,43 @@ TEST(TrainCli, HuggingFaceTrainersFlagNamesAreStratasFlags) {
         << "update " << i << " (the rate Adam takes, in f32)";
 }
 
+// DeepSpeed's optimizer.params.bias_correction false reaches the optimizer: after one update
+// from the same weights, each weight moved by lr x (1 - beta1) / sqrt(1 - beta2) = 3.162 x lr
+// instead of lr x 1 (eps, weight decay and clipping out of the way), so the moves are 3.162
+// times the bias-corrected run's.
+TEST(TrainCli, DeepSpeedsBiasCorrectionFalseReachesAdam) {
+  const test::TempDir dir("strata-train-bias-correction");
+  const fs::path data = make_data(dir.path);
+  const auto run = [&](const std::string& name, const std::string& lr, bool correct) {
+    const fs::path cfg = dir.path / (name + ".json"), out = dir.path / name;
+    std::ofstream(cfg) << fmt::format(R"({{"optimizer": {{"type": "AdamW", "params": {{
+        "lr": {}, "eps": 1e-30, "weight_decay": 0, "bias_correction": {}}}}}}})",
+                                      lr, correct);
+    const test::CommandResult r =
+        strata("train " + kTiny + "--data " + data.string() + " --steps 1 --clip 0 --config " +
+               cfg.string() + " --run-dir " + out.string());
+    EXPECT_EQ(r.status, 0) << r.out;
+    return SafetensorsReader::open(out / "checkpoints/step-1/model.safetensors");
+  };
+  const SafetensorsReader init = run("init", "0", true), with = run("with", "1e-4", true),
+                          without = run("without", "1e-4", false);
+  const std::string name = "model.layers.0.self_attn.q_proj.weight";
+  const auto read_f32 = [&](const SafetensorsReader& st) {
+    std::vector<float> v(static_cast<size_t>(st.find(name)->numel()));
+    st.read(name, v.data(), DType::f32);
+    return v;
+  };
+  const std::vector<float> w0 = read_f32(init), w1 = read_f32(with), w2 = read_f32(without);
+  std::vector<double> ratios;
+  for (size_t i = 0; i < w0.size(); ++i)
+    if (w1[i] != w0[i]) ratios.push_back((double(w2[i]) - w0[i]) / (double(w1[i]) - w0[i]));
+  ASSERT_GT(ratios.size(), w0.size() / 2);
+  std::sort(ratios.begin(), ratios.end());
+  EXPECT_NEAR(ratios[ratios.size() / 2], 0.1 / std::sqrt(0.001), 0.02);
+  const json state = json::parse(slurp(dir.path / "without/checkpoints/step-1/trainer_state.json"));
+  EXPECT_EQ(state["settings"]["bias_correction"], false);
+}
+
 // Hugging Face's scripts' spelling: flags with underscores, the config as --deepspeed, and
 // adam_beta1/adam_beta2 filling a config's "auto" betas, train what strata's dashed flags and a
 // config with those betas train, bit for bit; the betas matter (the defaults give other bits).

@@ -250,6 +250,7 @@ int run_train(TrainArgs& a) {
   if (!std::isnan(a.adam_beta1)) s.adam.beta1 = static_cast<float>(a.adam_beta1);
   if (!std::isnan(a.adam_beta2)) s.adam.beta2 = static_cast<float>(a.adam_beta2);
   s.adam.eps = static_cast<float>(!std::isnan(a.eps) ? a.eps : opt.eps.value_or(1e-8));
+  s.adam.bias_correction = opt.bias_correction.value_or(true);
   s.adam.weight_decay = static_cast<float>(
       !std::isnan(a.weight_decay) ? a.weight_decay : opt.weight_decay.value_or(0.0));
   // Which parameters decay. A config's optimizer section has DeepSpeed make the optimizer,
@@ -409,6 +410,7 @@ int run_train(TrainArgs& a) {
             {"weight_decay_on", s.decay_every_parameter ? "every parameter" : "2-D tensors"},
             {"betas", {s.adam.beta1, s.adam.beta2}},
             {"eps", s.adam.eps},
+            {"bias_correction", s.adam.bias_correction},
             {"gradient_clipping", s.max_grad_norm},
             {"offload_param", tier_name(s.offload.param)},
             {"offload_optimizer", tier_name(s.offload.optimizer)},

@@ -235,8 +235,15 @@ void read_optimizer(Reader& r, const json& v, DsConfig::Optimizer& o) {
           o.weight_decay = r.real(x, q, 0.0, Auto::ok);
         } else if (k == "adam_w_mode") {
           o.adam_w_mode = r.boolean(x, q);
+        } else if (k == "bias_correction") {
+          o.bias_correction = r.boolean(x, q);
+        } else if (k == "amsgrad") {
+          if (r.boolean(x, q).value_or(false))
+            r.bad(q, x,
+                  "false: DeepSpeed's Adam (CPU and fused alike) does not run AMSGrad, and "
+                  "neither does strata; set it false or remove it");
         } else {
-          r.ignore(q);  // torch_adam, amsgrad, bias_correction, ...
+          r.ignore(q);  // torch_adam, ...
         }
       }
     } else {

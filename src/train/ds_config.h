@@ -77,6 +77,9 @@ struct DsConfig {
     std::optional<double> weight_decay;
     // DeepSpeed's Adam is AdamW unless params.adam_w_mode is false (its default is true).
     std::optional<bool> adam_w_mode;
+    // params.bias_correction (DeepSpeed's CPU and fused Adam take it; default true). amsgrad true
+    // is refused: neither of DeepSpeed's Adams runs it.
+    std::optional<bool> bias_correction;
     bool decoupled_weight_decay() const;  // AdamW, or Adam with adam_w_mode true or unset
   } optimizer;
 
