@@ -1346,7 +1346,8 @@ TEST(TrainCli, AnAlpacaStyleCommandLineRuns) {
              " --max_steps 3 --per_device_train_batch_size 2 --gradient_accumulation_steps 2 "
              "--learning_rate 2e-3 --weight_decay 0. --warmup_ratio 0.3 --lr_scheduler_type "
              "\"cosine\" --logging_steps 1 --tf32 True --gradient_checkpointing True "
-             "--max_seq_length 24");
+             "--max_seq_length 24 --evaluation_strategy \"no\" --save_strategy \"steps\" "
+             "--save_steps 2000 --save_total_limit 1");
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("--tf32: ignored"), std::string::npos) << r.out;
   const std::string ckpt = "checkpoints/step-3/";
@@ -1378,6 +1379,64 @@ TEST(TrainCli, AnAlpacaStyleCommandLineRuns) {
       EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
   }
   EXPECT_FALSE(fs::exists(dir.path / "x"));
+}
+
+// Hugging Face's save_strategy and eval_strategy: "epoch" checkpoints and evaluates after each
+// epoch's updates as its Trainer counts them (batches of a device over the accumulation, rounded
+// down), "no" writes the final checkpoint alone and evaluates nothing, "steps" evaluates every
+// logging step where --eval-steps is unset; bad values and evaluation without data refused.
+TEST(TrainCli, HuggingFaceSaveAndEvalStrategies) {
+  const test::TempDir dir("strata-hf-strategies");
+  const fs::path data = make_data(dir.path), a = dir.path / "a", b = dir.path / "b",
+                 c = dir.path / "c";
+  const std::string base = "train --model tiny --init random --seed 5 --data " + data.string() +
+                           " --max_seq_length 24 --per_device_train_batch_size 3 "
+                           "--gradient_accumulation_steps 2 ";
+  const std::string eval = "--eval_sequences 2 --eval-data " + data.string();
+  test::CommandResult r = strata(base +
+                                 "--num_train_epochs 2 --save_strategy epoch --eval_strategy epoch "
+                                 "--eval-data " +
+                                 data.string() + " --output_dir " + a.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  // "--epochs 2: N sequences of 24 tokens, 6 a step: S steps"
+  const size_t at = r.out.find("--epochs 2: ");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  const int64_t sequences = std::stoll(r.out.substr(at + 12));
+  const int64_t epoch = std::max<int64_t>(1, (sequences + 2) / 3 / 2);
+  const std::vector<json> m = metrics(a);
+  ASSERT_GT(static_cast<int64_t>(m.size()), epoch) << "two epochs run past the first";
+  for (const json& j : m) {
+    const int64_t step = j["step"].get<int64_t>();
+    const bool boundary = step % epoch == 0;
+    EXPECT_EQ(j.contains("eval_loss"), boundary || step == static_cast<int64_t>(m.size()))
+        << "step " << step << ", epochs of " << epoch;
+    EXPECT_EQ(fs::exists(a / "checkpoints" / ("step-" + std::to_string(step))),
+              boundary || step == static_cast<int64_t>(m.size()))
+        << "step " << step << ", epochs of " << epoch;
+  }
+  r = strata(base +
+             "--max_steps 4 --save_steps 1 --save_strategy no --eval_strategy no "
+             "--eval-data " +
+             data.string() + " --output_dir " + b.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("only the final checkpoint"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(b / "checkpoints/step-3"));
+  EXPECT_TRUE(fs::exists(b / "checkpoints/step-4"));
+  for (const json& j : metrics(b)) EXPECT_FALSE(j.contains("eval_loss")) << j.dump();
+  r = strata(base + "--max_steps 4 --logging_steps 2 --eval_strategy steps " + eval +
+             " --output_dir " + c.string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  const std::vector<json> mc = metrics(c);
+  ASSERT_EQ(mc.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_EQ(mc[i].contains("eval_loss"), i % 2 == 1) << i;
+
+  for (const auto& [flags, part] :
+       {std::pair{"--save_strategy best", "--save-strategy best: expected steps, no or epoch"},
+        std::pair{"--eval_strategy steps", "--eval-strategy steps: there is no held-out data"}}) {
+    r = strata(base + "--max_steps 1 " + flags + " --output_dir " + (dir.path / "x").string());
+    EXPECT_NE(r.status, 0) << flags;
+    EXPECT_NE(r.out.find(part), std::string::npos) << r.out;
+  }
 }
 
 // Hugging Face's lr_scheduler_kwargs (--lr-scheduler-kwargs, a JSON object): cosine_with_min_lr

@@ -37,6 +37,7 @@ struct TrainArgs {
   double lr = NAN, weight_decay = NAN, clip = NAN, eps = NAN;  // NaN: not given
   double adam_beta1 = NAN, adam_beta2 = NAN;
   std::string optimizer, lr_schedule, lr_scheduler_kwargs;
+  std::string save_strategy, eval_strategy;  // Hugging Face's; empty: not given
   int64_t warmup_steps = kUnsetFlag;
   double warmup_ratio = NAN;  // NaN: not given
   std::string offload_param, offload_optimizer, offload_gradients, cpu_memory, pinned_memory;
@@ -101,19 +102,23 @@ void check_train_numbers(const TrainArgs& a) {
 // next pass; Hugging Face's Trainer instead ends each epoch on a short step (ceil(batches /
 // accumulation) updates an epoch, times E, rounded up), so where the data is not a multiple of
 // a step the two counts differ past the first epoch.
+// The training data's sequences. Wrapped sequences follow from the files' sizes; documents
+// need their indexes read (the trainer's loader validates every token again, so the wrapped
+// count does not scan them).
+int64_t count_sequences(const TrainSettings& s, int64_t vocab_size) {
+  if (s.packing != Packing::wrapped)
+    return TokenSequences(s.data, s.seq_len, vocab_size, s.data_width, "training token file",
+                          s.loss_masks, s.packing)
+        .size();
+  int64_t sequences = 0;
+  for (const fs::path& f : s.data)
+    sequences += TokenFile::open(f, s.data_width).num_sequences(s.seq_len);
+  return sequences;
+}
+
 int64_t steps_for_epochs(double epochs, const TrainSettings& s, int64_t vocab_size,
                          int64_t per_step) {
-  // Wrapped sequences follow from the files' sizes; documents need their indexes read (the
-  // trainer's loader validates every token again, so the wrapped count does not scan them).
-  int64_t sequences = 0;
-  if (s.packing == Packing::wrapped) {
-    for (const fs::path& f : s.data)
-      sequences += TokenFile::open(f, s.data_width).num_sequences(s.seq_len);
-  } else {
-    sequences = TokenSequences(s.data, s.seq_len, vocab_size, s.data_width, "training token file",
-                               s.loss_masks, s.packing)
-                    .size();
-  }
+  const int64_t sequences = count_sequences(s, vocab_size);
   const double want =
       std::ceil(epochs * static_cast<double>(sequences) / static_cast<double>(per_step));
   if (!(want <= 1e12))
@@ -125,6 +130,47 @@ int64_t steps_for_epochs(double epochs, const TrainSettings& s, int64_t vocab_si
   fmt::print("--epochs {}: {} sequences of {} tokens, {} a step: {} steps\n", epochs, sequences,
              s.seq_len, per_step, std::max<int64_t>(steps, 1));
   return std::max<int64_t>(steps, 1);
+}
+
+// Hugging Face's save_strategy and eval_strategy: "steps" (every --save-steps / --eval-steps,
+// the latter --logging-steps where unset, as Hugging Face's eval_steps defaults), "no" (only the
+// final checkpoint, which `strata export` needs; no evaluation), "epoch" (every epoch's updates
+// as Hugging Face's Trainer counts them: ceil(ceil(sequences / devices) / micro-batch) batches a
+// device, over the accumulation, rounded down, at least 1).
+void apply_strategies(const TrainArgs& a, TrainSettings& s, int64_t vocab_size, int world) {
+  if (a.save_strategy.empty() && a.eval_strategy.empty()) return;
+  const auto check = [](const char* flag, const std::string& v) {
+    if (!v.empty() && v != "steps" && v != "no" && v != "epoch")
+      fail("{} {}: expected steps, no or epoch (Hugging Face's strategies)", flag, v);
+  };
+  check("--save-strategy", a.save_strategy);
+  check("--eval-strategy", a.eval_strategy);
+  int64_t epoch_steps = 0;
+  if (a.save_strategy == "epoch" || a.eval_strategy == "epoch") {
+    const int64_t per_device = (count_sequences(s, vocab_size) + world - 1) / world;
+    const int64_t batches = (per_device + s.micro_batch - 1) / s.micro_batch;
+    epoch_steps = std::max<int64_t>(1, batches / s.grad_accum);
+    fmt::print("an epoch is {} steps, as Hugging Face's Trainer counts its updates\n", epoch_steps);
+  }
+  if (a.save_strategy == "no") {
+    s.save_every = 0;
+    fmt::print("--save-strategy no: only the final checkpoint is written\n");
+  } else if (a.save_strategy == "epoch") {
+    s.save_every = epoch_steps;
+  }
+  if (a.eval_strategy == "no") {
+    if (!s.eval_data.empty())
+      fmt::print("--eval-strategy no: the held-out data (--eval-data) is not evaluated\n");
+    s.eval_data.clear();
+    s.eval_every = 0;
+  } else if (!a.eval_strategy.empty()) {
+    if (s.eval_data.empty())
+      fail("--eval-strategy {}: there is no held-out data to evaluate; give --eval-data FILE",
+           a.eval_strategy);
+    s.eval_every = a.eval_strategy == "epoch" ? epoch_steps
+                   : a.eval_every > 0         ? a.eval_every
+                                              : s.steps_per_print;
+  }
 }
 
 // strata trains as one process over the GPUs of one node (--devices). Under a multi-process
@@ -372,6 +418,7 @@ int run_train(TrainArgs& a) {
   s.cpu_adam_threads = a.threads;
   s.save_every = a.save_every;
   s.keep = a.keep;
+  apply_strategies(a, s, model.vocab_size, world);
   s.resume = a.resume || a.resume_fallback || !a.resume_from.empty();
   s.resume_fallback = a.resume_fallback;
   s.resume_from = a.resume_from;
@@ -421,9 +468,9 @@ int run_train(TrainArgs& a) {
             {"devices", world},
             {"config", a.config}};
   if (!a.lr_scheduler_kwargs.empty()) s.echo["lr_scheduler_kwargs"] = scheduler_kwargs;
-  if (!a.eval_data.empty())
+  if (!s.eval_data.empty())
     s.echo["eval"] = {
-        {"data", a.eval_data}, {"every", a.eval_every}, {"sequences", a.eval_sequences}};
+        {"data", a.eval_data}, {"every", s.eval_every}, {"sequences", a.eval_sequences}};
   for (const auto& [key, target] :
        {std::pair{"tensorboard", &s.monitor.tensorboard}, std::pair{"csv_monitor", &s.monitor.csv}})
     if (target->enabled) s.echo[key] = target->dir().string();
@@ -562,6 +609,12 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--threads", a->threads, "CPU Adam threads (0: every CPU)");
   cmd->add_option("--save-every,--save-steps", a->save_every,
                   "checkpoint every N steps (and at the end)");
+  cmd->add_option("--save-strategy", a->save_strategy,
+                  "Hugging Face's: steps (every --save-steps), no (the final checkpoint only) or "
+                  "epoch (every epoch's steps)");
+  cmd->add_option("--eval-strategy,--evaluation-strategy", a->eval_strategy,
+                  "Hugging Face's: no (no evaluation), steps (every --eval-steps, else "
+                  "--logging-steps) or epoch, with --eval-data");
   cmd->add_option("--keep,--save-total-limit", a->keep, "complete checkpoints kept (0: all)")
       ->capture_default_str();
   cmd->add_flag("--resume", a->resume,
