@@ -33,10 +33,6 @@ double warmup_gamma(WarmupShape shape, int64_t i, int64_t W) {
   return static_cast<double>(i) / static_cast<double>(W);
 }
 
-}  // namespace
-
-namespace {
-
 LrSchedule one_cycle_from_config(const DsConfig::Scheduler& config, double optimizer_lr,
                                  std::optional<int64_t> run_steps) {
   LrSchedule s;
