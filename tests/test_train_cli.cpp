@@ -2142,6 +2142,44 @@ TEST(TrainCli, MonitorsWriteEachStepWhereDeepSpeedsWould) {
   EXPECT_EQ(r.out.find("step 1/1"), std::string::npos) << "refused before training: " << r.out;
 }
 
+// Hugging Face's report_to and logging_dir: tensorboard writes TensorBoard events to the logging
+// directory, else RUN/runs, and so does a logging directory alone (transformers 4's default
+// "all"); another integration is said not to be available and the run goes on; none adds no
+// events.
+TEST(TrainCli, HuggingFaceReportToTensorBoard) {
+  const test::TempDir dir("strata-train-report-to");
+  const fs::path data = make_data(dir.path);
+  const std::string base = "train " + kTiny + "--data " + data.string() + " --steps 2 ";
+  const auto events = [](const fs::path& d) {
+    int n = 0;
+    if (fs::is_directory(d))
+      for (const auto& e : fs::directory_iterator(d))
+        n += e.path().filename().string().rfind("events.out.tfevents.", 0) == 0 &&
+             fs::file_size(e.path()) > 0;
+    return n;
+  };
+  test::CommandResult r =
+      strata(base + "--report_to tensorboard --logging_dir " + (dir.path / "logs").string() +
+             " --output_dir " + (dir.path / "a").string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(events(dir.path / "logs"), 1) << r.out;
+  r = strata(base + "--report_to all --output_dir " + (dir.path / "b").string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(events(dir.path / "b/runs"), 1) << r.out;
+  r = strata(base + "--logging_dir " + (dir.path / "alone").string() + " --output_dir " +
+             (dir.path / "c").string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(events(dir.path / "alone"), 1) << r.out;
+  r = strata(base + "--report_to wandb --output_dir " + (dir.path / "d").string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("--report-to wandb: strata reports to TensorBoard alone"), std::string::npos)
+      << r.out;
+  EXPECT_EQ(events(dir.path / "d/runs"), 0);
+  r = strata(base + "--report_to none --output_dir " + (dir.path / "e").string());
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_FALSE(fs::exists(dir.path / "e/runs"));
+}
+
 // --warmup-ratio is Hugging Face's warmup_ratio: ceil(ratio x steps) warmup steps, so 0.4 of 6
 // steps gives the learning rates of --warmup-steps 3; a schedule with its warmup left unset
 // says it takes DeepSpeed's default of 1000 steps.

@@ -57,6 +57,8 @@ struct TrainArgs {
   bool resume = false, resume_fallback = false;
   std::string resume_from;
   std::string trace, tensorboard_dir, csv_monitor_dir;
+  std::vector<std::string> report_to;  // Hugging Face's; with logging_dir, its TensorBoard's
+  std::string logging_dir;
   std::vector<std::string> eval_data;
   int64_t eval_every = 0, eval_sequences = 0;
 };
@@ -185,6 +187,32 @@ void check_single_process() {
       "itself and does not span processes or nodes; start it once, without torchrun or the "
       "deepspeed launcher, with --devices cuda:0,1,... for the GPUs to use",
       world, rank != nullptr ? rank : "unset");
+}
+
+// Hugging Face's report_to: "tensorboard" (or "all": TensorBoard is the one integration strata
+// has) writes TensorBoard events to --logging-dir, else RUN/runs (--tensorboard-dir wins); "none"
+// adds nothing; any other integration (wandb, mlflow, ...) is said not to be available, and the
+// run goes on, its metrics in metrics.jsonl. A --logging-dir without --report-to writes there, as
+// transformers 4's default report_to ("all") does wherever TensorBoard is installed.
+void apply_report_to(const TrainArgs& a, TrainSettings& s) {
+  bool tensorboard = false;
+  for (const std::string& to : a.report_to) {
+    if (to == "tensorboard" || to == "all") {
+      tensorboard = true;
+    } else if (to != "none") {
+      log_warn(
+          "--report-to {}: strata reports to TensorBoard alone (--report-to tensorboard); this "
+          "run's metrics are in {}/metrics.jsonl",
+          to, s.run_dir.string());
+    }
+  }
+  if (!a.logging_dir.empty() && a.report_to.empty()) tensorboard = true;
+  if (!a.logging_dir.empty() && !tensorboard)
+    log_warn("--logging-dir {}: unused, since --report-to names no tensorboard", a.logging_dir);
+  if (!tensorboard || !a.tensorboard_dir.empty()) return;
+  s.monitor.tensorboard.enabled = true;
+  s.monitor.tensorboard.directory =
+      a.logging_dir.empty() ? s.run_dir / "runs" : fs::path(a.logging_dir);
 }
 
 // A Hugging Face boolean flag's value as its string_to_bool reads it.
@@ -431,6 +459,7 @@ int run_train(TrainArgs& a) {
       target->enabled = true;
       target->directory = *flag;
     }
+  apply_report_to(a, s);
   s.echo = {{"model", a.model},
             {"data", a.data},
             {"seed", a.seed},
@@ -631,6 +660,12 @@ Command add_train(CLI::App& app) {
   cmd->add_option("--tensorboard-dir", a->tensorboard_dir,
                   "write each step's loss, lr and gradient norm as TensorBoard events here (as "
                   "the config's tensorboard section does in output_path/job_name)");
+  cmd->add_option("--report-to", a->report_to,
+                  "Hugging Face's: tensorboard (or all) writes TensorBoard events to "
+                  "--logging-dir, else RUN/runs; none; others are said not to be available")
+      ->delimiter(',');
+  cmd->add_option("--logging-dir", a->logging_dir,
+                  "Hugging Face's: the TensorBoard directory of --report-to tensorboard");
   cmd->add_option("--csv-monitor-dir", a->csv_monitor_dir,
                   "write each step's loss, lr and gradient norm as one CSV file per scalar here "
                   "(as the config's csv_monitor section does in output_path/job_name)");
