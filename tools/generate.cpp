@@ -112,7 +112,6 @@ struct Sampling {
 // the logits' size) once.
 void penalise_repeats(std::vector<float>& logits, const std::vector<int32_t>& seen,
                       double penalty) {
-  if (penalty == 1.0) return;
   const auto p = static_cast<float>(penalty);
   std::vector<bool> done(logits.size(), false);
   for (int32_t id : seen) {
@@ -463,9 +462,14 @@ int run_generate(const GenerateArgs& a) {
             "generate: logit {} of token id {} at position {} is not finite; the weights of {} "
             "hold non-finite values (or overflow in {})",
             last[static_cast<size_t>(i)], i, len - 1, a.model, dtype_name(dtype));
-    std::vector<float> scores = last;
-    penalise_repeats(scores, ids, sampling.repetition_penalty);
-    const uint32_t next = sample_token(scores, candidates, sampling, rng);
+    // A penalty works on a copy of the logits; without one they are sampled as they are.
+    std::vector<float> penalised;
+    if (sampling.repetition_penalty != 1.0) {
+      penalised = last;
+      penalise_repeats(penalised, ids, sampling.repetition_penalty);
+    }
+    const uint32_t next =
+        sample_token(penalised.empty() ? last : penalised, candidates, sampling, rng);
     generated.push_back(next);
     if (std::find(stops.begin(), stops.end(), next) != stops.end()) {
       stop = "eos";

@@ -18,6 +18,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
+#include <functional>
+#include <optional>
 #include <string_view>
 #include <utility>
 
@@ -118,9 +120,8 @@ int64_t count_sequences(const TrainSettings& s, int64_t vocab_size) {
   return sequences;
 }
 
-int64_t steps_for_epochs(double epochs, const TrainSettings& s, int64_t vocab_size,
+int64_t steps_for_epochs(double epochs, const TrainSettings& s, int64_t sequences,
                          int64_t per_step) {
-  const int64_t sequences = count_sequences(s, vocab_size);
   const double want =
       std::ceil(epochs * static_cast<double>(sequences) / static_cast<double>(per_step));
   if (!(want <= 1e12))
@@ -139,7 +140,8 @@ int64_t steps_for_epochs(double epochs, const TrainSettings& s, int64_t vocab_si
 // final checkpoint, which `strata export` needs; no evaluation), "epoch" (every epoch's updates
 // as Hugging Face's Trainer counts them: ceil(ceil(sequences / devices) / micro-batch) batches a
 // device, over the accumulation, rounded down, at least 1).
-void apply_strategies(const TrainArgs& a, TrainSettings& s, int64_t vocab_size, int world) {
+void apply_strategies(const TrainArgs& a, TrainSettings& s,
+                      const std::function<int64_t()>& sequences, int world) {
   if (a.save_strategy.empty() && a.eval_strategy.empty()) return;
   const auto check = [](const char* flag, const std::string& v) {
     if (!v.empty() && v != "steps" && v != "no" && v != "epoch")
@@ -149,7 +151,7 @@ void apply_strategies(const TrainArgs& a, TrainSettings& s, int64_t vocab_size, 
   check("--eval-strategy", a.eval_strategy);
   int64_t epoch_steps = 0;
   if (a.save_strategy == "epoch" || a.eval_strategy == "epoch") {
-    const int64_t per_device = (count_sequences(s, vocab_size) + world - 1) / world;
+    const int64_t per_device = (sequences() + world - 1) / world;
     const int64_t batches = (per_device + s.micro_batch - 1) / s.micro_batch;
     epoch_steps = std::max<int64_t>(1, batches / s.grad_accum);
     fmt::print("an epoch is {} steps, as Hugging Face's Trainer counts its updates\n", epoch_steps);
@@ -290,8 +292,15 @@ int run_train(TrainArgs& a) {
   if (s.seq_len > model.max_position_embeddings)
     fail("--seq-len {}: the model's max_position_embeddings is {}; use at most that", s.seq_len,
          model.max_position_embeddings);
+  // The training data's sequences, counted once (documents need their token files scanned) and
+  // only where --epochs or an epoch strategy asks.
+  std::optional<int64_t> sequence_count;
+  const std::function<int64_t()> sequences = [&] {
+    if (!sequence_count) sequence_count = count_sequences(s, model.vocab_size);
+    return *sequence_count;
+  };
   if (a.epochs > 0)
-    s.steps = steps_for_epochs(a.epochs, s, model.vocab_size, s.micro_batch * s.grad_accum * world);
+    s.steps = steps_for_epochs(a.epochs, s, sequences(), s.micro_batch * s.grad_accum * world);
   if (!a.dtype.empty()) {
     s.dtype = model_dtype(*ptrs.front(), a.dtype);
   } else if (plan.param_dtype) {
@@ -446,7 +455,7 @@ int run_train(TrainArgs& a) {
   s.cpu_adam_threads = a.threads;
   s.save_every = a.save_every;
   s.keep = a.keep;
-  apply_strategies(a, s, model.vocab_size, world);
+  apply_strategies(a, s, sequences, world);
   s.resume = a.resume || a.resume_fallback || !a.resume_from.empty();
   s.resume_fallback = a.resume_fallback;
   s.resume_from = a.resume_from;

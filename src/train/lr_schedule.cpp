@@ -439,28 +439,18 @@ LrSchedule lr_schedule_from_config(const DsConfig::Scheduler& config, double opt
   return s;
 }
 
-bool is_hugging_face_schedule_type(const std::string& type) {
-  for (const char* name :
-       {"linear", "cosine", "constant", "constant_with_warmup", "cosine_with_restarts",
-        "polynomial", "inverse_sqrt", "cosine_with_min_lr", "warmup_stable_decay",
-        "reduce_lr_on_plateau", "cosine_warmup_with_min_lr"})
-    if (type == name) return true;
-  return false;
-}
+namespace {
 
-LrSchedule hugging_face_lr_schedule(const std::string& type, double lr, int64_t warmup_steps,
-                                    int64_t total_steps, const nlohmann::json& kwargs) {
-  LrSchedule s;
-  s.lr = lr;
-  // Each type and the lr_scheduler_kwargs its function takes; get_scheduler passes none to
-  // constant, constant_with_warmup and inverse_sqrt.
-  struct Type {
-    const char* name;
-    LrScheduleKind kind;
-    std::vector<std::string> keys;
-    bool passed = true;
-  };
-  const Type types[] = {
+// Hugging Face's lr_scheduler_types strata runs, and the lr_scheduler_kwargs each one's function
+// takes; get_scheduler passes none to constant, constant_with_warmup and inverse_sqrt (`passed`).
+struct HuggingFaceType {
+  const char* name;
+  LrScheduleKind kind;
+  std::vector<std::string> keys;
+  bool passed = true;
+};
+const std::vector<HuggingFaceType>& hugging_face_types() {
+  static const std::vector<HuggingFaceType> types = {
       {"constant", LrScheduleKind::constant, {}, false},
       {"linear", LrScheduleKind::hf_linear, {}},
       {"cosine", LrScheduleKind::hf_cosine, {"num_cycles"}},
@@ -475,9 +465,25 @@ LrSchedule hugging_face_lr_schedule(const std::string& type, double lr, int64_t 
        LrScheduleKind::hf_warmup_stable_decay,
        {"num_decay_steps", "num_stable_steps", "warmup_type", "decay_type", "min_lr_ratio",
         "num_cycles"}}};
-  const Type* t = nullptr;
+  return types;
+}
+
+}  // namespace
+
+bool is_hugging_face_schedule_type(const std::string& type) {
+  if (type == "reduce_lr_on_plateau" || type == "cosine_warmup_with_min_lr") return true;
+  for (const HuggingFaceType& x : hugging_face_types())
+    if (type == x.name) return true;
+  return false;
+}
+
+LrSchedule hugging_face_lr_schedule(const std::string& type, double lr, int64_t warmup_steps,
+                                    int64_t total_steps, const nlohmann::json& kwargs) {
+  LrSchedule s;
+  s.lr = lr;
+  const HuggingFaceType* t = nullptr;
   std::string known;
-  for (const Type& x : types) {
+  for (const HuggingFaceType& x : hugging_face_types()) {
     if (type == x.name) t = &x;
     known += fmt::format("{}{}", known.empty() ? "" : ", ", x.name);
   }
