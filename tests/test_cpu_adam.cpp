@@ -195,6 +195,111 @@ TEST(CpuAdam, MatchesDoubleReferenceOnOddSizesAndEveryGradType) {
   }
 }
 
+// Lion and Adagrad against double references written here from their papers (Chen et al. 2023;
+// Duchi et al. 2011, as torch.optim.Adagrad runs it), every path, odd sizes, every gradient type,
+// the moment the optimizer does not keep passed as null (so a read of it would fault).
+void run_one_moment_against_reference(const std::string& simd, size_t n, DType gt,
+                                      const AdamParams& a, int steps, uint32_t seed) {
+  CpuAdam adam({.threads = 2, .simd = simd});
+  std::mt19937 rng(seed);
+  State s(n, rng);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  Grad g(n, gt);
+  const bool lion = a.type == OptimizerType::lion;
+  float* moment = lion ? s.m.data : s.v.data;
+  const AdamShard shard{s.master.data, lion ? s.m.data : nullptr, lion ? nullptr : s.v.data, n};
+  std::vector<float> p0(n), k0(n);
+  int reported = 0;
+  for (int step = 1; step <= steps; ++step) {
+    const float magnitude = std::ldexp(1.0f, static_cast<int>(rng() % 20) - 10);
+    for (size_t i = 0; i < n; ++i) g.set(i, i % 11 == 3 ? 0.0f : normal(rng) * magnitude);
+    const float scale = (step % 3 == 0) ? 0.25f : 1.0f;
+    std::copy(s.master.data, s.master.data + n, p0.begin());
+    std::copy(moment, moment + n, k0.begin());
+    ASSERT_TRUE(adam.update(shard, g.shard(), step, a, scale, GradStats{}));
+    for (size_t i = 0; i < n; ++i) {
+      const double lr = a.lr, wd = a.weight_decay, p = p0[i], k = k0[i];
+      double gi = static_cast<double>(g.values[i]) * scale;
+      double want_p, want_k, p_tol, k_tol;
+      if (lion) {
+        const double b1 = a.beta1, b2 = a.beta2;
+        const double c = b1 * k + (1 - b1) * gi,
+                     c_scale = std::abs(b1 * k) + std::abs((1 - b1) * gi);
+        const double decayed = p * (1 - lr * wd);
+        // A c within rounding of zero may take either sign in float: a step either way.
+        const bool either = std::abs(c) <= 1e-6 * c_scale && c_scale > 0;
+        want_p = decayed - lr * (c > 0 ? 1.0 : c < 0 ? -1.0 : 0.0);
+        p_tol = 1e-6 * (std::abs(p) + lr) + (either ? 2 * lr : 0.0);
+        want_k = b2 * k + (1 - b2) * gi;
+        k_tol = 1e-6 * (std::abs(b2 * k) + std::abs((1 - b2) * gi));
+      } else {
+        const double g_scale = std::abs(gi) + std::abs(wd * p);
+        gi += wd * p;
+        want_k = k + gi * gi;
+        k_tol = 1e-6 * (k + std::abs(gi) * g_scale);
+        const double step_size = lr * gi / (std::sqrt(want_k) + a.eps);
+        want_p = p - step_size;
+        p_tol = 1e-6 * (std::abs(p) + lr * g_scale / (std::sqrt(want_k) + a.eps));
+      }
+      const bool ok = std::abs(s.master.data[i] - want_p) <= p_tol + 1e-30 &&
+                      std::abs(moment[i] - want_k) <= k_tol + 1e-30;
+      if (!ok && reported++ < 5)
+        ADD_FAILURE() << simd << " " << optimizer_type_name(a.type) << " n=" << n << " grad "
+                      << dtype_name(gt) << " step " << step << " i=" << i
+                      << ": got p=" << s.master.data[i] << " moment=" << moment[i]
+                      << ", reference p=" << want_p << " moment=" << want_k;
+    }
+    if (reported > 0) return;
+  }
+}
+
+TEST(CpuLionAndAdagrad, MatchDoubleReferencesOnOddSizesAndEveryGradType) {
+  for (const std::string& simd : CpuAdam::available_paths())
+    for (size_t n : kOddSizes)
+      for (DType gt : kGradTypes) {
+        const AdamParams lion{.type = OptimizerType::lion,
+                              .lr = 1e-4f,
+                              .beta1 = 0.9f,
+                              .beta2 = 0.99f,
+                              .weight_decay = 0.1f};
+        run_one_moment_against_reference(simd, n, gt, lion, 6, static_cast<uint32_t>(n) + 1);
+        const AdamParams adagrad{.type = OptimizerType::adagrad,
+                                 .lr = 1e-2f,
+                                 .eps = 1e-10f,
+                                 .weight_decay = 0.01f,
+                                 .adamw = false};
+        run_one_moment_against_reference(simd, n, gt, adagrad, 6, static_cast<uint32_t>(n) + 2);
+      }
+}
+
+TEST(CpuLionAndAdagrad, MatchDoubleReferencesOverThousandsOfSteps) {
+  for (const std::string& simd : CpuAdam::available_paths()) {
+    run_one_moment_against_reference(
+        simd, 37, DType::f32,
+        {.type = OptimizerType::lion, .lr = 3e-4f, .beta1 = 0.95f, .beta2 = 0.98f}, 2000, 3);
+    run_one_moment_against_reference(
+        simd, 37, DType::f32,
+        {.type = OptimizerType::adagrad, .lr = 1e-2f, .eps = 1e-10f, .adamw = false}, 2000, 4);
+  }
+}
+
+// Lion steps by the sign of its momentum: where the momentum and the gradient are both zero (a
+// token's embedding row no batch has used), the weight does not move, unless decayed. DeepSpeed's
+// CPU Lion (copysign(lr, 0) = lr) moves it a full step down every update.
+TEST(CpuLionAndAdagrad, LionLeavesAWeightWithoutMomentumOrGradientInPlace) {
+  for (const std::string& simd : CpuAdam::available_paths()) {
+    CpuAdam adam({.threads = 1, .simd = simd});
+    const size_t n = 19;
+    std::vector<float> master(n, 0.5f), m(n, 0.0f), grad(n, 0.0f);
+    grad[4] = -2.0f;  // one element does move: up, by lr
+    for (int64_t step = 1; step <= 3; ++step)
+      ASSERT_TRUE(adam.update({master.data(), m.data(), nullptr, n}, {grad.data(), DType::f32, n},
+                              step, {.type = OptimizerType::lion, .lr = 0.01f}, 1.0f, GradStats{}));
+    for (size_t i = 0; i < n; ++i)
+      EXPECT_EQ(master[i], i == 4 ? 0.5f + 3 * 0.01f : 0.5f) << simd << " element " << i;
+  }
+}
+
 // Runs `steps` updates with a fixed seed and returns master, m, v and the copy as bits.
 struct Outcome {
   std::vector<float> master, m, v;
@@ -206,14 +311,15 @@ struct Outcome {
     return bits(master, o.master) && bits(m, o.m) && bits(v, o.v) && copy == o.copy;
   }
 };
-Outcome run_steps(const CpuAdamOptions& options, size_t n, DType gt, DType out, int steps) {
+Outcome run_steps(const CpuAdamOptions& options, size_t n, DType gt, DType out, int steps,
+                  OptimizerType type = OptimizerType::adam) {
   CpuAdam adam(options);
   std::mt19937 rng(42);
   State s(n, rng);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   Grad g(n, gt);
   Misaligned<uint16_t> copy(n);
-  AdamParams a{.lr = 1e-2f, .weight_decay = 0.05f};
+  AdamParams a{.type = type, .lr = 1e-2f, .weight_decay = 0.05f};
   for (int step = 1; step <= steps; ++step) {
     for (size_t i = 0; i < n; ++i) g.set(i, normal(rng) * 0.01f);
     adam.update(s.shard(), g.shard(), step, a, 0.5f, GradStats{}, ParamCopy{copy.data, out});
@@ -241,6 +347,20 @@ TEST(CpuAdam, SameBitsForAnyThreadCountAndEveryPath) {
       }
     }
   }
+}
+
+TEST(CpuLionAndAdagrad, SameBitsForAnyThreadCountAndEveryPath) {
+  const size_t n = 2 * CpuAdam::kUpdateChunk + 1237;
+  for (const OptimizerType type : {OptimizerType::lion, OptimizerType::adagrad})
+    for (DType gt : kGradTypes) {
+      const Outcome want = run_steps({.threads = 1, .simd = "scalar"}, n, gt, DType::bf16, 4, type);
+      for (const std::string& simd : CpuAdam::available_paths())
+        for (int threads : {1, 3})
+          EXPECT_TRUE(run_steps({.threads = threads, .simd = simd}, n, gt, DType::bf16, 4, type) ==
+                      want)
+              << optimizer_type_name(type) << " " << simd << " with " << threads
+              << " threads, grad " << dtype_name(gt) << " differs from the scalar path";
+    }
 }
 
 TEST(CpuAdam, ParamCopyIsTheRoundedMasterBitForBit) {
@@ -424,6 +544,28 @@ TEST(CpuAdamErrors, SayWhatWhichValueAndWhatToDo) {
         adam.update(s.shard(), g4.shard(), 1, {}, 1.0f, {}, ParamCopy{out.data, DType::f32});
       },
       {"f32", "bf16 or f16"});
+  // A moment the optimizer keeps must be there; Lion's betas are checked, Adagrad's are not.
+  const AdamShard no_m{s.master.data, nullptr, s.v.data, 4},
+      no_v{s.master.data, s.m.data, nullptr, 4};
+  test::expect_error(
+      [&] { adam.update(no_m, g4.shard(), 1, {.type = OptimizerType::lion}, 1.0f, {}); },
+      {"4 elements", "the m that lion keeps"});
+  test::expect_error(
+      [&] { adam.update(no_v, g4.shard(), 1, {.type = OptimizerType::adagrad}, 1.0f, {}); },
+      {"the v that adagrad keeps"});
+  test::expect_error(
+      [&] {
+        adam.update(no_v, g4.shard(), 1, {.type = OptimizerType::lion, .beta2 = 1.5f}, 1.0f, {});
+      },
+      {"lion's betas (0.9, 1.5)", "[0, 1)"});
+  EXPECT_TRUE(adam.update(no_m, g4.shard(), 1,
+                          {.type = OptimizerType::adagrad, .beta1 = 7.0f, .adamw = false}, 1.0f,
+                          {}));
+  test::expect_error(
+      [&] {
+        adam.update(no_m, g4.shard(), 1, {.type = OptimizerType::adagrad, .eps = 0.0f}, 1.0f, {});
+      },
+      {"adagrad's eps 0", "> 0"});
 }
 
 // --- Threads and NUMA -------------------------------------------------------------------------

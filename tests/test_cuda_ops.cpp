@@ -1121,6 +1121,53 @@ TEST_F(CudaOpsTest, AdamUpdateMatchesHostBitForBit) {
   }
 }
 
+// Lion and Adagrad on the GPU: the moment each keeps, the master and the copy, the other moment
+// an empty view on both sides. Zero gradients over zero momentum (Lion's sign 0) included.
+TEST_F(CudaOpsTest, LionAndAdagradUpdatesMatchHostBitForBit) {
+  Rng rng(14);
+  for (const OptimizerType type : {OptimizerType::lion, OptimizerType::adagrad})
+    for (const DType g : {f32, bf16, DType::f16})
+      for (const std::optional<DType> copy_t : {std::optional<DType>{}, std::optional{bf16}})
+        for (const int64_t n : {0, 1, 17, 65537 + 5}) {
+          SCOPED_TRACE(fmt::format("{} grad {} copy {} n {}", optimizer_type_name(type),
+                                   dtype_name(g), copy_t ? dtype_name(*copy_t) : "none", n));
+          const bool lion = type == OptimizerType::lion;
+          HostTensor master(f32, {n}), moment(f32, {n});
+          for (int64_t i = 0; i < n; ++i) {
+            master.set(i, rng.uniform(-1.0f, 1.0f));
+            const float u = rng.uniform(-0.01f, 0.01f);
+            moment.set(i, i % 5 == 2 ? 0.0f : lion ? u : u * u);
+          }
+          DeviceTensor dmaster = upload(master), dmoment = upload(moment);
+          std::optional<HostTensor> copy;
+          std::optional<DeviceTensor> dcopy;
+          if (copy_t) {
+            copy.emplace(*copy_t, Shape{n});
+            dcopy.emplace(empty(*copy_t, {n}));
+          }
+          const AdamParams params{
+              .type = type, .lr = 3e-3f, .eps = 1e-10f, .weight_decay = 0.1f, .adamw = lion};
+          for (int64_t step = 1; step <= 3; ++step) {
+            SCOPED_TRACE(fmt::format("step {}", step));
+            HostTensor grad = wide_tensor(g, n, rng);
+            for (int64_t i = 2; i < n; i += 5) grad.set(i, 0.0f);
+            DeviceTensor dgrad = upload(grad);
+            const cpu_adam::StepConstants k =
+                cpu_adam::step_constants(step, params, 0.7f / static_cast<float>(1 << (4 * step)));
+            const TensorView dm = dmoment.view(), hm = moment.view();
+            gpu().adam_update(dmaster.view(), lion ? dm : TensorView{}, lion ? TensorView{} : dm,
+                              dgrad.view(), dcopy ? dcopy->view() : TensorView{}, k, stream());
+            host::adam_update(master.view(), lion ? hm : TensorView{}, lion ? TensorView{} : hm,
+                              grad.view(), copy ? copy->view() : TensorView{}, k);
+            expect_same_bits("master", dmaster.fetch("master"), master);
+            expect_same_bits("moment", dmoment.fetch("moment"), moment);
+            if (copy) expect_same_bits("param_copy", dcopy->fetch("param_copy"), *copy);
+            dgrad.fetch("grad");
+            if (HasFailure()) return;
+          }
+        }
+}
+
 TEST_F(CudaOpsTest, GradChunkSumsMatchHostBitForBit) {
   Rng rng(13);
   const int64_t chunk = static_cast<int64_t>(CpuAdam::kStatsChunk);

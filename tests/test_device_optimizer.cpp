@@ -202,6 +202,68 @@ TEST_F(DeviceOptimizer, AdamUpdateIsCpuAdamBitForBit) {
           }
 }
 
+// Lion and Adagrad: the moment each does not keep goes to neither side (an empty view, a null
+// pointer), and the one it keeps, the master and the copy are CpuAdam's bits after every step.
+// Some elements have a zero gradient and a zero momentum: Lion's sign is 0 there on both sides.
+TEST_F(DeviceOptimizer, LionAndAdagradUpdatesAreCpuAdamBitForBit) {
+  uint32_t seed = 100;
+  for (const OptimizerType type : {OptimizerType::lion, OptimizerType::adagrad})
+    for (const DType grad_t : kDTypes)
+      for (const std::optional<DType> copy_t :
+           {std::optional<DType>{}, std::optional{DType::bf16}, std::optional{DType::f16}})
+        for (const size_t n : {size_t{0}, size_t{1}, size_t{17}, size_t{65537 + 5}}) {
+          SCOPED_TRACE(fmt::format("{} grad {} copy {} n {}", optimizer_type_name(type),
+                                   dtype_name(grad_t), copy_t ? dtype_name(*copy_t) : "none", n));
+          Values rnd(seed++);
+          const bool lion = type == OptimizerType::lion;
+          std::vector<float> master(n), moment(n);
+          for (size_t i = 0; i < n; ++i) {
+            master[i] = rnd.unit();
+            const float u = rnd.unit();
+            moment[i] = i % 5 == 2 ? 0.0f : lion ? 0.01f * u : 1e-4f * u * u;
+          }
+          const auto ni = static_cast<int64_t>(n);
+          const size_t copy_size = copy_t ? dtype_size(*copy_t) : 0;
+          OnDevice dmaster(*dev_, *s_, n * 4), dmoment(*dev_, *s_, n * 4);
+          OnDevice dgrad(*dev_, *s_, n * dtype_size(grad_t)), dcopy(*dev_, *s_, n * copy_size);
+          dmaster.upload(master.data(), n * 4);
+          dmoment.upload(moment.data(), n * 4);
+          std::vector<uint8_t> ref_copy(n * copy_size);
+          const AdamShard shard{master.data(), lion ? moment.data() : nullptr,
+                                lion ? nullptr : moment.data(), n};
+          const AdamParams params{
+              .type = type, .lr = 3e-3f, .eps = 1e-10f, .weight_decay = 0.1f, .adamw = lion};
+          for (int64_t step = 1; step <= 3; ++step) {
+            SCOPED_TRACE(fmt::format("step {}", step));
+            const std::vector<float> before = master;
+            Bytes grad = rnd.bytes(grad_t, n);
+            for (size_t i = 2; i < n; i += 5) grad.set(i, 0.0f);
+            dgrad.upload(grad.data.data(), grad.data.size());
+            const float grad_scale = 0.7f / static_cast<float>(1 << (4 * step));
+            const TensorView mv = dmoment.view(DType::f32, ni);
+            k().adam_update(dmaster.view(DType::f32, ni), lion ? mv : TensorView{},
+                            lion ? TensorView{} : mv, dgrad.view(grad_t, ni),
+                            copy_t ? dcopy.view(*copy_t, ni) : TensorView{},
+                            cpu_adam::step_constants(step, params, grad_scale), *s_);
+            std::optional<ParamCopy> copy;
+            if (copy_t) copy = ParamCopy{ref_copy.data(), *copy_t};
+            ASSERT_TRUE(cpu_.update(shard, GradShard{grad.data.data(), grad_t, n}, step, params,
+                                    grad_scale, GradStats{}, copy));
+            EXPECT_EQ(first_difference(dmaster.read(n * 4), as_bytes(master), 4), -1) << "master";
+            EXPECT_EQ(first_difference(dmoment.read(n * 4), as_bytes(moment), 4), -1)
+                << (lion ? "m" : "sum of squares");
+            if (copy_t) {
+              EXPECT_EQ(first_difference(dcopy.read(n * copy_size), ref_copy, copy_size), -1)
+                  << "copy";
+            }
+            if (n > 0) {
+              EXPECT_NE(as_bytes(before), as_bytes(master));
+            }
+            if (HasFatalFailure()) return;
+          }
+        }
+}
+
 // The lane order, written out here once more: what grad_stats' chunks must equal.
 double plain_sum_of_squares(const Bytes& g, size_t begin, size_t n) {
   double sum = 0.0;

@@ -339,6 +339,23 @@ TEST(DsConfig, DeepSpeedExamplesZero3Nvme) {
   EXPECT_EQ(no_bc.optimizer.bias_correction, false);
   EXPECT_FALSE(has(no_bc.ignored, "optimizer.params.bias_correction"));
   EXPECT_FALSE(has(no_bc.ignored, "optimizer.params.amsgrad"));
+  EXPECT_EQ(no_bc.optimizer.optimizer_type(), OptimizerType::adam);
+
+  // DeepSpeed's Lion (decoupled decay) and Adagrad (L2 decay), any case, with their params; the
+  // plan sizes their state.
+  const DsConfig lion = parse(R"({"optimizer": {"type": "lion", "params": {"lr": 1e-4,
+      "betas": [0.95, 0.98], "weight_decay": 0.1}}})");
+  EXPECT_EQ(lion.optimizer.type, "Lion");
+  EXPECT_EQ(lion.optimizer.optimizer_type(), OptimizerType::lion);
+  EXPECT_TRUE(lion.optimizer.decoupled_weight_decay());
+  EXPECT_EQ(lion.optimizer.betas, (std::array<double, 2>{0.95, 0.98}));
+  EXPECT_EQ(ds_plan_settings(lion, 1, *find_preset("tiny")).optimizer, OptimizerType::lion);
+  const DsConfig adagrad = parse(R"({"optimizer": {"type": "Adagrad", "params": {"lr": 1e-2,
+      "eps": 1e-10, "weight_decay": 0.01, "lr_decay": 0}}})");
+  EXPECT_EQ(adagrad.optimizer.optimizer_type(), OptimizerType::adagrad);
+  EXPECT_FALSE(adagrad.optimizer.decoupled_weight_decay());
+  EXPECT_EQ(adagrad.optimizer.eps, 1e-10);
+  EXPECT_EQ(ds_plan_settings(adagrad, 1, *find_preset("tiny")).optimizer, OptimizerType::adagrad);
 }
 
 TEST(DsConfig, AxolotlAndLlamaFactoryCpuOffload) {
@@ -486,7 +503,15 @@ TEST(DsConfig, WrongTypesAndValuesNameTheirPath) {
       {R"({"bf16": {"enabled": 1}})", {"bf16.enabled", "true, false or \"auto\""}},
       {R"({"fp16": {"initial_scale_power": 200}})", {"fp16.initial_scale_power", "0..127"}},
       {R"({"fp16": {"hysteresis": "auto"}})", {"fp16.hysteresis"}},
-      {R"({"optimizer": {"type": "Lamb"}})", {"optimizer.type", "\"Lamb\"", "\"AdamW\""}},
+      {R"({"optimizer": {"type": "Lamb"}})", {"optimizer.type", "\"Lamb\"", "\"Lion\""}},
+      {R"({"optimizer": {"type": "Lion", "params": {"eps": 1e-8}}})",
+       {"optimizer.params.eps", "1e-08", "Lion takes lr, betas and weight_decay", "remove it"}},
+      {R"({"optimizer": {"params": {"adam_w_mode": false}, "type": "Lion"}})",
+       {"optimizer.params.adam_w_mode", "decay always decoupled"}},
+      {R"({"optimizer": {"type": "Adagrad", "params": {"betas": [0.9, 0.99]}}})",
+       {"optimizer.params.betas", "Adagrad takes lr, eps and weight_decay"}},
+      {R"({"optimizer": {"type": "Adagrad", "params": {"lr_decay": 0.1}}})",
+       {"optimizer.params.lr_decay", "0.1", "scheduler"}},
       {R"({"optimizer": {"params": {"betas": [0.9]}}})", {"optimizer.params.betas", "[0.9]"}},
       {R"({"optimizer": {"params": {"amsgrad": true}}})",
        {"optimizer.params.amsgrad", "does not run AMSGrad", "set it false"}},

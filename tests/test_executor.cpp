@@ -101,9 +101,11 @@ Placement make_placement(const LlamaConfig& c, int N, Tier p, Tier o, const std:
                          uint64_t threshold = 0, int depth = 1, bool recompute = true,
                          GradHome grads = GradHome::automatic, int group = 1,
                          DType dtype = DType::f32, DType grad_dtype = DType::f32,
-                         bool offload_activations = false) {
+                         bool offload_activations = false,
+                         OptimizerType optimizer = OptimizerType::adam) {
   RunShape shape;
   shape.model = c;
+  shape.optimizer = optimizer;
   shape.ranks = N;
   shape.param_dtype = dtype;
   shape.grad_dtype = grad_dtype;
@@ -152,12 +154,14 @@ std::vector<std::vector<std::vector<HostBatch>>> make_batches(int N, int vocab,
 constexpr float kLr = 1e-2f;
 
 // `clip`: a clip small enough that every step clips; else none.
-StepParams step_params(int64_t step, bool clip = true) {
+StepParams step_params(int64_t step, bool clip = true,
+                       OptimizerType optimizer = OptimizerType::adam) {
   StepParams p;
   p.step = step;
+  p.adam.type = optimizer;
   p.adam.lr = kLr;
   p.adam.weight_decay = 0.1f;
-  p.adam.adamw = true;
+  p.adam.adamw = optimizer != OptimizerType::adagrad;
   p.loss_scale = 8.0f;
   p.max_grad_norm = clip ? 0.05f : 0.0f;  // small: every step clips
   return p;
@@ -227,10 +231,11 @@ struct Micro {
   int group = 1;
   bool clip = true;
   bool early = false;
-  bool per_group = false;            // ScheduleOptions::reduce_per_group
-  DType dtype = DType::f32;          // the parameters' (RunShape::param_dtype)
-  DType grad_dtype = DType::f32;     // RunShape::grad_dtype
-  bool offload_activations = false;  // RunShape::offload_activations
+  bool per_group = false;                         // ScheduleOptions::reduce_per_group
+  DType dtype = DType::f32;                       // the parameters' (RunShape::param_dtype)
+  DType grad_dtype = DType::f32;                  // RunShape::grad_dtype
+  bool offload_activations = false;               // RunShape::offload_activations
+  OptimizerType optimizer = OptimizerType::adam;  // RunShape::optimizer, StepParams::adam.type
 };
 
 // `grads`: automatic keeps the gradients of an offloaded optimizer on the (roomy) devices.
@@ -241,7 +246,7 @@ RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t thr
   Rig rig(N);
   const Placement pl =
       make_placement(c, N, p, o, dir.path.string(), threshold, depth, recompute, grads, micro.group,
-                     micro.dtype, micro.grad_dtype, micro.offload_activations);
+                     micro.dtype, micro.grad_dtype, micro.offload_activations, micro.optimizer);
   for (size_t u = 0; u < pl.homes.size(); ++u) {
     const UnitHomes& h = pl.homes[u];
     const bool off = h.optimizer != Tier::gpu;
@@ -270,7 +275,8 @@ RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t thr
     // so it gives the step's loss bit for bit; and it writes nothing, which the final weights
     // (equal to the reference loop's, which never evaluates) show.
     const EvalResult e = ex.evaluate(batches[static_cast<size_t>(s)]);
-    const StepResult r = ex.step(batches[static_cast<size_t>(s)], step_params(s + 1, micro.clip));
+    const StepResult r =
+        ex.step(batches[static_cast<size_t>(s)], step_params(s + 1, micro.clip, micro.optimizer));
     EXPECT_EQ(e.loss(), r.loss) << "step " << s;
     EXPECT_GT(e.targets, 0);
     EXPECT_FALSE(r.skipped);
@@ -284,7 +290,11 @@ RunResult run_executor(const LlamaConfig& c, int N, Tier p, Tier o, uint64_t thr
   out.final_eval = ex.evaluate(batches[0]).loss();
   EXPECT_NE(out.final_eval, out.losses[0]) << "three steps changed nothing";
   for (int u = 0; u < static_cast<int>(pl.homes.size()); ++u) {
-    out.master.push_back(ex.master(u));
+    const UnitOptimizerState st = ex.optimizer_state(u);
+    // The moments the optimizer keeps, and only those (core/optimizer.h).
+    EXPECT_EQ(st.m.size(), optimizer_keeps_m(micro.optimizer) ? st.master.size() : 0) << u;
+    EXPECT_EQ(st.v.size(), optimizer_keeps_v(micro.optimizer) ? st.master.size() : 0) << u;
+    out.master.push_back(st.master);
     out.params.push_back(ex.parameters(u));
   }
   const std::string name = fmt::format("P {} O {} N {}", tier_name(p), tier_name(o), N);
@@ -837,6 +847,44 @@ TEST(Executor, WithoutRecomputeGivesTheSameBits) {
   for (auto [p, o] : {std::pair{Tier::gpu, Tier::gpu}, std::pair{Tier::nvme, Tier::cpu}}) {
     const RunResult r = run_executor(c, 2, p, o, 0, 1, false);
     expect_same(r, gpu, fmt::format("no recompute, P {} O {}:", tier_name(p), tier_name(o)));
+  }
+}
+
+// Lion and Adagrad keep one moment beside the master (8 bytes an element, Adam 12): every home
+// of P and O, with the gradients in host RAM once, on 1 and 3 ranks, gives the all-GPU run's
+// bits, and host RAM holds two thirds of Adam's optimizer state.
+TEST(Executor, LionAndAdagradTrainToTheSameBitsInEveryTier) {
+  REQUIRE_DEVICES(3);
+  const LlamaConfig c = tiny(false);
+  for (const OptimizerType type : {OptimizerType::lion, OptimizerType::adagrad}) {
+    Micro micro;
+    micro.optimizer = type;
+    for (const int N : {1, 3}) {
+      if (halve_sweeps() && N == 1) continue;
+      const RunResult base =
+          run_executor(c, N, Tier::gpu, Tier::gpu, 0, 1, true, GradHome::automatic, micro);
+      int k = 0;
+      for (auto [p, o, g] : {std::tuple{Tier::gpu, Tier::cpu, GradHome::automatic},
+                             std::tuple{Tier::cpu, Tier::cpu, GradHome::cpu},
+                             std::tuple{Tier::cpu, Tier::nvme, GradHome::automatic},
+                             std::tuple{Tier::nvme, Tier::gpu, GradHome::automatic},
+                             std::tuple{Tier::nvme, Tier::nvme, GradHome::nvme}}) {
+        if (halve_sweeps() && (k++ + static_cast<int>(type)) % 2 != 0) continue;
+        const std::string what = fmt::format("{} N {} P {} O {} G {}", optimizer_type_name(type), N,
+                                             tier_name(p), tier_name(o), grad_home_name(g));
+        SCOPED_TRACE(what);
+        expect_same(run_executor(c, N, p, o, 0, 1, true, g, micro), base, what + ":");
+      }
+    }
+    const test::TempDir dir("strata-exec");
+    const Placement adam = make_placement(c, 3, Tier::cpu, Tier::cpu, dir.path.string());
+    const Placement one =
+        make_placement(c, 3, Tier::cpu, Tier::cpu, dir.path.string(), 0, 1, true,
+                       GradHome::automatic, 1, DType::f32, DType::f32, false, type);
+    const uint64_t a = adam.needs().at(Tier::cpu, StateKind::optimizer),
+                   b = one.needs().at(Tier::cpu, StateKind::optimizer);
+    EXPECT_GT(a, 0u);
+    EXPECT_NEAR(static_cast<double>(b) / static_cast<double>(a), 2.0 / 3.0, 0.01);
   }
 }
 

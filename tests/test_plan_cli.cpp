@@ -389,6 +389,44 @@ TEST(PlanCli, BadFlagsAreNamed) {
   }
 }
 
+// Lion and Adagrad keep one moment beside the master, 8 bytes a parameter where Adam keeps 12:
+// the plan sizes host RAM and NVMe for that, from --optimizer or a config's optimizer.type
+// alike, and so does the estimate, which names the optimizer.
+TEST(PlanCli, LionAndAdagradNeedTwoThirdsOfAdamsOptimizerState) {
+  const test::TempDir dir("strata-plan-lion");
+  const std::string config = (dir.path / "lion.json").string();
+  std::ofstream(config) << R"({"optimizer": {"type": "Lion", "params": {"lr": 1e-4}}})";
+  const std::string args =
+      "plan --model llama2-7b --gpus 1 --gpu-memory 80GB --cpu-memory 200GiB --seq-len 2048 "
+      "--offload-optimizer cpu --json";
+  const json adam = parse_json(strata(args, "2>/dev/null"));
+  const json lion = parse_json(strata(args + " --optimizer lion", "2>/dev/null"));
+  const json from_config = parse_json(strata(args + " --config " + config, "2>/dev/null"));
+  const json adagrad = parse_json(strata(args + " --optimizer adagrad", "2>/dev/null"));
+  const uint64_t a = adam["memory"]["cpu"]["optimizer"].get<uint64_t>();
+  const uint64_t n = 6'738'415'616ull;
+  EXPECT_GE(a, 12 * n);
+  EXPECT_EQ(lion["memory"]["cpu"]["optimizer"].get<uint64_t>() * 3, a * 2);
+  EXPECT_EQ(from_config["memory"]["cpu"]["optimizer"], lion["memory"]["cpu"]["optimizer"]);
+  EXPECT_EQ(adagrad["memory"]["cpu"]["optimizer"], lion["memory"]["cpu"]["optimizer"]);
+  // On NVMe (each shard rounded up to the stripe): two thirds, to that rounding.
+  const std::string nvme =
+      "plan --model llama2-7b --gpus 1 --gpu-memory 80GB --cpu-memory 200GiB --nvme 1x3.5TB "
+      "--seq-len 2048 --offload-optimizer nvme --json";
+  const double adam_nvme = parse_json(strata(nvme, "2>/dev/null"))["memory"]["nvme"]["optimizer"];
+  const double lion_nvme =
+      parse_json(strata(nvme + " --optimizer lion", "2>/dev/null"))["memory"]["nvme"]["optimizer"];
+  EXPECT_NEAR(lion_nvme / adam_nvme, 2.0 / 3.0, 1e-3);
+  const Result text = strata("estimate --model llama2-7b --optimizer adagrad");
+  EXPECT_EQ(text.status, 0) << text.out;
+  EXPECT_NE(text.out.find("fp32 Adagrad (8 B per parameter)"), std::string::npos) << text.out;
+  const Result bad = strata("plan --model tiny --gpu-memory 1GiB --optimizer sgd");
+  EXPECT_EQ(bad.status, 1);
+  EXPECT_NE(bad.out.find("--optimizer 'sgd' is not one of adamw, adam, lion, adagrad"),
+            std::string::npos)
+      << bad.out;
+}
+
 TEST(EstimateCli, JsonRowsInOrderWithEveryTier) {
   const json j = parse_json(strata("estimate --model llama2-7b --gpus 2 --json", "2>/dev/null"));
   ASSERT_TRUE(j.is_array());

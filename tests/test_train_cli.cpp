@@ -1290,6 +1290,86 @@ TEST(TrainCli, DeepSpeedsBiasCorrectionFalseReachesAdam) {
   EXPECT_EQ(state["settings"]["bias_correction"], false);
 }
 
+// DeepSpeed's Lion and Adagrad (a config's optimizer.type, or --optimizer): Lion's first update
+// moves every weight by exactly the rate or not at all (the sign of its momentum, AdamW's would
+// be a thousand different sizes); a run stopped and resumed trains the same bits, its state on
+// NVMe or in host RAM, the checkpoint holding the one moment each keeps and naming the
+// optimizer; resuming it with another optimizer, and settings the optimizer has no use for, are
+// refused by name.
+TEST(TrainCli, DeepSpeedsLionAndAdagradTrainAndResume) {
+  expect_resume_identical("--optimizer lion --offload-optimizer nvme", 4, 2);
+  expect_resume_identical(
+      "--optimizer adagrad --devices host:2 --persistence-threshold 0 --offload-optimizer cpu", 4,
+      2);
+  const test::TempDir dir("strata-train-lion");
+  const fs::path data = make_data(dir.path);
+  const auto run = [&](const std::string& name, const std::string& lr) {
+    const fs::path cfg = dir.path / (name + ".json"), out = dir.path / name;
+    std::ofstream(cfg) << fmt::format(R"({{"optimizer": {{"type": "Lion", "params": {{
+        "lr": {}, "betas": [0.9, 0.99], "weight_decay": 0}}}}}})",
+                                      lr);
+    const test::CommandResult r =
+        strata("train " + kTiny + "--data " + data.string() + " --steps 1 --clip 0 --config " +
+               cfg.string() + " --run-dir " + out.string());
+    EXPECT_EQ(r.status, 0) << r.out;
+    return out / "checkpoints/step-1";
+  };
+  const fs::path init = run("init", "0"), moved = run("moved", "1e-3");
+  const SafetensorsReader w0 = SafetensorsReader::open(init / "model.safetensors"),
+                          w1 = SafetensorsReader::open(moved / "model.safetensors");
+  for (const std::string name : {"model.layers.0.self_attn.q_proj.weight", "model.norm.weight"}) {
+    std::vector<float> a(static_cast<size_t>(w0.find(name)->numel())), b(a.size());
+    w0.read(name, a.data(), DType::f32);
+    w1.read(name, b.data(), DType::f32);
+    size_t steps = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      const double d = std::abs(double(b[i]) - a[i]);
+      if (d == 0) continue;
+      EXPECT_NEAR(d, 1e-3, 1e-6) << name << " element " << i;
+      ++steps;
+    }
+    EXPECT_GT(steps, a.size() * 9 / 10) << name;
+  }
+  const SafetensorsReader state = SafetensorsReader::open(moved / "optimizer.safetensors");
+  EXPECT_EQ(state.metadata().at("optimizer"), "lion");
+  size_t exp_avg = 0;
+  for (const std::string& name : state.names()) {
+    EXPECT_EQ(name.find(".exp_avg_sq"), std::string::npos) << name;
+    exp_avg += name.ends_with(".exp_avg") ? 1 : 0;
+  }
+  EXPECT_GT(exp_avg, 0u);
+  EXPECT_EQ(json::parse(slurp(moved / "trainer_state.json"))["settings"]["optimizer"], "lion");
+
+  const std::string base = "train " + kTiny + "--data " + data.string() + " --run-dir ";
+  test::CommandResult r = strata(base + (dir.path / "l").string() + " --steps 2 --optimizer lion");
+  ASSERT_EQ(r.status, 0) << r.out;
+  // Hugging Face's name for it: the same bits.
+  r = strata(base + (dir.path / "hf").string() + " --steps 2 --optim lion_32bit");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_TRUE(slurp(dir.path / "l/checkpoints/step-2/model.safetensors") ==
+              slurp(dir.path / "hf/checkpoints/step-2/model.safetensors"));
+  r = strata(base + (dir.path / "l").string() + " --optimizer adagrad --steps 3 --resume");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("its optimizer state is lion's, and this run's optimizer is adagrad"),
+            std::string::npos)
+      << r.out;
+  const std::vector<std::pair<std::string, std::vector<std::string>>> bad = {
+      {"--optimizer lion --eps 1e-8", {"--eps 1e-08", "Lion has no eps"}},
+      {"--optimizer adagrad --adam-beta1 0.8", {"Adagrad has no betas"}},
+      {"--optimizer sgd", {"--optimizer 'sgd'", "adamw, adam, lion or adagrad"}},
+      {"--optim adamw_8bit", {"--optim adamw_8bit", "8-bit", "not supported"}},
+      {"--optim adagrad --optimizer lion", {"disagree"}},
+      {"--optimizer adamw --config " + (dir.path / "moved.json").string(),
+       {"--optimizer adamw", "asks for Lion"}},
+  };
+  for (const auto& [flags, parts] : bad) {
+    r = strata(base + (dir.path / "bad").string() + " --steps 2 " + flags);
+    EXPECT_EQ(r.status, 1) << flags << "\n" << r.out;
+    for (const std::string& part : parts)
+      EXPECT_NE(r.out.find(part), std::string::npos) << part << " missing from " << r.out;
+  }
+}
+
 // Hugging Face's scripts' spelling: flags with underscores, the config as --deepspeed, and
 // adam_beta1/adam_beta2 filling a config's "auto" betas, train what strata's dashed flags and a
 // config with those betas train, bit for bit; the betas matter (the defaults give other bits).

@@ -64,6 +64,7 @@ struct Case {
   // DeepSpeed's OneCycle, "min_lr,max_lr,first,second,min_mom,max_mom": the reference's
   // --one-cycle, and strata's config's scheduler section; null: none.
   const char* one_cycle = nullptr;
+  const char* optimizer = nullptr;  // both sides' --optimizer (adagrad); null: AdamW
 };
 void PrintTo(const Case& c, std::ostream* os) {
   *os << c.name;
@@ -88,17 +89,18 @@ TEST_P(TrainReference, ExportedWeightsAndLossesMatchTorch) {
   const std::string settings = kSettings + (tc.eps ? fmt::format(" --eps {}", tc.eps) : "");
 
   const test::CommandResult ref = test::run_command(
-      fmt::format("'{}' '{}/train_reference.py' '{}' {} --ranks {} --arch {}{}{}{}{} 2>&1",
+      fmt::format("'{}' '{}/train_reference.py' '{}' {} --ranks {} --arch {}{}{}{}{}{} 2>&1",
                   STRATA_PYTHON, STRATA_REFERENCE_DIR, dir.path.string(), settings, tc.ranks,
                   tc.arch, tc.tied ? " --tied" : "", tc.warmup ? " --warmup-steps 3" : "",
                   tc.decay_all ? " --decay-all" : "",
-                  tc.one_cycle ? fmt::format(" --one-cycle {}", tc.one_cycle) : ""));
+                  tc.one_cycle ? fmt::format(" --one-cycle {}", tc.one_cycle) : "",
+                  tc.optimizer ? fmt::format(" --optimizer {}", tc.optimizer) : ""));
   if (ref.status == 77)
     GTEST_SKIP() << "PyTorch is not importable by " << STRATA_PYTHON
                  << "; install python3-torch to run the training reference test";
   ASSERT_EQ(ref.status, 0) << ref.out;
 
-  std::string extra;
+  std::string extra = tc.optimizer ? fmt::format(" --optimizer {}", tc.optimizer) : "";
   nlohmann::json config = nlohmann::json::object();
   if (tc.decay_all)  // Hugging Face's example config's section: the flags fill its "auto"s
     config["optimizer"] = nlohmann::json::parse(R"({"type": "AdamW", "params": {"lr": "auto",
@@ -201,7 +203,11 @@ INSTANTIATE_TEST_SUITE_P(
                       // Adam's betas change every update: bias corrections with the current beta1
                       // and DeepSpeed's beta2 of 0.99, on the CPU Adam of host RAM.
                       Case{"one_cycle_momentum_cpu_adam_host2", false, 2, false, "3e-4", "llama",
-                           false, "cpu", "2e-3,1e-2,2,1,0.85,0.95"}),
+                           false, "cpu", "2e-3,1e-2,2,1,0.85,0.95"},
+                      // torch.optim.Adagrad: the sum of squares on the CPU optimizer of host RAM,
+                      // L2 decay on the 2-D weights.
+                      Case{"adagrad_cpu_host2", false, 2, false, "3e-4", "llama", false, "cpu",
+                           nullptr, "adagrad"}),
     [](const auto& p) { return std::string(p.param.name); });
 
 // The TensorBoard event files of a training run (resumed once, so two files) read by an

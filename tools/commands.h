@@ -3,6 +3,8 @@
 // printed by main() as "strata: error: ..." with exit status 1.
 #pragma once
 
+#include "core/optimizer.h"
+
 #include <CLI/CLI.hpp>
 #include <cstdint>
 #include <functional>
@@ -116,5 +118,8 @@ namespace cli {
 // at most 4096) and --dtype, shared by `strata estimate` and `strata plan` (estimate.cpp).
 RunShape run_shape_for(const std::string& model, int gpus, int64_t micro_batch, int64_t seq_len,
                        const std::string& dtype);
+// --optimizer of `strata plan` and `strata estimate`: adam or adamw (Adam's state), lion or
+// adagrad; empty: `config`'s (a DeepSpeed config's optimizer.type), else adam.
+OptimizerType optimizer_flag(const std::string& flag, OptimizerType config = OptimizerType::adam);
 }  // namespace cli
 }  // namespace strata

@@ -36,6 +36,14 @@ RunShape run_shape_for(const std::string& model, int gpus, int64_t micro_batch, 
   return s;
 }
 
+OptimizerType optimizer_flag(const std::string& flag, OptimizerType config) {
+  if (flag.empty()) return config;
+  if (flag == "adam" || flag == "adamw") return OptimizerType::adam;
+  if (flag == "lion") return OptimizerType::lion;
+  if (flag == "adagrad") return OptimizerType::adagrad;
+  fail("--optimizer '{}' is not one of adamw, adam, lion, adagrad", flag);
+}
+
 namespace {
 
 using nlohmann::json;
@@ -46,6 +54,7 @@ struct EstimateArgs {
   int64_t micro_batch = 1;
   int64_t seq_len = 0;
   std::string dtype = "bf16";
+  std::string optimizer;
   bool recompute = true;  // --activation-checkpointing
   std::string offload_activations;
   int64_t micro_batch_group = kUnsetFlag;
@@ -78,6 +87,7 @@ std::string offload_name(Tier t) {
 
 int run_estimate(const EstimateArgs& a) {
   RunShape shape = run_shape_for(a.model, a.gpus, a.micro_batch, a.seq_len, a.dtype);
+  shape.optimizer = optimizer_flag(a.optimizer);
   shape.recompute = a.recompute;
   shape.offload_activations = offload_activations_flag(a.offload_activations, std::nullopt);
   shape.micro_batch_group = static_cast<int>(count_flag(
@@ -115,14 +125,18 @@ int run_estimate(const EstimateArgs& a) {
   }
   fmt::print(
       "memory per tier: {} ({:.2f}B parameters), {} GPU(s), micro-batch {} x {} tokens{}{}, {} "
-      "parameters, f32 gradient accumulators, fp32 Adam (12 B per parameter)\n",
+      "parameters, f32 gradient accumulators, fp32 {} ({} B per parameter)\n",
       shape.model.name, double(parameter_count(shape.model)) / 1e9, shape.ranks, shape.micro_batch,
       shape.seq_len,
       shape.micro_batch_group > 1
           ? fmt::format(" (activations of {} run unit by unit)", shape.micro_batch_group)
           : std::string(),
       shape.offload_activations ? ", activation checkpoints in host RAM" : "",
-      dtype_name(shape.param_dtype));
+      dtype_name(shape.param_dtype),
+      shape.optimizer == OptimizerType::adam   ? "Adam"
+      : shape.optimizer == OptimizerType::lion ? "Lion"
+                                               : "Adagrad",
+      optimizer_state_bytes(shape.optimizer));
   const char* header[] = {"offload",    "gpu/device", "activations", "gpu (node)",
                           "cpu (node)", "pinned",     "nvme (node)"};
   fmt::print("  {:<28}", header[0]);
@@ -159,6 +173,8 @@ Command add_estimate(CLI::App& app) {
   cmd->add_option("--seq-len", a->seq_len,
                   "tokens per sequence (default: the model's context, at most 4096)");
   cmd->add_option("--dtype", a->dtype, "parameter dtype: bf16 (default), f16 or f32");
+  cmd->add_option("--optimizer", a->optimizer,
+                  "adamw or adam (default), lion or adagrad: the optimizer state's bytes");
   add_checkpointing_option(cmd, a->recompute);
   add_offload_activations_option(cmd, a->offload_activations);
   add_micro_batch_group_option(cmd, a->micro_batch_group);

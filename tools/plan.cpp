@@ -47,7 +47,7 @@ struct PlanArgs {
   int64_t micro_batch_group = kUnsetFlag;
   bool update_during_backward = false;
   bool reduce_per_group = false;
-  std::string dtype, grad_dtype;
+  std::string dtype, grad_dtype, optimizer;
   int64_t persistence_threshold = -1;
   int64_t vocab_pieces = 0;
   std::string hardware;
@@ -141,6 +141,7 @@ int run_plan(const PlanArgs& a) {
   shape.grad_dtype = grad_dtype_for(a.grad_dtype, cfg.grad_dtype, shape.param_dtype,
                                     a.config.empty() ? "config" : a.config);
   apply_vocab_pieces(a.vocab_pieces, shape.model);
+  shape.optimizer = optimizer_flag(a.optimizer, cfg.optimizer);
   if (a.update_during_backward)
     check_update_during_backward(ds ? ds->gradient_clipping.value_or(0.0) : 0.0, shape.param_dtype,
                                  "gradient_clipping in " + a.config);
@@ -311,6 +312,9 @@ Command add_plan(CLI::App& app) {
   add_update_during_backward_option(cmd, a->update_during_backward);
   add_reduce_per_group_option(cmd, a->reduce_per_group);
   cmd->add_option("--dtype", a->dtype, "parameter dtype: bf16, f16 or f32");
+  cmd->add_option("--optimizer", a->optimizer,
+                  "adamw or adam, lion or adagrad: the optimizer state's bytes (default: the "
+                  "config's optimizer.type, else adam)");
   cmd->add_option("--grad-dtype", a->grad_dtype,
                   "gradients and their accumulators: f32 (default; the config's "
                   "data_types.grad_accum_dtype where it sets it), or the parameters' bf16/f16 "

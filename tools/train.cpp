@@ -38,7 +38,7 @@ struct TrainArgs {
   double epochs = 0;
   double lr = NAN, weight_decay = NAN, clip = NAN, eps = NAN;  // NaN: not given
   double adam_beta1 = NAN, adam_beta2 = NAN;
-  std::string optimizer, lr_schedule, lr_scheduler_kwargs;
+  std::string optimizer, optim, lr_schedule, lr_scheduler_kwargs;
   std::string save_strategy, eval_strategy;  // Hugging Face's; empty: not given
   int64_t warmup_steps = kUnsetFlag;
   double warmup_ratio = NAN;  // NaN: not given
@@ -313,13 +313,56 @@ int run_train(TrainArgs& a) {
   s.grad_dtype = grad_dtype_for(a.grad_dtype, plan.grad_dtype, s.dtype,
                                 a.config.empty() ? "config" : a.config);
 
-  // The optimizer: DeepSpeed's Adam is AdamW unless adam_w_mode is false.
+  // The optimizer: the config's type (DeepSpeed's Adam is AdamW unless adam_w_mode is false),
+  // or --optimizer's.
   const DsConfig::Optimizer opt = ds ? ds->optimizer : DsConfig::Optimizer{};
   bool adamw = opt.decoupled_weight_decay();
-  if (!a.optimizer.empty()) {
-    if (a.optimizer != "adamw" && a.optimizer != "adam")
-      fail("--optimizer '{}': expected adamw or adam", a.optimizer);
-    adamw = a.optimizer == "adamw";
+  s.adam.type = opt.optimizer_type();
+  // Hugging Face's --optim, which its Trainer uses only without a config optimizer section
+  // (DeepSpeed's optimizer wins): its fp32 AdamWs, Adagrad and bitsandbytes' 32-bit Lion are
+  // strata's; the 8-bit and factored states are not.
+  std::string optimizer = a.optimizer;
+  if (!a.optim.empty()) {
+    static const std::pair<const char*, const char*> kOptim[] = {
+        {"adamw_torch", "adamw"},     {"adamw_torch_fused", "adamw"},
+        {"adamw_hf", "adamw"},        {"adamw_apex_fused", "adamw"},
+        {"adamw_torch_xla", "adamw"}, {"adamw_torch_npu_fused", "adamw"},
+        {"adagrad", "adagrad"},       {"lion_32bit", "lion"},
+        {"paged_lion_32bit", "lion"}};
+    const char* mapped = nullptr;
+    for (const auto& [hf, ours] : kOptim)
+      if (a.optim == hf) mapped = ours;
+    if (opt.present)
+      log_warn(
+          "--optim {}: ignored, as Hugging Face's Trainer ignores it beside the config's "
+          "optimizer section ({})",
+          a.optim, opt.type.value_or("Adam"));
+    else if (mapped == nullptr)
+      fail(
+          "--optim {}: strata's optimizers are Hugging Face's adamw_torch (and the other fp32 "
+          "AdamWs), adagrad and lion_32bit; 8-bit, paged-AdamW and factored states (adafactor) "
+          "are not supported; pick one of those, or --optimizer",
+          a.optim);
+    else if (!optimizer.empty() && optimizer != mapped)
+      fail("--optim {} and --optimizer {} disagree; pass one of them", a.optim, optimizer);
+    else
+      optimizer = mapped;
+  }
+  if (!optimizer.empty()) {
+    if (optimizer == "adamw" || optimizer == "adam")
+      s.adam.type = OptimizerType::adam;
+    else if (optimizer == "lion")
+      s.adam.type = OptimizerType::lion;
+    else if (optimizer == "adagrad")
+      s.adam.type = OptimizerType::adagrad;
+    else
+      fail("--optimizer '{}': expected adamw, adam, lion or adagrad", optimizer);
+    if (opt.type && opt.optimizer_type() != s.adam.type)
+      fail(
+          "--optimizer {}: the config {} asks for {} (optimizer.type); pass one of them, or the "
+          "same in both",
+          optimizer, a.config, *opt.type);
+    adamw = optimizer == "adamw" || optimizer == "lion";
   }
   s.adam.adamw = adamw;
   const double lr = !std::isnan(a.lr) ? a.lr : opt.lr.value_or(1e-3);
@@ -332,7 +375,15 @@ int run_train(TrainArgs& a) {
   // flags, they win over the config's numbers.
   if (!std::isnan(a.adam_beta1)) s.adam.beta1 = static_cast<float>(a.adam_beta1);
   if (!std::isnan(a.adam_beta2)) s.adam.beta2 = static_cast<float>(a.adam_beta2);
-  s.adam.eps = static_cast<float>(!std::isnan(a.eps) ? a.eps : opt.eps.value_or(1e-8));
+  // Adagrad's default eps is torch's and DeepSpeed's, 1e-10; Lion has none.
+  s.adam.eps = static_cast<float>(
+      !std::isnan(a.eps) ? a.eps
+                         : opt.eps.value_or(s.adam.type == OptimizerType::adagrad ? 1e-10 : 1e-8));
+  if (s.adam.type == OptimizerType::lion && !std::isnan(a.eps))
+    fail("--eps {}: Lion has no eps (it steps by the sign of its momentum); remove --eps", a.eps);
+  if (s.adam.type == OptimizerType::adagrad &&
+      (!std::isnan(a.adam_beta1) || !std::isnan(a.adam_beta2)))
+    fail("--adam-beta1/--adam-beta2: Adagrad has no betas; remove them");
   s.adam.bias_correction = opt.bias_correction.value_or(true);
   s.adam.weight_decay = static_cast<float>(
       !std::isnan(a.weight_decay) ? a.weight_decay : opt.weight_decay.value_or(0.0));
@@ -407,6 +458,15 @@ int run_train(TrainArgs& a) {
           "lr schedule: warmup_num_steps is DeepSpeed's default, 1000, since neither the config "
           "nor a flag sets it{}; --warmup-steps or --warmup-ratio sets it\n",
           s.steps <= 1000 ? fmt::format(" (this run's {} steps are all warmup)", s.steps) : "");
+    // DeepSpeed's OneCycle turns cycle_momentum off, with a warning, for an optimizer without
+    // betas.
+    if (sched.type && *sched.type == "OneCycle" && s.adam.type == OptimizerType::adagrad &&
+        sched.cycle_momentum.value_or(true)) {
+      log_warn(
+          "lr schedule OneCycle: cycle_momentum is off, as DeepSpeed turns it off for an "
+          "optimizer without betas (Adagrad); only the rate cycles");
+      sched.cycle_momentum = false;
+    }
     s.schedule = lr_schedule_from_config(sched, lr, s.steps);
     if (s.schedule.betas_at(-1))
       fmt::print(
@@ -483,7 +543,9 @@ int run_train(TrainArgs& a) {
             {"dtype", dtype_name(s.dtype)},
             {"grad_dtype", dtype_name(s.grad_dtype)},
             {"vocab_pieces", vocab_pieces_for(model)},
-            {"optimizer", adamw ? "adamw" : "adam"},
+            {"optimizer", s.adam.type != OptimizerType::adam ? optimizer_type_name(s.adam.type)
+                          : adamw                            ? "adamw"
+                                                             : "adam"},
             {"lr", lr},
             {"lr_schedule", lr_schedule_name(s.schedule.kind)},
             {"warmup_num_steps", s.schedule.kind == LrScheduleKind::constant ||
@@ -590,7 +652,12 @@ Command add_train(CLI::App& app) {
                   "data_types.grad_accum_dtype where the config sets it), or the parameters' "
                   "bf16/f16 (half the memory of both, for runs that accumulate little)");
   add_vocab_pieces_option(cmd, a->vocab_pieces);
-  cmd->add_option("--optimizer", a->optimizer, "adamw or adam (L2 decay)");
+  cmd->add_option("--optim", a->optim,
+                  "Hugging Face's optimizer name: adamw_torch (and its other fp32 AdamWs), "
+                  "adagrad, lion_32bit");
+  cmd->add_option("--optimizer", a->optimizer,
+                  "adamw, adam (L2 decay), lion or adagrad (default: the config's optimizer.type, "
+                  "else adamw)");
   cmd->add_option("--lr,--learning-rate", a->lr,
                   "learning rate (default: the config's, else 1e-3)");
   cmd->add_option("--lr-schedule,--lr-scheduler-type", a->lr_schedule,

@@ -21,6 +21,7 @@
 //   (an id >= vocab is an error naming its position there). A target of -100 is ignored.
 #pragma once
 
+#include "core/optimizer.h"
 #include "core/tensor.h"
 
 #include <cstdint>
@@ -205,9 +206,11 @@ class Kernels {
                                    Stream& s) = 0;
 
   // ---- the optimizer, where its home is this device (DESIGN §2) ----
-  // One Adam/AdamW step, elementwise over master, m, v (f32 [n]) with grad [n] (f32, bf16 or
-  // f16): the IEEE operations of cpu_adam/formula.h in the same order (no contraction), so
-  // master, m and v get exactly CpuAdam::update's bits. param_copy, unless its data is null,
+  // One step of the optimizer k.type (Adam/AdamW, Lion or Adagrad), elementwise over master, m,
+  // v (f32 [n]) with grad [n] (f32, bf16 or f16): the IEEE operations of cpu_adam/formula.h in
+  // the same order (no contraction), so master, m and v get exactly CpuAdam::update's bits. A
+  // moment the type does not keep (core/optimizer.h: Lion's v, Adagrad's m) is neither checked
+  // nor touched; pass an empty view. param_copy, unless its data is null,
   // receives the updated master in its dtype (f32, bf16 or f16, rounded to nearest even).
   // `k` comes from cpu_adam::step_constants(step, params, grad_scale) (exposed in cpu_adam.h).
   virtual void adam_update(const TensorView& master, const TensorView& m, const TensorView& v,
@@ -288,10 +291,10 @@ void check_softcap(const char* op, float cap, bool zero_ok);
 XentDims check_xent(const char* op, const TensorView& logits,
                     std::initializer_list<const TensorView*> stats);
 
-// adam_update: master, m and v f32 of one shape, grad of that shape, and param_copy too unless
-// its data is null (then it is ignored). Returns the element count n.
+// adam_update: master and the moments `type` keeps f32 of one shape, grad of that shape, and
+// param_copy too unless its data is null (then it is ignored). Returns the element count n.
 int64_t check_adam_update(const TensorView& master, const TensorView& m, const TensorView& v,
-                          const TensorView& grad, const TensorView& param_copy);
+                          const TensorView& grad, const TensorView& param_copy, OptimizerType type);
 // grad_chunk_sums: returns the number of chunks, i.e. of doubles chunk_sums must hold (a null
 // chunk_sums is refused unless that is 0).
 int64_t check_grad_chunk_sums(const TensorView& grad, const double* chunk_sums);

@@ -119,8 +119,8 @@ UpdateSpan update_span(const AdamShard& shard, const GradShard& grad,
   const size_t osize = copy ? dtype_size(copy->dtype) : 0;
   return UpdateSpan{
       shard.master + r.begin,
-      shard.m + r.begin,
-      shard.v + r.begin,
+      shard.m != nullptr ? shard.m + r.begin : nullptr,
+      shard.v != nullptr ? shard.v + r.begin : nullptr,
       static_cast<const unsigned char*>(grad.data) + r.begin * gsize,
       grad.dtype,
       copy ? static_cast<unsigned char*>(copy->data) + r.begin * osize : nullptr,
@@ -207,12 +207,18 @@ const cpu_adam::SimdKernels& pick_kernels(const std::string& name) {
 
 void check_params(int64_t step, const AdamParams& p, float grad_scale) {
   if (step < 1) fail("cpu adam: step {} is not valid; steps count from 1", step);
+  if (p.type != OptimizerType::adam && p.type != OptimizerType::lion &&
+      p.type != OptimizerType::adagrad)
+    fail("cpu adam: optimizer type {} is not one of adam, lion, adagrad", static_cast<int>(p.type));
   if (!std::isfinite(p.lr) || p.lr < 0)
     fail("cpu adam: lr {} is not valid; use a finite lr >= 0", p.lr);
-  if (!(p.beta1 >= 0 && p.beta1 < 1) || !(p.beta2 >= 0 && p.beta2 < 1))
-    fail("cpu adam: betas ({}, {}) are not valid; each must be in [0, 1)", p.beta1, p.beta2);
-  if (!std::isfinite(p.eps) || p.eps <= 0)
-    fail("cpu adam: eps {} is not valid; use a finite eps > 0 (e.g. 1e-8)", p.eps);
+  if (p.type != OptimizerType::adagrad &&
+      (!(p.beta1 >= 0 && p.beta1 < 1) || !(p.beta2 >= 0 && p.beta2 < 1)))
+    fail("cpu adam: {}'s betas ({}, {}) are not valid; each must be in [0, 1)",
+         optimizer_type_name(p.type), p.beta1, p.beta2);
+  if (p.type != OptimizerType::lion && (!std::isfinite(p.eps) || p.eps <= 0))
+    fail("cpu adam: {}'s eps {} is not valid; use a finite eps > 0 (e.g. 1e-8)",
+         optimizer_type_name(p.type), p.eps);
   if (!std::isfinite(p.weight_decay) || p.weight_decay < 0)
     fail("cpu adam: weight_decay {} is not valid; use a finite value >= 0", p.weight_decay);
   if (!std::isfinite(grad_scale) || grad_scale <= 0)
@@ -223,14 +229,18 @@ void check_params(int64_t step, const AdamParams& p, float grad_scale) {
 }
 
 void check_shard(const AdamShard& shard, const GradShard& grad,
-                 const std::optional<ParamCopy>& copy) {
+                 const std::optional<ParamCopy>& copy, OptimizerType type) {
   if (grad.n != shard.n)
     fail(
         "cpu adam: gradient shard has {} elements but the optimizer shard {}; pass the gradient "
         "of this shard",
         grad.n, shard.n);
-  if (shard.n > 0 && (!shard.master || !shard.m || !shard.v || !grad.data))
-    fail("cpu adam: shard of {} elements is missing its master, m, v or gradient buffer", shard.n);
+  if (shard.n > 0 && (!shard.master || !grad.data))
+    fail("cpu adam: shard of {} elements is missing its master or gradient buffer", shard.n);
+  if (shard.n > 0 &&
+      ((optimizer_keeps_m(type) && !shard.m) || (optimizer_keeps_v(type) && !shard.v)))
+    fail("cpu adam: shard of {} elements is missing the {} that {} keeps", shard.n,
+         optimizer_keeps_m(type) && !shard.m ? "m" : "v", optimizer_type_name(type));
   if (copy && copy->dtype == DType::f32)
     fail(
         "cpu adam: parameter copy dtype f32 is not supported (the master already is f32); use "
@@ -250,17 +260,36 @@ StepConstants step_constants(int64_t step, const AdamParams& p, float grad_scale
   const double s = static_cast<double>(step);
   const double bc1 = p.bias_correction ? 1.0 - std::pow(b1, s) : 1.0;
   const double bc2 = p.bias_correction ? 1.0 - std::pow(b2, s) : 1.0;
-  StepConstants k;
+  StepConstants k{};
+  k.type = p.type;
   k.grad_scale = grad_scale;
-  k.l2_decay = p.adamw ? 0.0f : p.weight_decay;
-  k.param_decay = p.adamw ? static_cast<float>(1.0 - lr * wd) : 1.0f;
-  k.beta1 = p.beta1;
-  k.one_minus_beta1 = static_cast<float>(1.0 - b1);
-  k.beta2 = p.beta2;
-  k.one_minus_beta2 = static_cast<float>(1.0 - b2);
-  k.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
-  k.eps = p.eps;
-  k.neg_step_size = static_cast<float>(-(lr / bc1));
+  switch (p.type) {
+    case OptimizerType::adam:
+      k.l2_decay = p.adamw ? 0.0f : p.weight_decay;
+      k.param_decay = p.adamw ? static_cast<float>(1.0 - lr * wd) : 1.0f;
+      k.beta1 = p.beta1;
+      k.one_minus_beta1 = static_cast<float>(1.0 - b1);
+      k.beta2 = p.beta2;
+      k.one_minus_beta2 = static_cast<float>(1.0 - b2);
+      k.bias_correction2_sqrt = static_cast<float>(std::sqrt(bc2));
+      k.eps = p.eps;
+      k.neg_step_size = static_cast<float>(-(lr / bc1));
+      break;
+    case OptimizerType::lion:  // decay always decoupled; no bias correction, no eps
+      k.param_decay = static_cast<float>(1.0 - lr * wd);
+      k.beta1 = p.beta1;
+      k.one_minus_beta1 = static_cast<float>(1.0 - b1);
+      k.beta2 = p.beta2;
+      k.one_minus_beta2 = static_cast<float>(1.0 - b2);
+      k.neg_step_size = static_cast<float>(-lr);
+      break;
+    case OptimizerType::adagrad:  // decay always L2, as torch's and DeepSpeed's Adagrad
+      k.l2_decay = p.weight_decay;
+      k.param_decay = 1.0f;
+      k.eps = p.eps;
+      k.neg_step_size = static_cast<float>(-lr);
+      break;
+  }
   return k;
 }
 
@@ -455,7 +484,7 @@ bool CpuAdam::update(const AdamShard& shard, const GradShard& grad, int64_t step
                      const AdamParams& params, float grad_scale, const GradStats& global,
                      std::optional<ParamCopy> copy) {
   if (global.non_finite) return false;  // an overflowed step: the trainer skips it
-  check_shard(shard, grad, copy);
+  check_shard(shard, grad, copy, params.type);
   const cpu_adam::StepConstants k = cpu_adam::step_constants(step, params, grad_scale);
   for_spans(shard, grad, copy,
             [&](const cpu_adam::UpdateSpan& span) { impl_->kernels->update(span, k); });
@@ -464,7 +493,7 @@ bool CpuAdam::update(const AdamShard& shard, const GradShard& grad, int64_t step
 
 void CpuAdam::memory_bound_pass(const AdamShard& shard, const GradShard& grad,
                                 std::optional<ParamCopy> copy) {
-  check_shard(shard, grad, copy);
+  check_shard(shard, grad, copy, OptimizerType::adam);  // Adam's traffic: master, m and v
   for_spans(shard, grad, copy,
             [&](const cpu_adam::UpdateSpan& span) { impl_->kernels->traffic(span); });
 }

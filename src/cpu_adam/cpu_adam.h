@@ -35,6 +35,7 @@
 #pragma once
 
 #include "core/dtype.h"
+#include "core/optimizer.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -50,7 +51,13 @@ struct UpdateSpan;     // kernels.h
 struct StepConstants;  // kernels.h
 }  // namespace cpu_adam
 
+// The optimizer's settings. Despite the name (the module began as Adam's), `type` picks the update:
+// Adam/AdamW (torch.optim.AdamW's operations), Lion (the paper's, as lion-pytorch writes it:
+// decoupled decay, sign of the interpolated momentum; betas as Adam's, eps unused) or Adagrad
+// (torch.optim.Adagrad's with lr_decay 0 and no initial accumulator: L2 decay added to the
+// gradient, eps added to the root; betas, adamw and bias_correction unused).
 struct AdamParams {
+  OptimizerType type = OptimizerType::adam;
   float lr = 1e-3f;
   float beta1 = 0.9f;
   float beta2 = 0.999f;
@@ -60,7 +67,9 @@ struct AdamParams {
   bool bias_correction = true;
 };
 
-// One shard of the optimizer state O[u][r]: fp32 master weights and Adam's moments.
+// One shard of the optimizer state O[u][r]: fp32 master weights and the moments its type keeps
+// (core/optimizer.h): m and v for Adam, m for Lion, v (the sum of squares) for Adagrad; the
+// pointer of a moment the type does not keep is ignored and may be null.
 struct AdamShard {
   float* master = nullptr;
   float* m = nullptr;
@@ -161,9 +170,9 @@ class CpuAdam {
 
   GradStats grad_stats(const GradShard& grad);
 
-  // One Adam step (step counts from 1) on `shard` with gradient `grad` (same n). Returns false,
-  // leaving every buffer untouched, when `global` is non-finite. `copy`, when given, receives the
-  // updated master rounded to its dtype (nearest even).
+  // One step of params.type (step counts from 1) on `shard` with gradient `grad` (same n). Returns
+  // false, leaving every buffer untouched, when `global` is non-finite. `copy`, when given,
+  // receives the updated master rounded to its dtype (nearest even).
   bool update(const AdamShard& shard, const GradShard& grad, int64_t step, const AdamParams& params,
               float grad_scale, const GradStats& global, std::optional<ParamCopy> copy = {});
 

@@ -95,25 +95,36 @@ inline void store_at(FloatBatch<A> x, void* dst, DType t, size_t i) {
   }
 }
 
-// One register of the fused update at element i.
 template <class A>
+struct Sign<FloatBatch<A>> {
+  using B = FloatBatch<A>;
+  static B of(B x) {
+    return xsimd::select(x > B(0.0f), B(1.0f), xsimd::select(x < B(0.0f), B(-1.0f), B(0.0f)));
+  }
+};
+
+// One register of the fused update of optimizer T at element i: the moments T keeps are read
+// and written, the others never touched.
+template <OptimizerType T, class A>
 inline void update_at(const UpdateSpan& s, const StepConstants& k, size_t i) {
   using B = FloatBatch<A>;
+  constexpr bool has_m = optimizer_keeps_m(T), has_v = optimizer_keeps_v(T);
   B p = B::load_unaligned(s.master + i);
-  B m = B::load_unaligned(s.m + i);
-  B v = B::load_unaligned(s.v + i);
-  adam_element(p, load_at<A>(s.grad, s.grad_dtype, i), m, v, k);
+  B m = has_m ? B::load_unaligned(s.m + i) : B(0.0f);
+  B v = has_v ? B::load_unaligned(s.v + i) : B(0.0f);
+  optimizer_element(T, p, load_at<A>(s.grad, s.grad_dtype, i), m, v, k);
   p.store_unaligned(s.master + i);
-  m.store_unaligned(s.m + i);
-  v.store_unaligned(s.v + i);
+  if constexpr (has_m) m.store_unaligned(s.m + i);
+  if constexpr (has_v) v.store_unaligned(s.v + i);
   if (s.out != nullptr) store_at<A>(p, s.out, s.out_dtype, i);
 }
 
-template <class A>
-void update(const UpdateSpan& s, const StepConstants& k) {
+template <OptimizerType T, class A>
+void update_typed(const UpdateSpan& s, const StepConstants& k) {
   constexpr size_t W = FloatBatch<A>::size;
+  constexpr bool has_m = optimizer_keeps_m(T), has_v = optimizer_keeps_v(T);
   size_t i = 0;
-  for (; i + W <= s.n; i += W) update_at<A>(s, k, i);
+  for (; i + W <= s.n; i += W) update_at<T, A>(s, k, i);
   const size_t rest = s.n - i;
   if (rest == 0) return;
   // The tail: the same register code on a zero-padded copy.
@@ -121,15 +132,27 @@ void update(const UpdateSpan& s, const StepConstants& k) {
   alignas(64) unsigned char g[W * 4] = {}, out[W * 4] = {};
   const size_t gsize = element_bytes(s.grad_dtype), osize = element_bytes(s.out_dtype);
   std::memcpy(p, s.master + i, rest * 4);
-  std::memcpy(m, s.m + i, rest * 4);
-  std::memcpy(v, s.v + i, rest * 4);
+  if (has_m) std::memcpy(m, s.m + i, rest * 4);
+  if (has_v) std::memcpy(v, s.v + i, rest * 4);
   std::memcpy(g, static_cast<const unsigned char*>(s.grad) + i * gsize, rest * gsize);
   const UpdateSpan tail{p, m, v, g, s.grad_dtype, s.out ? out : nullptr, s.out_dtype, W};
-  update_at<A>(tail, k, 0);
+  update_at<T, A>(tail, k, 0);
   std::memcpy(s.master + i, p, rest * 4);
-  std::memcpy(s.m + i, m, rest * 4);
-  std::memcpy(s.v + i, v, rest * 4);
+  if (has_m) std::memcpy(s.m + i, m, rest * 4);
+  if (has_v) std::memcpy(s.v + i, v, rest * 4);
   if (s.out) std::memcpy(static_cast<unsigned char*>(s.out) + i * osize, out, rest * osize);
+}
+
+template <class A>
+void update(const UpdateSpan& s, const StepConstants& k) {
+  switch (k.type) {
+    case OptimizerType::adam:
+      return update_typed<OptimizerType::adam, A>(s, k);
+    case OptimizerType::lion:
+      return update_typed<OptimizerType::lion, A>(s, k);
+    case OptimizerType::adagrad:
+      return update_typed<OptimizerType::adagrad, A>(s, k);
+  }
 }
 
 template <class A>

@@ -10,6 +10,7 @@
 #pragma once
 
 #include "core/dtype.h"
+#include "core/optimizer.h"
 
 #include <cstddef>
 #include <span>
@@ -19,17 +20,19 @@ namespace strata::cpu_adam {
 
 // The per-step scalars of Adam, rounded to float once (as torch does with Python scalars).
 struct StepConstants {
-  float grad_scale;   // 1/loss-scale x clip coefficient
-  float l2_decay;     // Adam: g += l2_decay * p (0 when AdamW or no decay)
-  float param_decay;  // AdamW: p *= param_decay (1 when Adam or no decay)
+  OptimizerType type;  // which formula of formula.h runs; the fields it does not read are 0
+  float grad_scale;    // 1/loss-scale x clip coefficient
+  float l2_decay;      // Adam, Adagrad: g += l2_decay * p (0 when decoupled or no decay)
+  float param_decay;   // AdamW, Lion: p *= param_decay (1 when L2 or no decay)
   float beta1, one_minus_beta1;
   float beta2, one_minus_beta2;
   float bias_correction2_sqrt;  // sqrt(1 - beta2^step), or 1 without bias correction
   float eps;
-  float neg_step_size;  // -lr / (1 - beta1^step), or -lr without bias correction
+  float neg_step_size;  // Adam: -lr / (1 - beta1^step), or -lr without bias correction; else -lr
 };
 
-// One contiguous range of a shard, already offset to its first element.
+// One contiguous range of a shard, already offset to its first element. m or v is null where
+// the type keeps no such moment.
 struct UpdateSpan {
   float* master;
   float* m;

@@ -10,12 +10,13 @@ namespace strata::cpu_adam {
 namespace {
 
 void update(const UpdateSpan& s, const StepConstants& k) {
+  const bool has_m = optimizer_keeps_m(k.type), has_v = optimizer_keeps_v(k.type);
   for (size_t i = 0; i < s.n; ++i) {
-    float p = s.master[i], m = s.m[i], v = s.v[i];
-    adam_element(p, load_f32(s.grad, s.grad_dtype, i), m, v, k);
+    float p = s.master[i], m = has_m ? s.m[i] : 0.0f, v = has_v ? s.v[i] : 0.0f;
+    optimizer_element(k.type, p, load_f32(s.grad, s.grad_dtype, i), m, v, k);
     s.master[i] = p;
-    s.m[i] = m;
-    s.v[i] = v;
+    if (has_m) s.m[i] = m;
+    if (has_v) s.v[i] = v;
     if (s.out != nullptr) store_f32(s.out, s.out_dtype, i, p);
   }
 }

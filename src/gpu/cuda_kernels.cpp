@@ -383,8 +383,10 @@ void CudaKernels::adam_update(const TensorView& master, const TensorView& m, con
                               const TensorView& grad, const TensorView& param_copy,
                               const cpu_adam::StepConstants& k, Stream& s) {
   const char* op = "adam_update";
-  const int64_t n = check_adam_update(master, m, v, grad, param_copy);
-  in_arena(op, {{"master", &master}, {"m", &m}, {"v", &v}, {"grad", &grad}});
+  const int64_t n = check_adam_update(master, m, v, grad, param_copy, k.type);
+  in_arena(op, {{"master", &master}, {"grad", &grad}});
+  if (optimizer_keeps_m(k.type)) in_arena(op, {{"m", &m}});
+  if (optimizer_keeps_v(k.type)) in_arena(op, {{"v", &v}});
   const bool copy = param_copy.data != nullptr;
   if (copy) in_arena(op, {{"param_copy", &param_copy}});
   const cudaStream_t stream = device_.enter(s);

@@ -1,6 +1,7 @@
-// optimizer.cu: the optimizer on the GPU, for when its home is the device: adam_update and
-// grad_chunk_sums (core/kernels.h). The oracle is CpuAdam itself (host/optimizer.cpp runs its
-// scalar path), and the contract is its exact bits, not a tolerance.
+// optimizer.cu: the optimizer on the GPU, for when its home is the device: adam_update (Adam,
+// Lion or Adagrad, by the step constants' type) and grad_chunk_sums (core/kernels.h). The oracle is
+// CpuAdam itself (host/optimizer.cpp runs its scalar path), and the contract is its exact bits, not
+// a tolerance.
 //
 // Before editing, know: every float and double operation here is an explicitly rounded
 // intrinsic (__fmul_rn, __fadd_rn, __fdiv_rn, __fsqrt_rn, __dmul_rn, __dadd_rn), which nvcc
@@ -54,17 +55,61 @@ __device__ __forceinline__ void adam_element(float& p, float g, float& m, float&
   p = __fadd_rn(p, __fdiv_rn(__fmul_rn(k.neg_step_size, m), denom));
 }
 
-// `copy` may be null (no parameter copy); O is then float and unused.
+// formula.h's Sign: -1, 0 or 1, and 0 for NaN.
+__device__ __forceinline__ float sign_of(float x) {
+  return x > 0.0f ? 1.0f : x < 0.0f ? -1.0f : 0.0f;
+}
+
+// formula.h's lion_element.
+__device__ __forceinline__ void lion_element(float& p, float g, float& m,
+                                             const cpu_adam::StepConstants& k) {
+  g = __fmul_rn(g, k.grad_scale);
+  p = __fmul_rn(p, k.param_decay);
+  const float c = __fadd_rn(__fmul_rn(m, k.beta1), __fmul_rn(k.one_minus_beta1, g));
+  p = __fadd_rn(p, __fmul_rn(k.neg_step_size, sign_of(c)));
+  m = __fadd_rn(__fmul_rn(m, k.beta2), __fmul_rn(k.one_minus_beta2, g));
+}
+
+// formula.h's adagrad_element.
+__device__ __forceinline__ void adagrad_element(float& p, float g, float& v,
+                                                const cpu_adam::StepConstants& k) {
+  g = __fmul_rn(g, k.grad_scale);
+  g = __fadd_rn(g, __fmul_rn(k.l2_decay, p));
+  v = __fadd_rn(v, __fmul_rn(g, g));
+  const float denom = __fadd_rn(__fsqrt_rn(v), k.eps);
+  p = __fadd_rn(p, __fmul_rn(k.neg_step_size, __fdiv_rn(g, denom)));
+}
+
+// `copy` may be null (no parameter copy); O is then float and unused. k.type picks the formula
+// (the same branch for every thread); m or v, where the type keeps none, is never read.
 template <typename G, typename O>
 __global__ void adam_update_kernel(float* __restrict__ master, float* __restrict__ m,
                                    float* __restrict__ v, const G* __restrict__ grad,
                                    O* __restrict__ copy, cpu_adam::StepConstants k, int64_t n) {
   gpu::grid_stride(n, [&](int64_t i) {
-    float p = master[i], mi = m[i], vi = v[i];
-    adam_element(p, load(grad, i), mi, vi, k);
+    float p = master[i];
+    switch (k.type) {
+      case OptimizerType::adam: {
+        float mi = m[i], vi = v[i];
+        adam_element(p, load(grad, i), mi, vi, k);
+        m[i] = mi;
+        v[i] = vi;
+        break;
+      }
+      case OptimizerType::lion: {
+        float mi = m[i];
+        lion_element(p, load(grad, i), mi, k);
+        m[i] = mi;
+        break;
+      }
+      case OptimizerType::adagrad: {
+        float vi = v[i];
+        adagrad_element(p, load(grad, i), vi, k);
+        v[i] = vi;
+        break;
+      }
+    }
     master[i] = p;
-    m[i] = mi;
-    v[i] = vi;
     if (copy != nullptr) store(copy, i, p);
   });
 }

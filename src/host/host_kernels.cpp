@@ -192,8 +192,10 @@ class HostKernels final : public Kernels {
   void adam_update(const TensorView& master, const TensorView& m, const TensorView& v,
                    const TensorView& grad, const TensorView& param_copy,
                    const cpu_adam::StepConstants& k, Stream& s) override {
-    check_adam_update(master, m, v, grad, param_copy);
-    in_memory("adam_update", {{"master", &master}, {"m", &m}, {"v", &v}, {"grad", &grad}});
+    check_adam_update(master, m, v, grad, param_copy, k.type);
+    in_memory("adam_update", {{"master", &master}, {"grad", &grad}});
+    if (optimizer_keeps_m(k.type)) in_memory("adam_update", {{"m", &m}});
+    if (optimizer_keeps_v(k.type)) in_memory("adam_update", {{"v", &v}});
     if (param_copy.data != nullptr) in_memory("adam_update", {{"param_copy", &param_copy}});
     q_.enqueue(s, [=] { host::adam_update(master, m, v, grad, param_copy, k); });
   }

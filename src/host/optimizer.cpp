@@ -34,7 +34,7 @@ void for_chunks(size_t chunks, const F& f) {
 void adam_update(const TensorView& master, const TensorView& m, const TensorView& v,
                  const TensorView& grad, const TensorView& param_copy,
                  const cpu_adam::StepConstants& k) {
-  const auto n = static_cast<size_t>(check_adam_update(master, m, v, grad, param_copy));
+  const auto n = static_cast<size_t>(check_adam_update(master, m, v, grad, param_copy, k.type));
   const AdamShard shard{static_cast<float*>(master.data), static_cast<float*>(m.data),
                         static_cast<float*>(v.data), n};
   const GradShard g{grad.data, grad.dtype, n};

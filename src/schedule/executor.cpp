@@ -267,6 +267,17 @@ struct Executor::State {
   ModelLayout layout;
   DType pt = DType::f32, gt = DType::f32;
   uint64_t ps = 4, gs = 4;
+  // The optimizer and its state: os bytes an element, `oa` f32 arrays (core/optimizer.h).
+  OptimizerType ot = OptimizerType::adam;
+  uint64_t os = 12;
+  int oa = 3;
+  // Which array of a shard's state block holds field k (0 the master, 1 m, 2 v): the block is
+  // the master then the moments the type keeps, n floats each. -1 where the type keeps none.
+  int array_of(size_t k) const {
+    if (k == 0) return 0;
+    if (k == 1) return optimizer_keeps_m(ot) ? 1 : -1;
+    return optimizer_keeps_v(ot) ? (optimizer_keeps_m(ot) ? 2 : 1) : -1;
+  }
 
   std::unique_ptr<ZeroModel> zero;
   std::vector<std::unique_ptr<LlamaModel>> models;
@@ -338,9 +349,10 @@ struct Executor::State {
   char* job_block(uint64_t bytes);
   // Waits and frees both blocks.
   void transfer_done();
-  // One rank's shard of unit u's `kind`: 'P' parameters, 'G' gradients, 'O' master | m | v.
+  // One rank's shard of unit u's `kind`: 'P' parameters, 'G' gradients, 'O' the master and
+  // the moments (array_of).
   uint64_t shard_bytes(char kind, int u) const {
-    return shard(u) * (kind == 'O' ? 12 : kind == 'G' ? gs : ps);
+    return shard(u) * (kind == 'O' ? os : kind == 'G' ? gs : ps);
   }
   // Unit u's swap-store shards of `kind`, every host rank's, into or from `block` (rank r's at
   // rank_part(r, shard_bytes(kind, u))).
@@ -1099,14 +1111,14 @@ void Executor::State::allocate() {
     if (home(u).grad != Tier::gpu || home(u).optimizer != Tier::gpu)  // staged, or for CPU Adam
       slot_bytes = std::max(slot_bytes, rank_part(hr, shard(u) * gs));
     if (home(u).optimizer == Tier::nvme)
-      slot_bytes = std::max(slot_bytes, rank_part(hr, shard(u) * 12));
+      slot_bytes = std::max(slot_bytes, rank_part(hr, shard(u) * os));
   }
   pinned_slot_bytes = round_up(slot_bytes, kPage);
   // With pin_memory, the cpu-homed state a device copies to or from in place is page-locked
   // too: parameters (param_h2d, the GPU's update coming back) and gradient accumulators (a
   // one-rank d2h). Optimizer state is not: only CPU Adam and memcpy touch it, so locking it
-  // would buy no transfer speed, and it is the largest part (12 bytes a parameter): on one
-  // H100 machine, page-locking 73 GB for a 4.5B model took 88 s, about 54 GB of it Adam's.
+  // would buy no transfer speed, and it is the largest part (12 bytes a parameter with Adam): on
+  // one H100 machine, page-locking 73 GB for a 4.5B model took 88 s, about 54 GB of it Adam's.
   uint64_t capacity = pinned.size() * pinned_slot_bytes;
   // Offloaded activation checkpoints: a block per rank, page-locked with pin_memory (a device
   // copies every one out and back each micro-batch), as Placement counts them.
@@ -1157,10 +1169,10 @@ void Executor::State::allocate() {
       host_g[static_cast<size_t>(u)].push_back(
           home(u).grad == Tier::cpu ? host_alloc(n * gs, "gradients of " + what, pin) : nullptr);
       host_o[static_cast<size_t>(u)].push_back(
-          home(u).optimizer == Tier::cpu ? host_alloc(n * 12, "optimizer state of " + what, false)
+          home(u).optimizer == Tier::cpu ? host_alloc(n * os, "optimizer state of " + what, false)
                                          : nullptr);
       if (home(u).param == Tier::nvme) nvme_bytes += round_up(n * ps, pl.request.nvme_stripe);
-      if (home(u).optimizer == Tier::nvme) nvme_bytes += round_up(n * 12, pl.request.nvme_stripe);
+      if (home(u).optimizer == Tier::nvme) nvme_bytes += round_up(n * os, pl.request.nvme_stripe);
       if (pl.shape.training && home(u).grad == Tier::nvme)
         nvme_bytes += round_up(n * gs, pl.request.nvme_stripe);
     }
@@ -1180,7 +1192,7 @@ void Executor::State::allocate() {
     for (int u = 0; u < U; ++u)
       for (int r = 0; r < host_ranks(u); ++r) {
         if (home(u).param == Tier::nvme) store->add_shard(shard_name('P', u, r), shard(u) * ps);
-        if (home(u).optimizer == Tier::nvme) store->add_shard(shard_name('O', u, r), shard(u) * 12);
+        if (home(u).optimizer == Tier::nvme) store->add_shard(shard_name('O', u, r), shard(u) * os);
         if (pl.shape.training && home(u).grad == Tier::nvme)
           store->add_shard(shard_name('G', u, r), shard(u) * gs);
       }
@@ -1192,11 +1204,16 @@ void Executor::State::allocate() {
     gpu_stats = gpu_stats || home(u).grad == Tier::gpu;
     if (home(u).optimizer != Tier::gpu) continue;
     gpu_adam_off = gpu_adam_off || home(u).param != Tier::gpu;
+    const std::array<std::string, 3> parts = {
+        "master weights", fmt::format("{} m", optimizer_type_name(ot)),
+        fmt::format("{} {}", optimizer_type_name(ot),
+                    ot == OptimizerType::adagrad ? "sum of squares" : "v")};
     for (int r = 0; r < N; ++r)
-      for (const char* part : {"master weights", "Adam m", "Adam v"})
-        o_dev[static_cast<size_t>(u)].emplace_back(dev(r), shard(u) * 4,
-                                                   fmt::format("{} of unit {}", part, up(u).name),
-                                                   MemoryKind::optimizer);
+      for (size_t k = 0; k < parts.size(); ++k)
+        if (array_of(k) >= 0)
+          o_dev[static_cast<size_t>(u)].emplace_back(
+              dev(r), shard(u) * 4, fmt::format("{} of unit {}", parts[k], up(u).name),
+              MemoryKind::optimizer);
   }
   for (int r = 0; r < N; ++r) {
     if (gpu_stats)
@@ -1223,6 +1240,9 @@ Executor::Executor(const Placement& placement, const Schedule& schedule, Communi
   s.gt = shape.grad_dtype;
   s.ps = dtype_size(s.pt);
   s.gs = dtype_size(s.gt);
+  s.ot = shape.optimizer;
+  s.os = optimizer_state_bytes(s.ot);
+  s.oa = optimizer_state_arrays(s.ot);
   if (shape.ranks != s.N || schedule_.ranks != s.N || schedule_.units != s.U ||
       placement_.partition.num_units() != s.U ||
       placement_.homes.size() != static_cast<size_t>(s.U))
@@ -1401,7 +1421,7 @@ void Executor::State::write_unit(int u, const std::vector<char>& staged,
   const Tier oh = home(u).optimizer;
   const int o_ranks = !training ? 0 : oh == Tier::gpu ? N : oh == Tier::nvme ? host_ranks(u) : 0;
   const int p_ranks = home(u).param == Tier::nvme ? host_ranks(u) : 0;
-  const uint64_t o_part = round_up(n * 12, kPage), p_part = round_up(n * ps, kPage);
+  const uint64_t o_part = round_up(n * os, kPage), p_part = round_up(n * ps, kPage);
   char* block = o_ranks + p_ranks > 0 ? job_block(static_cast<uint64_t>(o_ranks) * o_part +
                                                   static_cast<uint64_t>(p_ranks) * p_part)
                                       : nullptr;
@@ -1423,20 +1443,21 @@ void Executor::State::write_unit(int u, const std::vector<char>& staged,
         const std::array<const std::vector<float>*, 3> from = {&state->master, &state->m,
                                                                &state->v};
         for (size_t k = 0; k < 3; ++k) {
-          if (have > 0) copy_bytes(o + k * n, from[k]->data() + off, have * 4);
-          copy_bytes(o + k * n + have, nullptr, (n - have) * 4);
+          if (array_of(k) < 0) continue;
+          float* to = o + static_cast<uint64_t>(array_of(k)) * n;
+          if (have > 0) copy_bytes(to, from[k]->data() + off, have * 4);
+          copy_bytes(to + have, nullptr, (n - have) * 4);
         }
       } else {
         convert(o, DType::f32, p, pt, n);
-        copy_bytes(o + n, nullptr, 2 * n * 4);
+        copy_bytes(o + n, nullptr, static_cast<uint64_t>(oa - 1) * n * 4);
       }
     }
     if (training && oh == Tier::gpu) {
       Stream& st = *streams[static_cast<size_t>(r)].setup;
       auto& b = o_dev[static_cast<size_t>(u)];
-      for (int k = 0; k < 3; ++k)
-        dev(r).copy_to_device(b[static_cast<size_t>(r) * 3 + static_cast<size_t>(k)].data(),
-                              o + k * n, n * 4, st);
+      for (int k = 0; k < oa; ++k)
+        dev(r).copy_to_device(b[static_cast<size_t>(r * oa + k)].data(), o + k * n, n * 4, st);
       st.synchronize();
     }
     if (r >= host_ranks(u)) continue;
@@ -1528,7 +1549,7 @@ void Executor::optimizer_state(int u, UnitOptimizerState& out) const {
   const OptimizerStateView view = optimizer_state_view(u);
   std::array<std::vector<float>*, 3> dst = {&out.master, &out.m, &out.v};
   for (size_t k = 0; k < 3; ++k) {
-    dst[k]->resize(s_->up(u).numel);
+    dst[k]->resize(s_->array_of(k) >= 0 ? s_->up(u).numel : 0);
     float* at = dst[k]->data();
     for (const std::span<const float>& part : view.parts[k]) {
       copy_bytes(at, part.data(), part.size_bytes());
@@ -1556,19 +1577,19 @@ Executor::OptimizerStateView Executor::optimizer_state_view(int u, int next) con
   } else if (home == Tier::nvme) {
     const char* block = s.nvme_unit('O', u);
     for (int r = 0; r < s.host_ranks(u); ++r)
-      shards.push_back(reinterpret_cast<const float*>(block + rank_part(r, n * 12)));
+      shards.push_back(reinterpret_cast<const float*>(block + rank_part(r, n * s.os)));
   } else {
     s.transfer_wait();
-    char* block = s.transfer.held.room(static_cast<uint64_t>(s.N) * round_up(n * 12, kPage));
+    char* block = s.transfer.held.room(static_cast<uint64_t>(s.N) * round_up(n * s.os, kPage));
     for (int r = 0; r < s.N; ++r) {
-      auto* o = reinterpret_cast<float*>(block + rank_part(r, n * 12));
+      auto* o = reinterpret_cast<float*>(block + rank_part(r, n * s.os));
       Stream& st = *s.streams[static_cast<size_t>(r)].setup;
-      for (size_t k = 0; k < 3; ++k)
+      for (int k = 0; k < s.oa; ++k)
         s.dev(r).copy_to_host(
-            o + k * n, s.o_dev[static_cast<size_t>(u)][static_cast<size_t>(r) * 3 + k].data(),
+            o + k * n, s.o_dev[static_cast<size_t>(u)][static_cast<size_t>(r * s.oa + k)].data(),
             n * 4, st);
       st.synchronize();
-      if (s.up(u).replicated && r > 0 && std::memcmp(o, block, n * 12) != 0)
+      if (s.up(u).replicated && r > 0 && std::memcmp(o, block, n * s.os) != 0)
         fail(
             "optimizer state of replicated unit {}: rank {} differs from rank 0; this is a "
             "bug in the executor",
@@ -1580,7 +1601,9 @@ Executor::OptimizerStateView Executor::optimizer_state_view(int u, int next) con
   for (size_t r = 0; r < shards.size(); ++r) {
     const uint64_t have = s.up(u).shard_real(static_cast<int>(r));
     if (have == 0) continue;
-    for (size_t k = 0; k < 3; ++k) view.parts[k].emplace_back(shards[r] + k * n, have);
+    for (size_t k = 0; k < 3; ++k)
+      if (s.array_of(k) >= 0)
+        view.parts[k].emplace_back(shards[r] + static_cast<uint64_t>(s.array_of(k)) * n, have);
   }
   if (next >= 0) s.read_ahead('O', next);
   return view;
@@ -1596,11 +1619,12 @@ void Executor::set_optimizer_state(int u, const UnitOptimizerState& state) {
   s.check_training("the optimizer state");
   if (u < 0 || u >= s.U) fail("optimizer state of unit {}: the model has units 0..{}", u, s.U - 1);
   const uint64_t numel = s.up(u).numel, padded = s.up(u).padded;
+  size_t k = 0;
   for (const auto& [what, v] : {std::pair{"master weights", &state.master},
-                                std::pair{"Adam m", &state.m}, std::pair{"Adam v", &state.v}})
-    if (v->size() != numel)
-      fail("optimizer state of unit {}: {} has {} values for the unit's {} elements", s.up(u).name,
-           what, v->size(), numel);
+                                std::pair{"m", &state.m}, std::pair{"v", &state.v}})
+    if (s.array_of(k++) >= 0 && v->size() != numel)
+      fail("optimizer state of unit {}: {}'s {} has {} values for the unit's {} elements",
+           s.up(u).name, optimizer_type_name(s.ot), what, v->size(), numel);
   // The parameters are the master rounded to their dtype, as every Adam step leaves them (the
   // padding zero).
   std::vector<char> staged(padded * s.ps, char{0});
@@ -1687,9 +1711,10 @@ void Executor::State::update(const Task& t, const StepSlot& sl, const GradStats&
     for (int q : rs) {
       Stream& st = *streams[static_cast<size_t>(q)].compute;
       const auto& b = o_dev[static_cast<size_t>(u)];
-      auto f32 = [&](int i) {
-        return b[static_cast<size_t>(q) * 3 + static_cast<size_t>(i)].view(
-            DType::f32, {static_cast<int64_t>(n)});
+      auto f32 = [&](size_t field) {  // 0 master, 1 m, 2 v; empty where the type keeps none
+        if (array_of(field) < 0) return TensorView{};
+        return b[static_cast<size_t>(q * oa + array_of(field))].view(DType::f32,
+                                                                     {static_cast<int64_t>(n)});
       };
       const bool resident = zero->param_resident(u);
       const TensorView copy =
@@ -1724,9 +1749,9 @@ void Executor::State::update(const Task& t, const StepSlot& sl, const GradStats&
   for (int q : task_ranks(t, u)) {
     char* o = home(u).optimizer == Tier::cpu
                   ? host_o[static_cast<size_t>(u)][static_cast<size_t>(q)]
-                  : pin(src[static_cast<size_t>(t.id)][0]) + rank_part(q, n * 12);
+                  : pin(src[static_cast<size_t>(t.id)][0]) + rank_part(q, n * os);
     float* f = reinterpret_cast<float*>(o);
-    const AdamShard sh{f, f + n, f + 2 * n, n};
+    auto field = [&](size_t k) { return array_of(k) < 0 ? nullptr : f + array_of(k) * n; };
     char* p = home(u).param == Tier::cpu ? host_p[static_cast<size_t>(u)][static_cast<size_t>(q)]
                                          : pin(t.id) + rank_part(q, n * ps);
     const char* g = home(u).grad != Tier::cpu  // brought down, or read back from NVMe
@@ -1737,7 +1762,8 @@ void Executor::State::update(const Task& t, const StepSlot& sl, const GradStats&
     for (const Piece& pc : pieces(u, q, params.decay_every_parameter)) {
       std::optional<ParamCopy> copy;
       if (pt != DType::f32) copy = ParamCopy{p + pc.begin * ps, pt};
-      const AdamShard part{sh.master + pc.begin, sh.m + pc.begin, sh.v + pc.begin, pc.length};
+      auto at = [&](float* x) { return x == nullptr ? nullptr : x + pc.begin; };
+      const AdamShard part{f + pc.begin, at(field(1)), at(field(2)), pc.length};
       adam->update(part, GradShard{g + pc.begin * gs, gt, pc.length}, params.step,
                    pc.decay ? params.adam : no_decay, grad_scale, global, copy);
     }
@@ -2288,6 +2314,12 @@ StepResult Executor::step(const std::vector<std::vector<HostBatch>>& batches,
                           const StepParams& params) {
   State& s = *s_;
   s.check_training("a training step");
+  if (params.adam.type != s.ot)
+    fail(
+        "executor: the step asks for {} but the placement sized the optimizer state for {}; build "
+        "the placement with RunShape::optimizer {}",
+        optimizer_type_name(params.adam.type), optimizer_type_name(s.ot),
+        optimizer_type_name(params.adam.type));
   const int64_t k = s.instances;
   s.check_usable();
   s.transfer_done();

@@ -55,7 +55,8 @@
 // until grad_accumulate added it into G (G home nvme: every micro-batch's, until it is added or
 // written, and G read back from grad_read to its grad_write, or to adam); G[u] of every rank
 // from its grad_offloads to adam;
-// O[u] (master, m, v: 12 bytes an element) from optim_read to optim_write; the updated P[u]
+// O[u] (master and moments: 12 bytes an element for Adam, 8 for Lion and Adagrad) from
+// optim_read to optim_write; the updated P[u]
 // from adam (or param_d2h) to param_write or the param_uploads. When both the fetches (and gradient
 // staging) and the optimizer use pinned buffers and there are enough, they take from two pools:
 // buffers 0..F-1 for the fetches and staging, F = min(d + 1 + what they hold at once (2 with G
@@ -144,19 +145,18 @@
 // from lane order and these.
 //
 // Work. Transfers of one rank: param dtype x shard elements (grad dtype for gradients); tasks
-// over all ranks sum their shards; optim_read/optim_write 12 bytes an element. Collectives count
-// what one rank moves in a ring, which is what a bus bandwidth (NCCL's busbw) is the rate of:
-// gather (R-1)/R of the padded unit in param dtype, reduce_scatter (R-1)/R of it in grad dtype,
-// the all-reduce of a replicated unit 2(R-1)/R of it; with one rank they move nothing over a
-// link (bytes: what the device copies, none for a gather, which uses the unit where it lies).
-// Their local_bytes, the working gradients zeroed in the
-// device's own memory, go at its copy rate, not the link's. Forward
-// FLOPs per rank, with t = micro_batch x seq_len tokens: a block 2 x (its q, k, v, o, gate, up,
-// down weights) x t + causal attention 2 x micro_batch x seq_len^2 x heads x head_dim (QK^T and
-// PV are 2 x T^2 x head_dim each per head and sequence, halved by causality); the head
-// 2 x vocab x hidden x t (tied or not); the embedding 0 (a lookup). backward = 3 x forward
-// (recompute + twice the forward for the two gradients), 2 x for a block when the placement's
-// shape turns recompute off (unit_backward_flops). adam, grad_stats, grad_accumulate:
+// over all ranks sum their shards; optim_read/optim_write optimizer_state_bytes an element.
+// Collectives count what one rank moves in a ring, which is what a bus bandwidth (NCCL's busbw) is
+// the rate of: gather (R-1)/R of the padded unit in param dtype, reduce_scatter (R-1)/R of it in
+// grad dtype, the all-reduce of a replicated unit 2(R-1)/R of it; with one rank they move nothing
+// over a link (bytes: what the device copies, none for a gather, which uses the unit where it
+// lies). Their local_bytes, the working gradients zeroed in the device's own memory, go at its copy
+// rate, not the link's. Forward FLOPs per rank, with t = micro_batch x seq_len tokens: a block 2 x
+// (its q, k, v, o, gate, up, down weights) x t + causal attention 2 x micro_batch x seq_len^2 x
+// heads x head_dim (QK^T and PV are 2 x T^2 x head_dim each per head and sequence, halved by
+// causality); the head 2 x vocab x hidden x t (tied or not); the embedding 0 (a lookup). backward =
+// 3 x forward (recompute + twice the forward for the two gradients), 2 x for a block when the
+// placement's shape turns recompute off (unit_backward_flops). adam, grad_stats, grad_accumulate:
 // elements (padded shards; replicated units their numel).
 #include "schedule/schedule.h"
 
@@ -267,8 +267,6 @@ std::string_view task_kind_name(TaskKind k) {
 }
 
 namespace {
-
-constexpr uint64_t kOptimizerBytesPerElement = 12;  // fp32 master, m, v
 
 // Whether a task of `kind` may run on a lane of `lane`.
 bool lane_fits(TaskKind kind, LaneKind lane) {
@@ -438,6 +436,7 @@ class Builder {
         per_group_(options.reduce_per_group && !options.forward_only),
         ps_(dtype_size(placement.shape.param_dtype)),
         gs_(dtype_size(placement.shape.grad_dtype)),
+        os_(optimizer_state_bytes(placement.shape.optimizer)),
         slots_(std::max(W_, 0)) {
     check();
     d_ = std::min(options.prefetch_depth, W_ - 1);
@@ -1122,7 +1121,7 @@ class Builder {
   void emit_optim_read(int u) {
     const int buf = take_pinned("optim_read", u, true);
     const int id = add(TaskKind::optim_read, LaneKind::nvme_read, -1, u, -1, {});
-    task(id).bytes = all_elements(u) * kOptimizerBytesPerElement;
+    task(id).bytes = all_elements(u) * os_;
     wait_for_pinned(id, buf);
     fixes_.push_back({id, PrevFix::What::optim_write, u, -1});
     optim_read_[static_cast<size_t>(u)] = id;
@@ -1185,7 +1184,7 @@ class Builder {
       if (gbuf >= 0) optim_pool().give_back(gbuf, {adam});
       if (h.optimizer == Tier::nvme) {
         const int w = add(TaskKind::optim_write, LaneKind::nvme_write, -1, u, -1, {adam});
-        task(w).bytes = all_elements(u) * kOptimizerBytesPerElement;
+        task(w).bytes = all_elements(u) * os_;
         task(w).buffer = o_buffer_[static_cast<size_t>(u)];
         optim_pool().give_back(o_buffer_[static_cast<size_t>(u)], {w});
         optim_write_[static_cast<size_t>(u)] = w;
@@ -1321,7 +1320,7 @@ class Builder {
   bool cut_table_;  // tied and cut into vocabulary pieces: the table's gradients reduced twice
   bool early_;      // update during the backward
   bool per_group_;  // one reduce-scatter per unit and group (ScheduleOptions::reduce_per_group)
-  uint64_t ps_, gs_;
+  uint64_t ps_, gs_, os_;  // bytes an element: parameters, gradients, optimizer state
   BufferPool slots_, pinned_, optim_pinned_;  // optim_pinned_: empty unless split_
   bool split_ = false;
   int optim_need_ = 0;  // pinned buffers the optimizer of one unit holds at once

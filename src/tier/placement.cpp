@@ -20,7 +20,6 @@
 namespace strata {
 namespace {
 
-constexpr uint64_t kOptimizerBytesPerElement = 12;  // fp32 master, m, v
 constexpr uint64_t kPinnedAlignment = 4096;
 
 uint64_t round_up(uint64_t n, uint64_t a) {
@@ -54,17 +53,19 @@ uint64_t nvme_file_bytes(uint64_t stripes, size_t paths, uint64_t stripe) {
 
 struct Sizes {
   uint64_t ps, gs;  // bytes per element of parameters and gradients
+  uint64_t os;      // of the optimizer state (the master and the moments its type keeps)
   uint64_t align;   // device arena alignment
 };
 
 Sizes sizes_of(const RunShape& s) {
-  return {dtype_size(s.param_dtype), dtype_size(s.grad_dtype),
+  return {dtype_size(s.param_dtype), dtype_size(s.grad_dtype), optimizer_state_bytes(s.optimizer),
           std::max<uint64_t>(s.device_alignment, 1)};
 }
 
-// Per device: the GPU bytes of unit u's optimizer shard (master, m, v: three f32 buffers).
+// Per device: the GPU bytes of unit u's optimizer shard (the master and each moment its type
+// keeps: an f32 buffer each).
 uint64_t gpu_optimizer_bytes(const UnitPartition& up, const Sizes& z) {
-  return 3 * device_buffer(up.resident() * 4, z.align);
+  return z.os / 4 * device_buffer(up.resident() * 4, z.align);
 }
 
 // GPU bytes that do not depend on the homes: working buffers, activations, staging.
@@ -154,7 +155,7 @@ void size_pinned_buffers(Placement& p) {
     if (h.grad != Tier::gpu || h.optimizer != Tier::gpu)
       largest_moving = std::max(largest_moving, host_bytes(up, ranks, z.gs));
     if (h.optimizer == Tier::nvme)
-      largest_moving = std::max(largest_moving, host_bytes(up, ranks, kOptimizerBytesPerElement));
+      largest_moving = std::max(largest_moving, host_bytes(up, ranks, z.os));
   }
   p.pinned_buffers = largest_moving > 0 ? p.request.buffer_count : 0;
   p.pinned_buffer_bytes = largest_moving > 0 ? round_up(largest_moving, kPinnedAlignment) : 0;
@@ -427,7 +428,7 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& asked,
     uint64_t gpu = f.working + f.landing + f.activations + f.other;
     // Without training only the parameters have homes: the optimizer counts nothing below
     // (it stays "gpu", holding no bytes) and only parameters move through the buffers.
-    const uint64_t moving_bytes = shape.training ? kOptimizerBytesPerElement : z.ps;
+    const uint64_t moving_bytes = shape.training ? z.os : z.ps;
     uint64_t largest_moving = 0;
     for (const UnitPartition& up : p.partition.units)
       largest_moving = std::max(largest_moving, host_bytes(up, shape.ranks, moving_bytes));
@@ -474,8 +475,8 @@ Placement Placement::make(const RunShape& shape, const OffloadRequest& asked,
         if (shape.training) {
           o_gpu += gpu_optimizer_bytes(up, z);
           if (!up.replicated) o_gpu += device_buffer(up.resident() * z.gs, z.align);
-          o_cpu += host_bytes(up, shape.ranks, kOptimizerBytesPerElement);
-          o_stripes += nvme_stripes(up, shape.ranks, kOptimizerBytesPerElement, stripe);
+          o_cpu += host_bytes(up, shape.ranks, z.os);
+          o_stripes += nvme_stripes(up, shape.ranks, z.os, stripe);
         }
         if (up.replicated) continue;
         any_sharded = true;
@@ -578,11 +579,10 @@ TierBytes Placement::needs() const {
         t.at(Tier::gpu, StateKind::optimizer) += gpu_optimizer_bytes(up, z);
         break;
       case Tier::cpu:
-        t.at(Tier::cpu, StateKind::optimizer) +=
-            host_bytes(up, shape.ranks, kOptimizerBytesPerElement);
+        t.at(Tier::cpu, StateKind::optimizer) += host_bytes(up, shape.ranks, z.os);
         break;
       case Tier::nvme:
-        stripes += nvme_stripes(up, shape.ranks, kOptimizerBytesPerElement, stripe);
+        stripes += nvme_stripes(up, shape.ranks, z.os, stripe);
         break;
     }
   }
@@ -608,8 +608,8 @@ TierBytes Placement::needs() const {
 uint64_t Placement::checkpoint_bytes() const {
   uint64_t largest = 0;
   for (const UnitPartition& u : partition.units) largest = std::max(largest, u.padded);
-  const uint64_t ps = dtype_size(shape.param_dtype);
-  return (24 + 2 * ps) * largest + AtomicFile::kStagingBytes;
+  const uint64_t ps = dtype_size(shape.param_dtype), os = optimizer_state_bytes(shape.optimizer);
+  return std::max(2 * os + 2 * ps, 4 + 3 * ps) * largest + AtomicFile::kStagingBytes;
 }
 
 void Placement::check(const TierBudgets& budgets) const {

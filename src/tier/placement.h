@@ -19,6 +19,7 @@
 // estimate`, the schedule builder, the executor and the tests all read it.
 #pragma once
 
+#include "core/optimizer.h"
 #include "model/config.h"
 #include "partition/partition.h"
 
@@ -148,7 +149,10 @@ struct RunShape {
   int ranks = 1;                    // local GPUs (or host devices)
   DType param_dtype = DType::bf16;  // f32 for an fp32 run
   DType grad_dtype = DType::f32;    // accumulators
-  int64_t micro_batch = 1;          // sequences per rank per micro-batch
+  // The optimizer, which decides the bytes of its state (core/optimizer.h: 12 an element for
+  // Adam, 8 for Lion and Adagrad).
+  OptimizerType optimizer = OptimizerType::adam;
+  int64_t micro_batch = 1;  // sequences per rank per micro-batch
   int64_t seq_len = 0;
   uint64_t persistence_threshold = 100000;  // elements
   int working_buffers = 2;                  // gathered units per GPU (prefetch depth + 1)
@@ -255,13 +259,13 @@ struct Placement {
   // each rounded up to the stripe, the total to whole stripes on every path.
   TierBytes needs() const;
   // Host RAM a training run holds while it writes a checkpoint or resumes from one, one unit
-  // at a time, the largest at most: resuming, its optimizer state as read (f32 master, m and v:
-  // 12 bytes an element), its parameters staged in their dtype (ps), and the executor's block
-  // of shards written behind to the GPU or NVMe (12 + ps); writing, less: the state of one unit
-  // written from where it lies and of the next read from NVMe (12 + 12), or the parameters (as
-  // f32, in their dtype, and two blocks of shards: 4 + 3 ps). And the writer's staging chunks
-  // (AtomicFile::kStagingBytes). Counted in needs() so that a run that fills host RAM leaves
-  // room for its first checkpoint rather than failing at it.
+  // at a time, the largest at most: resuming, its optimizer state as read (f32 master and
+  // moments: os, 12 bytes an element for Adam), its parameters staged in their dtype (ps), and
+  // the executor's block of shards written behind to the GPU or NVMe (os + ps); writing, less:
+  // the state of one unit written from where it lies and of the next read from NVMe (os + os),
+  // or the parameters (as f32, in their dtype, and two blocks of shards: 4 + 3 ps). And the
+  // writer's staging chunks (AtomicFile::kStagingBytes). Counted in needs() so that a run that
+  // fills host RAM leaves room for its first checkpoint rather than failing at it.
   uint64_t checkpoint_bytes() const;
   // Bytes of the pinned buffers, and whether any state lives off the GPU.
   uint64_t pinned_bytes() const { return uint64_t(pinned_buffers) * pinned_buffer_bytes; }

@@ -35,8 +35,27 @@ namespace {
 
 constexpr const char* kTrainerState = "trainer_state.json";
 constexpr const char* kOptimizer = "optimizer.safetensors";
-// Each unit's tensors in it: the fp32 master weights, Adam's m and v (UnitOptimizerState's order).
+// Each unit's tensors in it: the fp32 master weights, m and v (UnitOptimizerState's order), those
+// the optimizer keeps (core/optimizer.h: Lion no exp_avg_sq, Adagrad no exp_avg, its sum of
+// squares being DeepSpeed's exp_avg_sq). The file's metadata names the optimizer.
 constexpr std::array<const char*, 3> kOptimizerSuffixes = {".master", ".exp_avg", ".exp_avg_sq"};
+
+bool keeps_field(OptimizerType t, size_t k) {
+  return k == 0 || (k == 1 && optimizer_keeps_m(t)) || (k == 2 && optimizer_keeps_v(t));
+}
+
+// The optimizer whose state `reader` holds: its metadata's "optimizer", adam when absent (the
+// files written before Lion and Adagrad).
+OptimizerType saved_optimizer(const SafetensorsReader& reader, const fs::path& file) {
+  const auto it = reader.metadata().find("optimizer");
+  if (it == reader.metadata().end() || it->second == "adam") return OptimizerType::adam;
+  if (it->second == "lion") return OptimizerType::lion;
+  if (it->second == "adagrad") return OptimizerType::adagrad;
+  fail(
+      "checkpoint: {} holds the state of optimizer \"{}\", which this strata does not know "
+      "(adam, lion, adagrad); resume it with the strata that wrote it",
+      file.string(), it->second);
+}
 constexpr const char* kModel = "model.safetensors";
 constexpr const char* kConfig = "config.json";
 
@@ -332,6 +351,7 @@ fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& 
 
   const ModelLayout layout = ModelLayout::build(config);
   const int U = layout.num_units();
+  const OptimizerType otype = executor.placement().shape.optimizer;
   nlohmann::json files = nlohmann::json::object();  // name -> digest, for COMPLETE
   // Both files stream one unit at a time (streamed_model_tensors): a checkpoint of a 70B model
   // with its optimizer state on NVMe needs one unit's state in RAM, not 840 GB.
@@ -365,6 +385,7 @@ fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& 
       const std::string& name = layout.units[static_cast<size_t>(u)].name;
       const auto n = static_cast<int64_t>(layout.units[static_cast<size_t>(u)].numel);
       for (size_t k = 0; k < kOptimizerSuffixes.size(); ++k) {
+        if (!keeps_field(otype, k)) continue;
         SafetensorsTensor t{name + kOptimizerSuffixes[k], DType::f32, {n}, nullptr, {}, {}};
         t.parts = [&, u, k](const SafetensorsTensor::Put& put) {
           if (held != u) {
@@ -380,8 +401,9 @@ fs::path save_checkpoint(const fs::path& run_dir, int64_t step, const Executor& 
       }
     }
     visits = UnitVisits(tensors, units);
-    files[kOptimizer] =
-        digest_json(write_safetensors(tmp / kOptimizer, tensors, {{"format", "strata-optimizer"}}));
+    files[kOptimizer] = digest_json(write_safetensors(
+        tmp / kOptimizer, tensors,
+        {{"format", "strata-optimizer"}, {"optimizer", std::string(optimizer_type_name(otype))}}));
   }
   files[kTrainerState] = digest_json(write_text(tmp / kTrainerState, trainer_state.dump(2) + "\n"));
   for (const fs::path& from : carried) {
@@ -441,9 +463,11 @@ namespace {
 
 // Whether the optimizer file holds every unit of `layout`, each of its size.
 bool holds_layout(const SafetensorsReader& reader, const ModelLayout& layout) {
+  const OptimizerType t = saved_optimizer(reader, "optimizer.safetensors");
   for (const UnitLayout& unit : layout.units)
-    for (const char* suffix : kOptimizerSuffixes) {
-      const SafetensorsEntry* e = reader.find(unit.name + suffix);
+    for (size_t k = 0; k < kOptimizerSuffixes.size(); ++k) {
+      if (!keeps_field(t, k)) continue;
+      const SafetensorsEntry* e = reader.find(unit.name + kOptimizerSuffixes[k]);
       if (e == nullptr || static_cast<uint64_t>(e->numel()) != unit.numel) return false;
     }
   return true;
@@ -456,7 +480,9 @@ UnitOptimizerState relaid_state(const SafetensorsReader& reader, const ModelLayo
                                 const ModelLayout& layout, int u) {
   UnitOptimizerState st;
   std::array<std::vector<float>*, 3> out = {&st.master, &st.m, &st.v};
+  const OptimizerType t = saved_optimizer(reader, "optimizer.safetensors");
   for (size_t k = 0; k < kOptimizerSuffixes.size(); ++k) {
+    if (!keeps_field(t, k)) continue;
     int held_unit = -1;
     std::vector<float> held;
     *out[k] = relaid_unit(
@@ -510,6 +536,14 @@ void restore_checkpoint(const fs::path& checkpoint, Executor& executor) {
   const nlohmann::json* sums = want.contains("tensors") ? &want["tensors"] : nullptr;
   const SafetensorsReader reader = SafetensorsReader::open(checkpoint / kOptimizer);
   const LlamaConfig& config = executor.placement().shape.model;
+  const OptimizerType otype = executor.placement().shape.optimizer;
+  if (const OptimizerType had = saved_optimizer(reader, checkpoint / kOptimizer); had != otype)
+    fail(
+        "resume from {}: its optimizer state is {}'s, and this run's optimizer is {}; resume with "
+        "the optimizer it was trained with (optimizer.type in the config), or start a new run "
+        "from its weights (--model {})",
+        checkpoint.string(), optimizer_type_name(had), optimizer_type_name(otype),
+        checkpoint.string());
   const ModelLayout layout = ModelLayout::build(config);
   const ModelLayout saved = saved_layout(reader, config);
   if (sums == nullptr || saved.vocab_pieces != layout.vocab_pieces) {
@@ -533,6 +567,7 @@ void restore_checkpoint(const fs::path& checkpoint, Executor& executor) {
   for (int u = 0; u < layout.num_units(); ++u) {
     const UnitLayout& unit = layout.units[static_cast<size_t>(u)];
     for (size_t k = 0; k < kOptimizerSuffixes.size(); ++k) {
+      if (!keeps_field(otype, k)) continue;
       const char* suffix = kOptimizerSuffixes[k];
       std::vector<float>* v = out[k];
       const SafetensorsEntry* e = reader.find(unit.name + suffix);

@@ -214,7 +214,7 @@ void read_optimizer(Reader& r, const json& v, DsConfig::Optimizer& o) {
   for (const auto& [key, value] : v.items()) {
     const std::string p = path_of("optimizer", key);
     if (key == "type") {
-      o.type = r.one_of(value, p, {"Adam", "AdamW"}, true);
+      o.type = r.one_of(value, p, {"Adam", "AdamW", "Lion", "Adagrad"}, true);
     } else if (key == "params") {
       r.object(value, p);
       for (const auto& [k, x] : value.items()) {
@@ -237,6 +237,11 @@ void read_optimizer(Reader& r, const json& v, DsConfig::Optimizer& o) {
           o.adam_w_mode = r.boolean(x, q);
         } else if (k == "bias_correction") {
           o.bias_correction = r.boolean(x, q);
+        } else if (k == "lr_decay") {  // Adagrad's (torch's; DeepSpeed's CPU Adagrad ignores it)
+          if (r.real(x, q, 0.0) != 0.0)
+            r.bad(q, x,
+                  "0: strata's Adagrad, as DeepSpeed's CPU Adagrad, runs without lr_decay; "
+                  "shape the rate with a scheduler instead");
         } else if (k == "amsgrad") {
           if (r.boolean(x, q).value_or(false))
             r.bad(q, x,
@@ -249,6 +254,23 @@ void read_optimizer(Reader& r, const json& v, DsConfig::Optimizer& o) {
     } else {
       r.ignore(p);
     }
+  }
+  // Each type takes the params of its DeepSpeed constructor; another is a TypeError there.
+  const std::string type = o.type.value_or("Adam");
+  if ((type == "Lion" || type == "Adagrad") && v.contains("params")) {
+    const json& params = v["params"];
+    const std::vector<const char*> refused =
+        type == "Lion" ? std::vector<const char*>{"eps", "adam_w_mode", "bias_correction",
+                                                  "amsgrad", "lr_decay"}
+                       : std::vector<const char*>{"betas", "adam_w_mode", "bias_correction"};
+    for (const char* k : refused)
+      if (params.is_object() && params.contains(k))
+        r.bad(path_of(path_of("optimizer", "params"), k), params[k],
+              type == "Lion"
+                  ? "no such setting: DeepSpeed's Lion takes lr, betas and weight_decay (decay "
+                    "always decoupled, no eps); remove it"
+                  : "no such setting: DeepSpeed's Adagrad takes lr, eps and weight_decay (decay "
+                    "always added to the gradient, no betas); remove it");
   }
 }
 
@@ -394,8 +416,15 @@ void read_monitor(Reader& r, const json& v, const std::string& section, MonitorT
 }  // namespace
 
 bool DsConfig::Optimizer::decoupled_weight_decay() const {
-  if (type && *type == "AdamW") return true;
+  if (type && (*type == "AdamW" || *type == "Lion")) return true;
+  if (type && *type == "Adagrad") return false;
   return adam_w_mode.value_or(true);
+}
+
+OptimizerType DsConfig::Optimizer::optimizer_type() const {
+  if (type && *type == "Lion") return OptimizerType::lion;
+  if (type && *type == "Adagrad") return OptimizerType::adagrad;
+  return OptimizerType::adam;
 }
 
 DsConfig parse_ds_config(const json& j, std::string_view source) {
@@ -608,6 +637,7 @@ DsPlanSettings ds_plan_settings(const DsConfig& c, int world, const LlamaConfig&
   else if (c.bf16_enabled.has_value() || c.fp16.enabled.has_value())
     s.param_dtype = DType::f32;  // turned off and neither on: DeepSpeed trains in fp32
   s.grad_dtype = c.grad_accum_dtype;
+  s.optimizer = c.optimizer.optimizer_type();
   s.persistence_threshold = c.zero.stage3_param_persistence_threshold;
   s.offload_activations = c.cpu_checkpointing;
 

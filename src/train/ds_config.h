@@ -70,7 +70,10 @@ struct DsConfig {
     // parameter in one group, so its weight decay reaches the norm weights and biases too (as
     // Hugging Face's Trainer hands DeepSpeed every parameter when the section is there).
     bool present = false;
-    std::optional<std::string> type;  // "Adam" or "AdamW" (any case, as DeepSpeed)
+    // "Adam", "AdamW", "Lion" or "Adagrad" (any case, as DeepSpeed), with the params each of
+    // DeepSpeed's constructors takes (Lion: no eps, adam_w_mode or bias_correction; Adagrad: no
+    // betas, adam_w_mode or bias_correction, lr_decay 0); another is refused, naming it.
+    std::optional<std::string> type;
     std::optional<double> lr;
     std::optional<std::array<double, 2>> betas;
     std::optional<double> eps;
@@ -80,7 +83,10 @@ struct DsConfig {
     // params.bias_correction (DeepSpeed's CPU and fused Adam take it; default true). amsgrad true
     // is refused: neither of DeepSpeed's Adams runs it.
     std::optional<bool> bias_correction;
-    bool decoupled_weight_decay() const;  // AdamW, or Adam with adam_w_mode true or unset
+    // AdamW, Lion, or Adam with adam_w_mode true or unset (Adagrad: false, L2 decay).
+    bool decoupled_weight_decay() const;
+    OptimizerType optimizer_type() const;  // adam without a type
+
   } optimizer;
 
   struct Scheduler {
@@ -162,7 +168,8 @@ struct DsPlanSettings {
   // 4 (deeper only costs working buffers once transfers keep up), and within
   // stage3_max_live_parameters: (depth + 1) units of the largest size at most.
   std::optional<int> prefetch_depth;
-  std::optional<bool> offload_activations;  // activation_checkpointing.cpu_checkpointing
+  std::optional<bool> offload_activations;        // activation_checkpointing.cpu_checkpointing
+  OptimizerType optimizer = OptimizerType::adam;  // optimizer.type: the state's bytes
 };
 DsPlanSettings ds_plan_settings(const DsConfig& config, int world, const LlamaConfig& model);
 

@@ -80,6 +80,7 @@ Placement place(const TrainSettings& s, const std::vector<Device*>& devices, Tie
   shape.ranks = static_cast<int>(devices.size());
   shape.param_dtype = s.dtype;
   shape.grad_dtype = s.grad_dtype;
+  shape.optimizer = s.adam.type;
   shape.micro_batch = s.micro_batch;
   shape.seq_len = s.seq_len;
   shape.persistence_threshold = s.persistence_threshold;

@@ -33,7 +33,9 @@ Then it replays `strata train` on them:
     with --one-cycle DeepSpeed's OneCycle (no decay), which also sets Adam's betas to
     (momentum, 0.99) before each update, the momentum falling from MAX_MOM to MIN_MOM as the
     rate rises from MIN to MAX over FIRST updates, and back over SECOND; the first update runs
-    at MIN and MIN_MOM, which the scheduler sets when it is made.
+    at MIN and MIN_MOM, which the scheduler sets when it is made;
+  - with --optimizer adagrad, torch.optim.Adagrad (foreach=False, lr_decay 0, no initial
+    accumulator) in place of AdamW, the weight decay of each group its L2 term.
 Every rate and hyperparameter is rounded to float first, as strata holds it. The result is
 DIR/reference.safetensors: the final weights under their Hugging Face names, and "loss" [N],
 each step's mean loss.
@@ -259,13 +261,16 @@ def train(args):
         decay = [p for p in params.values() if p.dim() == 2]
         no_decay = [p for p in params.values() if p.dim() != 2]
     lr, wd = f32(args.lr), f32(args.weight_decay)
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr,
-        betas=(f32(0.9), f32(0.999)),
-        eps=f32(args.eps),
-        foreach=False,
-    )
+    groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+    if args.optimizer == "adagrad":
+        opt = torch.optim.Adagrad(
+            groups, lr=lr, lr_decay=0, initial_accumulator_value=0, eps=f32(args.eps),
+            foreach=False,
+        )
+    else:
+        opt = torch.optim.AdamW(
+            groups, lr=lr, betas=(f32(0.9), f32(0.999)), eps=f32(args.eps), foreach=False
+        )
     loader = Loader(read_llmc_u16(f"{args.dir}/tokens.bin"), args.seq_len, args.seed)
     losses = []
     for k in range(args.steps):
@@ -324,6 +329,7 @@ def main():
     ap.add_argument("--warmup-steps", type=int, default=None)
     ap.add_argument("--one-cycle", type=lambda s: [float(x) for x in s.split(",")], default=None)
     ap.add_argument("--decay-all", action="store_true")
+    ap.add_argument("--optimizer", default="adamw", choices=["adamw", "adagrad"])
     args = ap.parse_args()
     torch.set_num_threads(1)
     make(args)
