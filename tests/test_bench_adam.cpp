@@ -49,6 +49,26 @@ TEST(BenchAdam, JsonReportsVerifiedSpeedAndBound) {
   }
 }
 
+// Lion and Adagrad: verified against the scalar path as Adam is, against a bound with their
+// own traffic (one moment: 16 bytes of state read and written a parameter, Adam's 24), and
+// without Adam's separate-passes baseline, which the JSON says by null.
+TEST(BenchAdam, LionAndAdagradAreVerifiedAgainstTheirOwnBound) {
+  for (const char* optimizer : {"lion", "adagrad"}) {
+    const auto [status, text] = run(std::string("bench adam --params 100000 --steps 2 --json") +
+                                    " --grad-dtype bf16 --out-dtype bf16 --optimizer " + optimizer);
+    ASSERT_EQ(status, 0) << text;
+    const nlohmann::json j = nlohmann::json::parse(text, nullptr, false);
+    ASSERT_FALSE(j.is_discarded()) << "not valid JSON:\n" << text;
+    EXPECT_EQ(j["optimizer"], optimizer);
+    EXPECT_EQ(j["verified_samples"], 4096);
+    EXPECT_EQ(j["bytes_per_param"].get<double>(), 16 + 2 + 2);
+    EXPECT_GT(j["params_per_s"].get<double>(), 0.0);
+    EXPECT_GT(j["bound_s"].get<double>(), 0.0);
+    EXPECT_TRUE(j["separate_passes_s"].is_null()) << text;
+    EXPECT_TRUE(j["fused_vs_separate"].is_null()) << text;
+  }
+}
+
 TEST(BenchAdam, RejectsUnknownDtype) {
   const auto [status, text] = run("bench adam --params 10 --grad-dtype f64 2>&1");
   EXPECT_NE(status, 0) << text;

@@ -409,6 +409,11 @@ TEST(PlanCli, LionAndAdagradNeedTwoThirdsOfAdamsOptimizerState) {
   EXPECT_EQ(lion["memory"]["cpu"]["optimizer"].get<uint64_t>() * 3, a * 2);
   EXPECT_EQ(from_config["memory"]["cpu"]["optimizer"], lion["memory"]["cpu"]["optimizer"]);
   EXPECT_EQ(adagrad["memory"]["cpu"]["optimizer"], lion["memory"]["cpu"]["optimizer"]);
+  // The CPU optimizer's time: the assumed rate is Adam's, and the update is memory-bound, so
+  // Lion's takes its bytes a parameter over Adam's: (4 + 16 + 2) / (4 + 24 + 2) of the update.
+  const double update_share = busy(lion, "cpu.adam") / busy(adam, "cpu.adam");
+  EXPECT_LT(update_share, 0.9) << lion["lanes"];
+  EXPECT_GE(update_share, 22.0 / 30.0 - 1e-3) << lion["lanes"];
   // On NVMe (each shard rounded up to the stripe): two thirds, to that rounding.
   const std::string nvme =
       "plan --model llama2-7b --gpus 1 --gpu-memory 80GB --cpu-memory 200GiB --nvme 1x3.5TB "

@@ -343,6 +343,14 @@ TEST(TuneCli, SearchesEveryChoiceFromASavedProfileAndPrintsTheTable) {
   EXPECT_EQ(j["candidates"][0], j["recommended"]);
   EXPECT_NE(j["train_command"].get<std::string>().find("--persistence-threshold 0"),
             std::string::npos);
+  // Tuned for Lion: its state sized (8 bytes a parameter), and the command trains with it.
+  const json lion =
+      parse(strata_stdout("tune --hardware " + profile.string() +
+                          " --devices host:1 --model tiny --seq-len 32 --global-batch 8 "
+                          "--optimizer lion --out-config " +
+                          config.string() + " --json"));
+  EXPECT_NE(lion["train_command"].get<std::string>().find("--optimizer lion"), std::string::npos)
+      << lion["train_command"];
   // With the default threshold every unit of tiny is replicated on the devices, so offloading
   // the parameters changes nothing: those choices are said to be the same, not ranked.
   const CommandResult same = test::strata(

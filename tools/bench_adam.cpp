@@ -1,4 +1,6 @@
-// bench_adam.cpp: `strata bench adam`, the fused CPU Adam step against the memory bound.
+// bench_adam.cpp: `strata bench adam`, the fused CPU Adam step against the memory bound
+// (`--optimizer lion` or `adagrad`: theirs, whose one moment makes 8 of Adam's 24 bytes of state
+// traffic a parameter go away).
 //
 // Before it reports a speed it verifies: the first step's output (master, m, v and the copy) at
 // a spread sample of indices must equal, bit for bit, the scalar reference path run on the same
@@ -10,7 +12,8 @@
 // full sweeps over memory (what DeepSpeed does), plain loops the compiler vectorises, on a oneTBB
 // arena of the same size over the same fixed chunks. Its master after step 1 must agree with the
 // fused path's within 1e-6 relative, and its copy must equal its master rounded, before the ratio
-// (grad_stats + update) / separate passes is reported.
+// (grad_stats + update) / separate passes is reported. That baseline is Adam's; with another
+// optimizer it is not run.
 #include "bench_check.h"
 #include "commands.h"
 #include "core/dtype.h"
@@ -44,6 +47,7 @@ struct BenchAdamArgs {
   std::string out_dtype = "none";
   int threads = 0;
   std::string simd = "best";
+  std::string optimizer = "adamw";
   int steps = 7;
   bool json = false;
 };
@@ -292,6 +296,9 @@ int run_bench_adam(const BenchAdamArgs& a) {
   if (has_out && ot == DType::f32)
     fail("bench adam: --out-dtype f32 is not a copy the trainer makes; use none, bf16 or f16");
   const size_t gsize = dtype_size(gt), osize = has_out ? dtype_size(ot) : 0;
+  const OptimizerType type = optimizer_flag(a.optimizer);
+  const bool adam_type = type == OptimizerType::adam;
+  const bool keeps_m = optimizer_keeps_m(type), keeps_v = optimizer_keeps_v(type);
 
   std::vector<float> master(n), m(n, 0.0f), v(n, 0.0f);
   std::vector<unsigned char> grad(n * gsize);
@@ -302,11 +309,13 @@ int run_bench_adam(const BenchAdamArgs& a) {
     for (size_t i = 0; i < n; ++i) g[i] = hashed(i, 2) * 1e-2f;
     convert(grad.data(), gt, g.data(), DType::f32, n);
   }
-  const AdamShard shard{master.data(), m.data(), v.data(), n};
+  const AdamShard shard{master.data(), keeps_m ? m.data() : nullptr, keeps_v ? v.data() : nullptr,
+                        n};
   const GradShard gshard{grad.data(), gt, n};
   std::optional<ParamCopy> copy;
   if (has_out) copy = ParamCopy{out.data(), ot};
-  const AdamParams params{.lr = 1e-3f, .weight_decay = 0.01f};
+  const AdamParams params{
+      .type = type, .lr = 1e-3f, .weight_decay = 0.01f, .adamw = type != OptimizerType::adagrad};
 
   CpuAdam adam({.threads = a.threads, .simd = a.simd});
 
@@ -328,8 +337,9 @@ int run_bench_adam(const BenchAdamArgs& a) {
   CpuAdam reference({.threads = 1, .simd = "scalar"});
   std::optional<ParamCopy> sample_copy;
   if (has_out) sample_copy = ParamCopy{so.data(), ot};
-  reference.update({sp.data(), sm.data(), sv.data(), samples}, {sg.data(), gt, samples}, 1, params,
-                   scale, stats, sample_copy);
+  reference.update(
+      {sp.data(), keeps_m ? sm.data() : nullptr, keeps_v ? sv.data() : nullptr, samples},
+      {sg.data(), gt, samples}, 1, params, scale, stats, sample_copy);
   for (size_t j = 0; j < samples; ++j) {
     const size_t i = at[j];
     const bool same = std::memcmp(&sp[j], &master[i], 4) == 0 &&
@@ -342,16 +352,18 @@ int run_bench_adam(const BenchAdamArgs& a) {
           adam.simd_path(), i, master[i], sp[j]);
   }
 
-  // The separate-passes baseline on its own copy of the step-1 inputs; step 1 must agree with
-  // the fused path (master within 1e-6 relative, sum of squares too) and its copy must equal its
-  // master rounded.
-  std::vector<float> bmaster(n), bm(n, 0.0f), bv(n, 0.0f);
-  std::vector<unsigned char> bout(n * osize);
-  for (size_t i = 0; i < n; ++i) bmaster[i] = hashed(i, 1);
-  const AdamShard bshard{bmaster.data(), bm.data(), bv.data(), n};
+  // The separate-passes baseline (Adam's) on its own copy of the step-1 inputs; step 1 must
+  // agree with the fused path (master within 1e-6 relative, sum of squares too) and its copy
+  // must equal its master rounded.
+  const size_t bn = adam_type ? n : 0;
+  std::vector<float> bmaster(bn), bm(bn, 0.0f), bv(bn, 0.0f);
+  std::vector<unsigned char> bout(bn * osize);
+  for (size_t i = 0; i < bn; ++i) bmaster[i] = hashed(i, 1);
+  const AdamShard bshard{bmaster.data(), bm.data(), bv.data(), bn};
   std::optional<ParamCopy> bcopy;
   if (has_out) bcopy = ParamCopy{bout.data(), ot};
-  SeparatePasses separate(adam.threads(), std::string(adam.simd_path()) == "avx512f", n, gshard);
+  SeparatePasses separate(adam.threads(), std::string(adam.simd_path()) == "avx512f", bn,
+                          {grad.data(), gt, bn});
   std::vector<double> t_pass[4];  // norm, unscale, update, cast
   const auto separate_step = [&](int64_t step) {
     auto t0 = std::chrono::steady_clock::now();
@@ -369,7 +381,7 @@ int run_bench_adam(const BenchAdamArgs& a) {
     lap(3);
     return sum_squares;
   };
-  const double bsum = separate_step(1);
+  const double bsum = adam_type ? separate_step(1) : stats.sum_squares;
   for (auto& t : t_pass) t.clear();
   const auto close = [](double x, double y) {
     return std::abs(x - y) <= 1e-6 * std::max(std::abs(x), std::abs(y));
@@ -377,7 +389,7 @@ int run_bench_adam(const BenchAdamArgs& a) {
   if (!close(bsum, stats.sum_squares))
     fail("bench adam: the separate norm pass's sum of squares {} differs from grad_stats' {}", bsum,
          stats.sum_squares);
-  for (size_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < bn; ++i) {
     if (!close(bmaster[i], master[i]))
       fail(
           "bench adam: the separate-passes baseline's master at element {} is {}, the fused "
@@ -394,30 +406,34 @@ int run_bench_adam(const BenchAdamArgs& a) {
   }
 
   // Timed: update steps and bound passes alternate; one untimed bound pass first.
-  adam.memory_bound_pass(shard, gshard, copy);
+  adam.memory_bound_pass(shard, gshard, copy, type);
   std::vector<double> t_update, t_bound, t_stats, t_separate;
   for (int s = 0; s < a.steps; ++s) {
     auto t0 = std::chrono::steady_clock::now();
     adam.update(shard, gshard, s + 2, params, scale, stats, copy);
     t_update.push_back(seconds_since(t0));
     t0 = std::chrono::steady_clock::now();
-    adam.memory_bound_pass(shard, gshard, copy);
+    adam.memory_bound_pass(shard, gshard, copy, type);
     t_bound.push_back(seconds_since(t0));
     t0 = std::chrono::steady_clock::now();
     (void)adam.grad_stats(gshard);
     t_stats.push_back(seconds_since(t0));
+    if (!adam_type) continue;
     t0 = std::chrono::steady_clock::now();
     (void)separate_step(s + 2);
     t_separate.push_back(seconds_since(t0));
   }
   const double update_s = median(t_update), bound_s = median(t_bound), stats_s = median(t_stats);
-  const double separate_s = median(t_separate);
+  const double separate_s = adam_type ? median(t_separate) : NAN;
   const double fused_vs_separate = (stats_s + update_s) / separate_s;
-  const double bytes_per_param = static_cast<double>(gsize + 6 * 4 + osize);
+  // The gradient and the copy once, the master and each moment read and written.
+  const double bytes_per_param =
+      static_cast<double>(gsize + 2 * optimizer_state_bytes(type) + osize);
   const double params_per_s = static_cast<double>(n) / update_s;
   const double bound_params_per_s = static_cast<double>(n) / bound_s;
 
   nlohmann::ordered_json j;
+  j["optimizer"] = adam_type ? "adamw" : std::string(optimizer_type_name(type));
   j["params"] = n;
   j["grad_dtype"] = dtype_name(gt);
   j["out_dtype"] = has_out ? std::string(dtype_name(ot)) : "none";
@@ -437,17 +453,17 @@ int run_bench_adam(const BenchAdamArgs& a) {
   j["bound_fraction"] = bound_s / update_s;
   j["grad_stats_s"] = stats_s;
   j["grad_stats_gb_per_s"] = static_cast<double>(n * gsize) / stats_s / 1e9;
-  j["separate_passes_s"] = separate_s;
-  j["fused_vs_separate"] = fused_vs_separate;
+  j["separate_passes_s"] = adam_type ? nlohmann::ordered_json(separate_s) : nullptr;
+  j["fused_vs_separate"] = adam_type ? nlohmann::ordered_json(fused_vs_separate) : nullptr;
   if (a.json) {
     fmt::print("{}\n", j.dump());
     return 0;
   }
   fmt::print(
-      "adam: {} params, grad {}, copy {}, {} threads, {} path; {} samples of step 1 equal "
+      "{}: {} params, grad {}, copy {}, {} threads, {} path; {} samples of step 1 equal "
       "the scalar reference bit for bit\n",
-      n, j["grad_dtype"].get<std::string>(), j["out_dtype"].get<std::string>(), adam.threads(),
-      adam.simd_path(), samples);
+      j["optimizer"].get<std::string>(), n, j["grad_dtype"].get<std::string>(),
+      j["out_dtype"].get<std::string>(), adam.threads(), adam.simd_path(), samples);
   std::string arenas;
   const std::vector<int> nodes = adam.arena_nodes(), threads = adam.arena_threads();
   for (size_t i = 0; i < nodes.size(); ++i) {
@@ -465,6 +481,10 @@ int run_bench_adam(const BenchAdamArgs& a) {
   fmt::print("  fraction of the bound: {:.3f}\n", bound_s / update_s);
   fmt::print("  grad stats   {:8.2f} ms/pass  {:6.2f} GB/s\n", stats_s * 1e3,
              j["grad_stats_gb_per_s"].get<double>());
+  if (!adam_type) {
+    fmt::print("  separate passes: not run (the unfused baseline is Adam's)\n");
+    return 0;
+  }
   fmt::print(
       "  separate     {:8.2f} ms/step (norm, unscale, update{} as separate passes; step 1 "
       "within 1e-6 of the fused master)\n",
@@ -491,6 +511,8 @@ Command add_bench_adam(CLI::App& bench) {
   app->add_option("--threads", args->threads, "threads in the arena (0: every core)")
       ->check(CLI::NonNegativeNumber);
   app->add_option("--simd", args->simd, "SIMD path: best, avx512f, avx2, sse4.2, scalar");
+  app->add_option("--optimizer", args->optimizer, "the update: adamw (default), lion or adagrad")
+      ->check(CLI::IsMember({"adamw", "adam", "lion", "adagrad"}));
   app->add_option("--steps", args->steps, "timed steps (the median is reported)")
       ->check(CLI::PositiveNumber);
   app->add_flag("--json", args->json, "print one JSON object");

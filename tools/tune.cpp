@@ -60,6 +60,7 @@ struct TuneArgs {
   std::string model;
   int64_t seq_len = kUnsetFlag, global_batch = kUnsetFlag, max_micro_batch = 16;
   std::string dtype;
+  std::string optimizer;
   std::vector<std::string> offload_param, offload_optimizer;
   std::vector<int> prefetch_depths{1, 2, 3};
   std::vector<bool> recompute{true, false};  // --activation-checkpointing choices
@@ -335,6 +336,7 @@ int run_tune(const TuneArgs& a) {
     space.model = *model;
     space.ranks = R;
     space.param_dtype = model_dtype(*ptrs.front(), a.dtype);
+    space.optimizer = optimizer_flag(a.optimizer);
     if (space.param_dtype != DType::f32 && space.param_dtype != DType::bf16 &&
         space.param_dtype != DType::f16)
       fail("--dtype {}: expected f32, bf16 or f16", a.dtype);
@@ -485,6 +487,7 @@ int run_tune(const TuneArgs& a) {
                             quote(a.model), quote(a.out_config), space.seq_len, device_text);
     if (!a.device_memory.empty()) train_cmd += " --device-memory " + a.device_memory;
     if (!a.dtype.empty()) train_cmd += " --dtype " + a.dtype;
+    if (!a.optimizer.empty()) train_cmd += " --optimizer " + a.optimizer;
     if (!a.cpu_memory.empty()) train_cmd += " --cpu-memory " + a.cpu_memory;
     if (a.persistence_threshold >= 0)
       train_cmd += fmt::format(" --persistence-threshold {}", a.persistence_threshold);
@@ -676,6 +679,9 @@ Command add_tune(CLI::App& app) {
   cmd->add_option("--max-micro-batch", a->max_micro_batch, "largest micro-batch to try")
       ->capture_default_str();
   cmd->add_option("--dtype", a->dtype, "parameters: f32, bf16, f16 (default: f32 host, bf16 cuda)");
+  cmd->add_option("--optimizer", a->optimizer,
+                  "adamw (default), lion or adagrad: the optimizer state's bytes, and the command "
+                  "it recommends");
   cmd->add_option("--offload-param", a->offload_param,
                   "parameter homes to try: none, cpu, nvme (default all)")
       ->delimiter(',');

@@ -492,9 +492,12 @@ bool CpuAdam::update(const AdamShard& shard, const GradShard& grad, int64_t step
 }
 
 void CpuAdam::memory_bound_pass(const AdamShard& shard, const GradShard& grad,
-                                std::optional<ParamCopy> copy) {
-  check_shard(shard, grad, copy, OptimizerType::adam);  // Adam's traffic: master, m and v
-  for_spans(shard, grad, copy,
+                                std::optional<ParamCopy> copy, OptimizerType type) {
+  check_shard(shard, grad, copy, type);
+  AdamShard kept = shard;  // the moments the type keeps, and only those
+  if (!optimizer_keeps_m(type)) kept.m = nullptr;
+  if (!optimizer_keeps_v(type)) kept.v = nullptr;
+  for_spans(kept, grad, copy,
             [&](const cpu_adam::UpdateSpan& span) { impl_->kernels->traffic(span); });
 }
 

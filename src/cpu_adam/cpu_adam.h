@@ -176,12 +176,14 @@ class CpuAdam {
   bool update(const AdamShard& shard, const GradShard& grad, int64_t step, const AdamParams& params,
               float grad_scale, const GradStats& global, std::optional<ParamCopy> copy = {});
 
-  // Adam's memory traffic over the shard with trivial arithmetic (reads master, m, v and the
-  // gradient, writes master, m, v and the copy, each x = max(x, g): values stay finite and normal,
-  // so a following update runs at its usual speed, but the state is no longer Adam's): the memory
-  // bound `strata bench adam` measures the update against, on the same arena and chunks.
+  // `type`'s memory traffic over the shard with trivial arithmetic (reads the master, the
+  // moments the type keeps and the gradient, writes the master, those moments and the copy, each
+  // x = max(x, g): values stay finite and normal, so a following update runs at its usual speed,
+  // but the state is no longer the optimizer's): the memory bound `strata bench adam` measures the
+  // update against, on the same arena and chunks.
   void memory_bound_pass(const AdamShard& shard, const GradShard& grad,
-                         std::optional<ParamCopy> copy = {});
+                         std::optional<ParamCopy> copy = {},
+                         OptimizerType type = OptimizerType::adam);
 
   // The names of the SIMD paths this CPU can run, best first ("scalar" is always last).
   static std::vector<std::string> available_paths();

@@ -163,8 +163,8 @@ void traffic(const UpdateSpan& s) {
   for (; i + W <= s.n; i += W) {
     const B g = load_at<A>(s.grad, s.grad_dtype, i);
     const B p = xsimd::max(B::load_unaligned(s.master + i), g);
-    xsimd::max(B::load_unaligned(s.m + i), g).store_unaligned(s.m + i);
-    xsimd::max(B::load_unaligned(s.v + i), g).store_unaligned(s.v + i);
+    if (s.m != nullptr) xsimd::max(B::load_unaligned(s.m + i), g).store_unaligned(s.m + i);
+    if (s.v != nullptr) xsimd::max(B::load_unaligned(s.v + i), g).store_unaligned(s.v + i);
     p.store_unaligned(s.master + i);
     if (s.out != nullptr) store_at<A>(p, s.out, s.out_dtype, i);
   }

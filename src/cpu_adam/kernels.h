@@ -53,9 +53,8 @@ struct SimdKernels {
   const char* name;
   void (*update)(const UpdateSpan& span, const StepConstants& k);
   double (*sum_squares)(const void* grad, DType dtype, size_t n);
-  // Adam's exact memory traffic with trivial arithmetic (p, m, v = max(., g); the copy
-  // of p): the
-  // bound `strata bench adam` compares the update with.
+  // The update's exact memory traffic with trivial arithmetic (p and each moment the span
+  // has = max(., g); the copy of p): the bound `strata bench adam` compares the update with.
   void (*traffic)(const UpdateSpan& span);
   // The conversions the kernels use, exposed so tests can check them exhaustively.
   void (*load)(const void* src, DType src_dtype, size_t n, float* dst);

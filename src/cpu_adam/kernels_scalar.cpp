@@ -36,8 +36,8 @@ void traffic(const UpdateSpan& s) {
   for (size_t i = 0; i < s.n; ++i) {
     const float g = load_f32(s.grad, s.grad_dtype, i);
     s.master[i] = std::max(s.master[i], g);
-    s.m[i] = std::max(s.m[i], g);
-    s.v[i] = std::max(s.v[i], g);
+    if (s.m != nullptr) s.m[i] = std::max(s.m[i], g);
+    if (s.v != nullptr) s.v[i] = std::max(s.v[i], g);
     if (s.out != nullptr) store_f32(s.out, s.out_dtype, i, s.master[i]);
   }
 }

@@ -1295,6 +1295,10 @@ class Builder {
     s.options = opt_;
     s.ranks = R_;
     s.units = U_;
+    const uint64_t copy = ps_ == 4 ? 0 : ps_;  // an fp32 run's master is its parameters
+    s.optimizer_cost =
+        static_cast<double>(gs_ + 2 * os_ + copy) /
+        static_cast<double>(gs_ + 2 * optimizer_state_bytes(OptimizerType::adam) + copy);
     s.working_buffers = W_;
     s.pinned_buffers = B_;
     s.prefetch_depth = d_;

@@ -142,6 +142,11 @@ struct Schedule {
   ScheduleOptions options;
   int ranks = 1;
   int units = 0;
+  // An adam task's work per element relative to Adam's, which a profile's optimizer rates are
+  // measured on: the update is memory-bound (`strata bench adam`), so the ratio of its bytes a
+  // parameter, gradient + state read and written + the copy: 1 for Adam; for Lion and Adagrad
+  // (8 bytes of state, Adam's 12) 22 / 30 with f32 gradients and a 16-bit copy.
+  double optimizer_cost = 1.0;
   int working_buffers = 0;  // the placement's, that `slot` indexes
   int pinned_buffers = 0;   // the placement's, that `buffer` indexes
   int prefetch_depth = 0;   // effective: min(options.prefetch_depth, working_buffers - 1)

@@ -399,7 +399,8 @@ std::string HardwareProfile::to_json() const {
   return j.dump(2) + "\n";
 }
 
-double task_seconds(const Task& task, const Lane& lane, int ranks, const HardwareProfile& profile) {
+double task_seconds(const Task& task, const Lane& lane, int ranks, const HardwareProfile& profile,
+                    double optimizer_cost) {
   const HardwareProfile& p = profile;
   double work = 0, rate = 0, local = 0;
   const char* field = "";
@@ -452,11 +453,11 @@ double task_seconds(const Task& task, const Lane& lane, int ranks, const Hardwar
     case TaskKind::backward:
       use(task.flops, p.gpu_flops, "gpu_flops");
       break;
-    case TaskKind::adam:
+    case TaskKind::adam:  // the rates are Adam's; another optimizer's update costs its bytes
       if (on_gpu)
-        use(elements, p.gpu_adam_elements_per_s, "gpu_adam_elements_per_s");
+        use(elements * optimizer_cost, p.gpu_adam_elements_per_s, "gpu_adam_elements_per_s");
       else
-        use(elements, p.adam_elements_per_s, "adam_elements_per_s");
+        use(elements * optimizer_cost, p.adam_elements_per_s, "adam_elements_per_s");
       break;
     case TaskKind::grad_stats:
       if (on_gpu && p.gpu_stats_elements_per_s > 0)  // 0: the Adam rate bounds it (above)
@@ -492,8 +493,8 @@ Prediction simulate(const Schedule& schedule, const HardwareProfile& profile, in
     if (t.lane < 0 || static_cast<size_t>(t.lane) >= schedule.lanes.size())
       fail("simulate: task {} is on lane {}, but the schedule has {} lanes; validate() it first",
            t.id, t.lane, schedule.lanes.size());
-    duration[i] =
-        task_seconds(t, schedule.lanes[static_cast<size_t>(t.lane)], schedule.ranks, profile);
+    duration[i] = task_seconds(t, schedule.lanes[static_cast<size_t>(t.lane)], schedule.ranks,
+                               profile, schedule.optimizer_cost);
   }
   // Groups are consecutive: the end (one past) of the group starting at each task.
   std::vector<size_t> group_end(n, 0);

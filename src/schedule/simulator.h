@@ -132,7 +132,9 @@ struct Prediction {
 };
 
 // Duration of one task of a schedule over `ranks` ranks under `profile`.
-double task_seconds(const Task& task, const Lane& lane, int ranks, const HardwareProfile& profile);
+// `optimizer_cost`: Schedule::optimizer_cost, which scales an adam task's elements.
+double task_seconds(const Task& task, const Lane& lane, int ranks, const HardwareProfile& profile,
+                    double optimizer_cost = 1.0);
 
 // Throws Error when the profile lacks a rate some task needs (naming the field), or steps < 1.
 // With one step, step_s is that step's length; with more, the last step's end minus the one

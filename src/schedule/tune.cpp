@@ -46,6 +46,7 @@ RunShape shape_for(const TuneSpace& s, int64_t micro, int depth, bool recompute,
   r.ranks = s.ranks;
   r.param_dtype = s.param_dtype;
   r.grad_dtype = s.grad_dtype;
+  r.optimizer = s.optimizer;
   r.micro_batch = micro;
   r.seq_len = s.seq_len;
   r.persistence_threshold = s.persistence_threshold;

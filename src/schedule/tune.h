@@ -30,6 +30,7 @@ struct TuneSpace {
   int ranks = 1;
   DType param_dtype = DType::bf16;
   DType grad_dtype = DType::f32;
+  OptimizerType optimizer = OptimizerType::adam;  // RunShape::optimizer: its state's bytes
   int64_t seq_len = 0;
   // Sequences per optimizer step over all ranks (DeepSpeed's train_batch_size): micro-batches
   // are its divisors and accumulation makes up the rest. 0: not fixed; accumulation is 1 and
