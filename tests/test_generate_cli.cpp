@@ -13,6 +13,7 @@
 #include "train/checkpoint_dir.h"
 #include "train/tokenizer.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
@@ -22,6 +23,7 @@
 #include <fstream>
 #include <functional>
 #include <numeric>
+#include <limits>
 #include <set>
 
 namespace strata {
@@ -114,13 +116,27 @@ class Reference {
   // Greedy decoding among ids below `candidates`, stopping at `eos` or after `max_new` tokens;
   // with a repetition penalty, Hugging Face's: the f32 logit of each id in the sequence so far
   // divided by it where positive, multiplied by it where negative.
+  // `no_repeat` n: an id that would end an n-gram already in the sequence is never taken (the
+  // n-grams collected in a set, the candidate's looked up).
   std::vector<uint32_t> greedy(const std::vector<uint32_t>& prompt, int64_t max_new,
-                               int64_t candidates, uint32_t eos, float penalty = 1.0f) {
+                               int64_t candidates, uint32_t eos, float penalty = 1.0f,
+                               size_t no_repeat = 0) {
     std::vector<uint32_t> seq = prompt, out;
     while (static_cast<int64_t>(out.size()) < max_new) {
       std::vector<float> l = last_logits(seq);
       const std::set<uint32_t> seen(seq.begin(), seq.end());
       for (uint32_t id : seen) l[id] = l[id] > 0 ? l[id] / penalty : l[id] * penalty;
+      if (no_repeat > 0 && seq.size() + 1 >= no_repeat) {
+        std::set<std::vector<uint32_t>> grams;
+        for (size_t s = 0; s + no_repeat <= seq.size(); ++s)
+          grams.emplace(seq.begin() + s, seq.begin() + s + no_repeat);
+        std::vector<uint32_t> next(seq.end() - (no_repeat - 1), seq.end());
+        next.push_back(0);
+        for (uint32_t id = 0; id < static_cast<uint32_t>(candidates); ++id) {
+          next.back() = id;
+          if (grams.count(next)) l[id] = -std::numeric_limits<float>::infinity();
+        }
+      }
       const auto best =
           static_cast<uint32_t>(std::max_element(l.begin(), l.begin() + candidates) - l.begin());
       out.push_back(best);
@@ -385,6 +401,48 @@ TEST_F(GenerateCli, RepetitionPenaltyAndMinP) {
     EXPECT_NE(r.status, 0) << flags;
     EXPECT_NE(r.out.find(part), std::string::npos) << r.out;
   }
+}
+
+// Hugging Face's no_repeat_ngram_size: greedy decoding that repeats itself (this model and prompt
+// loop) never repeats a bigram, or with 1 a byte, of the prompt and what it wrote, each token the
+// most likely of those left (the reference bans them from its own set of the n-grams); from the
+// flag and from generation_config.json alike.
+TEST_F(GenerateCli, NoRepeatNgramSize) {
+  Reference ref(tiny(), model_dir());
+  const std::string prompt = "Once upon a time";
+  const std::string head = model_arg() + " --prompt '" + prompt + "' --max-new-tokens 24 ";
+  const std::vector<uint32_t> plain = ref.greedy(bytes_of(prompt), 24, kByteVocab, kByteEos);
+  std::vector<uint32_t> all = bytes_of(prompt);
+  all.insert(all.end(), plain.begin(), plain.end());
+  std::set<std::pair<uint32_t, uint32_t>> bigrams;
+  bool repeats = false;
+  for (size_t i = 1; i < all.size(); ++i) repeats |= !bigrams.insert({all[i - 1], all[i]}).second;
+  ASSERT_TRUE(repeats) << "greedy decoding repeats no bigram here: the test proves nothing";
+  for (const size_t n : {size_t{1}, size_t{2}, size_t{3}}) {
+    SCOPED_TRACE(n);
+    const std::vector<uint32_t> want =
+        ref.greedy(bytes_of(prompt), 24, kByteVocab, kByteEos, 1.0f, n);
+    EXPECT_NE(want, plain);
+    const json j =
+        generate_json(head + fmt::format("--temperature 0 --no-repeat-ngram-size {}", n));
+    EXPECT_EQ(tokens_of(j), want);
+    EXPECT_EQ(j["no_repeat_ngram_size"], n);
+  }
+  std::ofstream(model_dir() / "generation_config.json")
+      << R"({"do_sample": false, "no_repeat_ngram_size": 2})";
+  EXPECT_EQ(tokens_of(generate_json(head)),
+            ref.greedy(bytes_of(prompt), 24, kByteVocab, kByteEos, 1.0f, 2));
+  std::ofstream(model_dir() / "generation_config.json")
+      << R"({"do_sample": false, "no_repeat_ngram_size": 2.5})";
+  Result r = strata("generate --devices host " + head);
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("no_repeat_ngram_size is 2.5; expected a whole number >= 0"),
+            std::string::npos)
+      << r.out;
+  fs::remove(model_dir() / "generation_config.json");
+  r = strata("generate --devices host " + head + "--no-repeat-ngram-size -1");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--no-repeat-ngram-size -1 must be >= 0"), std::string::npos) << r.out;
 }
 
 // Parameters in host RAM or on NVMe, or ZeRO-3 partitioned over several devices: the executor's

@@ -18,11 +18,13 @@
 // leaves out, do_sample false being greedy), else 0.8, 40 and 1. A repetition penalty p (Hugging
 // Face's repetition_penalty, applied first, greedy or not) divides the f32 logit of every id
 // already in the sequence, prompt included, by p where it is positive and multiplies it by p where
-// it is negative. Temperature 0 then takes the argmax (lowest id on ties). Otherwise candidates are
-// ordered by logit, highest first (lower id first on ties), the first top-k kept with any tied with
-// the k-th (0 keeps all), weighted by exp((logit - max) / temperature) in double; with --top-p
-// below 1, only the first of those whose weights before them sum to less than top_p times their
-// total stay (the nucleus, as Hugging Face's top_p: at least one), then with
+// it is negative. A no-repeat n-gram size n (Hugging Face's no_repeat_ngram_size, greedy or not)
+// then rules out every id that would end an n-gram the sequence already holds, prompt included
+// (n = 1: every id in it). Temperature 0 then takes the argmax (lowest id on ties). Otherwise
+// candidates are ordered by logit, highest first (lower id first on ties), the first top-k kept
+// with any tied with the k-th (0 keeps all), weighted by exp((logit - max) / temperature) in
+// double; with --top-p below 1, only the first of those whose weights before them sum to less than
+// top_p times their total stay (the nucleus, as Hugging Face's top_p: at least one), then with
 // --min-p those whose weight is at least min_p (the weight of the most likely is 1: Hugging Face's
 // min_p, a share of the most likely token's probability), and
 // one xoshiro256** draw (train/data_loader.h, seeded by --seed) u = (next >> 11) * 2^-53 picks
@@ -62,6 +64,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <limits>
 #include <filesystem>
 #include <functional>
 #include <memory>
@@ -86,7 +89,7 @@ struct GenerateArgs {
   int64_t max_new_tokens = 64;
   // Unset: the model's generation_config.json, else strata's defaults.
   std::optional<double> temperature, top_p, repetition_penalty, min_p;
-  std::optional<int64_t> top_k;
+  std::optional<int64_t> top_k, no_repeat_ngram_size;
   uint64_t seed = 1;
   std::string devices;
   std::string device_memory;
@@ -97,14 +100,15 @@ struct GenerateArgs {
 
 // How tokens are drawn: each flag given, else the generation_config.json's settings with
 // Hugging Face's defaults for the keys it leaves out (do_sample false: greedy; temperature 1,
-// top_k 50, top_p 1), else strata's (temperature 0.8, top-k 40, top-p 1). repetition_penalty 1
-// and min_p 0 change nothing.
+// top_k 50, top_p 1), else strata's (temperature 0.8, top-k 40, top-p 1). repetition_penalty 1,
+// min_p 0 and no_repeat_ngram_size 0 change nothing.
 struct Sampling {
   double temperature = 0.8;
   int64_t top_k = 40;
   double top_p = 1.0;
   double repetition_penalty = 1.0;
   double min_p = 0.0;
+  int64_t no_repeat_ngram_size = 0;
   std::string from = "defaults";  // "flags", the generation config's path, or "defaults"
 };
 
@@ -119,6 +123,22 @@ void penalise_repeats(std::vector<float>& logits, const std::vector<int32_t>& se
     if (id < 0 || i >= logits.size() || done[i]) continue;
     done[i] = true;
     logits[i] = logits[i] < 0 ? logits[i] * p : logits[i] / p;
+  }
+}
+
+// Hugging Face's NoRepeatNGramLogitsProcessor: -inf for each id that, after `seen`, would repeat
+// an n-gram of `seen` (its last n - 1 ids followed by the id, where those n - 1 ids occur before
+// followed by the id); nothing while `seen` is shorter than n - 1.
+void ban_repeated_ngrams(std::vector<float>& logits, const std::vector<int32_t>& seen, int64_t n) {
+  const auto len = static_cast<int64_t>(seen.size());
+  if (n <= 0 || len + 1 < n) return;
+  const auto tail = seen.begin() + (len - (n - 1));
+  for (int64_t start = 0; start + n <= len; ++start) {
+    const auto at = seen.begin() + start;
+    if (!std::equal(at, at + (n - 1), tail)) continue;
+    const int32_t id = seen[static_cast<size_t>(start + n - 1)];
+    if (id >= 0 && static_cast<size_t>(id) < logits.size())
+      logits[static_cast<size_t>(id)] = -std::numeric_limits<float>::infinity();
   }
 }
 
@@ -262,14 +282,18 @@ Sampling sampling_for(const GenerateArgs& a, const nlohmann::json& generation,
     // to sampling (greedy takes the most likely token whatever it is).
     s.repetition_penalty = number("repetition_penalty", 1.0);
     s.min_p = number("min_p", 0.0);
+    const double no_repeat = number("no_repeat_ngram_size", 0.0);
+    if (!(no_repeat >= 0 && no_repeat == std::floor(no_repeat) && no_repeat < 1e9))
+      fail("{}: no_repeat_ngram_size is {}; expected a whole number >= 0 (0 turns it off)",
+           generation_file, generation["no_repeat_ngram_size"].dump());
+    s.no_repeat_ngram_size = static_cast<int64_t>(no_repeat);
     s.from = generation_file;
     // What Hugging Face's generate would do that strata's sampling does not.
-    for (const auto& [key, neutral] :
-         {std::pair{"typical_p", 1.0}, {"no_repeat_ngram_size", 0.0}, {"num_beams", 1.0}})
+    for (const auto& [key, neutral] : {std::pair{"typical_p", 1.0}, {"num_beams", 1.0}})
       if (number(key, neutral) != neutral)
         log_warn(
             "generate: {}: {} {} is not applied (strata samples with the repetition penalty, "
-            "temperature, top-k, top-p and min-p alone)",
+            "no-repeat n-grams, temperature, top-k, top-p and min-p alone)",
             generation_file, key, generation[key].dump());
   }
   // Each value is checked under the name it came from: the flag, or the generation config's key.
@@ -282,6 +306,12 @@ Sampling sampling_for(const GenerateArgs& a, const nlohmann::json& generation,
   if (a.repetition_penalty)
     std::tie(s.repetition_penalty, r) = std::pair{*a.repetition_penalty, "--repetition-penalty"};
   if (a.min_p) std::tie(s.min_p, m) = std::pair{*a.min_p, "--min-p"};
+  if (a.no_repeat_ngram_size) {
+    if (*a.no_repeat_ngram_size < 0)
+      fail("--no-repeat-ngram-size {} must be >= 0 (0 turns it off; 3 is a common choice)",
+           *a.no_repeat_ngram_size);
+    s.no_repeat_ngram_size = *a.no_repeat_ngram_size;
+  }
   if (!std::isfinite(s.temperature) || s.temperature < 0)
     fail("{} {} must be a finite number >= 0 (0 is greedy)", t, s.temperature);
   if (s.top_k < 0) fail("{} {} must be >= 0 (0 keeps every token)", k, s.top_k);
@@ -292,7 +322,8 @@ Sampling sampling_for(const GenerateArgs& a, const nlohmann::json& generation,
          s.repetition_penalty);
   if (!(s.min_p >= 0 && s.min_p <= 1))
     fail("{} {} must be in [0, 1] (0 keeps every token; 0.05 is a common choice)", m, s.min_p);
-  const bool flags = a.temperature || a.top_k || a.top_p || a.repetition_penalty || a.min_p;
+  const bool flags = a.temperature || a.top_k || a.top_p || a.repetition_penalty || a.min_p ||
+                     a.no_repeat_ngram_size;
   if (flags) s.from = generation.is_object() ? "flags over " + generation_file : "flags";
   return s;
 }
@@ -462,12 +493,14 @@ int run_generate(const GenerateArgs& a) {
             "generate: logit {} of token id {} at position {} is not finite; the weights of {} "
             "hold non-finite values (or overflow in {})",
             last[static_cast<size_t>(i)], i, len - 1, a.model, dtype_name(dtype));
-    // A penalty works on a copy of the logits; without one they are sampled as they are.
+    // A penalty or a ban works on a copy of the logits; without them they are sampled as they
+    // are.
     std::vector<float> penalised;
-    if (sampling.repetition_penalty != 1.0) {
-      penalised = last;
+    if (sampling.repetition_penalty != 1.0 || sampling.no_repeat_ngram_size > 0) penalised = last;
+    if (sampling.repetition_penalty != 1.0)
       penalise_repeats(penalised, ids, sampling.repetition_penalty);
-    }
+    if (sampling.no_repeat_ngram_size > 0)
+      ban_repeated_ngrams(penalised, ids, sampling.no_repeat_ngram_size);
     const uint32_t next =
         sample_token(penalised.empty() ? last : penalised, candidates, sampling, rng);
     generated.push_back(next);
@@ -511,6 +544,7 @@ int run_generate(const GenerateArgs& a) {
                               {"top_p", sampling.top_p},
                               {"repetition_penalty", sampling.repetition_penalty},
                               {"min_p", sampling.min_p},
+                              {"no_repeat_ngram_size", sampling.no_repeat_ngram_size},
                               {"sampling_from", sampling.from},
                               {"tokens_per_s", static_cast<double>(n_new) / seconds}};
     fmt::print("{}\n", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
@@ -572,6 +606,9 @@ Command add_generate(CLI::App& app) {
                   "sample only among tokens at least this share of the most likely one's "
                   "probability (Hugging Face's min_p); 0 keeps all. Unset: "
                   "generation_config.json's, else 0");
+  cmd->add_option("--no-repeat-ngram-size", a->no_repeat_ngram_size,
+                  "never repeat an n-gram of the text, prompt included (Hugging Face's "
+                  "no_repeat_ngram_size); 0 turns it off. Unset: generation_config.json's, else 0");
   cmd->add_option("--seed", a->seed, "seed of the sampling (and of --init random)")
       ->capture_default_str();
   cmd->add_option("--devices", a->devices,
