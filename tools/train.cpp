@@ -319,16 +319,17 @@ int run_train(TrainArgs& a) {
   bool adamw = opt.decoupled_weight_decay();
   s.adam.type = opt.optimizer_type();
   // Hugging Face's --optim, which its Trainer uses only without a config optimizer section
-  // (DeepSpeed's optimizer wins): its fp32 AdamWs, Adagrad and bitsandbytes' 32-bit Lion are
-  // strata's; the 8-bit and factored states are not.
+  // (DeepSpeed's optimizer wins): its fp32 AdamWs (bitsandbytes' paged 32-bit one too, the same
+  // update), Adagrad and bitsandbytes' 32-bit Lion are strata's; the 8-bit and factored states
+  // are not.
   std::string optimizer = a.optimizer;
   if (!a.optim.empty()) {
     static const std::pair<const char*, const char*> kOptim[] = {
-        {"adamw_torch", "adamw"},     {"adamw_torch_fused", "adamw"},
-        {"adamw_hf", "adamw"},        {"adamw_apex_fused", "adamw"},
-        {"adamw_torch_xla", "adamw"}, {"adamw_torch_npu_fused", "adamw"},
-        {"adagrad", "adagrad"},       {"lion_32bit", "lion"},
-        {"paged_lion_32bit", "lion"}};
+        {"adamw_torch", "adamw"},       {"adamw_torch_fused", "adamw"},
+        {"adamw_hf", "adamw"},          {"adamw_apex_fused", "adamw"},
+        {"adamw_torch_xla", "adamw"},   {"adamw_torch_npu_fused", "adamw"},
+        {"paged_adamw_32bit", "adamw"}, {"adagrad", "adagrad"},
+        {"lion_32bit", "lion"},         {"paged_lion_32bit", "lion"}};
     const char* mapped = nullptr;
     for (const auto& [hf, ours] : kOptim)
       if (a.optim == hf) mapped = ours;
@@ -340,8 +341,8 @@ int run_train(TrainArgs& a) {
     else if (mapped == nullptr)
       fail(
           "--optim {}: strata's optimizers are Hugging Face's adamw_torch (and the other fp32 "
-          "AdamWs), adagrad and lion_32bit; 8-bit, paged-AdamW and factored states (adafactor) "
-          "are not supported; pick one of those, or --optimizer",
+          "AdamWs), adagrad and lion_32bit; 8-bit and factored states (adafactor), SGD and "
+          "RMSprop are not supported; pick one of those, or --optimizer",
           a.optim);
     else if (!optimizer.empty() && optimizer != mapped)
       fail("--optim {} and --optimizer {} disagree; pass one of them", a.optim, optimizer);

@@ -293,18 +293,34 @@ void AtomicFile::put(uint64_t offset, const void* data, uint64_t bytes) {
 
 void AtomicFile::reserve(uint64_t bytes) {
   if (fd_ < 0 || bytes == 0) return;
+  const auto no_room = [&](uint64_t free_bytes) {
+    fail(
+        "writing {}: it needs {} and its filesystem has {} free; free space there or write it "
+        "elsewhere",
+        tmp_.string(), format_bytes(bytes), format_bytes(free_bytes));
+  };
+  // Refused before fallocate where the filesystem says it cannot fit: ext4's fallocate takes
+  // every free block before it gives up, so for that moment every other writer there (another
+  // process, this run's swap store) would find the disk full too.
+  struct statvfs fs {};
+  const bool known = ::fstatvfs(fd_, &fs) == 0 && fs.f_frsize > 0;
+  if (known && bytes > uint64_t{fs.f_bavail} * fs.f_frsize)
+    no_room(uint64_t{fs.f_bavail} * fs.f_frsize);
   int rc;
   do rc = ::fallocate(fd_, FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(bytes));
   while (rc != 0 && errno == EINTR);
   if (rc == 0) return;
   const int err = errno;
   if (err == ENOSPC) {
-    struct statvfs fs {};
-    const uint64_t free_bytes = ::fstatvfs(fd_, &fs) == 0 ? uint64_t{fs.f_bavail} * fs.f_frsize : 0;
-    fail(
-        "writing {}: it needs {} and its filesystem has {} free; free space there or write it "
-        "elsewhere",
-        tmp_.string(), format_bytes(bytes), format_bytes(free_bytes));
+    // Another writer took the room meanwhile: what fallocate did take past the end goes back at
+    // once (the file itself is left as it was).
+    struct stat st {};
+    if (::fstat(fd_, &st) == 0 && static_cast<uint64_t>(st.st_size) < bytes) {
+      const int punched = ::fallocate(fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, st.st_size,
+                                      static_cast<off_t>(bytes) - st.st_size);
+      (void)punched;  // where it cannot, the blocks go back when the file is removed
+    }
+    no_room(::fstatvfs(fd_, &fs) == 0 ? uint64_t{fs.f_bavail} * fs.f_frsize : 0);
   }
   if (err != EOPNOTSUPP && err != ENOSYS)
     fail("writing {}: reserving {} failed: {}; {}", tmp_.string(), format_bytes(bytes),
